@@ -1,0 +1,61 @@
+"""The rollout TensorDict's key names, in one place (DESIGN.md §3).
+
+Every module that reads or writes a rollout goes through :data:`KEYS`; the math in
+:mod:`textrl.functional` never sees a key. Nested keys are tuples, as in TensorDict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+NestedKey = str | tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RolloutKeys:
+    """Key names of the rollout TensorDict (``batch_size=[B]``, time at dim 1)."""
+
+    prompt_tokens: NestedKey = ("tokens", "prompt")
+    """int64 ``[B, P]``: left-padded prompt token ids."""
+    prompt_mask: NestedKey = ("masks", "prompt")
+    """bool ``[B, P]``: True on real prompt tokens."""
+    action: NestedKey = "action"
+    """int64 ``[B, T]``: response tokens, right-padded after the last one."""
+    mask: NestedKey = ("collector", "mask")
+    """bool ``[B, T]``: valid response tokens, EOS included; a prefix of Trues."""
+    action_log_prob: NestedKey = "action_log_prob"
+    """float ``[B, T]``: behaviour-policy log-prob of each action."""
+    ref_log_prob: NestedKey = "ref_log_prob"
+    """float ``[B, T]``: reference-policy log-prob of each action."""
+    state_value: NestedKey = "state_value"
+    """float ``[B, T, 1]``: V(s_t)."""
+    next_state_value: NestedKey = ("next", "state_value")
+    """float ``[B, T, 1]``: V(s_{t+1}); 0 after the last valid token."""
+    reward: NestedKey = ("next", "reward")
+    """float ``[B, T, 1]``: per-token reward the agent optimises (task reward + shaping)."""
+    done: NestedKey = ("next", "done")
+    """bool ``[B, T, 1]``: True exactly once per row, at its last valid token."""
+    terminated: NestedKey = ("next", "terminated")
+    """bool ``[B, T, 1]``: the row ended with EOS at this token."""
+    truncated: NestedKey = ("next", "truncated")
+    """bool ``[B, T, 1]``: the row hit ``max_new_tokens`` at this token without EOS."""
+    advantage: NestedKey = "advantage"
+    """float ``[B, T, 1]``: written by the advantage estimator."""
+    value_target: NestedKey = "value_target"
+    """float ``[B, T, 1]``: return target of the value loss."""
+    reward_components: NestedKey = "reward_components"
+    """sub-TensorDict: ``(reward_components, name)`` float ``[B]``, each reward's raw score."""
+
+    def reward_component(self, name: str) -> tuple[str, str]:
+        """Key of one reward function's raw score ``[B]``."""
+        return (str(self.reward_components), name)
+
+    def all(self) -> dict[str, NestedKey]:
+        """Field name -> key, for iteration and documentation."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+KEYS = RolloutKeys()
+"""The default key set; pass another :class:`RolloutKeys` to rename keys."""
+
+__all__ = ["KEYS", "NestedKey", "RolloutKeys"]
