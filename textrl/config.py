@@ -1,0 +1,365 @@
+"""Dataclass configs with attribute docstrings, YAML loading and command-line overrides.
+
+One flat :class:`TrainConfig` drives ``textrl train`` (CleanRL's ``Args`` habit): every knob of
+every PPO variant in the seeds is a field here, documented where it is declared, validated by
+:meth:`TrainConfig.validate` before any model loads. The command line is built from the fields
+(``--max-new-tokens`` and ``--max_new_tokens`` both work); help text comes from the attribute
+docstrings. Precedence: dataclass defaults < ``--config file.yaml`` < command-line flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import math
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+AGENTS = ("gae_ppo", "one_step_ppo", "grpo", "rloo", "multi_adapter_ppo")
+KL_KINDS = ("k1", "k2", "k3", "abs")
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``textrl train`` needs. Defaults are the embedded CPU demo."""
+
+    # -- run ---------------------------------------------------------------------------------
+    output_dir: str = "runs/textrl"
+    """Where metrics.jsonl, TensorBoard events, plots, samples and checkpoints go."""
+    seed: int = 0
+    """Seed of every random generator (Python, NumPy, torch, prompt sampler)."""
+    device: str = "auto"
+    """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
+    iterations: int = 30
+    """Number of PPO iterations (rollout + update)."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in output_dir."""
+    agent: str = "gae_ppo"
+    """Agent: gae_ppo | one_step_ppo | grpo | rloo | multi_adapter_ppo."""
+
+    # -- models and data -----------------------------------------------------------------------
+    model: str = "tiny"
+    """Policy: a local path or hub id of a causal LM; 'tiny' builds the offline tiny model."""
+    reward_model: str | None = None
+    """Optional sequence-classification reward model (path or hub id), added as 'reward_model'."""
+    reward: str = "think_format,tag_count,accuracy"
+    """Reward spec: NAME[:weight],... from the registry, or file.py:function."""
+    dataset: str = "builtin:digits"
+    """Prompts: 'builtin:NAME', a .jsonl file (MiniMind 'conversations' or {'prompt': ...})."""
+    eval_size: int = 32
+    """Held-out prompts for evaluation."""
+    max_prompt_length: int = 64
+    """Longest prompt in tokens (after the chat template)."""
+    warmup_sft_steps: int = 200
+    """Supervised warm-up steps on the built-in task's format before PPO (0 = none)."""
+    warmup_sft_lr: float = 3e-3
+    """Learning rate of the supervised warm-up."""
+    warmup_sft_batch_size: int = 32
+    """Batch size of the supervised warm-up."""
+
+    # -- generation ----------------------------------------------------------------------------
+    prompts_per_iteration: int = 16
+    """Distinct prompts sampled per iteration."""
+    n_samples_per_prompt: int = 4
+    """Responses sampled per prompt (rollout batch = prompts_per_iteration x this)."""
+    max_new_tokens: int = 24
+    """Length cap of a response; a response that hits it is truncated."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are computed at the same temperature)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    top_p: float = 1.0
+    """Nucleus sampling (1.0 = off)."""
+    generation_batch_size: int = 64
+    """Micro-batch size of generation."""
+    forward_batch_size: int = 64
+    """Micro-batch size of the log-prob / value / reward forwards."""
+
+    # -- PPO -----------------------------------------------------------------------------------
+    ppo_epochs: int = 2
+    """K: passes over the rollout per iteration."""
+    num_minibatches: int = 2
+    """Minibatches per epoch; the rollout batch must divide into them."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches accumulated per minibatch; the minibatch must divide into them."""
+    clip_eps: float | None = None
+    """PPO clip epsilon of the policy ratio (None = the agent's default: 0.2, one_step_ppo 0.1)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 for negative advantages (None = off)."""
+    value_clip_eps: float | None = 0.2
+    """Clip range of the value update around the old value (None = unclipped)."""
+    vf_coef: float = 0.5
+    """Weight of the value loss."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: loss -= entropy_coef * H."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """Normalise advantages to mean 0, std 1 over valid tokens."""
+    loss_aggregation: str = "token_mean"
+    """token_mean | seq_mean | seq_mean_token_sum."""
+    kl_coef: float = 0.05
+    """beta: initial KL coefficient."""
+    kl_kind: str = "k1"
+    """KL estimator: k1 | k2 | k3 | abs."""
+    kl_in: str = "reward"
+    """Where the KL penalty goes: 'reward' (r_t = -beta * KL_t) or 'loss'."""
+    adaptive_kl: bool = False
+    """Adaptive KL coefficient (Ziegler et al. 2019) instead of a fixed one."""
+    kl_target: float = 0.1
+    """Target KL of the adaptive controller (and of the early stop / hinge)."""
+    kl_horizon: int = 10000
+    """Horizon of the adaptive controller, in samples."""
+    kl_hinge: bool = False
+    """Seed 000: penalise max(0, KL - kl_target) instead of KL (loss placement)."""
+    kl_early_stop: str = "none"
+    """Stop an iteration's updates when mean KL exceeds: none | target (1.5x) | beta_target (2x)."""
+    reward_placement: str = "last"
+    """Task score on the last valid token ('last') or spread as r/T ('uniform', seed 000)."""
+    ratio_threshold: float = 10.0
+    """Zero a minibatch's policy loss when its mean ratio exceeds this (MA-RLHF; 0 = off)."""
+    ref_refresh_every: int = 0
+    """Copy the policy into the reference every N iterations (seed 000; 0 = never)."""
+    old_policy_refresh_every: int = 1
+    """one_step_ppo: refresh the old-policy snapshot every N iterations (MiniMind)."""
+    actor_lr: float = 1e-3
+    """Policy learning rate."""
+    critic_lr: float = 3e-3
+    """Critic learning rate."""
+    lr_schedule: str = "constant"
+    """constant | cosine (with warmup)."""
+    lr_warmup_steps: int = 0
+    """Optimiser steps of linear warmup."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 = off)."""
+    critic_init: str = "policy"
+    """Initialise the critic from the 'policy' or the 'reward_model'."""
+
+    # -- logging, evaluation, checkpoints ------------------------------------------------------
+    eval_every: int = 10
+    """Held-out evaluation (greedy and sampled) every N iterations (0 = only before/after)."""
+    checkpoint_every: int = 10
+    """Checkpoint every N iterations (and at the end; 0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept on disk."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def validate(self) -> TrainConfig:
+        """Check every field; raise ``ValueError`` naming the field, its value and what is allowed."""
+        _choice("agent", self.agent, AGENTS)
+        _choice("kl_kind", self.kl_kind, KL_KINDS)
+        _choice("kl_in", self.kl_in, ("reward", "loss"))
+        _choice("kl_early_stop", self.kl_early_stop, ("none", "target", "beta_target"))
+        _choice("reward_placement", self.reward_placement, ("last", "uniform"))
+        _choice("loss_aggregation", self.loss_aggregation, ("token_mean", "seq_mean", "seq_mean_token_sum"))
+        _choice("lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        _choice("critic_init", self.critic_init, ("policy", "reward_model"))
+        for name in ("iterations", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
+                     "generation_batch_size", "forward_batch_size", "ppo_epochs", "num_minibatches",
+                     "gradient_accumulation_steps", "max_prompt_length", "warmup_sft_batch_size",
+                     "kl_horizon", "keep_checkpoints"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("eval_size", "warmup_sft_steps", "eval_every", "checkpoint_every",
+                     "ref_refresh_every", "lr_warmup_steps", "top_k"):
+            _at_least(name, getattr(self, name), 0)
+        _at_least("old_policy_refresh_every", self.old_policy_refresh_every, 1)
+        for name in ("gamma", "lam"):
+            _in_range(name, getattr(self, name), 0.0, 1.0)
+        _in_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        for name in ("temperature", "actor_lr", "critic_lr", "warmup_sft_lr"):
+            _positive(name, getattr(self, name))
+        if self.clip_eps is not None:
+            _positive("clip_eps", self.clip_eps)
+        if self.value_clip_eps is not None:
+            _positive("value_clip_eps", self.value_clip_eps)
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ValueError(f"dual_clip={self.dual_clip!r}: must be > 1 (or None to disable)")
+        for name in ("vf_coef", "entropy_coef", "kl_coef", "kl_target", "ratio_threshold",
+                     "max_grad_norm"):
+            _at_least(name, getattr(self, name), 0.0)
+        if self.agent == "multi_adapter_ppo":
+            raise ValueError(
+                "agent='multi_adapter_ppo' is not available yet in this version; "
+                "use one of gae_ppo, one_step_ppo, grpo, rloo"
+            )
+        if self.agent in ("grpo", "rloo") and self.n_samples_per_prompt < 2:
+            raise ValueError(
+                f"n_samples_per_prompt={self.n_samples_per_prompt}: agent={self.agent!r} compares "
+                "samples within a group, so it needs n_samples_per_prompt >= 2"
+            )
+        rollout = self.rollout_batch_size
+        if rollout % self.num_minibatches:
+            raise ValueError(
+                f"num_minibatches={self.num_minibatches}: the rollout batch of {rollout} rows "
+                f"(prompts_per_iteration={self.prompts_per_iteration} x n_samples_per_prompt="
+                f"{self.n_samples_per_prompt}) does not divide into it; choose a divisor of {rollout}"
+            )
+        minibatch = rollout // self.num_minibatches
+        if minibatch % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}: the minibatch of "
+                f"{minibatch} rows does not divide into it; choose a divisor of {minibatch}"
+            )
+        if self.critic_init == "reward_model" and not self.reward_model:
+            raise ValueError("critic_init='reward_model' needs --reward-model PATH")
+        return self
+
+    @property
+    def rollout_batch_size(self) -> int:
+        """Rows per rollout: prompts_per_iteration x n_samples_per_prompt."""
+        return self.prompts_per_iteration * self.n_samples_per_prompt
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
+
+
+def _at_least(name: str, value: float, low: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value) or value < low:
+        raise ValueError(f"{name}={value!r}: must be a number >= {low}")
+
+
+def _positive(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+        raise ValueError(f"{name}={value!r}: must be > 0")
+
+
+def _in_range(name: str, value: float, low: float, high: float, low_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name}={value!r}: must lie in {bracket}{low}, {high}]")
+
+
+# -- attribute docstrings, YAML and the command line -------------------------------------------------
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass: the string literal right after each annotated field."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(getattr(nxt, "value", None), ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _base_type(tp: Any) -> tuple[type, bool]:
+    """(scalar type, optional) of a field annotation such as ``float | None``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _converter(tp: type, optional: bool):
+    scalar = _parse_bool if tp is bool else tp
+
+    def convert(text: str):
+        if optional and text.lower() in ("none", "null"):
+            return None
+        return scalar(text)
+
+    return convert
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> None:
+    """One ``--field-name`` / ``--field_name`` option per dataclass field, default: not given."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for f in fields(cls):
+        tp, optional = _base_type(hints[f.name])
+        names = [f"--{f.name.replace('_', '-')}"]
+        if "_" in f.name:
+            names.append(f"--{f.name}")
+        help_text = f"{docs.get(f.name, '')} (default: {f.default!r})"
+        if tp is bool:
+            parser.add_argument(
+                *names, dest=f.name, nargs="?", const=True, default=argparse.SUPPRESS,
+                type=_converter(bool, optional), help=help_text, metavar="BOOL",
+            )
+        else:
+            parser.add_argument(
+                *names, dest=f.name, default=argparse.SUPPRESS, type=_converter(tp, optional),
+                help=help_text, metavar=tp.__name__.upper(),
+            )
+
+
+def load_yaml(path: str | Path, cls: type = TrainConfig) -> dict[str, Any]:
+    """Read a YAML mapping of field -> value; unknown keys are an error naming them."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--config {path}: no such file")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    data = {k.replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"--config {path}: unknown option(s) {', '.join(unknown)}; see `textrl train --help`")
+    return data
+
+
+def build_config(namespace: argparse.Namespace, cls: type = TrainConfig) -> Any:
+    """Defaults, then the YAML file of ``namespace.config`` (if any), then explicit flags."""
+    values: dict[str, Any] = {}
+    config_path = getattr(namespace, "config", None)
+    if config_path:
+        values.update(load_yaml(config_path, cls))
+    known = {f.name for f in fields(cls)}
+    values.update({k: v for k, v in vars(namespace).items() if k in known})
+    try:
+        return cls(**values)
+    except TypeError as err:  # pragma: no cover - dataclass signature mismatch
+        raise ValueError(str(err)) from err
+
+
+def save_config(config: Any, path: str | Path) -> None:
+    """Write the resolved config as YAML (loadable again with ``--config``)."""
+    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
+
+
+__all__ = [
+    "AGENTS",
+    "KL_KINDS",
+    "TrainConfig",
+    "add_config_arguments",
+    "build_config",
+    "field",
+    "field_docs",
+    "load_yaml",
+    "save_config",
+]
