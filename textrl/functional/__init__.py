@@ -1,1 +1,64 @@
-"""Package."""
+"""Pure tensor math of RLHF-PPO over ``[B, T]`` tensors: no TensorDict, no nn.Module, no config.
+
+Every function checks its inputs and raises ``ValueError`` naming the argument and the expected
+shape or dtype; masks are bool and masked positions may hold NaN/inf (select, don't multiply).
+"""
+
+from __future__ import annotations
+
+from textrl.functional.advantages import (
+    gae,
+    grpo_advantage,
+    one_step_advantage,
+    rloo_advantage,
+)
+from textrl.functional.kl import (
+    KL_KINDS,
+    kl_abs,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    kl_penalty,
+    kl_shaped_rewards,
+)
+from textrl.functional.logprobs import entropy_from_logits, logprobs_from_logits
+from textrl.functional.masking import (
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    response_mask,
+)
+from textrl.functional.ppo import (
+    LOSS_AGGREGATIONS,
+    aggregate_loss,
+    clipped_policy_loss,
+    clipped_value_loss,
+    explained_variance,
+)
+
+__all__ = [
+    "KL_KINDS",
+    "LOSS_AGGREGATIONS",
+    "aggregate_loss",
+    "clipped_policy_loss",
+    "clipped_value_loss",
+    "entropy_from_logits",
+    "explained_variance",
+    "gae",
+    "grpo_advantage",
+    "kl_abs",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_penalty",
+    "kl_shaped_rewards",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "one_step_advantage",
+    "response_mask",
+    "rloo_advantage",
+]

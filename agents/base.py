@@ -1,0 +1,398 @@
+"""What every PPO-family agent shares: generation, prefill forwards, optimisers, the update loop.
+
+An agent owns its models and optimisers and consumes one rollout TensorDict (DESIGN.md §3):
+
+- :meth:`PPOAgent.act` samples responses for a batch of prompts (``model.generate`` with a KV
+  cache, in micro-batches);
+- :meth:`PPOAgent.evaluate` recomputes log-probs (and values) of given tokens in one prefill
+  forward per micro-batch;
+- :meth:`PPOAgent.process_rollout` writes the behaviour/reference log-probs, values, the shaped
+  per-token reward and the advantages into the rollout (each agent's own estimator);
+- :meth:`PPOAgent.update` runs K epochs of shuffled minibatch updates and returns metrics.
+
+Subclasses implement :meth:`~PPOAgent.estimate` (advantages) and :meth:`~PPOAgent.loss`
+(the minibatch loss); the math itself lives in :mod:`textrl.functional`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import Tensor, nn
+
+from textrl.config import TrainConfig
+from textrl.functional import (
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_mean,
+)
+from textrl.keys import KEYS
+from textrl.kl_control import make_kl_controller
+
+
+def position_ids_for(attention_mask: Tensor) -> Tensor:
+    """Positions that skip left padding: ``cumsum(mask) - 1`` clamped at 0. ``[B, L] -> [B, L]``."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def sequence_inputs(td: TensorDictBase) -> tuple[Tensor, Tensor, int]:
+    """``(input_ids [B, P+T], attention_mask [B, P+T], P)`` of prompt + response."""
+    prompt = td.get(KEYS.prompt_tokens)
+    input_ids = torch.cat([prompt, td.get(KEYS.action)], dim=1)
+    attention_mask = torch.cat([td.get(KEYS.prompt_mask), td.get(KEYS.mask)], dim=1)
+    return input_ids, attention_mask, prompt.shape[1]
+
+
+def warp_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """The sampling distribution's logits: temperature, then top-k, then top-p (as HF generate).
+
+    ``[..., V] -> [..., V]``. Filtered entries become ``-inf``; with top_k=0 and top_p=1 only the
+    temperature is applied (and that is left to :func:`logprobs_from_logits` to avoid a copy).
+    """
+    if top_k <= 0 and top_p >= 1.0:
+        return logits
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        remove_sorted = cum <= (1 - top_p)
+        remove_sorted[..., -1:] = False
+        remove = remove_sorted.scatter(-1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+class PPOAgent(nn.Module):
+    """Base of the PPO-family agents. Subclasses set ``name`` and implement the estimator/loss."""
+
+    name = "ppo"
+    uses_critic = True
+    default_clip_eps = 0.2
+
+    def __init__(
+        self,
+        policy: nn.Module,
+        tokenizer: Any,
+        config: TrainConfig | None = None,
+        *,
+        ref_policy: nn.Module | None = None,
+        critic: nn.Module | None = None,
+        total_updates: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config = (config or TrainConfig()).validate()
+        self.tokenizer = tokenizer
+        self.policy = policy.eval()  # dropout off everywhere: PPO ratios must be exactly 1 at step 0
+        if ref_policy is None:
+            ref_policy = copy.deepcopy(policy)
+        self.ref_policy = ref_policy.eval().requires_grad_(False)
+        if self.uses_critic and critic is None:
+            raise ValueError(f"{type(self).__name__} needs a critic (e.g. ValueModel.from_causal_lm)")
+        self.critic = critic.eval() if critic is not None else None
+        self.clip_eps = config.clip_eps if config.clip_eps is not None else self.default_clip_eps
+        self.kl_ctl = make_kl_controller(config.kl_coef, config.adaptive_kl, config.kl_target, config.kl_horizon)
+        self.eos_token_id = tokenizer.eos_token_id
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.iteration = 0
+        self.actor_optimizer = torch.optim.AdamW(
+            [p for p in self.policy.parameters() if p.requires_grad], lr=config.actor_lr, weight_decay=0.0
+        )
+        self.critic_optimizer = (
+            torch.optim.AdamW(
+                [p for p in self.critic.parameters() if p.requires_grad], lr=config.critic_lr, weight_decay=0.0
+            )
+            if self.critic is not None
+            else None
+        )
+        steps = total_updates or config.iterations * config.ppo_epochs * config.num_minibatches
+        self.schedulers = [self._scheduler(opt, steps) for opt in self.optimizers]
+
+    # -- helpers --------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(self.policy.parameters()).device
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (self.actor_optimizer, self.critic_optimizer) if o is not None]
+
+    def _scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int):
+        warmup = self.config.lr_warmup_steps
+        cosine = self.config.lr_schedule == "cosine"
+
+        def factor(step: int) -> float:
+            if warmup and step < warmup:
+                return (step + 1) / warmup
+            if not cosine:
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cpu", enabled=False)
+
+    def _micro_batches(self, n: int, size: int) -> Iterator[slice]:
+        for start in range(0, n, size):
+            yield slice(start, min(n, start + size))
+
+    # -- 1. acting --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def act(self, input_ids: Tensor, attention_mask: Tensor, *, greedy: bool = False) -> Tensor:
+        """Sample responses ``[B, T]`` (T <= max_new_tokens) for left-padded prompts ``[B, P]``.
+
+        Rows that end early are padded with ``pad_token_id`` after their EOS; generation stops
+        when every row has emitted EOS or after ``max_new_tokens``.
+        """
+        cfg = self.config
+        outs = []
+        for sl in self._micro_batches(input_ids.shape[0], cfg.generation_batch_size):
+            ids = input_ids[sl].to(self.device)
+            mask = attention_mask[sl].to(self.device)
+            kwargs: dict[str, Any] = dict(
+                max_new_tokens=cfg.max_new_tokens,
+                eos_token_id=self.eos_token_id,
+                pad_token_id=self.pad_token_id,
+                use_cache=True,
+            )
+            if greedy:
+                kwargs.update(do_sample=False)
+            else:
+                kwargs.update(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p)
+            with self._autocast():
+                out = self.policy.generate(input_ids=ids, attention_mask=mask.long(), **kwargs)
+            outs.append(out[:, ids.shape[1] :])
+        width = max(o.shape[1] for o in outs)
+        return torch.cat(
+            [nn.functional.pad(o, (0, width - o.shape[1]), value=self.pad_token_id) for o in outs], dim=0
+        )
+
+    # -- 2. evaluating ----------------------------------------------------------------------------
+    def _response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
+        """Logits that predict each response token: ``[B, T, V]``."""
+        with self._autocast():
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask.long(),
+                position_ids=position_ids_for(attention_mask),
+                use_cache=False,
+            )
+        return out.logits[:, prompt_len - 1 : -1]
+
+    def _values(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
+        """V(s_t) for each response position: ``[B, T]`` (state = prompt + tokens before t)."""
+        with self._autocast():
+            values = self.critic(input_ids=input_ids, attention_mask=attention_mask.long())
+        return values[:, prompt_len - 1 : -1].float()
+
+    def logprobs(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
+        """Log-probs of the response tokens under the sampling distribution of ``model``: ``[B, T]``."""
+        cfg = self.config
+        logits = self._response_logits(model, input_ids, attention_mask, prompt_len)
+        logits = warp_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+        temperature = cfg.temperature if logits.dtype != torch.float32 or (cfg.top_k <= 0 and cfg.top_p >= 1.0) else 1.0
+        return logprobs_from_logits(logits, action, temperature=temperature)
+
+    @torch.no_grad()
+    def evaluate(self, td: TensorDictBase) -> TensorDict:
+        """Recompute ``action_log_prob``, ``ref_log_prob`` (and ``state_value``) for a rollout.
+
+        One prefill forward per micro-batch over the finished sequences, never token by token.
+        Returns a TensorDict with those keys (``[B, T]`` log-probs, ``[B, T, 1]`` values).
+        """
+        cfg = self.config
+        input_ids, attention_mask, p = sequence_inputs(td)
+        action = td.get(KEYS.action)
+        out = defaultdict(list)
+        for sl in self._micro_batches(input_ids.shape[0], cfg.forward_batch_size):
+            args = (input_ids[sl], attention_mask[sl], p)
+            out["logp"].append(self.behaviour_logprobs(*args, action[sl]))
+            out["ref"].append(self.logprobs(self.ref_policy, *args, action[sl]))
+            if self.critic is not None:
+                out["value"].append(self._values(*args))
+        result = TensorDict(
+            {KEYS.action_log_prob: torch.cat(out["logp"]), KEYS.ref_log_prob: torch.cat(out["ref"])},
+            batch_size=td.batch_size,
+        )
+        if self.critic is not None:
+            result.set(KEYS.state_value, torch.cat(out["value"]).unsqueeze(-1))
+        return result
+
+    def behaviour_logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
+        """Log-probs the ratio's denominator uses; the policy itself unless a snapshot is kept."""
+        return self.logprobs(self.policy, input_ids, attention_mask, prompt_len, action)
+
+    # -- 3. advantages --------------------------------------------------------------------------
+    @torch.no_grad()
+    def process_rollout(self, td: TensorDictBase) -> TensorDictBase:
+        """Fill log-probs, values, the per-token reward, ``advantage`` and ``value_target``."""
+        td.update(self.evaluate(td))
+        mask = td.get(KEYS.mask)
+        kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind="k1")
+        kl = torch.where(mask, kl, torch.zeros_like(kl))
+        td.set(("kl", "collection"), kl.sum(1))
+        self.estimate(td)
+        return td
+
+    def estimate(self, td: TensorDictBase) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # -- 4. updating ----------------------------------------------------------------------------
+    def loss(self, mb: TensorDictBase, weight: float) -> tuple[Tensor, dict[str, Tensor]]:  # pragma: no cover
+        raise NotImplementedError
+
+    def _forward_policy(self, mb: TensorDictBase) -> tuple[Tensor, Tensor, Tensor]:
+        """Current ``(logp [B,T], entropy [B,T], logits-derived)`` for a minibatch, with grad."""
+        cfg = self.config
+        input_ids, attention_mask, p = sequence_inputs(mb)
+        logits = self._response_logits(self.policy, input_ids, attention_mask, p)
+        warped = warp_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+        temperature = 1.0 if warped is not logits else cfg.temperature
+        logp = logprobs_from_logits(warped, mb.get(KEYS.action), temperature=temperature)
+        if cfg.entropy_coef > 0:
+            entropy = entropy_from_logits(logits, temperature=cfg.temperature)
+        else:
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits.detach(), temperature=cfg.temperature)
+        return logp, entropy, input_ids
+
+    def update(self, td: TensorDictBase) -> dict[str, float]:
+        """K epochs of shuffled minibatch updates with gradient accumulation; returns metrics."""
+        cfg = self.config
+        n = td.shape[0]
+        mb_size = n // cfg.num_minibatches
+        micro = mb_size // cfg.gradient_accumulation_steps
+        mask = td.get(KEYS.mask)
+        stats: dict[str, list[float]] = defaultdict(list)
+        early_stopped = 0.0
+        for epoch in range(cfg.ppo_epochs):
+            order = torch.randperm(n, device=td.device)
+            for start in range(0, n, mb_size):
+                idx = order[start : start + mb_size]
+                mb_tokens = mask[idx].sum().clamp(min=1)
+                for opt in self.optimizers:
+                    opt.zero_grad(set_to_none=True)
+                mb_stats: dict[str, list[Tensor]] = defaultdict(list)
+                for m in range(0, mb_size, micro):
+                    sub = td[idx[m : m + micro]]
+                    weight = self.micro_weight(sub, mask[idx[m : m + micro]], mb_tokens, micro, mb_size)
+                    loss, s = self.loss(sub, weight)
+                    loss.backward()
+                    for k, v in s.items():
+                        mb_stats[k].append(v.detach().float())
+                grad_norm = self._step()
+                for k, v in mb_stats.items():
+                    stats[k].append(torch.stack(v).mean().item())
+                stats["grad_norm/actor"].append(grad_norm)
+                if self._should_stop_early(stats):
+                    early_stopped = 1.0
+                    break
+            if early_stopped:
+                break
+        self.after_update()
+        metrics = {k: float(sum(v) / len(v)) for k, v in stats.items() if v}
+        metrics["ppo/early_stopped"] = early_stopped
+        metrics["ppo/epochs_run"] = float(epoch + 1)
+        metrics["lr/actor"] = self.actor_optimizer.param_groups[0]["lr"]
+        if self.critic_optimizer is not None:
+            metrics["lr/critic"] = self.critic_optimizer.param_groups[0]["lr"]
+        metrics["kl/coef"] = self.kl_ctl.value
+        return metrics
+
+    def micro_weight(self, sub: TensorDictBase, sub_mask: Tensor, mb_tokens: Tensor, micro: int, mb_size: int) -> float:
+        """Share of a micro-batch in its minibatch's loss, so that accumulation equals the full batch.
+
+        token_mean: valid tokens of the micro-batch / valid tokens of the minibatch (exact even with
+        uneven lengths); the sequence-level aggregations: rows / minibatch rows.
+        """
+        if self.config.loss_aggregation == "token_mean":
+            return float(sub_mask.sum() / mb_tokens)
+        return micro / mb_size
+
+    def _step(self) -> float:
+        cfg = self.config
+        norm = torch.tensor(0.0)
+        if cfg.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.requires_grad], cfg.max_grad_norm)
+            if self.critic is not None:
+                torch.nn.utils.clip_grad_norm_([p for p in self.critic.parameters() if p.requires_grad], cfg.max_grad_norm)
+        for opt, sched in zip(self.optimizers, self.schedulers):
+            opt.step()
+            sched.step()
+        return float(norm)
+
+    def _should_stop_early(self, stats: dict[str, list[float]]) -> bool:
+        cfg = self.config
+        if cfg.kl_early_stop == "none" or not stats.get("kl/policy_old"):
+            return False
+        factor = 1.5 if cfg.kl_early_stop == "target" else 2.0
+        return stats["kl/policy_old"][-1] > factor * cfg.kl_target
+
+    def after_update(self) -> None:
+        """End of an iteration's updates: reference refresh (seed 000) and counters."""
+        self.iteration += 1
+        every = self.config.ref_refresh_every
+        if every and self.iteration % every == 0:
+            self.ref_policy.load_state_dict(self.policy.state_dict())
+
+    def kl_in_loss(self, logp: Tensor, mb: TensorDictBase) -> Tensor:
+        """beta * mean KL(policy || ref) over valid tokens (hinged at kl_target when asked)."""
+        cfg = self.config
+        mask = mb.get(KEYS.mask)
+        kl = kl_penalty(logp, mb.get(KEYS.ref_log_prob), kind=cfg.kl_kind)
+        if cfg.kl_hinge:
+            kl = (kl - cfg.kl_target).clamp(min=0)
+        return self.kl_ctl.value * masked_mean(kl, mask)
+
+    def update_kl_controller(self, td: TensorDictBase) -> None:
+        """Feed the adaptive controller the mean sequence KL at collection."""
+        kl = td.get(("kl", "collection")).mean().item()
+        self.kl_ctl.update(kl, td.shape[0])
+
+    # -- resume ---------------------------------------------------------------------------------
+    def agent_state_dict(self) -> dict[str, Any]:
+        """Everything but model weights: optimisers, schedulers, KL controller, counters."""
+        return {
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "schedulers": [s.state_dict() for s in self.schedulers],
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "iteration": self.iteration,
+        }
+
+    def load_agent_state_dict(self, state: dict[str, Any]) -> None:
+        for o, s in zip(self.optimizers, state["optimizers"]):
+            o.load_state_dict(s)
+        for sch, s in zip(self.schedulers, state["schedulers"]):
+            sch.load_state_dict(s)
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.iteration = int(state["iteration"])
+
+    def state_dict(self, *args, **kwargs):  # type: ignore[override]
+        """Module weights (policy, reference, critic, snapshots) plus ``agent_state``."""
+        state = super().state_dict(*args, **kwargs)
+        state["agent_state"] = self.agent_state_dict()
+        return state
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
+        state_dict = dict(state_dict)
+        agent_state = state_dict.pop("agent_state", None)
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if agent_state is not None:
+            self.load_agent_state_dict(agent_state)
+        return result
+
+
+__all__ = ["PPOAgent", "position_ids_for", "sequence_inputs", "warp_logits"]
