@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from textrl.config import TrainConfig, add_config_arguments, build_config, field_docs, save_config
+
+
+def _parse(argv, cls=TrainConfig):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config")
+    add_config_arguments(parser, cls)
+    return build_config(parser.parse_args(argv), cls)
+
+
+def test_defaults_validate():
+    TrainConfig().validate()
+
+
+def test_every_field_has_a_docstring():
+    docs = field_docs(TrainConfig)
+    missing = [f for f in TrainConfig.__dataclass_fields__ if not docs.get(f)]
+    assert missing == []
+
+
+def test_command_line_overrides_yaml_overrides_defaults(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("seed: 3\nkl_coef: 0.2\nmax-new-tokens: 7\n")
+    cfg = _parse(["--config", str(path), "--kl-coef", "0.3", "--dual_clip", "none", "--adaptive-kl"])
+    assert (cfg.seed, cfg.kl_coef, cfg.max_new_tokens, cfg.dual_clip, cfg.adaptive_kl) == (3, 0.3, 7, None, True)
+
+
+def test_saved_config_loads_back(tmp_path):
+    cfg = TrainConfig(seed=5, gamma=0.9)
+    save_config(cfg, tmp_path / "config.yaml")
+    assert _parse(["--config", str(tmp_path / "config.yaml")]) == cfg
+
+
+def test_unknown_yaml_key_is_named(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("kl_coeff: 0.2\n")
+    with pytest.raises(ValueError, match="kl_coeff"):
+        _parse(["--config", str(path)])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"clip_eps": 0.0}, "clip_eps"),
+        ({"clip_eps": -0.1}, "clip_eps"),
+        ({"gamma": 1.5}, "gamma"),
+        ({"lam": -0.1}, "lam"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"kl_kind": "k4"}, "kl_kind"),
+        ({"agent": "dqn"}, "agent"),
+        ({"num_minibatches": 3}, "num_minibatches"),
+        ({"gradient_accumulation_steps": 3}, "gradient_accumulation_steps"),
+        ({"dual_clip": 1.0}, "dual_clip"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"agent": "grpo", "n_samples_per_prompt": 1}, "n_samples_per_prompt"),
+    ],
+)
+def test_invalid_fields_are_named(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**overrides).validate()

@@ -1,0 +1,91 @@
+"""The ``textrl`` command.
+
+Subcommands available in this version:
+
+- ``textrl tiny``: build (or find in the cache) the offline tiny models and print where they are.
+- ``textrl generate``: generate from a causal LM (a local path, a hub id, or ``tiny``) with its
+  chat template, greedy or sampled.
+
+Training (``textrl train``) and the rest of the pipeline arrive with their issues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_tiny(args: argparse.Namespace) -> int:
+    from textrl.models import tiny_model_path
+
+    for kind in ("causal_lm", "reward_model", "gpt2"):
+        path = tiny_model_path(kind, seed=args.seed, cache_dir=args.cache_dir)
+        print(f"{kind}: {path}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from textrl.models import load_causal_lm, load_tokenizer
+
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"textrl generate: --max-new-tokens={args.max_new_tokens}: must be >= 1")
+    if args.temperature <= 0:
+        raise SystemExit(f"textrl generate: --temperature={args.temperature}: must be > 0 (use --greedy)")
+    torch.manual_seed(args.seed)
+    tokenizer = load_tokenizer(args.model)
+    model = load_causal_lm(args.model, device=args.device)
+    prompts = args.prompt or ["What is 2+3?"]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        if tokenizer.chat_template
+        else p
+        for p in prompts
+    ]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    sampling = {"do_sample": False} if args.greedy else {"do_sample": True, "temperature": args.temperature}
+    with torch.no_grad():
+        out = model.generate(
+            **batch,
+            max_new_tokens=args.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **sampling,
+        )
+    completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    for prompt, completion in zip(prompts, completions):
+        print(f"### prompt\n{prompt}\n### completion\n{completion}\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="textrl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("tiny", help="build or locate the offline tiny models")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--cache-dir", default=None, help="default: $TEXTRL_CACHE or ~/.cache/textrl")
+    tiny.set_defaults(func=_cmd_tiny)
+
+    gen = sub.add_parser("generate", help="generate completions from a causal LM")
+    gen.add_argument("--model", default="tiny", help="local path, hub id, or 'tiny' (default)")
+    gen.add_argument("--prompt", action="append", help="a user message (repeatable)")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
