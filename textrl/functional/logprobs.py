@@ -76,16 +76,14 @@ class _TokenLogProb(torch.autograd.Function):
         for s in range(0, logits.shape[1], chunk):
             z = logits[:, s : s + chunk].to(cdt) / temperature  # [B, c, V]
             g = -torch.exp(z - lse[:, s : s + chunk].unsqueeze(-1))  # -softmax, [B, c, V]
-            g.scatter_add_(
-                -1, tokens[:, s : s + chunk].unsqueeze(-1), torch.ones_like(g[..., :1])
-            )
+            g.scatter_add_(-1, tokens[:, s : s + chunk].unsqueeze(-1), torch.ones_like(g[..., :1]))
             g.mul_(grad_out[:, s : s + chunk].to(cdt).unsqueeze(-1) / temperature)
             grad_logits[:, s : s + chunk] = g.to(logits.dtype)
         return grad_logits, None, None, None
 
 
 class _Entropy(torch.autograd.Function):
-    """H = logsumexp(z) - sum(p * z), z = logits / t; dH/dlogits = -p * (log p + H) / t."""
+    """H = logsumexp(z) - sum(p * z) = -sum(p * log p), z = logits / t; dH/dlogits = -p (log p + H) / t."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, temperature: float, chunk: int) -> Tensor:  # type: ignore[override]
@@ -96,10 +94,12 @@ class _Entropy(torch.autograd.Function):
         for s in range(0, t, chunk):
             z = logits[:, s : s + chunk].to(cdt) / temperature  # [B, c, V]
             lse_c = torch.logsumexp(z, dim=-1)  # [B, c]
-            p = torch.exp(z - lse_c.unsqueeze(-1))
-            # p == 0 where z == -inf (banned tokens): 0 * -inf is NaN, the limit is 0.
-            pz = torch.where(p > 0, p * z, torch.zeros((), dtype=cdt, device=z.device))
-            ent[:, s : s + chunk] = lse_c - pz.sum(-1)
+            logp = z - lse_c.unsqueeze(-1)
+            p = torch.exp(logp)
+            # -sum(p * log p) equals lse - sum(p * z) without its cancellation when one token
+            # dominates; p == 0 where z == -inf (banned tokens): 0 * -inf is NaN, the limit 0.
+            plogp = torch.where(p > 0, p * logp, torch.zeros((), dtype=cdt, device=z.device))
+            ent[:, s : s + chunk] = -plogp.sum(-1)
             lse[:, s : s + chunk] = lse_c
         ctx.save_for_backward(logits, lse, ent)
         ctx.temperature = temperature
@@ -164,8 +164,9 @@ def entropy_from_logits(
 
     logits: float ``[B, T, V]`` (any float dtype); temperature > 0.
     Returns float32 ``[B, T]`` (float64 for float64 logits):
-    ``H = logsumexp(z) - sum(softmax(z) * z)`` with ``z = logits / t`` (tokens with
-    ``z = -inf`` contribute 0). Chunked over time like ``logprobs_from_logits``; differentiable
+    ``H = logsumexp(z) - sum(softmax(z) * z)`` with ``z = logits / t``, evaluated as
+    ``-sum(p * (z - logsumexp(z)))`` (same value, no cancellation when one token dominates;
+    tokens with ``z = -inf`` contribute 0). Chunked over time like ``logprobs_from_logits``; differentiable
     w.r.t. ``logits`` (first order).
     Source: verl ``entropy_from_logits``; TRL ``entropy_from_logits``.
     """

@@ -1,0 +1,255 @@
+"""Reward functions by name: ``get_reward``, ``register_reward`` and ``parse_reward_spec``.
+
+``get_reward`` accepts
+
+- a registered name, with settings as keyword arguments: ``get_reward("length_penalty",
+  target_tokens=128)``;
+- a callable, returned as it is (or with the keyword arguments bound);
+- ``"path/to/file.py:function_name"``: that function, loaded from the file;
+- ``"<scheme>:<argument>"`` for a scheme in :data:`REWARD_LOADERS`. The neural reward model
+  will plug in here as ``"reward_model:/path/to/model"``; until it does, that scheme raises.
+
+``parse_reward_spec("think_format:0.5,tag_count,accuracy:2")`` builds a
+:class:`~rewards.composite.CompositeReward` from comma-separated ``name[:weight]`` entries.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import hashlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rewards.base import RewardFn, check_finite_weight, reward_name
+from rewards.composite import CompositeReward
+from rewards.penalties import length_penalty, missing_eos_penalty, repetition_penalty
+from rewards.rules import accuracy_reward, tag_count_reward, think_format_reward
+
+REWARDS: dict[str, Callable[..., RewardFn]] = {}
+"""Registered name -> constructor: ``REWARDS[name](**settings)`` returns a reward function."""
+
+REWARD_LOADERS: dict[str, Callable[..., RewardFn]] = {}
+"""Scheme -> loader: ``get_reward("scheme:arg", **kw)`` returns ``REWARD_LOADERS[scheme](arg, **kw)``."""
+
+_PLANNED_SCHEMES = {
+    "reward_model": "the neural reward model is not part of rewards yet; use rule rewards or a "
+    "reward function in a file (path/to/file.py:function_name) for now",
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _settings(fn: Callable[..., Any]) -> list[str]:
+    """Keyword-only parameters of ``fn``: the settings that may be bound."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def bind(fn: RewardFn, name: str | None = None, **settings: Any) -> RewardFn:
+    """``fn`` with ``settings`` bound as keyword arguments; ``fn`` itself when there are none.
+
+    Only keyword-only parameters may be bound, so a misspelt setting fails here rather than
+    vanishing into ``**kwargs``.
+    """
+    if not settings:
+        return fn
+    label = name or reward_name(fn)
+    known = _settings(fn)
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise ValueError(
+            f"reward {label!r} has no setting {', '.join(map(repr, unknown))}; "
+            f"its settings are {known or 'none'}"
+        )
+    bound = functools.partial(fn, **settings)
+    bound.name = label  # type: ignore[attr-defined]
+    return bound
+
+
+def register_reward(
+    name: str, *, factory: bool = False, overwrite: bool = False
+) -> Callable[[F], F]:
+    """Decorator: make ``get_reward(name)`` (and reward specs) find the decorated object.
+
+    By default it decorates a reward function, whose keyword-only parameters become the
+    settings ``get_reward(name, **settings)`` binds. With ``factory=True`` it decorates a
+    constructor, called as ``obj(**settings)`` to build the reward function.
+
+    >>> import torch
+    >>> @register_reward("shout")
+    ... def shout(prompts, completions, **kwargs):
+    ...     return torch.tensor([float(c.isupper()) for c in completions])
+    >>> get_reward("shout")(["q", "q"], ["HI", "hi"]).tolist()
+    [1.0, 0.0]
+    >>> del REWARDS["shout"]
+    """
+    if not isinstance(name, str) or not name or ":" in name or "," in name:
+        raise ValueError(f"reward name {name!r} must be a non-empty str without ':' or ','")
+
+    def register(obj: F) -> F:
+        if name in REWARDS and not overwrite:
+            raise ValueError(
+                f"a reward named {name!r} is already registered; pick another name or pass "
+                "overwrite=True"
+            )
+        if not callable(obj):
+            raise ValueError(f"register_reward({name!r}) decorates a callable, got {obj!r}")
+        if factory:
+            REWARDS[name] = obj
+        else:
+            if not isinstance(getattr(obj, "name", None), str):
+                obj.name = name  # type: ignore[attr-defined]
+            REWARDS[name] = functools.partial(bind, obj, name)
+        return obj
+
+    return register
+
+
+def load_reward_from_file(path: str, function_name: str) -> RewardFn:
+    """The callable ``function_name`` defined in the Python file ``path``."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(
+            f"reward file {path!r} does not exist (looked at {file.resolve()}); "
+            "write path/to/file.py:function_name"
+        )
+    digest = hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
+    module_name = f"_textrl_user_reward_{file.stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"reward file {path!r} cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        sys.modules.pop(module_name, None)
+        raise ValueError(
+            f"importing reward file {path!r} failed with {type(err).__name__}: {err}"
+        ) from err
+    fn = getattr(module, function_name, None)
+    if not callable(fn):
+        found = sorted(
+            k
+            for k, v in vars(module).items()
+            if callable(v)
+            and not k.startswith("_")
+            and getattr(v, "__module__", None) == module_name
+        )
+        what = "is not callable" if fn is not None else "is not defined"
+        raise ValueError(
+            f"{function_name!r} {what} in reward file {path!r}; callables defined there: {found}"
+        )
+    return fn
+
+
+def get_reward(spec: str | RewardFn, **settings: Any) -> RewardFn:
+    """A reward function from a name, a callable, ``file.py:function`` or ``scheme:argument``.
+
+    >>> get_reward("tag_count")(["q"], ["<think></think>"]).tolist()
+    [0.5]
+    >>> penalty = get_reward("length_penalty", target_tokens=1, penalty_per_token=0.5)
+    >>> penalty(["q"], ["ab"], completion_ids=[[7, 8, 9]]).tolist()
+    [-1.0]
+    """
+    if callable(spec):
+        return bind(spec, None, **settings)
+    if not isinstance(spec, str):
+        raise ValueError(f"get_reward takes a name, a callable or 'file.py:function', got {spec!r}")
+    key = spec.strip()
+    if key in REWARDS:
+        return REWARDS[key](**settings)
+    scheme, sep, argument = key.partition(":")
+    if sep and scheme in REWARD_LOADERS:
+        return REWARD_LOADERS[scheme](argument, **settings)
+    if sep and scheme in _PLANNED_SCHEMES:
+        raise ValueError(f"reward {key!r}: {_PLANNED_SCHEMES[scheme]}")
+    path, sep, function_name = key.rpartition(":")
+    if sep and path.endswith(".py"):
+        return bind(load_reward_from_file(path, function_name), None, **settings)
+    if key.endswith(".py"):
+        raise ValueError(f"reward {key!r} is a file: name the function too, as {key}:function_name")
+    known = sorted(REWARDS)
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
+    hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+    raise ValueError(
+        f"unknown reward {key!r}{hint}. Known rewards: {', '.join(known)}; or pass a callable, "
+        "'path/to/file.py:function_name', or register one with @register_reward(name)"
+    )
+
+
+def _split_weight(token: str) -> tuple[str, float]:
+    head, sep, tail = token.rpartition(":")
+    if not sep:
+        return token, 1.0
+    head, tail = head.strip(), tail.strip()
+    try:
+        weight = float(tail)
+    except ValueError:
+        if head.endswith(".py") or head in REWARD_LOADERS or head in _PLANNED_SCHEMES:
+            return token, 1.0
+        raise ValueError(
+            f"bad weight {tail!r} in reward spec entry {token!r}: write name or name:weight, "
+            "e.g. 'accuracy:2'"
+        ) from None
+    if not head:
+        raise ValueError(f"reward spec entry {token!r} has a weight but no reward name")
+    return head, check_finite_weight(weight, f"reward spec entry {token!r}")
+
+
+def parse_reward_spec(spec: str) -> CompositeReward:
+    """A :class:`CompositeReward` from ``"name[:weight],..."`` (weight defaults to 1.0).
+
+    Each name is anything :func:`get_reward` accepts; ``file.py:function:weight`` works too.
+    Components are keyed by their reward name, which must be unique.
+
+    >>> parse_reward_spec("think_format:0.5, tag_count, accuracy:2")
+    CompositeReward(think_format:0.5, tag_count:1, accuracy:2)
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(
+            f"empty reward spec {spec!r}; e.g. 'think_format:0.5,tag_count,accuracy:2'"
+        )
+    components: dict[str, tuple[RewardFn, float]] = {}
+    for i, raw in enumerate(spec.split(",")):
+        token = raw.strip()
+        if not token:
+            raise ValueError(f"reward spec {spec!r} has an empty entry at position {i}")
+        name, weight = _split_weight(token)
+        fn = get_reward(name)
+        key = reward_name(fn)
+        if key in components:
+            raise ValueError(
+                f"reward spec {spec!r} names the reward {key!r} twice; merge the weights"
+            )
+        components[key] = (fn, weight)
+    return CompositeReward(components)
+
+
+for _fn in (
+    think_format_reward,
+    tag_count_reward,
+    accuracy_reward,
+    length_penalty,
+    repetition_penalty,
+    missing_eos_penalty,
+):
+    register_reward(_fn.name)(_fn)
+
+__all__ = [
+    "REWARDS",
+    "REWARD_LOADERS",
+    "bind",
+    "get_reward",
+    "load_reward_from_file",
+    "parse_reward_spec",
+    "register_reward",
+]
