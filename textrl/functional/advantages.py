@@ -26,7 +26,11 @@ from textrl.functional._validate import (
 def _check_1d(name: str, x: Tensor) -> None:
     check_tensor(name, x)
     if x.dim() != 1:
-        hint = " (a [B, 1] tensor: call .squeeze(-1) first)" if x.dim() == 2 and x.shape[-1] == 1 else ""
+        hint = (
+            " (a [B, 1] tensor: call .squeeze(-1) first)"
+            if x.dim() == 2 and x.shape[-1] == 1
+            else ""
+        )
         raise ValueError(f"{name} must be [B], got shape {list(x.shape)}{hint}")
 
 
@@ -43,6 +47,36 @@ def _check_group_size(scores: Tensor, group_size: int, minimum: int) -> None:
 def _compute_dtype(x: Tensor) -> torch.dtype:
     # bf16/fp16 are upcast to float32; float64 stays float64 (references in tests use it).
     return torch.promote_types(x.dtype, torch.float32)
+
+
+_SCAN_BLOCK = 32
+
+
+def _discounted_reverse_cumsum(x: Tensor, decay: float) -> Tensor:
+    """``y_t = x_t + decay * y_{t+1}`` (``y_T = 0``) along dim 1 of ``x`` ``[B, T]`` -> ``[B, T]``.
+
+    Blocked scan: inside each block of ``C`` steps ``y = x @ W`` with ``W[s, t] = decay^(s - t)``
+    for ``s >= t``, done as a broadcast multiply-sum (exact float math, unaffected by TF32 matmul
+    settings; ``B * T * C`` temporaries); then a reverse loop over the ``T / C`` blocks carries
+    each block's first value back. ``T / C`` Python steps instead of ``T``.
+    """
+    b, t = x.shape
+    c = max(1, min(_SCAN_BLOCK, t))
+    n_blocks = -(-t // c)
+    blocks = torch.nn.functional.pad(x, (0, n_blocks * c - t)).view(b, n_blocks, c)  # (B, N, C)
+    idx = torch.arange(c, device=x.device)
+    lag = idx[:, None] - idx[None, :]  # (C, C): s - t
+    base = torch.full((), decay, dtype=x.dtype, device=x.device)
+    weights = torch.where(lag >= 0, base.pow(lag.clamp(min=0).to(x.dtype)), 0.0)  # (C, C)
+    local = (blocks.unsqueeze(-1) * weights).sum(dim=-2)  # (B, N, C): scan within each block
+    tail = base.pow((c - idx).to(x.dtype))  # (C,): decay^(C - t)
+    carry = torch.empty(b, n_blocks, dtype=x.dtype, device=x.device)  # y at the next block's start
+    running = torch.zeros(b, dtype=x.dtype, device=x.device)
+    decay_c = decay**c
+    for k in range(n_blocks - 1, -1, -1):
+        carry[:, k] = running
+        running = local[:, k, 0] + decay_c * running
+    return (local + carry.unsqueeze(-1) * tail).reshape(b, n_blocks * c)[:, :t]
 
 
 def gae(
@@ -86,16 +120,7 @@ def gae(
     next_v = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1)  # (B, T)
     delta = torch.where(mask, r + gamma * next_v - v, zero)  # (B, T)
 
-    # Reverse scan over time-major contiguous rows: one fused op per step, vectorised over B.
-    delta_tb = delta.t().contiguous()  # (T, B)
-    adv_tb = torch.empty_like(delta_tb)  # (T, B)
-    steps = delta_tb.shape[0]
-    if steps > 0:
-        adv_tb[-1] = delta_tb[-1]
-        decay = gamma * lam
-        for t in range(steps - 2, -1, -1):
-            torch.add(delta_tb[t], adv_tb[t + 1], alpha=decay, out=adv_tb[t])
-    advantages = adv_tb.t().contiguous()  # (B, T); masked delta is 0, so masked A is 0
+    advantages = torch.where(mask, _discounted_reverse_cumsum(delta, gamma * lam), zero)  # (B, T)
     returns = torch.where(mask, advantages + v, zero)  # (B, T)
     return advantages, returns
 

@@ -1,0 +1,224 @@
+"""PPO losses over ``[B, T]`` token tensors (Schulman et al. 2017, arXiv:1707.06347).
+
+Each loss returns ``(loss, stats)``: ``loss`` is a scalar with grad, ``stats`` a dict of detached
+scalar tensors for logging (CleanRL names: ``clip_fraction``, ``approx_kl``, ...).
+Inputs are selected with ``torch.where(mask, x, 0)`` before any math, so NaN/inf in masked
+positions reach neither the loss nor its gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from textrl.functional._validate import (
+    check_2d,
+    check_float,
+    check_mask,
+    check_positive,
+    check_same_shape,
+)
+from textrl.functional.masking import masked_mean, masked_sum, masked_var
+
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum")
+
+
+def _check_aggregation(aggregation: str) -> None:
+    if aggregation not in LOSS_AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r}: must be one of {LOSS_AGGREGATIONS}")
+
+
+def _check_token_inputs(ref_name: str, ref: Tensor, mask: Tensor, **others: Tensor) -> None:
+    check_2d(ref_name, ref)
+    check_float(ref_name, ref)
+    for name, x in others.items():
+        check_same_shape(name, x, ref_name, ref)
+        check_float(name, x)
+    check_mask("mask", mask, ref_name, ref)
+
+
+def _select(x: Tensor, mask: Tensor, dtype: torch.dtype) -> Tensor:
+    # Select before the math: where() after exp() would still backprop NaN from masked slots.
+    return torch.where(mask, x.to(dtype), torch.zeros((), dtype=dtype, device=x.device))
+
+
+def _compute_dtype(*xs: Tensor) -> torch.dtype:
+    dtype = torch.float32
+    for x in xs:
+        dtype = torch.promote_types(dtype, x.dtype)
+    return dtype
+
+
+def aggregate_loss(loss_mat: Tensor, mask: Tensor, aggregation: str = "token_mean") -> Tensor:
+    """Reduce a per-token loss ``[B, T]`` over the bool ``mask`` ``[B, T]`` to a scalar ``[]``.
+
+    - ``"token_mean"``: mean over every valid token of the batch; long responses weigh more
+      (verl ``token-mean``, TRL/OpenRLHF default, DAPO).
+    - ``"seq_mean"``: mean over rows of each row's token-mean; every response weighs the same,
+      so a token of a short response weighs more (the original GRPO, verl ``seq-mean-token-mean``).
+    - ``"seq_mean_token_sum"``: mean over rows of each row's token-sum; no length normalisation,
+      so no length bias in the gradient (Dr.GRPO, Liu et al. 2025; verl ``seq-mean-token-sum``).
+
+    The ``seq_*`` modes average over rows with at least one valid token (an empty row has no
+    tokens to weigh); an all-empty mask gives 0 in every mode.
+    """
+    check_2d("loss_mat", loss_mat)
+    check_float("loss_mat", loss_mat)
+    check_mask("mask", mask, "loss_mat", loss_mat)
+    _check_aggregation(aggregation)
+    if aggregation == "token_mean":
+        return masked_mean(loss_mat, mask)
+    if aggregation == "seq_mean":
+        per_row = masked_mean(loss_mat, mask, dim=1)  # (B,)
+    else:
+        per_row = masked_sum(loss_mat, mask, dim=1)  # (B,)
+    return masked_mean(per_row, mask.any(dim=1))
+
+
+def clipped_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_eps: float = 0.2,
+    dual_clip: float | None = None,
+    aggregation: str = "token_mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), optionally dual-clipped.
+
+    ``ratio = exp(logp - old_logp)``, ``pg_loss1 = -A * ratio``,
+    ``pg_loss2 = -A * clamp(ratio, 1 - clip_eps, 1 + clip_eps)``,
+    ``pg_loss = max(pg_loss1, pg_loss2)``. With ``dual_clip = c > 1`` (Ye et al. 2020,
+    "Mastering Complex Control in MOBA Games with Deep RL"), for ``A < 0``:
+    ``pg_loss = min(pg_loss, -A * c)`` (bounds the loss when the ratio explodes; verl
+    ``compute_policy_loss``).
+
+    Args:
+        logp: float ``[B, T]``, log-prob of each action under the current policy (with grad).
+        old_logp: float ``[B, T]``, behaviour-policy log-prob (``action_log_prob``).
+        advantages: float ``[B, T]``.
+        mask: bool ``[B, T]``, the tokens that count.
+        clip_eps: > 0. dual_clip: ``None`` or > 1. aggregation: one of ``LOSS_AGGREGATIONS``.
+
+    Returns:
+        ``(loss, stats)``; ``loss`` is ``[]``. ``stats`` (detached, over valid tokens):
+        ``clip_fraction`` (share where ``pg_loss2 > pg_loss1``, the clipped term active, as verl),
+        ``approx_kl`` (k3 estimator ``(ratio - 1) - log ratio`` of KL(old || new), >= 0, CleanRL),
+        ``ratio_mean``, ``ratio_max``, ``ratio_min`` (1 for an empty mask), and with dual clip
+        ``dual_clip_fraction`` (share where ``A < 0`` and the dual bound was active).
+    """
+    _check_token_inputs("logp", logp, mask, old_logp=old_logp, advantages=advantages)
+    check_positive("clip_eps", clip_eps)
+    if dual_clip is not None and (
+        isinstance(dual_clip, bool) or not isinstance(dual_clip, (int, float)) or not dual_clip > 1
+    ):
+        raise ValueError(f"dual_clip={dual_clip!r}: must be None or a number > 1")
+    _check_aggregation(aggregation)
+
+    dtype = _compute_dtype(logp, old_logp, advantages)
+    lp = _select(logp, mask, dtype)  # (B, T)
+    old = _select(old_logp, mask, dtype)  # (B, T)
+    adv = _select(advantages, mask, dtype)  # (B, T)
+
+    log_ratio = lp - old  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    pg_loss1 = -adv * ratio
+    pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    pg_loss = torch.maximum(pg_loss1, pg_loss2)  # (B, T)
+    if dual_clip is not None:
+        pg_loss3 = -adv * dual_clip
+        dual_active = (adv < 0) & (pg_loss > pg_loss3)  # (B, T)
+        pg_loss = torch.where(adv < 0, torch.minimum(pg_loss, pg_loss3), pg_loss)
+
+    loss = aggregate_loss(pg_loss, mask, aggregation)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        one = torch.ones((), dtype=dtype, device=r.device)
+        any_valid = mask.any()
+        stats = {
+            "clip_fraction": masked_mean((pg_loss2 > pg_loss1).to(dtype), mask),
+            "approx_kl": masked_mean((r - 1.0) - log_ratio.detach(), mask),
+            "ratio_mean": torch.where(any_valid, masked_mean(r, mask), one),
+            "ratio_max": torch.where(any_valid, torch.where(mask, r, -torch.inf).amax(), one),
+            "ratio_min": torch.where(any_valid, torch.where(mask, r, torch.inf).amin(), one),
+        }
+        if dual_clip is not None:
+            stats["dual_clip_fraction"] = masked_mean(dual_active.to(dtype), mask)
+        stats = {k: v.detach() for k, v in stats.items()}
+    return loss, stats
+
+
+def clipped_value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip_eps: float | None = 0.2,
+    aggregation: str = "token_mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped value loss ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)``.
+
+    Source: CleanRL ``ppo.py`` (``clip_vloss``), OpenAI baselines ppo2, verl
+    ``compute_value_loss``. ``clip_eps=None`` gives the unclipped ``0.5 * (V - R)^2``
+    (``old_values`` is then only shape-checked).
+
+    Args:
+        values: float ``[B, T]``, V(s_t) of the current value head (with grad).
+        old_values: float ``[B, T]``, V at rollout time. returns: float ``[B, T]``, value targets.
+        mask: bool ``[B, T]``. clip_eps: > 0 or ``None``. aggregation: see ``aggregate_loss``.
+
+    Returns:
+        ``(loss, stats)``; ``loss`` is ``[]``. ``stats`` (detached): ``value_clip_fraction``
+        (share of valid tokens where the clipped term was the larger), ``explained_variance``,
+        ``value_mean``, ``return_mean``.
+    """
+    _check_token_inputs("values", values, mask, old_values=old_values, returns=returns)
+    if clip_eps is not None:
+        check_positive("clip_eps", clip_eps)
+    _check_aggregation(aggregation)
+
+    dtype = _compute_dtype(values, old_values, returns)
+    v = _select(values, mask, dtype)  # (B, T)
+    old = _select(old_values, mask, dtype)  # (B, T)
+    ret = _select(returns, mask, dtype)  # (B, T)
+
+    vf_loss1 = (v - ret) ** 2  # (B, T)
+    if clip_eps is None:
+        vf_loss = 0.5 * vf_loss1
+        clipped = torch.zeros_like(mask)
+    else:
+        v_clipped = old + torch.clamp(v - old, -clip_eps, clip_eps)
+        vf_loss2 = (v_clipped - ret) ** 2
+        vf_loss = 0.5 * torch.maximum(vf_loss1, vf_loss2)
+        clipped = vf_loss2 > vf_loss1
+    loss = aggregate_loss(vf_loss, mask, aggregation)
+
+    with torch.no_grad():
+        vd = v.detach()
+        stats = {
+            "value_clip_fraction": masked_mean(clipped.to(dtype), mask),
+            "explained_variance": explained_variance(vd, ret, mask),
+            "value_mean": masked_mean(vd, mask),
+            "return_mean": masked_mean(ret, mask),
+        }
+    return loss, stats
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """``1 - Var[R - V] / Var[R]`` over the valid tokens -> ``[]`` (detached).
+
+    values, returns: float ``[B, T]``; mask: bool ``[B, T]``. 1 is a perfect value head, 0 no
+    better than a constant, negative worse. When ``Var[R] == 0`` (constant returns, or fewer
+    than 2 valid tokens) it is undefined and NaN is returned, as CleanRL and SB3 do: a logged
+    NaN says "undefined" where a 0 would read as "useless value head". Never raises.
+    """
+    _check_token_inputs("values", values, mask, returns=returns)
+    with torch.no_grad():
+        dtype = _compute_dtype(values, returns)
+        v = _select(values.detach(), mask, dtype)
+        ret = _select(returns.detach(), mask, dtype)
+        var_r = masked_var(ret, mask, unbiased=False)
+        var_res = masked_var(ret - v, mask, unbiased=False)
+        nan = torch.full((), torch.nan, dtype=dtype, device=v.device)
+        return torch.where(var_r > 0, 1.0 - var_res / torch.where(var_r > 0, var_r, 1.0), nan)
