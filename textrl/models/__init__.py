@@ -1,1 +1,38 @@
-"""Package."""
+"""Model loading and tiny offline models.
+
+``load_tokenizer`` / ``load_causal_lm`` / ``load_reward_model`` take a local path or a hub id;
+the name ``"tiny"`` resolves to a small seeded Llama (and its 512-token ChatML tokenizer) built
+offline and cached by ``tiny_model_path`` under ``$TEXTRL_CACHE`` (default ``~/.cache/textrl``).
+"""
+
+from __future__ import annotations
+
+from textrl.models.tiny import (
+    CACHE_ENV,
+    CHAT_TEMPLATE,
+    TAG_TOKENS,
+    TINY_NAMES,
+    build_tiny_causal_lm,
+    build_tiny_gpt2,
+    build_tiny_reward_model,
+    build_tiny_tokenizer,
+    load_causal_lm,
+    load_reward_model,
+    load_tokenizer,
+    tiny_model_path,
+)
+
+__all__ = [
+    "CACHE_ENV",
+    "CHAT_TEMPLATE",
+    "TAG_TOKENS",
+    "TINY_NAMES",
+    "build_tiny_causal_lm",
+    "build_tiny_gpt2",
+    "build_tiny_reward_model",
+    "build_tiny_tokenizer",
+    "load_causal_lm",
+    "load_reward_model",
+    "load_tokenizer",
+    "tiny_model_path",
+]
