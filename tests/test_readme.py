@@ -26,3 +26,12 @@ def test_both_commands_install_the_cpu_torch_first():
     assert len(commands) == 2
     for command in commands:
         assert command.index("torch==2.13.0") < command.index("pip install -q -e")
+
+
+def test_readme_python_examples_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("TEXTRL_CACHE", str(tmp_path))
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
