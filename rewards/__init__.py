@@ -1,4 +1,4 @@
-"""Reward functions: rule-based, composite, and a registry by name.
+"""Reward functions: rule-based, neural (a reward model), composite, and a registry by name.
 
 A reward function is ``fn(prompts: list[str], completions: list[str], **kwargs) -> Tensor``
 (float32 ``[B]``); see :mod:`rewards.base` for the batch fields in ``kwargs``.
@@ -12,6 +12,7 @@ A reward function is ``fn(prompts: list[str], completions: list[str], **kwargs) 
 
 from rewards.base import RewardError, RewardFn, call_reward, named, reward_name
 from rewards.composite import CompositeReward
+from rewards.neural import NeuralReward
 from rewards.penalties import length_penalty, missing_eos_penalty, repetition_penalty
 from rewards.registry import (
     REWARD_LOADERS,
@@ -26,6 +27,7 @@ __all__ = [
     "REWARDS",
     "REWARD_LOADERS",
     "CompositeReward",
+    "NeuralReward",
     "RewardError",
     "RewardFn",
     "accuracy_reward",

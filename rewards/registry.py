@@ -6,11 +6,13 @@
   target_tokens=128)``;
 - a callable, returned as it is (or with the keyword arguments bound);
 - ``"path/to/file.py:function_name"``: that function, loaded from the file;
-- ``"<scheme>:<argument>"`` for a scheme in :data:`REWARD_LOADERS`. The neural reward model
-  will plug in here as ``"reward_model:/path/to/model"``; until it does, that scheme raises.
+- ``"<scheme>:<argument>"`` for a scheme in :data:`REWARD_LOADERS`: ``"reward_model:/path"``
+  (a local directory, a hub id, or ``tiny``) loads a :class:`~rewards.neural.NeuralReward`,
+  with ``settings`` as its constructor options (``batch_size``, ``clip``, ``device``, ...).
 
 ``parse_reward_spec("think_format:0.5,tag_count,accuracy:2")`` builds a
-:class:`~rewards.composite.CompositeReward` from comma-separated ``name[:weight]`` entries.
+:class:`~rewards.composite.CompositeReward` from comma-separated ``name[:weight]`` entries;
+``"think_format,reward_model:/path:0.5"`` weights the reward model by 0.5.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, TypeVar
 
 from rewards.base import RewardFn, check_finite_weight, reward_name
 from rewards.composite import CompositeReward
+from rewards.neural import load_neural_reward
 from rewards.penalties import length_penalty, missing_eos_penalty, repetition_penalty
 from rewards.rules import accuracy_reward, tag_count_reward, think_format_reward
 
@@ -36,10 +39,8 @@ REWARDS: dict[str, Callable[..., RewardFn]] = {}
 REWARD_LOADERS: dict[str, Callable[..., RewardFn]] = {}
 """Scheme -> loader: ``get_reward("scheme:arg", **kw)`` returns ``REWARD_LOADERS[scheme](arg, **kw)``."""
 
-_PLANNED_SCHEMES = {
-    "reward_model": "the neural reward model is not part of rewards yet; use rule rewards or a "
-    "reward function in a file (path/to/file.py:function_name) for now",
-}
+REWARD_LOADERS["reward_model"] = load_neural_reward
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -170,8 +171,6 @@ def get_reward(spec: str | RewardFn, **settings: Any) -> RewardFn:
     scheme, sep, argument = key.partition(":")
     if sep and scheme in REWARD_LOADERS:
         return REWARD_LOADERS[scheme](argument, **settings)
-    if sep and scheme in _PLANNED_SCHEMES:
-        raise ValueError(f"reward {key!r}: {_PLANNED_SCHEMES[scheme]}")
     path, sep, function_name = key.rpartition(":")
     if sep and path.endswith(".py"):
         return bind(load_reward_from_file(path, function_name), None, **settings)
@@ -194,7 +193,7 @@ def _split_weight(token: str) -> tuple[str, float]:
     try:
         weight = float(tail)
     except ValueError:
-        if head.endswith(".py") or head in REWARD_LOADERS or head in _PLANNED_SCHEMES:
+        if head.endswith(".py") or head in REWARD_LOADERS:
             return token, 1.0
         raise ValueError(
             f"bad weight {tail!r} in reward spec entry {token!r}: write name or name:weight, "

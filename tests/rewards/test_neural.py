@@ -1,0 +1,276 @@
+from __future__ import annotations
+
+import math
+import string
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import GPT2Config, GPT2ForSequenceClassification, PreTrainedTokenizerFast
+
+from rewards import NeuralReward, call_reward, get_reward, parse_reward_spec, reward_name
+from textrl.models import build_tiny_reward_model, build_tiny_tokenizer, tiny_model_path
+
+PROMPTS = [
+    "What is 2+2?",
+    "Hi",
+    "Write a short poem about the sea. " * 4,
+    "Explain why the sky is blue.",
+    "List the first five prime numbers.",
+    "x",
+    "How many days are there in a week?",
+]
+COMPLETIONS = [
+    "<think>\nI add.\n</think>\n<answer>\n4\n</answer>",
+    "hello",
+    "The sea is wide and blue, the waves come home.",
+    "",
+    "<answer>2, 3, 5, 7, 11</answer> done",
+    "y" * 40,
+    "There are seven days in a week.",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return build_tiny_reward_model(tokenizer, seed=3)
+
+
+@pytest.fixture(scope="module")
+def gpt2(tokenizer):
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=256,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return GPT2ForSequenceClassification(config).eval()
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level policy tokenizer with a vocab unrelated to the tiny BPE."""
+    chars = sorted(set(string.printable))
+    vocab = {"<pad>": 0, "<unk>": 1, "</s>": 2} | {c: i + 3 for i, c in enumerate(chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
+    )
+
+
+def one_by_one(reward: NeuralReward, prompts, completions) -> torch.Tensor:
+    return torch.cat(
+        [reward(prompts[i : i + 1], completions[i : i + 1]) for i in range(len(prompts))]
+    )
+
+
+def test_batch_equals_rows_one_by_one_across_micro_batches(model, tokenizer):
+    reward = NeuralReward(model, tokenizer, batch_size=3, clip=None)
+    batch = reward(PROMPTS, COMPLETIONS)
+    assert batch.dtype == torch.float32 and batch.shape == (len(PROMPTS),)
+    assert batch.device == torch.device("cpu")
+    torch.testing.assert_close(batch, one_by_one(reward, PROMPTS, COMPLETIONS), atol=1e-5, rtol=0)
+    assert len(set(batch.tolist())) == len(PROMPTS)  # rows really differ
+
+
+def test_forward_passes_are_batched(model, tokenizer):
+    sizes = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        NeuralReward(model, tokenizer, batch_size=3)(PROMPTS, COMPLETIONS)
+    finally:
+        hook.remove()
+    assert sizes == [3, 3, 1]
+
+
+def test_absolute_positions_left_padded_row_scores_as_alone(gpt2, tokenizer):
+    reward = NeuralReward(gpt2, tokenizer, batch_size=8, clip=None)
+    batch = reward(PROMPTS, COMPLETIONS)
+    torch.testing.assert_close(batch, one_by_one(reward, PROMPTS, COMPLETIONS), atol=1e-5, rtol=0)
+
+    # Without explicit position_ids, GPT-2 gives a left-padded row other positions: the test bites.
+    ids = reward.encode(PROMPTS[:2], COMPLETIONS[:2])
+    short = min(ids, key=len)
+    width = max(map(len, ids))
+    padded = torch.tensor([[tokenizer.pad_token_id] * (width - len(short)) + short])
+    mask = (torch.arange(width) >= width - len(short)).long()[None]
+    with torch.no_grad():
+        naive = gpt2(input_ids=padded, attention_mask=mask).logits[0, 0]
+        alone = gpt2(input_ids=torch.tensor([short])).logits[0, 0]
+    assert not math.isclose(naive.item(), alone.item(), abs_tol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def loud_model(tokenizer):
+    """The tiny reward model with its score head scaled so raw scores leave [-3, 3]."""
+    loud = build_tiny_reward_model(tokenizer, seed=3)
+    with torch.no_grad():
+        loud.score.weight.mul_(200.0)
+    return loud
+
+
+@pytest.mark.parametrize("clip", [(-3.0, 3.0), (-1.0, 0.5), None])
+@pytest.mark.parametrize("baseline", [0.0, 1.5])
+def test_clip_and_baseline_closed_form(loud_model, tokenizer, clip, baseline):
+    raw = NeuralReward(loud_model, tokenizer, clip=None).score_raw(PROMPTS, COMPLETIONS)
+    assert raw.abs().max() > 3.0  # some rows are clipped
+    got = NeuralReward(loud_model, tokenizer, clip=clip, baseline=baseline)(PROMPTS, COMPLETIONS)
+    expected = raw - baseline
+    if clip is not None:
+        expected = expected.clamp(*clip)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+def test_answer_blend_is_weighted_whole_and_answer_scores(model, tokenizer):
+    plain = NeuralReward(model, tokenizer, batch_size=4)
+    blended = NeuralReward(model, tokenizer, batch_size=4, answer_blend=(0.4, 0.6))
+    whole = plain(PROMPTS, COMPLETIONS)
+    got = blended(PROMPTS, COMPLETIONS)
+    answers = {0: "4", 4: "2, 3, 5, 7, 11"}  # stripped content of the first <answer> block
+    for i in range(len(PROMPTS)):
+        if i in answers:
+            answer = plain([PROMPTS[i]], [answers[i]])[0]
+            expected = 0.4 * whole[i] + 0.6 * answer
+        else:
+            expected = whole[i]
+        assert got[i].item() == pytest.approx(expected.item(), abs=1e-5)
+    assert not torch.allclose(got[[0, 4]], whole[[0, 4]])
+
+
+def test_policy_tokenizer_differs_text_is_authoritative(model, tokenizer):
+    policy = char_tokenizer()
+    assert len(policy) != len(tokenizer)
+    reward = NeuralReward(model, tokenizer, policy_tokenizer=policy, batch_size=4)
+    ids = [policy.encode(c, add_special_tokens=False) for c in COMPLETIONS]
+    decoded = reward.decode_completions(ids)
+    assert decoded == COMPLETIONS
+    direct = reward(PROMPTS, COMPLETIONS)
+    via_ids = reward(PROMPTS, decoded, completion_ids=ids)  # ids are ignored
+    torch.testing.assert_close(via_ids, direct, atol=1e-6, rtol=0)
+
+    width = max(map(len, ids))
+    padded = torch.tensor([row + [policy.pad_token_id] * (width - len(row)) for row in ids])
+    mask = torch.tensor([[j < len(row) for j in range(width)] for row in ids])
+    assert reward.decode_completions(padded, mask) == COMPLETIONS
+
+
+def test_decode_completions_without_policy_tokenizer_says_what_to_pass(model, tokenizer):
+    with pytest.raises(ValueError, match="policy_tokenizer="):
+        NeuralReward(model, tokenizer).decode_completions([[1, 2]])
+
+
+def test_mismatched_vocab_raises_with_both_sizes(model):
+    policy = char_tokenizer()
+    with pytest.raises(ValueError, match=rf"vocab size is 512 .* has {len(policy)} tokens") as err:
+        NeuralReward(model, policy)
+    assert "reward model's own tokenizer" in str(err.value)
+
+
+def test_tokenizer_without_pad_token_raises(model):
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.pad_token = None
+    with pytest.raises(ValueError, match="no pad token.*set one"):
+        NeuralReward(model, tokenizer)
+
+
+def test_non_scalar_head_raises(tokenizer):
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, num_labels=2)
+    with pytest.raises(ValueError, match="num_labels=2"):
+        NeuralReward(GPT2ForSequenceClassification(config), tokenizer)
+
+
+def test_get_reward_and_spec_load_a_saved_reward_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("TEXTRL_CACHE", str(tmp_path))
+    path = tiny_model_path("reward_model", cache_dir=tmp_path)
+    reward = get_reward("reward_model:" + str(path), batch_size=2)
+    assert isinstance(reward, NeuralReward) and reward_name(reward) == "reward_model"
+    scores = call_reward(reward, PROMPTS, COMPLETIONS)
+    assert scores.shape == (len(PROMPTS),)
+
+    composite = parse_reward_spec(f"think_format,reward_model:{path}:0.5")
+    assert composite.weights == {"think_format": 1.0, "reward_model": 0.5}
+    total, raw = composite.components(PROMPTS, COMPLETIONS)
+    torch.testing.assert_close(raw["reward_model"], scores, atol=1e-6, rtol=0)
+    torch.testing.assert_close(total, raw["think_format"] + 0.5 * scores, atol=1e-6, rtol=0)
+
+    tiny = get_reward("reward_model:tiny")
+    torch.testing.assert_close(tiny(PROMPTS, COMPLETIONS), scores, atol=1e-6, rtol=0)
+
+
+def test_missing_reward_model_path_names_it():
+    with pytest.raises(ValueError, match="'/no/such/rm' is neither an existing local path"):
+        get_reward("reward_model:/no/such/rm")
+
+
+def test_empty_reward_model_spec_says_what_to_write():
+    with pytest.raises(ValueError, match="reward_model:/path/to/model"):
+        get_reward("reward_model:")
+
+
+def test_truncation_keeps_the_end_of_the_completion(model, tokenizer):
+    prompt = ("The quick brown fox jumps over the lazy dog. " * 200).rstrip()
+    completion = " There are seven days in a week."
+    short = NeuralReward(model, tokenizer, max_length=24, use_chat_template=False, clip=None)
+    full = NeuralReward(model, tokenizer, max_length=10_000, use_chat_template=False, clip=None)
+    kept = short.encode([prompt], [completion])[0]
+    whole = full.encode([prompt], [completion])[0]
+    assert len(kept) == 24 and kept == whole[-24:]
+    tail = tokenizer.encode(completion, add_special_tokens=False)
+    assert kept[-len(tail) :] == tail
+
+    cut_prompt = tokenizer.decode(kept)[: -len(completion)]  # the prompt with its beginning cut
+    assert full.encode([cut_prompt], [completion])[0] == kept
+    score = short([prompt], [completion])
+    assert torch.isfinite(score).all()
+    torch.testing.assert_close(score, full([cut_prompt], [completion]), atol=1e-5, rtol=0)
+
+
+def test_default_max_length_is_the_model_context(model, tokenizer):
+    reward = NeuralReward(model, tokenizer)
+    assert reward.max_length == 512
+    long_prompt = "Explain why the sky is blue. " * 400
+    assert len(reward.encode([long_prompt], ["ok"])[0]) == 512
+    assert torch.isfinite(reward([long_prompt], ["ok"])).all()
+
+
+def test_train_mode_is_restored_and_does_not_change_scores(tokenizer):
+    model = build_tiny_reward_model(tokenizer, seed=3)
+    reward = NeuralReward(model, tokenizer)
+    before = reward(PROMPTS, COMPLETIONS)
+    model.train()
+    after = reward(PROMPTS, COMPLETIONS)
+    assert model.training
+    torch.testing.assert_close(after, before)
+
+
+def test_empty_batch(model, tokenizer):
+    assert NeuralReward(model, tokenizer)([], []).shape == (0,)
+
+
+def test_score_is_read_at_the_last_token_even_when_it_is_the_pad_id(model, tokenizer):
+    reward = NeuralReward(model, tokenizer, use_chat_template=False, clip=None)
+    prompts, completions = ["What is 2+2?", "Hi"], ["4<|pad|>", "hello there"]
+    ids = reward.encode(prompts, completions)
+    assert ids[0][-1] == tokenizer.pad_token_id
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([ids[0]])).last_hidden_state  # [1, T, C]
+        expected = model.score(hidden)[0, -1, 0]
+    got = reward(prompts, completions)
+    assert got[0].item() == pytest.approx(expected.item(), abs=1e-5)
+    torch.testing.assert_close(got, one_by_one(reward, prompts, completions), atol=1e-5, rtol=0)
