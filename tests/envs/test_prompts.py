@@ -1,0 +1,372 @@
+"""Prompt datasets, the sampler and the built-in digits task."""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+
+from envs.prompts import PromptDataset, PromptSampler, encode_prompts, load_prompts
+from envs.tasks import (
+    DATA_DIR,
+    digits_answer,
+    format_completion,
+    make_digits_task,
+    warmup_examples,
+    write_jsonl,
+)
+from textrl.models import build_tiny_tokenizer
+
+FORMAT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_prompts("builtin:digits")
+
+
+def _write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def _sampler(dataset, tokenizer, **kw):
+    kw.setdefault("prompts_per_batch", 4)
+    return PromptSampler(dataset, tokenizer, **kw)
+
+
+# -- datasets ---------------------------------------------------------------------------------------
+
+
+def test_jsonl_minimind_conversations(tmp_path):
+    path = _write(
+        tmp_path / "rlaif.jsonl",
+        [
+            json.dumps(
+                {
+                    "conversations": [
+                        {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "Hello"},
+                        {"role": "user", "content": "2+2?"},
+                        {"role": "assistant", "content": "4"},
+                    ]
+                }
+            ),
+            "",  # blank lines are skipped
+            json.dumps(
+                {
+                    "conversations": [
+                        {"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": "Name a colour."},
+                    ],
+                    "id": 7,
+                }
+            ),
+        ],
+    )
+    ds = PromptDataset.from_jsonl(path)
+    assert len(ds) == 2
+    assert ds[0]["messages"] == [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    assert ds[0]["reference"] == "4"
+    assert "conversations" not in ds[0]
+    assert "reference" not in ds[1] and ds[1]["id"] == 7
+    assert ds.messages(1)[0] == {"role": "system", "content": "Be brief."}
+
+
+def test_jsonl_plain_prompt_rows_keep_fields(tmp_path):
+    path = _write(
+        tmp_path / "plain.jsonl",
+        [json.dumps({"prompt": "2+2?", "answer": "4"}), json.dumps({"prompt": "x", "k": [1]})],
+    )
+    ds = PromptDataset.from_jsonl(path)
+    assert ds[0] == {"prompt": "2+2?", "answer": "4"}
+    assert ds[1]["k"] == [1]
+    assert ds.messages(0) == [{"role": "user", "content": "2+2?"}]
+
+
+@pytest.mark.parametrize(
+    ("line", "what"),
+    [
+        ("{not json", "not valid JSON"),
+        ('["a list"]', "expected a JSON object"),
+        ('{"text": "no prompt"}', "no prompt"),
+        ('{"prompt": "   "}', "empty prompt"),
+        ('{"prompt": 3}', "'prompt' must be a string"),
+        ('{"conversations": [{"role": "user"}]}', "string 'role' and 'content'"),
+        ('{"conversations": [{"role": "assistant", "content": "a"}]}', "no 'user' turn"),
+        ('{"conversations": []}', "non-empty list"),
+    ],
+)
+def test_jsonl_malformed_row_names_file_and_line(tmp_path, line, what):
+    path = _write(tmp_path / "bad.jsonl", [json.dumps({"prompt": "fine"}), line])
+    with pytest.raises(ValueError, match=re.escape("bad.jsonl:2: ")) as info:
+        PromptDataset.from_jsonl(path)
+    assert what in str(info.value)
+
+
+def test_empty_sources_raise(tmp_path):
+    with pytest.raises(ValueError, match="no rows"):
+        PromptDataset.from_jsonl(_write(tmp_path / "empty.jsonl", ["", "  "]))
+    with pytest.raises(ValueError, match="empty"):
+        PromptDataset.from_list([])
+    with pytest.raises(ValueError, match="does not exist"):
+        PromptDataset.from_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_from_list_and_immutability():
+    ds = PromptDataset.from_list(["a", {"prompt": "b", "answer": "1"}])
+    row = ds[1]
+    row["answer"] = "changed"
+    assert ds[1]["answer"] == "1"
+    with pytest.raises(ValueError, match="row 1: empty prompt"):
+        PromptDataset.from_list(["a", " \n"])
+
+
+def test_from_hf_dataset():
+    datasets = pytest.importorskip("datasets")
+    hf = datasets.Dataset.from_list(
+        [{"question": "2+2?", "answer": "4"}, {"question": "3+3?", "answer": "6"}]
+    )
+    ds = PromptDataset.from_hf_dataset(hf, prompt_field="question")
+    assert [r["prompt"] for r in ds] == ["2+2?", "3+3?"]
+    assert ds[1]["answer"] == "6" and "question" not in ds[1]
+    with pytest.raises(ValueError, match="no column 'prompt'"):
+        PromptDataset.from_hf_dataset(hf)
+    conv = datasets.Dataset.from_list(
+        [
+            {
+                "conversations": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a"},
+                ]
+            }
+        ]
+    )
+    ds = PromptDataset.from_hf_dataset(conv, prompt_field="conversations")
+    assert ds[0]["messages"] == [{"role": "user", "content": "q"}] and ds[0]["reference"] == "a"
+    assert load_prompts(datasets.Dataset.from_list([{"prompt": "p"}]))[0] == {"prompt": "p"}
+
+
+def test_load_prompts_specs(tmp_path, digits):
+    assert len(digits) == 512 and digits[0].keys() == {"prompt", "answer"}
+    path = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "x"})])
+    assert load_prompts(str(path))[0]["prompt"] == "x"
+    assert load_prompts(["y"])[0]["prompt"] == "y"
+    with pytest.raises(ValueError, match="builtin:digits"):
+        load_prompts("builtin:nope")
+
+
+def test_split_disjoint_and_deterministic(digits):
+    train, evals = digits.split(32, seed=0)
+    assert len(evals) == 32 and len(train) == 480
+    train_p = {r["prompt"] for r in train}
+    eval_p = {r["prompt"] for r in evals}
+    assert not train_p & eval_p and len(train_p | eval_p) == 512
+    again_train, again_eval = digits.split(32, seed=0)
+    assert list(again_eval) == list(evals) and list(again_train) == list(train)
+    assert {r["prompt"] for r in digits.split(32, seed=1)[1]} != eval_p
+    for bad in (0, 512, 600):
+        with pytest.raises(ValueError, match="eval_size"):
+            digits.split(bad)
+
+
+# -- sampler ----------------------------------------------------------------------------------------
+
+
+def test_left_padding_and_chat_template(tokenizer):
+    ds = PromptDataset.from_list(["short", "a much longer prompt with many more words in it"])
+    batch = _sampler(ds, tokenizer, prompts_per_batch=2, shuffle=False).next_batch()
+    assert batch.input_ids.dtype == torch.int64 and batch.attention_mask.dtype == torch.bool
+    assert batch.input_ids.shape == batch.attention_mask.shape == (2, batch.input_ids.shape[1])
+    short, long = batch.attention_mask
+    assert long.all() and not short[0] and short[-1]
+    # The mask is a suffix: False* True*, and pads sit exactly where it is False.
+    assert torch.equal(short, short.cummax(0).values)
+    assert (batch.input_ids[0][~short] == tokenizer.pad_token_id).all()
+    assert all(t.startswith("<|im_start|>") for t in batch.prompt_texts)
+    assert batch.prompt_texts[0].endswith("<|im_start|>assistant\n")
+    ids = batch.input_ids[0][short].tolist()
+    assert ids == tokenizer(batch.prompt_texts[0], add_special_tokens=False)["input_ids"]
+
+
+def test_no_template_falls_back_to_raw_prompt(tokenizer):
+    plain = build_tiny_tokenizer()
+    plain.chat_template = None
+    batch = _sampler(["hello there"], plain, prompts_per_batch=1).next_batch()
+    assert batch.prompt_texts == ["hello there"]
+
+
+def test_n_samples_grouping(tokenizer, digits):
+    n = 3
+    batch = _sampler(digits, tokenizer, prompts_per_batch=5, n_samples_per_prompt=n).next_batch()
+    assert batch.input_ids.shape[0] == len(batch.rows) == 15
+    for g in range(5):
+        rows = range(g * n, g * n + n)
+        assert len({batch.prompt_index[i] for i in rows}) == 1
+        assert len({batch.prompt_texts[i] for i in rows}) == 1
+        assert all(torch.equal(batch.input_ids[i], batch.input_ids[g * n]) for i in rows)
+        assert batch.rows[g * n]["answer"] == digits[batch.prompt_index[g * n]]["answer"]
+
+
+def test_seeded_determinism_and_private_rng(tokenizer, digits):
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    first = _sampler(digits, tokenizer, seed=3).next_batch().prompt_index
+    assert torch.equal(torch.random.get_rng_state(), before)
+    s1, s2 = _sampler(digits, tokenizer, seed=3), _sampler(digits, tokenizer, seed=3)
+    seq1 = [s1.next_batch().prompt_index for _ in range(5)]
+    assert seq1 == [s2.next_batch().prompt_index for _ in range(5)]
+    assert seq1[0] == first
+    s3 = _sampler(digits, tokenizer, seed=4)
+    assert seq1 != [s3.next_batch().prompt_index for _ in range(5)]
+
+
+def test_epoch_covers_every_prompt_once(tokenizer):
+    ds = PromptDataset.from_list([f"prompt {i}" for i in range(12)])
+    sampler = _sampler(ds, tokenizer, prompts_per_batch=4, n_samples_per_prompt=2)
+    for epoch in range(2):
+        seen = [i for _ in range(3) for i in sampler.next_batch().prompt_index[::2]]
+        assert sorted(seen) == list(range(12)), epoch
+    # A batch size that does not divide the dataset runs on into the next epoch.
+    odd = _sampler(ds, tokenizer, prompts_per_batch=5, seed=1)
+    stream = [i for _ in range(12) for i in odd.next_batch().prompt_index]  # 60 = 5 epochs
+    for e in range(5):
+        assert sorted(stream[12 * e : 12 * e + 12]) == list(range(12))
+    assert stream[:12] != stream[12:24]  # a new order each epoch
+
+
+def test_shuffle_false_keeps_order(tokenizer):
+    ds = PromptDataset.from_list([f"p{i}" for i in range(5)])
+    sampler = _sampler(ds, tokenizer, prompts_per_batch=3, shuffle=False)
+    stream = [i for _ in range(3) for i in sampler.next_batch().prompt_index]
+    assert stream == [0, 1, 2, 3, 4, 0, 1, 2, 3]
+
+
+def test_resume_from_state_dict(tokenizer, digits):
+    ref = _sampler(digits, tokenizer, prompts_per_batch=100, n_samples_per_prompt=2, seed=7)
+    for _ in range(7):  # past an epoch boundary (512 prompts)
+        ref.next_batch()
+    state = json.loads(json.dumps(ref.state_dict()))  # survives a JSON checkpoint
+    expected = [ref.next_batch() for _ in range(4)]
+    resumed = _sampler(digits, tokenizer, prompts_per_batch=100, n_samples_per_prompt=2, seed=99)
+    resumed.load_state_dict(state)
+    for want in expected:
+        got = resumed.next_batch()
+        assert got.prompt_index == want.prompt_index
+        assert torch.equal(got.input_ids, want.input_ids)
+        assert torch.equal(got.attention_mask, want.attention_mask)
+    other = _sampler(["a", "b"], tokenizer, prompts_per_batch=1)
+    with pytest.raises(ValueError, match="different prompt dataset"):
+        other.load_state_dict(state)
+
+
+def test_truncation_error_and_left(tokenizer):
+    ds = PromptDataset.from_list(["ok", "this prompt is far too long " * 5])
+    with pytest.raises(
+        ValueError, match=r"prompt 1 .* tokens long.*max_prompt_length=30.*truncate"
+    ):
+        _sampler(ds, tokenizer, max_prompt_length=30)
+    with pytest.warns(UserWarning, match="left-truncated"):
+        sampler = _sampler(ds, tokenizer, max_prompt_length=30, truncate="left", shuffle=False)
+    batch = sampler.next_batch()
+    assert batch.input_ids.shape[1] == 30
+    full = tokenizer(batch.prompt_texts[1], add_special_tokens=False)["input_ids"]
+    assert batch.input_ids[1].tolist() == full[-30:]  # the end (generation prompt) is kept
+    with pytest.raises(ValueError, match="truncate must be one of"):
+        _sampler(ds, tokenizer, truncate="right")
+
+
+def test_no_truncation_warning_when_short(tokenizer, digits):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _sampler(digits, tokenizer, max_prompt_length=64)  # the default config's limit
+
+
+def test_empty_prompt_names_index(tokenizer):
+    with pytest.raises(ValueError, match="row 2: empty prompt"):
+        _sampler(["a", "b", "   "], tokenizer)
+
+
+def test_encode_eval_in_order(tokenizer, digits):
+    _, evals = digits.split(10, seed=0)
+    sampler = _sampler(digits, tokenizer)
+    batches = sampler.encode_eval(evals, batch_size=4)
+    assert [len(b) for b in batches] == [4, 4, 2]
+    assert [i for b in batches for i in b.prompt_index] == list(range(10))
+    assert [r["prompt"] for b in batches for r in b.rows] == [r["prompt"] for r in evals]
+    (whole,) = encode_prompts(evals, tokenizer)
+    assert len(whole) == 10
+
+
+def test_tokenizes_each_prompt_once(tokenizer, monkeypatch, digits):
+    calls = []
+    original = type(tokenizer).__call__
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", counting)
+    sampler = _sampler(digits, tokenizer)
+    for _ in range(5):
+        sampler.next_batch()
+    assert len(calls) == 1
+
+
+# -- digits task ------------------------------------------------------------------------------------
+
+
+def test_digits_task_deterministic_and_correct():
+    rows = make_digits_task(200, seed=3)
+    assert rows == make_digits_task(200, seed=3)
+    assert rows != make_digits_task(200, seed=4)
+    assert len({r["prompt"] for r in rows}) == 200
+    for r in rows:
+        assert r["prompt"].startswith("Repeat the last digit: ")
+        assert r["answer"] == digits_answer(r["prompt"]) == r["prompt"][-1]
+        assert 3 <= len(r["prompt"].split()) - 4 <= 6
+    assert Counter(r["answer"] for r in rows) == {str(d): 20 for d in range(10)}
+
+
+def test_shipped_digits_file_regenerates(tmp_path):
+    shipped = DATA_DIR / "digits.jsonl"
+    regenerated = tmp_path / "digits.jsonl"
+    write_jsonl(make_digits_task(512, seed=0), regenerated)
+    assert shipped.read_bytes() == regenerated.read_bytes()
+
+
+def test_digits_prompts_fit_default_length(tokenizer, digits):
+    (batch,) = encode_prompts(digits, tokenizer)
+    assert batch.attention_mask.sum(1).max() <= 64
+
+
+def test_warmup_examples_teach_format_not_answers(tokenizer):
+    rows = make_digits_task(512, seed=0)
+    pairs = warmup_examples(rows, seed=0)
+    assert pairs == warmup_examples(rows, seed=0)
+    assert [p for p, _ in pairs] == [r["prompt"] for r in rows]
+    assert all(FORMAT.match(c) for _, c in pairs)
+    answers = [re.search(r"<answer>\n(.*?)\n</answer>", c).group(1) for _, c in pairs]
+    correct = sum(a == r["answer"] for a, r in zip(answers, rows)) / len(rows)
+    assert correct < 0.2  # chance is 0.1; the correct answer is not taught
+    assert set(answers) == {str(d) for d in range(10)}
+    lengths = [len(tokenizer(c, add_special_tokens=False)["input_ids"]) + 1 for _, c in pairs]
+    assert max(lengths) <= 24  # completion + EOS fits the default max_new_tokens
+
+
+def test_format_completion_matches_rule():
+    assert FORMAT.match(format_completion("step one\nstep two", "7"))
+    assert format_completion("t", "a").endswith("<answer>\na\n</answer>")
