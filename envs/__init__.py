@@ -15,6 +15,7 @@ from envs.fast_path import (
     rollout_from_responses,
     score_completions,
 )
+from envs.policies import KVCachePolicy
 from envs.token_mdp import ENV_ID, TokenMDPEnv, register
 from envs.torchrl_env import TextGenEnv
 
@@ -22,6 +23,7 @@ register()
 
 __all__ = [
     "ENV_ID",
+    "KVCachePolicy",
     "PromptTable",
     "Scores",
     "TextGenEnv",

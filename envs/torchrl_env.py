@@ -30,10 +30,10 @@ The prompt of each reset row is drawn with a private ``torch.Generator`` seeded 
 prompts instead.
 
 A policy reads the observation and writes ``"action"`` ``[B]``. A policy that recomputes the
-model on ``prompt + response`` every step costs O(T^2) per episode; one that keeps a KV cache
-stores it outside the TensorDict (e.g. on the module), feeds only the last action
-(``response_ids[b, response_length[b] - 1]``) each step, and drops it when it sees
-``response_length == 0`` (a reset row). The env never re-tokenises text: it only appends ids.
+model on ``prompt + response`` every step costs O(T^2) per episode; :class:`envs.KVCachePolicy`
+(``envs/policies.py``) keeps the KV cache on the module and feeds one token per row per step,
+re-encoding ``prompt + response`` only when the observation does not continue its cache (e.g.
+after a partial reset). The env never re-tokenises text: it only appends ids.
 """
 
 from __future__ import annotations
