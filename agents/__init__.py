@@ -1,1 +1,26 @@
-"""Package."""
+"""PPO-family agents (DESIGN.md §5) and a registry by name.
+
+>>> sorted(AGENTS)
+['gae_ppo', 'one_step_ppo']
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agents.base import PPOAgent
+from agents.gae_ppo import GAEPPO
+from agents.one_step_ppo import OneStepPPO
+
+AGENTS: dict[str, type[PPOAgent]] = {"gae_ppo": GAEPPO, "one_step_ppo": OneStepPPO}
+"""Agent name (``--agent``) -> class."""
+
+
+def make_agent(name: str, *args: Any, **kwargs: Any) -> PPOAgent:
+    """Build the agent registered as ``name``; arguments go to its constructor."""
+    if name not in AGENTS:
+        raise ValueError(f"unknown agent {name!r}: choose one of {', '.join(sorted(AGENTS))}")
+    return AGENTS[name](*args, **kwargs)
+
+
+__all__ = ["AGENTS", "GAEPPO", "OneStepPPO", "PPOAgent", "make_agent"]

@@ -32,9 +32,14 @@ from textrl.functional import (
     kl_penalty,
     logprobs_from_logits,
     masked_mean,
+    masked_sum,
 )
+from textrl.functional.ppo import explained_variance
 from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
+
+SCORE = "score"
+"""Key of the task score per row ``[B]`` (float), before any KL shaping."""
 
 
 def position_ids_for(attention_mask: Tensor) -> Tensor:
@@ -198,13 +203,18 @@ class PPOAgent(nn.Module):
             values = self.critic(input_ids=input_ids, attention_mask=attention_mask.long())
         return values[:, prompt_len - 1 : -1].float()
 
+    def _logprobs_and_logits(self, logits: Tensor, action: Tensor) -> Tensor:
+        """Log-probs ``[B, T]`` of ``action`` under the sampling distribution (temperature, top-k, top-p)."""
+        cfg = self.config
+        warped = warp_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+        # warp_logits already divided by the temperature when it filtered; otherwise do it here.
+        temperature = cfg.temperature if warped is logits else 1.0
+        return logprobs_from_logits(warped, action, temperature=temperature)
+
     def logprobs(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
         """Log-probs of the response tokens under the sampling distribution of ``model``: ``[B, T]``."""
-        cfg = self.config
         logits = self._response_logits(model, input_ids, attention_mask, prompt_len)
-        logits = warp_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
-        temperature = cfg.temperature if logits.dtype != torch.float32 or (cfg.top_k <= 0 and cfg.top_p >= 1.0) else 1.0
-        return logprobs_from_logits(logits, action, temperature=temperature)
+        return self._logprobs_and_logits(logits, action)
 
     @torch.no_grad()
     def evaluate(self, td: TensorDictBase) -> TensorDict:
@@ -238,47 +248,96 @@ class PPOAgent(nn.Module):
     # -- 3. advantages --------------------------------------------------------------------------
     @torch.no_grad()
     def process_rollout(self, td: TensorDictBase) -> TensorDictBase:
-        """Fill log-probs, values, the per-token reward, ``advantage`` and ``value_target``."""
+        """Fill log-probs, values, the per-token reward, ``advantage`` and ``value_target``; in place.
+
+        The task score per row is kept as ``"score"`` ``[B]``: on the first call it is read from
+        the fast path's ``("next","reward")`` (the sum over time, before any shaping), afterwards
+        the stored ``"score"`` is reused, so calling this twice does not shape the reward twice.
+        The adaptive KL controller is then fed the mean sequence KL of this rollout.
+        """
+        if SCORE not in td.keys():
+            td.set(SCORE, td.get(KEYS.reward).squeeze(-1).sum(1).float())
         td.update(self.evaluate(td))
         mask = td.get(KEYS.mask)
-        kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind="k1")
-        kl = torch.where(mask, kl, torch.zeros_like(kl))
-        td.set(("kl", "collection"), kl.sum(1))
+        if self.critic is not None:
+            values = torch.where(mask, td.get(KEYS.state_value).squeeze(-1), 0.0)  # [B, T]
+            next_mask = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
+            next_values = torch.where(next_mask, values.roll(-1, dims=1), 0.0)  # V(s_t+1), 0 after the end
+            td.set(KEYS.state_value, values.unsqueeze(-1))
+            td.set(KEYS.next_state_value, next_values.unsqueeze(-1))
         self.estimate(td)
+        kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind="k1")
+        self.kl_ctl.update(masked_sum(kl, mask, dim=1).mean().item(), td.shape[0])
         return td
 
     def estimate(self, td: TensorDictBase) -> None:  # pragma: no cover - abstract
+        """Write ``("next","reward")``, ``advantage`` and ``value_target`` (``[B, T, 1]``)."""
         raise NotImplementedError
 
     # -- 4. updating ----------------------------------------------------------------------------
-    def loss(self, mb: TensorDictBase, weight: float) -> tuple[Tensor, dict[str, Tensor]]:  # pragma: no cover
+    def loss(self, mb: TensorDictBase) -> tuple[Tensor, dict[str, Tensor]]:  # pragma: no cover - abstract
+        """``(loss [], detached stats)`` of a (micro-)batch; ``update`` weighs it by ``micro_weight``."""
         raise NotImplementedError
 
-    def _forward_policy(self, mb: TensorDictBase) -> tuple[Tensor, Tensor, Tensor]:
-        """Current ``(logp [B,T], entropy [B,T], logits-derived)`` for a minibatch, with grad."""
+    def _forward_policy(self, mb: TensorDictBase) -> tuple[Tensor, Tensor]:
+        """Current ``(logp [B, T], entropy [B, T])`` of a minibatch's actions, with grad.
+
+        The entropy carries grad only when ``entropy_coef > 0`` (otherwise it is only logged).
+        """
         cfg = self.config
         input_ids, attention_mask, p = sequence_inputs(mb)
-        logits = self._response_logits(self.policy, input_ids, attention_mask, p)
-        warped = warp_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
-        temperature = 1.0 if warped is not logits else cfg.temperature
-        logp = logprobs_from_logits(warped, mb.get(KEYS.action), temperature=temperature)
-        if cfg.entropy_coef > 0:
-            entropy = entropy_from_logits(logits, temperature=cfg.temperature)
-        else:
-            with torch.no_grad():
-                entropy = entropy_from_logits(logits.detach(), temperature=cfg.temperature)
-        return logp, entropy, input_ids
+        logits = self._response_logits(self.policy, input_ids, attention_mask, p)  # [B, T, V]
+        logp = self._logprobs_and_logits(logits, mb.get(KEYS.action))
+        source = logits if cfg.entropy_coef > 0 else logits.detach()
+        entropy = entropy_from_logits(source, temperature=cfg.temperature)
+        return logp, entropy
+
+    def _forward_values(self, mb: TensorDictBase) -> Tensor:
+        """Current ``V(s_t)`` ``[B, T]`` of a minibatch, with grad."""
+        input_ids, attention_mask, p = sequence_inputs(mb)
+        return self._values(input_ids, attention_mask, p)
+
+    @torch.no_grad()
+    def policy_ref_kl(self, td: TensorDictBase) -> float:
+        """Mean per-token KL(policy || ref) (``config.kl_kind``) of the rollout's actions, now."""
+        input_ids, attention_mask, p = sequence_inputs(td)
+        action, mask = td.get(KEYS.action), td.get(KEYS.mask)
+        logp = torch.cat([
+            self.logprobs(self.policy, input_ids[sl], attention_mask[sl], p, action[sl])
+            for sl in self._micro_batches(td.shape[0], self.config.forward_batch_size)
+        ])
+        kl = kl_penalty(logp, td.get(KEYS.ref_log_prob), kind=self.config.kl_kind)
+        return masked_mean(kl, mask).item()
 
     def update(self, td: TensorDictBase) -> dict[str, float]:
-        """K epochs of shuffled minibatch updates with gradient accumulation; returns metrics."""
+        """K epochs of shuffled minibatch updates with gradient accumulation; returns metrics.
+
+        Besides the losses (averaged over minibatches), it reports seed 003's three KL monitors,
+        each the mean per-token KL(policy || ref) of ``config.kl_kind``: ``kl/collection`` (the
+        behaviour log-probs stored in the rollout), ``kl/before_update`` and ``kl/after_update``
+        (the policy re-evaluated before and after this update).
+        """
         cfg = self.config
         n = td.shape[0]
+        if n % cfg.num_minibatches or (n // cfg.num_minibatches) % cfg.gradient_accumulation_steps:
+            raise ValueError(
+                f"a rollout of {n} rows does not divide into num_minibatches={cfg.num_minibatches} x "
+                f"gradient_accumulation_steps={cfg.gradient_accumulation_steps}; change either"
+            )
         mb_size = n // cfg.num_minibatches
         micro = mb_size // cfg.gradient_accumulation_steps
         mask = td.get(KEYS.mask)
+        kl_collection = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind=cfg.kl_kind)
+        metrics: dict[str, float] = {
+            "kl/collection": masked_mean(kl_collection, mask).item(),
+            "kl/before_update": self.policy_ref_kl(td),
+        }
         stats: dict[str, list[float]] = defaultdict(list)
         early_stopped = 0.0
-        for epoch in range(cfg.ppo_epochs):
+        skipped = 0
+        epochs_run = 0
+        for _ in range(cfg.ppo_epochs):
+            epochs_run += 1
             order = torch.randperm(n, device=td.device)
             for start in range(0, n, mb_size):
                 idx = order[start : start + mb_size]
@@ -289,23 +348,34 @@ class PPOAgent(nn.Module):
                 for m in range(0, mb_size, micro):
                     sub = td[idx[m : m + micro]]
                     weight = self.micro_weight(sub, mask[idx[m : m + micro]], mb_tokens, micro, mb_size)
-                    loss, s = self.loss(sub, weight)
-                    loss.backward()
+                    loss, s = self.loss(sub)
+                    (weight * loss).backward()
                     for k, v in s.items():
                         mb_stats[k].append(v.detach().float())
-                grad_norm = self._step()
-                for k, v in mb_stats.items():
-                    stats[k].append(torch.stack(v).mean().item())
-                stats["grad_norm/actor"].append(grad_norm)
+                mb_means = {k: torch.stack(v).mean().item() for k, v in mb_stats.items()}
+                # MA-RLHF: an extreme mean ratio means stale or broken samples; drop the actor step.
+                if cfg.ratio_threshold > 0 and mb_means.get("ratio/mean", 1.0) > cfg.ratio_threshold:
+                    skipped += 1
+                    for param in self.policy.parameters():
+                        param.grad = None
+                grad_norms = self._step()
+                for k, v in {**mb_means, **grad_norms}.items():
+                    stats[k].append(v)
                 if self._should_stop_early(stats):
                     early_stopped = 1.0
                     break
             if early_stopped:
                 break
+        metrics["kl/after_update"] = self.policy_ref_kl(td)
+        if KEYS.value_target in td.keys(include_nested=True) and self.critic is not None:
+            metrics["explained_variance"] = explained_variance(
+                td.get(KEYS.state_value).squeeze(-1), td.get(KEYS.value_target).squeeze(-1), mask
+            ).item()
         self.after_update()
-        metrics = {k: float(sum(v) / len(v)) for k, v in stats.items() if v}
+        metrics.update({k: float(sum(v) / len(v)) for k, v in stats.items() if v})
+        metrics["ppo/ratio_threshold_skips"] = float(skipped)
         metrics["ppo/early_stopped"] = early_stopped
-        metrics["ppo/epochs_run"] = float(epoch + 1)
+        metrics["ppo/epochs_run"] = float(epochs_run)
         metrics["lr/actor"] = self.actor_optimizer.param_groups[0]["lr"]
         if self.critic_optimizer is not None:
             metrics["lr/critic"] = self.critic_optimizer.param_groups[0]["lr"]
@@ -322,19 +392,24 @@ class PPOAgent(nn.Module):
             return float(sub_mask.sum() / mb_tokens)
         return micro / mb_size
 
-    def _step(self) -> float:
+    def _step(self) -> dict[str, float]:
+        """Clip gradients, step every optimiser and scheduler; return the pre-clip grad norms."""
         cfg = self.config
-        norm = torch.tensor(0.0)
-        if cfg.max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.requires_grad], cfg.max_grad_norm)
-            if self.critic is not None:
-                torch.nn.utils.clip_grad_norm_([p for p in self.critic.parameters() if p.requires_grad], cfg.max_grad_norm)
+        norms = {}
+        for name, model in (("actor", self.policy), ("critic", self.critic)):
+            if model is None:
+                continue
+            params = [p for p in model.parameters() if p.grad is not None]
+            if params:
+                max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+                norms[f"grad_norm/{name}"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         for opt, sched in zip(self.optimizers, self.schedulers):
             opt.step()
             sched.step()
-        return float(norm)
+        return norms
 
     def _should_stop_early(self, stats: dict[str, list[float]]) -> bool:
+        """KL early stop on the approximate KL to the behaviour policy of the last minibatch."""
         cfg = self.config
         if cfg.kl_early_stop == "none" or not stats.get("kl/policy_old"):
             return False
@@ -347,20 +422,6 @@ class PPOAgent(nn.Module):
         every = self.config.ref_refresh_every
         if every and self.iteration % every == 0:
             self.ref_policy.load_state_dict(self.policy.state_dict())
-
-    def kl_in_loss(self, logp: Tensor, mb: TensorDictBase) -> Tensor:
-        """beta * mean KL(policy || ref) over valid tokens (hinged at kl_target when asked)."""
-        cfg = self.config
-        mask = mb.get(KEYS.mask)
-        kl = kl_penalty(logp, mb.get(KEYS.ref_log_prob), kind=cfg.kl_kind)
-        if cfg.kl_hinge:
-            kl = (kl - cfg.kl_target).clamp(min=0)
-        return self.kl_ctl.value * masked_mean(kl, mask)
-
-    def update_kl_controller(self, td: TensorDictBase) -> None:
-        """Feed the adaptive controller the mean sequence KL at collection."""
-        kl = td.get(("kl", "collection")).mean().item()
-        self.kl_ctl.update(kl, td.shape[0])
 
     # -- resume ---------------------------------------------------------------------------------
     def agent_state_dict(self) -> dict[str, Any]:
@@ -395,4 +456,4 @@ class PPOAgent(nn.Module):
         return result
 
 
-__all__ = ["PPOAgent", "position_ids_for", "sequence_inputs", "warp_logits"]
+__all__ = ["SCORE", "PPOAgent", "position_ids_for", "sequence_inputs", "warp_logits"]

@@ -21,12 +21,14 @@ from textrl.models.tiny import (
     load_tokenizer,
     tiny_model_path,
 )
+from textrl.models.value import ValueModel
 
 __all__ = [
     "CACHE_ENV",
     "CHAT_TEMPLATE",
     "TAG_TOKENS",
     "TINY_NAMES",
+    "ValueModel",
     "build_tiny_causal_lm",
     "build_tiny_gpt2",
     "build_tiny_reward_model",

@@ -1,0 +1,109 @@
+"""Token-level PPO with a critic and GAE (Ziegler et al. 2019; Ouyang et al. 2022; CleanRL ppo.py).
+
+Per iteration: per-token KL to the reference (k1/k2/k3/abs) goes into the reward
+(``r_t = -beta * KL_t``, the task score on the last valid token or spread as ``r/T``) or into the
+loss; GAE(gamma, lam) over the response mask gives ``advantage`` and ``value_target``; K epochs
+of clipped policy loss + ``vf_coef`` x clipped value loss - ``entropy_coef`` x entropy.
+"""
+
+from __future__ import annotations
+
+from tensordict import TensorDictBase
+from torch import Tensor
+
+from agents.base import SCORE, PPOAgent
+from textrl.functional import (
+    aggregate_loss,
+    clipped_policy_loss,
+    clipped_value_loss,
+    gae,
+    kl_penalty,
+    kl_shaped_rewards,
+    masked_mean,
+    masked_whiten,
+)
+from textrl.keys import KEYS
+
+
+class GAEPPO(PPOAgent):
+    """Token-level PPO: KL-shaped rewards (or KL in the loss), GAE, clipped losses (DESIGN §5)."""
+
+    name = "gae_ppo"
+    uses_critic = True
+    default_clip_eps = 0.2
+
+    def token_kl(self, logp: Tensor, ref_logp: Tensor) -> Tensor:
+        """Per-token penalty ``[B, T]``: ``KL_t`` of ``kl_kind``, or seed 000's ``max(0, KL_t - kl_target)``."""
+        kl = kl_penalty(logp, ref_logp, kind=self.config.kl_kind)
+        if self.config.kl_hinge:
+            kl = (kl - self.config.kl_target).clamp(min=0)
+        return kl
+
+    def estimate(self, td: TensorDictBase) -> None:
+        """Shaped rewards, then GAE; writes ``("next","reward")``, ``advantage``, ``value_target``."""
+        cfg = self.config
+        mask = td.get(KEYS.mask)  # [B, T]
+        kl = self.token_kl(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob))  # [B, T]
+        beta = self.kl_ctl.value if cfg.kl_in == "reward" else 0.0
+        rewards = kl_shaped_rewards(td.get(SCORE), kl, mask, beta, cfg.reward_placement)  # [B, T]
+        values = td.get(KEYS.state_value).squeeze(-1)  # [B, T]
+        advantages, returns = gae(rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam)
+        if cfg.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)
+        td.set(KEYS.reward, rewards.unsqueeze(-1))
+        td.set(KEYS.advantage, advantages.unsqueeze(-1))
+        td.set(KEYS.value_target, returns.unsqueeze(-1))
+
+    def loss(self, mb: TensorDictBase) -> tuple[Tensor, dict[str, Tensor]]:
+        """Clipped policy loss + vf_coef * clipped value loss - entropy_coef * H (+ beta * KL)."""
+        cfg = self.config
+        mask = mb.get(KEYS.mask)
+        logp, entropy = self._forward_policy(mb)  # [B, T] each
+        values = self._forward_values(mb)  # [B, T]
+        pg_loss, pg_stats = clipped_policy_loss(
+            logp,
+            mb.get(KEYS.action_log_prob),
+            mb.get(KEYS.advantage).squeeze(-1),
+            mask,
+            clip_eps=self.clip_eps,
+            dual_clip=cfg.dual_clip,
+            aggregation=cfg.loss_aggregation,
+        )
+        v_loss, v_stats = clipped_value_loss(
+            values,
+            mb.get(KEYS.state_value).squeeze(-1),
+            mb.get(KEYS.value_target).squeeze(-1),
+            mask,
+            clip_eps=cfg.value_clip_eps,
+            aggregation=cfg.loss_aggregation,
+        )
+        entropy_loss = aggregate_loss(entropy, mask, cfg.loss_aggregation)
+        loss = pg_loss + cfg.vf_coef * v_loss - cfg.entropy_coef * entropy_loss
+        stats = {
+            "loss/policy": pg_loss,
+            "loss/value": v_loss,
+            "entropy": entropy_loss,
+            "clip_fraction": pg_stats["clip_fraction"],
+            "kl/policy_old": pg_stats["approx_kl"],
+            "ratio/mean": pg_stats["ratio_mean"],
+            "ratio/max": pg_stats["ratio_max"],
+            "ratio/min": pg_stats["ratio_min"],
+            "value_clip_fraction": v_stats["value_clip_fraction"],
+            "value/mean": v_stats["value_mean"],
+            "value/return_mean": v_stats["return_mean"],
+        }
+        if "dual_clip_fraction" in pg_stats:
+            stats["dual_clip_fraction"] = pg_stats["dual_clip_fraction"]
+        if cfg.kl_in == "loss":
+            kl = kl_penalty(logp, mb.get(KEYS.ref_log_prob), kind=cfg.kl_kind)
+            kl_mean = masked_mean(kl, mask)
+            if cfg.kl_hinge:  # seed 000: only the KL above the target is penalised
+                kl_mean = (kl_mean - cfg.kl_target).clamp(min=0)
+            kl_loss = self.kl_ctl.value * kl_mean
+            loss = loss + kl_loss
+            stats["loss/kl"] = kl_loss
+        stats["loss/total"] = loss
+        return loss, {k: v.detach() for k, v in stats.items()}
+
+
+__all__ = ["GAEPPO"]

@@ -1,0 +1,106 @@
+"""Sequence-level PPO: the whole response is one action (MiniMind ``train_ppo.py``, seed 002).
+
+``A = R - V(s_last)`` (V read at the last valid token), ``ratio = exp(sum_t logp - sum_t
+logp_old)`` against a frozen old-policy snapshot refreshed every ``old_policy_refresh_every``
+iterations, ``loss = -mean(min(ratio A, clip(ratio, 1 +- eps) A)) + vf_coef * MSE(V_last, R)
++ kl_coef * mean(sum_t (logp - logp_ref))``. Clip epsilon 0.1 by default; no whitening.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from torch import Tensor, nn
+
+from agents.base import SCORE, PPOAgent
+from textrl.config import TrainConfig
+from textrl.functional import (
+    clipped_policy_loss,
+    kl_penalty,
+    masked_mean,
+    masked_sum,
+    one_step_advantage,
+)
+from textrl.functional.advantages import last_valid
+from textrl.keys import KEYS
+
+
+class OneStepPPO(PPOAgent):
+    """MiniMind's PPO: one action per response, summed log-probs, old-policy snapshot (DESIGN §5)."""
+
+    name = "one_step_ppo"
+    uses_critic = True
+    default_clip_eps = 0.1
+
+    def __init__(self, policy: nn.Module, tokenizer: Any, config: TrainConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(policy, tokenizer, config, **kwargs)
+        self.old_policy = copy.deepcopy(self.policy).eval().requires_grad_(False)
+
+    def behaviour_logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
+        """The ratio's denominator comes from the old-policy snapshot, as in MiniMind."""
+        return self.logprobs(self.old_policy, input_ids, attention_mask, prompt_len, action)
+
+    def estimate(self, td: TensorDictBase) -> None:
+        """``advantage = R - V(s_last)`` and ``value_target = R`` on every valid token (``[B, T, 1]``)."""
+        mask = td.get(KEYS.mask)  # [B, T]
+        score = td.get(SCORE)  # [B]
+        values = td.get(KEYS.state_value).squeeze(-1)  # [B, T]
+        advantage = one_step_advantage(score, last_valid(values, mask))  # [B]
+        zero = torch.zeros((), dtype=values.dtype, device=values.device)
+        td.set(KEYS.advantage, torch.where(mask, advantage.unsqueeze(1), zero).unsqueeze(-1))
+        td.set(KEYS.value_target, torch.where(mask, score.unsqueeze(1).to(values.dtype), zero).unsqueeze(-1))
+
+    def micro_weight(self, sub: TensorDictBase, sub_mask: Tensor, mb_tokens: Tensor, micro: int, mb_size: int) -> float:
+        """Every loss term is a mean over rows, so a micro-batch weighs its share of rows."""
+        return micro / mb_size
+
+    def loss(self, mb: TensorDictBase) -> tuple[Tensor, dict[str, Tensor]]:
+        """Clipped surrogate on sequence ratios + vf_coef * MSE(V_last, R) + beta * sequence KL."""
+        cfg = self.config
+        mask = mb.get(KEYS.mask)  # [B, T]
+        logp, entropy = self._forward_policy(mb)  # [B, T]
+        seq_logp = masked_sum(logp, mask, dim=1)  # [B]
+        old_seq_logp = masked_sum(mb.get(KEYS.action_log_prob), mask, dim=1)  # [B]
+        advantage = last_valid(mb.get(KEYS.advantage).squeeze(-1), mask)  # [B]
+        rows = torch.ones_like(seq_logp, dtype=torch.bool).unsqueeze(1)  # [B, 1]: one action per row
+        pg_loss, pg_stats = clipped_policy_loss(
+            seq_logp.unsqueeze(1),
+            old_seq_logp.unsqueeze(1),
+            advantage.unsqueeze(1),
+            rows,
+            clip_eps=self.clip_eps,
+            dual_clip=cfg.dual_clip,
+            aggregation="token_mean",
+        )
+        value_last = last_valid(self._forward_values(mb), mask)  # [B]
+        v_loss = torch.nn.functional.mse_loss(value_last, mb.get(SCORE).to(value_last.dtype))
+        seq_kl = masked_sum(kl_penalty(logp, mb.get(KEYS.ref_log_prob), kind=cfg.kl_kind), mask, dim=1)  # [B]
+        kl_loss = self.kl_ctl.value * seq_kl.mean()
+        loss = pg_loss + cfg.vf_coef * v_loss + kl_loss
+        stats = {
+            "loss/policy": pg_loss,
+            "loss/value": v_loss,
+            "loss/kl": kl_loss,
+            "loss/total": loss,
+            "entropy": masked_mean(entropy, mask),
+            "clip_fraction": pg_stats["clip_fraction"],
+            "kl/policy_old": pg_stats["approx_kl"],
+            "kl/ref_sequence": seq_kl.mean(),
+            "ratio/mean": pg_stats["ratio_mean"],
+            "ratio/max": pg_stats["ratio_max"],
+            "ratio/min": pg_stats["ratio_min"],
+            "value/mean": value_last.mean(),
+        }
+        return loss, {k: v.detach() for k, v in stats.items()}
+
+    def after_update(self) -> None:
+        """Reference refresh and counters (base), then the old-policy snapshot every N iterations."""
+        super().after_update()
+        if self.iteration % self.config.old_policy_refresh_every == 0:
+            self.old_policy.load_state_dict(self.policy.state_dict())
+
+
+__all__ = ["OneStepPPO"]

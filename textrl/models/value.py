@@ -1,0 +1,107 @@
+"""A critic: a causal-LM backbone with a scalar value head, ``V(s_t)`` at every position.
+
+The backbone is the transformer body of a ``*ForCausalLM`` (its ``.model``) or of a
+``*ForSequenceClassification`` reward model; the head is ``nn.Linear(hidden, 1)``. Position ids
+are computed from the attention mask, so left-padded prompts see the positions of unpadded ones.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor, nn
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    """The transformer body of an HF model (``base_model`` of a head model, or itself)."""
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, nn.Module) and base is not model else model
+
+
+def _hidden_size(backbone: nn.Module) -> int:
+    config = getattr(backbone, "config", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if hidden is None:
+        raise ValueError(
+            f"{type(backbone).__name__} has no config.hidden_size: pass a transformers model "
+            "(e.g. the output of load_causal_lm) to ValueModel"
+        )
+    return int(hidden)
+
+
+class ValueModel(nn.Module):
+    """``V(s_t)`` for every position of a sequence: backbone hidden states -> ``Linear(hidden, 1)``.
+
+    ``forward(input_ids [B, L], attention_mask [B, L]) -> values [B, L]`` in float32. The value at
+    position ``i`` is that of the state made of tokens ``0..i``.
+    """
+
+    def __init__(self, backbone: nn.Module, value_head: nn.Linear | None = None) -> None:
+        super().__init__()
+        self.backbone = backbone
+        hidden = _hidden_size(backbone)
+        if value_head is None:
+            value_head = nn.Linear(hidden, 1)
+            nn.init.zeros_(value_head.weight)
+            nn.init.zeros_(value_head.bias)
+        if value_head.in_features != hidden or value_head.out_features != 1:
+            raise ValueError(
+                f"value_head must be Linear({hidden}, 1) to match the backbone, got "
+                f"Linear({value_head.in_features}, {value_head.out_features})"
+            )
+        self.value_head = value_head
+
+    @property
+    def config(self):
+        return self.backbone.config
+
+    @classmethod
+    def from_causal_lm(cls, model: nn.Module) -> ValueModel:
+        """A critic initialised from a policy: a deep copy of its backbone, a zero value head.
+
+        A zero head makes ``V = 0`` at the start, so the first advantages are the rewards
+        themselves (no random baseline noise).
+        """
+        return cls(copy.deepcopy(_backbone(model)))
+
+    @classmethod
+    def from_reward_model(cls, model: nn.Module) -> ValueModel:
+        """A critic initialised from a scalar reward model: its backbone and its score head.
+
+        ``model`` is a ``*ForSequenceClassification`` with ``num_labels=1`` (head ``score`` or
+        ``classifier``); both are deep-copied, so the reward model stays untouched.
+        """
+        head = getattr(model, "score", None)
+        if head is None:
+            head = getattr(model, "classifier", None)
+        if not isinstance(head, nn.Linear) or head.out_features != 1:
+            raise ValueError(
+                f"{type(model).__name__} has no scalar Linear score head (score/classifier with "
+                "num_labels=1): pass a sequence-classification reward model"
+            )
+        value_head = nn.Linear(head.in_features, 1)
+        with torch.no_grad():
+            value_head.weight.copy_(head.weight)
+            if head.bias is not None:
+                value_head.bias.copy_(head.bias)
+            else:
+                value_head.bias.zero_()
+        backbone = copy.deepcopy(_backbone(model))
+        return cls(backbone, value_head.to(next(backbone.parameters()).device))
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """``input_ids`` int64 ``[B, L]``, ``attention_mask`` ``[B, L]`` -> values float32 ``[B, L]``."""
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask.long(),
+            position_ids=position_ids,
+            use_cache=False,
+        )
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, L, H]
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()  # [B, L]
+
+
+__all__ = ["ValueModel"]
