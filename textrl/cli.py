@@ -2,11 +2,13 @@
 
 Subcommands available in this version:
 
+- ``textrl train``: PPO on a prompt set with pluggable rewards; with no arguments, the embedded
+  CPU default (tiny offline model, a short format warm-up, GAEPPO on the built-in digits task).
 - ``textrl tiny``: build (or find in the cache) the offline tiny models and print where they are.
 - ``textrl generate``: generate from a causal LM (a local path, a hub id, or ``tiny``) with its
   chat template, greedy or sampled.
 
-Training (``textrl train``) and the rest of the pipeline arrive with their issues.
+The rest of the pipeline (sft, rm, dpo, merge, pipeline, bench) arrives with its issues.
 """
 
 from __future__ import annotations
@@ -14,6 +16,19 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from textrl.config import TrainConfig, build_config
+    from textrl.trainer import train
+
+    config: TrainConfig = build_config(args, TrainConfig)
+    try:
+        config.validate()
+    except ValueError as err:
+        raise SystemExit(f"textrl train: {err}") from None
+    train(config)
+    return 0
 
 
 def _cmd_tiny(args: argparse.Namespace) -> int:
@@ -64,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="textrl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    from textrl.config import TrainConfig, add_config_arguments
+
+    train = sub.add_parser("train", help="PPO training (no arguments: the embedded CPU default)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    train.add_argument("--config", default=None, help="YAML file of options (flags override it)")
+    add_config_arguments(train, TrainConfig)
+    train.set_defaults(func=_cmd_train)
 
     tiny = sub.add_parser("tiny", help="build or locate the offline tiny models")
     tiny.add_argument("--seed", type=int, default=0)
