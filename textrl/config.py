@@ -132,9 +132,9 @@ class TrainConfig:
     """Copy the policy into the reference every N iterations (seed 000; 0 = never)."""
     old_policy_refresh_every: int = 1
     """one_step_ppo: refresh the old-policy snapshot every N iterations (MiniMind)."""
-    actor_lr: float = 1e-3
+    actor_lr: float = 1e-4
     """Policy learning rate."""
-    critic_lr: float = 3e-3
+    critic_lr: float = 1e-3
     """Critic learning rate."""
     lr_schedule: str = "constant"
     """constant | cosine (with warmup)."""
