@@ -176,7 +176,7 @@ class PPOAgent(nn.Module):
             if greedy:
                 kwargs.update(do_sample=False)
             else:
-                kwargs.update(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k or None, top_p=cfg.top_p)
+                kwargs.update(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
             with self._autocast():
                 out = self.policy.generate(input_ids=ids, attention_mask=mask.long(), **kwargs)
             outs.append(out[:, ids.shape[1] :])

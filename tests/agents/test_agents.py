@@ -203,3 +203,18 @@ def test_make_agent_names_the_choices(tok):
         make_agent("nope")
     assert AGENTS == {"gae_ppo": GAEPPO, "one_step_ppo": OneStepPPO}
     assert make_config().validate()
+
+
+def test_sampling_without_top_k_draws_from_the_whole_vocabulary(tok):
+    # A zeroed LM head makes the policy uniform over the 512 tokens. HF's generation config
+    # defaults to top_k=50: if act() let that default through, at most 50 distinct tokens could
+    # appear, and the log-probs (computed on the full distribution) would not be the sampler's.
+    from tests.agents.conftest import make_agent
+
+    agent = make_agent(tok, max_new_tokens=8, generation_batch_size=64, forward_batch_size=64,
+                       prompts_per_iteration=64)
+    torch.nn.init.zeros_(agent.policy.lm_head.weight)
+    ids = torch.full((64, 1), tok.bos_token_id)
+    torch.manual_seed(0)
+    responses = agent.act(ids, torch.ones_like(ids, dtype=torch.bool))
+    assert responses.unique().numel() > 100
