@@ -188,15 +188,15 @@ class TrainConfig:
         for name in ("vf_coef", "entropy_coef", "kl_coef", "kl_target", "ratio_threshold",
                      "max_grad_norm"):
             _at_least(name, getattr(self, name), 0.0)
-        if self.agent == "multi_adapter_ppo":
-            raise ValueError(
-                "agent='multi_adapter_ppo' is not available yet in this version; "
-                "use one of gae_ppo, one_step_ppo, grpo, rloo"
-            )
         if self.agent in ("grpo", "rloo") and self.n_samples_per_prompt < 2:
             raise ValueError(
                 f"n_samples_per_prompt={self.n_samples_per_prompt}: agent={self.agent!r} compares "
                 "samples within a group, so it needs n_samples_per_prompt >= 2"
+            )
+        if self.agent in ("grpo", "rloo", "multi_adapter_ppo"):
+            raise ValueError(
+                f"agent={self.agent!r} is not available yet in this version; "
+                "use gae_ppo or one_step_ppo"
             )
         rollout = self.rollout_batch_size
         if rollout % self.num_minibatches:
