@@ -235,6 +235,39 @@ def _load_prompt_source(prompts: Any) -> Any:
     return prompts
 
 
+class TokenMDPSetup:
+    """What both environments set up alike: tokenizer, prompts, reward, special ids, sizes."""
+
+    def _setup_mdp(
+        self,
+        *,
+        tokenizer: Any,
+        prompts: Any,
+        reward: RewardLike,
+        max_new_tokens: int,
+        max_prompt_length: int,
+        truncate_prompt: str,
+        apply_chat_template: bool | None,
+        eos_token_id: int | Sequence[int] | None,
+        pad_token_id: int | None,
+    ) -> None:
+        self.tokenizer = default_tokenizer() if tokenizer is None else tokenizer
+        self.prompts = PromptTable(
+            prompts,
+            self.tokenizer,
+            max_prompt_length=max_prompt_length,
+            truncate_prompt=truncate_prompt,
+            apply_chat_template=apply_chat_template,
+        )
+        self.reward_fn = as_reward_fn(reward)
+        self.eos_token_ids, self.pad_token_id = special_ids(
+            self.tokenizer, eos_token_id, pad_token_id
+        )
+        self.vocab_size = len(self.tokenizer)
+        self.max_new_tokens = max_new_tokens
+        self.max_prompt_length = max_prompt_length
+
+
 class PromptTable:
     """Indexable prompts: raw text for the rewards, token ids for the policy, reward fields.
 

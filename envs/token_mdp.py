@@ -40,14 +40,11 @@ from gymnasium.error import ResetNeeded
 from envs.fast_path import (
     DEFAULT_REWARD,
     PLACEMENTS,
-    PromptTable,
     RewardLike,
-    as_reward_fn,
-    default_tokenizer,
+    TokenMDPSetup,
     place_score,
     row_messages,
     score_completions,
-    special_ids,
 )
 
 ENV_ID = "textrl/TokenMDP-v0"
@@ -73,7 +70,7 @@ def check_action(action: Any, vocab_size: int) -> int:
     return int(value)
 
 
-class TokenMDPEnv(gym.Env):
+class TokenMDPEnv(TokenMDPSetup, gym.Env):
     """One prompt per episode, one token per step; see the module docstring for the MDP.
 
     All arguments are optional: ``TokenMDPEnv()`` uses the tiny offline ChatML tokenizer, the
@@ -119,21 +116,17 @@ class TokenMDPEnv(gym.Env):
             raise ValueError(
                 f"render_mode={render_mode!r}: must be None or one of {self.metadata['render_modes']}"
             )
-        self.tokenizer = default_tokenizer() if tokenizer is None else tokenizer
-        self.prompts = PromptTable(
-            prompts,
-            self.tokenizer,
+        self._setup_mdp(
+            tokenizer=tokenizer,
+            prompts=prompts,
+            reward=reward,
+            max_new_tokens=max_new_tokens,
             max_prompt_length=max_prompt_length,
             truncate_prompt=truncate_prompt,
             apply_chat_template=apply_chat_template,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
         )
-        self.reward_fn = as_reward_fn(reward)
-        self.eos_token_ids, self.pad_token_id = special_ids(
-            self.tokenizer, eos_token_id, pad_token_id
-        )
-        self.vocab_size = len(self.tokenizer)
-        self.max_new_tokens = max_new_tokens
-        self.max_prompt_length = max_prompt_length
         self.reward_placement = reward_placement
         self.render_mode = render_mode
         # gym.make replaces this; a directly built env still gets a spec that re-makes it (with

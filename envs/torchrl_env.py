@@ -49,17 +49,14 @@ from torchrl.envs import EnvBase
 
 from envs.fast_path import (
     DEFAULT_REWARD,
-    PromptTable,
     RewardLike,
-    as_reward_fn,
-    default_tokenizer,
+    TokenMDPSetup,
     reward_component_names,
     score_completions,
-    special_ids,
 )
 
 
-class TextGenEnv(EnvBase):
+class TextGenEnv(TokenMDPSetup, EnvBase):
     """``B`` token-MDP episodes stepped together; see the module docstring.
 
     Args:
@@ -95,22 +92,18 @@ class TextGenEnv(EnvBase):
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
         super().__init__(device=device, batch_size=torch.Size([b]))
-        self.tokenizer = default_tokenizer() if tokenizer is None else tokenizer
-        self.prompts = PromptTable(
-            prompts,
-            self.tokenizer,
+        self._setup_mdp(
+            tokenizer=tokenizer,
+            prompts=prompts,
+            reward=reward,
+            max_new_tokens=max_new_tokens,
             max_prompt_length=max_prompt_length,
             truncate_prompt=truncate_prompt,
             apply_chat_template=apply_chat_template,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
         )
-        self.reward_fn = as_reward_fn(reward)
         self.component_names = reward_component_names(self.reward_fn)
-        self.eos_token_ids, self.pad_token_id = special_ids(
-            self.tokenizer, eos_token_id, pad_token_id
-        )
-        self.vocab_size = len(self.tokenizer)
-        self.max_new_tokens = max_new_tokens
-        self.max_prompt_length = max_prompt_length
         self._make_specs(b)
         self._rng = torch.Generator()
         self._rng.manual_seed(
