@@ -38,7 +38,7 @@ class TrainConfig:
     """Seed of every random generator (Python, NumPy, torch, prompt sampler)."""
     device: str = "auto"
     """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
-    iterations: int = 30
+    iterations: int = 300
     """Number of PPO iterations (rollout + update)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in output_dir."""
@@ -64,6 +64,8 @@ class TrainConfig:
     """Learning rate of the supervised warm-up."""
     warmup_sft_batch_size: int = 32
     """Batch size of the supervised warm-up."""
+    warmup_answer_accuracy: float = 0.3
+    """Share of warm-up examples that show the correct answer (the rest a random one)."""
 
     # -- generation ----------------------------------------------------------------------------
     prompts_per_iteration: int = 16
@@ -108,7 +110,7 @@ class TrainConfig:
     """Normalise advantages to mean 0, std 1 over valid tokens."""
     loss_aggregation: str = "token_mean"
     """token_mean | seq_mean | seq_mean_token_sum."""
-    kl_coef: float = 0.05
+    kl_coef: float = 0.02
     """beta: initial KL coefficient."""
     kl_kind: str = "k1"
     """KL estimator: k1 | k2 | k3 | abs."""
@@ -132,7 +134,7 @@ class TrainConfig:
     """Copy the policy into the reference every N iterations (seed 000; 0 = never)."""
     old_policy_refresh_every: int = 1
     """one_step_ppo: refresh the old-policy snapshot every N iterations (MiniMind)."""
-    actor_lr: float = 1e-4
+    actor_lr: float = 3e-4
     """Policy learning rate."""
     critic_lr: float = 1e-3
     """Critic learning rate."""
@@ -146,9 +148,9 @@ class TrainConfig:
     """Initialise the critic from the 'policy' or the 'reward_model'."""
 
     # -- logging, evaluation, checkpoints ------------------------------------------------------
-    eval_every: int = 10
+    eval_every: int = 50
     """Held-out evaluation (greedy and sampled) every N iterations (0 = only before/after)."""
-    checkpoint_every: int = 10
+    checkpoint_every: int = 50
     """Checkpoint every N iterations (and at the end; 0 = only at the end)."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept on disk."""
@@ -174,7 +176,7 @@ class TrainConfig:
                      "ref_refresh_every", "lr_warmup_steps", "top_k"):
             _at_least(name, getattr(self, name), 0)
         _at_least("old_policy_refresh_every", self.old_policy_refresh_every, 1)
-        for name in ("gamma", "lam"):
+        for name in ("gamma", "lam", "warmup_answer_accuracy"):
             _in_range(name, getattr(self, name), 0.0, 1.0)
         _in_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
         for name in ("temperature", "actor_lr", "critic_lr", "warmup_sft_lr"):

@@ -92,7 +92,9 @@ def build_models(config: TrainConfig, device: torch.device, log) -> tuple[Any, A
         from envs import load_prompts
 
         train_rows, _ = load_prompts(config.dataset).split(config.eval_size, seed=config.seed)
-        pairs = warmup_examples(list(train_rows), seed=config.seed)
+        pairs = warmup_examples(
+            list(train_rows), seed=config.seed, answer_accuracy=config.warmup_answer_accuracy
+        )
         stats = sft_warmup(
             policy, tokenizer, pairs, steps=config.warmup_sft_steps, lr=config.warmup_sft_lr,
             batch_size=config.warmup_sft_batch_size, seed=config.seed,

@@ -370,3 +370,19 @@ def test_warmup_examples_teach_format_not_answers(tokenizer):
 def test_format_completion_matches_rule():
     assert FORMAT.match(format_completion("step one\nstep two", "7"))
     assert format_completion("t", "a").endswith("<answer>\na\n</answer>")
+
+
+@pytest.mark.parametrize(("accuracy", "low", "high"), [(0.0, 0.05, 0.15), (0.3, 0.30, 0.44), (1.0, 1.0, 1.0)])
+def test_warmup_answer_accuracy_sets_the_share_of_correct_answers(accuracy, low, high):
+    rows = make_digits_task(512, seed=0)
+    pairs = warmup_examples(rows, seed=0, answer_accuracy=accuracy)
+    correct = sum(c.endswith(f"<answer>\n{r['answer']}\n</answer>") for (_, c), r in zip(pairs, rows))
+    # expected share: accuracy + (1 - accuracy) / 10 (a random digit is right one time in ten)
+    assert low <= correct / len(rows) <= high
+
+
+def test_warmup_answer_accuracy_zero_keeps_the_random_answers():
+    rows = make_digits_task(64, seed=0)
+    assert warmup_examples(rows, seed=1) == warmup_examples(rows, seed=1, answer_accuracy=0.0)
+    with pytest.raises(ValueError, match="answer_accuracy"):
+        warmup_examples(rows, answer_accuracy=1.5)
