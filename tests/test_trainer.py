@@ -43,6 +43,8 @@ def test_train_writes_every_output(tmp_path, capsys):
     assert "eval/sampled/reward/mean" in rows[-1] and "eval/greedy/accuracy" in rows[-1]
     for name in ("config.yaml", "curves.png", "summary.json"):
         assert (out / name).is_file()
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert {s["iteration"] for s in samples} == {0, 2} and all("completion" in s for s in samples)
     assert any((out / "tb").iterdir())
     ckpt = latest_checkpoint(out)
     assert ckpt is not None and ckpt.name == "iter_000002"

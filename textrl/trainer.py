@@ -252,6 +252,20 @@ def evaluate(agent, eval_batches, reward_fn, seed: int) -> dict[str, float]:
     return out
 
 
+def sample_completions(agent, batch, n: int = 4) -> list[dict[str, str]]:
+    """Greedy completions of the first ``n`` prompts of an eval batch, for ``samples.jsonl``."""
+    ids, mask = batch.input_ids[:n].to(agent.device), batch.attention_mask[:n].to(agent.device)
+    responses = agent.act(ids, mask, greedy=True)
+    texts = agent.tokenizer.batch_decode(responses, skip_special_tokens=True)
+    return [{"prompt": p, "completion": c} for p, c in zip(batch.prompt_texts[:n], texts)]
+
+
+def write_samples(path: Path, iteration: int, samples: list[dict[str, str]]) -> None:
+    with path.open("a") as f:
+        for sample in samples:
+            f.write(json.dumps({"iteration": iteration, **sample}) + "\n")
+
+
 def train(config: TrainConfig) -> dict[str, Any]:
     """Run ``config.iterations`` PPO iterations; return the before/after held-out summary."""
     from accelerate import Accelerator
@@ -290,6 +304,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
         log(f"resumed from {checkpoint} (iteration {start})")
     metrics_log = MetricsLog(output_dir, main, resume_after=start if checkpoint is not None else None)
     before = evaluate(agent, eval_batches, reward_fn, config.seed) if start == 0 else None
+    samples_path = output_dir / "samples.jsonl"
+    if main and start == 0:
+        samples_path.unlink(missing_ok=True)
+        write_samples(samples_path, 0, sample_completions(agent, eval_batches[0]))
+    elif main and samples_path.exists():  # resumed: drop samples written after the checkpoint
+        kept = [s for s in samples_path.read_text().splitlines() if json.loads(s)["iteration"] <= start]
+        samples_path.write_text("".join(s + "\n" for s in kept))
 
     progress = None
     if config.progress and main:
@@ -321,6 +342,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
         row["tokens_per_second"] = mask.sum().item() / row["time/iteration_s"]
         if iteration == config.iterations or (config.eval_every and iteration % config.eval_every == 0):
             row.update(evaluate(agent, eval_batches, reward_fn, config.seed + iteration))
+            if main:
+                write_samples(samples_path, iteration, sample_completions(agent, eval_batches[0]))
         metrics_log.write(row)
         if progress is not None:
             progress.set_postfix(reward=f"{row['reward/mean']:.3f}", kl=f"{row.get('kl/collection', 0.0):.3f}")
