@@ -1,0 +1,23 @@
+"""GPU runs of the agents (bf16 autocast on CUDA); skipped without a GPU (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.agents.conftest import collect, make_agent
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["gae_ppo", "one_step_ppo"])
+def test_update_on_cuda_under_bf16_autocast(tok, name):
+    agent = make_agent(tok, name).to("cuda")
+    td = collect(agent, tok)
+    assert td.device.type == "cuda"
+    before = {k: v.clone() for k, v in agent.ref_policy.state_dict().items()}
+    metrics = agent.update(td)
+    for key in ("loss/policy", "loss/value", "kl/after_update", "grad_norm/actor"):
+        assert math.isfinite(metrics[key]), key
+    after = agent.ref_policy.state_dict()
+    assert all((before[k] == after[k]).all() for k in before)
