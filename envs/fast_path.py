@@ -251,6 +251,8 @@ class TokenMDPSetup:
         eos_token_id: int | Sequence[int] | None,
         pad_token_id: int | None,
     ) -> None:
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
         self.tokenizer = default_tokenizer() if tokenizer is None else tokenizer
         self.prompts = PromptTable(
             prompts,

@@ -108,8 +108,6 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
     ) -> None:
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
         if reward_placement not in PLACEMENTS:
             raise ValueError(f"reward_placement={reward_placement!r}: must be one of {PLACEMENTS}")
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:

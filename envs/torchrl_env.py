@@ -89,8 +89,6 @@ class TextGenEnv(TokenMDPSetup, EnvBase):
         b = int(dims[0])
         if b < 1:
             raise ValueError(f"batch_size={batch_size!r}: must be >= 1")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
         super().__init__(device=device, batch_size=torch.Size([b]))
         self._setup_mdp(
             tokenizer=tokenizer,

@@ -9,8 +9,8 @@ from tensordict.nn import TensorDictModule
 from torchrl.envs.utils import check_env_specs
 
 from envs import KVCachePolicy, TextGenEnv
-from tests.envs.test_fast_path import EOS, prompt_batch
-from tests.envs.test_torchrl_env import NextTokenPolicy
+from tests.envs.test_fast_path import EOS
+from tests.envs.test_torchrl_env import NextTokenPolicy, greedy_generate
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 
 KEYS_IN = ["prompt_ids", "prompt_mask", "response_ids", "response_length"]
@@ -65,18 +65,7 @@ def test_greedy_rollout_equals_full_recompute_and_generate(tok, model, ref_model
     assert shapes[0] == (b, p)
     assert shapes[1:] and all(s == (b, 1) for s in shapes[1:])
     assert policy.n_prefill == 1 and policy.n_fallback == 0
-    ids, mask, _, _ = prompt_batch(env.prompts, list(range(b)), tok.pad_token_id)
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask.long(),
-            max_new_tokens=t,
-            do_sample=False,
-            eos_token_id=EOS,
-            pad_token_id=tok.pad_token_id,
-        )
-    generated = out[:, ids.shape[1] :]
-    generated = torch.cat([generated, torch.full((b, t - generated.shape[1]), tok.pad_token_id)], 1)
+    generated = greedy_generate(model, env, tok, b, t)
     assert torch.equal(td["response_ids"], generated)
     assert (td["response_ids"] != tok.pad_token_id).sum() > b
 

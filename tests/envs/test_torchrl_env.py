@@ -169,7 +169,14 @@ def test_greedy_env_rollout_equals_generate_fast_path():
         )
         td = env.step(td)["next"]
     stepped = td["response_ids"]
-    ids, mask, texts, fields = prompt_batch(env.prompts, list(range(b)), tok.pad_token_id)
+    generated = greedy_generate(model, env, tok, b, t)
+    assert torch.equal(stepped, generated)
+    assert (stepped != tok.pad_token_id).sum() > b  # not a trivial all-EOS-first batch
+
+
+def greedy_generate(model, env, tok, b: int, t: int) -> torch.Tensor:
+    """``model.generate`` (greedy) on the env's first ``b`` prompts, right-padded to ``[b, t]``."""
+    ids, mask, _, _ = prompt_batch(env.prompts, list(range(b)), tok.pad_token_id)
     with torch.no_grad():
         out = model.generate(
             input_ids=ids,
@@ -180,6 +187,4 @@ def test_greedy_env_rollout_equals_generate_fast_path():
             pad_token_id=tok.pad_token_id,
         )
     generated = out[:, ids.shape[1] :]
-    generated = torch.cat([generated, torch.full((b, t - generated.shape[1]), tok.pad_token_id)], 1)
-    assert torch.equal(stepped, generated)
-    assert (stepped != tok.pad_token_id).sum() > b  # not a trivial all-EOS-first batch
+    return torch.cat([generated, torch.full((b, t - generated.shape[1]), tok.pad_token_id)], 1)
