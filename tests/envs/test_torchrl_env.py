@@ -188,3 +188,12 @@ def greedy_generate(model, env, tok, b: int, t: int) -> torch.Tensor:
         )
     generated = out[:, ids.shape[1] :]
     return torch.cat([generated, torch.full((b, t - generated.shape[1]), tok.pad_token_id)], 1)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5])
+def test_both_envs_reject_a_bad_max_new_tokens(bad):
+    from envs import TokenMDPEnv
+
+    for make in (TokenMDPEnv, TextGenEnv):
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            make(max_new_tokens=bad)
