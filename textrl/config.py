@@ -147,6 +147,28 @@ class TrainConfig:
     critic_init: str = "policy"
     """Initialise the critic from the 'policy' or the 'reward_model'."""
 
+    # -- multi-adapter PPO (one base, LoRA adapters) -------------------------------------------
+    reward_adapter: str | None = None
+    """multi_adapter_ppo: folder of a LoRA reward adapter + score head written by `textrl rm --lora`."""
+    load_in_4bit: bool = False
+    """Quantise the base model to 4-bit NF4 with bitsandbytes (multi_adapter_ppo, LoRA stages)."""
+    lora_r: int = 8
+    """LoRA rank of the trainable adapters."""
+    lora_alpha: int = 16
+    """LoRA scaling numerator (the update is scaled by lora_alpha / lora_r)."""
+    lora_dropout: float = 0.0
+    """Dropout inside LoRA layers (kept at 0 so PPO ratios are exactly 1 before the first step)."""
+    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"
+    """Comma-separated module names LoRA wraps, or 'all-linear'."""
+    critic_type: str = "value_head"
+    """multi_adapter_ppo critic: 'value_head' on the policy's hidden states, or a separate 'lora' adapter."""
+
+    # -- numerical faults ----------------------------------------------------------------------
+    reward_nonfinite: str = "raise"
+    """A NaN/inf task reward: 'raise' (default), 'zero' (score 0) or 'drop' (row left out); counted."""
+    max_nonfinite_updates: int = 3
+    """Stop (with a checkpoint of the last good state) after this many consecutive skipped updates."""
+
     # -- logging, evaluation, checkpoints ------------------------------------------------------
     eval_every: int = 50
     """Held-out evaluation (greedy and sampled) every N iterations (0 = only before/after)."""
@@ -167,10 +189,12 @@ class TrainConfig:
         _choice("loss_aggregation", self.loss_aggregation, ("token_mean", "seq_mean", "seq_mean_token_sum"))
         _choice("lr_schedule", self.lr_schedule, ("constant", "cosine"))
         _choice("critic_init", self.critic_init, ("policy", "reward_model"))
+        _choice("critic_type", self.critic_type, ("value_head", "lora"))
+        _choice("reward_nonfinite", self.reward_nonfinite, ("raise", "zero", "drop"))
         for name in ("iterations", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
                      "generation_batch_size", "forward_batch_size", "ppo_epochs", "num_minibatches",
                      "gradient_accumulation_steps", "max_prompt_length", "warmup_sft_batch_size",
-                     "kl_horizon", "keep_checkpoints"):
+                     "kl_horizon", "keep_checkpoints", "lora_r", "lora_alpha", "max_nonfinite_updates"):
             _at_least(name, getattr(self, name), 1)
         for name in ("eval_size", "warmup_sft_steps", "eval_every", "checkpoint_every",
                      "ref_refresh_every", "lr_warmup_steps", "top_k"):
@@ -190,6 +214,11 @@ class TrainConfig:
         for name in ("vf_coef", "entropy_coef", "kl_coef", "kl_target", "ratio_threshold",
                      "max_grad_norm"):
             _at_least(name, getattr(self, name), 0.0)
+        _in_range("lora_dropout", self.lora_dropout, 0.0, 1.0)
+        if not self.lora_target_modules.strip():
+            raise ValueError("lora_target_modules='': name at least one module (e.g. q_proj,v_proj) or 'all-linear'")
+        if self.load_in_4bit:
+            check_bitsandbytes("load_in_4bit")
         if self.agent in ("grpo", "rloo") and self.n_samples_per_prompt < 2:
             raise ValueError(
                 f"n_samples_per_prompt={self.n_samples_per_prompt}: agent={self.agent!r} compares "
@@ -224,6 +253,17 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def check_bitsandbytes(field_name: str) -> None:
+    """Raise ``ValueError`` naming ``field_name`` when bitsandbytes 4-bit is not importable."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(
+            f"{field_name}=True needs bitsandbytes for 4-bit NF4: `pip install bitsandbytes`, "
+            f"or set {field_name}=false"
+        )
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
