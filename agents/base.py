@@ -37,8 +37,9 @@ from textrl.functional import (
 from textrl.functional.ppo import explained_variance
 from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
+from textrl.timing import timed
 
-SCORE = "score"
+SCORE = KEYS.score
 """Key of the task score per row ``[B]`` (float), before any KL shaping."""
 
 
@@ -247,27 +248,31 @@ class PPOAgent(nn.Module):
 
     # -- 3. advantages --------------------------------------------------------------------------
     @torch.no_grad()
-    def process_rollout(self, td: TensorDictBase) -> TensorDictBase:
+    def process_rollout(self, td: TensorDictBase, *, timings: dict[str, float] | None = None) -> TensorDictBase:
         """Fill log-probs, values, the per-token reward, ``advantage`` and ``value_target``; in place.
 
-        The task score per row is kept as ``"score"`` ``[B]``: on the first call it is read from
-        the fast path's ``("next","reward")`` (the sum over time, before any shaping), afterwards
-        the stored ``"score"`` is reused, so calling this twice does not shape the reward twice.
-        The adaptive KL controller is then fed the mean sequence KL of this rollout.
+        The task score per row is kept as ``KEYS.score`` ``[B]``: on the first call it is read
+        from the fast path's ``("next","reward")`` (the sum over time, before any shaping),
+        afterwards the stored score is reused, so calling this twice does not shape the reward
+        twice. The adaptive KL controller is then fed the mean sequence KL of this rollout. With a
+        ``timings`` dict, the seconds of the prefill forwards (``forward``) and of the shaping and
+        estimator (``advantages``) are added to it.
         """
         if SCORE not in td.keys():
             td.set(SCORE, td.get(KEYS.reward).squeeze(-1).sum(1).float())
-        td.update(self.evaluate(td))
-        mask = td.get(KEYS.mask)
-        if self.critic is not None:
-            values = torch.where(mask, td.get(KEYS.state_value).squeeze(-1), 0.0)  # [B, T]
-            next_mask = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
-            next_values = torch.where(next_mask, values.roll(-1, dims=1), 0.0)  # V(s_t+1), 0 after the end
-            td.set(KEYS.state_value, values.unsqueeze(-1))
-            td.set(KEYS.next_state_value, next_values.unsqueeze(-1))
-        self.estimate(td)
-        kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind="k1")
-        self.kl_ctl.update(masked_sum(kl, mask, dim=1).mean().item(), td.shape[0])
+        with timed(timings, "forward", self.device):
+            td.update(self.evaluate(td))
+        with timed(timings, "advantages", self.device):
+            mask = td.get(KEYS.mask)
+            if self.critic is not None:
+                values = torch.where(mask, td.get(KEYS.state_value).squeeze(-1), 0.0)  # [B, T]
+                next_mask = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
+                next_values = torch.where(next_mask, values.roll(-1, dims=1), 0.0)  # V(s_t+1), 0 after the end
+                td.set(KEYS.state_value, values.unsqueeze(-1))
+                td.set(KEYS.next_state_value, next_values.unsqueeze(-1))
+            self.estimate(td)
+            kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind="k1")
+            self.kl_ctl.update(masked_sum(kl, mask, dim=1).mean().item(), td.shape[0])
         return td
 
     def estimate(self, td: TensorDictBase) -> None:  # pragma: no cover - abstract

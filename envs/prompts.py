@@ -33,9 +33,12 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from tensordict import TensorDict
 from torch import Tensor
 
+from envs.fast_path import rollout_from_responses, row_messages
 from envs.tasks import BUILTIN_TASKS, DATA_DIR
+from textrl.keys import KEYS
 
 TruncateMode = Literal["error", "left"]
 _TRUNCATE_MODES = ("error", "left")
@@ -317,6 +320,71 @@ class PromptBatch:
             self.prompt_index,
         )
 
+    def rollout(
+        self,
+        responses: Tensor,
+        *,
+        tokenizer: Any,
+        reward_fn: Any,
+        eos_token_id: int | Sequence[int],
+        pad_token_id: int,
+        max_new_tokens: int,
+        reward_placement: str = "last",
+    ) -> TensorDict:
+        """The token MDP's rollout rows (DESIGN.md §3) of ``responses`` to these prompts.
+
+        ``responses`` int64 ``[B, T]`` from the policy's batched ``generate`` (the fast path);
+        :func:`envs.fast_path.rollout_from_responses` pays them as the MDP would, with the raw
+        prompts and the rows' fields (``answer``, ...) passed to ``reward_fn`` (a callable or a
+        spec string). Adds ``KEYS.score`` float ``[B]``: the task score of each row, the sum
+        over time of the task reward (read before any agent shapes the reward with a KL term).
+        Tensors live on ``responses.device``.
+        """
+        if len(self.rows) != len(self):
+            raise ValueError(
+                f"PromptBatch has {len(self)} prompts but {len(self.rows)} rows of fields; build it "
+                "with PromptSampler / encode_prompts"
+            )
+        device = responses.device
+        td = rollout_from_responses(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            responses,
+            tokenizer=tokenizer,
+            reward_fn=reward_fn,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            max_new_tokens=max_new_tokens,
+            reward_placement=reward_placement,
+            fields=batch_fields(self.rows),
+            prompt_texts=raw_prompts(self.rows),
+        )
+        td.set(KEYS.score, td.get(KEYS.reward).squeeze(-1).sum(1))
+        return td
+
+
+_PROMPT_FIELDS = ("prompt", "messages")
+
+
+def batch_fields(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
+    """The rows' reward fields as a dict of lists (``prompt`` / ``messages`` left out).
+
+    A field missing from some rows is ``None`` there, so every list has one entry per row.
+
+    >>> batch_fields([{"prompt": "a", "answer": "1"}, {"prompt": "b"}])
+    {'answer': ['1', None]}
+    """
+    names: dict[str, None] = {}
+    for row in rows:
+        names.update((k, None) for k in row if k not in _PROMPT_FIELDS)
+    return {name: [row.get(name) for row in rows] for name in names}
+
+
+def raw_prompts(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The text the reward functions see for each row: the raw prompt, no chat template
+    (for a conversation, its last user turn)."""
+    return [row_messages(row, i)[1] for i, row in enumerate(rows)]
+
 
 def _has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
@@ -550,7 +618,9 @@ __all__ = [
     "PromptBatch",
     "PromptDataset",
     "PromptSampler",
+    "batch_fields",
     "encode_prompts",
     "load_prompts",
+    "raw_prompts",
     "template_prompt",
 ]

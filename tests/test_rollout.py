@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from envs.prompts import encode_prompts
+from envs.prompts import batch_fields, encode_prompts, raw_prompts
 from envs.tasks import format_completion, make_digits_task
 from rewards import parse_reward_spec
 from textrl.checks import RolloutError, check_rollout
 from textrl.keys import KEYS
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
-from textrl.rollout import SCORE_KEY, batch_fields, collect, evaluate_prompts, raw_prompts
+from textrl.rollout import SCORE_KEY, collect, evaluate_prompts
 
 MAX_NEW = 12
 SPEC = "think_format,tag_count:0.5,accuracy:2"

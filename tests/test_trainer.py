@@ -28,7 +28,7 @@ def _metrics(path):
 
 def _policy_state(out):
     state = torch.load(latest_checkpoint(out) / "trainer_state.pt", weights_only=False)["agent"]
-    return {k: v for k, v in state.items() if k.startswith("policy.")}
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}  # policy, ref, critic, snapshots
 
 
 def test_train_writes_every_output(tmp_path, capsys):
@@ -41,6 +41,12 @@ def test_train_writes_every_output(tmp_path, capsys):
                 "reward_components/think_format/mean", "lr/actor"):
         assert key in rows[0], key
     assert "eval/sampled/reward/mean" in rows[-1] and "eval/greedy/accuracy" in rows[-1]
+    phases = ("generation", "reward", "forward", "advantages", "update", "bookkeeping")
+    for row in rows:
+        seconds = [row[f"time/{phase}_s"] for phase in phases] + [row.get("time/eval_s", 0.0)]
+        assert all(s >= 0 for s in seconds) and sum(seconds) <= row["time/iteration_s"]
+        assert row["tokens_per_second"] == pytest.approx(row["tokens"] / row["time/iteration_s"])
+    assert "time/eval_s" in rows[-1] and "time/eval_s" not in rows[0]
     for name in ("config.yaml", "curves.png", "summary.json"):
         assert (out / name).is_file()
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
@@ -54,17 +60,24 @@ def test_train_writes_every_output(tmp_path, capsys):
     assert "held-out metric" in capsys.readouterr().out
 
 
-def test_resume_reproduces_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize(
+    "options",
+    [[], ["--agent", "one_step_ppo", "--gradient-accumulation-steps", "2", "--ppo-epochs", "2"]],
+    ids=["gae_ppo", "one_step_ppo-accumulation"],
+)
+def test_resume_reproduces_an_uninterrupted_run(tmp_path, options):
     full, part = tmp_path / "full", tmp_path / "part"
-    assert main(["train", "--iterations", "3", "--output-dir", str(full), *SMALL]) == 0
-    assert main(["train", "--iterations", "2", "--output-dir", str(part), *SMALL]) == 0
-    assert main(["train", "--iterations", "3", "--output-dir", str(part), "--resume", *SMALL]) == 0
+    args = [*SMALL, *options]
+    assert main(["train", "--iterations", "3", "--output-dir", str(full), *args]) == 0
+    assert main(["train", "--iterations", "2", "--output-dir", str(part), *args]) == 0
+    assert main(["train", "--iterations", "3", "--output-dir", str(part), "--resume", *args]) == 0
     a, b = _metrics(full), _metrics(part)
     assert [r["iteration"] for r in b] == [1, 2, 3]
     # iteration 2 of the short run evaluated (last iteration); compare the training metrics
     for key in ("reward/mean", "loss/policy", "loss/value", "kl/collection"):
         assert a[2][key] == pytest.approx(b[2][key], abs=1e-6), key
     sa, sb = _policy_state(full), _policy_state(part)
+    assert sa.keys() == sb.keys() and any(k.startswith("policy.") for k in sa)
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 

@@ -45,6 +45,8 @@ class RolloutKeys:
     """float ``[B, T, 1]``: return target of the value loss."""
     reward_components: NestedKey = "reward_components"
     """sub-TensorDict: ``(reward_components, name)`` float ``[B]``, each reward's raw score."""
+    score: NestedKey = "score"
+    """float ``[B]``: each row's task score (the weighted reward total), kept before KL shaping."""
 
     def reward_component(self, name: str) -> tuple[str, str]:
         """Key of one reward function's raw score ``[B]``."""

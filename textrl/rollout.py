@@ -1,53 +1,40 @@
 """Collecting rollouts with an agent: generate, score, hand to the agent, check.
 
-:func:`collect` is phase 1-2 of the training loop (rollout and rewards) for one
-:class:`envs.prompts.PromptBatch`: the agent samples responses with batched ``model.generate``
-(its fast path), :func:`envs.rollout_from_responses` turns them into the DESIGN.md §3 rows the
-token MDP would pay, and the agent fills in log-probs, values and advantages.
-:func:`evaluate_prompts` scores held-out prompts without touching the agent's state.
+:func:`collect` is phases 1-3 of the training loop (rollout, rewards, advantages) for one batch
+of prompts: the agent samples responses with batched ``model.generate`` (its fast path), the
+prompt batch turns them into the DESIGN.md §3 rows the token MDP would pay, and the agent fills
+in log-probs, values and advantages. :func:`evaluate_prompts` scores held-out prompts without
+touching the agent's state.
 
-The agent is duck-typed; these functions use only ``agent.act(input_ids, attention_mask,
-greedy=...) -> int64 [B, T]``, optionally ``agent.process_rollout(td) -> td``, and the attributes
-``config`` (``max_new_tokens``), ``tokenizer``, ``eos_token_id``, ``pad_token_id`` and ``device``.
+Both sides are duck-typed, so this module imports no environment or agent (DESIGN.md §2):
+
+- the agent: ``act(input_ids, attention_mask, greedy=...) -> int64 [B, T]``, optionally
+  ``process_rollout(td, timings=...) -> td``, and the attributes ``config`` (``max_new_tokens``),
+  ``tokenizer``, ``eos_token_id``, ``pad_token_id`` and ``device``;
+- the batch (an :class:`envs.prompts.PromptBatch`): ``input_ids`` / ``attention_mask``
+  ``[B, P]`` and ``rollout(responses, tokenizer=, reward_fn=, eos_token_id=, pad_token_id=,
+  max_new_tokens=, reward_placement=) -> TensorDict`` with ``KEYS.score``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
-from envs.fast_path import RewardLike, as_reward_fn, rollout_from_responses, row_messages
-from envs.prompts import PromptBatch
 from textrl.checks import check_rollout
 from textrl.keys import KEYS
+from textrl.timing import timed
 
-SCORE_KEY = "score"
+SCORE_KEY = KEYS.score
 """float ``[B]``: each row's task score (the weighted reward before any KL shaping)."""
 
-_PROMPT_FIELDS = ("prompt", "messages")
-
-
-def batch_fields(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
-    """The rows' reward fields as a dict of lists (``prompt`` / ``messages`` left out).
-
-    A field missing from some rows is ``None`` there, so every list has one entry per row.
-
-    >>> batch_fields([{"prompt": "a", "answer": "1"}, {"prompt": "b"}])
-    {'answer': ['1', None]}
-    """
-    names: dict[str, None] = {}
-    for row in rows:
-        names.update((k, None) for k in row if k not in _PROMPT_FIELDS)
-    return {name: [row.get(name) for row in rows] for name in names}
-
-
-def raw_prompts(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The text the reward functions see for each row: the raw prompt, no chat template
-    (for a conversation, its last user turn)."""
-    return [row_messages(row, i)[1] for i, row in enumerate(rows)]
+PHASES = ("generation", "reward", "forward", "advantages")
+"""Phases :func:`collect` times (seconds, in ``timings``): ``generation`` (``agent.act``),
+``reward`` (scoring the responses), ``forward`` (the agent's log-prob / value prefill forwards)
+and ``advantages`` (KL shaping and the estimator)."""
 
 
 def _max_new_tokens(agent: Any, max_new_tokens: int | None) -> int:
@@ -64,82 +51,76 @@ def _max_new_tokens(agent: Any, max_new_tokens: int | None) -> int:
 
 def _score_rows(
     agent: Any,
-    batch: PromptBatch,
+    batch: Any,
     responses: torch.Tensor,
-    reward_fn: Callable[..., Any],
+    reward_fn: Callable[..., Any] | str,
     reward_placement: str,
     max_new_tokens: int | None,
 ) -> TensorDictBase:
-    """The fast-path rollout rows of ``responses`` ``[B, T]`` plus ``"score"`` ``[B]``."""
-    if len(batch.rows) != len(batch):
-        raise ValueError(
-            f"PromptBatch has {len(batch)} prompts but {len(batch.rows)} rows of fields; build it "
-            "with PromptSampler / encode_prompts"
+    """The batch's rollout rows for ``responses`` ``[B, T]``, plus ``KEYS.score`` ``[B]``."""
+    if not callable(getattr(batch, "rollout", None)):
+        raise TypeError(
+            f"collect() got a {type(batch).__name__} as the prompt batch; pass an "
+            "envs.prompts.PromptBatch (from PromptSampler.next_batch or encode_prompts)"
         )
-    device = torch.device(agent.device)
-    td = rollout_from_responses(
-        batch.input_ids.to(device),
-        batch.attention_mask.to(device),
-        responses.to(device),
+    return batch.rollout(
+        responses.to(torch.device(agent.device)),
         tokenizer=agent.tokenizer,
         reward_fn=reward_fn,
         eos_token_id=agent.eos_token_id,
         pad_token_id=agent.pad_token_id,
         max_new_tokens=_max_new_tokens(agent, max_new_tokens),
         reward_placement=reward_placement,
-        fields=batch_fields(batch.rows),
-        prompt_texts=raw_prompts(batch.rows),
     )
-    # Read before the agent shapes ("next","reward") with a KL penalty: the task score alone.
-    td.set(SCORE_KEY, td.get(KEYS.reward).squeeze(-1).sum(1))
-    return td
 
 
 def collect(
     agent: Any,
-    batch: PromptBatch,
-    reward_fn: RewardLike,
+    batch: Any,
+    reward_fn: Callable[..., Any] | str,
     *,
     reward_placement: str = "last",
     max_new_tokens: int | None = None,
+    timings: dict[str, float] | None = None,
 ) -> TensorDictBase:
     """One rollout TensorDict (DESIGN.md §3, ``batch_size=[B]``) for a batch of prompts.
 
     1. ``agent.act`` samples a response per row (micro-batched generation inside the agent);
-    2. :func:`envs.rollout_from_responses` scores them with ``reward_fn`` (a callable or a spec
-       string such as ``"think_format,tag_count"``) and writes the tokens, masks, done flags,
-       ``("next","reward")`` (placed by ``reward_placement``) and ``("reward_components", name)``;
-       ``"score"`` float ``[B]`` is each row's task score, the sum over time of the task reward
-       (equal to the weighted reward total; exact for ``"last"``, up to float rounding for
-       ``"uniform"``), kept so it survives the KL shaping of the next step;
+    2. ``batch.rollout`` scores them with ``reward_fn`` (a callable or a spec string such as
+       ``"think_format,tag_count"``) and writes the tokens, masks, done flags,
+       ``("next","reward")`` (placed by ``reward_placement``), ``("reward_components", name)``
+       and ``KEYS.score`` float ``[B]`` (each row's task score, kept so it survives the KL
+       shaping of the next step);
     3. ``agent.process_rollout(td)`` (when the agent has it) adds log-probs, values, KL shaping,
        ``advantage`` and ``value_target``;
     4. :func:`textrl.checks.check_rollout` validates the result.
 
     Every tensor is on ``agent.device``. ``max_new_tokens`` defaults to
     ``agent.config.max_new_tokens``; it must be the limit ``act`` generated with, since a row
-    without EOS is only valid at full length.
+    without EOS is only valid at full length. With a ``timings`` dict, the seconds of each of
+    :data:`PHASES` are added to it (the agent times ``forward`` and ``advantages``).
     """
-    reward_fn = as_reward_fn(reward_fn)
     device = torch.device(agent.device)
     # 1. rollout
-    responses = agent.act(
-        batch.input_ids.to(device), batch.attention_mask.to(device), greedy=False
-    )  # [B, T]
+    with timed(timings, "generation", device):
+        responses = agent.act(
+            batch.input_ids.to(device), batch.attention_mask.to(device), greedy=False
+        )  # [B, T]
     # 2. rewards
-    td = _score_rows(agent, batch, responses, reward_fn, reward_placement, max_new_tokens)
+    with timed(timings, "reward", device):
+        td = _score_rows(agent, batch, responses, reward_fn, reward_placement, max_new_tokens)
     # 3. log-probs, values, advantages
     process = getattr(agent, "process_rollout", None)
     if callable(process):
-        td = process(td)
+        td = process(td) if timings is None else process(td, timings=timings)
     # 4. checks
     return check_rollout(td)
 
 
 def evaluate_prompts(
     agent: Any,
-    prompt_batches: Iterable[PromptBatch],
-    reward_fn: RewardLike,
+    prompt_batches: Iterable[Any],
+    reward_fn: Callable[..., Any] | str,
     greedy: bool = True,
     *,
     max_new_tokens: int | None = None,
@@ -153,7 +134,6 @@ def evaluate_prompts(
     ``accuracy`` (mean of the ``accuracy`` component, only when it exists). ``n`` is the row
     count. The agent's state is untouched (no ``process_rollout``).
     """
-    reward_fn = as_reward_fn(reward_fn)
     device = torch.device(agent.device)
     scores, lengths, truncated = [], [], []
     components: dict[str, list[torch.Tensor]] = {}
@@ -184,10 +164,4 @@ def evaluate_prompts(
     return metrics
 
 
-__all__ = [
-    "SCORE_KEY",
-    "batch_fields",
-    "collect",
-    "evaluate_prompts",
-    "raw_prompts",
-]
+__all__ = ["PHASES", "SCORE_KEY", "collect", "evaluate_prompts"]

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from textrl.config import TrainConfig, save_config
+from textrl.keys import KEYS
+from textrl.timing import timed
 
 CHECKPOINT_MARKER = "COMPLETE"
 
@@ -266,6 +268,23 @@ def write_samples(path: Path, iteration: int, samples: list[dict[str, str]]) -> 
             f.write(json.dumps({"iteration": iteration, **sample}) + "\n")
 
 
+def iteration_metrics(iteration: int, td, update_metrics: dict[str, float]) -> dict[str, float]:
+    """The flat metrics row of one iteration: rollout reward (total and per component), response
+    length, generated tokens, then the agent's update metrics (losses, KL monitors, ...)."""
+    mask = td.get(KEYS.mask)
+    score = td.get(KEYS.score).float()
+    row: dict[str, float] = {"iteration": iteration}
+    row["reward/mean"] = score.mean().item()
+    row["reward/std"] = score.std().item() if score.numel() > 1 else 0.0
+    for name, value in td.get(KEYS.reward_components).items():
+        row[f"reward_components/{name}/mean"] = value.float().mean().item()
+        row[f"reward_components/{name}/std"] = value.float().std().item() if value.numel() > 1 else 0.0
+    row["response_length/mean"] = mask.sum(1).float().mean().item()
+    row["tokens"] = float(mask.sum().item())
+    row.update(update_metrics)
+    return row
+
+
 def train(config: TrainConfig) -> dict[str, Any]:
     """Run ``config.iterations`` PPO iterations; return the before/after held-out summary."""
     from accelerate import Accelerator
@@ -319,31 +338,24 @@ def train(config: TrainConfig) -> dict[str, Any]:
         progress = tqdm(total=config.iterations, initial=start, desc="PPO", dynamic_ncols=True)
     for iteration in range(start + 1, config.iterations + 1):
         t0 = time.perf_counter()
-        # 1. rollout, 2. rewards, 3. log-probs / values / advantages (inside collect)
-        td = collect(agent, sampler.next_batch(), reward_fn, reward_placement=config.reward_placement)
-        t1 = time.perf_counter()
+        timings: dict[str, float] = {}
+        # 1. rollout, 2. rewards, 3. log-probs / values / advantages (timed inside collect)
+        td = collect(agent, sampler.next_batch(), reward_fn, reward_placement=config.reward_placement,
+                     timings=timings)
         # 4. K epochs of minibatch updates
-        update_metrics = agent.update(td)
-        t2 = time.perf_counter()
+        with timed(timings, "update", agent.device):
+            update_metrics = agent.update(td)
         # 5. log / evaluate / checkpoint
-        mask = td.get(("collector", "mask"))
-        row: dict[str, float] = {"iteration": iteration}
-        score = td.get("score").float()
-        row["reward/mean"] = score.mean().item()
-        row["reward/std"] = score.std().item() if score.numel() > 1 else 0.0
-        for name, value in td.get("reward_components").items():
-            row[f"reward_components/{name}/mean"] = value.float().mean().item()
-            row[f"reward_components/{name}/std"] = value.float().std().item() if value.numel() > 1 else 0.0
-        row["response_length/mean"] = mask.sum(1).float().mean().item()
-        row.update(update_metrics)
-        row["time/rollout_s"] = t1 - t0
-        row["time/update_s"] = t2 - t1
-        row["time/iteration_s"] = time.perf_counter() - t0
-        row["tokens_per_second"] = mask.sum().item() / row["time/iteration_s"]
+        with timed(timings, "bookkeeping", agent.device):
+            row = iteration_metrics(iteration, td, update_metrics)
         if iteration == config.iterations or (config.eval_every and iteration % config.eval_every == 0):
-            row.update(evaluate(agent, eval_batches, reward_fn, config.seed + iteration))
-            if main:
-                write_samples(samples_path, iteration, sample_completions(agent, eval_batches[0]))
+            with timed(timings, "eval", agent.device):
+                row.update(evaluate(agent, eval_batches, reward_fn, config.seed + iteration))
+                if main:
+                    write_samples(samples_path, iteration, sample_completions(agent, eval_batches[0]))
+        row.update({f"time/{phase}_s": seconds for phase, seconds in timings.items()})
+        row["time/iteration_s"] = time.perf_counter() - t0
+        row["tokens_per_second"] = row["tokens"] / row["time/iteration_s"]
         metrics_log.write(row)
         if progress is not None:
             progress.set_postfix(reward=f"{row['reward/mean']:.3f}", kl=f"{row.get('kl/collection', 0.0):.3f}")

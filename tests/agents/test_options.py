@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from agents.base import SCORE
-from tests.agents.conftest import collect, make_agent
+from envs import rollout_from_responses
+from tests.agents.conftest import PROMPTS, collect, make_agent, target_reward
 from textrl.keys import KEYS
 from textrl.models import ValueModel, build_tiny_reward_model
 
@@ -179,3 +180,42 @@ def test_value_model_from_reward_model_matches_its_score(tok):
     critic.value_head.weight.data.add_(1.0)
     next(critic.backbone.parameters()).data.add_(1.0)
     assert all(torch.equal(before[k], v) for k, v in rm.state_dict().items())
+
+
+def uneven_rollout(tok):
+    """Four scripted responses of 2, 6 (truncated), 4 and 1 valid tokens, scored by target_reward."""
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    eos = tok.eos_token_id
+    responses = torch.tensor(
+        [[40, eos, 0, 0, 0, 0], [41, 42, 300, 44, 45, 46], [200, 48, 49, eos, 0, 0], [eos, 0, 0, 0, 0, 0]]
+    )
+    return rollout_from_responses(
+        enc["input_ids"], enc["attention_mask"].bool(), responses, tokenizer=tok, reward_fn=target_reward,
+        eos_token_id=eos, pad_token_id=tok.pad_token_id, max_new_tokens=6,
+    )
+
+
+@pytest.mark.parametrize("name", ["gae_ppo", "one_step_ppo"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+def test_gradient_accumulation_equals_the_full_minibatch_gradient(tok, name, aggregation):
+    """Micro-batches of uneven response lengths, weighted by ``micro_weight``, sum to the
+    gradient of the whole minibatch (the step itself is replaced by a recorder)."""
+    grads = {}
+    for steps in (1, 2, 4):
+        agent = make_agent(tok, name, gradient_accumulation_steps=steps, loss_aggregation=aggregation)
+        td = agent.process_rollout(uneven_rollout(tok))
+        assert td.get(KEYS.mask).sum(1).tolist() == [2, 6, 4, 1]
+
+        def record(agent=agent, steps=steps):
+            grads[steps] = {
+                n: p.grad.clone() for n, p in agent.named_parameters() if p.grad is not None
+            }
+            return {}
+
+        agent._step = record
+        torch.manual_seed(5)  # the same minibatch order in every run
+        agent.update(td)
+    assert grads[1].keys() == grads[2].keys() == grads[4].keys() and grads[1]
+    for steps in (2, 4):
+        for n, g in grads[1].items():
+            torch.testing.assert_close(grads[steps][n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")

@@ -1,0 +1,54 @@
+"""DESIGN.md §2: imports point one way.
+
+``agents``, ``envs`` and ``rewards`` may import ``textrl``; inside ``textrl`` only the
+orchestration modules (the trainer, the command line and the pipeline stages) may import them;
+``textrl.functional`` imports only torch (and itself). Lazy imports inside functions count too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PRODUCT_PACKAGES = {"agents", "envs", "rewards"}
+ORCHESTRATION = {"textrl/trainer.py", "textrl/cli.py"}
+ORCHESTRATION_DIRS = ("textrl/stages/",)
+
+
+def imported_roots(path: Path) -> set[str]:
+    """Top-level package of every ``import x`` / ``from x import y`` in a file (absolute only)."""
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def textrl_files() -> list[Path]:
+    return sorted((ROOT / "textrl").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", textrl_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_textrl_core_imports_no_agent_env_or_reward(path):
+    rel = path.relative_to(ROOT).as_posix()
+    if rel in ORCHESTRATION or rel.startswith(ORCHESTRATION_DIRS):
+        return
+    bad = imported_roots(path) & PRODUCT_PACKAGES
+    assert not bad, (
+        f"{rel} imports {sorted(bad)}: textrl's core knows no specific agent, env or reward "
+        "(DESIGN.md §2); take the object as an argument or move the code to the orchestration"
+    )
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "textrl" / "functional").rglob("*.py")), ids=lambda p: p.name
+)
+def test_functional_imports_only_torch(path):
+    allowed = {"torch", "textrl", "__future__", "math", "typing", "collections", "functools"}
+    extra = imported_roots(path) - allowed
+    assert not extra, f"textrl/functional/{path.name} imports {sorted(extra)}; it may import only torch"
