@@ -1,7 +1,7 @@
 """PPO-family agents (DESIGN.md §5) and a registry by name.
 
 >>> sorted(AGENTS)
-['gae_ppo', 'one_step_ppo']
+['gae_ppo', 'grpo', 'multi_adapter_ppo', 'one_step_ppo', 'rloo']
 """
 
 from __future__ import annotations
@@ -10,9 +10,17 @@ from typing import Any
 
 from agents.base import PPOAgent
 from agents.gae_ppo import GAEPPO
+from agents.group_ppo import GRPO, RLOO
+from agents.multi_adapter_ppo import MultiAdapterPPO
 from agents.one_step_ppo import OneStepPPO
 
-AGENTS: dict[str, type[PPOAgent]] = {"gae_ppo": GAEPPO, "one_step_ppo": OneStepPPO}
+AGENTS: dict[str, type[PPOAgent]] = {
+    "gae_ppo": GAEPPO,
+    "grpo": GRPO,
+    "multi_adapter_ppo": MultiAdapterPPO,
+    "one_step_ppo": OneStepPPO,
+    "rloo": RLOO,
+}
 """Agent name (``--agent``) -> class."""
 
 
@@ -23,4 +31,4 @@ def make_agent(name: str, *args: Any, **kwargs: Any) -> PPOAgent:
     return AGENTS[name](*args, **kwargs)
 
 
-__all__ = ["AGENTS", "GAEPPO", "OneStepPPO", "PPOAgent", "make_agent"]
+__all__ = ["AGENTS", "GAEPPO", "GRPO", "RLOO", "MultiAdapterPPO", "OneStepPPO", "PPOAgent", "make_agent"]

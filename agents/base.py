@@ -17,6 +17,8 @@ Subclasses implement :meth:`~PPOAgent.estimate` (advantages) and :meth:`~PPOAgen
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import math
 from collections import defaultdict
 from collections.abc import Iterator
@@ -27,6 +29,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import Tensor, nn
 
 from textrl.config import TrainConfig
+from textrl.distributed import Distributed
 from textrl.functional import (
     entropy_from_logits,
     kl_penalty,
@@ -78,6 +81,15 @@ def warp_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) ->
     return logits
 
 
+@functools.cache
+def _accepts_logits_to_keep(model_type: type) -> bool:
+    """Whether ``model_type.forward`` names HF's ``logits_to_keep`` (wrappers taking ``**kwargs`` do not count)."""
+    try:
+        return "logits_to_keep" in inspect.signature(model_type.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 class PPOAgent(nn.Module):
     """Base of the PPO-family agents. Subclasses set ``name`` and implement the estimator/loss."""
 
@@ -110,6 +122,8 @@ class PPOAgent(nn.Module):
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.iteration = 0
+        self.nonfinite_streak = 0  # consecutive skipped (NaN/inf) updates; the trainer stops at the max
+        self.dist = Distributed()  # one process; the trainer swaps in the process group under accelerate
         self.actor_optimizer = torch.optim.AdamW(
             [p for p in self.policy.parameters() if p.requires_grad], lr=config.actor_lr, weight_decay=0.0
         )
@@ -188,15 +202,24 @@ class PPOAgent(nn.Module):
 
     # -- 2. evaluating ----------------------------------------------------------------------------
     def _response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
-        """Logits that predict each response token: ``[B, T, V]``."""
+        """Logits that predict each response token: ``[B, T, V]``.
+
+        The LM head runs on the last ``T + 1`` positions only when the model takes HF's
+        ``logits_to_keep`` (the prompt's logits are never needed): ``[B, P+T, V]`` -> ``[B, T+1, V]``.
+        """
+        kwargs: dict[str, Any] = {}
+        if _accepts_logits_to_keep(type(model)):
+            kwargs["logits_to_keep"] = input_ids.shape[1] - prompt_len + 1
         with self._autocast():
             out = model(
                 input_ids=input_ids,
                 attention_mask=attention_mask.long(),
                 position_ids=position_ids_for(attention_mask),
                 use_cache=False,
+                **kwargs,
             )
-        return out.logits[:, prompt_len - 1 : -1]
+        logits = out.logits  # [B, P+T, V], or [B, T+1, V] with logits_to_keep
+        return logits[:, logits.shape[1] - (input_ids.shape[1] - prompt_len) - 1 : -1]
 
     def _values(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
         """V(s_t) for each response position: ``[B, T]`` (state = prompt + tokens before t)."""
@@ -234,13 +257,20 @@ class PPOAgent(nn.Module):
             out["ref"].append(self.logprobs(self.ref_policy, *args, action[sl]))
             if self.critic is not None:
                 out["value"].append(self._values(*args))
+        logp = torch.cat(out["logp"])
         result = TensorDict(
-            {KEYS.action_log_prob: torch.cat(out["logp"]), KEYS.ref_log_prob: torch.cat(out["ref"])},
+            {KEYS.action_log_prob: logp, KEYS.ref_log_prob: torch.cat(out["ref"])},
             batch_size=td.batch_size,
         )
         if self.critic is not None:
             result.set(KEYS.state_value, torch.cat(out["value"]).unsqueeze(-1))
+        if type(self).behaviour_logprobs is PPOAgent.behaviour_logprobs:  # the policy's own log-probs
+            self._policy_logp = (logp, logp._version, self._policy_version())
         return result
+
+    def _policy_version(self) -> tuple[tuple[int, int], ...]:
+        """Changes whenever a policy weight is replaced or modified in place (optimiser step, load)."""
+        return tuple((p.data_ptr(), p._version) for p in self.policy.parameters())
 
     def behaviour_logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
         """Log-probs the ratio's denominator uses; the policy itself unless a snapshot is kept."""
@@ -272,7 +302,8 @@ class PPOAgent(nn.Module):
                 td.set(KEYS.next_state_value, next_values.unsqueeze(-1))
             self.estimate(td)
             kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind="k1")
-            self.kl_ctl.update(masked_sum(kl, mask, dim=1).mean().item(), td.shape[0])
+            seq_kl = self.dist.mean({"kl": masked_sum(kl, mask, dim=1).mean().item()})["kl"]
+            self.kl_ctl.update(seq_kl, td.shape[0] * self.dist.world_size)
         return td
 
     def estimate(self, td: TensorDictBase) -> None:  # pragma: no cover - abstract
@@ -304,13 +335,22 @@ class PPOAgent(nn.Module):
 
     @torch.no_grad()
     def policy_ref_kl(self, td: TensorDictBase) -> float:
-        """Mean per-token KL(policy || ref) (``config.kl_kind``) of the rollout's actions, now."""
+        """Mean per-token KL(policy || ref) (``config.kl_kind``) of the rollout's actions, now.
+
+        When the rollout's ``action_log_prob`` are the policy's own (computed by :meth:`evaluate`,
+        neither they nor a policy weight changed since), they are reused instead of recomputed:
+        the forward would give the same numbers. This makes ``kl/before_update`` free.
+        """
         input_ids, attention_mask, p = sequence_inputs(td)
         action, mask = td.get(KEYS.action), td.get(KEYS.mask)
-        logp = torch.cat([
-            self.logprobs(self.policy, input_ids[sl], attention_mask[sl], p, action[sl])
-            for sl in self._micro_batches(td.shape[0], self.config.forward_batch_size)
-        ])
+        cached, cached_version, policy_version = getattr(self, "_policy_logp", None) or (None, None, None)
+        logp = td.get(KEYS.action_log_prob, None)
+        if not (logp is not None and logp is cached and logp._version == cached_version
+                and policy_version == self._policy_version()):
+            logp = torch.cat([
+                self.logprobs(self.policy, input_ids[sl], attention_mask[sl], p, action[sl])
+                for sl in self._micro_batches(td.shape[0], self.config.forward_batch_size)
+            ])
         kl = kl_penalty(logp, td.get(KEYS.ref_log_prob), kind=self.config.kl_kind)
         return masked_mean(kl, mask).item()
 
@@ -321,16 +361,17 @@ class PPOAgent(nn.Module):
         each the mean per-token KL(policy || ref) of ``config.kl_kind``: ``kl/collection`` (the
         behaviour log-probs stored in the rollout), ``kl/before_update`` and ``kl/after_update``
         (the policy re-evaluated before and after this update).
+
+        Numerical faults: a rollout with NaN/inf log-probs, values, rewards or advantages on valid
+        tokens is skipped as a whole (one skipped update); a minibatch whose loss or gradient is
+        NaN/inf is skipped (no optimiser or scheduler step, weights untouched). Both count in
+        ``nonfinite/skipped_updates`` and in ``nonfinite_streak`` (consecutive skips, reset by a
+        good step); at ``config.max_nonfinite_updates`` the update stops and the trainer stops
+        the run. The rollout is split into ``num_minibatches`` x ``gradient_accumulation_steps``
+        as evenly as possible (uneven only when ``reward_nonfinite='drop'`` removed rows).
         """
         cfg = self.config
         n = td.shape[0]
-        if n % cfg.num_minibatches or (n // cfg.num_minibatches) % cfg.gradient_accumulation_steps:
-            raise ValueError(
-                f"a rollout of {n} rows does not divide into num_minibatches={cfg.num_minibatches} x "
-                f"gradient_accumulation_steps={cfg.gradient_accumulation_steps}; change either"
-            )
-        mb_size = n // cfg.num_minibatches
-        micro = mb_size // cfg.gradient_accumulation_steps
         mask = td.get(KEYS.mask)
         kl_collection = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind=cfg.kl_kind)
         metrics: dict[str, float] = {
@@ -340,36 +381,57 @@ class PPOAgent(nn.Module):
         stats: dict[str, list[float]] = defaultdict(list)
         early_stopped = 0.0
         skipped = 0
+        nonfinite = 0
         epochs_run = 0
-        for _ in range(cfg.ppo_epochs):
+        if self.dist.any(not self._rollout_is_finite(td)):  # every minibatch would be poisoned: skip all
+            nonfinite = 1
+            self.nonfinite_streak += 1
+        for _ in range(0 if nonfinite else cfg.ppo_epochs):
             epochs_run += 1
             order = torch.randperm(n, device=td.device)
-            for start in range(0, n, mb_size):
-                idx = order[start : start + mb_size]
+            for idx in order.tensor_split(cfg.num_minibatches):
+                if idx.numel() == 0:
+                    continue
                 mb_tokens = mask[idx].sum().clamp(min=1)
                 for opt in self.optimizers:
                     opt.zero_grad(set_to_none=True)
                 mb_stats: dict[str, list[Tensor]] = defaultdict(list)
-                for m in range(0, mb_size, micro):
-                    sub = td[idx[m : m + micro]]
-                    weight = self.micro_weight(sub, mask[idx[m : m + micro]], mb_tokens, micro, mb_size)
+                grad_norms = None
+                losses_finite = True
+                for sub_idx in idx.tensor_split(min(cfg.gradient_accumulation_steps, idx.numel())):
+                    sub = td[sub_idx]
+                    weight = self.micro_weight(sub, mask[sub_idx], mb_tokens, sub_idx.numel(), idx.numel())
                     loss, s = self.loss(sub)
+                    if not bool(torch.isfinite(loss)):  # NaN/inf logits, log-probs, values or advantages
+                        losses_finite = False
+                        break
                     (weight * loss).backward()
                     for k, v in s.items():
                         mb_stats[k].append(v.detach().float())
-                mb_means = {k: torch.stack(v).mean().item() for k, v in mb_stats.items()}
-                # MA-RLHF: an extreme mean ratio means stale or broken samples; drop the actor step.
-                if cfg.ratio_threshold > 0 and mb_means.get("ratio/mean", 1.0) > cfg.ratio_threshold:
-                    skipped += 1
-                    for param in self.policy.parameters():
-                        param.grad = None
-                grad_norms = self._step()
+                # every process takes the same branch: decisions use values averaged over processes
+                if not self.dist.any(not losses_finite):
+                    mb_means = self.dist.mean({k: torch.stack(v).mean().item() for k, v in mb_stats.items()})
+                    # MA-RLHF: an extreme mean ratio means stale or broken samples; drop the actor step.
+                    if cfg.ratio_threshold > 0 and mb_means.get("ratio/mean", 1.0) > cfg.ratio_threshold:
+                        skipped += 1
+                        for param in self.policy.parameters():
+                            param.grad = None
+                    grad_norms = self._step()  # None when a gradient is NaN/inf: nothing stepped
+                if grad_norms is None:
+                    for opt in self.optimizers:
+                        opt.zero_grad(set_to_none=True)
+                    nonfinite += 1
+                    self.nonfinite_streak += 1
+                    if self.nonfinite_streak >= cfg.max_nonfinite_updates:
+                        break
+                    continue
+                self.nonfinite_streak = 0
                 for k, v in {**mb_means, **grad_norms}.items():
                     stats[k].append(v)
                 if self._should_stop_early(stats):
                     early_stopped = 1.0
                     break
-            if early_stopped:
+            if early_stopped or self.nonfinite_streak >= cfg.max_nonfinite_updates:
                 break
         metrics["kl/after_update"] = self.policy_ref_kl(td)
         if KEYS.value_target in td.keys(include_nested=True) and self.critic is not None:
@@ -379,6 +441,8 @@ class PPOAgent(nn.Module):
         self.after_update()
         metrics.update({k: float(sum(v) / len(v)) for k, v in stats.items() if v})
         metrics["ppo/ratio_threshold_skips"] = float(skipped)
+        metrics["nonfinite/skipped_updates"] = float(nonfinite)
+        metrics["nonfinite/consecutive"] = float(self.nonfinite_streak)
         metrics["ppo/early_stopped"] = early_stopped
         metrics["ppo/epochs_run"] = float(epochs_run)
         metrics["lr/actor"] = self.actor_optimizer.param_groups[0]["lr"]
@@ -397,9 +461,26 @@ class PPOAgent(nn.Module):
             return float(sub_mask.sum() / mb_tokens)
         return micro / mb_size
 
-    def _step(self) -> dict[str, float]:
-        """Clip gradients, step every optimiser and scheduler; return the pre-clip grad norms."""
+    def _rollout_is_finite(self, td: TensorDictBase) -> bool:
+        """The rollout's log-probs, values, rewards and advantages are finite on valid tokens."""
+        mask = td.get(KEYS.mask)  # [B, T]
+        present = set(td.keys(include_nested=True))
+        for key in (KEYS.action_log_prob, KEYS.ref_log_prob, KEYS.state_value, KEYS.reward,
+                    KEYS.advantage, KEYS.value_target):
+            if key in present:
+                x = td.get(key)
+                x = x.squeeze(-1) if x.dim() == 3 else x  # [B, T]
+                if not bool(torch.isfinite(x[mask]).all()):
+                    return False
+        return True
+
+    def _step(self) -> dict[str, float] | None:
+        """Clip gradients, step every optimiser and scheduler; return the pre-clip grad norms.
+
+        Returns None and steps nothing when a gradient norm is NaN/inf.
+        """
         cfg = self.config
+        self.dist.all_reduce_grads(p for p in self.parameters() if p.grad is not None)
         norms = {}
         for name, model in (("actor", self.policy), ("critic", self.critic)):
             if model is None:
@@ -408,6 +489,8 @@ class PPOAgent(nn.Module):
             if params:
                 max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
                 norms[f"grad_norm/{name}"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if not all(math.isfinite(v) for v in norms.values()):
+            return None
         for opt, sched in zip(self.optimizers, self.schedulers):
             opt.step()
             sched.step()

@@ -38,6 +38,8 @@ from textrl.functional import kl_shaped_rewards, response_mask
 from textrl.keys import KEYS, RolloutKeys
 
 PLACEMENTS = ("last", "uniform")
+NONFINITE_POLICIES = ("raise", "zero", "drop")
+"""What a NaN/inf task reward does: raise a RewardError, count the row with score 0, or drop it."""
 TRUNCATE_MODES = ("error", "left")
 DEFAULT_REWARD = "think_format,tag_count"
 RESERVED_FIELDS = ("completion_ids", "truncated")
@@ -105,6 +107,8 @@ class Scores:
     """name -> float32 ``[B]`` raw score of each reward function."""
     completions: list[str]
     """the decoded completions (valid tokens, ``skip_special_tokens=True``)."""
+    nonfinite: Tensor | None = None
+    """bool ``[B]``: rows whose total was NaN/inf, set to 0 (``nonfinite`` 'zero' / 'drop' only)."""
 
 
 def score_completions(
@@ -116,6 +120,7 @@ def score_completions(
     tokenizer: Any,
     truncated: Tensor | None = None,
     fields: Mapping[str, Sequence[Any]] | None = None,
+    nonfinite: str = "raise",
 ) -> Scores:
     """Decode and score ``B`` finished responses; the one scoring path of the envs and fast path.
 
@@ -127,7 +132,13 @@ def score_completions(
     function that raises or returns NaN / a wrong shape raises :class:`rewards.RewardError`.
     Rewards must be row-wise (a row's score does not depend on the other rows of the batch) for
     an environment, which scores rows as they finish, to match the fast path exactly.
+
+    ``nonfinite`` (one of :data:`NONFINITE_POLICIES`): with ``"zero"`` or ``"drop"`` a NaN/inf
+    score does not raise; the row's total and its non-finite components become 0 and
+    ``Scores.nonfinite`` marks it (the caller drops it under ``"drop"``).
     """
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"reward_nonfinite={nonfinite!r}: must be one of {NONFINITE_POLICIES}")
     if responses.dim() != 2 or mask.shape != responses.shape:
         raise ValueError(
             f"responses {tuple(responses.shape)} and mask {tuple(mask.shape)} must both be [B, T]"
@@ -149,18 +160,23 @@ def score_completions(
     kwargs["completion_ids"] = ids
     kwargs["truncated"] = truncated.to(torch.bool).cpu().reshape(b)
     prompts = list(prompts)
+    allow = {"allow_nonfinite": True} if nonfinite != "raise" else {}
     components_fn = getattr(reward_fn, "components", None)
     if callable(components_fn) and isinstance(getattr(reward_fn, "weights", None), Mapping):
-        total, raw = components_fn(prompts, completions, **kwargs)
+        total, raw = components_fn(prompts, completions, **allow, **kwargs)
     else:
-        total = call_reward(reward_fn, prompts, completions, **kwargs)
+        total = call_reward(reward_fn, prompts, completions, **allow, **kwargs)
         raw = {reward_name(reward_fn): total}
     total = total.detach().to(torch.float32).cpu()
-    if not bool(torch.isfinite(total).all()):
-        raise RewardError(f"reward {reward_name(reward_fn)!r} produced a non-finite weighted total")
-    return Scores(
-        total, {k: v.detach().to(torch.float32).cpu() for k, v in raw.items()}, completions
-    )
+    raw = {k: v.detach().to(torch.float32).cpu() for k, v in raw.items()}
+    bad = ~torch.isfinite(total)
+    if nonfinite == "raise":
+        if bool(bad.any()):
+            raise RewardError(f"reward {reward_name(reward_fn)!r} produced a non-finite weighted total")
+        return Scores(total, raw, completions)
+    zero = torch.zeros((), dtype=torch.float32)
+    raw = {k: torch.where(torch.isfinite(v), v, zero) for k, v in raw.items()}
+    return Scores(torch.where(bad, zero, total), raw, completions, nonfinite=bad)
 
 
 def place_score(score: Tensor, mask: Tensor, placement: str = "last") -> Tensor:
@@ -410,6 +426,7 @@ def rollout_from_responses(
     fields: Mapping[str, Sequence[Any]] | None = None,
     prompt_texts: Sequence[str] | None = None,
     keys: RolloutKeys = KEYS,
+    reward_nonfinite: str = "raise",
 ) -> TensorDict:
     """The DESIGN.md §3 rollout rows of generated responses, as the token MDP would pay them.
 
@@ -422,6 +439,11 @@ def rollout_from_responses(
     ``[B,T,1]`` (the score placed by ``reward_placement``), ``("next","done" / "terminated" /
     "truncated")`` ``[B,T,1]`` and ``("reward_components", name)`` ``[B]``. ``prompt_texts``
     (the raw prompts, for the rewards) default to the decoded prompt tokens.
+
+    ``reward_nonfinite`` decides what a NaN/inf task reward does (:func:`score_completions`):
+    ``"raise"`` (a :class:`rewards.RewardError`), ``"zero"`` (score 0) or ``"drop"`` (the row is
+    left out, so fewer than ``B`` rows come back). Under the last two, ``KEYS.reward_nonfinite``
+    bool ``[B]`` marks the zeroed rows.
     """
     _check_inputs(prompt_ids, prompt_mask, responses, max_new_tokens)
     if reward_placement not in PLACEMENTS:
@@ -457,6 +479,7 @@ def rollout_from_responses(
         tokenizer=tokenizer,
         truncated=~ended_eos,
         fields=fields,
+        nonfinite=reward_nonfinite,
     )
     rewards = place_score(scores.total.to(responses.device), mask, reward_placement)  # [B, T]
     components = TensorDict(
@@ -477,11 +500,23 @@ def rollout_from_responses(
         batch_size=[b],
         device=responses.device,
     )
+    if scores.nonfinite is not None:
+        bad = scores.nonfinite.to(responses.device)
+        if reward_nonfinite == "drop":
+            if bool(bad.all()):
+                raise RewardError(
+                    f"every one of the {b} rows got a NaN/inf task reward, so reward_nonfinite="
+                    "'drop' leaves nothing to train on; fix the reward function"
+                )
+            td = td[~bad]
+            bad = bad[~bad]
+        td.set(keys.reward_nonfinite, bad)
     return check_rollout(td, keys)
 
 
 __all__ = [
     "DEFAULT_REWARD",
+    "NONFINITE_POLICIES",
     "PLACEMENTS",
     "PromptTable",
     "Scores",

@@ -320,6 +320,16 @@ class PromptBatch:
             self.prompt_index,
         )
 
+    def select(self, rows: slice) -> PromptBatch:
+        """The rows ``rows`` of this batch (e.g. one process's share of a global batch)."""
+        return PromptBatch(
+            self.input_ids[rows],
+            self.attention_mask[rows],
+            self.prompt_texts[rows],
+            self.rows[rows],
+            self.prompt_index[rows],
+        )
+
     def rollout(
         self,
         responses: Tensor,
@@ -330,6 +340,7 @@ class PromptBatch:
         pad_token_id: int,
         max_new_tokens: int,
         reward_placement: str = "last",
+        reward_nonfinite: str = "raise",
     ) -> TensorDict:
         """The token MDP's rollout rows (DESIGN.md §3) of ``responses`` to these prompts.
 
@@ -358,6 +369,7 @@ class PromptBatch:
             reward_placement=reward_placement,
             fields=batch_fields(self.rows),
             prompt_texts=raw_prompts(self.rows),
+            reward_nonfinite=reward_nonfinite,
         )
         td.set(KEYS.score, td.get(KEYS.reward).squeeze(-1).sum(1))
         return td

@@ -17,6 +17,7 @@ from rewards.penalties import length_penalty, missing_eos_penalty, repetition_pe
 from rewards.registry import (
     REWARD_LOADERS,
     REWARDS,
+    check_reward_spec,
     get_reward,
     parse_reward_spec,
     register_reward,
@@ -32,6 +33,7 @@ __all__ = [
     "RewardFn",
     "accuracy_reward",
     "call_reward",
+    "check_reward_spec",
     "get_reward",
     "length_penalty",
     "missing_eos_penalty",

@@ -165,13 +165,19 @@ def _raised(fn: RewardFn, name: str, err: Exception, prompts, completions, kwarg
 
 
 def call_reward(
-    fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], **kwargs: Any
+    fn: RewardFn,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    *,
+    allow_nonfinite: bool = False,
+    **kwargs: Any,
 ) -> Tensor:
     """Call ``fn`` and return its scores as a finite, detached float32 ``[B]`` tensor.
 
     Raises :class:`RewardError` naming the function, the offending rows and what to do when it
     raises, returns NaN/inf, the wrong shape, or something that is not a tensor, list or array
-    of ``B`` numbers. Lists and arrays of shape ``[B]`` are converted.
+    of ``B`` numbers. Lists and arrays of shape ``[B]`` are converted. ``allow_nonfinite=True``
+    lets NaN/inf scores through (the caller applies a ``reward_nonfinite`` policy to them).
 
     >>> call_reward(lambda p, c, **kw: [1, 2], ["p", "p"], ["a", "b"]).tolist()
     [1.0, 2.0]
@@ -211,7 +217,7 @@ def call_reward(
             f"reward {name!r} returned shape {tuple(out.shape)}, expected [{n}]{hint}"
         )
     out = out.detach().to(torch.float32)
-    bad = torch.nonzero(~torch.isfinite(out)).flatten().tolist()
+    bad = [] if allow_nonfinite else torch.nonzero(~torch.isfinite(out)).flatten().tolist()
     if bad:
         values = [out[i].item() for i in bad[:_MAX_ROWS_SHOWN]]
         raise RewardError(

@@ -62,12 +62,22 @@ class CompositeReward:
         return dict(self._fns)
 
     def components(
-        self, prompts: list[str], completions: list[str], **kwargs: Any
+        self,
+        prompts: list[str],
+        completions: list[str],
+        *,
+        allow_nonfinite: bool = False,
+        **kwargs: Any,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """``(total [B], {name: raw score [B]})``; raw scores are before weighting."""
+        """``(total [B], {name: raw score [B]})``; raw scores are before weighting.
+
+        ``allow_nonfinite=True`` lets NaN/inf scores through instead of raising (see
+        :func:`~rewards.base.call_reward`); the total of such a row is then NaN/inf too.
+        """
         n = check_batch(prompts, completions)
         raw = {
-            name: call_reward(fn, prompts, completions, **kwargs) for name, fn in self._fns.items()
+            name: call_reward(fn, prompts, completions, allow_nonfinite=allow_nonfinite, **kwargs)
+            for name, fn in self._fns.items()
         }
         device = next(iter(raw.values())).device
         total = torch.zeros(n, dtype=torch.float32, device=device)

@@ -135,6 +135,12 @@ class NeuralReward:
     ) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"NeuralReward: batch_size must be a positive int, got {batch_size!r}")
+        if tokenizer is None:
+            raise ValueError(
+                "NeuralReward: no reward tokenizer; pass the reward model's own tokenizer (the "
+                "policy's may differ: scoring goes through text), or load both with "
+                "NeuralReward.from_pretrained(path)"
+            )
         if tokenizer.pad_token_id is None:
             raise ValueError(
                 "NeuralReward: the reward tokenizer has no pad token, so batches cannot be "

@@ -233,6 +233,47 @@ def parse_reward_spec(spec: str) -> CompositeReward:
     return CompositeReward(components)
 
 
+def check_reward_spec(spec: str) -> None:
+    """Check a reward spec's entries, names and weights without building it.
+
+    No model loads and no reward file is imported, so a config can be checked before anything
+    heavy starts; raises the ``ValueError`` :func:`parse_reward_spec` would for an empty entry, a
+    bad weight or an unknown name, and names a reward file or local reward model path that does
+    not exist. (A hub id cannot be checked offline.)
+
+    >>> check_reward_spec("think_format:0.5,tag_count")
+    >>> check_reward_spec("think_fromat")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown reward 'think_fromat' (did you mean 'think_format'?)...
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(
+            f"empty reward spec {spec!r}; e.g. 'think_format:0.5,tag_count,accuracy:2'"
+        )
+    for i, raw in enumerate(spec.split(",")):
+        token = raw.strip()
+        if not token:
+            raise ValueError(f"reward spec {spec!r} has an empty entry at position {i}")
+        key = _split_weight(token)[0].strip()
+        scheme, sep, argument = key.partition(":")
+        argument = argument.strip()
+        file = key.rpartition(":")[0]
+        if key in REWARDS:
+            continue
+        if sep and scheme in REWARD_LOADERS:
+            if not argument:
+                load_neural_reward(argument)  # raises: the entry names no model
+            local = Path(argument).expanduser()
+            if argument.startswith(("/", ".", "~")) and not local.exists():
+                raise ValueError(f"reward {key!r}: {local} does not exist; give an existing folder")
+        elif file.endswith(".py"):
+            if not Path(file).expanduser().is_file():
+                raise ValueError(f"reward file {file!r} does not exist (in reward spec entry {token!r})")
+        else:
+            get_reward(key)  # an unknown name: raises with suggestions
+
+
 for _fn in (
     think_format_reward,
     tag_count_reward,
@@ -247,6 +288,7 @@ __all__ = [
     "REWARDS",
     "REWARD_LOADERS",
     "bind",
+    "check_reward_spec",
     "get_reward",
     "load_reward_from_file",
     "parse_reward_spec",

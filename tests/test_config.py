@@ -59,8 +59,7 @@ def test_unknown_yaml_key_is_named(tmp_path):
         ({"dual_clip": 1.0}, "dual_clip"),
         ({"top_p": 0.0}, "top_p"),
         ({"agent": "grpo", "n_samples_per_prompt": 1}, "n_samples_per_prompt"),
-        ({"agent": "rloo"}, "not available yet"),
-        ({"agent": "multi_adapter_ppo"}, "not available yet"),
+        ({"agent": "rloo", "n_samples_per_prompt": 1}, "n_samples_per_prompt"),
     ],
 )
 def test_invalid_fields_are_named(overrides, field):

@@ -99,8 +99,12 @@ def check_finite(td: TensorDictBase, key: NestedKey, keys: RolloutKeys = KEYS) -
         raise RolloutError(f"{_name(key)} holds NaN/inf on valid tokens of rows {rows[:10]}")
 
 
-def check_rollout(td: TensorDictBase, keys: RolloutKeys = KEYS) -> TensorDictBase:
-    """Run every check that applies to the keys present; return the rollout unchanged."""
+def check_rollout(td: TensorDictBase, keys: RolloutKeys = KEYS, finite: bool = True) -> TensorDictBase:
+    """Run every check that applies to the keys present; return the rollout unchanged.
+
+    ``finite=False`` skips the NaN/inf checks of the float leaves (log-probs, values, the
+    KL-shaped reward, advantages), for a caller that handles non-finite values itself.
+    """
     if td.batch_dims != 1:
         raise RolloutError(f"rollout batch_size must be [B], got {list(td.batch_size)}")
     action = _get(td, keys.action)
@@ -114,11 +118,13 @@ def check_rollout(td: TensorDictBase, keys: RolloutKeys = KEYS) -> TensorDictBas
     for key in (keys.action_log_prob, keys.ref_log_prob):
         if key in present:
             check_per_token_shape(td, key, trailing_one=False, keys=keys)
-            check_finite(td, key, keys)
+            if finite:
+                check_finite(td, key, keys)
     for key in (keys.reward, keys.state_value, keys.next_state_value, keys.advantage, keys.value_target):
         if key in present:
             check_per_token_shape(td, key, trailing_one=True, keys=keys)
-            check_finite(td, key, keys)
+            if finite:
+                check_finite(td, key, keys)
     for key in (keys.done, keys.terminated, keys.truncated):
         check_per_token_shape(td, key, trailing_one=True, keys=keys)
     check_done_once(td, keys)

@@ -5,10 +5,15 @@ Subcommands available in this version:
 - ``textrl train``: PPO on a prompt set with pluggable rewards; with no arguments, the embedded
   CPU default (tiny offline model, a short format warm-up, GAEPPO on the built-in digits task).
 - ``textrl tiny``: build (or find in the cache) the offline tiny models and print where they are.
-- ``textrl generate``: generate from a causal LM (a local path, a hub id, or ``tiny``) with its
-  chat template, greedy or sampled.
+- ``textrl generate``: generate from a causal LM (a local path, a hub id, ``tiny``, or a LoRA
+  adapter folder) with its chat template, greedy or sampled.
+- ``textrl sft``: supervised fine-tuning with the completion-only loss (full or LoRA, 4-bit base).
+- ``textrl rm``: reward-model training (pairwise loss); a full model or a LoRA reward adapter.
+- ``textrl dpo``: DPO with the sigmoid loss against the starting model.
+- ``textrl merge``: merge a LoRA adapter into its base and save a full model.
+- ``textrl pipeline``: SFT -> reward model -> PPO; with no arguments, the offline demo.
 
-The rest of the pipeline (sft, rm, dpo, merge, pipeline, bench) arrives with its issues.
+Each stage accepts ``--config file.yaml`` and one flag per config field (``--help`` lists them).
 """
 
 from __future__ import annotations
@@ -50,8 +55,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.temperature <= 0:
         raise SystemExit(f"textrl generate: --temperature={args.temperature}: must be > 0 (use --greedy)")
     torch.manual_seed(args.seed)
-    tokenizer = load_tokenizer(args.model)
-    model = load_causal_lm(args.model, device=args.device)
+    from textrl.stages.common import is_adapter_dir, load_adapter_model
+
+    if is_adapter_dir(args.model):  # a LoRA adapter folder: its base plus the adapter
+        try:
+            model = load_adapter_model(args.model, device=args.device)
+        except ValueError as err:
+            raise SystemExit(f"textrl generate: {err}") from None
+        tokenizer = load_tokenizer(args.model)
+    else:
+        tokenizer = load_tokenizer(args.model)
+        model = load_causal_lm(args.model, device=args.device)
     prompts = args.prompt or ["What is 2+3?"]
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
@@ -75,6 +89,50 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stage_command(name: str, config_cls: type, run, describe):
+    """The function of subcommand ``name``: config from defaults < YAML < flags, run, report.
+
+    A ``ValueError`` (a bad option, a malformed data row) ends the command with its message.
+    """
+
+    def command(args: argparse.Namespace) -> int:
+        from textrl.config import build_config
+
+        try:
+            result = run(build_config(args, config_cls).validate())
+        except ValueError as err:
+            raise SystemExit(f"textrl {name}: {err}") from None
+        print(describe(result))
+        return 0
+
+    return command
+
+
+def _add_stages(sub) -> None:
+    """``sft``, ``rm``, ``dpo``, ``merge`` and ``pipeline`` from :mod:`textrl.stages`."""
+    from textrl.stages import dpo, merge, pipeline, rm, sft
+    from textrl.stages.common import add_stage_arguments
+
+    stages = {
+        "sft": (sft, sft.SFTConfig, sft.train_sft, sft.format_sft_summary,
+                "supervised fine-tuning with the completion-only loss (full or LoRA)"),
+        "rm": (rm, rm.RMConfig, rm.train_rm, rm.format_rm_summary,
+               "reward-model training with the pairwise loss"),
+        "dpo": (dpo, dpo.DPOConfig, dpo.train_dpo, dpo.format_dpo_summary,
+                "DPO (sigmoid loss) against the starting model"),
+        "merge": (merge, merge.MergeConfig, merge.merge, merge.format_merge_result,
+                  "merge a LoRA adapter into its base and save a full model"),
+        "pipeline": (pipeline, pipeline.PipelineConfig, pipeline.run_pipeline,
+                     pipeline.format_pipeline_summary,
+                     "SFT -> reward model -> PPO (no arguments: the offline demo)"),
+    }
+    for name, (module, config_cls, run, describe, help_text) in stages.items():
+        parser = sub.add_parser(name, help=help_text, description=module.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_stage_arguments(parser, config_cls)
+        parser.set_defaults(func=_stage_command(name, config_cls, run, describe))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="textrl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=_cmd_tiny)
 
     gen = sub.add_parser("generate", help="generate completions from a causal LM")
-    gen.add_argument("--model", default="tiny", help="local path, hub id, or 'tiny' (default)")
+    gen.add_argument("--model", default="tiny",
+                     help="local path, hub id, 'tiny' (default), or a LoRA adapter folder")
     gen.add_argument("--prompt", action="append", help="a user message (repeatable)")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
@@ -102,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     gen.set_defaults(func=_cmd_generate)
+
+    _add_stages(sub)
     return parser
 
 

@@ -224,11 +224,6 @@ class TrainConfig:
                 f"n_samples_per_prompt={self.n_samples_per_prompt}: agent={self.agent!r} compares "
                 "samples within a group, so it needs n_samples_per_prompt >= 2"
             )
-        if self.agent in ("grpo", "rloo", "multi_adapter_ppo"):
-            raise ValueError(
-                f"agent={self.agent!r} is not available yet in this version; "
-                "use gae_ppo or one_step_ppo"
-            )
         rollout = self.rollout_batch_size
         if rollout % self.num_minibatches:
             raise ValueError(
@@ -244,7 +239,37 @@ class TrainConfig:
             )
         if self.critic_init == "reward_model" and not self.reward_model:
             raise ValueError("critic_init='reward_model' needs --reward-model PATH")
+        self._validate_multi_adapter()
         return self
+
+    def _validate_multi_adapter(self) -> None:
+        """multi_adapter_ppo: one base model; its reward model is --reward-adapter, its reference fixed."""
+        if self.agent != "multi_adapter_ppo":
+            if self.reward_adapter:
+                raise ValueError(
+                    f"reward_adapter={self.reward_adapter!r} is read only by agent=multi_adapter_ppo; "
+                    "use --agent multi_adapter_ppo, or --reward-model for a full reward model"
+                )
+            return
+        if self.reward_model:
+            raise ValueError(
+                f"reward_model={self.reward_model!r}: multi_adapter_ppo scores with a LoRA reward "
+                "adapter on its own base (--reward-adapter PATH from `textrl rm --lora`); drop --reward-model"
+            )
+        if self.critic_init != "policy":
+            raise ValueError(
+                f"critic_init={self.critic_init!r}: multi_adapter_ppo builds its critic from "
+                "critic_type ('value_head' or 'lora'); leave critic_init='policy'"
+            )
+        if self.ref_refresh_every:
+            raise ValueError(
+                f"ref_refresh_every={self.ref_refresh_every}: the multi_adapter_ppo reference is the "
+                "base with adapters disabled and cannot be refreshed; set it to 0"
+            )
+        if self.reward_adapter:
+            from textrl.models.adapters import read_reward_meta
+
+            read_reward_meta(self.reward_adapter)  # names a missing file before any model loads
 
     @property
     def rollout_batch_size(self) -> int:

@@ -47,6 +47,9 @@ class RolloutKeys:
     """sub-TensorDict: ``(reward_components, name)`` float ``[B]``, each reward's raw score."""
     score: NestedKey = "score"
     """float ``[B]``: each row's task score (the weighted reward total), kept before KL shaping."""
+    reward_nonfinite: NestedKey = "reward_nonfinite"
+    """bool ``[B]``: the row's task reward was NaN/inf and was set to 0 (written only under
+    ``reward_nonfinite='zero'`` or ``'drop'``; dropped rows are gone from the rollout)."""
 
     def reward_component(self, name: str) -> tuple[str, str]:
         """Key of one reward function's raw score ``[B]``."""

@@ -56,6 +56,7 @@ def _score_rows(
     reward_fn: Callable[..., Any] | str,
     reward_placement: str,
     max_new_tokens: int | None,
+    reward_nonfinite: str = "raise",
 ) -> TensorDictBase:
     """The batch's rollout rows for ``responses`` ``[B, T]``, plus ``KEYS.score`` ``[B]``."""
     if not callable(getattr(batch, "rollout", None)):
@@ -71,6 +72,7 @@ def _score_rows(
         pad_token_id=agent.pad_token_id,
         max_new_tokens=_max_new_tokens(agent, max_new_tokens),
         reward_placement=reward_placement,
+        reward_nonfinite=reward_nonfinite,
     )
 
 
@@ -82,6 +84,8 @@ def collect(
     reward_placement: str = "last",
     max_new_tokens: int | None = None,
     timings: dict[str, float] | None = None,
+    reward_nonfinite: str = "raise",
+    check_finite: bool = True,
 ) -> TensorDictBase:
     """One rollout TensorDict (DESIGN.md §3, ``batch_size=[B]``) for a batch of prompts.
 
@@ -99,6 +103,10 @@ def collect(
     ``agent.config.max_new_tokens``; it must be the limit ``act`` generated with, since a row
     without EOS is only valid at full length. With a ``timings`` dict, the seconds of each of
     :data:`PHASES` are added to it (the agent times ``forward`` and ``advantages``).
+    ``reward_nonfinite`` ('raise' | 'zero' | 'drop') is what a NaN/inf task reward does
+    (:func:`envs.fast_path.rollout_from_responses`; 'drop' returns fewer rows).
+    ``check_finite=False`` lets NaN/inf log-probs, values or advantages through the final check,
+    for a caller (the trainer) whose ``agent.update`` skips such an update instead.
     """
     device = torch.device(agent.device)
     # 1. rollout
@@ -108,13 +116,15 @@ def collect(
         )  # [B, T]
     # 2. rewards
     with timed(timings, "reward", device):
-        td = _score_rows(agent, batch, responses, reward_fn, reward_placement, max_new_tokens)
+        td = _score_rows(
+            agent, batch, responses, reward_fn, reward_placement, max_new_tokens, reward_nonfinite
+        )
     # 3. log-probs, values, advantages
     process = getattr(agent, "process_rollout", None)
     if callable(process):
         td = process(td) if timings is None else process(td, timings=timings)
     # 4. checks
-    return check_rollout(td)
+    return check_rollout(td, finite=check_finite)
 
 
 def evaluate_prompts(
@@ -124,6 +134,7 @@ def evaluate_prompts(
     greedy: bool = True,
     *,
     max_new_tokens: int | None = None,
+    reward_nonfinite: str = "raise",
 ) -> dict[str, float]:
     """Held-out evaluation: generate for every prompt once and average the task rewards.
 
@@ -132,7 +143,8 @@ def evaluate_prompts(
     (valid tokens, EOS included), ``truncated/rate`` (rows that hit ``max_new_tokens``),
     ``format_rate`` (fraction with ``think_format > 0``, only when that component exists) and
     ``accuracy`` (mean of the ``accuracy`` component, only when it exists). ``n`` is the row
-    count. The agent's state is untouched (no ``process_rollout``).
+    count. The agent's state is untouched (no ``process_rollout``). ``reward_nonfinite``: as in
+    :func:`collect` (dropped rows are left out of every mean and of ``n``).
     """
     device = torch.device(agent.device)
     scores, lengths, truncated = [], [], []
@@ -141,7 +153,7 @@ def evaluate_prompts(
         responses = agent.act(
             batch.input_ids.to(device), batch.attention_mask.to(device), greedy=greedy
         )
-        td = _score_rows(agent, batch, responses, reward_fn, "last", max_new_tokens)
+        td = _score_rows(agent, batch, responses, reward_fn, "last", max_new_tokens, reward_nonfinite)
         scores.append(td.get(SCORE_KEY).float().cpu())
         lengths.append(td.get(KEYS.mask).sum(1).float().cpu())
         truncated.append(td.get(KEYS.truncated).squeeze(-1).any(1).float().cpu())

@@ -5,8 +5,10 @@
 object per iteration), TensorBoard events in ``tb/``, ``curves.png`` (reward and KL),
 ``samples.jsonl`` (held-out completions at each evaluation) and ``checkpoints/iter_NNNNNN/``
 (the policy in Hugging Face format, plus the agent's optimisers, schedulers, KL controller,
-the prompt sampler's position and every RNG), written to a temporary folder and renamed into
-place only when complete. ``--resume`` continues from the newest complete checkpoint.
+the prompt sampler's position and every RNG), written to a temporary folder, fsync'ed, marked
+complete by a manifest of sizes and sha256 sums and renamed into place. ``--resume`` continues
+from the newest checkpoint whose manifest verifies. SIGINT / SIGTERM stop after the current
+iteration with a checkpoint; NaN/inf updates are skipped (docs/reliability.md).
 
 The same loop runs under ``accelerate`` (its device and main-process logic); only the main
 process writes files.
@@ -15,11 +17,16 @@ process writes files.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import random
 import shutil
+import signal
+import sys
+import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +34,12 @@ import numpy as np
 import torch
 
 from textrl.config import TrainConfig, save_config
+from textrl.distributed import Distributed
 from textrl.keys import KEYS
 from textrl.timing import timed
 
-CHECKPOINT_MARKER = "COMPLETE"
+CHECKPOINT_MARKER = "manifest.json"
+"""A checkpoint's completion marker, written last: every file with its size and sha256."""
 
 
 # -- set-up --------------------------------------------------------------------------------------
@@ -71,14 +80,19 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def reward_spec(config: TrainConfig) -> str:
+    """The reward spec of ``--reward`` plus ``--reward-model`` (as 'reward_model:PATH')."""
+    spec = config.reward
+    if config.reward_model:
+        spec = f"{spec},reward_model:{config.reward_model}" if spec else f"reward_model:{config.reward_model}"
+    return spec
+
+
 def build_reward(config: TrainConfig):
     """The composite task reward of ``--reward`` (and ``--reward-model`` as 'reward_model')."""
     from rewards import parse_reward_spec
 
-    spec = config.reward
-    if config.reward_model:
-        spec = f"{spec},reward_model:{config.reward_model}" if spec else f"reward_model:{config.reward_model}"
-    return parse_reward_spec(spec)
+    return parse_reward_spec(reward_spec(config))
 
 
 def build_models(config: TrainConfig, device: torch.device, log) -> tuple[Any, Any]:
@@ -88,6 +102,15 @@ def build_models(config: TrainConfig, device: torch.device, log) -> tuple[Any, A
     from textrl.warmup import sft_warmup
 
     tokenizer = load_tokenizer(config.model)
+    if config.agent == "multi_adapter_ppo":
+        from textrl.models.adapters import load_base_model
+
+        # No warm-up: the base must stay exactly the model the reward adapter was trained on
+        # (fine-tune first with `textrl sft` + `textrl merge`, or run `textrl pipeline`).
+        if config.warmup_sft_steps > 0 and config.dataset == "builtin:digits":
+            log("multi_adapter_ppo: no SFT warm-up (the base is shared with the reward adapter)")
+        base = load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device)
+        return tokenizer, base
     policy = load_causal_lm(config.model, device=device)
     policy.float()
     if config.warmup_sft_steps > 0 and config.dataset == "builtin:digits":
@@ -110,6 +133,8 @@ def build_agent(config: TrainConfig, policy, tokenizer):
     from agents import make_agent
     from textrl.models.value import ValueModel
 
+    if config.agent == "multi_adapter_ppo":  # one base: it adds its adapters, critic and reward model
+        return make_agent(config.agent, policy, tokenizer, config)
     if config.critic_init == "reward_model":
         from textrl.models import load_reward_model
 
@@ -119,53 +144,195 @@ def build_agent(config: TrainConfig, policy, tokenizer):
     return make_agent(config.agent, policy, tokenizer, config, ref_policy=copy.deepcopy(policy), critic=critic)
 
 
+def add_agent_reward(config: TrainConfig, agent, reward_fn):
+    """``reward_fn`` plus the agent's own reward model (multi_adapter_ppo's reward adapter), if any.
+
+    The adapter's sequence classifier is scored in batches by ``NeuralReward`` (as a
+    ``reward_model:`` spec would be) and joins the rule rewards as component ``reward_model``.
+    """
+    model = getattr(agent, "reward_model", None)
+    if model is None:
+        return reward_fn
+    from rewards import CompositeReward, NeuralReward
+
+    neural = NeuralReward(model, agent.tokenizer, batch_size=config.forward_batch_size)
+    parts = {name: (fn, reward_fn.weights[name]) for name, fn in reward_fn.functions.items()}
+    return CompositeReward({**parts, "reward_model": (neural, 1.0)})
+
+
 # -- checkpoints ---------------------------------------------------------------------------------
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, truncated or corrupt; the message names the file."""
+
+
+class TrainingStopped(SystemExit):
+    """The run stopped early (a signal, repeated NaN/inf updates) after saving what it could.
+
+    ``str(err)`` says why and how to resume. A ``SystemExit``: the ``textrl`` command exits with
+    status ``err.code`` (128 + the signal number after a signal, 1 otherwise), no traceback.
+    """
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(exit_code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a directory's entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_manifest(folder: Path, iteration: int) -> None:
+    """fsync every file of ``folder``, then write the manifest (the completion marker) last."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        _fsync(path)
+        files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    for sub in sorted(p for p in folder.rglob("*") if p.is_dir()):
+        _fsync(sub)
+    with (folder / CHECKPOINT_MARKER).open("w") as f:
+        json.dump({"iteration": iteration, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync(folder)
+
+
+def _complete_checkpoints(root: Path) -> list[Path]:
+    """``iter_*`` folders holding a manifest, oldest first (unverified)."""
+    return sorted(p for p in root.glob("iter_*") if (p / CHECKPOINT_MARKER).is_file())
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The manifest of ``path`` after checking every file it lists (size, then sha256).
+
+    Raises :class:`CheckpointError` naming the first missing, truncated or corrupt file.
+    """
+    path = Path(path)
+    marker = path / CHECKPOINT_MARKER
+    hint = f"delete {path} to resume from an earlier checkpoint"
+    if not marker.is_file():
+        raise CheckpointError(f"{path} is incomplete (no {CHECKPOINT_MARKER}: its save was interrupted); {hint}")
+    try:
+        manifest = json.loads(marker.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{marker} is corrupt ({err}); {hint}") from err
+    for name, meta in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing from the checkpoint; {hint}")
+        size = file.stat().st_size
+        if size != meta["size"]:
+            raise CheckpointError(f"{file} is truncated or corrupt: {size} bytes, the manifest says "
+                                  f"{meta['size']}; {hint}")
+        if _sha256(file) != meta["sha256"]:
+            raise CheckpointError(f"{file} is corrupt: its sha256 differs from the manifest's; {hint}")
+    return manifest
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """Newest checkpoint folder holding the completion marker; partial ones are ignored."""
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    complete = sorted(p for p in root.glob("iter_*") if (p / CHECKPOINT_MARKER).is_file())
-    return complete[-1] if complete else None
+    """Newest checkpoint whose manifest verifies; partial ones (no manifest) are ignored and
+    corrupt ones skipped with a warning naming the bad file."""
+    for path in reversed(_complete_checkpoints(Path(output_dir) / "checkpoints")):
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointError as err:
+            warnings.warn(f"skipping a checkpoint: {err}", stacklevel=2)
+    return None
 
 
-def save_checkpoint(output_dir: str | Path, iteration: int, agent, sampler, keep: int) -> Path:
-    """Write to a temporary folder, mark it complete, rename; then rotate old ones away."""
+def save_checkpoint(
+    output_dir: str | Path, iteration: int, agent, sampler, keep: int,
+    rng_per_process: list[dict[str, Any]] | None = None,
+) -> Path:
+    """Write ``checkpoints/iter_NNNNNN`` atomically; return its path.
+
+    Everything goes to a temporary folder; every file is fsync'ed, the manifest (files, sizes,
+    sha256: the completion marker) is written last, then one rename puts the folder in place.
+    Only then are older checkpoints rotated away (``keep`` newest stay). On a failure (a full
+    disk, a second Ctrl-C) the temporary folder is removed and earlier checkpoints are
+    untouched; an ``OSError`` names the checkpoint and the one that is still intact.
+    """
     root = Path(output_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp_iter_*"):  # left by a killed run; only the main process saves
+        shutil.rmtree(stale, ignore_errors=True)
     final = root / f"iter_{iteration:06d}"
     tmp = root / f".tmp_iter_{iteration:06d}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
         agent.policy.save_pretrained(tmp / "policy")
         agent.tokenizer.save_pretrained(tmp / "policy")
         torch.save(
             {"agent": agent.state_dict(), "sampler": sampler.state_dict(), "rng": rng_state(),
-             "iteration": iteration},
+             "rng_per_process": rng_per_process, "iteration": iteration},
             tmp / "trainer_state.pt",
         )
-        (tmp / CHECKPOINT_MARKER).write_text(json.dumps({"iteration": iteration}))
-        if final.exists():
+        _write_manifest(tmp, iteration)
+        if final.exists():  # this iteration saved before (e.g. by an earlier run into this folder)
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync(root)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = _complete_checkpoints(root)
+        intact = f"{previous[-1]} is intact" if previous else "there is no earlier checkpoint"
+        raise OSError(err.errno, f"could not write checkpoint {final} ({err.strerror or err}); the "
+                      f"partial copy was removed and {intact}. Free disk space (or lower "
+                      "keep_checkpoints), then resume with --resume") from err
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    complete = sorted(p for p in root.glob("iter_*") if (p / CHECKPOINT_MARKER).is_file())
-    for old in complete[:-keep]:
+    for old in _complete_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def load_checkpoint(path: Path, agent, sampler) -> int:
-    """Restore agent, sampler and RNGs; return the iteration the checkpoint was taken after."""
-    state = torch.load(path / "trainer_state.pt", map_location=agent.device, weights_only=False)
+def load_checkpoint(path: str | Path, agent, sampler, verify: bool = True, dist: Distributed | None = None) -> int:
+    """Restore agent, sampler and RNGs; return the iteration the checkpoint was taken after.
+
+    ``verify`` checks the manifest first (:func:`verify_checkpoint`); any unreadable file raises
+    :class:`CheckpointError` naming it.
+    """
+    path = Path(path)
+    if verify:
+        verify_checkpoint(path)
+    file = path / "trainer_state.pt"
+    try:
+        state = torch.load(file, map_location=agent.device, weights_only=False)
+    except Exception as err:
+        raise CheckpointError(f"{file} cannot be read ({type(err).__name__}: {err}); it is truncated "
+                              f"or corrupt: delete {path} to resume from an earlier checkpoint") from err
     agent.load_state_dict(state["agent"])
     sampler.load_state_dict(state["sampler"])
-    set_rng_state(state["rng"])
+    dist = dist or Distributed()
+    per_process = state.get("rng_per_process")
+    if dist.enabled and per_process is not None and len(per_process) == dist.world_size:
+        set_rng_state(per_process[dist.rank])
+    elif dist.rank == 0:
+        set_rng_state(state["rng"])
+    if (len(per_process) if per_process else 1) != dist.world_size:
+        warnings.warn(f"{path} was saved by {len(per_process) if per_process else 1} process(es) and is "
+                      f"resumed by {dist.world_size}: the run continues, but the sampling stream is not "
+                      "the one an uninterrupted run would have drawn", stacklevel=2)
     return int(state["iteration"])
 
 
@@ -236,7 +403,7 @@ class MetricsLog:
 # -- the loop ------------------------------------------------------------------------------------
 
 
-def evaluate(agent, eval_batches, reward_fn, seed: int) -> dict[str, float]:
+def evaluate(agent, eval_batches, reward_fn, seed: int, reward_nonfinite: str = "raise") -> dict[str, float]:
     """Held-out reward, greedy and sampled, under ``eval/greedy/`` and ``eval/sampled/``.
 
     Sampling runs under a forked RNG seeded with ``seed``: evaluating (or not) never changes the
@@ -249,7 +416,9 @@ def evaluate(agent, eval_batches, reward_fn, seed: int) -> dict[str, float]:
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         for mode, greedy in (("greedy", True), ("sampled", False)):
-            for key, value in evaluate_prompts(agent, eval_batches, reward_fn, greedy=greedy).items():
+            metrics = evaluate_prompts(agent, eval_batches, reward_fn, greedy=greedy,
+                                       reward_nonfinite=reward_nonfinite)
+            for key, value in metrics.items():
                 out[f"eval/{mode}/{key}"] = value
     return out
 
@@ -268,33 +437,174 @@ def write_samples(path: Path, iteration: int, samples: list[dict[str, str]]) -> 
             f.write(json.dumps({"iteration": iteration, **sample}) + "\n")
 
 
-def iteration_metrics(iteration: int, td, update_metrics: dict[str, float]) -> dict[str, float]:
+def iteration_metrics(
+    iteration: int, td, update_metrics: dict[str, float], dist: Distributed | None = None
+) -> dict[str, float]:
     """The flat metrics row of one iteration: rollout reward (total and per component), response
-    length, generated tokens, then the agent's update metrics (losses, KL monitors, ...)."""
-    mask = td.get(KEYS.mask)
-    score = td.get(KEYS.score).float()
+    length, rows (``samples``) and generated tokens over every process's share of the rollout,
+    then the agent's update metrics (losses, KL monitors, ...) averaged over processes."""
+    dist = dist or Distributed()
+    lengths = dist.gather(td.get(KEYS.mask).sum(1))  # [B_global]
+    score = dist.gather(td.get(KEYS.score).float())  # [B_global]
     row: dict[str, float] = {"iteration": iteration}
     row["reward/mean"] = score.mean().item()
     row["reward/std"] = score.std().item() if score.numel() > 1 else 0.0
     for name, value in td.get(KEYS.reward_components).items():
-        row[f"reward_components/{name}/mean"] = value.float().mean().item()
-        row[f"reward_components/{name}/std"] = value.float().std().item() if value.numel() > 1 else 0.0
-    row["response_length/mean"] = mask.sum(1).float().mean().item()
-    row["tokens"] = float(mask.sum().item())
-    row.update(update_metrics)
+        value = dist.gather(value.float())
+        row[f"reward_components/{name}/mean"] = value.mean().item()
+        row[f"reward_components/{name}/std"] = value.std().item() if value.numel() > 1 else 0.0
+    row["response_length/mean"] = lengths.float().mean().item()
+    row["samples"] = float(lengths.numel())
+    row["tokens"] = float(lengths.sum().item())
+    row.update(dist.mean(update_metrics))
     return row
 
 
+def parameter_checksum(module: torch.nn.Module) -> str:
+    """sha256 of every parameter's bytes, in order: equal across processes iff the weights are."""
+    digest = hashlib.sha256()
+    for name, param in module.named_parameters():
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# -- interruption and faults ---------------------------------------------------------------------
+
+
+class StopSignals:
+    """SIGINT / SIGTERM during :func:`train`: the first asks the loop to stop after the current
+    iteration (with a checkpoint); a second one aborts at once (``KeyboardInterrupt``).
+
+    Installed only in the main thread; the previous handlers come back on exit.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            print(f"\n{name} again: aborting now, without a checkpoint", file=sys.stderr, flush=True)
+            raise KeyboardInterrupt(name)
+        self.received = signum
+        print(f"\n{name}: finishing the current iteration, then saving a checkpoint "
+              "(Ctrl-C again aborts at once)", file=sys.stderr, flush=True)
+
+
+def nonfinite_rows(td, n_rows: int) -> float:
+    """Rows of a rollout of ``n_rows`` whose task reward was NaN/inf: dropped plus zeroed."""
+    flagged = td.get(KEYS.reward_nonfinite).sum().item() if KEYS.reward_nonfinite in td.keys() else 0
+    return float(n_rows - td.shape[0] + flagged)
+
+
+def _weights_finite(agent) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in agent.parameters())
+
+
+def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak: int,
+                 saved: Path | None) -> str:
+    """What the user reads when the run stops early: why, where the checkpoint is, how to resume."""
+    resume = f"textrl train --config {Path(config.output_dir) / 'config.yaml'} --resume"
+    if streak >= config.max_nonfinite_updates:
+        kept = (f"the weights of the last good update are saved in {saved}" if saved else
+                "the weights themselves are NaN/inf, so no checkpoint was written; the newest "
+                f"good one is {latest_checkpoint(config.output_dir)}")
+        return (f"textrl train: stopped after iteration {iteration}: {streak} consecutive updates "
+                "were skipped for NaN/inf (loss, gradients, log-probs, values or advantages; see "
+                f"nonfinite/skipped_updates in metrics.jsonl); {kept}. Usual causes: a learning rate "
+                f"too high, max_grad_norm=0, a reward model that overflows. Resume with: {resume}")
+    name = signal.Signals(signum).name if signum is not None else "a signal"
+    return (f"textrl train: stopped by {name} after iteration {iteration} of {config.iterations}; "
+            f"checkpoint saved in {saved}. Resume with: {resume}")
+
+
+def check_run(config: TrainConfig) -> None:
+    """Everything checkable before a model loads: every config field, the reward names, and that a
+    fresh run would not overwrite an earlier run's checkpoints. ``ValueError`` says what to fix."""
+    from rewards import check_reward_spec
+
+    config.validate()
+    check_reward_spec(reward_spec(config))
+    existing = _complete_checkpoints(Path(config.output_dir) / "checkpoints")
+    if existing and not config.resume:
+        raise ValueError(
+            f"output_dir={config.output_dir!r} holds checkpoints of an earlier run (newest: "
+            f"{existing[-1].name}); pass --resume to continue it, or choose another --output-dir "
+            f"(or delete {existing[-1].parent}) to start over"
+        )
+
+
+def resume_checkpoint(config: TrainConfig, log=print) -> Path | None:
+    """The verified checkpoint ``--resume`` continues from (None: no resume, or a fresh folder).
+
+    Raises :class:`CheckpointError` when checkpoints exist but none verifies, rather than
+    silently starting over on top of them.
+    """
+    if not config.resume:
+        return None
+    root = Path(config.output_dir) / "checkpoints"
+    checkpoint = latest_checkpoint(config.output_dir)
+    if checkpoint is None and _complete_checkpoints(root):
+        raise CheckpointError(f"--resume: no checkpoint in {root} verifies (see the warnings above); "
+                              "delete the corrupt ones, or the folder to start over")
+    if checkpoint is None:
+        log(f"--resume: no complete checkpoint in {root}; starting from scratch")
+    return checkpoint
+
+
+def check_process_split(config: TrainConfig, dist: Distributed) -> None:
+    """Each process takes whole prompt groups and splits its rows into the minibatches."""
+    if config.prompts_per_iteration % dist.world_size:
+        raise ValueError(
+            f"prompts_per_iteration={config.prompts_per_iteration} does not split over "
+            f"{dist.world_size} processes; choose a multiple of {dist.world_size}"
+        )
+    local = config.rollout_batch_size // dist.world_size
+    parts = config.num_minibatches * config.gradient_accumulation_steps
+    if local % parts:
+        raise ValueError(
+            f"each of the {dist.world_size} processes gets {local} rows, which do not divide into "
+            f"num_minibatches={config.num_minibatches} x gradient_accumulation_steps="
+            f"{config.gradient_accumulation_steps}; lower either or raise prompts_per_iteration"
+        )
+
+
 def train(config: TrainConfig) -> dict[str, Any]:
-    """Run ``config.iterations`` PPO iterations; return the before/after held-out summary."""
+    """Run ``config.iterations`` PPO iterations; return the before/after held-out summary.
+
+    SIGINT / SIGTERM finish the current iteration, save a checkpoint and raise
+    :class:`TrainingStopped` (its message says how to resume); so does a run of
+    ``config.max_nonfinite_updates`` consecutive NaN/inf updates.
+    """
+    with StopSignals() as signals:
+        return _train(config, signals)
+
+
+def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     from accelerate import Accelerator
 
     from envs import PromptSampler, load_prompts
     from textrl.rollout import collect
 
-    config.validate()
+    check_run(config)
     device = resolve_device(config.device)
     accelerator = Accelerator(cpu=device.type == "cpu")
+    dist = Distributed.from_accelerator(accelerator)
+    if dist.enabled:  # each process: its own GPU (or the CPU), its share of every rollout
+        device = accelerator.device
+        check_process_split(config, dist)
     main = accelerator.is_main_process
     output_dir = Path(config.output_dir)
     log = print if main else (lambda *a, **k: None)
@@ -302,6 +612,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
         output_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, output_dir / "config.yaml")
     seed_everything(config.seed)
+    checkpoint = resume_checkpoint(config, log)  # verified before any model loads
 
     reward_fn = build_reward(config)
     tokenizer, policy = build_models(config, device, log)
@@ -313,16 +624,20 @@ def train(config: TrainConfig) -> dict[str, Any]:
     )
     eval_batches = sampler.encode_eval(eval_rows, batch_size=config.generation_batch_size)
     agent = build_agent(config, policy, tokenizer)
+    reward_fn = add_agent_reward(config, agent, reward_fn)
+    if dist.enabled:  # identical weights everywhere, different samples in every process
+        dist.broadcast_module(agent)
+        agent.dist = dist
+        torch.manual_seed(config.seed + 1_000_003 * dist.rank)
 
     start = 0
-    checkpoint = latest_checkpoint(output_dir) if config.resume else None
-    if config.resume and checkpoint is None:
-        log(f"--resume: no complete checkpoint in {output_dir / 'checkpoints'}; starting from scratch")
     if checkpoint is not None:
-        start = load_checkpoint(checkpoint, agent, sampler)
+        start = load_checkpoint(checkpoint, agent, sampler, verify=False, dist=dist)  # verified already
         log(f"resumed from {checkpoint} (iteration {start})")
     metrics_log = MetricsLog(output_dir, main, resume_after=start if checkpoint is not None else None)
-    before = evaluate(agent, eval_batches, reward_fn, config.seed) if start == 0 else None
+    # held-out evaluation runs in the main process only: the others have identical weights
+    before = (evaluate(agent, eval_batches, reward_fn, config.seed, reward_nonfinite=config.reward_nonfinite)
+              if start == 0 and main else None)
     samples_path = output_dir / "samples.jsonl"
     if main and start == 0:
         samples_path.unlink(missing_ok=True)
@@ -340,19 +655,22 @@ def train(config: TrainConfig) -> dict[str, Any]:
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
         # 1. rollout, 2. rewards, 3. log-probs / values / advantages (timed inside collect)
-        td = collect(agent, sampler.next_batch(), reward_fn, reward_placement=config.reward_placement,
-                     timings=timings)
+        batch = sampler.next_batch()  # the same global batch in every process ...
+        batch = batch.select(dist.shard(len(batch)))  # ... of which each takes whole prompt groups
+        td = collect(agent, batch, reward_fn, reward_placement=config.reward_placement, timings=timings,
+                     reward_nonfinite=config.reward_nonfinite, check_finite=False)  # update() skips NaN
         # 4. K epochs of minibatch updates
         with timed(timings, "update", agent.device):
             update_metrics = agent.update(td)
         # 5. log / evaluate / checkpoint
         with timed(timings, "bookkeeping", agent.device):
-            row = iteration_metrics(iteration, td, update_metrics)
-        if iteration == config.iterations or (config.eval_every and iteration % config.eval_every == 0):
+            row = iteration_metrics(iteration, td, update_metrics, dist)
+            row["reward/nonfinite_rows"] = dist.mean({"n": nonfinite_rows(td, len(batch))})["n"] * dist.world_size
+        if main and (iteration == config.iterations or (config.eval_every and iteration % config.eval_every == 0)):
             with timed(timings, "eval", agent.device):
-                row.update(evaluate(agent, eval_batches, reward_fn, config.seed + iteration))
-                if main:
-                    write_samples(samples_path, iteration, sample_completions(agent, eval_batches[0]))
+                row.update(evaluate(agent, eval_batches, reward_fn, config.seed + iteration,
+                                    reward_nonfinite=config.reward_nonfinite))
+                write_samples(samples_path, iteration, sample_completions(agent, eval_batches[0]))
         row.update({f"time/{phase}_s": seconds for phase, seconds in timings.items()})
         row["time/iteration_s"] = time.perf_counter() - t0
         row["tokens_per_second"] = row["tokens"] / row["time/iteration_s"]
@@ -360,15 +678,39 @@ def train(config: TrainConfig) -> dict[str, Any]:
         if progress is not None:
             progress.set_postfix(reward=f"{row['reward/mean']:.3f}", kl=f"{row.get('kl/collection', 0.0):.3f}")
             progress.update(1)
-        if main and (iteration == config.iterations
-                     or (config.checkpoint_every and iteration % config.checkpoint_every == 0)):
-            save_checkpoint(output_dir, iteration, agent, sampler, config.keep_checkpoints)
+        streak = getattr(agent, "nonfinite_streak", 0)
+        # a signal to any process stops them all (the last iteration just finishes the run)
+        interrupted = dist.any(signals.received is not None) and iteration < config.iterations
+        stop = interrupted or streak >= config.max_nonfinite_updates
+        save = stop or iteration == config.iterations or (
+            config.checkpoint_every and iteration % config.checkpoint_every == 0)
+        rng_per_process = dist.gather_object(rng_state()) if save and dist.enabled else None
+        saved = None
+        if main and save and (not stop or _weights_finite(agent)):
+            saved = save_checkpoint(output_dir, iteration, agent, sampler, config.keep_checkpoints,
+                                    rng_per_process=rng_per_process)
+        if stop:
+            dist.barrier()  # the others wait for the main process's checkpoint before exiting
+            if progress is not None:
+                progress.close()
+            metrics_log.close()
+            message = stop_message(config, iteration, signals.received, streak, saved)
+            if main:
+                print(message, file=sys.stderr, flush=True)
+            faulted = streak >= config.max_nonfinite_updates
+            raise TrainingStopped(message, 1 if faulted else 128 + (signals.received or signal.SIGTERM))
     if progress is not None:
         progress.close()
     metrics_log.plot(output_dir / "curves.png")
     metrics_log.close()
     after = {k: v for k, v in (metrics_log.rows[-1] if metrics_log.rows else {}).items() if k.startswith("eval/")}
-    summary = {"before": before, "after": after}
+    summary: dict[str, Any] = {"before": before, "after": after, "processes": dist.world_size}
+    if dist.enabled:  # data parallelism must leave every process with the same weights
+        checksums = dist.gather_object(parameter_checksum(agent))
+        if len(set(checksums)) > 1:
+            raise RuntimeError(f"the {dist.world_size} processes ended with different weights "
+                               f"({checksums}); this is a bug in gradient synchronisation, please report it")
+        summary["parameter_checksum"] = checksums[0]
     if main:
         log(format_summary(before, after))
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -389,4 +731,15 @@ def format_summary(before: dict[str, float] | None, after: dict[str, float]) -> 
     return "\n".join(lines)
 
 
-__all__ = ["format_summary", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "train"]
+__all__ = [
+    "CheckpointError",
+    "TrainingStopped",
+    "check_run",
+    "format_summary",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "resume_checkpoint",
+    "save_checkpoint",
+    "train",
+    "verify_checkpoint",
+]

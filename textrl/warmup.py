@@ -23,17 +23,28 @@ IGNORE_INDEX = -100
 """Label of tokens left out of the loss (``torch.nn.CrossEntropyLoss``'s ``ignore_index``)."""
 
 
-def _prompt_text(tokenizer: Any, prompt: str) -> tuple[str, bool]:
+Prompt = str | list[dict[str, str]]
+"""A user message, or a conversation (``[{"role", "content"}, ...]``) up to the turn answered."""
+
+
+def _prompt_text(tokenizer: Any, prompt: Prompt) -> tuple[str, bool]:
     """(text the policy continues, whether a chat template produced it)."""
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": prompt}]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return text, True
+    if not isinstance(prompt, str):
+        raise ValueError(
+            "the tokenizer has no chat template, so a conversation prompt cannot be rendered; "
+            "give the prompt as plain text or use a tokenizer with a chat template"
+        )
     return prompt, False
 
 
-def encode_sft_example(tokenizer: Any, prompt: str, completion: str) -> tuple[list[int], int]:
+def encode_sft_example(tokenizer: Any, prompt: Prompt, completion: str) -> tuple[list[int], int]:
     """(token ids of templated prompt + completion + EOS, number of prompt tokens).
+
+    ``prompt`` is one user message or a conversation (a list of messages) up to the answer.
 
     Prompt and completion are tokenized separately, so the split is exactly where generation
     starts (BPE merges never cross it).
@@ -48,7 +59,7 @@ def encode_sft_example(tokenizer: Any, prompt: str, completion: str) -> tuple[li
 
 
 def build_sft_batch(
-    tokenizer: Any, pairs: Sequence[tuple[str, str]], max_length: int | None = None
+    tokenizer: Any, pairs: Sequence[tuple[Prompt, str]], max_length: int | None = None
 ) -> dict[str, Tensor]:
     """Right-padded training batch of (prompt, completion) pairs.
 

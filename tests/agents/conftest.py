@@ -29,12 +29,16 @@ def make_config(**overrides) -> TrainConfig:
         prompts_per_iteration=4, n_samples_per_prompt=1, max_new_tokens=6, ppo_epochs=1,
         num_minibatches=1, forward_batch_size=4, generation_batch_size=4, iterations=5,
     )
+    if overrides.get("agent") in ("grpo", "rloo"):  # group baselines: the 4 rows are 2 groups of 2
+        base.update(prompts_per_iteration=2, n_samples_per_prompt=2)
     base.update(overrides)
     return TrainConfig(**base)
 
 
 def make_agent(tok, name: str = "gae_ppo", seed: int = 0, **overrides):
     policy = build_tiny_causal_lm(tok, seed=seed)
+    if name == "multi_adapter_ppo":  # one base: builds its own reference and critic
+        return AGENTS[name](policy, tok, make_config(agent=name, **overrides))
     critic = ValueModel.from_causal_lm(policy)
     return AGENTS[name](policy, tok, make_config(agent=name, **overrides), critic=critic)
 

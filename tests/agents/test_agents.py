@@ -26,7 +26,9 @@ def test_processed_rollout_passes_checks_and_kl_is_zero_before_training(tok, nam
     agent = build(tok, name)
     td = collect(agent, tok)
     check_rollout(td)
-    assert td.get(KEYS.advantage).shape == td.get(KEYS.state_value).shape == (4, td.get(KEYS.action).shape[1], 1)
+    assert td.get(KEYS.advantage).shape == (4, td.get(KEYS.action).shape[1], 1)
+    if agent.critic is not None:  # grpo / rloo have none
+        assert td.get(KEYS.state_value).shape == td.get(KEYS.advantage).shape
     assert torch.equal(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob))
     metrics = agent.update(td)
     assert metrics["kl/collection"] == 0.0
@@ -53,21 +55,28 @@ def test_first_minibatch_ratio_is_one_and_nothing_is_clipped(tok, name):
     assert seen[0]["kl/policy_old"].item() == 0.0
 
 
-@pytest.mark.parametrize("name", NAMES)
+# MultiAdapterPPO has no separate reference model (the base with adapters disabled): its versions
+# of these two checks are in test_multi_adapter.py (frozen weights bit-identical after an update).
+SEPARATE_REFERENCE = [n for n in NAMES if n != "multi_adapter_ppo"]
+
+
+@pytest.mark.parametrize("name", SEPARATE_REFERENCE)
 def test_one_update_moves_trainables_and_leaves_reference_identical(tok, name):
     agent = build(tok, name, actor_lr=1e-2)
     td = collect(agent, tok)
-    ref_before, pol_before, critic_before = params(agent.ref_policy), params(agent.policy), params(agent.critic)
+    ref_before, pol_before = params(agent.ref_policy), params(agent.policy)
+    critic_before = params(agent.critic) if agent.critic is not None else {}
     metrics = agent.update(td)
     assert all(torch.equal(v, agent.ref_policy.state_dict()[k]) for k, v in ref_before.items())
     assert any(not torch.equal(v, agent.policy.state_dict()[k]) for k, v in pol_before.items())
-    assert any(not torch.equal(v, agent.critic.state_dict()[k]) for k, v in critic_before.items())
+    assert not critic_before or any(not torch.equal(v, agent.critic.state_dict()[k]) for k, v in critic_before.items())
     assert metrics["kl/after_update"] != 0.0
-    for key in ("loss/policy", "loss/value", "clip_fraction", "kl/policy_old", "entropy", "explained_variance"):
+    critic_keys = ("loss/value", "explained_variance") if agent.critic is not None else ()
+    for key in ("loss/policy", "clip_fraction", "kl/policy_old", "entropy", *critic_keys):
         assert key in metrics
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", SEPARATE_REFERENCE)
 def test_zero_learning_rate_leaves_parameters_bit_identical(tok, name):
     agent = build(tok, name)
     for opt, sched in zip(agent.optimizers, agent.schedulers):
@@ -78,7 +87,7 @@ def test_zero_learning_rate_leaves_parameters_bit_identical(tok, name):
     before = params(agent)
     agent.update(td)
     assert all(torch.equal(v, agent.state_dict()[k]) for k, v in before.items())
-    assert len(before) > 50
+    assert len(before) > (50 if agent.critic is not None else 40)
 
 
 def test_gae_closed_form_with_gamma_lambda_one(tok):
@@ -199,9 +208,10 @@ def test_ratio_threshold_skips_the_actor_step(tok):
 
 
 def test_make_agent_names_the_choices(tok):
-    with pytest.raises(ValueError, match="gae_ppo, one_step_ppo"):
+    with pytest.raises(ValueError, match="gae_ppo, grpo, multi_adapter_ppo, one_step_ppo, rloo"):
         make_agent("nope")
-    assert AGENTS == {"gae_ppo": GAEPPO, "one_step_ppo": OneStepPPO}
+    assert AGENTS["gae_ppo"] is GAEPPO and AGENTS["one_step_ppo"] is OneStepPPO
+    assert sorted(AGENTS) == ["gae_ppo", "grpo", "multi_adapter_ppo", "one_step_ppo", "rloo"]
     assert make_config().validate()
 
 

@@ -162,6 +162,15 @@ def test_half_written_cache_dir_is_rebuilt(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp or stale dirs left
 
 
+def test_cache_dir_with_a_marker_but_no_model_is_rebuilt(tmp_path):
+    """What a non-main process left before the cache knew that save_pretrained skips ranks > 0."""
+    path = tiny_model_path(cache_dir=tmp_path)
+    (path / "config.json").unlink()
+    (path / "model.safetensors").unlink()
+    assert tiny_model_path(cache_dir=tmp_path) == path
+    AutoModelForCausalLM.from_pretrained(path)
+
+
 def test_reward_model_left_padding_matches_single_rows(tok):
     model = build_tiny_reward_model(tok, seed=2)
     batch = tok(TEXTS, return_tensors="pt", padding=True)

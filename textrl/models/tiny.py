@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -313,8 +314,10 @@ def tiny_model_path(
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     root = _cache_root(cache_dir)
     final = root / f"tiny-{kind}-{digest}"
-    if (final / COMPLETE_MARKER).is_file():
+    if _is_complete(final):
         return final
+    if _distributed_rank() > 0:  # transformers' save_pretrained writes only on rank 0: it builds
+        return _wait_for_marker(final)
 
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
@@ -323,18 +326,43 @@ def tiny_model_path(
         model = _BUILDERS[kind](tokenizer, seed=seed, **sizes)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if not (tmp / "config.json").is_file():
+            raise RuntimeError(f"save_pretrained wrote no config.json into {tmp}; cannot cache the tiny model")
         key |= {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
         (tmp / COMPLETE_MARKER).write_text(json.dumps(key, indent=2) + "\n")
-        if final.exists() and not (final / COMPLETE_MARKER).is_file():
-            _discard(final)  # half-written by a process that did not use this function
+        if final.exists() and not _is_complete(final):
+            _discard(final)  # half-written, or written by an older version without the model files
         try:
             os.replace(tmp, final)
         except OSError:
-            if not (final / COMPLETE_MARKER).is_file():  # not a lost race: a real failure
+            if not _is_complete(final):  # not a lost race: a real failure
                 raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _is_complete(folder: Path) -> bool:
+    """The marker is written last, after the model's ``config.json``."""
+    return (folder / COMPLETE_MARKER).is_file() and (folder / "config.json").is_file()
+
+
+def _distributed_rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _wait_for_marker(final: Path, timeout_s: float = 600.0) -> Path:
+    """Wait until process 0 of the group has built ``final`` (under ``accelerate launch``)."""
+    deadline = time.monotonic() + timeout_s
+    while not _is_complete(final):
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"waited {timeout_s:.0f}s for process 0 to build the tiny model in {final}; "
+                "check process 0's error, or build it first with `textrl tiny`"
+            )
+        time.sleep(0.2)
     return final
 
 

@@ -1,0 +1,130 @@
+"""Critic-free PPO with group baselines: GRPO (Shao et al. 2024) and RLOO (Ahmadian et al. 2024).
+
+Each prompt is sampled ``n_samples_per_prompt`` times (consecutive rows of the rollout, as
+:class:`envs.PromptSampler` lays them out). A response's sequence reward is its task score, minus
+``beta * sum_t KL_t`` when the KL goes into the reward (``kl_in="reward"``); its advantage is
+that reward against the other responses of its group:
+
+- GRPO: ``(r - mean_group) / (std_group + eps)`` (DeepSeekMath, verl ``compute_grpo_outcome_advantage``);
+- RLOO: ``r - mean of the other k - 1 rewards`` (leave-one-out, unbiased).
+
+The advantage is given to every valid token of the response; the loss is the token-level clipped
+PPO surrogate (``loss_aggregation``), minus ``entropy_coef`` x entropy, plus ``beta`` x KL when
+``kl_in="loss"`` (GRPO's usual placement, with ``kl_kind="k3"``). No value model is trained.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from torch import Tensor, nn
+
+from agents.base import SCORE, PPOAgent
+from textrl.config import TrainConfig
+from textrl.functional import (
+    aggregate_loss,
+    clipped_policy_loss,
+    kl_penalty,
+    kl_shaped_rewards,
+    masked_mean,
+)
+from textrl.functional.advantages import grpo_advantage, rloo_advantage
+from textrl.keys import KEYS
+
+
+class GroupPPO(PPOAgent):
+    """PPO with a group baseline instead of a critic; subclasses pick :meth:`group_advantage`."""
+
+    name = "group_ppo"
+    uses_critic = False
+    default_clip_eps = 0.2
+
+    def __init__(self, policy: nn.Module, tokenizer: Any, config: TrainConfig | None = None, **kwargs: Any) -> None:
+        """As :class:`PPOAgent`; a ``critic`` passed in (the trainer builds one for every agent) is not used."""
+        kwargs.pop("critic", None)
+        super().__init__(policy, tokenizer, config, **kwargs)
+
+    def group_advantage(self, rewards: Tensor, group_size: int) -> Tensor:  # pragma: no cover - abstract
+        """Sequence advantages ``[B]`` from sequence rewards ``[B]`` (groups of consecutive rows)."""
+        raise NotImplementedError
+
+    def estimate(self, td: TensorDictBase) -> None:
+        """Write ``("next","reward")`` (KL-shaped per token), ``advantage`` and ``value_target`` ``[B, T, 1]``.
+
+        ``value_target`` holds the sequence reward on valid tokens (there is no critic to fit;
+        kept so every agent's rollout has the same keys).
+        """
+        cfg = self.config
+        mask = td.get(KEYS.mask)  # [B, T]
+        n = cfg.n_samples_per_prompt
+        if td.shape[0] % n:
+            raise ValueError(
+                f"{type(self).__name__} compares the {n} responses of a prompt, but the rollout has "
+                f"{td.shape[0]} rows (not whole groups: did reward_nonfinite='drop' remove rows? use 'zero')"
+            )
+        kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind=cfg.kl_kind)  # [B, T]
+        beta = self.kl_ctl.value if cfg.kl_in == "reward" else 0.0
+        rewards = kl_shaped_rewards(td.get(SCORE), kl, mask, beta, cfg.reward_placement)  # [B, T]
+        sequence_reward = torch.where(mask, rewards, 0.0).sum(1)  # [B]: score - beta * sum_t KL_t
+        advantage = self.group_advantage(sequence_reward, n).to(rewards.dtype)  # [B]
+        zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+        td.set(KEYS.reward, rewards.unsqueeze(-1))
+        td.set(KEYS.advantage, torch.where(mask, advantage.unsqueeze(1), zero).unsqueeze(-1))
+        td.set(KEYS.value_target, torch.where(mask, sequence_reward.unsqueeze(1), zero).unsqueeze(-1))
+
+    def loss(self, mb: TensorDictBase) -> tuple[Tensor, dict[str, Tensor]]:
+        """Token-level clipped surrogate with the group advantage - entropy_coef * H (+ beta * KL)."""
+        cfg = self.config
+        mask = mb.get(KEYS.mask)  # [B, T]
+        logp, entropy = self._forward_policy(mb)  # [B, T] each
+        pg_loss, pg_stats = clipped_policy_loss(
+            logp,
+            mb.get(KEYS.action_log_prob),
+            mb.get(KEYS.advantage).squeeze(-1),
+            mask,
+            clip_eps=self.clip_eps,
+            dual_clip=cfg.dual_clip,
+            aggregation=cfg.loss_aggregation,
+        )
+        entropy_loss = aggregate_loss(entropy, mask, cfg.loss_aggregation)
+        loss = pg_loss - cfg.entropy_coef * entropy_loss
+        stats = {
+            "loss/policy": pg_loss,
+            "entropy": entropy_loss,
+            "clip_fraction": pg_stats["clip_fraction"],
+            "kl/policy_old": pg_stats["approx_kl"],
+            "ratio/mean": pg_stats["ratio_mean"],
+            "ratio/max": pg_stats["ratio_max"],
+            "ratio/min": pg_stats["ratio_min"],
+        }
+        if cfg.kl_in == "loss":
+            kl_loss = self.kl_ctl.value * masked_mean(kl_penalty(logp, mb.get(KEYS.ref_log_prob), kind=cfg.kl_kind), mask)
+            loss = loss + kl_loss
+            stats["loss/kl"] = kl_loss
+        stats["loss/total"] = loss
+        return loss, {k: v.detach() for k, v in stats.items()}
+
+
+class GRPO(GroupPPO):
+    """Group Relative Policy Optimisation: the group-normalised reward is the advantage."""
+
+    name = "grpo"
+
+    def group_advantage(self, rewards: Tensor, group_size: int) -> Tensor:
+        """``(r - mean_g) / (std_g + 1e-6)``; a constant group gives exactly 0. ``[B] -> [B]``."""
+        return grpo_advantage(rewards, group_size)
+
+
+class RLOO(GroupPPO):
+    """REINFORCE leave-one-out baseline, optimised with the clipped PPO surrogate."""
+
+    name = "rloo"
+
+    def group_advantage(self, rewards: Tensor, group_size: int) -> Tensor:
+        """``r_i - mean_{j != i} r_j`` within each group. ``[B] -> [B]``."""
+        return rloo_advantage(rewards, group_size)
+
+
+__all__ = ["GRPO", "RLOO", "GroupPPO"]

@@ -1,0 +1,229 @@
+"""Fault injection on `textrl train`: signals, NaN updates, NaN rewards and invalid configs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from agents import GAEPPO
+from envs import rollout_from_responses
+from rewards import RewardError
+from textrl import trainer
+from textrl.cli import main
+from textrl.config import TrainConfig
+from textrl.keys import KEYS
+from textrl.models import build_tiny_tokenizer
+from textrl.trainer import TrainingStopped, check_run, latest_checkpoint
+
+SMALL = [
+    "--prompts-per-iteration", "4", "--n-samples-per-prompt", "2", "--max-new-tokens", "8",
+    "--warmup-sft-steps", "5", "--eval-size", "8", "--eval-every", "0", "--progress", "false",
+    "--ppo-epochs", "1", "--num-minibatches", "2",
+]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TEXTRL_CACHE", str(tmp_path / "cache"))
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _state(checkpoint):
+    agent = torch.load(checkpoint / "trainer_state.pt", weights_only=False)["agent"]
+    return {k: v for k, v in agent.items() if torch.is_tensor(v)}
+
+
+# -- SIGINT / SIGTERM ------------------------------------------------------------------------------
+
+
+def _cli(*args):
+    return [sys.executable, "-m", "textrl.cli", "train", *SMALL, "--iterations", "6", *args]
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    env = {**os.environ, "TEXTRL_CACHE": str(tmp_path / "cache")}
+    subprocess.run(_cli("--output-dir", str(full)), env=env, check=True, capture_output=True)
+
+    proc = subprocess.Popen(_cli("--output-dir", str(part)), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not ((part / "metrics.jsonl").exists() and (part / "metrics.jsonl").read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run never wrote an iteration"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    stopped_at = len(_metrics(part))
+    assert stopped_at < 6, "the run finished before the signal arrived"
+    assert f"stopped by SIGTERM after iteration {stopped_at} of 6" in err
+    assert f"--config {part / 'config.yaml'} --resume" in err
+    assert latest_checkpoint(part).name == f"iter_{stopped_at:06d}"
+
+    subprocess.run(_cli("--output-dir", str(part), "--resume"), env=env, check=True, capture_output=True)
+    untimed = lambda row: {k: v for k, v in row.items() if not k.startswith("time/") and k != "tokens_per_second"}  # noqa: E731
+    assert [untimed(r) for r in _metrics(part)] == [untimed(r) for r in _metrics(full)]
+    a, b = _state(latest_checkpoint(full)), _state(latest_checkpoint(part))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_sigint_stops_after_the_iteration_and_a_second_one_aborts_without_a_partial_folder(
+    tmp_path, monkeypatch, capsys
+):
+    update = GAEPPO.update
+
+    def interrupted_update(self, td):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of iteration 1
+        return update(self, td)
+
+    monkeypatch.setattr(GAEPPO, "update", interrupted_update)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingStopped, match="stopped by SIGINT after iteration 1 of 3") as stop:
+        main(["train", "--iterations", "3", "--output-dir", str(out), *SMALL])
+    assert stop.value.code == 128 + signal.SIGINT
+    assert "--resume" in capsys.readouterr().err
+    assert [r["iteration"] for r in _metrics(out)] == [1]
+    assert latest_checkpoint(out).name == "iter_000001"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+    write_manifest = trainer._write_manifest
+
+    def second_ctrl_c(folder, iteration):
+        os.kill(os.getpid(), signal.SIGINT)  # while the checkpoint of the first one is written
+        write_manifest(folder, iteration)
+
+    monkeypatch.setattr(trainer, "_write_manifest", second_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        main(["train", "--iterations", "3", "--output-dir", str(out), "--resume", *SMALL])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter_000001"]
+
+
+# -- numerical faults ------------------------------------------------------------------------------
+
+
+def test_consecutive_nonfinite_updates_stop_the_run_with_the_last_good_weights(tmp_path, monkeypatch, capsys):
+    loss = GAEPPO.loss
+
+    def nan_from_iteration_2(self, mb):
+        value, stats = loss(self, mb)
+        return (value * math.nan if self.iteration >= 1 else value), stats
+
+    monkeypatch.setattr(GAEPPO, "loss", nan_from_iteration_2)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingStopped, match="2 consecutive updates were skipped for NaN/inf") as stop:
+        main(["train", "--iterations", "5", "--output-dir", str(out), "--checkpoint-every", "1",
+              "--keep-checkpoints", "5", "--max-nonfinite-updates", "2", *SMALL])
+    assert stop.value.code == 1
+    assert "weights of the last good update are saved in" in capsys.readouterr().err
+    rows = _metrics(out)
+    assert [r["nonfinite/skipped_updates"] for r in rows] == [0.0, 2.0]
+    assert latest_checkpoint(out).name == "iter_000002"
+    good, last = _state(out / "checkpoints" / "iter_000001"), _state(out / "checkpoints" / "iter_000002")
+    assert all(torch.equal(good[k], last[k]) for k in good)
+
+
+def _nan_on_first_row(prompts, completions, **kwargs):
+    scores = torch.ones(len(completions))
+    scores[0] = math.nan
+    return scores
+
+
+@pytest.mark.parametrize(("policy", "mean"), [("raise", None), ("zero", 7 / 8), ("drop", 1.0)])
+def test_nonfinite_reward_follows_the_configured_policy(tmp_path, policy, mean):
+    reward_file = tmp_path / "nan_reward.py"
+    reward_file.write_text(
+        "import math, torch\n\n"
+        "def nan_first(prompts, completions, **kwargs):\n"
+        "    scores = torch.ones(len(completions))\n"
+        "    scores[0] = math.nan\n"
+        "    return scores\n"
+    )
+    out = tmp_path / "run"
+    args = ["train", "--iterations", "1", "--output-dir", str(out), "--reward", f"{reward_file}:nan_first",
+            "--reward-nonfinite", policy, *SMALL]
+    if policy == "raise":
+        with pytest.raises(RewardError, match=r"non-finite scores \[nan\] in rows \[0\]"):
+            main(args)
+        return
+    assert main(args) == 0
+    row = _metrics(out)[0]
+    assert row["reward/nonfinite_rows"] == 1.0
+    assert row["reward/mean"] == pytest.approx(mean)  # the NaN row counts as 0, or not at all
+    assert math.isfinite(row["loss/policy"]) and row["nonfinite/skipped_updates"] == 0.0
+
+
+def test_fast_path_zeroes_or_drops_a_nonfinite_reward_row():
+    tok = build_tiny_tokenizer()
+    eos = tok.eos_token_id
+    ids = torch.tensor([[5, 6], [5, 7], [5, 8]])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    responses = torch.tensor([[9, eos], [10, eos], [11, eos]])
+    kwargs = dict(tokenizer=tok, reward_fn=_nan_on_first_row, eos_token_id=eos,
+                  pad_token_id=tok.pad_token_id, max_new_tokens=2)
+    with pytest.raises(RewardError, match="non-finite"):
+        rollout_from_responses(ids, mask, responses, **kwargs)
+    zero = rollout_from_responses(ids, mask, responses, reward_nonfinite="zero", **kwargs)
+    assert zero.get(KEYS.reward).squeeze(-1).sum(1).tolist() == [0.0, 1.0, 1.0]
+    assert zero.get(KEYS.reward_nonfinite).tolist() == [True, False, False]
+    drop = rollout_from_responses(ids, mask, responses, reward_nonfinite="drop", **kwargs)
+    assert drop.shape == (2,) and drop.get(KEYS.action)[:, 0].tolist() == [10, 11]
+    with pytest.raises(RewardError, match="every one of the 1 rows"):
+        rollout_from_responses(ids[:1], mask[:1], responses[:1], reward_nonfinite="drop", **kwargs)
+
+
+# -- invalid configuration -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"clip_eps": 0.0}, r"clip_eps=0.0: must be > 0"),
+        ({"clip_eps": -0.2}, r"clip_eps=-0.2: must be > 0"),
+        ({"gamma": 1.01}, r"gamma=1.01: must lie in \[0.0, 1.0\]"),
+        ({"lam": -0.5}, r"lam=-0.5: must lie in \[0.0, 1.0\]"),
+        ({"max_new_tokens": 0}, r"max_new_tokens=0: must be a number >= 1"),
+        ({"num_minibatches": 3}, r"num_minibatches=3: the rollout batch of 64 rows .* choose a divisor of 64"),
+        ({"kl_kind": "k4"}, r"kl_kind='k4': must be one of k1, k2, k3, abs"),
+        ({"agent": "dqn"}, r"agent='dqn': must be one of"),
+        ({"reward": "think_fromat"}, r"unknown reward 'think_fromat' \(did you mean 'think_format'\?\)"),
+        ({"reward": "tag_count:x"}, r"bad weight 'x'"),
+        ({"reward_model": "/no/such/model"}, r"/no/such/model does not exist"),
+        ({"reward_nonfinite": "ignore"}, r"reward_nonfinite='ignore': must be one of raise, zero, drop"),
+        ({"max_nonfinite_updates": 0}, r"max_nonfinite_updates=0: must be a number >= 1"),
+    ],
+)
+def test_invalid_config_is_named_with_value_and_allowed_range(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        check_run(TrainConfig(output_dir=str(tmp_path / "x"), **overrides))
+
+
+def test_4bit_without_bitsandbytes_is_named(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"load_in_4bit=True needs bitsandbytes .*pip install bitsandbytes"):
+        TrainConfig(load_in_4bit=True).validate()
+
+
+def test_a_bad_reward_name_fails_before_any_model_loads(tmp_path, monkeypatch):
+    def no_models(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was checked")
+
+    monkeypatch.setattr(trainer, "build_models", no_models)
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        main(["train", "--reward", "nope", "--output-dir", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,214 @@
+"""Preference data: three common formats read into one :class:`Preference` type.
+
+A row is recognised by its fields (or forced with ``format=``):
+
+- ``generic``: ``prompt`` (or ``question``), ``chosen`` (or ``response_chosen``), ``rejected``
+  (or ``response_rejected``). ``prompt`` is a string or a list of chat messages.
+- ``hh`` (Anthropic hh-rlhf): ``chosen`` and ``rejected`` are whole transcripts
+  ``"\\n\\nHuman: ...\\n\\nAssistant: ..."``; the prompt is the conversation before the final
+  Assistant turn (it must be the same in both) and the responses are the two final turns.
+- ``pku`` (PKU-SafeRLHF): ``prompt``, ``response_0``, ``response_1``, ``is_response_0_safe``,
+  ``is_response_1_safe``, ``better_response_id`` (``safer_response_id`` optional). Safety
+  first: a safe response beats an unsafe one; when both or neither are safe,
+  ``better_response_id`` decides.
+
+A malformed row raises ``ValueError`` naming the source, the row number (0-based, over non-blank
+lines for a ``.jsonl`` file, with the line number) and the missing or bad field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMATS = ("auto", "generic", "hh", "pku")
+_PKU_FIELDS = ("prompt", "response_0", "response_1", "is_response_0_safe", "is_response_1_safe",
+               "better_response_id")
+_HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
+
+
+@dataclass(frozen=True)
+class Preference:
+    """One comparison: ``messages`` (the conversation up to the response, ending with a user
+    turn) and the preferred and the dispreferred response."""
+
+    messages: tuple[tuple[str, str], ...]
+    chosen: str
+    rejected: str
+
+    @property
+    def prompt(self) -> list[dict[str, str]]:
+        """The conversation as chat messages ``[{"role", "content"}, ...]``."""
+        return [{"role": role, "content": content} for role, content in self.messages]
+
+
+def _text(row: Mapping[str, Any], names: Sequence[str], where: str) -> str:
+    """The first present field of ``names``, which must be a non-empty string."""
+    name = next((n for n in names if n in row), None)
+    if name is None:
+        raise ValueError(f"{where}: missing field {names[0]!r}")
+    value = row[name]
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where}: field {name!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _messages(prompt: Any, where: str) -> tuple[tuple[str, str], ...]:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError(f"{where}: field 'prompt' is empty")
+        return (("user", prompt),)
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(f"{where}: field 'prompt' must be a string or a list of messages")
+    turns = []
+    for j, turn in enumerate(prompt):
+        role = turn.get("role") if isinstance(turn, Mapping) else None
+        content = turn.get("content") if isinstance(turn, Mapping) else None
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise ValueError(f"{where}: field 'prompt'[{j}] needs string 'role' and 'content'")
+        turns.append((role, content))
+    if turns[-1][0] != "user":
+        raise ValueError(f"{where}: field 'prompt' must end with a 'user' turn, got {turns[-1][0]!r}")
+    return tuple(turns)
+
+
+def parse_hh_transcript(text: str, where: str, field: str) -> tuple[tuple[tuple[str, str], ...], str]:
+    """(conversation before the final Assistant turn, that turn's text) of an hh-rlhf transcript.
+
+    >>> parse_hh_transcript("\\n\\nHuman: Hi\\n\\nAssistant: Hello!", "row 0", "chosen")
+    ((('user', 'Hi'),), 'Hello!')
+    """
+    parts = _HH_TURN.split(text)
+    # parts = [preamble, role, content, role, content, ...]
+    if len(parts) < 5 or parts[0].strip():
+        raise ValueError(
+            f"{where}: field {field!r} is not an hh-rlhf transcript "
+            "('\\n\\nHuman: ...\\n\\nAssistant: ...')"
+        )
+    turns = [("user" if role == "Human" else "assistant", content.strip())
+             for role, content in zip(parts[1::2], parts[2::2])]
+    if turns[-1][0] != "assistant" or turns[-2][0] != "user":
+        raise ValueError(f"{where}: field {field!r} must end with a Human turn then an Assistant turn")
+    if not turns[-1][1]:
+        raise ValueError(f"{where}: field {field!r} has an empty final Assistant turn")
+    return tuple(turns[:-1]), turns[-1][1]
+
+
+def _flag(row: Mapping[str, Any], name: str, where: str, allowed: tuple) -> Any:
+    """``row[name]`` if it is one of ``allowed`` (bools and ints are told apart: True is not 1)."""
+    value = row[name]
+    if isinstance(value, bool) != isinstance(allowed[0], bool) or value not in allowed:
+        raise ValueError(f"{where}: field {name!r} must be one of {allowed}, got {value!r}")
+    return value
+
+
+def _pku(row: Mapping[str, Any], where: str) -> Preference:
+    for name in _PKU_FIELDS:
+        if name not in row:
+            raise ValueError(f"{where}: missing field {name!r} (PKU-SafeRLHF format)")
+    messages = _messages(row["prompt"], where)
+    responses = (_text(row, ["response_0"], where), _text(row, ["response_1"], where))
+    safe = (_flag(row, "is_response_0_safe", where, (True, False)),
+            _flag(row, "is_response_1_safe", where, (True, False)))
+    better = _flag(row, "better_response_id", where, (0, 1))
+    if row.get("safer_response_id") is not None:
+        _flag(row, "safer_response_id", where, (0, 1))
+    best = (0 if safe[0] else 1) if safe[0] != safe[1] else better
+    return Preference(messages, responses[best], responses[1 - best])
+
+
+def _hh(row: Mapping[str, Any], where: str) -> Preference:
+    chosen_msgs, chosen = parse_hh_transcript(_text(row, ["chosen"], where), where, "chosen")
+    rejected_msgs, rejected = parse_hh_transcript(_text(row, ["rejected"], where), where, "rejected")
+    if chosen_msgs != rejected_msgs:
+        raise ValueError(
+            f"{where}: fields 'chosen' and 'rejected' hold different conversations before their "
+            "final Assistant turns; an hh-rlhf pair must share its prompt"
+        )
+    return Preference(chosen_msgs, chosen, rejected)
+
+
+def _generic(row: Mapping[str, Any], where: str) -> Preference:
+    if "prompt" not in row and "question" not in row:
+        raise ValueError(f"{where}: missing field 'prompt'")
+    messages = _messages(row["prompt"] if "prompt" in row else row["question"], where)
+    chosen = _text(row, ["chosen", "response_chosen"], where)
+    rejected = _text(row, ["rejected", "response_rejected"], where)
+    return Preference(messages, chosen, rejected)
+
+
+def detect_format(row: Mapping[str, Any]) -> str:
+    """``pku`` with ``response_0``/``response_1``; ``generic`` with a prompt; else ``hh``."""
+    if "response_0" in row or "response_1" in row:
+        return "pku"
+    if "prompt" in row or "question" in row:
+        return "generic"
+    return "hh"
+
+
+_PARSERS = {"generic": _generic, "hh": _hh, "pku": _pku}
+
+
+def parse_preference(row: Any, where: str, format: str = "auto") -> Preference:
+    """One row of any supported format -> :class:`Preference`; ``where`` names it in errors."""
+    if not isinstance(row, Mapping):
+        raise ValueError(f"{where}: a preference row must be an object, got {type(row).__name__}")
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r}: must be one of {', '.join(FORMATS)}")
+    kind = detect_format(row) if format == "auto" else format
+    if kind == "hh" and "chosen" not in row and "rejected" not in row:
+        raise ValueError(
+            f"{where}: no preference fields (got {sorted(row)}); expected prompt/chosen/rejected, "
+            "hh-rlhf chosen/rejected transcripts, or PKU-SafeRLHF prompt/response_0/response_1/..."
+        )
+    return _PARSERS[kind](row, where)
+
+
+def load_preferences(
+    source: str | os.PathLike[str] | Iterable[Mapping[str, Any]], format: str = "auto"
+) -> list[Preference]:
+    """Preferences from ``builtin:NAME``, a ``.jsonl`` / ``.json`` file, or rows (a list of dicts,
+    a ``datasets.Dataset``).
+
+    >>> prefs = load_preferences([{"prompt": "2+2?", "chosen": "4", "rejected": "5"}])
+    >>> prefs[0].prompt, prefs[0].chosen
+    ([{'role': 'user', 'content': '2+2?'}], '4')
+    """
+    from textrl.stages.common import read_jsonl
+    from textrl.stages.synthetic import BUILTIN_PREFERENCES
+
+    if isinstance(source, str) and source.startswith("builtin:"):
+        name = source.removeprefix("builtin:")
+        if name not in BUILTIN_PREFERENCES:
+            known = ", ".join(f"builtin:{k}" for k in BUILTIN_PREFERENCES)
+            raise ValueError(f"unknown built-in preference set {source!r}; available: {known}")
+        rows = [(f"{source}: row {i}", r) for i, r in enumerate(BUILTIN_PREFERENCES[name]())]
+    elif isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(
+                f"preference data {str(source)!r}: no such file; pass a .jsonl / .json file or "
+                "'builtin:case'"
+            )
+        if path.suffix == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, list):
+                raise ValueError(f"{path}: a .json preference file must hold a list of rows")
+            rows = [(f"{path}: row {i}", r) for i, r in enumerate(data)]
+        else:
+            rows = read_jsonl(path)
+    else:
+        rows = [(f"row {i}", r) for i, r in enumerate(source)]
+    prefs = [parse_preference(row, where, format) for where, row in rows]
+    if not prefs:
+        raise ValueError(f"preference data {source!r} has no rows")
+    return prefs
+
+
+__all__ = ["FORMATS", "Preference", "detect_format", "load_preferences", "parse_hh_transcript",
+           "parse_preference"]
