@@ -25,14 +25,17 @@ from collections.abc import Sequence
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from textrl.config import TrainConfig, build_config
-    from textrl.trainer import train
+    from textrl.trainer import CheckpointError, check_run, train
 
     config: TrainConfig = build_config(args, TrainConfig)
     try:
-        config.validate()
+        check_run(config)  # every field, the reward names, the output folder: before any model loads
     except ValueError as err:
         raise SystemExit(f"textrl train: {err}") from None
-    train(config)
+    try:
+        train(config)
+    except CheckpointError as err:
+        raise SystemExit(f"textrl train: {err}") from None
     return 0
 
 
@@ -163,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     _add_stages(sub)
+
+    from textrl import bench as bench_module
+
+    bench = sub.add_parser("bench", help="compare agents on one environment over seeds (table + plots)",
+                           description=bench_module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_module.add_arguments(bench)
+    bench.set_defaults(func=bench_module.run)
     return parser
 
 
