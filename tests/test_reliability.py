@@ -224,6 +224,6 @@ def test_a_bad_reward_name_fails_before_any_model_loads(tmp_path, monkeypatch):
         raise AssertionError("a model was loaded before the config was checked")
 
     monkeypatch.setattr(trainer, "build_models", no_models)
-    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+    with pytest.raises(SystemExit, match="unknown reward 'nope'"):
         main(["train", "--reward", "nope", "--output-dir", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
