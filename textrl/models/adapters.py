@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -218,8 +218,9 @@ def hidden_size(model: nn.Module) -> int:
 # -- reward adapter folder ------------------------------------------------------------------------
 
 
-def _atomic_write_dir(path: Path, write) -> None:
-    """Fill a temporary sibling folder with ``write(tmp)``, then rename it into ``path``."""
+def write_atomically(path: Path, write: Callable[[Path], None]) -> Path:
+    """Fill a temporary sibling folder with ``write(tmp)``, then rename it to ``path``: the folder
+    is complete or absent (an older one is replaced only once the new one is whole)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     aside = path.with_name(f".{path.name}.old-{os.getpid()}")
@@ -236,6 +237,7 @@ def _atomic_write_dir(path: Path, write) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(aside, ignore_errors=True)
+    return path
 
 
 def save_adapter(model: PeftModel, adapter_name: str, path: str | os.PathLike[str]) -> None:
@@ -286,7 +288,7 @@ def save_reward_adapter(
         save_file(head, str(tmp / SCORE_HEAD))
         (tmp / REWARD_META).write_text(json.dumps(meta, indent=2) + "\n")
 
-    _atomic_write_dir(Path(path), write)
+    write_atomically(Path(path), write)
 
 
 def read_reward_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -416,7 +418,7 @@ def save_merged_model(
             tokenizer.save_pretrained(tmp)
         (tmp / MERGED_META).write_text(json.dumps(record, indent=2) + "\n")
 
-    _atomic_write_dir(Path(path), write)
+    write_atomically(Path(path), write)
 
 
 def merge_info(model: nn.Module | str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -20,7 +20,6 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from textrl.config import (
     field_docs,
     save_config,
 )
+from textrl.models.adapters import write_atomically
 
 ADAPTER_META = "textrl_adapter.json"
 """Written next to a policy LoRA adapter: ``{"format": "textrl-lora", "version": 1, "base_model",
@@ -228,28 +228,6 @@ def load_adapter_model(path: str | os.PathLike[str], *, device: Any = None,
         load_in_4bit = meta.is_file() and bool(json.loads(meta.read_text()).get("load_in_4bit"))
     base = load_base_model(adapter_base(path), load_in_4bit=load_in_4bit, device=device)
     return PeftModel.from_pretrained(base, str(path)).eval()
-
-
-def write_atomically(path: Path, write: Callable[[Path], None]) -> Path:
-    """Fill a temporary sibling folder with ``write(tmp)``, then rename it to ``path``: the folder
-    is complete or absent (an older one is replaced only once the new one is whole)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    aside = path.with_name(f".{path.name}.old-{os.getpid()}")
-    try:
-        write(tmp)
-        if path.exists():
-            os.replace(path, aside)  # a non-empty folder cannot be replaced in one rename
-        try:
-            os.replace(tmp, path)
-        except OSError:
-            if aside.exists():
-                os.replace(aside, path)
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(aside, ignore_errors=True)
-    return path
 
 
 def save_policy(model: Any, tokenizer: Any, path: Path, *, config: StageConfig, stage: str) -> Path:
