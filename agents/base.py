@@ -22,6 +22,7 @@ import inspect
 import math
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -90,12 +91,36 @@ def _accepts_logits_to_keep(model_type: type) -> bool:
         return False
 
 
+@dataclass
+class RolloutForward:
+    """The policy (and critic) forward of :meth:`PPOAgent.evaluate`, kept with its graph.
+
+    ``logp``, ``entropy``, ``values`` ``[B, T]`` with grad; ``stored`` the detached log-probs
+    written into the rollout (identifies it); ``version`` the weights' versions at the forward.
+    """
+
+    logp: Tensor
+    entropy: Tensor
+    values: Tensor | None
+    stored: Tensor
+    version: tuple[tuple[int, int], ...]
+
+    def rows(self, idx: Tensor) -> RolloutForward:
+        """The same forward for rows ``idx`` (a minibatch), graph kept."""
+        values = self.values[idx] if self.values is not None else None
+        return RolloutForward(self.logp[idx], self.entropy[idx], values, self.stored[idx], self.version)
+
+
 class PPOAgent(nn.Module):
     """Base of the PPO-family agents. Subclasses set ``name`` and implement the estimator/loss."""
 
     name = "ppo"
     uses_critic = True
     default_clip_eps = 0.2
+    reuse_rollout_forward = True
+    """See :meth:`reuses_rollout_forward`; set False to always run the update's own forward."""
+    _rollout_forward: RolloutForward | None = None
+    _reused: RolloutForward | None = None
 
     def __init__(
         self,
@@ -241,11 +266,13 @@ class PPOAgent(nn.Module):
         return self._logprobs_and_logits(logits, action)
 
     @torch.no_grad()
-    def evaluate(self, td: TensorDictBase) -> TensorDict:
+    def evaluate(self, td: TensorDictBase, *, keep_graph: bool = False) -> TensorDict:
         """Recompute ``action_log_prob``, ``ref_log_prob`` (and ``state_value``) for a rollout.
 
         One prefill forward per micro-batch over the finished sequences, never token by token.
         Returns a TensorDict with those keys (``[B, T]`` log-probs, ``[B, T, 1]`` values).
+        With ``keep_graph`` the policy and critic forwards run with grad and their graphs are
+        kept (:class:`RolloutForward`) for the one optimiser step of :meth:`update` to reuse.
         """
         cfg = self.config
         input_ids, attention_mask, p = sequence_inputs(td)
@@ -253,10 +280,20 @@ class PPOAgent(nn.Module):
         out = defaultdict(list)
         for sl in self._micro_batches(input_ids.shape[0], cfg.forward_batch_size):
             args = (input_ids[sl], attention_mask[sl], p)
-            out["logp"].append(self.behaviour_logprobs(*args, action[sl]))
+            if keep_graph:
+                with torch.enable_grad():
+                    logp, entropy = self._logprobs_and_entropy(*args, action[sl])
+                    out["graph_logp"].append(logp)
+                    out["graph_entropy"].append(entropy)
+                    out["logp"].append(logp.detach())
+                    if self.critic is not None:
+                        out["graph_value"].append(self._values(*args))
+                        out["value"].append(out["graph_value"][-1].detach())
+            else:
+                out["logp"].append(self.behaviour_logprobs(*args, action[sl]))
+                if self.critic is not None:
+                    out["value"].append(self._values(*args))
             out["ref"].append(self.logprobs(self.ref_policy, *args, action[sl]))
-            if self.critic is not None:
-                out["value"].append(self._values(*args))
         logp = torch.cat(out["logp"])
         result = TensorDict(
             {KEYS.action_log_prob: logp, KEYS.ref_log_prob: torch.cat(out["ref"])},
@@ -266,7 +303,51 @@ class PPOAgent(nn.Module):
             result.set(KEYS.state_value, torch.cat(out["value"]).unsqueeze(-1))
         if type(self).behaviour_logprobs is PPOAgent.behaviour_logprobs:  # the policy's own log-probs
             self._policy_logp = (logp, logp._version, self._policy_version())
+        self._rollout_forward = None
+        if keep_graph:
+            with torch.enable_grad():  # a concatenation under no_grad would cut the graph
+                self._rollout_forward = RolloutForward(
+                    logp=torch.cat(out["graph_logp"]),
+                    entropy=torch.cat(out["graph_entropy"]),
+                    values=torch.cat(out["graph_value"]) if self.critic is not None else None,
+                    stored=logp,
+                    version=self._weights_version(),
+                )
         return result
+
+    def reuses_rollout_forward(self) -> bool:
+        """Whether :meth:`update` is one optimiser step over the whole rollout from the behaviour
+        policy itself (1 epoch, 1 minibatch, no accumulation, no old-policy snapshot).
+
+        Then that step's forward is the behaviour forward: :meth:`process_rollout` runs it with
+        grad, the advantages are computed from its detached log-probs and values, and the step
+        back-propagates through it instead of running the policy and critic again (one forward
+        each fewer per iteration; the graph is held from the prefill to the step, as the step's
+        own forward would hold it). ``reuse_rollout_forward = False`` on an agent turns it off.
+        """
+        cfg = self.config
+        return (
+            self.reuse_rollout_forward
+            and cfg.ppo_epochs == 1
+            and cfg.num_minibatches == 1
+            and cfg.gradient_accumulation_steps == 1
+            and type(self).behaviour_logprobs is PPOAgent.behaviour_logprobs
+        )
+
+    def _take_rollout_forward(self, td: TensorDictBase) -> RolloutForward | None:
+        """The kept forward of :meth:`evaluate` if it belongs to ``td`` and no weight changed since."""
+        kept, self._rollout_forward = self._rollout_forward, None
+        if kept is None or not self.reuses_rollout_forward():
+            return None
+        logp = td.get(KEYS.action_log_prob, None)
+        if logp is not kept.stored or kept.version != self._weights_version():
+            return None
+        return kept
+
+    def _weights_version(self) -> tuple[tuple[int, int], ...]:
+        """:meth:`_policy_version` of the policy and the critic together."""
+        critic = () if self.critic is None else tuple((q.data_ptr(), q._version) for q in self.critic.parameters())
+        return self._policy_version() + critic
 
     def _policy_version(self) -> tuple[tuple[int, int], ...]:
         """Changes whenever a policy weight is replaced or modified in place (optimiser step, load)."""
@@ -291,7 +372,7 @@ class PPOAgent(nn.Module):
         if SCORE not in td.keys():
             td.set(SCORE, td.get(KEYS.reward).squeeze(-1).sum(1).float())
         with timed(timings, "forward", self.device):
-            td.update(self.evaluate(td))
+            td.update(self.evaluate(td, keep_graph=self.reuses_rollout_forward()))
         with timed(timings, "advantages", self.device):
             mask = td.get(KEYS.mask)
             if self.critic is not None:
@@ -316,20 +397,28 @@ class PPOAgent(nn.Module):
         raise NotImplementedError
 
     def _forward_policy(self, mb: TensorDictBase) -> tuple[Tensor, Tensor]:
-        """Current ``(logp [B, T], entropy [B, T])`` of a minibatch's actions, with grad.
+        """Current ``(logp [B, T], entropy [B, T])`` of a minibatch's actions, with grad."""
+        if self._reused is not None:
+            return self._reused.logp, self._reused.entropy
+        input_ids, attention_mask, p = sequence_inputs(mb)
+        return self._logprobs_and_entropy(input_ids, attention_mask, p, mb.get(KEYS.action))
+
+    def _logprobs_and_entropy(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> tuple[Tensor, Tensor]:
+        """``(logp [B, T], entropy [B, T])`` of ``action`` under the policy (grad as the caller's mode).
 
         The entropy carries grad only when ``entropy_coef > 0`` (otherwise it is only logged).
         """
         cfg = self.config
-        input_ids, attention_mask, p = sequence_inputs(mb)
-        logits = self._response_logits(self.policy, input_ids, attention_mask, p)  # [B, T, V]
-        logp = self._logprobs_and_logits(logits, mb.get(KEYS.action))
+        logits = self._response_logits(self.policy, input_ids, attention_mask, prompt_len)  # [B, T, V]
+        logp = self._logprobs_and_logits(logits, action)
         source = logits if cfg.entropy_coef > 0 else logits.detach()
         entropy = entropy_from_logits(source, temperature=cfg.temperature)
         return logp, entropy
 
     def _forward_values(self, mb: TensorDictBase) -> Tensor:
         """Current ``V(s_t)`` ``[B, T]`` of a minibatch, with grad."""
+        if self._reused is not None and self._reused.values is not None:
+            return self._reused.values
         input_ids, attention_mask, p = sequence_inputs(mb)
         return self._values(input_ids, attention_mask, p)
 
@@ -359,8 +448,9 @@ class PPOAgent(nn.Module):
 
         Besides the losses (averaged over minibatches), it reports seed 003's three KL monitors,
         each the mean per-token KL(policy || ref) of ``config.kl_kind``: ``kl/collection`` (the
-        behaviour log-probs stored in the rollout), ``kl/before_update`` and ``kl/after_update``
-        (the policy re-evaluated before and after this update).
+        behaviour log-probs stored in the rollout), ``kl/before_update`` and, with
+        ``config.kl_after_update``, ``kl/after_update`` (the policy re-evaluated before and after
+        this update; the first is free, the second costs a policy forward).
 
         Numerical faults: a rollout with NaN/inf log-probs, values, rewards or advantages on valid
         tokens is skipped as a whole (one skipped update); a minibatch whose loss or gradient is
@@ -383,6 +473,7 @@ class PPOAgent(nn.Module):
         skipped = 0
         nonfinite = 0
         epochs_run = 0
+        kept = self._take_rollout_forward(td)
         if self.dist.any(not self._rollout_is_finite(td)):  # every minibatch would be poisoned: skip all
             nonfinite = 1
             self.nonfinite_streak += 1
@@ -401,7 +492,12 @@ class PPOAgent(nn.Module):
                 for sub_idx in idx.tensor_split(min(cfg.gradient_accumulation_steps, idx.numel())):
                     sub = td[sub_idx]
                     weight = self.micro_weight(sub, mask[sub_idx], mb_tokens, sub_idx.numel(), idx.numel())
-                    loss, s = self.loss(sub)
+                    # the one step of reuses_rollout_forward(): the behaviour forward's graph, rows in order
+                    self._reused, kept = (kept.rows(sub_idx) if kept is not None else None), None
+                    try:
+                        loss, s = self.loss(sub)
+                    finally:
+                        self._reused = None
                     if not bool(torch.isfinite(loss)):  # NaN/inf logits, log-probs, values or advantages
                         losses_finite = False
                         break
@@ -433,7 +529,8 @@ class PPOAgent(nn.Module):
                     break
             if early_stopped or self.nonfinite_streak >= cfg.max_nonfinite_updates:
                 break
-        metrics["kl/after_update"] = self.policy_ref_kl(td)
+        if cfg.kl_after_update:
+            metrics["kl/after_update"] = self.policy_ref_kl(td)
         if KEYS.value_target in td.keys(include_nested=True) and self.critic is not None:
             metrics["explained_variance"] = explained_variance(
                 td.get(KEYS.state_value).squeeze(-1), td.get(KEYS.value_target).squeeze(-1), mask
@@ -544,4 +641,4 @@ class PPOAgent(nn.Module):
         return result
 
 
-__all__ = ["SCORE", "PPOAgent", "position_ids_for", "sequence_inputs", "warp_logits"]
+__all__ = ["SCORE", "PPOAgent", "RolloutForward", "position_ids_for", "sequence_inputs", "warp_logits"]

@@ -116,7 +116,7 @@ def read_run(output_dir: str | Path) -> dict[str, Any]:
     """A finished run's figures from its ``metrics.jsonl`` and ``summary.json``.
 
     Scalars: ``reward`` / ``accuracy`` / ``response_length`` (held-out, sampled, at the end),
-    ``reward_start`` (held-out before training), ``kl`` (``kl/after_update`` of the last
+    ``reward_start`` (held-out before training), ``kl`` (``kl/before_update`` of the last
     iteration), ``seconds_per_iteration`` (median, evaluation time excluded), ``tokens_per_second``
     and ``tokens`` (generated, in total). Curves: ``iterations``, ``train_reward`` (the rollout's
     task score per iteration) and ``elapsed_s`` (cumulative training seconds, evaluations included).
@@ -138,7 +138,7 @@ def read_run(output_dir: str | Path) -> dict[str, Any]:
         "reward_start": before.get("eval/sampled/reward/mean", nan),
         "accuracy": after.get("eval/sampled/accuracy", nan),
         "response_length": after.get("eval/sampled/response_length/mean", nan),
-        "kl": rows[-1].get("kl/after_update", nan),
+        "kl": rows[-1].get("kl/before_update", nan),
         "seconds_per_iteration": statistics.median(train_s),
         "tokens_per_second": sum(r["tokens"] for r in rows) / sum(train_s),
         "tokens": sum(r["tokens"] for r in rows),

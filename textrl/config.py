@@ -130,6 +130,8 @@ class TrainConfig:
     """Task score on the last valid token ('last') or spread as r/T ('uniform', seed 000)."""
     ratio_threshold: float = 10.0
     """Zero a minibatch's policy loss when its mean ratio exceeds this (MA-RLHF; 0 = off)."""
+    kl_after_update: bool = False
+    """Log kl/after_update: KL(policy || ref) on the rollout re-evaluated after the update (one more policy forward per iteration)."""
     ref_refresh_every: int = 0
     """Copy the policy into the reference every N iterations (seed 000; 0 = never)."""
     old_policy_refresh_every: int = 1

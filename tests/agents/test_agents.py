@@ -62,7 +62,7 @@ SEPARATE_REFERENCE = [n for n in NAMES if n != "multi_adapter_ppo"]
 
 @pytest.mark.parametrize("name", SEPARATE_REFERENCE)
 def test_one_update_moves_trainables_and_leaves_reference_identical(tok, name):
-    agent = build(tok, name, actor_lr=1e-2)
+    agent = build(tok, name, actor_lr=1e-2, kl_after_update=True)
     td = collect(agent, tok)
     ref_before, pol_before = params(agent.ref_policy), params(agent.policy)
     critic_before = params(agent.critic) if agent.critic is not None else {}

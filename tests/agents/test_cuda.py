@@ -12,7 +12,7 @@ from tests.agents.conftest import collect, make_agent
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["gae_ppo", "one_step_ppo"])
 def test_update_on_cuda_under_bf16_autocast(tok, name):
-    agent = make_agent(tok, name).to("cuda")
+    agent = make_agent(tok, name, kl_after_update=True).to("cuda")
     td = collect(agent, tok)
     assert td.device.type == "cuda"
     before = {k: v.clone() for k, v in agent.ref_policy.state_dict().items()}

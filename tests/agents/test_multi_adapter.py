@@ -140,7 +140,7 @@ def test_frozen_weights_are_bit_identical_after_an_update(tok, reward_dir, criti
 
 
 def test_first_minibatch_ratio_is_one_and_kl_is_zero(tok, reward_dir):
-    agent = build(tok, reward_dir, ppo_epochs=2)
+    agent = build(tok, reward_dir, ppo_epochs=2, kl_after_update=True)
     td = collect(agent, tok)
     check_rollout(td)
     assert torch.equal(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob))
@@ -237,7 +237,8 @@ def test_4bit_and_full_precision_bases_both_update(tok, reward_dir, tmp_path, mo
     monkeypatch.setenv("TEXTRL_CACHE", str(tmp_path / "cache"))
     for load_in_4bit in (False, True):
         base = load_base_model("tiny", load_in_4bit=load_in_4bit)
-        agent = build(tok, reward_dir, base=base, actor_lr=1e-2, load_in_4bit=load_in_4bit)
+        agent = build(tok, reward_dir, base=base, actor_lr=1e-2, load_in_4bit=load_in_4bit,
+                      kl_after_update=True)
         before = frozen_state(agent)
         td = collect(agent, tok)
         metrics = agent.update(td)
