@@ -8,6 +8,11 @@
 - :func:`fit`: the loop every stage runs: AdamW steps over shuffled batches, evaluation before,
   every ``eval_every`` steps and at the end, ``metrics.jsonl`` / TensorBoard through the
   trainer's :class:`~textrl.trainer.MetricsLog`, optional checkpoints, the final model.
+- Resume (``--resume``) with the trainer's checkpoint machinery: ``checkpoints/iter_NNNNNN/``
+  written atomically by :func:`textrl.trainer.save_checkpoint` (a manifest of sha256 sums marks
+  it complete) holding the model as ``model/`` will be (``policy/``) and ``trainer_state.pt``:
+  the trainable tensors, the AdamW state, the :class:`BatchOrder` and every RNG. SIGINT / SIGTERM
+  finish the current step, save a checkpoint and raise :class:`~textrl.trainer.TrainingStopped`.
 
 Every stage writes to ``output_dir``: ``config.yaml`` (resolved config), ``metrics.jsonl``,
 ``tb/``, ``summary.json`` (held-out metrics before and after) and ``model/`` (the result).
@@ -17,13 +22,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
+import math
 import os
-import shutil
+import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -77,9 +86,11 @@ class StageConfig:
     eval_every: int = 50
     """Held-out evaluation every N steps (0 = only before and after)."""
     checkpoint_every: int = 0
-    """Save the model to checkpoints/step_NNNNNN every N steps (0 = only the final model/)."""
+    """Save a resumable checkpoints/iter_NNNNNN every N steps (0 = only on SIGINT/SIGTERM)."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk."""
+    resume: bool = False
+    """Continue from the newest verified checkpoint in output_dir (same model, LoRA and data)."""
     lora: bool = False
     """Train a LoRA adapter on a frozen base instead of every weight."""
     lora_r: int = 8
@@ -295,17 +306,134 @@ def pad_left(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor
 # -- the loop ---------------------------------------------------------------------------------------
 
 
-def prepare_run(config: Any) -> tuple[torch.device, Path]:
-    """Validate, seed, resolve the device, create ``output_dir`` and write ``config.yaml``."""
+def prepare_run(config: Any) -> tuple[torch.device, Path, Path | None]:
+    """Validate, check the output folder (:func:`resume_point`), seed, resolve the device, create
+    ``output_dir`` and write ``config.yaml``; return the device, the folder and the checkpoint
+    ``--resume`` continues from (None for a fresh run). Nothing loads a model before this."""
     from textrl.trainer import resolve_device, seed_everything
 
     config.validate()
+    checkpoint = resume_point(config)
     device = resolve_device(config.device)
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, output_dir / "config.yaml")
     seed_everything(config.seed)
-    return device, output_dir
+    return device, output_dir, checkpoint
+
+
+def resume_point(config: StageConfig) -> Path | None:
+    """The verified checkpoint ``--resume`` continues from; None for a fresh run.
+
+    ``ValueError`` when a fresh run would mix with an earlier run's checkpoints (as ``textrl
+    train``'s ``check_run``), when ``--resume`` finds no checkpoint or none that verifies, or when
+    the newest one is already at ``--steps``.
+    """
+    from textrl.trainer import (
+        CHECKPOINT_MARKER,
+        CheckpointError,
+        _complete_checkpoints,
+        resume_checkpoint,
+    )
+
+    root = Path(config.output_dir) / "checkpoints"
+    existing = _complete_checkpoints(root)
+    if not config.resume:
+        if existing:
+            raise ValueError(
+                f"output_dir={config.output_dir!r} holds checkpoints of an earlier run (newest: "
+                f"{existing[-1].name}); pass --resume to continue it, or choose another --output-dir "
+                f"(or delete {root}) to start over"
+            )
+        return None
+    if not existing:
+        raise ValueError(f"--resume: no checkpoint in {root} (none saved, or every save was cut "
+                         "short); run without --resume to start, or pass the --output-dir of the run "
+                         "to continue")
+    try:
+        checkpoint = resume_checkpoint(config)
+    except CheckpointError as err:  # the command reports ValueErrors as one line
+        raise ValueError(str(err)) from err
+    step = json.loads((checkpoint / CHECKPOINT_MARKER).read_text())["iteration"]
+    if step >= config.steps:
+        raise ValueError(f"--resume: {checkpoint} is at step {step} and steps={config.steps}; pass "
+                         f"--steps above {step} to train further")
+    return checkpoint
+
+
+class BatchOrder:
+    """Batches of row indices drawn step by step: shuffled epochs from a private generator seeded
+    with ``seed``, run on across epoch boundaries (the order of :func:`textrl.warmup._batch_order`).
+
+    ``state_dict`` (the generator and the rest of the current epoch) lets a resumed run draw the
+    batches an uninterrupted one would; ``load_state_dict`` refuses other training rows.
+    """
+
+    def __init__(self, rows: Sequence[Any], seed: int) -> None:
+        self.num_rows = len(rows)
+        digest = hashlib.sha256()
+        for row in rows:
+            digest.update(repr(row).encode())
+        self.fingerprint = digest.hexdigest()[:16]
+        self.generator = torch.Generator().manual_seed(seed)
+        self.pending: list[int] = []
+
+    def next_batch(self, batch_size: int) -> list[int]:
+        while len(self.pending) < batch_size:
+            self.pending.extend(torch.randperm(self.num_rows, generator=self.generator).tolist())
+        batch = self.pending[:batch_size]
+        del self.pending[:batch_size]
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_rows": self.num_rows, "fingerprint": self.fingerprint,
+                "generator": self.generator.get_state(), "pending": list(self.pending)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["num_rows"], state["fingerprint"]) != (self.num_rows, self.fingerprint):
+            raise ValueError(
+                f"it was taken on other training rows ({state['num_rows']} rows, fingerprint "
+                f"{state['fingerprint']}) than this run's ({self.num_rows} rows, fingerprint "
+                f"{self.fingerprint}); resume with the --data, --eval-size and --seed of that run"
+            )
+        self.generator.set_state(state["generator"])
+        self.pending = list(state["pending"])
+
+
+class StageState:
+    """A stage's trainable state in the shape the trainer's ``save_checkpoint`` /
+    ``load_checkpoint`` expect of an agent: ``policy.save_pretrained(path)`` writes the model as
+    ``save`` writes ``model/`` (the tokenizer with it); ``state_dict()`` holds the trainable
+    tensors, the AdamW state and the held-out metrics before training (``before``)."""
+
+    device = torch.device("cpu")  # load_checkpoint's map_location: RNG states must be CPU tensors;
+    # the copies below and AdamW's load_state_dict move the rest to the parameters' device
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+                 save: Callable[[Path], Any]) -> None:
+        self.params, self.optimizer = list(params), optimizer
+        self.policy = SimpleNamespace(save_pretrained=save)
+        self.tokenizer = SimpleNamespace(save_pretrained=lambda path: None)  # save wrote it
+        self.before: dict[str, float] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"params": [p.detach() for p in self.params], "optimizer": self.optimizer.state_dict(),
+                "before": self.before}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = [tuple(t.shape) for t in state["params"]]
+        mine = [tuple(p.shape) for p in self.params]
+        if saved != mine:
+            raise ValueError(
+                f"it holds {len(saved)} trainable tensors ({sum(map(math.prod, saved))} numbers), "
+                f"this model {len(mine)} ({sum(map(math.prod, mine))}); resume with the --model, "
+                "--lora and lora_* options of that run"
+            )
+        with torch.no_grad():
+            for param, value in zip(self.params, state["params"]):
+                param.copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.before = state["before"]
 
 
 def fit(
@@ -317,73 +445,131 @@ def fit(
     save: Callable[[Path], Any],
     *,
     name: str,
+    resume_from: Path | None = None,
 ) -> dict[str, Any]:
     """Train ``params`` for ``config.steps`` AdamW steps; return ``{"before", "after", ...}``.
 
     ``loss_fn(rows)`` puts the model in train mode and returns the loss of a batch of rows and
     its detached stats; ``evaluate()`` returns held-out metrics (keys without prefix; they are
-    logged under ``eval/``); ``save(path)`` writes the model to ``path``. Batches are shuffled
-    epochs from a private generator seeded with ``config.seed``.
+    logged under ``eval/``); ``save(path)`` writes the model to ``path``. Batches come from a
+    :class:`BatchOrder` seeded with ``config.seed``. ``resume_from`` (a verified checkpoint, see
+    :func:`prepare_run`) restores the state after its step, and ``metrics.jsonl`` keeps only the
+    rows up to it. SIGINT / SIGTERM finish the current step, save a checkpoint and raise
+    :class:`~textrl.trainer.TrainingStopped`, whose message says how to resume.
     """
-    from textrl.trainer import MetricsLog
-    from textrl.warmup import _batch_order
+    from textrl.trainer import MetricsLog, StopSignals
 
     output_dir = Path(config.output_dir)
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError(f"{name}: no trainable parameters")
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
-    log = MetricsLog(output_dir, enabled=True, resume_after=None)
-    start = time.perf_counter()
-    before = evaluate()
-    after = before
-    generator = torch.Generator().manual_seed(config.seed)
-    batches = _batch_order(len(train_rows), config.steps, config.batch_size, generator)
-    progress = None
-    if config.progress:
-        from tqdm.auto import tqdm
-
-        progress = tqdm(total=config.steps, desc=name, dynamic_ncols=True)
-    for step, indices in enumerate(batches, start=1):
-        t0 = time.perf_counter()
-        loss, stats = loss_fn([train_rows[i] for i in indices.tolist()])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            params, config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-        )
-        optimizer.step()
-        row: dict[str, float] = {"iteration": step, "loss": loss.item(), **stats,
-                                 "grad_norm": float(grad_norm), "lr": config.lr}
-        if step == config.steps or (config.eval_every and step % config.eval_every == 0):
-            after = evaluate()
-            row.update({f"eval/{k}": v for k, v in after.items()})
-        row["time/step_s"] = time.perf_counter() - t0
-        log.write(row)
-        if progress is not None:
-            progress.set_postfix(loss=f"{row['loss']:.3f}")
-            progress.update(1)
-        if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
-            save_stage_checkpoint(output_dir, step, save, config.keep_checkpoints)
-    if progress is not None:
-        progress.close()
-    log.close()
-    model_dir = output_dir / MODEL_DIR
-    save(model_dir)
-    summary = {"stage": name, "before": before, "after": after, "model": str(model_dir),
-               "steps": config.steps, "seconds": time.perf_counter() - start}
+    state, order = StageState(params, optimizer, save), BatchOrder(train_rows, config.seed)
+    start = 0 if resume_from is None else restore(resume_from, state, order)
+    log = MetricsLog(output_dir, enabled=True, resume_after=None if resume_from is None else start)
+    began = time.perf_counter()
+    if resume_from is None:
+        state.before = evaluate()
+    after = state.before
+    progress = _progress_bar(config, name, start)
+    with StopSignals() as signals:
+        for step in range(start + 1, config.steps + 1):
+            t0 = time.perf_counter()
+            # 1. one AdamW step on the next batch
+            rows = [train_rows[i] for i in order.next_batch(config.batch_size)]
+            row = {"iteration": step, **train_step(rows, loss_fn, params, optimizer, config.max_grad_norm)}
+            # 2. held-out evaluation when due, the metrics row
+            if step == config.steps or (config.eval_every and step % config.eval_every == 0):
+                after = evaluate()
+                row.update({f"eval/{k}": v for k, v in after.items()})
+            row["time/step_s"] = time.perf_counter() - t0
+            log.write(row)
+            if progress is not None:
+                progress.set_postfix(loss=f"{row['loss']:.3f}")
+                progress.update(1)
+            # 3. a checkpoint when due or when a signal asks to stop (the last step just finishes)
+            stop = signals.received is not None and step < config.steps
+            if stop or _checkpoint_due(config, step):
+                saved = save_stage_checkpoint(output_dir, step, state, order, config.keep_checkpoints)
+            if stop:
+                _close(progress, log)
+                raise stopped(name, config, step, signals.received, saved)
+    _close(progress, log)
+    save(output_dir / MODEL_DIR)
+    summary = {"stage": name, "before": state.before, "after": after, "model": str(output_dir / MODEL_DIR),
+               "steps": config.steps, "seconds": time.perf_counter() - began}
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def save_stage_checkpoint(output_dir: Path, step: int, save: Callable[[Path], Any], keep: int) -> Path:
-    """``checkpoints/step_NNNNNN`` (atomic through ``save``), keeping the newest ``keep``."""
-    root = output_dir / "checkpoints"
-    path = root / f"step_{step:06d}"
-    save(path)
-    for old in sorted(root.glob("step_*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return path
+def _checkpoint_due(config: StageConfig, step: int) -> bool:
+    """Every ``checkpoint_every`` steps but the last (``model/`` holds that one)."""
+    return bool(config.checkpoint_every) and step % config.checkpoint_every == 0 and step < config.steps
+
+
+def train_step(
+    rows: list[Any],
+    loss_fn: Callable[[list[Any]], tuple[Tensor, dict[str, float]]],
+    params: Sequence[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: float,
+) -> dict[str, float]:
+    """One AdamW step on a batch of rows; its metrics (loss, stats, grad_norm, lr)."""
+    loss, stats = loss_fn(rows)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    optimizer.step()
+    return {"loss": loss.item(), **stats, "grad_norm": float(grad_norm),
+            "lr": optimizer.param_groups[0]["lr"]}
+
+
+def restore(checkpoint: Path, state: StageState, order: BatchOrder) -> int:
+    """Load ``checkpoint`` (verified already) into ``state``, ``order`` and the RNGs; its step.
+    A checkpoint of another model or other data raises ``ValueError`` naming it."""
+    from textrl.trainer import load_checkpoint
+
+    try:
+        step = load_checkpoint(checkpoint, state, order, verify=False)
+    except ValueError as err:
+        raise ValueError(f"--resume: cannot continue from {checkpoint}: {err}") from None
+    print(f"resumed from {checkpoint} (step {step})", flush=True)
+    return step
+
+
+def save_stage_checkpoint(output_dir: Path, step: int, state: StageState, order: BatchOrder,
+                          keep: int) -> Path:
+    """``checkpoints/iter_NNNNNN`` through the trainer's atomic, manifest-marked
+    :func:`~textrl.trainer.save_checkpoint` (the ``keep`` newest stay); its path."""
+    from textrl.trainer import save_checkpoint
+
+    return save_checkpoint(output_dir, step, state, order, keep)
+
+
+def stopped(name: str, config: StageConfig, step: int, signum: int, saved: Path) -> Exception:
+    """The :class:`~textrl.trainer.TrainingStopped` of a signal (message printed to stderr, as
+    ``textrl train`` does): where the checkpoint is and the command that resumes."""
+    from textrl.trainer import TrainingStopped
+
+    resume = f"textrl {name} --config {Path(config.output_dir) / 'config.yaml'} --resume"
+    message = (f"textrl {name}: stopped by {signal.Signals(signum).name} after step {step} of "
+               f"{config.steps}; checkpoint saved in {saved}. Resume with: {resume}")
+    print(message, file=sys.stderr, flush=True)
+    return TrainingStopped(message, 128 + signum)
+
+
+def _progress_bar(config: StageConfig, name: str, start: int) -> Any:
+    if not config.progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=config.steps, initial=start, desc=name, dynamic_ncols=True)
+
+
+def _close(progress: Any, log: Any) -> None:
+    if progress is not None:
+        progress.close()
+    log.close()
 
 
 def format_summary(summary: dict[str, Any], keys: Sequence[str]) -> str:
@@ -399,7 +585,9 @@ def format_summary(summary: dict[str, Any], keys: Sequence[str]) -> str:
 __all__ = [
     "ADAPTER_META",
     "MODEL_DIR",
+    "BatchOrder",
     "StageConfig",
+    "StageState",
     "adapter_base",
     "add_lora",
     "add_stage_arguments",
@@ -414,8 +602,12 @@ __all__ = [
     "prepare_run",
     "read_jsonl",
     "resolve_model_path",
+    "restore",
+    "resume_point",
     "save_policy",
     "save_stage_checkpoint",
     "split_rows",
+    "stopped",
+    "train_step",
     "write_atomically",
 ]

@@ -104,7 +104,7 @@ def train_dpo(config: DPOConfig) -> dict[str, Any]:
     """Run the stage; return ``{"before", "after", "model", ...}`` (held-out margin, accuracy)."""
     from textrl.models import load_tokenizer
 
-    device, _ = prepare_run(config)
+    device, _, checkpoint = prepare_run(config)
     prefs = load_preferences(config.data, format=config.format)
     train_prefs, eval_prefs = split_rows(prefs, config.eval_size, config.seed, "preference data")
     tokenizer = load_tokenizer(config.model)
@@ -145,7 +145,7 @@ def train_dpo(config: DPOConfig) -> dict[str, Any]:
 
     summary = fit(config, list(policy.parameters()), train_prefs, loss_fn, evaluate,
                   lambda path: save_policy(policy, tokenizer, path, config=config, stage="dpo"),
-                  name="dpo")
+                  name="dpo", resume_from=checkpoint)
     policy.eval()
     return summary
 

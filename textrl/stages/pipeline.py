@@ -101,12 +101,13 @@ class PipelineConfig:
                 "the full reward model the pipeline trains); for multi_adapter_ppo run "
                 "`textrl rm --lora`, then `textrl train --agent multi_adapter_ppo --reward-adapter`"
             )
-        checkpoints = Path(self.output_dir) / "ppo" / "checkpoints"
-        if checkpoints.is_dir() and any(checkpoints.iterdir()):
-            raise ValueError(
-                f"output_dir={self.output_dir!r} holds an earlier pipeline run ({checkpoints}); "
-                "choose another --output-dir or delete that one"
-            )
+        for stage in ("sft", "rm", "ppo"):  # sft / rm save one when a signal stops them
+            checkpoints = Path(self.output_dir) / stage / "checkpoints"
+            if checkpoints.is_dir() and any(checkpoints.iterdir()):
+                raise ValueError(
+                    f"output_dir={self.output_dir!r} holds an earlier pipeline run ({checkpoints}); "
+                    "choose another --output-dir or delete that one"
+                )
         return self
 
 

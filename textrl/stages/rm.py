@@ -149,7 +149,7 @@ def train_rm(config: RMConfig) -> dict[str, Any]:
     """Run the stage; return ``{"before", "after", "model", ...}`` (held-out accuracy, margin)."""
     from textrl.models import load_tokenizer
 
-    device, _ = prepare_run(config)
+    device, _, checkpoint = prepare_run(config)
     prefs = load_preferences(config.data, format=config.format)
     train_prefs, eval_prefs = split_rows(prefs, config.eval_size, config.seed, "preference data")
     tokenizer = load_tokenizer(config.model)
@@ -178,7 +178,7 @@ def train_rm(config: RMConfig) -> dict[str, Any]:
         return stats
 
     summary = fit(config, list(scorer.parameters()), train_prefs, loss_fn, evaluate,
-                  lambda path: save_reward(scorer, tokenizer, config, path), name="rm")
+                  lambda path: save_reward(scorer, tokenizer, config, path), name="rm", resume_from=checkpoint)
     scorer.eval()
     return summary
 

@@ -134,7 +134,7 @@ def train_sft(config: SFTConfig) -> dict[str, Any]:
     """Run the stage; return ``{"before", "after", "model", ...}`` (held-out completion loss)."""
     from textrl.models import load_tokenizer
 
-    device, output_dir = prepare_run(config)
+    device, _, checkpoint = prepare_run(config)
     pairs = load_sft_pairs(config.data)
     train_pairs, eval_pairs = split_rows(pairs, config.eval_size, config.seed, "SFT data")
     tokenizer = load_tokenizer(config.model)
@@ -162,7 +162,7 @@ def train_sft(config: SFTConfig) -> dict[str, Any]:
 
     summary = fit(config, list(model.parameters()), train_pairs, loss_fn, evaluate,
                   lambda path: save_policy(model, tokenizer, path, config=config, stage="sft"),
-                  name="sft")
+                  name="sft", resume_from=checkpoint)
     model.eval()
     return summary
 
