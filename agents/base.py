@@ -41,6 +41,14 @@ from textrl.functional import (
 from textrl.functional.ppo import explained_variance
 from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
+from textrl.sharding import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+    local,
+    to_float,
+)
 from textrl.timing import timed
 
 SCORE = KEYS.score
@@ -149,18 +157,43 @@ class PPOAgent(nn.Module):
         self.iteration = 0
         self.nonfinite_streak = 0  # consecutive skipped (NaN/inf) updates; the trainer stops at the max
         self.dist = Distributed()  # one process; the trainer swaps in the process group under accelerate
+        self.sharded = False  # FSDP: see shard()
+        self.total_updates = total_updates or config.iterations * config.ppo_epochs * config.num_minibatches
+        self._build_optimizers()
+
+    def _build_optimizers(self) -> None:
+        """AdamW (no weight decay) over the trainable policy / critic weights, and their schedules."""
+        cfg = self.config
         self.actor_optimizer = torch.optim.AdamW(
-            [p for p in self.policy.parameters() if p.requires_grad], lr=config.actor_lr, weight_decay=0.0
+            [p for p in self.policy.parameters() if p.requires_grad], lr=cfg.actor_lr, weight_decay=0.0
         )
         self.critic_optimizer = (
             torch.optim.AdamW(
-                [p for p in self.critic.parameters() if p.requires_grad], lr=config.critic_lr, weight_decay=0.0
+                [p for p in self.critic.parameters() if p.requires_grad], lr=cfg.critic_lr, weight_decay=0.0
             )
             if self.critic is not None
             else None
         )
-        steps = total_updates or config.iterations * config.ppo_epochs * config.num_minibatches
-        self.schedulers = [self._scheduler(opt, steps) for opt in self.optimizers]
+        self.schedulers = [self._scheduler(opt, self.total_updates) for opt in self.optimizers]
+
+    def shard(self, mesh: Any) -> None:
+        """Split every model of the agent over the processes of ``mesh`` (FSDP2, :mod:`textrl.sharding`).
+
+        Call once, on every process, before training: the optimisers are rebuilt over the shards.
+        """
+        from textrl.sharding import shard_model
+
+        if self.sharded:
+            raise RuntimeError(f"{type(self).__name__} is already sharded")
+        for _, model in self.named_children():
+            shard_model(model, mesh)
+        self._build_optimizers()
+        self.sharded = True
+
+    def _optimized_models(self) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+        """Each optimiser with the model whose weights it steps."""
+        pairs = [(self.policy, self.actor_optimizer), (self.critic, self.critic_optimizer)]
+        return [(m, o) for m, o in pairs if o is not None]
 
     # -- helpers --------------------------------------------------------------------------------
     @property
@@ -213,6 +246,8 @@ class PPOAgent(nn.Module):
                 pad_token_id=self.pad_token_id,
                 use_cache=True,
             )
+            if self.sharded:  # each forward is a collective: finished processes keep stepping
+                kwargs.update(synced_gpus=True)
             if greedy:
                 kwargs.update(do_sample=False)
             else:
@@ -346,12 +381,12 @@ class PPOAgent(nn.Module):
 
     def _weights_version(self) -> tuple[tuple[int, int], ...]:
         """:meth:`_policy_version` of the policy and the critic together."""
-        critic = () if self.critic is None else tuple((q.data_ptr(), q._version) for q in self.critic.parameters())
+        critic = () if self.critic is None else tuple((q.data_ptr(), q._version) for q in map(local, self.critic.parameters()))
         return self._policy_version() + critic
 
     def _policy_version(self) -> tuple[tuple[int, int], ...]:
         """Changes whenever a policy weight is replaced or modified in place (optimiser step, load)."""
-        return tuple((p.data_ptr(), p._version) for p in self.policy.parameters())
+        return tuple((q.data_ptr(), q._version) for q in map(local, self.policy.parameters()))
 
     def behaviour_logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
         """Log-probs the ratio's denominator uses; the policy itself unless a snapshot is kept."""
@@ -585,7 +620,7 @@ class PPOAgent(nn.Module):
             params = [p for p in model.parameters() if p.grad is not None]
             if params:
                 max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-                norms[f"grad_norm/{name}"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+                norms[f"grad_norm/{name}"] = to_float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         if not all(math.isfinite(v) for v in norms.values()):
             return None
         for opt, sched in zip(self.optimizers, self.schedulers):
@@ -611,31 +646,51 @@ class PPOAgent(nn.Module):
     # -- resume ---------------------------------------------------------------------------------
     def agent_state_dict(self) -> dict[str, Any]:
         """Everything but model weights: optimisers, schedulers, KL controller, counters."""
+        if self.sharded:  # full tensors keyed by parameter name (a collective)
+            optimizers = [full_optimizer_state(m, o) for m, o in self._optimized_models()]
+        else:
+            optimizers = [o.state_dict() for o in self.optimizers]
         return {
-            "optimizers": [o.state_dict() for o in self.optimizers],
+            "optimizers": optimizers,
             "schedulers": [s.state_dict() for s in self.schedulers],
             "kl_ctl": self.kl_ctl.state_dict(),
             "iteration": self.iteration,
         }
 
     def load_agent_state_dict(self, state: dict[str, Any]) -> None:
-        for o, s in zip(self.optimizers, state["optimizers"]):
-            o.load_state_dict(s)
+        for (model, o), s in zip(self._optimized_models(), state["optimizers"]):
+            if self.sharded:
+                load_full_optimizer_state(model, o, s)
+            else:
+                o.load_state_dict(s)
         for sch, s in zip(self.schedulers, state["schedulers"]):
             sch.load_state_dict(s)
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.iteration = int(state["iteration"])
 
     def state_dict(self, *args, **kwargs):  # type: ignore[override]
-        """Module weights (policy, reference, critic, snapshots) plus ``agent_state``."""
-        state = super().state_dict(*args, **kwargs)
+        """Module weights (policy, reference, critic, snapshots) plus ``agent_state``.
+
+        Sharded (:meth:`shard`): full tensors on the CPU, gathered from every process (all must call).
+        """
+        if self.sharded:
+            state = {f"{name}.{k}": v for name, model in self.named_children()
+                     for k, v in full_model_state(model).items()}
+        else:
+            state = super().state_dict(*args, **kwargs)
         state["agent_state"] = self.agent_state_dict()
         return state
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
         state_dict = dict(state_dict)
         agent_state = state_dict.pop("agent_state", None)
-        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if self.sharded:
+            for name, model in self.named_children():
+                load_full_model_state(model, {k[len(name) + 1:]: v for k, v in state_dict.items()
+                                              if k.startswith(name + ".")})
+            result = None
+        else:
+            result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if agent_state is not None:
             self.load_agent_state_dict(agent_state)
         return result

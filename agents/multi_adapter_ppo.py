@@ -304,6 +304,12 @@ class MultiAdapterPPO(GAEPPO):
         if leaked:
             raise RuntimeError(f"frozen base weights received a gradient: {leaked[:3]}")
 
+    def shard(self, mesh: Any) -> None:
+        raise ValueError(
+            "multi_adapter_ppo does not shard (FSDP): its one base carries every role; it fits large "
+            "models with --load-in-4bit instead"
+        )
+
     def update(self, td: TensorDictBase) -> dict[str, float]:
         """GAEPPO's update, then :meth:`check_frozen`."""
         metrics = super().update(td)

@@ -73,6 +73,50 @@ def test_two_processes_share_the_work_and_end_identical_then_resume_exactly(tmp_
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _tensors(out, iteration: int):
+    path = out / "checkpoints" / f"iter_{iteration:06d}" / "trainer_state.pt"
+    state = torch.load(path, weights_only=False)["agent"]
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("agent", ["gae_ppo", "one_step_ppo"])
+def test_fsdp_shards_the_weights_and_trains_as_replicated_data_parallel(tmp_path, agent):
+    """FSDP2 (--fsdp): each process holds half of every weight; the run equals the replicated one."""
+    cache = tmp_path / "cache"
+    replicated, sharded = tmp_path / "replicated", tmp_path / "sharded"
+    _train(replicated, "--iterations", "2", "--agent", agent, cache=cache)
+    _train(sharded, "--iterations", "2", "--agent", agent, "--fsdp", cache=cache)
+    summary = json.loads((sharded / "summary.json").read_text())
+    assert summary["fsdp"] is True and summary["weights_held_per_process"] == pytest.approx(0.5, abs=0.01)
+    a, b = _tensors(replicated, 2), _tensors(sharded, 2)
+    assert a.keys() == b.keys() and len(a) > 40
+    for key in a:  # reduce-scatter and all-reduce sum in different orders: float noise only
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
+    rows_a, rows_b = _rows(replicated), _rows(sharded)
+    for key in ("reward/mean", "loss/policy", "samples", "tokens"):
+        assert rows_b[-1][key] == pytest.approx(rows_a[-1][key], rel=1e-4, abs=1e-6), key
+    # the checkpoint is a full Hugging Face model, loadable without any process group
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(sharded / "checkpoints" / "iter_000002" / "policy")
+    torch.testing.assert_close(policy.state_dict()["model.norm.weight"], b["policy.model.norm.weight"])
+
+
+def test_fsdp_resumes_exactly(tmp_path):
+    cache = tmp_path / "cache"
+    full, part = tmp_path / "full", tmp_path / "part"
+    _train(full, "--iterations", "3", "--fsdp", cache=cache)
+    _train(part, "--iterations", "2", "--fsdp", cache=cache)
+    _train(part, "--iterations", "3", "--fsdp", "--resume", cache=cache)
+    a, b = _tensors(full, 3), _tensors(part, 3)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    optim_a = torch.load(latest_checkpoint(full) / "trainer_state.pt", weights_only=False)["agent"]["agent_state"]
+    optim_b = torch.load(latest_checkpoint(part) / "trainer_state.pt", weights_only=False)["agent"]["agent_state"]
+    for sa, sb in zip(optim_a["optimizers"], optim_b["optimizers"]):
+        for name, state in sa["state"].items():
+            assert torch.equal(state["exp_avg_sq"], sb["state"][name]["exp_avg_sq"]), name
+
+
 def test_a_batch_that_does_not_split_over_the_processes_is_named(tmp_path):
     env = {**os.environ, "TEXTRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",

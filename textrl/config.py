@@ -165,6 +165,10 @@ class TrainConfig:
     critic_type: str = "value_head"
     """multi_adapter_ppo critic: 'value_head' on the policy's hidden states, or a separate 'lora' adapter."""
 
+    # -- several processes ---------------------------------------------------------------------
+    fsdp: bool = False
+    """Shard every model, gradient and AdamW state over the processes (FSDP2; also on with an accelerate FSDP config)."""
+
     # -- numerical faults ----------------------------------------------------------------------
     reward_nonfinite: str = "raise"
     """A NaN/inf task reward: 'raise' (default), 'zero' (score 0) or 'drop' (row left out); counted."""
@@ -241,6 +245,11 @@ class TrainConfig:
             )
         if self.critic_init == "reward_model" and not self.reward_model:
             raise ValueError("critic_init='reward_model' needs --reward-model PATH")
+        if self.fsdp and (self.agent == "multi_adapter_ppo" or self.load_in_4bit):
+            raise ValueError(
+                "fsdp=True shards full-precision models; multi_adapter_ppo and load_in_4bit keep one "
+                "(4-bit) base per process instead: drop --fsdp, or use another agent without --load-in-4bit"
+            )
         self._validate_multi_adapter()
         return self
 

@@ -60,7 +60,10 @@ class Distributed:
         """
         if not self.enabled:
             return
-        params = [p for p in parameters if p.requires_grad]
+        from textrl.sharding import is_sharded
+
+        # FSDP shards (DTensors) were reduce-scattered in the backward already
+        params = [p for p in parameters if p.requires_grad and not is_sharded(p)]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

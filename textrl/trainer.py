@@ -261,7 +261,7 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 def save_checkpoint(
     output_dir: str | Path, iteration: int, agent, sampler, keep: int,
-    rng_per_process: list[dict[str, Any]] | None = None,
+    rng_per_process: list[dict[str, Any]] | None = None, agent_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``checkpoints/iter_NNNNNN`` atomically; return its path.
 
@@ -270,6 +270,8 @@ def save_checkpoint(
     Only then are older checkpoints rotated away (``keep`` newest stay). On a failure (a full
     disk, a second Ctrl-C) the temporary folder is removed and earlier checkpoints are
     untouched; an ``OSError`` names the checkpoint and the one that is still intact.
+    ``agent_state`` is ``agent.state_dict()`` when the caller gathered it already (FSDP: every
+    process takes part in gathering, only the main process writes).
     """
     root = Path(output_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -279,10 +281,16 @@ def save_checkpoint(
     tmp = root / f".tmp_iter_{iteration:06d}_{os.getpid()}"
     try:
         tmp.mkdir()
-        agent.policy.save_pretrained(tmp / "policy")
+        if agent_state is None:
+            agent_state = agent.state_dict()
+        if getattr(agent, "sharded", False):  # full weights, gathered into agent_state
+            policy_state = {k.removeprefix("policy."): v for k, v in agent_state.items() if k.startswith("policy.")}
+            agent.policy.save_pretrained(tmp / "policy", state_dict=policy_state)
+        else:
+            agent.policy.save_pretrained(tmp / "policy")
         agent.tokenizer.save_pretrained(tmp / "policy")
         torch.save(
-            {"agent": agent.state_dict(), "sampler": sampler.state_dict(), "rng": rng_state(),
+            {"agent": agent_state, "sampler": sampler.state_dict(), "rng": rng_state(),
              "rng_per_process": rng_per_process, "iteration": iteration},
             tmp / "trainer_state.pt",
         )
@@ -509,8 +517,11 @@ def nonfinite_rows(td, n_rows: int) -> float:
     return float(n_rows - td.shape[0] + flagged)
 
 
-def _weights_finite(agent) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in agent.parameters())
+def _weights_finite(agent, dist: Distributed) -> bool:
+    """Every weight is finite (this process's shards under FSDP; the answer is shared)."""
+    from textrl.sharding import local
+
+    return not dist.any(not all(bool(torch.isfinite(local(p)).all()) for p in agent.parameters()))
 
 
 def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak: int,
@@ -564,6 +575,22 @@ def resume_checkpoint(config: TrainConfig, log=print) -> Path | None:
     return checkpoint
 
 
+def check_sharding(config: TrainConfig) -> bool:
+    """Whether to shard (``--fsdp`` or an accelerate FSDP config); a DeepSpeed config is refused."""
+    from textrl.sharding import accelerate_wants_deepspeed, accelerate_wants_fsdp
+
+    if accelerate_wants_deepspeed():
+        raise ValueError(
+            "accelerate was given a DeepSpeed config; textrl train does not run under DeepSpeed. "
+            "Use an accelerate config with distributed_type: FSDP (or --fsdp), which shards "
+            "weights, gradients and optimiser states as ZeRO-3 does"
+        )
+    if accelerate_wants_fsdp() and not config.fsdp:
+        config.fsdp = True
+        config.validate()
+    return config.fsdp
+
+
 def check_process_split(config: TrainConfig, dist: Distributed) -> None:
     """Each process takes whole prompt groups and splits its rows into the minibatches."""
     if config.prompts_per_iteration % dist.world_size:
@@ -600,8 +627,12 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
 
     check_run(config)
     device = resolve_device(config.device)
+    fsdp = check_sharding(config)
     accelerator = Accelerator(cpu=device.type == "cpu")
     dist = Distributed.from_accelerator(accelerator)
+    if fsdp and not dist.enabled:
+        raise ValueError("fsdp=True shards over several processes; launch with `accelerate launch "
+                         "--num_processes N -m textrl.cli train ...` or torchrun, or drop --fsdp")
     if dist.enabled:  # each process: its own GPU (or the CPU), its share of every rollout
         device = accelerator.device
         check_process_split(config, dist)
@@ -629,6 +660,12 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
         dist.broadcast_module(agent)
         agent.dist = dist
         torch.manual_seed(config.seed + 1_000_003 * dist.rank)
+    if fsdp:  # each process keeps 1/N of every weight, gradient and optimiser state
+        from textrl.sharding import device_mesh
+
+        agent.shard(device_mesh(device, dist.world_size))
+    # held-out evaluation: the main process alone, unless the forwards are collectives (FSDP)
+    evaluates = main or fsdp
 
     start = 0
     if checkpoint is not None:
@@ -637,11 +674,13 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     metrics_log = MetricsLog(output_dir, main, resume_after=start if checkpoint is not None else None)
     # held-out evaluation runs in the main process only: the others have identical weights
     before = (evaluate(agent, eval_batches, reward_fn, config.seed, reward_nonfinite=config.reward_nonfinite)
-              if start == 0 and main else None)
+              if start == 0 and evaluates else None)
     samples_path = output_dir / "samples.jsonl"
-    if main and start == 0:
-        samples_path.unlink(missing_ok=True)
-        write_samples(samples_path, 0, sample_completions(agent, eval_batches[0]))
+    if evaluates and start == 0:
+        samples = sample_completions(agent, eval_batches[0])
+        if main:
+            samples_path.unlink(missing_ok=True)
+            write_samples(samples_path, 0, samples)
     elif main and samples_path.exists():  # resumed: drop samples written after the checkpoint
         kept = [s for s in samples_path.read_text().splitlines() if json.loads(s)["iteration"] <= start]
         samples_path.write_text("".join(s + "\n" for s in kept))
@@ -666,11 +705,13 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
         with timed(timings, "bookkeeping", agent.device):
             row = iteration_metrics(iteration, td, update_metrics, dist)
             row["reward/nonfinite_rows"] = dist.mean({"n": nonfinite_rows(td, len(batch))})["n"] * dist.world_size
-        if main and (iteration == config.iterations or (config.eval_every and iteration % config.eval_every == 0)):
+        if evaluates and (iteration == config.iterations or (config.eval_every and iteration % config.eval_every == 0)):
             with timed(timings, "eval", agent.device):
                 row.update(evaluate(agent, eval_batches, reward_fn, config.seed + iteration,
                                     reward_nonfinite=config.reward_nonfinite))
-                write_samples(samples_path, iteration, sample_completions(agent, eval_batches[0]))
+                samples = sample_completions(agent, eval_batches[0])
+                if main:
+                    write_samples(samples_path, iteration, samples)
         row.update({f"time/{phase}_s": seconds for phase, seconds in timings.items()})
         row["time/iteration_s"] = time.perf_counter() - t0
         row["tokens_per_second"] = row["tokens"] / row["time/iteration_s"]
@@ -686,9 +727,11 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
             config.checkpoint_every and iteration % config.checkpoint_every == 0)
         rng_per_process = dist.gather_object(rng_state()) if save and dist.enabled else None
         saved = None
-        if main and save and (not stop or _weights_finite(agent)):
-            saved = save_checkpoint(output_dir, iteration, agent, sampler, config.keep_checkpoints,
-                                    rng_per_process=rng_per_process)
+        if save and (not stop or _weights_finite(agent, dist)):
+            state = agent.state_dict() if fsdp else None  # a gather every process takes part in
+            if main:
+                saved = save_checkpoint(output_dir, iteration, agent, sampler, config.keep_checkpoints,
+                                        rng_per_process=rng_per_process, agent_state=state)
         if stop:
             dist.barrier()  # the others wait for the main process's checkpoint before exiting
             if progress is not None:
@@ -704,8 +747,13 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     metrics_log.plot(output_dir / "curves.png")
     metrics_log.close()
     after = {k: v for k, v in (metrics_log.rows[-1] if metrics_log.rows else {}).items() if k.startswith("eval/")}
-    summary: dict[str, Any] = {"before": before, "after": after, "processes": dist.world_size}
-    if dist.enabled:  # data parallelism must leave every process with the same weights
+    summary: dict[str, Any] = {"before": before, "after": after, "processes": dist.world_size, "fsdp": fsdp}
+    if fsdp:  # the share of the agent's weights this process holds (1 / processes, up to rounding)
+        from textrl.sharding import local
+
+        params = list(agent.parameters())
+        summary["weights_held_per_process"] = sum(local(p).numel() for p in params) / sum(p.numel() for p in params)
+    if dist.enabled and not fsdp:  # data parallelism must leave every process with the same weights
         checksums = dist.gather_object(parameter_checksum(agent))
         if len(set(checksums)) > 1:
             raise RuntimeError(f"the {dist.world_size} processes ended with different weights "

@@ -101,7 +101,9 @@ class ValueModel(nn.Module):
             use_cache=False,
         )
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, L, H]
-        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()  # [B, L]
+        values = self.value_head(hidden.to(self.value_head.weight.dtype))  # [B, L, 1]
+        # a new tensor rather than a view of the head's output: FSDP2 hooks the backward on it
+        return values.squeeze(-1).float().clone()  # [B, L]
 
 
 __all__ = ["ValueModel"]

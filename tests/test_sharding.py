@@ -1,0 +1,49 @@
+"""FSDP set-up checks that need no process group (the sharded runs are in test_multiprocess.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from textrl.config import TrainConfig
+from textrl.models import ValueModel, build_tiny_causal_lm, build_tiny_tokenizer
+from textrl.sharding import is_sharded, local, to_float, unit_classes
+from textrl.trainer import check_sharding, train
+
+
+@pytest.mark.parametrize("overrides", [dict(agent="multi_adapter_ppo", reward_adapter="x"), dict(load_in_4bit=True)])
+def test_fsdp_refuses_the_single_base_agents(overrides):
+    with pytest.raises(ValueError, match="fsdp=True shards full-precision models"):
+        TrainConfig(fsdp=True, **overrides).validate()
+
+
+def test_an_accelerate_fsdp_config_turns_fsdp_on(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    config = TrainConfig()
+    assert check_sharding(config) is True and config.fsdp is True
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    assert check_sharding(TrainConfig()) is False
+
+
+def test_an_accelerate_deepspeed_config_is_refused_with_the_alternative(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match="distributed_type: FSDP"):
+        check_sharding(TrainConfig())
+
+
+def test_fsdp_in_one_process_says_how_to_launch(tmp_path):
+    with pytest.raises(ValueError, match="accelerate launch --num_processes N"):
+        train(TrainConfig(output_dir=str(tmp_path / "run"), fsdp=True, device="cpu", iterations=1))
+
+
+def test_decoder_layers_are_the_fsdp_units_of_policy_and_critic():
+    tok = build_tiny_tokenizer()
+    policy = build_tiny_causal_lm(tok)
+    assert unit_classes(policy) == {"LlamaDecoderLayer"}
+    assert unit_classes(ValueModel.from_causal_lm(policy)) == {"LlamaDecoderLayer"}
+    assert unit_classes(torch.nn.Linear(2, 2)) == set()
+
+
+def test_plain_tensors_pass_through_the_shard_helpers():
+    t = torch.tensor(2.5)
+    assert not is_sharded(t) and local(t) is t and to_float(t) == 2.5

@@ -1,0 +1,142 @@
+"""Fully sharded data parallelism (FSDP2, ``torch.distributed.fsdp.fully_shard``) for the agents.
+
+With ``--fsdp`` (or an ``accelerate`` config with ``distributed_type: FSDP``) every model of the
+agent (policy, reference, critic, old-policy snapshot) is split over the processes: each decoder
+layer is one FSDP unit whose parameters are all-gathered for its forward / backward and freed
+after, and gradients are reduce-scattered (averaged), so each process holds ``1/N`` of every
+weight, gradient and AdamW state. Everything else is the data-parallel loop of
+:mod:`textrl.distributed`; what changes:
+
+- generation runs ``generate(synced_gpus=True)``: a process whose rows all ended keeps stepping
+  until every process is done, since each forward is a collective;
+- every process runs the held-out evaluation (its forwards are collectives too); the main
+  process writes;
+- checkpoints gather the full state (every process takes part) and the main process writes the
+  usual files: a full Hugging Face policy and ``trainer_state.pt`` with full tensors, so a
+  sharded run resumes with any number of processes.
+
+CPU (gloo) and CUDA (NCCL) both work. Not with ``multi_adapter_ppo`` or a 4-bit base.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+
+def accelerate_wants_fsdp() -> bool:
+    """Whether ``accelerate launch`` was given an FSDP config (it exports ``ACCELERATE_USE_FSDP``)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
+
+
+def accelerate_wants_deepspeed() -> bool:
+    """Whether ``accelerate launch`` was given a DeepSpeed config."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true", "yes")
+
+
+def is_sharded(param: Tensor) -> bool:
+    """Whether ``param`` is an FSDP2 shard (a ``DTensor``)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
+
+
+def local(param: Tensor) -> Tensor:
+    """This process's shard of ``param`` (``param`` itself when not sharded)."""
+    return param.to_local() if is_sharded(param) else param
+
+
+def to_float(value: Tensor) -> float:
+    """A scalar, sharded (e.g. ``clip_grad_norm_`` over DTensor grads) or not, as a float."""
+    return float(value.full_tensor()) if is_sharded(value) else float(value)
+
+
+def unit_classes(model: nn.Module) -> set[str]:
+    """Class names that form one FSDP unit each: every submodule's HF ``_no_split_modules``."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return names
+
+
+def shard_model(model: nn.Module, mesh: Any) -> nn.Module:
+    """``fully_shard`` each decoder layer of ``model`` (HF ``_no_split_modules``), then the rest.
+
+    In place; the model's parameters become ``DTensor`` shards (new ``nn.Parameter`` objects, so
+    optimisers must be built afterwards).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    classes = unit_classes(model)
+    if not classes:
+        raise ValueError(
+            f"{type(model).__name__} names no decoder-layer class (_no_split_modules); FSDP needs "
+            "a Hugging Face transformer (or a model that sets _no_split_modules)"
+        )
+    for module in list(model.modules()):
+        if module is not model and type(module).__name__ in classes:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def device_mesh(device: torch.device, world_size: int) -> Any:
+    """The 1-D mesh over every process (``cpu`` with gloo, ``cuda`` with NCCL)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (world_size,))
+
+
+def _options(cpu_offload: bool = False) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+
+
+def full_model_state(model: nn.Module) -> dict[str, Tensor]:
+    """Every full tensor of ``model`` on the CPU, on every process (a collective: all must call)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(model, options=_options())
+    return {k: v.detach().cpu() for k, v in state.items()}
+
+
+def load_full_model_state(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Copy full tensors into (sharded) ``model``; every process passes the same ``state``."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, state, options=_options())
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer``'s state with full tensors, keyed by parameter name (a collective)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_options())
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Restore :func:`full_optimizer_state`'s output into the (sharded) ``optimizer``."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=_options())
+
+
+__all__ = [
+    "accelerate_wants_deepspeed",
+    "accelerate_wants_fsdp",
+    "device_mesh",
+    "full_model_state",
+    "full_optimizer_state",
+    "is_sharded",
+    "load_full_model_state",
+    "load_full_optimizer_state",
+    "local",
+    "shard_model",
+    "to_float",
+    "unit_classes",
+]
