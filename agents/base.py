@@ -32,6 +32,8 @@ from torch import Tensor, nn
 from textrl.config import TrainConfig
 from textrl.distributed import Distributed
 from textrl.functional import (
+    aggregate_loss,
+    clipped_policy_loss,
     entropy_from_logits,
     kl_penalty,
     logprobs_from_logits,
@@ -430,6 +432,45 @@ class PPOAgent(nn.Module):
     def loss(self, mb: TensorDictBase) -> tuple[Tensor, dict[str, Tensor]]:  # pragma: no cover - abstract
         """``(loss [], detached stats)`` of a (micro-)batch; ``update`` weighs it by ``micro_weight``."""
         raise NotImplementedError
+
+    def policy_objective(self, mb: TensorDictBase) -> tuple[Tensor, dict[str, Tensor]]:
+        """Token-level clipped surrogate - entropy_coef * H (+ beta * KL to the reference when
+        ``kl_in='loss'``, hinged at ``kl_target`` with ``kl_hinge``): ``(loss [], stats)``.
+
+        The policy part of every token-level agent's loss; a critic agent adds its value loss.
+        """
+        cfg = self.config
+        mask = mb.get(KEYS.mask)  # [B, T]
+        logp, entropy = self._forward_policy(mb)  # [B, T] each
+        pg_loss, pg_stats = clipped_policy_loss(
+            logp,
+            mb.get(KEYS.action_log_prob),
+            mb.get(KEYS.advantage).squeeze(-1),
+            mask,
+            clip_eps=self.clip_eps,
+            dual_clip=cfg.dual_clip,
+            aggregation=cfg.loss_aggregation,
+        )
+        entropy_loss = aggregate_loss(entropy, mask, cfg.loss_aggregation)
+        loss = pg_loss - cfg.entropy_coef * entropy_loss
+        stats = {
+            "loss/policy": pg_loss,
+            "entropy": entropy_loss,
+            "clip_fraction": pg_stats["clip_fraction"],
+            "kl/policy_old": pg_stats["approx_kl"],
+            "ratio/mean": pg_stats["ratio_mean"],
+            "ratio/max": pg_stats["ratio_max"],
+            "ratio/min": pg_stats["ratio_min"],
+        }
+        if "dual_clip_fraction" in pg_stats:
+            stats["dual_clip_fraction"] = pg_stats["dual_clip_fraction"]
+        if cfg.kl_in == "loss":
+            kl_mean = masked_mean(kl_penalty(logp, mb.get(KEYS.ref_log_prob), kind=cfg.kl_kind), mask)
+            if cfg.kl_hinge:  # seed 000: only the KL above the target is penalised
+                kl_mean = (kl_mean - cfg.kl_target).clamp(min=0)
+            stats["loss/kl"] = self.kl_ctl.value * kl_mean
+            loss = loss + stats["loss/kl"]
+        return loss, stats
 
     def _forward_policy(self, mb: TensorDictBase) -> tuple[Tensor, Tensor]:
         """Current ``(logp [B, T], entropy [B, T])`` of a minibatch's actions, with grad."""

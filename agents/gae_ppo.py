@@ -13,13 +13,10 @@ from torch import Tensor
 
 from agents.base import SCORE, PPOAgent
 from textrl.functional import (
-    aggregate_loss,
-    clipped_policy_loss,
     clipped_value_loss,
     gae,
     kl_penalty,
     kl_shaped_rewards,
-    masked_mean,
     masked_whiten,
 )
 from textrl.keys import KEYS
@@ -55,54 +52,25 @@ class GAEPPO(PPOAgent):
         td.set(KEYS.value_target, returns.unsqueeze(-1))
 
     def loss(self, mb: TensorDictBase) -> tuple[Tensor, dict[str, Tensor]]:
-        """Clipped policy loss + vf_coef * clipped value loss - entropy_coef * H (+ beta * KL)."""
+        """:meth:`policy_objective` (clipped policy loss - entropy bonus [+ beta * KL]) + vf_coef * clipped value loss."""
         cfg = self.config
-        mask = mb.get(KEYS.mask)
-        logp, entropy = self._forward_policy(mb)  # [B, T] each
-        values = self._forward_values(mb)  # [B, T]
-        pg_loss, pg_stats = clipped_policy_loss(
-            logp,
-            mb.get(KEYS.action_log_prob),
-            mb.get(KEYS.advantage).squeeze(-1),
-            mask,
-            clip_eps=self.clip_eps,
-            dual_clip=cfg.dual_clip,
-            aggregation=cfg.loss_aggregation,
-        )
+        loss, stats = self.policy_objective(mb)
         v_loss, v_stats = clipped_value_loss(
-            values,
+            self._forward_values(mb),  # [B, T]
             mb.get(KEYS.state_value).squeeze(-1),
             mb.get(KEYS.value_target).squeeze(-1),
-            mask,
+            mb.get(KEYS.mask),
             clip_eps=cfg.value_clip_eps,
             aggregation=cfg.loss_aggregation,
         )
-        entropy_loss = aggregate_loss(entropy, mask, cfg.loss_aggregation)
-        loss = pg_loss + cfg.vf_coef * v_loss - cfg.entropy_coef * entropy_loss
-        stats = {
-            "loss/policy": pg_loss,
+        loss = loss + cfg.vf_coef * v_loss
+        stats.update({
             "loss/value": v_loss,
-            "entropy": entropy_loss,
-            "clip_fraction": pg_stats["clip_fraction"],
-            "kl/policy_old": pg_stats["approx_kl"],
-            "ratio/mean": pg_stats["ratio_mean"],
-            "ratio/max": pg_stats["ratio_max"],
-            "ratio/min": pg_stats["ratio_min"],
             "value_clip_fraction": v_stats["value_clip_fraction"],
             "value/mean": v_stats["value_mean"],
             "value/return_mean": v_stats["return_mean"],
-        }
-        if "dual_clip_fraction" in pg_stats:
-            stats["dual_clip_fraction"] = pg_stats["dual_clip_fraction"]
-        if cfg.kl_in == "loss":
-            kl = kl_penalty(logp, mb.get(KEYS.ref_log_prob), kind=cfg.kl_kind)
-            kl_mean = masked_mean(kl, mask)
-            if cfg.kl_hinge:  # seed 000: only the KL above the target is penalised
-                kl_mean = (kl_mean - cfg.kl_target).clamp(min=0)
-            kl_loss = self.kl_ctl.value * kl_mean
-            loss = loss + kl_loss
-            stats["loss/kl"] = kl_loss
-        stats["loss/total"] = loss
+            "loss/total": loss,
+        })
         return loss, {k: v.detach() for k, v in stats.items()}
 
 

@@ -24,11 +24,8 @@ from torch import Tensor, nn
 from agents.base import SCORE, PPOAgent
 from textrl.config import TrainConfig
 from textrl.functional import (
-    aggregate_loss,
-    clipped_policy_loss,
     kl_penalty,
     kl_shaped_rewards,
-    masked_mean,
 )
 from textrl.functional.advantages import grpo_advantage, rloo_advantage
 from textrl.keys import KEYS
@@ -75,34 +72,8 @@ class GroupPPO(PPOAgent):
         td.set(KEYS.value_target, torch.where(mask, sequence_reward.unsqueeze(1), zero).unsqueeze(-1))
 
     def loss(self, mb: TensorDictBase) -> tuple[Tensor, dict[str, Tensor]]:
-        """Token-level clipped surrogate with the group advantage - entropy_coef * H (+ beta * KL)."""
-        cfg = self.config
-        mask = mb.get(KEYS.mask)  # [B, T]
-        logp, entropy = self._forward_policy(mb)  # [B, T] each
-        pg_loss, pg_stats = clipped_policy_loss(
-            logp,
-            mb.get(KEYS.action_log_prob),
-            mb.get(KEYS.advantage).squeeze(-1),
-            mask,
-            clip_eps=self.clip_eps,
-            dual_clip=cfg.dual_clip,
-            aggregation=cfg.loss_aggregation,
-        )
-        entropy_loss = aggregate_loss(entropy, mask, cfg.loss_aggregation)
-        loss = pg_loss - cfg.entropy_coef * entropy_loss
-        stats = {
-            "loss/policy": pg_loss,
-            "entropy": entropy_loss,
-            "clip_fraction": pg_stats["clip_fraction"],
-            "kl/policy_old": pg_stats["approx_kl"],
-            "ratio/mean": pg_stats["ratio_mean"],
-            "ratio/max": pg_stats["ratio_max"],
-            "ratio/min": pg_stats["ratio_min"],
-        }
-        if cfg.kl_in == "loss":
-            kl_loss = self.kl_ctl.value * masked_mean(kl_penalty(logp, mb.get(KEYS.ref_log_prob), kind=cfg.kl_kind), mask)
-            loss = loss + kl_loss
-            stats["loss/kl"] = kl_loss
+        """:meth:`policy_objective` with the group advantage: clipped surrogate - entropy_coef * H (+ beta * KL)."""
+        loss, stats = self.policy_objective(mb)
         stats["loss/total"] = loss
         return loss, {k: v.detach() for k, v in stats.items()}
 

@@ -27,7 +27,6 @@ import torch
 from torch import Tensor, nn
 
 
-
 def accelerate_wants_fsdp() -> bool:
     """Whether ``accelerate launch`` was given an FSDP config (it exports ``ACCELERATE_USE_FSDP``)."""
     return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
