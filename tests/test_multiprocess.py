@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from tests.runs import checkpoint_tensors, metrics
 from textrl.trainer import latest_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -44,39 +45,24 @@ def _train(out, *args, processes: int = 2, cache) -> subprocess.CompletedProcess
     return result
 
 
-def _rows(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _weights(out):
-    state = torch.load(latest_checkpoint(out) / "trainer_state.pt", weights_only=False)["agent"]
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
 def test_two_processes_share_the_work_and_end_identical_then_resume_exactly(tmp_path):
     cache = tmp_path / "cache"
     full, part = tmp_path / "full", tmp_path / "part"
     _train(full, "--iterations", "3", cache=cache)
     summary = json.loads((full / "summary.json").read_text())
     assert summary["processes"] == 2 and len(summary["parameter_checksum"]) == 64
-    rows = _rows(full)
+    rows = metrics(full)
     assert [r["iteration"] for r in rows] == [1, 2, 3]  # one line per iteration: main process only
     assert all(r["samples"] == 8 for r in rows)  # 4 prompts x 2 samples, 4 rows per process
     assert "eval/sampled/reward/mean" in rows[-1]
 
     _train(part, "--iterations", "2", cache=cache)
     _train(part, "--iterations", "3", "--resume", cache=cache)
-    resumed = _rows(part)
+    resumed = metrics(part)
     for key in ("reward/mean", "loss/policy", "loss/value", "kl/collection", "tokens"):
         assert resumed[2][key] == pytest.approx(rows[2][key], abs=1e-6), key
-    a, b = _weights(full), _weights(part)
+    a, b = checkpoint_tensors(latest_checkpoint(full)), checkpoint_tensors(latest_checkpoint(part))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _tensors(out, iteration: int):
-    path = out / "checkpoints" / f"iter_{iteration:06d}" / "trainer_state.pt"
-    state = torch.load(path, weights_only=False)["agent"]
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 @pytest.mark.parametrize("agent", ["gae_ppo", "one_step_ppo"])
@@ -88,11 +74,11 @@ def test_fsdp_shards_the_weights_and_trains_as_replicated_data_parallel(tmp_path
     _train(sharded, "--iterations", "2", "--agent", agent, "--fsdp", cache=cache)
     summary = json.loads((sharded / "summary.json").read_text())
     assert summary["fsdp"] is True and summary["weights_held_per_process"] == pytest.approx(0.5, abs=0.01)
-    a, b = _tensors(replicated, 2), _tensors(sharded, 2)
+    a, b = checkpoint_tensors(replicated / "checkpoints" / "iter_000002"), checkpoint_tensors(sharded / "checkpoints" / "iter_000002")
     assert a.keys() == b.keys() and len(a) > 40
     for key in a:  # reduce-scatter and all-reduce sum in different orders: float noise only
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
-    rows_a, rows_b = _rows(replicated), _rows(sharded)
+    rows_a, rows_b = metrics(replicated), metrics(sharded)
     for key in ("reward/mean", "loss/policy", "samples", "tokens"):
         assert rows_b[-1][key] == pytest.approx(rows_a[-1][key], rel=1e-4, abs=1e-6), key
     # the checkpoint is a full Hugging Face model, loadable without any process group
@@ -108,7 +94,7 @@ def test_fsdp_resumes_exactly(tmp_path):
     _train(full, "--iterations", "3", "--fsdp", cache=cache)
     _train(part, "--iterations", "2", "--fsdp", cache=cache)
     _train(part, "--iterations", "3", "--fsdp", "--resume", cache=cache)
-    a, b = _tensors(full, 3), _tensors(part, 3)
+    a, b = checkpoint_tensors(latest_checkpoint(full)), checkpoint_tensors(latest_checkpoint(part))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     optim_a = torch.load(latest_checkpoint(full) / "trainer_state.pt", weights_only=False)["agent"]["agent_state"]
     optim_b = torch.load(latest_checkpoint(part) / "trainer_state.pt", weights_only=False)["agent"]["agent_state"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -16,6 +15,9 @@ import torch
 from agents import GAEPPO
 from envs import rollout_from_responses
 from rewards import RewardError
+from tests.runs import SMALL
+from tests.runs import checkpoint_tensors as _state
+from tests.runs import metrics as _metrics
 from textrl import trainer
 from textrl.cli import main
 from textrl.config import TrainConfig
@@ -23,25 +25,10 @@ from textrl.keys import KEYS
 from textrl.models import build_tiny_tokenizer
 from textrl.trainer import TrainingStopped, check_run, latest_checkpoint
 
-SMALL = [
-    "--prompts-per-iteration", "4", "--n-samples-per-prompt", "2", "--max-new-tokens", "8",
-    "--warmup-sft-steps", "5", "--eval-size", "8", "--eval-every", "0", "--progress", "false",
-    "--ppo-epochs", "1", "--num-minibatches", "2",
-]
-
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TEXTRL_CACHE", str(tmp_path / "cache"))
-
-
-def _metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _state(checkpoint):
-    agent = torch.load(checkpoint / "trainer_state.pt", weights_only=False)["agent"]
-    return {k: v for k, v in agent.items() if torch.is_tensor(v)}
 
 
 # -- SIGINT / SIGTERM ------------------------------------------------------------------------------

@@ -7,14 +7,10 @@ import json
 import pytest
 import torch
 
+from tests.runs import SMALL, checkpoint_tensors
+from tests.runs import metrics as _metrics
 from textrl.cli import main
 from textrl.trainer import latest_checkpoint
-
-SMALL = [
-    "--prompts-per-iteration", "4", "--n-samples-per-prompt", "2", "--max-new-tokens", "8",
-    "--warmup-sft-steps", "5", "--eval-size", "8", "--eval-every", "0", "--progress", "false",
-    "--ppo-epochs", "1", "--num-minibatches", "2",
-]
 
 
 @pytest.fixture(autouse=True)
@@ -22,13 +18,8 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TEXTRL_CACHE", str(tmp_path / "cache"))
 
 
-def _metrics(path):
-    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-
-
 def _policy_state(out):
-    state = torch.load(latest_checkpoint(out) / "trainer_state.pt", weights_only=False)["agent"]
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}  # policy, ref, critic, snapshots
+    return checkpoint_tensors(latest_checkpoint(out))
 
 
 def test_train_writes_every_output(tmp_path, capsys):
