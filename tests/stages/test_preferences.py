@@ -101,7 +101,7 @@ def test_json_list_file_and_builtin_sets(tmp_path):
     assert load_preferences(path)[0].chosen == "R1"
     assert len(load_preferences("builtin:case")) == 256
     assert len(load_preferences("builtin:case-heldout")) == 128
-    with pytest.raises(ValueError, match="unknown built-in preference set 'builtin:nope'"):
+    with pytest.raises(ValueError, match="preference data 'builtin:nope': unknown built-in set"):
         load_preferences("builtin:nope")
     with pytest.raises(ValueError, match="no such file"):
         load_preferences(tmp_path / "missing.jsonl")

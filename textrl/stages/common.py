@@ -277,6 +277,34 @@ def read_jsonl(path: Path) -> list[tuple[str, Any]]:
     return rows
 
 
+def source_rows(source: Any, builtins: dict[str, Callable[[], list]], what: str) -> list[tuple[str, Any]]:
+    """``(where, row)`` pairs of a stage's data: ``builtin:NAME`` (one of ``builtins``), a ``.jsonl``
+    file (or a ``.json`` list of rows), or rows already in memory (a list of dicts, a
+    ``datasets.Dataset``). ``what`` names the data in errors (``"SFT data"``)."""
+    if isinstance(source, str) and source.startswith("builtin:"):
+        name = source.removeprefix("builtin:")
+        if name not in builtins:
+            known = ", ".join(f"builtin:{k}" for k in builtins)
+            raise ValueError(f"{what} {source!r}: unknown built-in set; available: {known}")
+        rows = [(f"{source}: row {i}", r) for i, r in enumerate(builtins[name]())]
+    elif isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"{what} {str(source)!r}: no such file; pass a .jsonl / .json file or 'builtin:case'")
+        if path.suffix == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, list):
+                raise ValueError(f"{path}: a .json data file must hold a list of rows")
+            rows = [(f"{path}: row {i}", r) for i, r in enumerate(data)]
+        else:
+            rows = read_jsonl(path)
+    else:
+        rows = [(f"row {i}", r) for i, r in enumerate(source)]
+    if not rows:
+        raise ValueError(f"{what} {source!r} has no rows")
+    return rows
+
+
 def split_rows(rows: Sequence[Any], eval_size: int, seed: int, what: str) -> tuple[list, list]:
     """(train, held-out) with ``eval_size`` rows held out, chosen by ``seed``."""
     n = len(rows)
@@ -606,6 +634,7 @@ __all__ = [
     "resume_point",
     "save_policy",
     "save_stage_checkpoint",
+    "source_rows",
     "split_rows",
     "stopped",
     "train_step",

@@ -18,12 +18,10 @@ lines for a ``.jsonl`` file, with the line number) and the missing or bad field.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 FORMATS = ("auto", "generic", "hh", "pku")
@@ -179,35 +177,11 @@ def load_preferences(
     >>> prefs[0].prompt, prefs[0].chosen
     ([{'role': 'user', 'content': '2+2?'}], '4')
     """
-    from textrl.stages.common import read_jsonl
+    from textrl.stages.common import source_rows
     from textrl.stages.synthetic import BUILTIN_PREFERENCES
 
-    if isinstance(source, str) and source.startswith("builtin:"):
-        name = source.removeprefix("builtin:")
-        if name not in BUILTIN_PREFERENCES:
-            known = ", ".join(f"builtin:{k}" for k in BUILTIN_PREFERENCES)
-            raise ValueError(f"unknown built-in preference set {source!r}; available: {known}")
-        rows = [(f"{source}: row {i}", r) for i, r in enumerate(BUILTIN_PREFERENCES[name]())]
-    elif isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.is_file():
-            raise ValueError(
-                f"preference data {str(source)!r}: no such file; pass a .jsonl / .json file or "
-                "'builtin:case'"
-            )
-        if path.suffix == ".json":
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(data, list):
-                raise ValueError(f"{path}: a .json preference file must hold a list of rows")
-            rows = [(f"{path}: row {i}", r) for i, r in enumerate(data)]
-        else:
-            rows = read_jsonl(path)
-    else:
-        rows = [(f"row {i}", r) for i, r in enumerate(source)]
-    prefs = [parse_preference(row, where, format) for where, row in rows]
-    if not prefs:
-        raise ValueError(f"preference data {source!r} has no rows")
-    return prefs
+    return [parse_preference(row, where, format)
+            for where, row in source_rows(source, BUILTIN_PREFERENCES, "preference data")]
 
 
 __all__ = ["FORMATS", "Preference", "detect_format", "load_preferences", "parse_hh_transcript",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +29,6 @@ from textrl.stages.common import (
     format_summary,
     load_policy,
     prepare_run,
-    read_jsonl,
     save_policy,
     split_rows,
 )
@@ -98,25 +96,10 @@ def parse_sft_row(row: Any, where: str) -> tuple[Prompt, str]:
 
 def load_sft_pairs(source: str | os.PathLike[str] | Iterable[Mapping[str, Any]]) -> list[tuple[Prompt, str]]:
     """(prompt, response) pairs from ``builtin:NAME``, a ``.jsonl`` file, or a list of rows."""
+    from textrl.stages.common import source_rows
     from textrl.stages.synthetic import BUILTIN_SFT
 
-    if isinstance(source, str) and source.startswith("builtin:"):
-        name = source.removeprefix("builtin:")
-        if name not in BUILTIN_SFT:
-            known = ", ".join(f"builtin:{k}" for k in BUILTIN_SFT)
-            raise ValueError(f"unknown built-in SFT set {source!r}; available: {known}")
-        rows = [(f"{source}: row {i}", r) for i, r in enumerate(BUILTIN_SFT[name]())]
-    elif isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.is_file():
-            raise ValueError(f"SFT data {str(source)!r}: no such file; pass a .jsonl file or 'builtin:case'")
-        rows = read_jsonl(path)
-    else:
-        rows = [(f"row {i}", r) for i, r in enumerate(source)]
-    pairs = [parse_sft_row(row, where) for where, row in rows]
-    if not pairs:
-        raise ValueError(f"SFT data {source!r} has no rows")
-    return pairs
+    return [parse_sft_row(row, where) for where, row in source_rows(source, BUILTIN_SFT, "SFT data")]
 
 
 def completion_loss(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
