@@ -25,7 +25,6 @@ from torch import Tensor
 
 from textrl.functional import logprobs_from_logits
 from textrl.stages.common import (
-    StageConfig,
     fit,
     format_summary,
     load_policy,
@@ -33,31 +32,21 @@ from textrl.stages.common import (
     save_policy,
     split_rows,
 )
-from textrl.stages.preferences import FORMATS, Preference, load_preferences
+from textrl.stages.preferences import Preference, PreferenceStageConfig, load_preferences
 from textrl.warmup import IGNORE_INDEX, Prompt, build_sft_batch
 
 
 @dataclass
-class DPOConfig(StageConfig):
+class DPOConfig(PreferenceStageConfig):
     """``textrl dpo``. Defaults: the tiny model on ``builtin:case`` preferences."""
 
     output_dir: str = "runs/dpo"
     """Where config.yaml, metrics.jsonl, tb/, summary.json, checkpoints/ and model/ go."""
-    data: str = "builtin:case"
-    """Preference data: 'builtin:case', or a .jsonl / .json of generic, hh-rlhf or PKU-SafeRLHF rows."""
-    format: str = "auto"
-    """Preference format: auto (per row, from its fields) | generic | hh | pku."""
     beta: float = 0.1
     """DPO temperature: the strength of the implicit KL constraint to the reference."""
-    steps: int = 100
-    """Optimiser steps."""
-    eval_size: int = 64
-    """Held-out preference pairs."""
 
     def validate(self) -> DPOConfig:
         super().validate()
-        if self.format not in FORMATS:
-            raise ValueError(f"format={self.format!r}: must be one of {', '.join(FORMATS)}")
         if not self.beta > 0:
             raise ValueError(f"beta={self.beta!r}: must be > 0 (0.1 is usual)")
         return self

@@ -24,6 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from textrl.stages.common import StageConfig
+
 FORMATS = ("auto", "generic", "hh", "pku")
 _PKU_FIELDS = ("prompt", "response_0", "response_1", "is_response_0_safe", "is_response_1_safe",
                "better_response_id")
@@ -184,5 +186,25 @@ def load_preferences(
             for where, row in source_rows(source, BUILTIN_PREFERENCES, "preference data")]
 
 
-__all__ = ["FORMATS", "Preference", "detect_format", "load_preferences", "parse_hh_transcript",
+@dataclass
+class PreferenceStageConfig(StageConfig):
+    """Fields of the stages that learn from preference pairs (``textrl rm``, ``textrl dpo``)."""
+
+    data: str = "builtin:case"
+    """Preference data: 'builtin:case', or a .jsonl / .json of generic, hh-rlhf or PKU-SafeRLHF rows."""
+    format: str = "auto"
+    """Preference format: auto (per row, from its fields) | generic | hh | pku."""
+    steps: int = 100
+    """Optimiser steps."""
+    eval_size: int = 64
+    """Held-out preference pairs (pairwise accuracy and margin are measured on them)."""
+
+    def validate(self) -> PreferenceStageConfig:
+        super().validate()
+        if self.format not in FORMATS:
+            raise ValueError(f"format={self.format!r}: must be one of {', '.join(FORMATS)}")
+        return self
+
+
+__all__ = ["FORMATS", "Preference", "PreferenceStageConfig", "detect_format", "load_preferences", "parse_hh_transcript",
            "parse_preference"]

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from textrl.stages.common import (
-    StageConfig,
     add_lora,
     fit,
     format_summary,
@@ -39,29 +38,15 @@ from textrl.stages.common import (
     split_rows,
     write_atomically,
 )
-from textrl.stages.preferences import FORMATS, Preference, load_preferences
+from textrl.stages.preferences import Preference, PreferenceStageConfig, load_preferences
 
 
 @dataclass
-class RMConfig(StageConfig):
+class RMConfig(PreferenceStageConfig):
     """``textrl rm``. Defaults: the tiny model on ``builtin:case`` preferences."""
 
     output_dir: str = "runs/rm"
     """Where config.yaml, metrics.jsonl, tb/, summary.json, checkpoints/ and model/ go."""
-    data: str = "builtin:case"
-    """Preference data: 'builtin:case', or a .jsonl / .json of generic, hh-rlhf or PKU-SafeRLHF rows."""
-    format: str = "auto"
-    """Preference format: auto (per row, from its fields) | generic | hh | pku."""
-    steps: int = 100
-    """Optimiser steps."""
-    eval_size: int = 64
-    """Held-out preference pairs for the pairwise accuracy."""
-
-    def validate(self) -> RMConfig:
-        super().validate()
-        if self.format not in FORMATS:
-            raise ValueError(f"format={self.format!r}: must be one of {', '.join(FORMATS)}")
-        return self
 
 
 def pairwise_loss(chosen: Tensor, rejected: Tensor) -> tuple[Tensor, dict[str, float]]:
