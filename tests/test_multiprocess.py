@@ -65,13 +65,15 @@ def test_two_processes_share_the_work_and_end_identical_then_resume_exactly(tmp_
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("agent", ["gae_ppo", "one_step_ppo"])
-def test_fsdp_shards_the_weights_and_trains_as_replicated_data_parallel(tmp_path, agent):
+# gae_ppo with one minibatch: the update reuses the behaviour forward (its graph crosses FSDP's
+# reshard); one_step_ppo: two minibatches and an old-policy snapshot refreshed between shards
+@pytest.mark.parametrize("agent, options", [("gae_ppo", ["--num-minibatches", "1"]), ("one_step_ppo", [])])
+def test_fsdp_shards_the_weights_and_trains_as_replicated_data_parallel(tmp_path, agent, options):
     """FSDP2 (--fsdp): each process holds half of every weight; the run equals the replicated one."""
     cache = tmp_path / "cache"
     replicated, sharded = tmp_path / "replicated", tmp_path / "sharded"
-    _train(replicated, "--iterations", "2", "--agent", agent, cache=cache)
-    _train(sharded, "--iterations", "2", "--agent", agent, "--fsdp", cache=cache)
+    _train(replicated, "--iterations", "2", "--agent", agent, *options, cache=cache)
+    _train(sharded, "--iterations", "2", "--agent", agent, "--fsdp", *options, cache=cache)
     summary = json.loads((sharded / "summary.json").read_text())
     assert summary["fsdp"] is True and summary["weights_held_per_process"] == pytest.approx(0.5, abs=0.01)
     a, b = checkpoint_tensors(replicated / "checkpoints" / "iter_000002"), checkpoint_tensors(sharded / "checkpoints" / "iter_000002")
