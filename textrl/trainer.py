@@ -89,10 +89,21 @@ def reward_spec(config: TrainConfig) -> str:
 
 
 def build_reward(config: TrainConfig):
-    """The composite task reward of ``--reward`` (and ``--reward-model`` as 'reward_model')."""
+    """The composite task reward of ``--reward`` (and ``--reward-model`` as 'reward_model').
+
+    None when the spec is empty and the agent brings its own reward model (multi_adapter_ppo's
+    reward adapter, joined by :func:`add_agent_reward`).
+    """
     from rewards import parse_reward_spec
 
+    if _agent_scores_alone(config):
+        return None
     return parse_reward_spec(reward_spec(config))
+
+
+def _agent_scores_alone(config: TrainConfig) -> bool:
+    """An empty reward spec with multi_adapter_ppo: its reward adapter is the whole reward."""
+    return not reward_spec(config).strip() and config.agent == "multi_adapter_ppo"
 
 
 def build_models(config: TrainConfig, device: torch.device, log) -> tuple[Any, Any]:
@@ -156,7 +167,8 @@ def add_agent_reward(config: TrainConfig, agent, reward_fn):
     from rewards import CompositeReward, NeuralReward
 
     neural = NeuralReward(model, agent.tokenizer, batch_size=config.forward_batch_size)
-    parts = {name: (fn, reward_fn.weights[name]) for name, fn in reward_fn.functions.items()}
+    parts = {} if reward_fn is None else {
+        name: (fn, reward_fn.weights[name]) for name, fn in reward_fn.functions.items()}
     return CompositeReward({**parts, "reward_model": (neural, 1.0)})
 
 
@@ -547,7 +559,8 @@ def check_run(config: TrainConfig) -> None:
     from rewards import check_reward_spec
 
     config.validate()
-    check_reward_spec(reward_spec(config))
+    if not _agent_scores_alone(config):
+        check_reward_spec(reward_spec(config))
     existing = _complete_checkpoints(Path(config.output_dir) / "checkpoints")
     if existing and not config.resume:
         raise ValueError(

@@ -50,7 +50,7 @@ def test_lora_commands_merge_and_generate(tmp_path, capsys):
         (["rm", "--lr", "-1"], "lr=-1.0: must be > 0"),
         (["dpo", "--beta", "0"], "beta=0.0: must be > 0"),
         (["merge", "--output-dir", "x"], "textrl merge: adapter='': pass --adapter"),
-        (["pipeline", "--agent", "multi_adapter_ppo"], "agent='multi_adapter_ppo'"),
+        (["pipeline", "--agent", "ppo"], "textrl pipeline: agent='ppo': must be one of gae_ppo, one_step_ppo, multi_adapter_ppo"),
         (["pipeline", "--ppo-iterations", "0"], "ppo_iterations=0"),
     ],
 )

@@ -1,10 +1,13 @@
-"""``textrl pipeline`` end to end at reduced sizes: the reward model ranks, PPO raises its reward."""
+"""``textrl pipeline`` end to end at reduced sizes: the reward model ranks, PPO raises its reward;
+with ``--agent multi_adapter_ppo`` the MA-RLHF stages (LoRA reward adapter, policy LoRA)."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import yaml
 
 from textrl.cli import main
 from textrl.stages.pipeline import PipelineConfig
@@ -27,3 +30,88 @@ def test_pipeline_reduced(tmp_path, capsys):
     assert (out / "ppo" / "checkpoints" / "iter_000040" / "policy" / "config.json").is_file()
     with pytest.raises(ValueError, match="holds an earlier pipeline run"):
         PipelineConfig(output_dir=str(out)).validate()
+
+
+TINY = ["--sft-steps", "20", "--rm-steps", "4", "--rm-eval-size", "8", "--batch-size", "8",
+        "--ppo-iterations", "2", "--eval-size", "4", "--max-new-tokens", "6", "--progress", "false"]
+
+
+@pytest.mark.parametrize("load_in_4bit", [False, True], ids=["float32", "nf4"])
+def test_pipeline_multi_adapter_ppo(tmp_path, capsys, load_in_4bit):
+    """MA-RLHF: full SFT -> LoRA reward adapter on the SFT model -> multi_adapter_ppo against it."""
+    out = tmp_path / "run"
+    argv = ["pipeline", "--agent", "multi_adapter_ppo", "--output-dir", str(out), *TINY]
+    assert main([*argv, "--load-in-4bit", str(load_in_4bit).lower()]) == 0
+    printed = capsys.readouterr().out
+    assert "== 2/3 reward model (LoRA adapter on the SFT model) ==" in printed
+    assert "(a LoRA adapter on the SFT model)" in printed
+    rm_model, sft_model = out / "rm" / "model", out / "sft" / "model"
+    reward_meta = json.loads((rm_model / "textrl_reward.json").read_text())
+    assert reward_meta["base_model"] == str(sft_model.resolve())
+    assert (rm_model / "score_head.safetensors").is_file() and (sft_model / "config.json").is_file()
+    policy = out / "ppo" / "checkpoints" / "iter_000002" / "policy"
+    assert (policy / "adapter_config.json").is_file()  # a LoRA on sft/model, not a full model
+    ppo_config = yaml.safe_load((out / "ppo" / "config.yaml").read_text())
+    assert ppo_config["agent"] == "multi_adapter_ppo" and not ppo_config["reward_model"]
+    assert ppo_config["reward_adapter"] == str(rm_model) and ppo_config["model"] == str(sft_model)
+    assert ppo_config["load_in_4bit"] is load_in_4bit and ppo_config["actor_lr"] == 3e-3
+    assert yaml.safe_load((out / "config.yaml").read_text())["rm_lr"] == 3e-3  # the resolved default
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["agent"] == "multi_adapter_ppo" and summary["rm"]["lora"] and summary["ppo"]["lora"]
+    assert summary["rm"]["model"] == str(rm_model) and summary["ppo"]["policy"] == str(policy)
+    figures = [*summary["rm"]["eval_accuracy"], *summary["rm"]["eval_margin"]]
+    for mode in ("sampled", "greedy"):
+        for name in ("reward_model", "case_follow_reward"):
+            figures += summary["ppo"]["eval"][f"{mode}/reward_components/{name}"]
+    assert len(figures) == 12 and all(isinstance(v, float) and math.isfinite(v) for v in figures)
+
+
+def test_pipeline_multi_adapter_ppo_on_a_prompt_file(tmp_path):
+    """No built-in rule to log: the reward adapter is the whole reward (an empty --reward)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Describe the {w}."}) + "\n" for w in "abcdefgh"))
+    out = tmp_path / "run"
+    assert main(["pipeline", "--agent", "multi_adapter_ppo", "--output-dir", str(out),
+                 "--prompts", str(prompts), *TINY]) == 0
+    assert yaml.safe_load((out / "ppo" / "config.yaml").read_text())["reward"] == ""  # the adapter alone
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(summary["ppo"]["eval"]) == ["greedy/reward_components/reward_model",
+                                              "sampled/reward_components/reward_model"]
+
+
+@pytest.mark.slow
+def test_pipeline_multi_adapter_ppo_learns(tmp_path):
+    """Reduced MA-RLHF run with the LoRA learning-rate defaults: the reward adapter ranks, PPO's
+    policy LoRA raises its score and the share of answers that follow the constraint."""
+    out = tmp_path / "run"
+    argv = ["pipeline", "--agent", "multi_adapter_ppo", "--output-dir", str(out), "--sft-steps", "200",
+            "--ppo-iterations", "60", "--progress", "false"]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rm"]["eval_accuracy"][1] >= 0.9
+    before, after = summary["ppo"]["eval"]["sampled/reward_components/reward_model"]
+    assert after > before + 0.5
+    before, after = summary["ppo"]["eval"]["greedy/reward_components/case_follow_reward"]
+    assert after > before + 0.2
+
+
+def test_learning_rates_left_unset_default_per_agent():
+    assert PipelineConfig().resolved().rm_lr == 1e-3 and PipelineConfig().resolved().actor_lr == 3e-4
+    lora = PipelineConfig(agent="multi_adapter_ppo").resolved()
+    assert (lora.rm_lr, lora.actor_lr) == (3e-3, 3e-3)
+    assert PipelineConfig(agent="multi_adapter_ppo", actor_lr=1e-3).resolved().actor_lr == 1e-3
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"agent": "ma_ppo"}, r"^agent='ma_ppo': must be one of gae_ppo, one_step_ppo, multi_adapter_ppo$"),
+        ({"agent": "grpo"}, r"agent='grpo': must be one of .*; run grpo after the pipeline: `textrl train"),
+        ({"load_in_4bit": True}, r"load_in_4bit=True with agent='gae_ppo': .* add --agent multi_adapter_ppo"),
+        ({"agent": "multi_adapter_ppo", "rm_lr": 0.0}, r"rm_lr=0.0: must be > 0"),
+    ],
+)
+def test_bad_pipeline_config_is_named(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        PipelineConfig(**overrides).validate()
