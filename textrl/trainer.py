@@ -38,6 +38,8 @@ from textrl.distributed import Distributed
 from textrl.keys import KEYS
 from textrl.timing import timed
 
+BEFORE_FILE = "eval_before.json"
+"""The held-out evaluation before the first iteration (kept so a resumed run's summary has it)."""
 CHECKPOINT_MARKER = "manifest.json"
 """A checkpoint's completion marker, written last: every file with its size and sha256."""
 
@@ -686,8 +688,13 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
         log(f"resumed from {checkpoint} (iteration {start})")
     metrics_log = MetricsLog(output_dir, main, resume_after=start if checkpoint is not None else None)
     # held-out evaluation runs in the main process only: the others have identical weights
+    before_path = output_dir / BEFORE_FILE
     before = (evaluate(agent, eval_batches, reward_fn, config.seed, reward_nonfinite=config.reward_nonfinite)
               if start == 0 and evaluates else None)
+    if main and before is not None:
+        before_path.write_text(json.dumps(before, indent=2) + "\n")
+    elif start > 0 and before_path.is_file():  # resumed: the evaluation before the first iteration
+        before = json.loads(before_path.read_text())
     samples_path = output_dir / "samples.jsonl"
     if evaluates and start == 0:
         samples = sample_completions(agent, eval_batches[0])

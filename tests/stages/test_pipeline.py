@@ -115,3 +115,50 @@ def test_learning_rates_left_unset_default_per_agent():
 def test_bad_pipeline_config_is_named(overrides, message):
     with pytest.raises(ValueError, match=message):
         PipelineConfig(**overrides).validate()
+
+
+def test_pipeline_stopped_in_ppo_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, capsys):
+    """SIGTERM during PPO: sft and rm are kept, PPO continues from its checkpoint, same figures."""
+    import os
+    import signal
+
+    from agents import GAEPPO
+    from textrl.trainer import TrainingStopped
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main(["pipeline", "--output-dir", str(full), *TINY]) == 0
+    update = GAEPPO.update
+
+    def sigterm_after_the_first_update(self, td):
+        metrics = update(self, td)
+        if self.iteration == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return metrics
+
+    with monkeypatch.context() as patch:
+        patch.setattr(GAEPPO, "update", sigterm_after_the_first_update)
+        with pytest.raises(TrainingStopped, match="stopped in the ppo stage") as stop:
+            main(["pipeline", "--output-dir", str(part), *TINY])
+    assert stop.value.code == 128 + signal.SIGTERM
+    resume = f"textrl pipeline --config {part / 'config.yaml'} --resume"
+    assert resume in capsys.readouterr().err
+    with pytest.raises(ValueError, match="holds an earlier pipeline run; continue it with"):
+        PipelineConfig(output_dir=str(part)).validate()
+
+    sft_model = (part / "sft" / "model" / "model.safetensors").stat().st_mtime_ns
+    assert main(["pipeline", "--config", str(part / "config.yaml"), "--resume"]) == 0
+    assert (part / "sft" / "model" / "model.safetensors").stat().st_mtime_ns == sft_model  # kept, not rerun
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (full, part))
+    assert a["sft"]["eval_loss"] == b["sft"]["eval_loss"] and a["rm"]["eval_accuracy"] == b["rm"]["eval_accuracy"]
+    assert a["ppo"]["eval"] == b["ppo"]["eval"]  # before (kept in eval_before.json) and after
+
+
+def test_pipeline_resume_refuses_other_settings_or_no_run(tmp_path):
+    with pytest.raises(ValueError, match="there is no pipeline run"):
+        PipelineConfig(output_dir=str(tmp_path), resume=True).validate()
+    from textrl.config import save_config
+
+    save_config(PipelineConfig(output_dir=str(tmp_path)).resolved(), tmp_path / "config.yaml")
+    PipelineConfig(output_dir=str(tmp_path), resume=True, threads=2, progress=False).validate()
+    with pytest.raises(ValueError, match=r"sft_steps=10 \(run: 300\) differ from the run"):
+        PipelineConfig(output_dir=str(tmp_path), resume=True, sft_steps=10).validate()

@@ -189,5 +189,5 @@ def test_a_pipeline_refuses_a_folder_where_a_signal_left_a_stage_checkpoint(tmp_
     from textrl.stages.pipeline import PipelineConfig
 
     _fake_checkpoint(tmp_path / "sft", 7)
-    with pytest.raises(ValueError, match=r"holds an earlier pipeline run \(.*/sft/checkpoints\)"):
+    with pytest.raises(ValueError, match=r"holds an earlier pipeline run; continue it with .* --resume"):
         PipelineConfig(output_dir=str(tmp_path)).validate()

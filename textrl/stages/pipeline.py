@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,9 @@ class PipelineConfig:
     second thread, and on a busy 2-core machine a second thread can be tens of times slower."""
     progress: bool = True
     """Show progress bars."""
+    resume: bool = False
+    """Continue an interrupted pipeline in output_dir: finished stages are kept, the interrupted one
+    resumes from its newest checkpoint (pass the run's --config OUTPUT_DIR/config.yaml)."""
 
     def validate(self) -> PipelineConfig:
         """Check every field; raise ``ValueError`` naming the field, its value and what is allowed."""
@@ -130,13 +134,15 @@ class PipelineConfig:
                     "LoRA stages can use it; add --agent multi_adapter_ppo, or drop --load-in-4bit"
                 )
             check_bitsandbytes("load_in_4bit")
-        for stage in ("sft", "rm", "ppo"):  # sft / rm save one when a signal stops them
-            checkpoints = Path(self.output_dir) / stage / "checkpoints"
-            if checkpoints.is_dir() and any(checkpoints.iterdir()):
-                raise ValueError(
-                    f"output_dir={self.output_dir!r} holds an earlier pipeline run ({checkpoints}); "
-                    "choose another --output-dir or delete that one"
-                )
+        out = Path(self.output_dir)
+        if self.resume:
+            check_resumable(self)
+        elif any(_has_checkpoints(out / stage) or (out / stage / "summary.json").is_file() for stage in STAGES):
+            raise ValueError(
+                f"output_dir={self.output_dir!r} holds an earlier pipeline run; continue it with "
+                f"`textrl pipeline --config {out / 'config.yaml'} --resume`, or choose another "
+                "--output-dir (or delete that one) to start over"
+            )
         return self
 
     @property
@@ -149,6 +155,34 @@ class PipelineConfig:
         defaults = LR_DEFAULTS["lora" if self.lora else "full"]
         unset = {name: value for name, value in defaults.items() if getattr(self, name) is None}
         return dataclasses.replace(self, **unset)
+
+
+STAGES = ("sft", "rm", "ppo")
+RESUME_FREE = {"resume", "progress", "threads", "device"}
+"""Fields a resumed pipeline may change; every other must equal the interrupted run's."""
+
+
+def _has_checkpoints(stage_dir: Path) -> bool:
+    from textrl.trainer import latest_checkpoint
+
+    return (stage_dir / "checkpoints").is_dir() and latest_checkpoint(stage_dir) is not None
+
+
+def check_resumable(config: PipelineConfig) -> None:
+    """``--resume``: ``output_dir`` holds a pipeline run whose config matches this one."""
+    from textrl.config import load_yaml
+
+    saved_path = Path(config.output_dir) / "config.yaml"
+    if not saved_path.is_file():
+        raise ValueError(f"--resume: {saved_path} does not exist; there is no pipeline run in "
+                         f"{config.output_dir!r} to continue (run without --resume to start one)")
+    saved = PipelineConfig(**load_yaml(saved_path, PipelineConfig))
+    differ = [f.name for f in dataclasses.fields(PipelineConfig) if f.name not in RESUME_FREE
+              and getattr(saved, f.name) != getattr(config.resolved(), f.name)]
+    if differ:
+        shown = ", ".join(f"{k}={getattr(config, k)!r} (run: {getattr(saved, k)!r})" for k in differ)
+        raise ValueError(f"--resume: {shown} differ from the run in {config.output_dir!r}; resume with "
+                         f"`textrl pipeline --config {saved_path} --resume`")
 
 
 def write_prompts(spec: str, path: Path) -> tuple[str, bool]:
@@ -186,20 +220,20 @@ def _run(config: PipelineConfig) -> dict[str, Any]:
     start = time.perf_counter()
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_config(config, out / "config.yaml")
+    save_config(dataclasses.replace(config, resume=False), out / "config.yaml")
     common = {"seed": config.seed, "device": config.device, "progress": config.progress}
 
     print("== 1/3 sft ==", flush=True)
-    sft = train_sft(SFTConfig(output_dir=str(out / "sft"), model=config.model, data=config.sft_data,
-                              steps=config.sft_steps, lr=config.sft_lr, batch_size=config.batch_size,
-                              **common))
+    sft = _stage(config, "sft", lambda resume: train_sft(SFTConfig(
+        output_dir=str(out / "sft"), model=config.model, data=config.sft_data, steps=config.sft_steps,
+        lr=config.sft_lr, batch_size=config.batch_size, resume=resume, **common)))
     sft_model = str(out / "sft" / MODEL_DIR)
 
     print(f"== 2/3 reward model{' (LoRA adapter on the SFT model)' if config.lora else ''} ==", flush=True)
-    rm = train_rm(RMConfig(output_dir=str(out / "rm"), model=sft_model, data=config.preference_data,
-                           steps=config.rm_steps, lr=config.rm_lr, batch_size=config.batch_size,
-                           eval_size=config.rm_eval_size, lora=config.lora,
-                           load_in_4bit=config.load_in_4bit, **common))
+    rm = _stage(config, "rm", lambda resume: train_rm(RMConfig(
+        output_dir=str(out / "rm"), model=sft_model, data=config.preference_data, steps=config.rm_steps,
+        lr=config.rm_lr, batch_size=config.batch_size, eval_size=config.rm_eval_size, lora=config.lora,
+        load_in_4bit=config.load_in_4bit, resume=resume, **common)))
     rm_model = str(out / "rm" / MODEL_DIR)
 
     print(f"== 3/3 ppo ({config.agent}) ==", flush=True)
@@ -208,15 +242,15 @@ def _run(config: PipelineConfig) -> dict[str, Any]:
         reward_models = {"reward_adapter": rm_model, "load_in_4bit": config.load_in_4bit}
     else:
         reward_models = {"reward_model": rm_model}
-    ppo_config = TrainConfig(
+    every = max(1, config.ppo_iterations // 4)
+    ppo = _stage(config, "ppo", lambda resume: train(TrainConfig(
         output_dir=str(out / "ppo"), model=sft_model, agent=config.agent,
         reward=_monitor_spec(monitor), **reward_models,
         dataset=dataset, iterations=config.ppo_iterations, eval_size=config.eval_size,
-        eval_every=max(1, config.ppo_iterations // 4), checkpoint_every=0, warmup_sft_steps=0,
+        eval_every=every, checkpoint_every=every, keep_checkpoints=1, warmup_sft_steps=0,
         actor_lr=config.actor_lr, kl_coef=config.kl_coef, max_new_tokens=config.max_new_tokens,
-        **common,
-    )
-    ppo = train(ppo_config)
+        resume=resume, **common,
+    )))
 
     policy = out / "ppo" / "checkpoints" / f"iter_{config.ppo_iterations:06d}" / "policy"
     summary = {
@@ -232,6 +266,25 @@ def _run(config: PipelineConfig) -> dict[str, Any]:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _stage(config: PipelineConfig, name: str, run: Any) -> dict[str, Any]:
+    """Run one stage (``run(resume) -> summary``). Resuming: a finished stage (its ``summary.json``)
+    is read back, not rerun; an interrupted one continues from its newest checkpoint. A signal
+    stopping the stage stops the pipeline with the command that resumes it."""
+    from textrl.trainer import TrainingStopped
+
+    stage_dir = Path(config.output_dir) / name
+    if config.resume and (stage_dir / "summary.json").is_file():
+        print(f"{name}: finished in the interrupted run; kept", flush=True)
+        return json.loads((stage_dir / "summary.json").read_text())
+    try:
+        return run(config.resume and _has_checkpoints(stage_dir))
+    except TrainingStopped as stop:
+        message = (f"textrl pipeline: stopped in the {name} stage. Resume the pipeline with: textrl "
+                   f"pipeline --config {Path(config.output_dir) / 'config.yaml'} --resume")
+        print(message, file=sys.stderr, flush=True)
+        raise TrainingStopped(message, stop.code) from None
 
 
 def _monitor_spec(monitor: bool) -> str:
