@@ -178,7 +178,7 @@ class PPOAgent(nn.Module):
         )
         self.schedulers = [self._scheduler(opt, self.total_updates) for opt in self.optimizers]
 
-    def shard(self, mesh: Any) -> None:
+    def shard(self, mesh: Any, reshard_after_forward: bool = True) -> None:
         """Split every model of the agent over the processes of ``mesh`` (FSDP2, :mod:`textrl.sharding`).
 
         Call once, on every process, before training: the optimisers are rebuilt over the shards.
@@ -188,7 +188,7 @@ class PPOAgent(nn.Module):
         if self.sharded:
             raise RuntimeError(f"{type(self).__name__} is already sharded")
         for _, model in self.named_children():
-            shard_model(model, mesh)
+            shard_model(model, mesh, reshard_after_forward)
         self._build_optimizers()
         self.sharded = True
 

@@ -304,7 +304,7 @@ class MultiAdapterPPO(GAEPPO):
         if leaked:
             raise RuntimeError(f"frozen base weights received a gradient: {leaked[:3]}")
 
-    def shard(self, mesh: Any) -> None:
+    def shard(self, mesh: Any, reshard_after_forward: bool = True) -> None:
         raise ValueError(
             "multi_adapter_ppo does not shard (FSDP): its one base carries every role; it fits large "
             "models with --load-in-4bit instead"

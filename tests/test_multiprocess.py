@@ -66,8 +66,11 @@ def test_two_processes_share_the_work_and_end_identical_then_resume_exactly(tmp_
 
 
 # gae_ppo with one minibatch: the update reuses the behaviour forward (its graph crosses FSDP's
-# reshard); one_step_ppo: two minibatches and an old-policy snapshot refreshed between shards
-@pytest.mark.parametrize("agent, options", [("gae_ppo", ["--num-minibatches", "1"]), ("one_step_ppo", [])])
+# reshard); one_step_ppo: two minibatches, an old-policy snapshot refreshed between shards, and
+# gathered weights kept from forward to backward (--fsdp-reshard-after-forward false)
+@pytest.mark.parametrize("agent, options", [
+    ("gae_ppo", ["--num-minibatches", "1"]), ("one_step_ppo", ["--fsdp-reshard-after-forward", "false"]),
+])
 def test_fsdp_shards_the_weights_and_trains_as_replicated_data_parallel(tmp_path, agent, options):
     """FSDP2 (--fsdp): each process holds half of every weight; the run equals the replicated one."""
     cache = tmp_path / "cache"

@@ -20,9 +20,33 @@ def test_fsdp_refuses_the_single_base_agents(overrides):
 def test_an_accelerate_fsdp_config_turns_fsdp_on(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     config = TrainConfig()
-    assert check_sharding(config) is True and config.fsdp is True
+    assert check_sharding(config) is True and config.fsdp is True and config.fsdp_reshard_after_forward
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
     assert check_sharding(TrainConfig()) is False
+
+
+@pytest.mark.parametrize("env, reshard", [
+    ({"FSDP_RESHARD_AFTER_FORWARD": "false"}, False),  # an FSDP2 config
+    ({"FSDP_RESHARD_AFTER_FORWARD": "true"}, True),
+    ({"FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP"}, False),  # FSDP1-style strategy names
+    ({"FSDP_SHARDING_STRATEGY": "FULL_SHARD"}, True),
+])
+def test_the_accelerate_reshard_option_is_read(monkeypatch, env, reshard):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = TrainConfig()
+    check_sharding(config)
+    assert config.fsdp_reshard_after_forward is reshard
+
+
+@pytest.mark.parametrize("name, option", [("FSDP_OFFLOAD_PARAMS", "fsdp_offload_params"),
+                                          ("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing")])
+def test_accelerate_fsdp_options_textrl_cannot_honour_are_named(monkeypatch, name, option):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv(name, "true")
+    with pytest.raises(ValueError, match=f"sets {option}: true, which textrl train does not support"):
+        check_sharding(TrainConfig())
 
 
 def test_an_accelerate_deepspeed_config_is_refused_with_the_alternative(monkeypatch):

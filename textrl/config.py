@@ -168,6 +168,9 @@ class TrainConfig:
     # -- several processes ---------------------------------------------------------------------
     fsdp: bool = False
     """Shard every model, gradient and AdamW state over the processes (FSDP2; also on with an accelerate FSDP config)."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP: free each layer's gathered weights after its forward (least memory, as ZeRO-3); False
+    keeps them until the backward (one all-gather fewer per layer, as ZeRO-2 / SHARD_GRAD_OP)."""
 
     # -- numerical faults ----------------------------------------------------------------------
     reward_nonfinite: str = "raise"

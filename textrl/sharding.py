@@ -37,6 +37,20 @@ def accelerate_wants_deepspeed() -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true", "yes")
 
 
+def accelerate_fsdp_options() -> dict[str, bool]:
+    """The options of an accelerate FSDP config that textrl reads (``fsdp_reshard_after_forward``);
+    ``ValueError`` for those it cannot honour (parameter offload, activation checkpointing)."""
+    env = os.environ
+    for name, what in (("FSDP_OFFLOAD_PARAMS", "fsdp_offload_params"),
+                       ("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing")):
+        if env.get(name, "false").lower() in ("1", "true", "yes"):
+            raise ValueError(f"the accelerate FSDP config sets {what}: true, which textrl train does not "
+                             "support; set it to false (the decoder layers are the FSDP units)")
+    # FSDP2 configs say true / false; FSDP1-style ones name a strategy (SHARD_GRAD_OP = keep)
+    value = (env.get("FSDP_RESHARD_AFTER_FORWARD") or env.get("FSDP_SHARDING_STRATEGY") or "true").lower()
+    return {"fsdp_reshard_after_forward": value not in ("false", "0", "no", "shard_grad_op", "2")}
+
+
 def is_sharded(param: Tensor) -> bool:
     """Whether ``param`` is an FSDP2 shard (a ``DTensor``)."""
     from torch.distributed.tensor import DTensor
@@ -62,11 +76,12 @@ def unit_classes(model: nn.Module) -> set[str]:
     return names
 
 
-def shard_model(model: nn.Module, mesh: Any) -> nn.Module:
+def shard_model(model: nn.Module, mesh: Any, reshard_after_forward: bool = True) -> nn.Module:
     """``fully_shard`` each decoder layer of ``model`` (HF ``_no_split_modules``), then the rest.
 
     In place; the model's parameters become ``DTensor`` shards (new ``nn.Parameter`` objects, so
-    optimisers must be built afterwards).
+    optimisers must be built afterwards). ``reshard_after_forward=False`` keeps a layer's gathered
+    weights from its forward to its backward (ZeRO-2-like: faster, more memory).
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -78,8 +93,8 @@ def shard_model(model: nn.Module, mesh: Any) -> nn.Module:
         )
     for module in list(model.modules()):
         if module is not model and type(module).__name__ in classes:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return model
 
 
@@ -126,6 +141,7 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 __all__ = [
+    "accelerate_fsdp_options",
     "accelerate_wants_deepspeed",
     "accelerate_wants_fsdp",
     "device_mesh",

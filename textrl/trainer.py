@@ -592,7 +592,11 @@ def resume_checkpoint(config: TrainConfig, log=print) -> Path | None:
 
 def check_sharding(config: TrainConfig) -> bool:
     """Whether to shard (``--fsdp`` or an accelerate FSDP config); a DeepSpeed config is refused."""
-    from textrl.sharding import accelerate_wants_deepspeed, accelerate_wants_fsdp
+    from textrl.sharding import (
+        accelerate_fsdp_options,
+        accelerate_wants_deepspeed,
+        accelerate_wants_fsdp,
+    )
 
     if accelerate_wants_deepspeed():
         raise ValueError(
@@ -600,8 +604,9 @@ def check_sharding(config: TrainConfig) -> bool:
             "Use an accelerate config with distributed_type: FSDP (or --fsdp), which shards "
             "weights, gradients and optimiser states as ZeRO-3 does"
         )
-    if accelerate_wants_fsdp() and not config.fsdp:
-        config.fsdp = True
+    if accelerate_wants_fsdp():
+        for name, value in {"fsdp": True, **accelerate_fsdp_options()}.items():
+            setattr(config, name, value)
         config.validate()
     return config.fsdp
 
@@ -678,7 +683,7 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     if fsdp:  # each process keeps 1/N of every weight, gradient and optimiser state
         from textrl.sharding import device_mesh
 
-        agent.shard(device_mesh(device, dist.world_size))
+        agent.shard(device_mesh(device, dist.world_size), config.fsdp_reshard_after_forward)
     # held-out evaluation: the main process alone, unless the forwards are collectives (FSDP)
     evaluates = main or fsdp
 
