@@ -16,6 +16,7 @@ Subclasses implement :meth:`~PPOAgent.estimate` (advantages) and :meth:`~PPOAgen
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -189,8 +190,17 @@ class PPOAgent(nn.Module):
             raise RuntimeError(f"{type(self).__name__} is already sharded")
         for _, model in self.named_children():
             shard_model(model, mesh, reshard_after_forward)
+        self.reshard_after_forward = reshard_after_forward
         self._build_optimizers()
         self.sharded = True
+
+    def _gathered_policy(self):
+        """Sharded: the policy's full weights for the block (generation); otherwise nothing."""
+        if not self.sharded:
+            return contextlib.nullcontext()
+        from textrl.sharding import gathered
+
+        return gathered(self.policy, self.reshard_after_forward)
 
     def _optimized_models(self) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
         """Each optimiser with the model whose weights it steps."""
@@ -254,7 +264,7 @@ class PPOAgent(nn.Module):
                 kwargs.update(do_sample=False)
             else:
                 kwargs.update(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-            with self._autocast():
+            with self._autocast(), self._gathered_policy():
                 out = self.policy.generate(input_ids=ids, attention_mask=mask.long(), **kwargs)
             outs.append(out[:, ids.shape[1] :])
         width = max(o.shape[1] for o in outs)

@@ -38,8 +38,13 @@ def test_train_writes_every_output(tmp_path, capsys):
         assert all(s >= 0 for s in seconds) and sum(seconds) <= row["time/iteration_s"]
         assert row["tokens_per_second"] == pytest.approx(row["tokens"] / row["time/iteration_s"])
     assert "time/eval_s" in rows[-1] and "time/eval_s" not in rows[0]
-    for name in ("config.yaml", "curves.png", "summary.json"):
+    peaks = [r["memory/peak_mib"] for r in rows]  # a high-water mark: positive, never falling
+    assert peaks[0] > 100 and peaks == sorted(peaks)
+    for name in ("config.yaml", "curves.png", "summary.json", "eval_before.json"):
         assert (out / name).is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["peak_memory_mib"]) == 1 and summary["peak_memory_mib"][0] >= peaks[-1]
+    assert summary["before"] == json.loads((out / "eval_before.json").read_text())
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert {s["iteration"] for s in samples} == {0, 2} and all("completion" in s for s in samples)
     assert any((out / "tb").iterdir())

@@ -11,8 +11,9 @@ weight, gradient and AdamW state. Everything else is the data-parallel loop of
   until every process is done, since each forward is a collective;
 - every process runs the held-out evaluation (its forwards are collectives too); the main
   process writes;
-- checkpoints gather the full state (every process takes part) and the main process writes the
-  usual files: a full Hugging Face policy and ``trainer_state.pt`` with full tensors, so a
+- generation gathers the policy once (:func:`gathered`) rather than each layer per token;
+- checkpoints gather the full state to the main process (every process takes part), which writes
+  the usual files: a full Hugging Face policy and ``trainer_state.pt`` with full tensors, so a
   sharded run resumes with any number of processes.
 
 CPU (gloo) and CUDA (NCCL) both work. Not with ``multi_adapter_ppo`` or a 4-bit base.
@@ -21,6 +22,8 @@ CPU (gloo) and CUDA (NCCL) both work. Not with ``multi_adapter_ppo`` or a 4-bit 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -105,6 +108,31 @@ def device_mesh(device: torch.device, world_size: int) -> Any:
     return init_device_mesh(device.type, (world_size,))
 
 
+@contextmanager
+def gathered(model: nn.Module, reshard_after_forward: bool) -> Iterator[None]:
+    """Every FSDP unit of ``model`` unsharded for the block, resharded after.
+
+    For generation: one all-gather per layer for the whole block instead of one per layer and
+    generated token (the full model is held meanwhile, as a replicated run holds it always).
+    ``reshard_after_forward`` is the units' setting to restore (the root's stays False).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.set_reshard_after_forward(False, recurse=True)
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.set_reshard_after_forward(reshard_after_forward, recurse=True)
+        model.set_reshard_after_forward(False, recurse=False)  # the root keeps its weights, as fully_shard sets it
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
 def _options(cpu_offload: bool = False) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -112,11 +140,12 @@ def _options(cpu_offload: bool = False) -> Any:
 
 
 def full_model_state(model: nn.Module) -> dict[str, Tensor]:
-    """Every full tensor of ``model`` on the CPU, on every process (a collective: all must call)."""
+    """Every full tensor of ``model`` on the CPU, on the main process only (the others get ``{}``;
+    a collective: all must call). Tensors are gathered one at a time, so no process ever holds
+    more than the main process's copy plus one tensor."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    state = get_model_state_dict(model, options=_options())
-    return {k: v.detach().cpu() for k, v in state.items()}
+    return get_model_state_dict(model, options=_options(cpu_offload=True))
 
 
 def load_full_model_state(model: nn.Module, state: dict[str, Tensor]) -> None:
@@ -127,10 +156,11 @@ def load_full_model_state(model: nn.Module, state: dict[str, Tensor]) -> None:
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``optimizer``'s state with full tensors, keyed by parameter name (a collective)."""
+    """``optimizer``'s state with full CPU tensors, keyed by parameter name, on the main process
+    only (a collective)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, optimizer, options=_options())
+    return get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -142,6 +172,7 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
 
 __all__ = [
     "accelerate_fsdp_options",
+    "gathered",
     "accelerate_wants_deepspeed",
     "accelerate_wants_fsdp",
     "device_mesh",

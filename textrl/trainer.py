@@ -482,6 +482,16 @@ def iteration_metrics(
     return row
 
 
+def peak_memory_mib(device: torch.device) -> float:
+    """This process's peak memory so far, in MiB: ``torch.cuda.max_memory_allocated`` on CUDA,
+    else the resident-set high-water mark (``ru_maxrss``; everything the process touched)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
 def parameter_checksum(module: torch.nn.Module) -> str:
     """sha256 of every parameter's bytes, in order: equal across processes iff the weights are."""
     digest = hashlib.sha256()
@@ -730,6 +740,8 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
         with timed(timings, "bookkeeping", agent.device):
             row = iteration_metrics(iteration, td, update_metrics, dist)
             row["reward/nonfinite_rows"] = dist.mean({"n": nonfinite_rows(td, len(batch))})["n"] * dist.world_size
+            # the largest process's peak so far; checkpoints of earlier iterations included, this one's not
+            row["memory/peak_mib"] = max(dist.gather_object(peak_memory_mib(agent.device)))
         if evaluates and (iteration == config.iterations or (config.eval_every and iteration % config.eval_every == 0)):
             with timed(timings, "eval", agent.device):
                 row.update(evaluate(agent, eval_batches, reward_fn, config.seed + iteration,
@@ -773,6 +785,7 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     metrics_log.close()
     after = {k: v for k, v in (metrics_log.rows[-1] if metrics_log.rows else {}).items() if k.startswith("eval/")}
     summary: dict[str, Any] = {"before": before, "after": after, "processes": dist.world_size, "fsdp": fsdp}
+    summary["peak_memory_mib"] = dist.gather_object(peak_memory_mib(agent.device))  # one per process
     if fsdp:  # the share of the agent's weights this process holds (1 / processes, up to rounding)
         from textrl.sharding import local
 
