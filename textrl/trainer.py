@@ -702,7 +702,6 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
         start = load_checkpoint(checkpoint, agent, sampler, verify=False, dist=dist)  # verified already
         log(f"resumed from {checkpoint} (iteration {start})")
     metrics_log = MetricsLog(output_dir, main, resume_after=start if checkpoint is not None else None)
-    # held-out evaluation runs in the main process only: the others have identical weights
     before_path = output_dir / BEFORE_FILE
     before = (evaluate(agent, eval_batches, reward_fn, config.seed, reward_nonfinite=config.reward_nonfinite)
               if start == 0 and evaluates else None)

@@ -163,9 +163,10 @@ RESUME_FREE = {"resume", "progress", "threads", "device"}
 
 
 def _has_checkpoints(stage_dir: Path) -> bool:
-    from textrl.trainer import latest_checkpoint
+    """Whether a stage left complete checkpoints (listed, not hashed: the stage verifies on resume)."""
+    from textrl.trainer import _complete_checkpoints
 
-    return (stage_dir / "checkpoints").is_dir() and latest_checkpoint(stage_dir) is not None
+    return bool(_complete_checkpoints(stage_dir / "checkpoints"))
 
 
 def check_resumable(config: PipelineConfig) -> None:
