@@ -53,3 +53,16 @@ def collect(agent, tok, prompts=PROMPTS, seed: int = 0, reward_fn=target_reward)
         pad_token_id=tok.pad_token_id, max_new_tokens=agent.config.max_new_tokens,
     )
     return agent.process_rollout(td)
+
+
+def record_loss_stats(agent) -> list[dict]:
+    """Wrap ``agent.loss``: every (micro-)batch's stats are appended to the returned list."""
+    seen, loss = [], agent.loss
+
+    def spy(mb):
+        out = loss(mb)
+        seen.append(out[1])
+        return out
+
+    agent.loss = spy
+    return seen

@@ -8,7 +8,7 @@ from tensordict import TensorDict
 
 from agents import AGENTS, GAEPPO, OneStepPPO, make_agent
 from agents.base import SCORE
-from tests.agents.conftest import collect, make_config
+from tests.agents.conftest import collect, make_config, record_loss_stats
 from tests.agents.conftest import make_agent as build
 from textrl.checks import check_rollout
 from textrl.keys import KEYS
@@ -39,15 +39,7 @@ def test_processed_rollout_passes_checks_and_kl_is_zero_before_training(tok, nam
 def test_first_minibatch_ratio_is_one_and_nothing_is_clipped(tok, name):
     agent = build(tok, name, ppo_epochs=2)
     td = collect(agent, tok)
-    seen = []
-    loss = agent.loss
-
-    def spy(mb):
-        out = loss(mb)
-        seen.append(out[1])
-        return out
-
-    agent.loss = spy
+    seen = record_loss_stats(agent)
     agent.update(td)
     assert seen[0]["ratio/mean"].item() == 1.0
     assert seen[0]["ratio/max"].item() == 1.0

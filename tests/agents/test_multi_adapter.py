@@ -15,7 +15,7 @@ import torch
 from peft import PeftModel, get_peft_model
 
 from agents import AGENTS, MultiAdapterPPO, make_agent
-from tests.agents.conftest import collect, make_config
+from tests.agents.conftest import collect, make_config, record_loss_stats
 from textrl.checks import check_rollout
 from textrl.config import TrainConfig
 from textrl.keys import KEYS
@@ -144,15 +144,7 @@ def test_first_minibatch_ratio_is_one_and_kl_is_zero(tok, reward_dir):
     td = collect(agent, tok)
     check_rollout(td)
     assert torch.equal(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob))
-    seen = []
-    loss = agent.loss
-
-    def spy(mb):
-        out = loss(mb)
-        seen.append(out[1])
-        return out
-
-    agent.loss = spy
+    seen = record_loss_stats(agent)
     metrics = agent.update(td)
     assert metrics["kl/collection"] == 0.0 and metrics["kl/before_update"] == 0.0
     assert seen[0]["ratio/mean"].item() == 1.0 and seen[0]["ratio/max"].item() == 1.0
