@@ -30,14 +30,19 @@ import torch
 from torch import Tensor, nn
 
 
+def _env_flag(name: str) -> bool:
+    """An environment variable accelerate sets to true / false (unset = false)."""
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
 def accelerate_wants_fsdp() -> bool:
     """Whether ``accelerate launch`` was given an FSDP config (it exports ``ACCELERATE_USE_FSDP``)."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
+    return _env_flag("ACCELERATE_USE_FSDP")
 
 
 def accelerate_wants_deepspeed() -> bool:
     """Whether ``accelerate launch`` was given a DeepSpeed config."""
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true", "yes")
+    return _env_flag("ACCELERATE_USE_DEEPSPEED")
 
 
 def accelerate_fsdp_options() -> dict[str, bool]:
@@ -46,7 +51,7 @@ def accelerate_fsdp_options() -> dict[str, bool]:
     env = os.environ
     for name, what in (("FSDP_OFFLOAD_PARAMS", "fsdp_offload_params"),
                        ("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing")):
-        if env.get(name, "false").lower() in ("1", "true", "yes"):
+        if _env_flag(name):
             raise ValueError(f"the accelerate FSDP config sets {what}: true, which textrl train does not "
                              "support; set it to false (the decoder layers are the FSDP units)")
     # FSDP2 configs say true / false; FSDP1-style ones name a strategy (SHARD_GRAD_OP = keep)
