@@ -161,6 +161,9 @@ class PPOAgent(nn.Module):
         self.nonfinite_streak = 0  # consecutive skipped (NaN/inf) updates; the trainer stops at the max
         self.dist = Distributed()  # one process; the trainer swaps in the process group under accelerate
         self.sharded = False  # FSDP: see shard()
+        self.engine: Any = None  # DeepSpeed ZeRO: see use_deepspeed()
+        self.zero_stage = 0
+        self._backwards_pending = 0  # DeepSpeed: micro-batch backwards since the last step
         self.total_updates = total_updates or config.iterations * config.ppo_epochs * config.num_minibatches
         self._build_optimizers()
 
@@ -194,13 +197,60 @@ class PPOAgent(nn.Module):
         self._build_optimizers()
         self.sharded = True
 
+    def use_deepspeed(self, stage: int, zero_section: dict[str, Any] | None = None) -> None:
+        """Train under DeepSpeed ZeRO ``stage`` (:mod:`textrl.zero`): one engine over every model of
+        the agent, one AdamW with a parameter group per trained model (actor, then critic).
+
+        Call once, on every process of an initialised process group, before training.
+        """
+        from textrl import zero
+
+        if self.sharded or self.engine is not None:
+            raise RuntimeError(f"{type(self).__name__} is already sharded or under DeepSpeed")
+        groups = [{"params": [p for p in self.policy.parameters() if p.requires_grad], "lr": self.config.actor_lr}]
+        if self.critic is not None:
+            groups.append({"params": [p for p in self.critic.parameters() if p.requires_grad],
+                           "lr": self.config.critic_lr})
+        optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+        self.zero_grad(set_to_none=True)  # DeepSpeed would add leftover gradients (e.g. of a warm-up) to the first step
+        models = nn.ModuleDict(dict(self.named_children()))  # the same modules, in one engine
+        config = zero.deepspeed_config(stage, self.config.max_grad_norm, zero_section)
+        # not a submodule: the engine wraps the agent's own models, which state_dict() already names
+        object.__setattr__(self, "engine", zero.initialize(models, optimizer, config))
+        self.zero_stage = stage
+        self.actor_optimizer, self.critic_optimizer = optimizer, None  # both groups; DeepSpeed steps it
+        self.schedulers = [self._scheduler(optimizer, self.total_updates)]
+
+    @property
+    def partitions_weights(self) -> bool:
+        """Each process holds a part of every weight (FSDP or ZeRO-3): forwards are collectives."""
+        return self.sharded or self.zero_stage == 3
+
+    @property
+    def gathers_state(self) -> bool:
+        """:meth:`state_dict` is a collective (FSDP or DeepSpeed): every process calls it, the main writes."""
+        return self.sharded or self.engine is not None
+
     def _gathered_policy(self):
         """Sharded: the policy's full weights for the block (generation); otherwise nothing."""
+        if self.zero_stage == 3:
+            from textrl.zero import gathered as zero_gathered
+
+            return zero_gathered(self.policy)
         if not self.sharded:
             return contextlib.nullcontext()
         from textrl.sharding import gathered
 
         return gathered(self.policy, self.reshard_after_forward)
+
+    def _copy_weights(self, dst: nn.Module, src: nn.Module) -> None:
+        """``dst`` takes ``src``'s weights (reference / old-policy refresh), gathered under ZeRO-3."""
+        if self.zero_stage == 3:
+            from textrl.zero import copy_weights
+
+            copy_weights(dst, src)
+        else:
+            dst.load_state_dict(src.state_dict())
 
     def _optimized_models(self) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
         """Each optimiser with the model whose weights it steps."""
@@ -258,7 +308,7 @@ class PPOAgent(nn.Module):
                 pad_token_id=self.pad_token_id,
                 use_cache=True,
             )
-            if self.sharded:  # each forward is a collective: finished processes keep stepping
+            if self.partitions_weights:  # each forward is a collective: finished processes keep stepping
                 kwargs.update(synced_gpus=True)
             if greedy:
                 kwargs.update(do_sample=False)
@@ -575,6 +625,7 @@ class PPOAgent(nn.Module):
                 mb_stats: dict[str, list[Tensor]] = defaultdict(list)
                 grad_norms = None
                 losses_finite = True
+                dropped = 0  # DeepSpeed: micro-batches over the ratio threshold, left out of the step
                 for sub_idx in idx.tensor_split(min(cfg.gradient_accumulation_steps, idx.numel())):
                     sub = td[sub_idx]
                     weight = self.micro_weight(sub, mask[sub_idx], mb_tokens, sub_idx.numel(), idx.numel())
@@ -584,17 +635,22 @@ class PPOAgent(nn.Module):
                         loss, s = self.loss(sub)
                     finally:
                         self._reused = None
-                    if not bool(torch.isfinite(loss)):  # NaN/inf logits, log-probs, values or advantages
+                    if self.engine is not None:  # DeepSpeed reduces inside the backward: see _zero_backward
+                        dropped += not self._zero_backward(weight * loss, s)
+                    elif not bool(torch.isfinite(loss)):  # NaN/inf logits, log-probs, values or advantages
                         losses_finite = False
                         break
-                    (weight * loss).backward()
+                    else:
+                        (weight * loss).backward()
                     for k, v in s.items():
                         mb_stats[k].append(v.detach().float())
                 # every process takes the same branch: decisions use values averaged over processes
                 if not self.dist.any(not losses_finite):
                     mb_means = self.dist.mean({k: torch.stack(v).mean().item() for k, v in mb_stats.items()})
                     # MA-RLHF: an extreme mean ratio means stale or broken samples; drop the actor step.
-                    if cfg.ratio_threshold > 0 and mb_means.get("ratio/mean", 1.0) > cfg.ratio_threshold:
+                    skipped += dropped > 0
+                    if (self.engine is None and cfg.ratio_threshold > 0
+                            and mb_means.get("ratio/mean", 1.0) > cfg.ratio_threshold):
                         skipped += 1
                         for param in self.policy.parameters():
                             param.grad = None
@@ -629,8 +685,8 @@ class PPOAgent(nn.Module):
         metrics["ppo/early_stopped"] = early_stopped
         metrics["ppo/epochs_run"] = float(epochs_run)
         metrics["lr/actor"] = self.actor_optimizer.param_groups[0]["lr"]
-        if self.critic_optimizer is not None:
-            metrics["lr/critic"] = self.critic_optimizer.param_groups[0]["lr"]
+        if self.critic is not None:  # its own optimiser, or the second group of DeepSpeed's one
+            metrics["lr/critic"] = (self.critic_optimizer or self.actor_optimizer).param_groups[-1]["lr"]
         metrics["kl/coef"] = self.kl_ctl.value
         return metrics
 
@@ -657,12 +713,46 @@ class PPOAgent(nn.Module):
                     return False
         return True
 
+    def _zero_backward(self, loss: Tensor, stats: dict[str, Tensor]) -> bool:
+        """DeepSpeed: back-propagate a micro-batch's weighted ``loss`` unless its mean ratio,
+        averaged over processes, exceeds ``ratio_threshold``; True when it was back-propagated.
+
+        DeepSpeed reduces gradients inside the backward (stages 2, 3), so every process must run
+        the same backwards and decisions cannot wait for the step: the ratio threshold is judged
+        here, per micro-batch, and a micro-batch over it is left out of the step (actor *and*
+        critic). A NaN/inf loss is back-propagated all the same: its gradients are NaN/inf and
+        DeepSpeed's overflow check skips the whole step on every process.
+        """
+        threshold = self.config.ratio_threshold
+        if threshold > 0 and "ratio/mean" in stats:
+            if self.dist.mean({"ratio": float(stats["ratio/mean"])})["ratio"] > threshold:
+                return False
+        self.engine.backward(loss, scale_wrt_gas=False)
+        self._backwards_pending += 1
+        return True
+
+    def _zero_step(self) -> dict[str, float] | None:
+        """DeepSpeed: one engine step (it clips the joint actor + critic norm); the pre-clip norm as
+        ``grad_norm/total``, None when DeepSpeed skipped the step for NaN/inf gradients, and ``{}``
+        when every micro-batch was left out (nothing to step)."""
+        if not self._backwards_pending:
+            return {}
+        self._backwards_pending = 0
+        self.engine.step()
+        if not self.engine.was_step_applied():
+            return None
+        for sched in self.schedulers:
+            sched.step()
+        return {"grad_norm/total": float(self.engine.get_global_grad_norm())}
+
     def _step(self) -> dict[str, float] | None:
         """Clip gradients, step every optimiser and scheduler; return the pre-clip grad norms.
 
         Returns None and steps nothing when a gradient norm is NaN/inf.
         """
         cfg = self.config
+        if self.engine is not None:
+            return self._zero_step()
         self.dist.all_reduce_grads(p for p in self.parameters() if p.grad is not None)
         norms = {}
         for name, model in (("actor", self.policy), ("critic", self.critic)):
@@ -692,12 +782,16 @@ class PPOAgent(nn.Module):
         self.iteration += 1
         every = self.config.ref_refresh_every
         if every and self.iteration % every == 0:
-            self.ref_policy.load_state_dict(self.policy.state_dict())
+            self._copy_weights(self.ref_policy, self.policy)
 
     # -- resume ---------------------------------------------------------------------------------
     def agent_state_dict(self) -> dict[str, Any]:
         """Everything but model weights: optimisers, schedulers, KL controller, counters."""
-        if self.sharded:  # full tensors keyed by parameter name (a collective)
+        if self.engine is not None:  # full tensors keyed by parameter name (a collective)
+            from textrl.zero import full_optimizer_state as zero_optimizer_state
+
+            optimizers = [zero_optimizer_state(self._trained_parameters(), self.engine, self.dist.is_main)]
+        elif self.sharded:  # full tensors keyed by parameter name (a collective)
             optimizers = [full_optimizer_state(m, o) for m, o in self._optimized_models()]
         else:
             optimizers = [o.state_dict() for o in self.optimizers]
@@ -708,8 +802,17 @@ class PPOAgent(nn.Module):
             "iteration": self.iteration,
         }
 
+    def _trained_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of every trained weight, named as in :meth:`state_dict`."""
+        return [(f"{name}.{k}", p) for name, model in (("policy", self.policy), ("critic", self.critic))
+                if model is not None for k, p in model.named_parameters() if p.requires_grad]
+
     def load_agent_state_dict(self, state: dict[str, Any]) -> None:
-        for (model, o), s in zip(self._optimized_models(), state["optimizers"]):
+        if self.engine is not None:
+            from textrl.zero import load_full_optimizer_state as load_zero_optimizer_state
+
+            load_zero_optimizer_state(self._trained_parameters(), self.engine, state["optimizers"][0])
+        for (model, o), s in zip(self._optimized_models() if self.engine is None else (), state["optimizers"]):
             if self.sharded:
                 load_full_optimizer_state(model, o, s)
             else:
@@ -724,7 +827,12 @@ class PPOAgent(nn.Module):
 
         Sharded (:meth:`shard`): full tensors on the CPU, gathered from every process (all must call).
         """
-        if self.sharded:
+        if self.engine is not None:
+            from textrl.zero import full_model_state as zero_model_state
+
+            state = {f"{name}.{k}": v for name, model in self.named_children()
+                     for k, v in zero_model_state(model, self.dist.is_main).items()}
+        elif self.sharded:
             state = {f"{name}.{k}": v for name, model in self.named_children()
                      for k, v in full_model_state(model).items()}
         else:
@@ -735,10 +843,13 @@ class PPOAgent(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
         state_dict = dict(state_dict)
         agent_state = state_dict.pop("agent_state", None)
-        if self.sharded:
+        if self.gathers_state:
+            if self.engine is not None:
+                from textrl.zero import load_full_model_state as load_state
+            else:
+                load_state = load_full_model_state
             for name, model in self.named_children():
-                load_full_model_state(model, {k[len(name) + 1:]: v for k, v in state_dict.items()
-                                              if k.startswith(name + ".")})
+                load_state(model, {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")})
             result = None
         else:
             result = super().load_state_dict(state_dict, strict=strict, assign=assign)

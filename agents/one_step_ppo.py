@@ -100,7 +100,7 @@ class OneStepPPO(PPOAgent):
         """Reference refresh and counters (base), then the old-policy snapshot every N iterations."""
         super().after_update()
         if self.iteration % self.config.old_policy_refresh_every == 0:
-            self.old_policy.load_state_dict(self.policy.state_dict())
+            self._copy_weights(self.old_policy, self.policy)
 
 
 __all__ = ["OneStepPPO"]

@@ -171,6 +171,11 @@ class TrainConfig:
     fsdp_reshard_after_forward: bool = True
     """FSDP: free each layer's gathered weights after its forward (least memory, as ZeRO-3); False
     keeps them until the backward (one all-gather fewer per layer, as ZeRO-2 / SHARD_GRAD_OP)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage (1: AdamW states, 2: + gradients, 3: + weights partitioned over the
+    processes; 0 = no DeepSpeed). Also set by an accelerate DeepSpeed config. Needs textrl[deepspeed]."""
+    deepspeed_config: str = ""
+    """A DeepSpeed JSON config whose zero_optimization section is used (its stage unless --zero-stage is given)."""
 
     # -- numerical faults ----------------------------------------------------------------------
     reward_nonfinite: str = "raise"
@@ -253,6 +258,16 @@ class TrainConfig:
                 "fsdp=True shards full-precision models; multi_adapter_ppo and load_in_4bit keep one "
                 "(4-bit) base per process instead: drop --fsdp, or use another agent without --load-in-4bit"
             )
+        _choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
+        if self.zero_stage and self.fsdp:
+            raise ValueError(f"zero_stage={self.zero_stage} and fsdp=True both shard the training state; "
+                             "choose one (DeepSpeed ZeRO or FSDP)")
+        if self.zero_stage and (self.agent == "multi_adapter_ppo" or self.load_in_4bit):
+            raise ValueError(
+                f"zero_stage={self.zero_stage} trains full-precision models under DeepSpeed; multi_adapter_ppo "
+                "and load_in_4bit keep one (4-bit) base per process instead: drop --zero-stage, or use "
+                "another agent without --load-in-4bit"
+            )
         self._validate_multi_adapter()
         return self
 
@@ -305,9 +320,9 @@ def check_bitsandbytes(field_name: str) -> None:
         )
 
 
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+def _choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
+        raise ValueError(f"{name}={value!r}: must be one of {', '.join(map(str, allowed))}")
 
 
 def _at_least(name: str, value: float, low: float) -> None:

@@ -40,11 +40,6 @@ def accelerate_wants_fsdp() -> bool:
     return _env_flag("ACCELERATE_USE_FSDP")
 
 
-def accelerate_wants_deepspeed() -> bool:
-    """Whether ``accelerate launch`` was given a DeepSpeed config."""
-    return _env_flag("ACCELERATE_USE_DEEPSPEED")
-
-
 def accelerate_fsdp_options() -> dict[str, bool]:
     """The options of an accelerate FSDP config that textrl reads (``fsdp_reshard_after_forward``);
     ``ValueError`` for those it cannot honour (parameter offload, activation checkpointing)."""
@@ -67,8 +62,16 @@ def is_sharded(param: Tensor) -> bool:
 
 
 def local(param: Tensor) -> Tensor:
-    """This process's shard of ``param`` (``param`` itself when not sharded)."""
+    """This process's shard of ``param``: an FSDP ``DTensor``'s local part, a DeepSpeed ZeRO-3
+    parameter's partition (``ds_tensor``), or ``param`` itself when not sharded."""
+    if hasattr(param, "ds_tensor"):
+        return param.ds_tensor
     return param.to_local() if is_sharded(param) else param
+
+
+def full_numel(param: Tensor) -> int:
+    """Elements of the whole ``param``, however it is sharded (ZeRO-3 keeps an empty ``data``)."""
+    return int(getattr(param, "ds_numel", param.numel()))
 
 
 def to_float(value: Tensor) -> float:
@@ -178,7 +181,6 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
 __all__ = [
     "accelerate_fsdp_options",
     "gathered",
-    "accelerate_wants_deepspeed",
     "accelerate_wants_fsdp",
     "device_mesh",
     "full_model_state",
@@ -186,6 +188,7 @@ __all__ = [
     "is_sharded",
     "load_full_model_state",
     "load_full_optimizer_state",
+    "full_numel",
     "local",
     "shard_model",
     "to_float",

@@ -297,7 +297,7 @@ def save_checkpoint(
         tmp.mkdir()
         if agent_state is None:
             agent_state = agent.state_dict()
-        if getattr(agent, "sharded", False):  # full weights, gathered into agent_state
+        if getattr(agent, "gathers_state", False):  # full weights, gathered into agent_state
             policy_state = {k.removeprefix("policy."): v for k, v in agent_state.items() if k.startswith("policy.")}
             agent.policy.save_pretrained(tmp / "policy", state_dict=policy_state)
         else:
@@ -600,25 +600,33 @@ def resume_checkpoint(config: TrainConfig, log=print) -> Path | None:
     return checkpoint
 
 
-def check_sharding(config: TrainConfig) -> bool:
-    """Whether to shard (``--fsdp`` or an accelerate FSDP config); a DeepSpeed config is refused."""
-    from textrl.sharding import (
-        accelerate_fsdp_options,
-        accelerate_wants_deepspeed,
-        accelerate_wants_fsdp,
-    )
+def check_sharding(config: TrainConfig) -> dict[str, Any] | None:
+    """Fold an accelerate FSDP / DeepSpeed config into ``config`` (``fsdp``, ``zero_stage``) and
+    resolve ``deepspeed_config``; return the ZeRO section to use (None without DeepSpeed).
 
-    if accelerate_wants_deepspeed():
-        raise ValueError(
-            "accelerate was given a DeepSpeed config; textrl train does not run under DeepSpeed. "
-            "Use an accelerate config with distributed_type: FSDP (or --fsdp), which shards "
-            "weights, gradients and optimiser states as ZeRO-3 does"
-        )
+    ``ValueError`` for what cannot run: offload, an unreadable DeepSpeed config, DeepSpeed not
+    installed, FSDP and DeepSpeed together.
+    """
+    from textrl import zero
+    from textrl.sharding import accelerate_fsdp_options, accelerate_wants_fsdp
+
+    if zero.accelerate_wants_deepspeed():
+        for name, value in zero.accelerate_deepspeed_options().items():
+            setattr(config, name, value)
     if accelerate_wants_fsdp():
         for name, value in {"fsdp": True, **accelerate_fsdp_options()}.items():
             setattr(config, name, value)
-        config.validate()
-    return config.fsdp
+    section = zero.read_zero_section(config.deepspeed_config) if config.deepspeed_config else {}
+    if not config.zero_stage and "stage" in section:  # --deepspeed-config alone: its stage
+        config.zero_stage = section["stage"]
+    if config.deepspeed_config and not config.zero_stage:
+        raise ValueError(f"deepspeed_config={config.deepspeed_config!r} names no zero_optimization.stage; "
+                         "add one or pass --zero-stage 1, 2 or 3")
+    config.validate()
+    if not config.zero_stage:
+        return None
+    zero.require_deepspeed()
+    return section
 
 
 def check_process_split(config: TrainConfig, dist: Distributed) -> None:
@@ -657,12 +665,15 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
 
     check_run(config)
     device = resolve_device(config.device)
-    fsdp = check_sharding(config)
+    zero_section = check_sharding(config)
+    fsdp, zero_stage = config.fsdp, config.zero_stage
     accelerator = Accelerator(cpu=device.type == "cpu")
     dist = Distributed.from_accelerator(accelerator)
-    if fsdp and not dist.enabled:
-        raise ValueError("fsdp=True shards over several processes; launch with `accelerate launch "
-                         "--num_processes N -m textrl.cli train ...` or torchrun, or drop --fsdp")
+    if (fsdp or zero_stage) and not dist.enabled:
+        flag = "--fsdp" if fsdp else "--zero-stage"
+        raise ValueError(f"{'fsdp=True' if fsdp else f'zero_stage={zero_stage}'} shards over several processes; "
+                         "launch with `accelerate launch --num_processes N -m textrl.cli train ...` or "
+                         f"torchrun, or drop {flag}")
     if dist.enabled:  # each process: its own GPU (or the CPU), its share of every rollout
         device = accelerator.device
         check_process_split(config, dist)
@@ -694,8 +705,11 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
         from textrl.sharding import device_mesh
 
         agent.shard(device_mesh(device, dist.world_size), config.fsdp_reshard_after_forward)
-    # held-out evaluation: the main process alone, unless the forwards are collectives (FSDP)
-    evaluates = main or fsdp
+    if zero_stage:  # DeepSpeed ZeRO: AdamW states (1), + gradients (2), + weights (3) partitioned
+        agent.use_deepspeed(zero_stage, zero_section)
+    # held-out evaluation: the main process alone, unless the forwards are collectives (FSDP, ZeRO-3)
+    partitioned = fsdp or zero_stage == 3
+    evaluates = main or partitioned
 
     start = 0
     if checkpoint is not None:
@@ -764,7 +778,7 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
         rng_per_process = dist.gather_object(rng_state()) if save and dist.enabled else None
         saved = None
         if save and (not stop or _weights_finite(agent, dist)):
-            state = agent.state_dict() if fsdp else None  # a gather every process takes part in
+            state = agent.state_dict() if agent.gathers_state else None  # a gather all processes join
             if main:
                 saved = save_checkpoint(output_dir, iteration, agent, sampler, config.keep_checkpoints,
                                         rng_per_process=rng_per_process, agent_state=state)
@@ -783,14 +797,15 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     metrics_log.plot(output_dir / "curves.png")
     metrics_log.close()
     after = {k: v for k, v in (metrics_log.rows[-1] if metrics_log.rows else {}).items() if k.startswith("eval/")}
-    summary: dict[str, Any] = {"before": before, "after": after, "processes": dist.world_size, "fsdp": fsdp}
+    summary: dict[str, Any] = {"before": before, "after": after, "processes": dist.world_size, "fsdp": fsdp,
+                               "zero_stage": zero_stage}
     summary["peak_memory_mib"] = dist.gather_object(peak_memory_mib(agent.device))  # one per process
-    if fsdp:  # the share of the agent's weights this process holds (1 / processes, up to rounding)
-        from textrl.sharding import local
+    if partitioned:  # the share of the agent's weights this process holds (1 / processes, up to rounding)
+        from textrl.sharding import full_numel, local
 
         params = list(agent.parameters())
-        summary["weights_held_per_process"] = sum(local(p).numel() for p in params) / sum(p.numel() for p in params)
-    if dist.enabled and not fsdp:  # data parallelism must leave every process with the same weights
+        summary["weights_held_per_process"] = sum(local(p).numel() for p in params) / sum(map(full_numel, params))
+    if dist.enabled and not partitioned:  # data parallelism must leave every process with the same weights
         checksums = dist.gather_object(parameter_checksum(agent))
         if len(set(checksums)) > 1:
             raise RuntimeError(f"the {dist.world_size} processes ended with different weights "
