@@ -727,7 +727,9 @@ class PPOAgent(nn.Module):
         if threshold > 0 and "ratio/mean" in stats:
             if self.dist.mean({"ratio": float(stats["ratio/mean"])})["ratio"] > threshold:
                 return False
-        self.engine.backward(loss, scale_wrt_gas=False)
+        from textrl.zero import backward
+
+        backward(self.engine, loss)
         self._backwards_pending += 1
         return True
 

@@ -69,6 +69,14 @@ def local(param: Tensor) -> Tensor:
     return param.to_local() if is_sharded(param) else param
 
 
+def held_numel(param: Tensor) -> int:
+    """Elements of ``param`` this process keeps between uses: its shard, or the whole parameter
+    when DeepSpeed ZeRO-3 persists it (parameters under ``stage3_param_persistence_threshold``)."""
+    if getattr(param, "ds_persist", False):
+        return full_numel(param)
+    return local(param).numel()
+
+
 def full_numel(param: Tensor) -> int:
     """Elements of the whole ``param``, however it is sharded (ZeRO-3 keeps an empty ``data``)."""
     return int(getattr(param, "ds_numel", param.numel()))
@@ -189,6 +197,7 @@ __all__ = [
     "load_full_model_state",
     "load_full_optimizer_state",
     "full_numel",
+    "held_numel",
     "local",
     "shard_model",
     "to_float",

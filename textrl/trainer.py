@@ -801,10 +801,10 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
                                "zero_stage": zero_stage}
     summary["peak_memory_mib"] = dist.gather_object(peak_memory_mib(agent.device))  # one per process
     if partitioned:  # the share of the agent's weights this process holds (1 / processes, up to rounding)
-        from textrl.sharding import full_numel, local
+        from textrl.sharding import full_numel, held_numel
 
         params = list(agent.parameters())
-        summary["weights_held_per_process"] = sum(local(p).numel() for p in params) / sum(map(full_numel, params))
+        summary["weights_held_per_process"] = sum(map(held_numel, params)) / sum(map(full_numel, params))
     if dist.enabled and not partitioned:  # data parallelism must leave every process with the same weights
         checksums = dist.gather_object(parameter_checksum(agent))
         if len(set(checksums)) > 1:

@@ -152,6 +152,20 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict[
     return engine
 
 
+def backward(engine: Any, loss: Tensor) -> None:
+    """``engine.backward(loss)`` for a forward that called the models directly, not ``engine(...)``.
+
+    ``engine.forward`` first tells the ZeRO optimizer that a new micro-batch begins
+    (``clear_backward_seen_flag``); without it stage 3 *overwrites* the gradients of the previous
+    backward instead of accumulating them. textrl's forwards go to the agent's models, so the
+    call is made here. No scaling by DeepSpeed's accumulation steps: the caller weighs ``loss``.
+    """
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "clear_backward_seen_flag"):
+        optimizer.clear_backward_seen_flag()
+    engine.backward(loss, scale_wrt_gas=False)
+
+
 # -- stage 3: partitioned weights ----------------------------------------------------------------
 
 
@@ -311,6 +325,7 @@ __all__ = [
     "STAGES",
     "accelerate_deepspeed_options",
     "accelerate_wants_deepspeed",
+    "backward",
     "copy_weights",
     "deepspeed_config",
     "full_model_state",
