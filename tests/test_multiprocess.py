@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -116,3 +117,68 @@ def test_a_batch_that_does_not_split_over_the_processes_is_named(tmp_path):
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "prompts_per_iteration=3 does not split over 2 processes" in result.stdout + result.stderr
+
+
+# DeepSpeed ZeRO (tests/agents/test_zero.py holds the in-process checks). Clipping is off in both
+# runs: DeepSpeed clips the joint actor + critic norm where the plain loop clips each model.
+NO_CLIP = ["--max-grad-norm", "0"]
+
+
+def test_zero2_trains_as_replicated_data_parallel(tmp_path):
+    """gae_ppo, one minibatch: the update reuses the behaviour forward; ZeRO-2 partitions AdamW
+    states and gradients, the weights stay replicated (the trainer compares their checksums)."""
+    pytest.importorskip("deepspeed")
+    cache = tmp_path / "cache"
+    replicated, zero = tmp_path / "replicated", tmp_path / "zero"
+    for out, extra in ((replicated, []), (zero, ["--zero-stage", "2"])):
+        _train(out, "--iterations", "2", "--num-minibatches", "1", *NO_CLIP, *extra, cache=cache)
+    summary = json.loads((zero / "summary.json").read_text())
+    assert summary["zero_stage"] == 2 and len(summary["parameter_checksum"]) == 64
+    a, b = checkpoint_tensors(latest_checkpoint(replicated)), checkpoint_tensors(latest_checkpoint(zero))
+    assert a.keys() == b.keys() and len(a) > 40
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
+    rows = metrics(zero)
+    assert all("grad_norm/total" in r and r["samples"] == 8 for r in rows)
+
+
+def test_zero3_partitions_the_weights_trains_as_replicated_and_resumes(tmp_path):
+    """one_step_ppo: two minibatches and an old-policy snapshot refreshed between partitions.
+    A DeepSpeed config file makes ZeRO-3 partition even the tiny model's small weights."""
+    pytest.importorskip("deepspeed")
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    cache = tmp_path / "cache"
+    replicated, full, part = tmp_path / "replicated", tmp_path / "full", tmp_path / "part"
+    run = ["--agent", "one_step_ppo", *NO_CLIP]
+    _train(replicated, "--iterations", "3", *run, cache=cache)
+    _train(full, "--iterations", "3", *run, "--deepspeed-config", str(ds_config), cache=cache)
+    summary = json.loads((full / "summary.json").read_text())
+    assert summary["zero_stage"] == 3 and summary["weights_held_per_process"] == pytest.approx(0.5, abs=0.01)
+    a, b = checkpoint_tensors(latest_checkpoint(replicated)), checkpoint_tensors(latest_checkpoint(full))
+    assert a.keys() == b.keys()
+    for key in a:  # partitioned reductions sum in another order: float noise only
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-5, msg=key)
+    # the checkpoint's policy is a full Hugging Face model
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(latest_checkpoint(full) / "policy")
+    torch.testing.assert_close(policy.state_dict()["model.norm.weight"], b["policy.model.norm.weight"])
+
+    # 2 iterations, then --resume to 3: the uninterrupted run's weights and AdamW moments exactly
+    _train(part, "--iterations", "2", *run, "--deepspeed-config", str(ds_config), cache=cache)
+    other_stage = tmp_path / "other_stage"
+    shutil.copytree(part, other_stage)
+    _train(part, "--iterations", "3", *run, "--deepspeed-config", str(ds_config), "--resume", cache=cache)
+    c = checkpoint_tensors(latest_checkpoint(part))
+    assert c.keys() == b.keys() and all(torch.equal(c[k], b[k]) for k in b)
+    saved = [torch.load(latest_checkpoint(out) / "trainer_state.pt", weights_only=False)["agent"]["agent_state"]
+             ["optimizers"][0] for out in (full, part)]
+    assert saved[0]["step"] == saved[1]["step"] == 6.0  # 3 iterations x 2 minibatches
+    for name, state in saved[0]["state"].items():
+        assert torch.equal(state["exp_avg_sq"], saved[1]["state"][name]["exp_avg_sq"]), name
+    # the checkpoint holds full tensors: it resumes under another stage too
+    _train(other_stage, "--iterations", "3", *run, "--zero-stage", "2", "--resume", cache=cache)
+    d = checkpoint_tensors(latest_checkpoint(other_stage))
+    for key in b:
+        torch.testing.assert_close(d[key], b[key], rtol=1e-4, atol=1e-5, msg=key)

@@ -1,4 +1,4 @@
-"""FSDP set-up checks that need no process group (the sharded runs are in test_multiprocess.py)."""
+"""FSDP set-up checks that need no process group (sharded runs: test_multiprocess.py; DeepSpeed: test_zero.py)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,11 @@ def test_fsdp_refuses_the_single_base_agents(overrides):
 def test_an_accelerate_fsdp_config_turns_fsdp_on(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     config = TrainConfig()
-    assert check_sharding(config) is True and config.fsdp is True and config.fsdp_reshard_after_forward
+    assert check_sharding(config) is None and config.fsdp is True and config.fsdp_reshard_after_forward
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
-    assert check_sharding(TrainConfig()) is False
+    config = TrainConfig()
+    check_sharding(config)
+    assert config.fsdp is False and config.zero_stage == 0
 
 
 @pytest.mark.parametrize("env, reshard", [
@@ -46,12 +48,6 @@ def test_accelerate_fsdp_options_textrl_cannot_honour_are_named(monkeypatch, nam
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv(name, "true")
     with pytest.raises(ValueError, match=f"sets {option}: true, which textrl train does not support"):
-        check_sharding(TrainConfig())
-
-
-def test_an_accelerate_deepspeed_config_is_refused_with_the_alternative(monkeypatch):
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    with pytest.raises(ValueError, match="distributed_type: FSDP"):
         check_sharding(TrainConfig())
 
 

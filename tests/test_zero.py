@@ -1,0 +1,132 @@
+"""DeepSpeed set-up checks that need no process group: `--zero-stage`, `--deepspeed-config` and
+accelerate's DeepSpeed environment. The agents under a real engine: tests/agents/test_zero.py;
+runs over two processes: tests/test_multiprocess.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from textrl.config import TrainConfig
+from textrl.trainer import check_sharding, train
+from textrl.zero import deepspeed_config, read_zero_section
+
+
+@pytest.fixture(autouse=True)
+def no_accelerate_env(monkeypatch):
+    for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+                 "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+                 "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def write_config(tmp_path, zero: dict) -> str:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 64, "bf16": {"enabled": True}, "zero_optimization": zero}))
+    return str(path)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(zero_stage=4), "zero_stage=4: must be one of 0, 1, 2, 3"),
+    (dict(zero_stage=2, fsdp=True), "choose one"),
+    (dict(zero_stage=3, load_in_4bit=True), "drop --zero-stage"),
+    (dict(zero_stage=1, agent="multi_adapter_ppo", reward_adapter="x"), "drop --zero-stage"),
+])
+def test_config_errors_name_the_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**overrides).validate()
+
+
+def test_the_engine_config_is_textrl_s_own_plus_the_zero_section():
+    config = deepspeed_config(3, 1.0, {"stage": 1, "reduce_bucket_size": 1000})
+    assert config["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 1000}  # the stage given wins
+    assert config["gradient_clipping"] == 1.0 and config["managed_gradient_accumulation"] is False
+    assert deepspeed_config(2, 0.0)["gradient_clipping"] == 0.0  # max_grad_norm=0: no clipping
+
+
+@pytest.mark.parametrize("env, stage", [
+    ({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, 3),
+    ({}, 2),  # accelerate's default stage
+])
+def test_an_accelerate_deepspeed_config_sets_the_stage(monkeypatch, env, stage):
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = TrainConfig()
+    assert check_sharding(config) == {} and config.zero_stage == stage
+
+
+def test_an_accelerate_deepspeed_config_file_gives_stage_and_section(monkeypatch, tmp_path):
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", write_config(tmp_path, {"stage": 3, "overlap_comm": False}))
+    config = TrainConfig()
+    assert check_sharding(config) == {"stage": 3, "overlap_comm": False}
+    assert config.zero_stage == 3 and config.deepspeed_config.endswith("ds.json")
+
+
+@pytest.mark.parametrize("name, option", [("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "offload_optimizer_device"),
+                                          ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "offload_param_device")])
+def test_accelerate_offload_is_refused_by_name(monkeypatch, name, option):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv(name, "cpu")
+    with pytest.raises(ValueError, match=f"sets {option}: cpu, which textrl train does not support"):
+        check_sharding(TrainConfig())
+
+
+def test_a_deepspeed_config_file_alone_gives_the_stage(tmp_path):
+    pytest.importorskip("deepspeed")
+    config = TrainConfig(deepspeed_config=write_config(tmp_path, {"stage": 1}))
+    assert check_sharding(config) == {"stage": 1} and config.zero_stage == 1
+    config = TrainConfig(zero_stage=2, deepspeed_config=write_config(tmp_path, {"stage": 1}))
+    check_sharding(config)
+    assert config.zero_stage == 2  # --zero-stage wins over the file
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    ("{not json", "is not valid JSON"),
+    (json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}),
+     "zero_optimization.offload_param.device='cpu'; textrl train does not support offload"),
+    (json.dumps({"zero_optimization": {"stage": 5}}), "ZeRO stage 5 is not one of"),
+])
+def test_a_bad_deepspeed_config_file_is_named(tmp_path, content, message):
+    path = tmp_path / "ds.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        read_zero_section(path)
+
+
+def test_a_deepspeed_config_without_a_stage_asks_for_one(tmp_path):
+    config = TrainConfig(deepspeed_config=write_config(tmp_path, {"overlap_comm": True}))
+    with pytest.raises(ValueError, match="names no zero_optimization.stage; add one or pass --zero-stage"):
+        check_sharding(config)
+
+
+def test_offload_set_to_none_is_accepted(tmp_path):
+    section = read_zero_section(write_config(tmp_path, {"stage": 2, "offload_optimizer": {"device": "none"}}))
+    assert section == {"stage": 2}
+
+
+def test_zero_in_one_process_says_how_to_launch(tmp_path):
+    pytest.importorskip("deepspeed")
+    with pytest.raises(ValueError, match="zero_stage=2 shards over several processes; launch with `accelerate launch"):
+        train(TrainConfig(output_dir=str(tmp_path / "run"), zero_stage=2, device="cpu", iterations=1))
+
+
+def test_a_missing_deepspeed_says_how_to_install(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_deepspeed(name, *args, **kwargs):
+        if name == "deepspeed" or name.startswith("deepspeed."):
+            raise ImportError("No module named 'deepspeed'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_deepspeed)
+    with pytest.raises(ImportError, match=r"pip install 'textrl\[deepspeed\]'"):
+        check_sharding(TrainConfig(zero_stage=2))
