@@ -214,7 +214,8 @@ class PPOAgent(nn.Module):
         optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
         self.zero_grad(set_to_none=True)  # DeepSpeed would add leftover gradients (e.g. of a warm-up) to the first step
         models = nn.ModuleDict(dict(self.named_children()))  # the same modules, in one engine
-        config = zero.deepspeed_config(stage, self.config.max_grad_norm, zero_section)
+        hidden = getattr(getattr(self.policy, "config", None), "hidden_size", None)
+        config = zero.deepspeed_config(stage, self.config.max_grad_norm, zero_section, hidden_size=hidden)
         # not a submodule: the engine wraps the agent's own models, which state_dict() already names
         object.__setattr__(self, "engine", zero.initialize(models, optimizer, config))
         self.zero_stage = stage

@@ -45,6 +45,15 @@ def test_the_engine_config_is_textrl_s_own_plus_the_zero_section():
     assert deepspeed_config(2, 0.0)["gradient_clipping"] == 0.0  # max_grad_norm=0: no clipping
 
 
+def test_bucket_sizes_follow_the_model_width_unless_the_section_sets_them():
+    # DeepSpeed's defaults (a 5e8-element reduce bucket) are for billion-weight models; accelerate's "auto"
+    zero = deepspeed_config(3, 1.0, {"reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": "auto"},
+                            hidden_size=64)["zero_optimization"]
+    assert zero == {"reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": int(0.9 * 64 * 64),
+                    "stage3_param_persistence_threshold": 640, "stage": 3}
+    assert deepspeed_config(2, 1.0)["zero_optimization"] == {"stage": 2}  # no width known: DeepSpeed's own
+
+
 @pytest.mark.parametrize("env, stage", [
     ({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, 3),
     ({}, 2),  # accelerate's default stage

@@ -126,10 +126,23 @@ def read_zero_section(path: str | os.PathLike[str]) -> dict[str, Any]:
     return section
 
 
-def deepspeed_config(stage: int, max_grad_norm: float, zero_section: dict[str, Any] | None = None) -> dict[str, Any]:
+def auto_bucket_sizes(hidden_size: int) -> dict[str, int]:
+    """The ZeRO bucket sizes accelerate and the HF Trainer give ``"auto"`` for a model of width
+    ``hidden_size`` (DeepSpeed's own defaults, 5e8 / 5e7 / 1e5 elements, suit billion-weight models)."""
+    return {"reduce_bucket_size": hidden_size * hidden_size,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+            "stage3_param_persistence_threshold": 10 * hidden_size}
+
+
+def deepspeed_config(stage: int, max_grad_norm: float, zero_section: dict[str, Any] | None = None,
+                     hidden_size: int | None = None) -> dict[str, Any]:
     """The DeepSpeed config of an agent's engine: ``stage``, clipping at ``max_grad_norm`` (0 = off),
-    textrl's own accumulation, float32; ``zero_section`` adds ZeRO knobs (bucket sizes, ...)."""
-    zero = {**(zero_section or {}), "stage": _stage(stage, "zero_stage")}
+    textrl's own accumulation, float32; ``zero_section`` adds ZeRO knobs (bucket sizes, ...), and
+    bucket sizes it leaves out (or sets to ``"auto"``) follow ``hidden_size`` (:func:`auto_bucket_sizes`)."""
+    zero = {k: v for k, v in (zero_section or {}).items() if v != "auto"}
+    if hidden_size:
+        zero = {**auto_bucket_sizes(hidden_size), **zero}
+    zero["stage"] = _stage(stage, "zero_stage")
     return {
         "train_micro_batch_size_per_gpu": 1,  # only for DeepSpeed's throughput log; textrl batches itself
         "gradient_accumulation_steps": 1,
