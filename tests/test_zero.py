@@ -5,6 +5,7 @@ runs over two processes: tests/test_multiprocess.py."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -17,8 +18,9 @@ from textrl.zero import deepspeed_config, read_zero_section
 def no_accelerate_env(monkeypatch):
     for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_DEEPSPEED_CONFIG_FILE",
                  "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
-                 "ACCELERATE_USE_FSDP"):
-        monkeypatch.delenv(name, raising=False)
+                 "ACCELERATE_USE_FSDP", "ACCELERATE_DEEPSPEED_ZERO3_INIT"):
+        monkeypatch.setenv(name, "")  # recorded, so that whatever a test sets is undone ...
+        monkeypatch.delenv(name)  # ... and absent during the test
 
 
 def write_config(tmp_path, zero: dict) -> str:
@@ -65,6 +67,16 @@ def test_an_accelerate_deepspeed_config_sets_the_stage(monkeypatch, env, stage):
         monkeypatch.setenv(name, value)
     config = TrainConfig()
     assert check_sharding(config) == {} and config.zero_stage == stage
+
+
+def test_accelerate_s_zero3_init_is_turned_off(monkeypatch):
+    # models load whole and are partitioned by the engine; zero.Init inside from_pretrained would
+    # partition them before the warm-up and the reference copy
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true")
+    check_sharding(TrainConfig())
+    assert os.environ["ACCELERATE_DEEPSPEED_ZERO3_INIT"] == "false"
 
 
 def test_an_accelerate_deepspeed_config_file_gives_stage_and_section(monkeypatch, tmp_path):

@@ -69,9 +69,13 @@ def accelerate_deepspeed_options() -> dict[str, Any]:
 
     accelerate exports the stage as ``ACCELERATE_DEEPSPEED_ZERO_STAGE`` (its default is 2) and a
     config file as ``ACCELERATE_DEEPSPEED_CONFIG_FILE``; offload devices other than ``none`` are
-    refused by name (``ValueError``).
+    refused by name (``ValueError``). Turns accelerate's ``zero3_init`` off (sets
+    ``ACCELERATE_DEEPSPEED_ZERO3_INIT=false`` for this process) before the ``Accelerator`` exists.
     """
     env = os.environ
+    # textrl loads whole models (warm-up, reference copies) and partitions them when the engine
+    # starts; accelerate's zero3_init would partition them inside from_pretrained already
+    env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] = "false"
     for var, what in (("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "offload_optimizer_device"),
                       ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "offload_param_device")):
         device = env.get(var, "none").lower()

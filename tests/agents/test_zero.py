@@ -61,12 +61,12 @@ def first_moments(agent) -> dict[str, torch.Tensor]:
     """AdamW's ``exp_avg`` of every trained weight, by name: ``(1 - beta1) x`` the first step's gradient."""
     if agent.engine is not None:
         return {k: v["exp_avg"] for k, v in agent.state_dict()["agent_state"]["optimizers"][0]["state"].items()}
-    state = {**agent.actor_optimizer.state, **agent.critic_optimizer.state}
+    state = {**agent.actor_optimizer.state, **(agent.critic_optimizer.state if agent.critic_optimizer else {})}
     return {name: state[p]["exp_avg"] for name, p in agent._trained_parameters()}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("agent", ["gae_ppo", "one_step_ppo"])
+@pytest.mark.parametrize("agent", ["gae_ppo", "one_step_ppo", "grpo"])
 def test_a_zero_step_equals_the_plain_one(tok, stage, agent):
     # one step over two accumulated micro-batches (DeepSpeed accumulates, textrl steps), no clipping
     plain, zero = pair(tok, stage, agent, max_grad_norm=0.0, gradient_accumulation_steps=2)
