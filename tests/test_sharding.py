@@ -42,12 +42,17 @@ def test_the_accelerate_reshard_option_is_read(monkeypatch, env, reshard):
     assert config.fsdp_reshard_after_forward is reshard
 
 
-@pytest.mark.parametrize("name, option", [("FSDP_OFFLOAD_PARAMS", "fsdp_offload_params"),
-                                          ("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing")])
-def test_accelerate_fsdp_options_textrl_cannot_honour_are_named(monkeypatch, name, option):
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv(name, "true")
-    with pytest.raises(ValueError, match=f"sets {option}: true, which textrl train does not support"):
+@pytest.mark.parametrize("launcher, name, value, option", [
+    ("ACCELERATE_USE_FSDP", "FSDP_OFFLOAD_PARAMS", "true", "fsdp_offload_params"),
+    ("ACCELERATE_USE_FSDP", "FSDP_ACTIVATION_CHECKPOINTING", "true", "fsdp_activation_checkpointing"),
+    ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "cpu", "offload_optimizer_device"),
+    ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "cpu", "offload_param_device"),
+])
+def test_accelerate_options_textrl_cannot_honour_are_named(monkeypatch, launcher, name, value, option):
+    monkeypatch.setenv(launcher, "true")
+    monkeypatch.setenv(name, value)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "")  # restored after (check_sharding sets it)
+    with pytest.raises(ValueError, match=f"sets {option}: {value}, which textrl train does not support"):
         check_sharding(TrainConfig())
 
 

@@ -88,15 +88,6 @@ def test_an_accelerate_deepspeed_config_file_gives_stage_and_section(monkeypatch
     assert config.zero_stage == 3 and config.deepspeed_config.endswith("ds.json")
 
 
-@pytest.mark.parametrize("name, option", [("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "offload_optimizer_device"),
-                                          ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "offload_param_device")])
-def test_accelerate_offload_is_refused_by_name(monkeypatch, name, option):
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setenv(name, "cpu")
-    with pytest.raises(ValueError, match=f"sets {option}: cpu, which textrl train does not support"):
-        check_sharding(TrainConfig())
-
-
 def test_a_deepspeed_config_file_alone_gives_the_stage(tmp_path):
     pytest.importorskip("deepspeed")
     config = TrainConfig(deepspeed_config=write_config(tmp_path, {"stage": 1}))
