@@ -36,7 +36,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
         train(config)
     except CheckpointError as err:
         raise SystemExit(f"textrl train: {err}") from None
+    finally:
+        _close_process_group()
     return 0
+
+
+def _close_process_group() -> None:
+    """Destroy the process group ``accelerate`` / torchrun set up, if any, before the interpreter
+    exits: left to static destruction, its communication threads can abort the process (SIGABRT,
+    "terminate called without an active exception") after a run that succeeded."""
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _cmd_tiny(args: argparse.Namespace) -> int:
