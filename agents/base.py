@@ -686,8 +686,10 @@ class PPOAgent(nn.Module):
         metrics["ppo/early_stopped"] = early_stopped
         metrics["ppo/epochs_run"] = float(epochs_run)
         metrics["lr/actor"] = self.actor_optimizer.param_groups[0]["lr"]
-        if self.critic is not None:  # its own optimiser, or the second group of DeepSpeed's one
-            metrics["lr/critic"] = (self.critic_optimizer or self.actor_optimizer).param_groups[-1]["lr"]
+        if self.critic_optimizer is not None:
+            metrics["lr/critic"] = self.critic_optimizer.param_groups[0]["lr"]
+        elif self.engine is not None and self.critic is not None:  # the second group of DeepSpeed's AdamW
+            metrics["lr/critic"] = self.actor_optimizer.param_groups[1]["lr"]
         metrics["kl/coef"] = self.kl_ctl.value
         return metrics
 

@@ -74,6 +74,7 @@ def test_a_zero_step_equals_the_plain_one(tok, stage, agent):
     m_plain, m_zero = seeded_update(plain, td), seeded_update(zero, td)
     assert m_zero["nonfinite/skipped_updates"] == 0 and "grad_norm/total" in m_zero
     assert m_zero["loss/policy"] == pytest.approx(m_plain["loss/policy"], abs=1e-6)
+    assert (m_zero["lr/actor"], m_zero.get("lr/critic")) == (m_plain["lr/actor"], m_plain.get("lr/critic"))
     # the gradients, through AdamW's first moments (the weights themselves differ where a gradient
     # cancels to ~0: Adam turns float noise of 1e-9 there into a step of ~lr)
     a, b = first_moments(plain), first_moments(zero)
