@@ -814,6 +814,7 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     if main:
         log(format_summary(before, after))
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    dist.barrier()  # every process ends together, after the main one wrote its files
     return summary
 
 
