@@ -189,8 +189,8 @@ class PPOAgent(nn.Module):
         """
         from textrl.sharding import shard_model
 
-        if self.sharded:
-            raise RuntimeError(f"{type(self).__name__} is already sharded")
+        if self.gathers_state:
+            raise RuntimeError(f"{type(self).__name__} is already sharded or under DeepSpeed")
         for _, model in self.named_children():
             shard_model(model, mesh, reshard_after_forward)
         self.reshard_after_forward = reshard_after_forward
@@ -205,7 +205,7 @@ class PPOAgent(nn.Module):
         """
         from textrl import zero
 
-        if self.sharded or self.engine is not None:
+        if self.gathers_state:
             raise RuntimeError(f"{type(self).__name__} is already sharded or under DeepSpeed")
         groups = [{"params": [p for p in self.policy.parameters() if p.requires_grad], "lr": self.config.actor_lr}]
         if self.critic is not None:
@@ -817,11 +817,12 @@ class PPOAgent(nn.Module):
             from textrl.zero import load_full_optimizer_state as load_zero_optimizer_state
 
             load_zero_optimizer_state(self._trained_parameters(), self.engine, state["optimizers"][0])
-        for (model, o), s in zip(self._optimized_models() if self.engine is None else (), state["optimizers"]):
-            if self.sharded:
-                load_full_optimizer_state(model, o, s)
-            else:
-                o.load_state_dict(s)
+        else:
+            for (model, o), s in zip(self._optimized_models(), state["optimizers"]):
+                if self.sharded:
+                    load_full_optimizer_state(model, o, s)
+                else:
+                    o.load_state_dict(s)
         for sch, s in zip(self.schedulers, state["schedulers"]):
             sch.load_state_dict(s)
         self.kl_ctl.load_state_dict(state["kl_ctl"])

@@ -253,21 +253,17 @@ class TrainConfig:
             )
         if self.critic_init == "reward_model" and not self.reward_model:
             raise ValueError("critic_init='reward_model' needs --reward-model PATH")
-        if self.fsdp and (self.agent == "multi_adapter_ppo" or self.load_in_4bit):
-            raise ValueError(
-                "fsdp=True shards full-precision models; multi_adapter_ppo and load_in_4bit keep one "
-                "(4-bit) base per process instead: drop --fsdp, or use another agent without --load-in-4bit"
-            )
         _choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
         if self.zero_stage and self.fsdp:
             raise ValueError(f"zero_stage={self.zero_stage} and fsdp=True both shard the training state; "
                              "choose one (DeepSpeed ZeRO or FSDP)")
-        if self.zero_stage and (self.agent == "multi_adapter_ppo" or self.load_in_4bit):
-            raise ValueError(
-                f"zero_stage={self.zero_stage} trains full-precision models under DeepSpeed; multi_adapter_ppo "
-                "and load_in_4bit keep one (4-bit) base per process instead: drop --zero-stage, or use "
-                "another agent without --load-in-4bit"
-            )
+        for on, setting, flag in ((self.fsdp, "fsdp=True", "--fsdp"),
+                                  (self.zero_stage, f"zero_stage={self.zero_stage}", "--zero-stage")):
+            if on and (self.agent == "multi_adapter_ppo" or self.load_in_4bit):
+                raise ValueError(
+                    f"{setting} shards full-precision models; multi_adapter_ppo and load_in_4bit keep one "
+                    f"(4-bit) base per process instead: drop {flag}, or use another agent without --load-in-4bit"
+                )
         self._validate_multi_adapter()
         return self
 

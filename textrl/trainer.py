@@ -708,8 +708,7 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     if zero_stage:  # DeepSpeed ZeRO: AdamW states (1), + gradients (2), + weights (3) partitioned
         agent.use_deepspeed(zero_stage, zero_section)
     # held-out evaluation: the main process alone, unless the forwards are collectives (FSDP, ZeRO-3)
-    partitioned = fsdp or zero_stage == 3
-    evaluates = main or partitioned
+    evaluates = main or agent.partitions_weights
 
     start = 0
     if checkpoint is not None:
@@ -800,12 +799,12 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     summary: dict[str, Any] = {"before": before, "after": after, "processes": dist.world_size, "fsdp": fsdp,
                                "zero_stage": zero_stage}
     summary["peak_memory_mib"] = dist.gather_object(peak_memory_mib(agent.device))  # one per process
-    if partitioned:  # the share of the agent's weights this process holds (1 / processes, up to rounding)
+    if agent.partitions_weights:  # the share of the agent's weights this process holds (1 / processes, up to rounding)
         from textrl.sharding import full_numel, held_numel
 
         params = list(agent.parameters())
         summary["weights_held_per_process"] = sum(map(held_numel, params)) / sum(map(full_numel, params))
-    if dist.enabled and not partitioned:  # data parallelism must leave every process with the same weights
+    if dist.enabled and not agent.partitions_weights:  # data parallelism must leave every process with the same weights
         checksums = dist.gather_object(parameter_checksum(agent))
         if len(set(checksums)) > 1:
             raise RuntimeError(f"the {dist.world_size} processes ended with different weights "

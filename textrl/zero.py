@@ -30,8 +30,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -198,12 +198,10 @@ def _gather(params: Iterable[Tensor], modifier_rank: int | None = None):
     return require_deepspeed().zero.GatheredParameters(params, modifier_rank=modifier_rank)
 
 
-@contextmanager
-def gathered(model: nn.Module) -> Iterator[None]:
+def gathered(model: nn.Module) -> AbstractContextManager[Any]:
     """``model``'s full weights on every process for the block (generation: one all-gather per
     weight instead of one per layer and token); partitioned again after. A no-op below stage 3."""
-    with _gather(model.parameters()):
-        yield
+    return _gather(model.parameters())
 
 
 def copy_weights(dst: nn.Module, src: nn.Module) -> None:
@@ -302,14 +300,12 @@ def full_optimizer_state(named_params: list[tuple[str, nn.Parameter]], engine: A
 
     steps = sorted({float(s["step"]) for s in _adamw(engine).state.values() if "step" in s})
     state: dict[str, dict[str, Tensor]] = {}
-    if steps:
+    if steps:  # before the first step AdamW has no state
         _link_optimizer_states(engine)
-    for name, param in named_params:
-        if not steps:  # no step taken yet: AdamW has no state
-            break
-        entry = {key: safe_get_full_optimizer_state(param, key) for key in OPTIMIZER_STATE_KEYS}
-        if keep:
-            state[name] = {key: value.detach().to("cpu", copy=True) for key, value in entry.items()}
+        for name, param in named_params:
+            entry = {key: safe_get_full_optimizer_state(param, key) for key in OPTIMIZER_STATE_KEYS}
+            if keep:
+                state[name] = {key: value.detach().to("cpu", copy=True) for key, value in entry.items()}
     return {"format": "deepspeed_zero_full", "step": steps[0] if steps else 0.0, "state": state}
 
 
