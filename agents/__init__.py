@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from agents.base import PPOAgent
-from agents.gae_ppo import GAEPPO
-from agents.group_ppo import GRPO, RLOO
-from agents.multi_adapter_ppo import MultiAdapterPPO
-from agents.one_step_ppo import OneStepPPO
+from textrl.agents.base import PPOAgent
+from textrl.agents.gae_ppo import GAEPPO
+from textrl.agents.group_ppo import GRPO, RLOO
+from textrl.agents.multi_adapter_ppo import MultiAdapterPPO
+from textrl.agents.one_step_ppo import OneStepPPO
 
 AGENTS: dict[str, type[PPOAgent]] = {
     "gae_ppo": GAEPPO,

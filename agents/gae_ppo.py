@@ -11,7 +11,7 @@ from __future__ import annotations
 from tensordict import TensorDictBase
 from torch import Tensor
 
-from agents.base import SCORE, PPOAgent
+from textrl.agents.base import SCORE, PPOAgent
 from textrl.functional import (
     clipped_value_loss,
     gae,

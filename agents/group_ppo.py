@@ -1,7 +1,7 @@
 """Critic-free PPO with group baselines: GRPO (Shao et al. 2024) and RLOO (Ahmadian et al. 2024).
 
 Each prompt is sampled ``n_samples_per_prompt`` times (consecutive rows of the rollout, as
-:class:`envs.PromptSampler` lays them out). A response's sequence reward is its task score, minus
+:class:`textrl.envs.PromptSampler` lays them out). A response's sequence reward is its task score, minus
 ``beta * sum_t KL_t`` when the KL goes into the reward (``kl_in="reward"``); its advantage is
 that reward against the other responses of its group:
 
@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor, nn
 
-from agents.base import SCORE, PPOAgent
+from textrl.agents.base import SCORE, PPOAgent
 from textrl.config import TrainConfig
 from textrl.functional import (
     kl_penalty,

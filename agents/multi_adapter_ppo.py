@@ -11,7 +11,7 @@ One copy of the base weights (optionally 4-bit NF4) carries every model PPO need
 - the **reward model**: a frozen LoRA adapter ``"reward"`` plus its score head, loaded from a
   ``textrl rm --lora`` folder (:func:`textrl.models.adapters.load_reward_adapter`) and exposed
   as :attr:`MultiAdapterPPO.reward_model`, a sequence classifier (``.logits`` ``[B, 1]``) that
-  the trainer wraps in ``rewards.NeuralReward`` for batched scoring.
+  the trainer wraps in ``textrl.rewards.NeuralReward`` for batched scoring.
 
 Each of these is an ``nn.Module`` *view* of the shared PeftModel: calling it activates its
 adapter, and its ``parameters()`` are only that adapter's weights (plus the head). So GAEPPO's
@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 from transformers.modeling_outputs import SequenceClassifierOutput
 
-from agents.gae_ppo import GAEPPO
+from textrl.agents.gae_ppo import GAEPPO
 from textrl.config import TrainConfig
 from textrl.models.adapters import (
     final_hidden,
@@ -168,7 +168,7 @@ class AdapterRewardModel(nn.Module):
 
     ``forward(input_ids [B, L], attention_mask [B, L]) -> SequenceClassifierOutput(logits [B, 1])``:
     the score head at each row's last attended token, under ``torch.no_grad``. Shaped like an HF
-    ``*ForSequenceClassification`` (``config.num_labels == 1``) so ``rewards.NeuralReward`` batches it.
+    ``*ForSequenceClassification`` (``config.num_labels == 1``) so ``textrl.rewards.NeuralReward`` batches it.
     """
 
     def __init__(self, stack: AdapterStack, score_head: nn.Linear) -> None:

@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor, nn
 
-from agents.base import SCORE, PPOAgent
+from textrl.agents.base import SCORE, PPOAgent
 from textrl.config import TrainConfig
 from textrl.functional import (
     clipped_policy_loss,

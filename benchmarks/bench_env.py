@@ -80,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from envs import TokenMDPEnv
+    from textrl.envs import TokenMDPEnv
     from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()

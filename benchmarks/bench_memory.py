@@ -102,10 +102,10 @@ def run_variant(variant: str, workdir: Path, threads: int) -> dict[str, float]:
     torch.set_num_threads(threads)
     import peft  # noqa: F401 - imported before the baseline, so imports do not count
 
-    from agents import GAEPPO, MultiAdapterPPO
-    from envs.prompts import encode_prompts
-    from envs.tasks import make_digits_task
-    from rewards import CompositeReward, NeuralReward
+    from textrl.agents import GAEPPO, MultiAdapterPPO
+    from textrl.envs.prompts import encode_prompts
+    from textrl.envs.tasks import make_digits_task
+    from textrl.rewards import CompositeReward, NeuralReward
     from textrl.config import TrainConfig
     from textrl.models import ValueModel, load_causal_lm, load_tokenizer
     from textrl.models.adapters import load_base_model

@@ -64,9 +64,9 @@ def sync(device: torch.device) -> None:
 
 def build(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Tokenizer, the agent (policy, reference, critic), the reward, a prompt batch, floor models."""
-    from agents import GAEPPO
-    from envs.prompts import PromptBatch
-    from rewards.neural import NeuralReward
+    from textrl.agents import GAEPPO
+    from textrl.envs.prompts import PromptBatch
+    from textrl.rewards.neural import NeuralReward
     from textrl.config import TrainConfig
     from textrl.models import (
         ValueModel,

@@ -2,22 +2,22 @@
 
 Importing ``envs`` registers ``textrl/TokenMDP-v0`` with Gymnasium::
 
-    import gymnasium as gym, envs
+    import gymnasium as gym, textrl.envs
     env = gym.make("textrl/TokenMDP-v0")        # tiny offline tokenizer, built-in digits prompts
 """
 
 from __future__ import annotations
 
-from envs.fast_path import (
+from textrl.envs.fast_path import (
     PromptTable,
     Scores,
     place_score,
     rollout_from_responses,
     score_completions,
 )
-from envs.policies import KVCachePolicy
-from envs.token_mdp import ENV_ID, TokenMDPEnv, register
-from envs.torchrl_env import TextGenEnv
+from textrl.envs.policies import KVCachePolicy
+from textrl.envs.token_mdp import ENV_ID, TokenMDPEnv, register
+from textrl.envs.torchrl_env import TextGenEnv
 
 register()
 
@@ -34,14 +34,14 @@ __all__ = [
 ]
 
 try:  # the prompt API lives in envs.prompts / envs.tasks (written separately)
-    from envs.prompts import PromptDataset, PromptSampler, load_prompts
+    from textrl.envs.prompts import PromptDataset, PromptSampler, load_prompts
 except ImportError:  # pragma: no cover - only while envs.prompts is absent
     pass
 else:
     __all__ += ["PromptDataset", "PromptSampler", "load_prompts"]
 
 try:
-    from envs.tasks import make_digits_task
+    from textrl.envs.tasks import make_digits_task
 except ImportError:  # pragma: no cover
     pass
 else:

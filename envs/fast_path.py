@@ -1,6 +1,6 @@
 """The generate fast path of the token MDP, and the pieces both environments share with it.
 
-The token-level MDP (:class:`envs.TokenMDPEnv`, :class:`envs.TextGenEnv`) is the specification;
+The token-level MDP (:class:`textrl.envs.TokenMDPEnv`, :class:`textrl.envs.TextGenEnv`) is the specification;
 batched ``model.generate`` is a faster way of executing it. :func:`rollout_from_responses` turns
 generated responses into the rollout TensorDict of DESIGN.md §3, and both environments score a
 finished episode with the same :func:`score_completions` and place the score with the same
@@ -32,7 +32,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from rewards import RewardError, call_reward, parse_reward_spec, reward_name
+from textrl.rewards import RewardError, call_reward, parse_reward_spec, reward_name
 from textrl.checks import check_rollout
 from textrl.functional import kl_shaped_rewards, response_mask
 from textrl.keys import KEYS, RolloutKeys
@@ -127,9 +127,9 @@ def score_completions(
     prompts: ``B`` prompt texts; responses: int ``[B, T]``; mask: bool ``[B, T]`` prefix of valid
     tokens (EOS included); truncated: bool ``[B]`` (rows that hit ``max_new_tokens``); fields:
     per-row batch fields (e.g. ``answer``) passed to the reward functions with
-    ``completion_ids`` (valid ids per row) and ``truncated``. A :class:`rewards.CompositeReward`
+    ``completion_ids`` (valid ids per row) and ``truncated``. A :class:`textrl.rewards.CompositeReward`
     reports each component; any other callable reports one component under its name. A reward
-    function that raises or returns NaN / a wrong shape raises :class:`rewards.RewardError`.
+    function that raises or returns NaN / a wrong shape raises :class:`textrl.rewards.RewardError`.
     Rewards must be row-wise (a row's score does not depend on the other rows of the batch) for
     an environment, which scores rows as they finish, to match the fast path exactly.
 
@@ -228,18 +228,18 @@ def _as_row(item: Any, index: int) -> dict[str, Any]:
 def _load_prompt_source(prompts: Any) -> Any:
     """Rows from ``None`` (built-in digits task), a source spec string, or a sequence of rows."""
     if prompts is None:
-        from envs.tasks import make_digits_task
+        from textrl.envs.tasks import make_digits_task
 
         return make_digits_task()
     if isinstance(prompts, str):
         try:
-            from envs.prompts import load_prompts
+            from textrl.envs.prompts import load_prompts
         except ImportError:
             load_prompts = None
         if load_prompts is not None:
             return load_prompts(prompts)
         if prompts.startswith("builtin:"):
-            from envs.tasks import builtin_rows
+            from textrl.envs.tasks import builtin_rows
 
             return builtin_rows(prompts.removeprefix("builtin:"))
         raise ValueError(f"prompts={prompts!r}: pass a list of str / dict rows or 'builtin:digits'")
@@ -290,7 +290,7 @@ class PromptTable:
     """Indexable prompts: raw text for the rewards, token ids for the policy, reward fields.
 
     ``prompts``: ``None`` (the built-in digits task), a source string (``"builtin:digits"``,
-    a ``.jsonl`` path when :mod:`envs.prompts` is available), a list of str, a list of dict rows
+    a ``.jsonl`` path when :mod:`textrl.envs.prompts` is available), a list of str, a list of dict rows
     (``"prompt"`` or ``"messages"`` plus extra fields such as ``"answer"``), or any indexable
     dataset of such rows. Prompts are wrapped in the tokenizer's chat template (with the
     generation prompt) when it has one and ``apply_chat_template`` is not False, tokenised on
@@ -441,7 +441,7 @@ def rollout_from_responses(
     (the raw prompts, for the rewards) default to the decoded prompt tokens.
 
     ``reward_nonfinite`` decides what a NaN/inf task reward does (:func:`score_completions`):
-    ``"raise"`` (a :class:`rewards.RewardError`), ``"zero"`` (score 0) or ``"drop"`` (the row is
+    ``"raise"`` (a :class:`textrl.rewards.RewardError`), ``"zero"`` (score 0) or ``"drop"`` (the row is
     left out, so fewer than ``B`` rows come back). Under the last two, ``KEYS.reward_nonfinite``
     bool ``[B]`` marks the zeroed rows.
     """

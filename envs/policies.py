@@ -1,4 +1,4 @@
-"""Policies for :class:`envs.TextGenEnv`.
+"""Policies for :class:`textrl.envs.TextGenEnv`.
 
 :class:`KVCachePolicy` keeps a Hugging Face causal LM's ``past_key_values`` on the module
 across the steps of one ``env.rollout(...)``, so each step is one single-token forward
@@ -17,7 +17,7 @@ OBS_KEYS = ["prompt_ids", "prompt_mask", "response_ids", "response_length"]
 
 
 class KVCachePolicy(TensorDictModuleBase):
-    """Next-token policy for :class:`envs.TextGenEnv` that keeps the LM's KV cache between steps.
+    """Next-token policy for :class:`textrl.envs.TextGenEnv` that keeps the LM's KV cache between steps.
 
     Reads ``"prompt_ids"``, ``"prompt_mask"`` (left-padded), ``"response_ids"`` and
     ``"response_length"`` and writes ``"action"`` ``[B]`` (and ``"action_log_prob"`` ``[B]``,

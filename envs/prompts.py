@@ -6,7 +6,7 @@ conversation up to the turn the policy answers); every other field (``"answer"``
 
 Sources (:func:`load_prompts` picks one from a spec):
 
-* ``"builtin:NAME"``: a built-in synthetic task of :mod:`envs.tasks` (``builtin:digits``).
+* ``"builtin:NAME"``: a built-in synthetic task of :mod:`textrl.envs.tasks` (``builtin:digits``).
 * a ``.jsonl`` file, one object per line, either MiniMind RLAIF
   ``{"conversations": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}`` (or the
   same list under ``"messages"``) or plain ``{"prompt": ..., "answer": ..., ...}`` rows. For a
@@ -36,8 +36,8 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from envs.fast_path import rollout_from_responses, row_messages
-from envs.tasks import BUILTIN_TASKS, DATA_DIR
+from textrl.envs.fast_path import rollout_from_responses, row_messages
+from textrl.envs.tasks import BUILTIN_TASKS, DATA_DIR
 from textrl.keys import KEYS
 
 TruncateMode = Literal["error", "left"]
@@ -345,7 +345,7 @@ class PromptBatch:
         """The token MDP's rollout rows (DESIGN.md §3) of ``responses`` to these prompts.
 
         ``responses`` int64 ``[B, T]`` from the policy's batched ``generate`` (the fast path);
-        :func:`envs.fast_path.rollout_from_responses` pays them as the MDP would, with the raw
+        :func:`textrl.envs.fast_path.rollout_from_responses` pays them as the MDP would, with the raw
         prompts and the rows' fields (``answer``, ...) passed to ``reward_fn`` (a callable or a
         spec string). Adds ``KEYS.score`` float ``[B]``: the task score of each row, the sum
         over time of the task reward (read before any agent shapes the reward with a KL term).

@@ -131,7 +131,7 @@ def warmup_examples(
 BUILTIN_TASKS: dict[str, Callable[[], list[dict[str, str]]]] = {
     "digits": lambda: make_digits_task(DIGITS_ROWS, seed=DIGITS_SEED),
 }
-"""Generators of the built-in tasks. ``builtin:NAME`` (``envs.prompts.load_prompts``) reads
+"""Generators of the built-in tasks. ``builtin:NAME`` (``textrl.envs.prompts.load_prompts``) reads
 ``DATA_DIR / NAME.jsonl`` when it is shipped and generates the rows with this otherwise."""
 
 

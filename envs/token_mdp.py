@@ -17,7 +17,7 @@ Observation (a ``Dict`` of fixed-size arrays, so it batches under vector envs):
 ``reward_placement``: a step-by-step MDP cannot know the score before the episode ends, so the
 step reward is always 0 until the final step, which pays the whole score (``"last"``, the
 DESIGN default). ``"uniform"`` (score / T on every valid token) is a credit assignment that
-needs the full response; it is produced by the fast path (:func:`envs.rollout_from_responses`),
+needs the full response; it is produced by the fast path (:func:`textrl.envs.rollout_from_responses`),
 and the final step's ``info["per_token_rewards"]`` (float32 ``[max_new_tokens]``, 0 after the
 last valid token) holds the per-token rewards of either placement, equal to the fast path's.
 
@@ -37,7 +37,7 @@ from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 from gymnasium.error import ResetNeeded
 
-from envs.fast_path import (
+from textrl.envs.fast_path import (
     DEFAULT_REWARD,
     PLACEMENTS,
     RewardLike,
@@ -81,7 +81,7 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
         prompts: list of str, list of dict rows (``"prompt"`` or ``"messages"`` plus fields such
             as ``"answer"`` that reach the rewards), an indexable dataset, or a source string
             such as ``"builtin:digits"`` (default: the built-in digits task).
-        reward: a reward spec string for :func:`rewards.parse_reward_spec` or a callable.
+        reward: a reward spec string for :func:`textrl.rewards.parse_reward_spec` or a callable.
         max_new_tokens: actions per episode before truncation.
         max_prompt_length: size of the prompt arrays; longer prompts raise (``truncate_prompt=
             "error"``) or keep their last tokens with a warning (``"left"``).
@@ -131,7 +131,7 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
         # its own arguments), which check_env needs to test the other render modes
         self.spec = EnvSpec(
             ENV_ID,
-            entry_point="envs.token_mdp:TokenMDPEnv",
+            entry_point="textrl.envs.token_mdp:TokenMDPEnv",
             kwargs={
                 "tokenizer": tokenizer,
                 "prompts": prompts,
@@ -281,7 +281,7 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
 def register() -> None:
     """Register ``textrl/TokenMDP-v0`` with Gymnasium (idempotent)."""
     if ENV_ID not in gym.registry:
-        gym.register(id=ENV_ID, entry_point="envs.token_mdp:TokenMDPEnv")
+        gym.register(id=ENV_ID, entry_point="textrl.envs.token_mdp:TokenMDPEnv")
 
 
 __all__ = ["ENV_ID", "TokenMDPEnv", "check_action", "register"]

@@ -1,9 +1,9 @@
 """``TextGenEnv``: the token MDP as a batched TorchRL environment (``batch_size=[B]``).
 
-Each of the ``B`` rows is one episode of :class:`envs.TokenMDPEnv`'s MDP: the action is the
+Each of the ``B`` rows is one episode of :class:`textrl.envs.TokenMDPEnv`'s MDP: the action is the
 next token id (``Categorical(vocab_size)``), a row terminates on EOS and is truncated after
 ``max_new_tokens`` actions, and its task reward (scored by the same
-:func:`envs.score_completions` as the fast path) is paid on its final step; every other step
+:func:`textrl.envs.score_completions` as the fast path) is paid on its final step; every other step
 pays 0.
 
 Observation keys (all with leading batch dim ``B``):
@@ -23,14 +23,14 @@ resets finished rows (partial reset through ``"_reset"``) with new prompts, and
 ``break_when_all_done=True`` runs until every row is done (TorchRL then repeats a finished
 row's last transition in the stacked output, so read each row up to its first ``done``).
 Only ``reward_placement="last"`` exists here: spreading a score needs the whole response, see
-:func:`envs.rollout_from_responses`.
+:func:`textrl.envs.rollout_from_responses`.
 
 The prompt of each reset row is drawn with a private ``torch.Generator`` seeded by
 ``env.set_seed(seed)``; pass ``"prompt_index"`` int64 ``[B]`` in the reset TensorDict to pick
 prompts instead.
 
 A policy reads the observation and writes ``"action"`` ``[B]``. A policy that recomputes the
-model on ``prompt + response`` every step costs O(T^2) per episode; :class:`envs.KVCachePolicy`
+model on ``prompt + response`` every step costs O(T^2) per episode; :class:`textrl.envs.KVCachePolicy`
 (``envs/policies.py``) keeps the KV cache on the module and feeds one token per row per step,
 re-encoding ``prompt + response`` only when the observation does not continue its cache (e.g.
 after a partial reset). The env never re-tokenises text: it only appends ids.
@@ -47,7 +47,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
 
-from envs.fast_path import (
+from textrl.envs.fast_path import (
     DEFAULT_REWARD,
     RewardLike,
     TokenMDPSetup,
@@ -62,7 +62,7 @@ class TextGenEnv(TokenMDPSetup, EnvBase):
     Args:
         batch_size: number of rows ``B`` (an int or ``[B]``).
         tokenizer, prompts, reward, max_new_tokens, max_prompt_length, truncate_prompt,
-        apply_chat_template, eos_token_id, pad_token_id: as for :class:`envs.TokenMDPEnv`.
+        apply_chat_template, eos_token_id, pad_token_id: as for :class:`textrl.envs.TokenMDPEnv`.
         device: where the TensorDicts live.
         seed: seed of the prompt sampler (default: fresh entropy); ``set_seed`` reseeds it.
     """

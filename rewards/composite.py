@@ -8,20 +8,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rewards.base import RewardFn, call_reward, check_batch, check_finite_weight
+from textrl.rewards.base import RewardFn, call_reward, check_batch, check_finite_weight
 
 
 class CompositeReward:
     """``total = sum_k weight_k * reward_k(prompts, completions, **kwargs)``, float32 ``[B]``.
 
     ``components`` maps a name to ``(fn, weight)`` or to a bare ``fn`` (weight 1.0). Every
-    component goes through :func:`~rewards.base.call_reward`, so a failing one raises a
-    :class:`~rewards.base.RewardError` naming it. :meth:`components` also returns each
+    component goes through :func:`~textrl.rewards.base.call_reward`, so a failing one raises a
+    :class:`~textrl.rewards.base.RewardError` naming it. :meth:`components` also returns each
     component's raw (unweighted) score, for the rollout keys ``("reward_components", name)``.
     The object holds only its configuration: calling it twice on the same batch gives the
     same result.
 
-    >>> from rewards.rules import tag_count_reward, think_format_reward
+    >>> from textrl.rewards.rules import tag_count_reward, think_format_reward
     >>> reward = CompositeReward({"format": (think_format_reward, 2.0), "tags": tag_count_reward})
     >>> total, raw = reward.components(["q"], ["<think>\\nx\\n</think>\\n<answer>\\ny\\n</answer>"])
     >>> total.tolist(), {k: v.tolist() for k, v in raw.items()}
@@ -72,7 +72,7 @@ class CompositeReward:
         """``(total [B], {name: raw score [B]})``; raw scores are before weighting.
 
         ``allow_nonfinite=True`` lets NaN/inf scores through instead of raising (see
-        :func:`~rewards.base.call_reward`); the total of such a row is then NaN/inf too.
+        :func:`~textrl.rewards.base.call_reward`); the total of such a row is then NaN/inf too.
         """
         n = check_batch(prompts, completions)
         raw = {

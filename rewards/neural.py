@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from rewards.base import check_batch, check_finite_weight, token_lists
+from textrl.rewards.base import check_batch, check_finite_weight, token_lists
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

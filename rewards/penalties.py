@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rewards.base import bool_rows, named, token_lists
+from textrl.rewards.base import bool_rows, named, token_lists
 
 
 def _check_nonnegative(fn_name: str, **values: float | None) -> None:

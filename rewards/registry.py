@@ -7,11 +7,11 @@
 - a callable, returned as it is (or with the keyword arguments bound);
 - ``"path/to/file.py:function_name"``: that function, loaded from the file;
 - ``"<scheme>:<argument>"`` for a scheme in :data:`REWARD_LOADERS`: ``"reward_model:/path"``
-  (a local directory, a hub id, or ``tiny``) loads a :class:`~rewards.neural.NeuralReward`,
+  (a local directory, a hub id, or ``tiny``) loads a :class:`~textrl.rewards.neural.NeuralReward`,
   with ``settings`` as its constructor options (``batch_size``, ``clip``, ``device``, ...).
 
 ``parse_reward_spec("think_format:0.5,tag_count,accuracy:2")`` builds a
-:class:`~rewards.composite.CompositeReward` from comma-separated ``name[:weight]`` entries;
+:class:`~textrl.rewards.composite.CompositeReward` from comma-separated ``name[:weight]`` entries;
 ``"think_format,reward_model:/path:0.5"`` weights the reward model by 0.5.
 """
 
@@ -27,11 +27,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from rewards.base import RewardFn, check_finite_weight, reward_name
-from rewards.composite import CompositeReward
-from rewards.neural import load_neural_reward
-from rewards.penalties import length_penalty, missing_eos_penalty, repetition_penalty
-from rewards.rules import accuracy_reward, tag_count_reward, think_format_reward
+from textrl.rewards.base import RewardFn, check_finite_weight, reward_name
+from textrl.rewards.composite import CompositeReward
+from textrl.rewards.neural import load_neural_reward
+from textrl.rewards.penalties import length_penalty, missing_eos_penalty, repetition_penalty
+from textrl.rewards.rules import accuracy_reward, tag_count_reward, think_format_reward
 
 REWARDS: dict[str, Callable[..., RewardFn]] = {}
 """Registered name -> constructor: ``REWARDS[name](**settings)`` returns a reward function."""

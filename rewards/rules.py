@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rewards.base import batch_field, named
+from textrl.rewards.base import batch_field, named
 
 # One regex for MiniMind's two patterns: ``\n\n?`` allows the blank line between the blocks.
 # ``re.match`` anchors the start; ``$`` (no MULTILINE) matches at the end of the string or just

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from envs import PromptSampler
+from textrl.envs import PromptSampler
 from tests.agents.conftest import make_agent
 from textrl import trainer
 from textrl.config import TrainConfig

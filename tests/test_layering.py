@@ -18,19 +18,47 @@ ORCHESTRATION = {"textrl/trainer.py", "textrl/cli.py", "textrl/bench.py"}
 ORCHESTRATION_DIRS = ("textrl/stages/",)
 
 
-def imported_roots(path: Path) -> set[str]:
-    """Top-level package of every ``import x`` / ``from x import y`` in a file (absolute only)."""
-    roots = set()
+def imported_modules(path: Path) -> set[str]:
+    """Every module named by ``import x`` / ``from x import y`` in a file (absolute only)."""
+    names = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            roots.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            roots.add(node.module.split(".")[0])
+            names.add(node.module)
+            if node.module == "textrl":  # from textrl import envs
+                names.update(f"textrl.{alias.name}" for alias in node.names)
+    return names
+
+
+def imported_roots(path: Path) -> set[str]:
+    """Top-level package of every import, with ``textrl.envs`` / ``.agents`` / ``.rewards``
+    named as the product package they are (``envs``, ``agents``, ``rewards``)."""
+    roots = set()
+    for name in imported_modules(path):
+        parts = name.split(".")
+        if parts[0] == "textrl" and len(parts) > 1 and parts[1] in PRODUCT_PACKAGES:
+            roots.add(parts[1])
+        else:
+            roots.add(parts[0])
     return roots
 
 
 def textrl_files() -> list[Path]:
     return sorted((ROOT / "textrl").rglob("*.py"))
+
+
+def python_files() -> list[Path]:
+    return sorted(p for folder in ("textrl", "envs", "agents", "rewards", "tests", "benchmarks")
+                  for p in (ROOT / folder).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", python_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_top_level_envs_agents_or_rewards_import(path):
+    """The product installs one top-level name, ``textrl``: ``envs`` is a PyPI package of its own
+    and a user's ``envs/`` folder would shadow ours, so nothing imports the bare names."""
+    bare = {name.split(".")[0] for name in imported_modules(path)} & PRODUCT_PACKAGES
+    assert not bare, f"{path.relative_to(ROOT)} imports {sorted(bare)}; import textrl.{sorted(bare)[0]} instead"
 
 
 @pytest.mark.parametrize("path", textrl_files(), ids=lambda p: str(p.relative_to(ROOT)))

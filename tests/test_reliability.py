@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from agents import GAEPPO
-from envs import rollout_from_responses
-from rewards import RewardError
+from textrl.agents import GAEPPO
+from textrl.envs import rollout_from_responses
+from textrl.rewards import RewardError
 from tests.runs import SMALL
 from tests.runs import checkpoint_tensors as _state
 from tests.runs import metrics as _metrics

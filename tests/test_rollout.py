@@ -1,7 +1,7 @@
 """collect / evaluate_prompts: fast-path rows, the task score, process_rollout, eval metrics.
 
 The agents here are minimal fakes around a tiny real model (or scripted responses), so these
-tests do not depend on :mod:`agents`.
+tests do not depend on :mod:`textrl.agents`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from envs.prompts import batch_fields, encode_prompts, raw_prompts
-from envs.tasks import format_completion, make_digits_task
-from rewards import parse_reward_spec
+from textrl.envs.prompts import batch_fields, encode_prompts, raw_prompts
+from textrl.envs.tasks import format_completion, make_digits_task
+from textrl.rewards import parse_reward_spec
 from textrl.checks import RolloutError, check_rollout
 from textrl.keys import KEYS
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer

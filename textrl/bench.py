@@ -18,7 +18,7 @@ split and reward, and samples the same number of responses per iteration of at m
 ``max_new_tokens`` tokens for the same number of iterations: the same budget of generated tokens
 (``iterations x rollout_batch_size x max_new_tokens``; the table also gives the tokens actually
 generated, which differ with response length). Agents listed but not registered in
-:data:`agents.AGENTS` (or rejected by :meth:`TrainConfig.validate`) are skipped with a note; a run
+:data:`textrl.agents.AGENTS` (or rejected by :meth:`TrainConfig.validate`) are skipped with a note; a run
 that fails is reported in the table, and the other runs go on.
 
 Command line (``textrl bench`` wires :func:`add_arguments` and :func:`run`)::
@@ -152,9 +152,9 @@ def read_run(output_dir: str | Path) -> dict[str, Any]:
 
 
 def available_agents(names: Sequence[str], settings: dict[str, Any] | None = None) -> tuple[list[str], dict[str, str]]:
-    """``(agents that can run, {skipped agent: why})``: registered in ``agents.AGENTS``, and valid
+    """``(agents that can run, {skipped agent: why})``: registered in ``textrl.agents.AGENTS``, and valid
     (:meth:`TrainConfig.validate`) with ``settings`` (TrainConfig fields)."""
-    from agents import AGENTS
+    from textrl.agents import AGENTS
 
     ok, skipped = [], {}
     for name in names:

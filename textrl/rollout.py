@@ -11,7 +11,7 @@ Both sides are duck-typed, so this module imports no environment or agent (DESIG
 - the agent: ``act(input_ids, attention_mask, greedy=...) -> int64 [B, T]``, optionally
   ``process_rollout(td, timings=...) -> td``, and the attributes ``config`` (``max_new_tokens``),
   ``tokenizer``, ``eos_token_id``, ``pad_token_id`` and ``device``;
-- the batch (an :class:`envs.prompts.PromptBatch`): ``input_ids`` / ``attention_mask``
+- the batch (an :class:`textrl.envs.prompts.PromptBatch`): ``input_ids`` / ``attention_mask``
   ``[B, P]`` and ``rollout(responses, tokenizer=, reward_fn=, eos_token_id=, pad_token_id=,
   max_new_tokens=, reward_placement=) -> TensorDict`` with ``KEYS.score``.
 """
@@ -62,7 +62,7 @@ def _score_rows(
     if not callable(getattr(batch, "rollout", None)):
         raise TypeError(
             f"collect() got a {type(batch).__name__} as the prompt batch; pass an "
-            "envs.prompts.PromptBatch (from PromptSampler.next_batch or encode_prompts)"
+            "textrl.envs.prompts.PromptBatch (from PromptSampler.next_batch or encode_prompts)"
         )
     return batch.rollout(
         responses.to(torch.device(agent.device)),
@@ -104,7 +104,7 @@ def collect(
     without EOS is only valid at full length. With a ``timings`` dict, the seconds of each of
     :data:`PHASES` are added to it (the agent times ``forward`` and ``advantages``).
     ``reward_nonfinite`` ('raise' | 'zero' | 'drop') is what a NaN/inf task reward does
-    (:func:`envs.fast_path.rollout_from_responses`; 'drop' returns fewer rows).
+    (:func:`textrl.envs.fast_path.rollout_from_responses`; 'drop' returns fewer rows).
     ``check_finite=False`` lets NaN/inf log-probs, values or advantages through the final check,
     for a caller (the trainer) whose ``agent.update`` skips such an update instead.
     """

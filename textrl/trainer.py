@@ -96,7 +96,7 @@ def build_reward(config: TrainConfig):
     None when the spec is empty and the agent brings its own reward model (multi_adapter_ppo's
     reward adapter, joined by :func:`add_agent_reward`).
     """
-    from rewards import parse_reward_spec
+    from textrl.rewards import parse_reward_spec
 
     if _agent_scores_alone(config):
         return None
@@ -110,7 +110,7 @@ def _agent_scores_alone(config: TrainConfig) -> bool:
 
 def build_models(config: TrainConfig, device: torch.device, log) -> tuple[Any, Any]:
     """Tokenizer and policy; the tiny default gets a short supervised format warm-up."""
-    from envs.tasks import warmup_examples
+    from textrl.envs.tasks import warmup_examples
     from textrl.models import load_causal_lm, load_tokenizer
     from textrl.warmup import sft_warmup
 
@@ -127,7 +127,7 @@ def build_models(config: TrainConfig, device: torch.device, log) -> tuple[Any, A
     policy = load_causal_lm(config.model, device=device)
     policy.float()
     if config.warmup_sft_steps > 0 and config.dataset == "builtin:digits":
-        from envs import load_prompts
+        from textrl.envs import load_prompts
 
         train_rows, _ = load_prompts(config.dataset).split(config.eval_size, seed=config.seed)
         pairs = warmup_examples(
@@ -143,7 +143,7 @@ def build_models(config: TrainConfig, device: torch.device, log) -> tuple[Any, A
 
 
 def build_agent(config: TrainConfig, policy, tokenizer):
-    from agents import make_agent
+    from textrl.agents import make_agent
     from textrl.models.value import ValueModel
 
     if config.agent == "multi_adapter_ppo":  # one base: it adds its adapters, critic and reward model
@@ -166,7 +166,7 @@ def add_agent_reward(config: TrainConfig, agent, reward_fn):
     model = getattr(agent, "reward_model", None)
     if model is None:
         return reward_fn
-    from rewards import CompositeReward, NeuralReward
+    from textrl.rewards import CompositeReward, NeuralReward
 
     neural = NeuralReward(model, agent.tokenizer, batch_size=config.forward_batch_size)
     parts = {} if reward_fn is None else {
@@ -568,7 +568,7 @@ def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak
 def check_run(config: TrainConfig) -> None:
     """Everything checkable before a model loads: every config field, the reward names, and that a
     fresh run would not overwrite an earlier run's checkpoints. ``ValueError`` says what to fix."""
-    from rewards import check_reward_spec
+    from textrl.rewards import check_reward_spec
 
     config.validate()
     if not _agent_scores_alone(config):
@@ -660,7 +660,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
 def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     from accelerate import Accelerator
 
-    from envs import PromptSampler, load_prompts
+    from textrl.envs import PromptSampler, load_prompts
     from textrl.rollout import collect
 
     check_run(config)

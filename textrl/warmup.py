@@ -1,7 +1,7 @@
 """A short supervised warm-up before RL: completion-only next-token loss on (prompt, completion).
 
 RL from a randomly initialised tiny model would spend its whole budget discovering the answer
-format; a few hundred SFT steps on :func:`envs.tasks.warmup_examples` teach the format (not the
+format; a few hundred SFT steps on :func:`textrl.envs.tasks.warmup_examples` teach the format (not the
 task) so that PPO starts from a policy that ends its responses with EOS and earns format reward.
 
 Each example is tokenized as the policy will see it at generation time: the prompt wrapped in

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO (stages 1, 2 and 3) for the agents' training loop.
 
 With ``--zero-stage N`` (or ``accelerate launch`` with a DeepSpeed config) the agent's models go
-into one DeepSpeed engine (:meth:`agents.base.PPOAgent.use_deepspeed`), the way TRL wraps policy
+into one DeepSpeed engine (:meth:`textrl.agents.base.PPOAgent.use_deepspeed`), the way TRL wraps policy
 and value model together. The engine owns one AdamW with a parameter group per trained model
 (the actor's and the critic's learning rates) and:
 

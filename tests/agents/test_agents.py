@@ -6,8 +6,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from agents import AGENTS, GAEPPO, OneStepPPO, make_agent
-from agents.base import SCORE
+from textrl.agents import AGENTS, GAEPPO, OneStepPPO, make_agent
+from textrl.agents.base import SCORE
 from tests.agents.conftest import collect, make_config, record_loss_stats
 from tests.agents.conftest import make_agent as build
 from textrl.checks import check_rollout

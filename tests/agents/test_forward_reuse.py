@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from agents.base import position_ids_for, sequence_inputs
+from textrl.agents.base import position_ids_for, sequence_inputs
 from tests.agents.conftest import collect, make_agent
 from textrl.keys import KEYS
 

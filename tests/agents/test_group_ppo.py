@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from agents.base import SCORE
+from textrl.agents.base import SCORE
 from tests.agents.conftest import collect, make_agent
 from textrl.keys import KEYS
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from peft import PeftModel, get_peft_model
 
-from agents import AGENTS, MultiAdapterPPO, make_agent
+from textrl.agents import AGENTS, MultiAdapterPPO, make_agent
 from tests.agents.conftest import collect, make_config, record_loss_stats
 from textrl.checks import check_rollout
 from textrl.config import TrainConfig
@@ -110,7 +110,7 @@ def test_disabled_adapters_reproduce_the_base_log_probs_exactly(tok, reward_dir)
     agent = build(tok, reward_dir, actor_lr=1e-2)
     base = build_tiny_causal_lm(tok, seed=0)
     td = collect(agent, tok)
-    from agents.base import sequence_inputs
+    from textrl.agents.base import sequence_inputs
 
     args = (*sequence_inputs(td), td.get(KEYS.action))
     with torch.no_grad():
@@ -207,9 +207,9 @@ def test_policy_checkpoint_is_a_peft_adapter(tok, reward_dir, tmp_path):
 
 
 def test_runs_through_rollout_collect(tok, reward_dir):
-    from envs.prompts import encode_prompts
-    from envs.tasks import make_digits_task
-    from rewards import CompositeReward, NeuralReward, parse_reward_spec
+    from textrl.envs.prompts import encode_prompts
+    from textrl.envs.tasks import make_digits_task
+    from textrl.rewards import CompositeReward, NeuralReward, parse_reward_spec
     from textrl.rollout import collect as rollout_collect
 
     agent = build(tok, reward_dir, prompts_per_iteration=4)

@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 
-from envs import rollout_from_responses
-from rewards import NeuralReward
+from textrl.envs import rollout_from_responses
+from textrl.rewards import NeuralReward
 from tests.agents.conftest import PROMPTS, collect, make_agent
 from tests.rewards.test_neural import char_tokenizer
 from textrl.functional import clipped_policy_loss, grpo_advantage, rloo_advantage

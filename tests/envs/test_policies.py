@@ -8,7 +8,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torchrl.envs.utils import check_env_specs
 
-from envs import KVCachePolicy, TextGenEnv
+from textrl.envs import KVCachePolicy, TextGenEnv
 from tests.envs.test_fast_path import EOS
 from tests.envs.test_torchrl_env import NextTokenPolicy, greedy_generate
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer

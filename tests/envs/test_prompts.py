@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 import torch
 
-from envs.prompts import PromptDataset, PromptSampler, encode_prompts, load_prompts
-from envs.tasks import (
+from textrl.envs.prompts import PromptDataset, PromptSampler, encode_prompts, load_prompts
+from textrl.envs.tasks import (
     DATA_DIR,
     digits_answer,
     format_completion,

@@ -11,10 +11,10 @@ import torch
 from gymnasium.error import ResetNeeded
 from gymnasium.utils.env_checker import check_env
 
-import envs
-from envs import TokenMDPEnv, rollout_from_responses
-from envs.fast_path import default_tokenizer
-from rewards import RewardError
+from textrl import envs
+from textrl.envs import TokenMDPEnv, rollout_from_responses
+from textrl.envs.fast_path import default_tokenizer
+from textrl.rewards import RewardError
 from tests.envs.test_fast_path import EOS, draw_responses, pad_eq_eos_tokenizer, prompt_batch
 from textrl.keys import KEYS
 

@@ -8,8 +8,8 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torchrl.envs.utils import check_env_specs
 
-from envs import TextGenEnv, rollout_from_responses
-from envs.fast_path import default_tokenizer
+from textrl.envs import TextGenEnv, rollout_from_responses
+from textrl.envs.fast_path import default_tokenizer
 from tests.envs.test_fast_path import EOS, draw_responses, pad_eq_eos_tokenizer, prompt_batch
 from textrl.keys import KEYS
 from textrl.models import build_tiny_causal_lm
@@ -192,7 +192,7 @@ def greedy_generate(model, env, tok, b: int, t: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5])
 def test_both_envs_reject_a_bad_max_new_tokens(bad):
-    from envs import TokenMDPEnv
+    from textrl.envs import TokenMDPEnv
 
     for make in (TokenMDPEnv, TextGenEnv):
         with pytest.raises(ValueError, match="max_new_tokens"):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from rewards import RewardError, call_reward, named
+from textrl.rewards import RewardError, call_reward, named
 
 PROMPTS = ["p"] * 3
 COMPLETIONS = ["ok", "bad", "ok"]

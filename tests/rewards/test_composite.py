@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rewards import (
+from textrl.rewards import (
     CompositeReward,
     RewardError,
     accuracy_reward,

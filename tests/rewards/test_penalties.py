@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rewards import length_penalty, missing_eos_penalty, repetition_penalty
+from textrl.rewards import length_penalty, missing_eos_penalty, repetition_penalty
 
 LENGTH_CASES = [
     # (n_tokens, target, per_token, cap, expected)

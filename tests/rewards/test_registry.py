@@ -5,7 +5,7 @@ import textwrap
 import pytest
 import torch
 
-from rewards import (
+from textrl.rewards import (
     REWARDS,
     CompositeReward,
     get_reward,
@@ -14,7 +14,7 @@ from rewards import (
     tag_count_reward,
     think_format_reward,
 )
-from rewards.base import reward_name
+from textrl.rewards.base import reward_name
 
 BUILTINS = [
     "think_format",

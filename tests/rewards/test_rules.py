@@ -8,12 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import rewards.base
-import rewards.composite
-import rewards.penalties
-import rewards.registry
-import rewards.rules
-from rewards import accuracy_reward, tag_count_reward, think_format_reward
+import textrl.rewards.base
+import textrl.rewards.composite
+import textrl.rewards.penalties
+import textrl.rewards.registry
+import textrl.rewards.rules
+from textrl.rewards import accuracy_reward, tag_count_reward, think_format_reward
 
 GOOD = "<think>\nsix times seven\n</think>\n<answer>\n42\n</answer>"
 
@@ -164,7 +164,8 @@ def test_empty_batch():
 
 @pytest.mark.parametrize(
     "module",
-    [rewards.rules, rewards.penalties, rewards.base, rewards.composite, rewards.registry, rewards],
+    [textrl.rewards.rules, textrl.rewards.penalties, textrl.rewards.base, textrl.rewards.composite,
+     textrl.rewards.registry, textrl.rewards],
 )
 def test_doctests_pass(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

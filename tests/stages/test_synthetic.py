@@ -48,7 +48,7 @@ def test_chosen_follows_the_rule_and_rejected_does_not():
 
 
 def test_rule_loads_as_a_reward_file_with_weight_zero():
-    from rewards import parse_reward_spec
+    from textrl.rewards import parse_reward_spec
 
     reward = parse_reward_spec(f"{synthetic.__file__}:case_follow_reward:0,tag_count")
     total, parts = reward.components(["Describe the sky. Use capital letters."], ["THE SKY."])
