@@ -1,4 +1,4 @@
-"""PPO-family agents (DESIGN.md §5) and a registry by name.
+"""PPO-family agents (docs/design.md, "Agents") and a registry by name.
 
 >>> sorted(AGENTS)
 ['gae_ppo', 'grpo', 'multi_adapter_ppo', 'one_step_ppo', 'rloo']

@@ -1,6 +1,6 @@
 """What every PPO-family agent shares: generation, prefill forwards, optimisers, the update loop.
 
-An agent owns its models and optimisers and consumes one rollout TensorDict (DESIGN.md §3):
+An agent owns its models and optimisers and consumes one rollout TensorDict (docs/design.md, "The rollout TensorDict"):
 
 - :meth:`PPOAgent.act` samples responses for a batch of prompts (``model.generate`` with a KV
   cache, in micro-batches);

@@ -9,9 +9,9 @@ of clipped policy loss + ``vf_coef`` x clipped value loss - ``entropy_coef`` x e
 from __future__ import annotations
 
 from tensordict import TensorDictBase
+from textrl.agents.base import SCORE, PPOAgent
 from torch import Tensor
 
-from textrl.agents.base import SCORE, PPOAgent
 from textrl.functional import (
     clipped_value_loss,
     gae,

@@ -1,4 +1,4 @@
-"""Token-level PPO on one base model with LoRA adapters (MA-RLHF; DESIGN.md §5).
+"""Token-level PPO on one base model with LoRA adapters (MA-RLHF; docs/design.md, "Agents").
 
 One copy of the base weights (optionally 4-bit NF4) carries every model PPO needs:
 
@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDictBase
+from textrl.agents.gae_ppo import GAEPPO
 from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 from transformers.modeling_outputs import SequenceClassifierOutput
 
-from textrl.agents.gae_ppo import GAEPPO
 from textrl.config import TrainConfig
 from textrl.models.adapters import (
     final_hidden,

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 from tensordict import TensorDictBase
+from textrl.agents.base import SCORE, PPOAgent
 from torch import Tensor, nn
 
-from textrl.agents.base import SCORE, PPOAgent
 from textrl.config import TrainConfig
 from textrl.functional import (
     clipped_policy_loss,

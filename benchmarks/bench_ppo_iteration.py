@@ -67,6 +67,7 @@ def build(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from textrl.agents import GAEPPO
     from textrl.envs.prompts import PromptBatch
     from textrl.rewards.neural import NeuralReward
+
     from textrl.config import TrainConfig
     from textrl.models import (
         ValueModel,

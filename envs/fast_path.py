@@ -2,7 +2,7 @@
 
 The token-level MDP (:class:`textrl.envs.TokenMDPEnv`, :class:`textrl.envs.TextGenEnv`) is the specification;
 batched ``model.generate`` is a faster way of executing it. :func:`rollout_from_responses` turns
-generated responses into the rollout TensorDict of DESIGN.md §3, and both environments score a
+generated responses into the rollout TensorDict (docs/design.md, "The rollout TensorDict"), and both environments score a
 finished episode with the same :func:`score_completions` and place the score with the same
 :func:`place_score`, so an environment stepped through the same tokens pays exactly the rewards
 of the fast path (tests/envs prove it).
@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict
+from textrl.rewards import RewardError, call_reward, parse_reward_spec, reward_name
 from torch import Tensor
 
-from textrl.rewards import RewardError, call_reward, parse_reward_spec, reward_name
 from textrl.checks import check_rollout
 from textrl.functional import kl_shaped_rewards, response_mask
 from textrl.keys import KEYS, RolloutKeys
@@ -428,7 +428,7 @@ def rollout_from_responses(
     keys: RolloutKeys = KEYS,
     reward_nonfinite: str = "raise",
 ) -> TensorDict:
-    """The DESIGN.md §3 rollout rows of generated responses, as the token MDP would pay them.
+    """The rollout rows (docs/design.md, "The rollout TensorDict") of generated responses, as the token MDP would pay them.
 
     prompt_ids int64 ``[B, P]`` left-padded, prompt_mask bool ``[B, P]``; responses int64
     ``[B, T]`` (``T <= max_new_tokens``), anything after a row's first EOS is padding. A row is

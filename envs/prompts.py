@@ -34,10 +34,10 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from tensordict import TensorDict
-from torch import Tensor
-
 from textrl.envs.fast_path import rollout_from_responses, row_messages
 from textrl.envs.tasks import BUILTIN_TASKS, DATA_DIR
+from torch import Tensor
+
 from textrl.keys import KEYS
 
 TruncateMode = Literal["error", "left"]
@@ -342,7 +342,7 @@ class PromptBatch:
         reward_placement: str = "last",
         reward_nonfinite: str = "raise",
     ) -> TensorDict:
-        """The token MDP's rollout rows (DESIGN.md §3) of ``responses`` to these prompts.
+        """The token MDP's rollout rows (docs/design.md, "The rollout TensorDict") of ``responses`` to these prompts.
 
         ``responses`` int64 ``[B, T]`` from the policy's batched ``generate`` (the fast path);
         :func:`textrl.envs.fast_path.rollout_from_responses` pays them as the MDP would, with the raw

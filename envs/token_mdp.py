@@ -1,4 +1,4 @@
-"""``TokenMDPEnv``: text generation as a token-level Gymnasium MDP (DESIGN.md §1).
+"""``TokenMDPEnv``: text generation as a token-level Gymnasium MDP (docs/design.md, "The token MDP").
 
 A state is ``prompt + response tokens so far``; an action is the next token id; the episode
 ends with ``terminated=True`` when the action is EOS and ``truncated=True`` after
@@ -36,7 +36,6 @@ import torch
 from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec
 from gymnasium.error import ResetNeeded
-
 from textrl.envs.fast_path import (
     DEFAULT_REWARD,
     PLACEMENTS,

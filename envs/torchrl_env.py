@@ -44,9 +44,6 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
-from torchrl.data import Bounded, Categorical, Composite, Unbounded
-from torchrl.envs import EnvBase
-
 from textrl.envs.fast_path import (
     DEFAULT_REWARD,
     RewardLike,
@@ -54,6 +51,8 @@ from textrl.envs.fast_path import (
     reward_component_names,
     score_completions,
 )
+from torchrl.data import Bounded, Categorical, Composite, Unbounded
+from torchrl.envs import EnvBase
 
 
 class TextGenEnv(TokenMDPSetup, EnvBase):

@@ -6,9 +6,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch import Tensor
-
 from textrl.rewards.base import RewardFn, call_reward, check_batch, check_finite_weight
+from torch import Tensor
 
 
 class CompositeReward:

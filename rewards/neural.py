@@ -52,9 +52,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
-
 from textrl.rewards.base import check_batch, check_finite_weight, token_lists
+from torch import Tensor
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
-
 from textrl.rewards.base import bool_rows, named, token_lists
+from torch import Tensor
 
 
 def _check_nonnegative(fn_name: str, **values: float | None) -> None:

@@ -11,9 +11,8 @@ import re
 from typing import Any
 
 import torch
-from torch import Tensor
-
 from textrl.rewards.base import batch_field, named
+from torch import Tensor
 
 # One regex for MiniMind's two patterns: ``\n\n?`` allows the blank line between the blocks.
 # ``re.match`` anchors the start; ``$`` (no MULTILINE) matches at the end of the string or just

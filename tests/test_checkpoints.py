@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from textrl.envs import PromptSampler
+
 from tests.agents.conftest import make_agent
 from textrl import trainer
 from textrl.config import TrainConfig

@@ -1,4 +1,4 @@
-"""DESIGN.md §2: imports point one way.
+"""docs/design.md, "Layers": imports point one way.
 
 ``agents``, ``envs`` and ``rewards`` may import ``textrl``; inside ``textrl`` only the
 orchestration modules (the trainer, the command line and the pipeline stages) may import them;
@@ -69,7 +69,7 @@ def test_textrl_core_imports_no_agent_env_or_reward(path):
     bad = imported_roots(path) & PRODUCT_PACKAGES
     assert not bad, (
         f"{rel} imports {sorted(bad)}: textrl's core knows no specific agent, env or reward "
-        "(DESIGN.md §2); take the object as an argument or move the code to the orchestration"
+        "(docs/design.md, 'Layers'); take the object as an argument or move the code to the orchestration"
     )
 
 
@@ -80,3 +80,16 @@ def test_functional_imports_only_torch(path):
     allowed = {"torch", "textrl", "__future__", "math", "typing", "collections", "functools"}
     extra = imported_roots(path) - allowed
     assert not extra, f"textrl/functional/{path.name} imports {sorted(extra)}; it may import only torch"
+
+
+def test_docs_cited_by_the_code_exist():
+    """Docstrings cite design documents inside the repository only (``docs/NAME.md``)."""
+    import re
+
+    cited = set()
+    for path in python_files():
+        text = path.read_text()
+        assert "DESIGN.md" not in text, f"{path.relative_to(ROOT)} cites DESIGN.md, which is not in the repository"
+        cited.update(re.findall(r"docs/[\w-]+\.md", text))
+    missing = sorted(c for c in cited if not (ROOT / c).is_file())
+    assert not missing, f"cited but missing: {missing}"

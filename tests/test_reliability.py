@@ -11,10 +11,10 @@ import time
 
 import pytest
 import torch
-
 from textrl.agents import GAEPPO
 from textrl.envs import rollout_from_responses
 from textrl.rewards import RewardError
+
 from tests.runs import SMALL
 from tests.runs import checkpoint_tensors as _state
 from tests.runs import metrics as _metrics

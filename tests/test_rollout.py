@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
-
 from textrl.envs.prompts import batch_fields, encode_prompts, raw_prompts
 from textrl.envs.tasks import format_completion, make_digits_task
 from textrl.rewards import parse_reward_spec
+from torch import nn
+
 from textrl.checks import RolloutError, check_rollout
 from textrl.keys import KEYS
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer

@@ -1,4 +1,4 @@
-"""The rollout TensorDict's key names, in one place (DESIGN.md §3).
+"""The rollout TensorDict's key names, in one place (docs/design.md, "The rollout TensorDict").
 
 Every module that reads or writes a rollout goes through :data:`KEYS`; the math in
 :mod:`textrl.functional` never sees a key. Nested keys are tuples, as in TensorDict.

@@ -2,11 +2,11 @@
 
 :func:`collect` is phases 1-3 of the training loop (rollout, rewards, advantages) for one batch
 of prompts: the agent samples responses with batched ``model.generate`` (its fast path), the
-prompt batch turns them into the DESIGN.md §3 rows the token MDP would pay, and the agent fills
+prompt batch turns them into the rows (docs/design.md, "The rollout TensorDict") the token MDP would pay, and the agent fills
 in log-probs, values and advantages. :func:`evaluate_prompts` scores held-out prompts without
 touching the agent's state.
 
-Both sides are duck-typed, so this module imports no environment or agent (DESIGN.md §2):
+Both sides are duck-typed, so this module imports no environment or agent (docs/design.md, "Layers"):
 
 - the agent: ``act(input_ids, attention_mask, greedy=...) -> int64 [B, T]``, optionally
   ``process_rollout(td, timings=...) -> td``, and the attributes ``config`` (``max_new_tokens``),
@@ -87,7 +87,7 @@ def collect(
     reward_nonfinite: str = "raise",
     check_finite: bool = True,
 ) -> TensorDictBase:
-    """One rollout TensorDict (DESIGN.md §3, ``batch_size=[B]``) for a batch of prompts.
+    """One rollout TensorDict (docs/design.md, "The rollout TensorDict", ``batch_size=[B]``) for a batch of prompts.
 
     1. ``agent.act`` samples a response per row (micro-batched generation inside the agent);
     2. ``batch.rollout`` scores them with ``reward_fn`` (a callable or a spec string such as

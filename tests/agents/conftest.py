@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from textrl.agents import AGENTS
 from textrl.envs import rollout_from_responses
+
 from textrl.config import TrainConfig
 from textrl.models import ValueModel, build_tiny_causal_lm, build_tiny_tokenizer
 

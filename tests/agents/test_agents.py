@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict
-
 from textrl.agents import AGENTS, GAEPPO, OneStepPPO, make_agent
 from textrl.agents.base import SCORE
+
 from tests.agents.conftest import collect, make_config, record_loss_stats
 from tests.agents.conftest import make_agent as build
 from textrl.checks import check_rollout

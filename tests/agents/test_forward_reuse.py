@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from textrl.agents.base import position_ids_for, sequence_inputs
 from torch import nn
 
-from textrl.agents.base import position_ids_for, sequence_inputs
 from tests.agents.conftest import collect, make_agent
 from textrl.keys import KEYS
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from textrl.agents.base import SCORE
+
 from tests.agents.conftest import collect, make_agent
 from textrl.keys import KEYS
 

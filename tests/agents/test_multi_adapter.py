@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 from peft import PeftModel, get_peft_model
-
 from textrl.agents import AGENTS, MultiAdapterPPO, make_agent
+
 from tests.agents.conftest import collect, make_config, record_loss_stats
 from textrl.checks import check_rollout
 from textrl.config import TrainConfig
@@ -210,6 +210,7 @@ def test_runs_through_rollout_collect(tok, reward_dir):
     from textrl.envs.prompts import encode_prompts
     from textrl.envs.tasks import make_digits_task
     from textrl.rewards import CompositeReward, NeuralReward, parse_reward_spec
+
     from textrl.rollout import collect as rollout_collect
 
     agent = build(tok, reward_dir, prompts_per_iteration=4)

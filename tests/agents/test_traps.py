@@ -16,9 +16,9 @@ import math
 
 import pytest
 import torch
-
 from textrl.envs import rollout_from_responses
 from textrl.rewards import NeuralReward
+
 from tests.agents.conftest import PROMPTS, collect, make_agent
 from tests.rewards.test_neural import char_tokenizer
 from textrl.functional import clipped_policy_loss, grpo_advantage, rloo_advantage

@@ -6,9 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from textrl.envs.fast_path import PromptTable, default_tokenizer, rollout_from_responses
 from textrl.rewards import RewardError, parse_reward_spec, think_format_reward
+
 from textrl.checks import check_rollout
 from textrl.keys import KEYS
 from textrl.models import build_tiny_tokenizer

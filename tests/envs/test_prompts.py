@@ -9,7 +9,6 @@ from collections import Counter
 
 import pytest
 import torch
-
 from textrl.envs.prompts import PromptDataset, PromptSampler, encode_prompts, load_prompts
 from textrl.envs.tasks import (
     DATA_DIR,
@@ -19,6 +18,7 @@ from textrl.envs.tasks import (
     warmup_examples,
     write_jsonl,
 )
+
 from textrl.models import build_tiny_tokenizer
 
 FORMAT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL)

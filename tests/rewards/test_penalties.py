@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from textrl.rewards import length_penalty, missing_eos_penalty, repetition_penalty
 
 LENGTH_CASES = [

@@ -4,7 +4,6 @@ import textwrap
 
 import pytest
 import torch
-
 from textrl.rewards import (
     REWARDS,
     CompositeReward,

@@ -101,7 +101,7 @@ def response_mask(
       is not ``pad_token_id`` when ``pad_token_id`` is given and is not an EOS id (so a row of
       only pads is all False); otherwise it is all True.
 
-    Source: DESIGN.md §3 (EOS is an action, inside the mask); TRL ``PPOTrainer`` truncation
+    Source: docs/design.md, "The rollout TensorDict" (EOS is an action, inside the mask); TRL ``PPOTrainer`` truncation
     (``first_true_indices(tokens == eos) + 1``).
     """
     check_2d("tokens", tokens)

@@ -1,6 +1,6 @@
 """LoRA adapters on one (optionally 4-bit NF4) base model: loading, reward adapters, merging.
 
-The pieces the multi-adapter stages share (DESIGN.md §5, MA-RLHF):
+The pieces the multi-adapter stages share (docs/design.md, "Agents", MA-RLHF):
 
 - :func:`load_base_model` loads a causal LM, quantised to 4-bit NF4 with bitsandbytes on request;
 - :func:`lora_config` is the one LoRA recipe every stage uses (causal-LM task, no bias);
