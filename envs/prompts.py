@@ -34,7 +34,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from tensordict import TensorDict
-from textrl.envs.fast_path import rollout_from_responses, row_messages
+from textrl.envs.fast_path import rollout_from_responses
 from textrl.envs.tasks import BUILTIN_TASKS, DATA_DIR
 from torch import Tensor
 
@@ -115,6 +115,27 @@ def _normalize_row(raw: Any, where: str) -> dict[str, Any]:
             f"list, got fields {sorted(row)}"
         )
     return row
+
+
+def row_messages(row: Mapping[str, Any], index: int) -> tuple[list[dict[str, str]], str]:
+    """(chat messages, prompt text for the rewards) of a row with ``prompt`` or ``messages``."""
+    messages = row.get("messages")
+    prompt = row.get("prompt")
+    if messages is None and isinstance(prompt, list):
+        messages = prompt
+    if messages is not None:
+        user = [m.get("content", "") for m in messages if m.get("role") == "user"]
+        text = prompt if isinstance(prompt, str) else (user[-1] if user else "")
+        if not any(str(m.get("content", "")).strip() for m in messages):
+            raise ValueError(f"prompt {index} is empty (its messages have no content)")
+        return list(messages), text
+    if not isinstance(prompt, str):
+        raise ValueError(
+            f"prompt {index} is {row!r}: a row needs a 'prompt' str (or a 'messages' list)"
+        )
+    if not prompt.strip():
+        raise ValueError(f"prompt {index} is empty; remove it or give it text")
+    return [{"role": "user", "content": prompt}], prompt
 
 
 def _row_messages(row: Mapping[str, Any]) -> list[dict[str, str]]:

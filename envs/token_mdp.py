@@ -40,11 +40,10 @@ from textrl.envs.fast_path import (
     DEFAULT_REWARD,
     PLACEMENTS,
     RewardLike,
-    TokenMDPSetup,
     place_score,
-    row_messages,
     score_completions,
 )
+from textrl.envs.prompt_table import TokenMDPSetup, row_messages
 
 ENV_ID = "textrl/TokenMDP-v0"
 

@@ -47,10 +47,10 @@ from tensordict import TensorDict, TensorDictBase
 from textrl.envs.fast_path import (
     DEFAULT_REWARD,
     RewardLike,
-    TokenMDPSetup,
     reward_component_names,
     score_completions,
 )
+from textrl.envs.prompt_table import TokenMDPSetup
 from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
 

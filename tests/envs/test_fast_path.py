@@ -6,7 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from textrl.envs.fast_path import PromptTable, default_tokenizer, rollout_from_responses
+from textrl.envs.fast_path import default_tokenizer, rollout_from_responses
+from textrl.envs.prompt_table import PromptTable
 from textrl.rewards import RewardError, parse_reward_spec, think_format_reward
 
 from textrl.checks import check_rollout
