@@ -101,7 +101,7 @@ class PPORun:
     evaluates: bool
     """Whether this process runs the held-out evaluation (the main one; all under FSDP / ZeRO-3)."""
     output_dir: Path
-    checkpoint: Path | None
+    resume_from: Path | None
     """The verified checkpoint ``--resume`` continues from (None: a fresh run)."""
     log: Any = print
     metrics: MetricsLog | None = None
@@ -176,10 +176,10 @@ class PPORun:
         """Load the ``--resume`` checkpoint (verified already) and open the logs, cut back to it;
         the iteration the run continues after (0 for a fresh run)."""
         start = 0
-        if self.checkpoint is not None:
-            start = load_checkpoint(self.checkpoint, self.agent, self.sampler, verify=False, dist=self.dist)
-            self.log(f"resumed from {self.checkpoint} (iteration {start})")
-        resume_after = start if self.checkpoint is not None else None
+        if self.resume_from is not None:
+            start = load_checkpoint(self.resume_from, self.agent, self.sampler, verify=False, dist=self.dist)
+            self.log(f"resumed from {self.resume_from} (iteration {start})")
+        resume_after = start if self.resume_from is not None else None
         self.metrics = MetricsLog(self.output_dir, self.main, resume_after=resume_after)
         self.samples = SamplesLog(self.output_dir, self.main, resume_after=start or None)
         return start
@@ -269,7 +269,7 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     # held-out evaluation: the main process alone, unless the forwards are collectives (FSDP, ZeRO-3)
     evaluates = main or agent.partitions_weights
     return PPORun(config=config, agent=agent, sampler=sampler, reward_fn=reward_fn, eval_batches=eval_batches,
-                  dist=dist, main=main, evaluates=evaluates, output_dir=output_dir, checkpoint=checkpoint, log=log)
+                  dist=dist, main=main, evaluates=evaluates, output_dir=output_dir, resume_from=checkpoint, log=log)
 
 
 def _weights_across_processes(agent, dist: Distributed) -> dict[str, Any]:
