@@ -132,37 +132,49 @@ def save_checkpoint(
     tmp = root / f".tmp_iter_{iteration:06d}_{os.getpid()}"
     try:
         tmp.mkdir()
-        if agent_state is None:
-            agent_state = agent.state_dict()
-        if getattr(agent, "gathers_state", False):  # full weights, gathered into agent_state
-            policy_state = {k.removeprefix("policy."): v for k, v in agent_state.items() if k.startswith("policy.")}
-            agent.policy.save_pretrained(tmp / "policy", state_dict=policy_state)
-        else:
-            agent.policy.save_pretrained(tmp / "policy")
-        agent.tokenizer.save_pretrained(tmp / "policy")
-        torch.save(
-            {"agent": agent_state, "sampler": sampler.state_dict(), "rng": rng_state(),
-             "rng_per_process": rng_per_process, "iteration": iteration},
-            tmp / "trainer_state.pt",
-        )
-        _write_manifest(tmp, iteration)
+        _write_checkpoint(tmp, iteration, agent, sampler, rng_per_process, agent_state)
         if final.exists():  # this iteration saved before (e.g. by an earlier run into this folder)
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync(root)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        previous = complete_checkpoints(root)
-        intact = f"{previous[-1]} is intact" if previous else "there is no earlier checkpoint"
-        raise OSError(err.errno, f"could not write checkpoint {final} ({err.strerror or err}); the "
-                      f"partial copy was removed and {intact}. Free disk space (or lower "
-                      "keep_checkpoints), then resume with --resume") from err
+        raise _save_failed(err, final) from err
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     for old in complete_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _write_checkpoint(folder: Path, iteration: int, agent, sampler, rng_per_process: list[dict[str, Any]] | None,
+                      agent_state: dict[str, Any] | None) -> None:
+    """The files of a checkpoint into ``folder``: ``policy/`` (model and tokenizer),
+    ``trainer_state.pt`` (agent, sampler, this process's RNGs and every process's), the manifest."""
+    if agent_state is None:
+        agent_state = agent.state_dict()
+    if getattr(agent, "gathers_state", False):  # full weights, gathered into agent_state
+        policy_state = {k.removeprefix("policy."): v for k, v in agent_state.items() if k.startswith("policy.")}
+        agent.policy.save_pretrained(folder / "policy", state_dict=policy_state)
+    else:
+        agent.policy.save_pretrained(folder / "policy")
+    agent.tokenizer.save_pretrained(folder / "policy")
+    torch.save(
+        {"agent": agent_state, "sampler": sampler.state_dict(), "rng": rng_state(),
+         "rng_per_process": rng_per_process, "iteration": iteration},
+        folder / "trainer_state.pt",
+    )
+    _write_manifest(folder, iteration)
+
+
+def _save_failed(err: OSError, final: Path) -> OSError:
+    """The ``OSError`` of a failed save: which checkpoint, why, which earlier one is intact, what to do."""
+    previous = complete_checkpoints(final.parent)
+    intact = f"{previous[-1]} is intact" if previous else "there is no earlier checkpoint"
+    return OSError(err.errno, f"could not write checkpoint {final} ({err.strerror or err}); the "
+                   f"partial copy was removed and {intact}. Free disk space (or lower "
+                   "keep_checkpoints), then resume with --resume")
 
 
 def load_checkpoint(path: str | Path, agent, sampler, verify: bool = True, dist: Distributed | None = None) -> int:
@@ -182,7 +194,13 @@ def load_checkpoint(path: str | Path, agent, sampler, verify: bool = True, dist:
                               f"or corrupt: delete {path} to resume from an earlier checkpoint") from err
     agent.load_state_dict(state["agent"])
     sampler.load_state_dict(state["sampler"])
-    dist = dist or Distributed()
+    _restore_rngs(state, dist or Distributed(), path)
+    return int(state["iteration"])
+
+
+def _restore_rngs(state: dict[str, Any], dist: Distributed, path: Path) -> None:
+    """Each process's own RNGs where the checkpoint has them for this many processes, else the
+    main process's (with a warning: the sampling stream differs from an uninterrupted run's)."""
     per_process = state.get("rng_per_process")
     if dist.enabled and per_process is not None and len(per_process) == dist.world_size:
         set_rng_state(per_process[dist.rank])
@@ -191,8 +209,7 @@ def load_checkpoint(path: str | Path, agent, sampler, verify: bool = True, dist:
     if (len(per_process) if per_process else 1) != dist.world_size:
         warnings.warn(f"{path} was saved by {len(per_process) if per_process else 1} process(es) and is "
                       f"resumed by {dist.world_size}: the run continues, but the sampling stream is not "
-                      "the one an uninterrupted run would have drawn", stacklevel=2)
-    return int(state["iteration"])
+                      "the one an uninterrupted run would have drawn", stacklevel=3)
 
 
 __all__ = [
