@@ -8,7 +8,11 @@ from pathlib import Path
 
 
 class MetricsLog:
-    """``metrics.jsonl`` (one flushed line per iteration), TensorBoard, and the curve plot."""
+    """``metrics.jsonl`` (one flushed line per iteration), TensorBoard, and the curve plot.
+
+    A fresh run (``resume_after`` None) starts ``metrics.jsonl`` anew; a resumed one keeps the
+    rows up to ``resume_after`` (in ``rows`` too). Only an ``enabled`` log writes files.
+    """
 
     def __init__(self, output_dir: Path, enabled: bool, resume_after: int | None) -> None:
         self.path = output_dir / "metrics.jsonl"
@@ -28,6 +32,7 @@ class MetricsLog:
         self.writer = SummaryWriter(str(output_dir / "tb"))
 
     def write(self, row: dict[str, float]) -> None:
+        """Append one iteration's row (kept in ``rows`` on every process, written on the main one)."""
         self.rows.append(row)
         if not self.enabled:
             return
@@ -39,6 +44,7 @@ class MetricsLog:
                 self.writer.add_scalar(key, value, row["iteration"])
 
     def plot(self, path: Path) -> None:
+        """``curves.png``: rollout and held-out reward, and KL at collection, per iteration."""
         if not self.enabled or not self.rows:
             return
         import matplotlib
@@ -64,6 +70,7 @@ class MetricsLog:
         plt.close(fig)
 
     def close(self) -> None:
+        """Flush and close the TensorBoard writer."""
         if self.writer is not None:
             self.writer.close()
 
