@@ -152,13 +152,16 @@ class PPORun:
         return self.nonfinite_streak >= self.config.max_nonfinite_updates
 
     def stop_message(self, iteration: int, signum: int | None, saved: Path | None) -> str:
+        """:func:`stop_message`: why the run stopped, where its checkpoint is, how to resume."""
         return stop_message(self.config, iteration, signum, self.nonfinite_streak, saved)
 
     def postfix(self, row: dict[str, Any]) -> dict[str, str]:
+        """The progress bar's rollout reward and KL at collection."""
         return {"reward": f"{row['reward/mean']:.3f}", "kl": f"{row.get('kl/collection', 0.0):.3f}"}
 
     @property
     def nonfinite_streak(self) -> int:
+        """Consecutive updates the agent skipped for NaN/inf (0 for an agent that never skips)."""
         return getattr(self.agent, "nonfinite_streak", 0)
 
     def metrics_row(self, iteration: int, td, n_rows: int, update_metrics: dict[str, float]) -> dict[str, float]:
@@ -181,7 +184,7 @@ class PPORun:
             self.log(f"resumed from {self.resume_from} (iteration {start})")
         resume_after = start if self.resume_from is not None else None
         self.metrics = MetricsLog(self.output_dir, self.main, resume_after=resume_after)
-        self.samples = SamplesLog(self.output_dir, self.main, resume_after=start or None)
+        self.samples = SamplesLog(self.output_dir, self.main, resume_after=resume_after)
         return start
 
     def evaluate_before(self, start: int) -> dict[str, float] | None:

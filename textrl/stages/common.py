@@ -519,26 +519,32 @@ class StageSteps:
         self.after = state.before
 
     def step(self, step: int, timings: dict[str, float]) -> dict[str, Any]:
+        """One AdamW step on the next batch of rows; the metrics row."""
         rows = [self.train_rows[i] for i in self.order.next_batch(self.config.batch_size)]
         metrics = train_step(rows, self.loss_fn, self.state.params, self.state.optimizer, self.config.max_grad_norm)
         return {"iteration": step, **metrics}
 
     def evaluate(self, step: int, timings: dict[str, float]) -> dict[str, float]:
+        """The stage's held-out metrics under ``eval/``."""
         self.after = self._evaluate()
         return {f"eval/{k}": v for k, v in self.after.items()}
 
     def checkpoint(self, step: int, stopping: bool) -> Path:
+        """``checkpoints/iter_NNNNNN`` after ``step``."""
         return save_stage_checkpoint(Path(self.config.output_dir), step, self.state, self.order,
                                      self.config.keep_checkpoints)
 
     def faulted(self) -> bool:
+        """A stage stops on a signal only."""
         return False
 
     def stop_message(self, step: int, signum: int | None, saved: Path | None) -> str:
+        """``textrl NAME: stopped by SIGTERM after step 3 of 6; ...``: the command that resumes."""
         return signal_message(self.name, "step", step, self.config.steps, signum, saved,
                               Path(self.config.output_dir) / "config.yaml")
 
     def postfix(self, row: dict[str, Any]) -> dict[str, str]:
+        """The progress bar's loss."""
         return {"loss": f"{row['loss']:.3f}"}
 
 
