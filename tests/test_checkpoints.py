@@ -12,19 +12,19 @@ import torch
 from textrl.envs import PromptSampler
 
 from tests.agents.conftest import make_agent
-from textrl import trainer
 from textrl.config import TrainConfig
 from textrl.models import build_tiny_tokenizer
-from textrl.trainer import (
+from textrl.run import (
     CHECKPOINT_MARKER,
     CheckpointError,
-    check_run,
+    checkpoints,
     latest_checkpoint,
     load_checkpoint,
     resume_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
+from textrl.trainer import check_run
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, run, mo
             f.truncate(100)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(trainer.torch, "save", full_disk)
+    monkeypatch.setattr(checkpoints.torch, "save", full_disk)
     with pytest.raises(OSError, match=r"could not write checkpoint .*iter_000002 \(No space left") as err:
         _save(tmp_path, run, 2, keep=1)
     monkeypatch.undo()
@@ -128,7 +128,7 @@ def test_an_interrupted_save_leaves_no_partial_folder(tmp_path, run, monkeypatch
     def interrupted(folder, iteration):
         raise KeyboardInterrupt  # a second Ctrl-C while files are being flushed
 
-    monkeypatch.setattr(trainer, "_write_manifest", interrupted)
+    monkeypatch.setattr(checkpoints, "_write_manifest", interrupted)
     with pytest.raises(KeyboardInterrupt):
         _save(tmp_path, run, 2)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["iter_000001"]

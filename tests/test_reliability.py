@@ -23,7 +23,8 @@ from textrl.cli import main
 from textrl.config import TrainConfig
 from textrl.keys import KEYS
 from textrl.models import build_tiny_tokenizer
-from textrl.trainer import TrainingStopped, check_run, latest_checkpoint
+from textrl.run import TrainingStopped, checkpoints, latest_checkpoint
+from textrl.trainer import check_run
 
 
 @pytest.fixture(autouse=True)
@@ -87,13 +88,13 @@ def test_sigint_stops_after_the_iteration_and_a_second_one_aborts_without_a_part
     assert latest_checkpoint(out).name == "iter_000001"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
 
-    write_manifest = trainer._write_manifest
+    write_manifest = checkpoints._write_manifest
 
     def second_ctrl_c(folder, iteration):
         os.kill(os.getpid(), signal.SIGINT)  # while the checkpoint of the first one is written
         write_manifest(folder, iteration)
 
-    monkeypatch.setattr(trainer, "_write_manifest", second_ctrl_c)
+    monkeypatch.setattr(checkpoints, "_write_manifest", second_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         main(["train", "--iterations", "3", "--output-dir", str(out), "--resume", *SMALL])
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter_000001"]

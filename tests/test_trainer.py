@@ -10,7 +10,7 @@ import torch
 from tests.runs import SMALL, checkpoint_tensors
 from tests.runs import metrics as _metrics
 from textrl.cli import main
-from textrl.trainer import latest_checkpoint
+from textrl.run import latest_checkpoint
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from textrl.config import TrainConfig, build_config
-    from textrl.trainer import CheckpointError, check_run, train
+    from textrl.run import CheckpointError
+    from textrl.trainer import check_run, train
 
     config: TrainConfig = build_config(args, TrainConfig)
     try:

@@ -124,7 +124,7 @@ def test_pipeline_stopped_in_ppo_resumes_to_the_uninterrupted_result(tmp_path, m
 
     from textrl.agents import GAEPPO
 
-    from textrl.trainer import TrainingStopped
+    from textrl.run import TrainingStopped
 
     full, part = tmp_path / "full", tmp_path / "part"
     assert main(["pipeline", "--output-dir", str(full), *TINY]) == 0

@@ -13,13 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from textrl import trainer
 from textrl.cli import main
+from textrl.run import CHECKPOINT_MARKER, MetricsLog, TrainingStopped, latest_checkpoint
 from textrl.stages import sft
 from textrl.stages.common import BatchOrder
 from textrl.stages.dpo import DPOConfig, train_dpo
 from textrl.stages.sft import SFTConfig, train_sft
-from textrl.trainer import TrainingStopped, latest_checkpoint
 from textrl.warmup import _batch_order
 
 TINY = {"steps": 6, "batch_size": 4, "eval_size": 4, "eval_every": 2, "checkpoint_every": 2,
@@ -61,14 +60,14 @@ def uninterrupted(tmp_path_factory):
 
 
 def _crash_after_row(monkeypatch, iteration: int) -> None:
-    write = trainer.MetricsLog.write
+    write = MetricsLog.write
 
     def write_then_crash(self, row):
         write(self, row)
         if row["iteration"] == iteration:
             raise Crash(f"killed after step {iteration}")
 
-    monkeypatch.setattr(trainer.MetricsLog, "write", write_then_crash)
+    monkeypatch.setattr(MetricsLog, "write", write_then_crash)
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
@@ -138,7 +137,7 @@ def _flags(options: dict) -> list[str]:
 def _fake_checkpoint(out, step: int, files: dict | None = None):
     path = out / "checkpoints" / f"iter_{step:06d}"
     path.mkdir(parents=True)
-    (path / trainer.CHECKPOINT_MARKER).write_text(json.dumps({"iteration": step, "files": files or {}}))
+    (path / CHECKPOINT_MARKER).write_text(json.dumps({"iteration": step, "files": files or {}}))
     return path
 
 

@@ -5,14 +5,16 @@
   :func:`add_stage_arguments` (the trainer's config machinery; help text for inherited fields too).
 - :func:`load_policy` / :func:`save_policy`: a causal LM, fully trainable or with a LoRA adapter
   (optionally on a 4-bit NF4 base), saved atomically as a full model or an adapter folder.
-- :func:`fit`: the loop every stage runs: AdamW steps over shuffled batches, evaluation before,
-  every ``eval_every`` steps and at the end, ``metrics.jsonl`` / TensorBoard through the
-  trainer's :class:`~textrl.trainer.MetricsLog`, optional checkpoints, the final model.
-- Resume (``--resume``) with the trainer's checkpoint machinery: ``checkpoints/iter_NNNNNN/``
-  written atomically by :func:`textrl.trainer.save_checkpoint` (a manifest of sha256 sums marks
-  it complete) holding the model as ``model/`` will be (``policy/``) and ``trainer_state.pt``:
-  the trainable tensors, the AdamW state, the :class:`BatchOrder` and every RNG. SIGINT / SIGTERM
-  finish the current step, save a checkpoint and raise :class:`~textrl.trainer.TrainingStopped`.
+- :func:`fit`: what every stage trains with: AdamW steps over shuffled batches
+  (:class:`StageSteps`), driven by :class:`textrl.run.RunLoop` as ``textrl train``'s PPO
+  iterations are: evaluation before, every ``eval_every`` steps and at the end,
+  ``metrics.jsonl`` / TensorBoard (:class:`textrl.run.MetricsLog`), optional checkpoints, the
+  final model.
+- Resume (``--resume``) with the run package's checkpoints: ``checkpoints/iter_NNNNNN/`` written
+  atomically by :func:`textrl.run.save_checkpoint` (a manifest of sha256 sums marks it complete)
+  holding the model as ``model/`` will be (``policy/``) and ``trainer_state.pt``: the trainable
+  tensors, the AdamW state, the :class:`BatchOrder` and every RNG. SIGINT / SIGTERM finish the
+  current step, save a checkpoint and raise :class:`textrl.run.TrainingStopped`.
 
 Every stage writes to ``output_dir``: ``config.yaml`` (resolved config), ``metrics.jsonl``,
 ``tb/``, ``summary.json`` (held-out metrics before and after) and ``model/`` (the result).
@@ -26,8 +28,6 @@ import hashlib
 import json
 import math
 import os
-import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,6 +49,20 @@ from textrl.config import (
     save_config,
 )
 from textrl.models.adapters import write_atomically
+from textrl.run import (
+    CHECKPOINT_MARKER,
+    CheckpointError,
+    MetricsLog,
+    RunLoop,
+    complete_checkpoints,
+    load_checkpoint,
+    refuse_earlier_run,
+    resolve_device,
+    resume_checkpoint,
+    save_checkpoint,
+    seed_everything,
+    signal_message,
+)
 
 ADAPTER_META = "textrl_adapter.json"
 """Written next to a policy LoRA adapter: ``{"format": "textrl-lora", "version": 1, "base_model",
@@ -338,8 +352,6 @@ def prepare_run(config: Any) -> tuple[torch.device, Path, Path | None]:
     """Validate, check the output folder (:func:`resume_point`), seed, resolve the device, create
     ``output_dir`` and write ``config.yaml``; return the device, the folder and the checkpoint
     ``--resume`` continues from (None for a fresh run). Nothing loads a model before this."""
-    from textrl.trainer import resolve_device, seed_everything
-
     config.validate()
     checkpoint = resume_point(config)
     device = resolve_device(config.device)
@@ -357,24 +369,11 @@ def resume_point(config: StageConfig) -> Path | None:
     train``'s ``check_run``), when ``--resume`` finds no checkpoint or none that verifies, or when
     the newest one is already at ``--steps``.
     """
-    from textrl.trainer import (
-        CHECKPOINT_MARKER,
-        CheckpointError,
-        _complete_checkpoints,
-        resume_checkpoint,
-    )
-
-    root = Path(config.output_dir) / "checkpoints"
-    existing = _complete_checkpoints(root)
+    refuse_earlier_run(config)
     if not config.resume:
-        if existing:
-            raise ValueError(
-                f"output_dir={config.output_dir!r} holds checkpoints of an earlier run (newest: "
-                f"{existing[-1].name}); pass --resume to continue it, or choose another --output-dir "
-                f"(or delete {root}) to start over"
-            )
         return None
-    if not existing:
+    root = Path(config.output_dir) / "checkpoints"
+    if not complete_checkpoints(root):
         raise ValueError(f"--resume: no checkpoint in {root} (none saved, or every save was cut "
                          "short); run without --resume to start, or pass the --output-dir of the run "
                          "to continue")
@@ -429,10 +428,11 @@ class BatchOrder:
 
 
 class StageState:
-    """A stage's trainable state in the shape the trainer's ``save_checkpoint`` /
-    ``load_checkpoint`` expect of an agent: ``policy.save_pretrained(path)`` writes the model as
-    ``save`` writes ``model/`` (the tokenizer with it); ``state_dict()`` holds the trainable
-    tensors, the AdamW state and the held-out metrics before training (``before``)."""
+    """A stage's trainable state in the shape :func:`textrl.run.save_checkpoint` /
+    :func:`~textrl.run.load_checkpoint` expect of an agent: ``policy.save_pretrained(path)``
+    writes the model as ``save`` writes ``model/`` (the tokenizer with it); ``state_dict()``
+    holds the trainable tensors, the AdamW state and the held-out metrics before training
+    (``before``)."""
 
     device = torch.device("cpu")  # load_checkpoint's map_location: RNG states must be CPU tensors;
     # the copies below and AdamW's load_state_dict move the rest to the parameters' device
@@ -483,10 +483,8 @@ def fit(
     :class:`BatchOrder` seeded with ``config.seed``. ``resume_from`` (a verified checkpoint, see
     :func:`prepare_run`) restores the state after its step, and ``metrics.jsonl`` keeps only the
     rows up to it. SIGINT / SIGTERM finish the current step, save a checkpoint and raise
-    :class:`~textrl.trainer.TrainingStopped`, whose message says how to resume.
+    :class:`~textrl.run.TrainingStopped`, whose message says how to resume.
     """
-    from textrl.trainer import MetricsLog, StopSignals
-
     output_dir = Path(config.output_dir)
     params = [p for p in params if p.requires_grad]
     if not params:
@@ -498,41 +496,56 @@ def fit(
     began = time.perf_counter()
     if resume_from is None:
         state.before = evaluate()
-    after = state.before
-    progress = _progress_bar(config, name, start)
-    with StopSignals() as signals:
-        for step in range(start + 1, config.steps + 1):
-            t0 = time.perf_counter()
-            # 1. one AdamW step on the next batch
-            rows = [train_rows[i] for i in order.next_batch(config.batch_size)]
-            row = {"iteration": step, **train_step(rows, loss_fn, params, optimizer, config.max_grad_norm)}
-            # 2. held-out evaluation when due, the metrics row
-            if step == config.steps or (config.eval_every and step % config.eval_every == 0):
-                after = evaluate()
-                row.update({f"eval/{k}": v for k, v in after.items()})
-            row["time/step_s"] = time.perf_counter() - t0
-            log.write(row)
-            if progress is not None:
-                progress.set_postfix(loss=f"{row['loss']:.3f}")
-                progress.update(1)
-            # 3. a checkpoint when due or when a signal asks to stop (the last step just finishes)
-            stop = signals.received is not None and step < config.steps
-            if stop or _checkpoint_due(config, step):
-                saved = save_stage_checkpoint(output_dir, step, state, order, config.keep_checkpoints)
-            if stop:
-                _close(progress, log)
-                raise stopped(name, config, step, signals.received, saved)
-    _close(progress, log)
+    steps = StageSteps(config, name, train_rows, loss_fn, evaluate, state, order)
+    RunLoop(name, config.steps, log, eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
+            checkpoint_last=False, timing="step", progress=config.progress).run(steps, start)
     save(output_dir / MODEL_DIR)
-    summary = {"stage": name, "before": state.before, "after": after, "model": str(output_dir / MODEL_DIR),
+    summary = {"stage": name, "before": state.before, "after": steps.after, "model": str(output_dir / MODEL_DIR),
                "steps": config.steps, "seconds": time.perf_counter() - began}
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def _checkpoint_due(config: StageConfig, step: int) -> bool:
-    """Every ``checkpoint_every`` steps but the last (``model/`` holds that one)."""
-    return bool(config.checkpoint_every) and step % config.checkpoint_every == 0 and step < config.steps
+class StageSteps:
+    """A stage's side of :class:`~textrl.run.RunLoop`: one AdamW step on the next batch per
+    iteration, the held-out evaluation, checkpoints (every ``checkpoint_every`` steps but the
+    last, whose model ``model/`` holds, and on a signal). ``after``: the latest evaluation."""
+
+    def __init__(self, config: StageConfig, name: str, train_rows: Sequence[Any],
+                 loss_fn: Callable[[list[Any]], tuple[Tensor, dict[str, float]]],
+                 evaluate: Callable[[], dict[str, float]], state: StageState, order: BatchOrder) -> None:
+        self.config, self.name, self.train_rows = config, name, train_rows
+        self.loss_fn, self._evaluate, self.state, self.order = loss_fn, evaluate, state, order
+        self.after = state.before
+
+    def step(self, step: int, timings: dict[str, float]) -> dict[str, Any]:
+        """One AdamW step on the next batch of rows; the metrics row."""
+        rows = [self.train_rows[i] for i in self.order.next_batch(self.config.batch_size)]
+        metrics = train_step(rows, self.loss_fn, self.state.params, self.state.optimizer, self.config.max_grad_norm)
+        return {"iteration": step, **metrics}
+
+    def evaluate(self, step: int, timings: dict[str, float]) -> dict[str, float]:
+        """The stage's held-out metrics under ``eval/``."""
+        self.after = self._evaluate()
+        return {f"eval/{k}": v for k, v in self.after.items()}
+
+    def checkpoint(self, step: int, stopping: bool) -> Path:
+        """``checkpoints/iter_NNNNNN`` after ``step``."""
+        return save_stage_checkpoint(Path(self.config.output_dir), step, self.state, self.order,
+                                     self.config.keep_checkpoints)
+
+    def faulted(self) -> bool:
+        """A stage stops on a signal only."""
+        return False
+
+    def stop_message(self, step: int, signum: int | None, saved: Path | None) -> str:
+        """``textrl NAME: stopped by SIGTERM after step 3 of 6; ...``: the command that resumes."""
+        return signal_message(self.name, "step", step, self.config.steps, signum, saved,
+                              Path(self.config.output_dir) / "config.yaml")
+
+    def postfix(self, row: dict[str, Any]) -> dict[str, str]:
+        """The progress bar's loss."""
+        return {"loss": f"{row['loss']:.3f}"}
 
 
 def train_step(
@@ -555,8 +568,6 @@ def train_step(
 def restore(checkpoint: Path, state: StageState, order: BatchOrder) -> int:
     """Load ``checkpoint`` (verified already) into ``state``, ``order`` and the RNGs; its step.
     A checkpoint of another model or other data raises ``ValueError`` naming it."""
-    from textrl.trainer import load_checkpoint
-
     try:
         step = load_checkpoint(checkpoint, state, order, verify=False)
     except ValueError as err:
@@ -567,37 +578,9 @@ def restore(checkpoint: Path, state: StageState, order: BatchOrder) -> int:
 
 def save_stage_checkpoint(output_dir: Path, step: int, state: StageState, order: BatchOrder,
                           keep: int) -> Path:
-    """``checkpoints/iter_NNNNNN`` through the trainer's atomic, manifest-marked
-    :func:`~textrl.trainer.save_checkpoint` (the ``keep`` newest stay); its path."""
-    from textrl.trainer import save_checkpoint
-
+    """``checkpoints/iter_NNNNNN`` through the atomic, manifest-marked
+    :func:`textrl.run.save_checkpoint` (the ``keep`` newest stay); its path."""
     return save_checkpoint(output_dir, step, state, order, keep)
-
-
-def stopped(name: str, config: StageConfig, step: int, signum: int, saved: Path) -> Exception:
-    """The :class:`~textrl.trainer.TrainingStopped` of a signal (message printed to stderr, as
-    ``textrl train`` does): where the checkpoint is and the command that resumes."""
-    from textrl.trainer import TrainingStopped
-
-    resume = f"textrl {name} --config {Path(config.output_dir) / 'config.yaml'} --resume"
-    message = (f"textrl {name}: stopped by {signal.Signals(signum).name} after step {step} of "
-               f"{config.steps}; checkpoint saved in {saved}. Resume with: {resume}")
-    print(message, file=sys.stderr, flush=True)
-    return TrainingStopped(message, 128 + signum)
-
-
-def _progress_bar(config: StageConfig, name: str, start: int) -> Any:
-    if not config.progress:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=config.steps, initial=start, desc=name, dynamic_ncols=True)
-
-
-def _close(progress: Any, log: Any) -> None:
-    if progress is not None:
-        progress.close()
-    log.close()
 
 
 def format_summary(summary: dict[str, Any], keys: Sequence[str]) -> str:
@@ -616,6 +599,7 @@ __all__ = [
     "BatchOrder",
     "StageConfig",
     "StageState",
+    "StageSteps",
     "adapter_base",
     "add_lora",
     "add_stage_arguments",
@@ -636,7 +620,6 @@ __all__ = [
     "save_stage_checkpoint",
     "source_rows",
     "split_rows",
-    "stopped",
     "train_step",
     "write_atomically",
 ]

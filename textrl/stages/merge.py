@@ -57,7 +57,7 @@ def merge(config: MergeConfig) -> dict[str, Any]:
 
     from textrl.models import load_tokenizer
     from textrl.models.adapters import load_base_model, merge_adapter, save_merged_model
-    from textrl.trainer import resolve_device
+    from textrl.run import resolve_device
 
     config.validate()
     base_name = config.base_model or adapter_base(config.adapter)

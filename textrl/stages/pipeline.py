@@ -164,9 +164,9 @@ RESUME_FREE = {"resume", "progress", "threads", "device"}
 
 def _has_checkpoints(stage_dir: Path) -> bool:
     """Whether a stage left complete checkpoints (listed, not hashed: the stage verifies on resume)."""
-    from textrl.trainer import _complete_checkpoints
+    from textrl.run import complete_checkpoints
 
-    return bool(_complete_checkpoints(stage_dir / "checkpoints"))
+    return bool(complete_checkpoints(stage_dir / "checkpoints"))
 
 
 def check_resumable(config: PipelineConfig) -> None:
@@ -273,7 +273,7 @@ def _stage(config: PipelineConfig, name: str, run: Any) -> dict[str, Any]:
     """Run one stage (``run(resume) -> summary``). Resuming: a finished stage (its ``summary.json``)
     is read back, not rerun; an interrupted one continues from its newest checkpoint. A signal
     stopping the stage stops the pipeline with the command that resumes it."""
-    from textrl.trainer import TrainingStopped
+    from textrl.run import TrainingStopped
 
     stage_dir = Path(config.output_dir) / name
     if config.resume and (stage_dir / "summary.json").is_file():

@@ -1,0 +1,55 @@
+"""Run infrastructure shared by ``textrl train`` and every stage (``textrl sft``, ``rm``, ``dpo``).
+
+- :mod:`~textrl.run.loop`: :class:`RunLoop`, the one loop driver (iterations, timing, evaluation
+  and checkpoint cadence, the metrics row, progress, signals, the stop);
+- :mod:`~textrl.run.checkpoints`: atomic, manifest-marked checkpoints (save, verify, latest, load);
+- :mod:`~textrl.run.resume`: which checkpoint ``--resume`` continues from;
+- :mod:`~textrl.run.metrics`: ``metrics.jsonl`` / TensorBoard / ``curves.png`` and ``samples.jsonl``;
+- :mod:`~textrl.run.signals`: SIGINT / SIGTERM and :class:`TrainingStopped`;
+- :mod:`~textrl.run.rng`: seeding, and every RNG captured and restored for exact resume;
+- :mod:`~textrl.run.progress`, :mod:`~textrl.run.device`: the progress bar, the device.
+
+None of it knows an algorithm: what is saved, evaluated and stepped comes from the caller.
+"""
+
+from textrl.run.checkpoints import (
+    CHECKPOINT_MARKER,
+    CheckpointError,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from textrl.run.device import resolve_device
+from textrl.run.loop import LoopBody, RunLoop
+from textrl.run.metrics import MetricsLog, SamplesLog
+from textrl.run.progress import Progress
+from textrl.run.resume import refuse_earlier_run, resume_checkpoint
+from textrl.run.rng import rng_state, seed_everything, set_rng_state
+from textrl.run.signals import StopSignals, TrainingStopped, resume_command, signal_message
+
+__all__ = [
+    "CHECKPOINT_MARKER",
+    "CheckpointError",
+    "LoopBody",
+    "MetricsLog",
+    "Progress",
+    "RunLoop",
+    "SamplesLog",
+    "StopSignals",
+    "TrainingStopped",
+    "complete_checkpoints",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "refuse_earlier_run",
+    "resolve_device",
+    "resume_checkpoint",
+    "resume_command",
+    "rng_state",
+    "save_checkpoint",
+    "seed_everything",
+    "set_rng_state",
+    "signal_message",
+    "verify_checkpoint",
+]

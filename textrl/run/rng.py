@@ -1,0 +1,40 @@
+"""Every random generator a run draws from: seeding at start, capture and restore for exact resume."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    """Python, NumPy and torch (CPU and CUDA) RNGs."""
+    random.seed(seed)
+    np.random.seed(seed)  # noqa: NPY002 - the global NumPy RNG that user reward code may use
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's Python, NumPy, torch CPU (and every CUDA device's) RNG state."""
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),  # noqa: NPY002 - saved for exact resume
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore a :func:`rng_state` capture (its CUDA part only where CUDA is available)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])  # noqa: NPY002 - restored for exact resume
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+__all__ = ["rng_state", "seed_everything", "set_rng_state"]
