@@ -492,15 +492,6 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def parameter_checksum(module: torch.nn.Module) -> str:
-    """sha256 of every parameter's bytes, in order: equal across processes iff the weights are."""
-    digest = hashlib.sha256()
-    for name, param in module.named_parameters():
-        digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 # -- interruption and faults ---------------------------------------------------------------------
 
 
@@ -539,13 +530,6 @@ def nonfinite_rows(td, n_rows: int) -> float:
     """Rows of a rollout of ``n_rows`` whose task reward was NaN/inf: dropped plus zeroed."""
     flagged = td.get(KEYS.reward_nonfinite).sum().item() if KEYS.reward_nonfinite in td.keys() else 0
     return float(n_rows - td.shape[0] + flagged)
-
-
-def _weights_finite(agent, dist: Distributed) -> bool:
-    """Every weight is finite (this process's shards under FSDP; the answer is shared)."""
-    from textrl.sharding import local
-
-    return not dist.any(not all(bool(torch.isfinite(local(p)).all()) for p in agent.parameters()))
 
 
 def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak: int,
@@ -600,52 +584,6 @@ def resume_checkpoint(config: TrainConfig, log=print) -> Path | None:
     return checkpoint
 
 
-def check_sharding(config: TrainConfig) -> dict[str, Any] | None:
-    """Fold an accelerate FSDP / DeepSpeed config into ``config`` (``fsdp``, ``zero_stage``) and
-    resolve ``deepspeed_config``; return the ZeRO section to use (None without DeepSpeed).
-
-    ``ValueError`` for what cannot run: offload, an unreadable DeepSpeed config, DeepSpeed not
-    installed, FSDP and DeepSpeed together.
-    """
-    from textrl import zero
-    from textrl.sharding import accelerate_fsdp_options, accelerate_wants_fsdp
-
-    if zero.accelerate_wants_deepspeed():
-        for name, value in zero.accelerate_deepspeed_options().items():
-            setattr(config, name, value)
-    if accelerate_wants_fsdp():
-        for name, value in {"fsdp": True, **accelerate_fsdp_options()}.items():
-            setattr(config, name, value)
-    section = zero.read_zero_section(config.deepspeed_config) if config.deepspeed_config else {}
-    if not config.zero_stage and "stage" in section:  # --deepspeed-config alone: its stage
-        config.zero_stage = section["stage"]
-    if config.deepspeed_config and not config.zero_stage:
-        raise ValueError(f"deepspeed_config={config.deepspeed_config!r} names no zero_optimization.stage; "
-                         "add one or pass --zero-stage 1, 2 or 3")
-    config.validate()
-    if not config.zero_stage:
-        return None
-    zero.require_deepspeed()
-    return section
-
-
-def check_process_split(config: TrainConfig, dist: Distributed) -> None:
-    """Each process takes whole prompt groups and splits its rows into the minibatches."""
-    if config.prompts_per_iteration % dist.world_size:
-        raise ValueError(
-            f"prompts_per_iteration={config.prompts_per_iteration} does not split over "
-            f"{dist.world_size} processes; choose a multiple of {dist.world_size}"
-        )
-    local = config.rollout_batch_size // dist.world_size
-    parts = config.num_minibatches * config.gradient_accumulation_steps
-    if local % parts:
-        raise ValueError(
-            f"each of the {dist.world_size} processes gets {local} rows, which do not divide into "
-            f"num_minibatches={config.num_minibatches} x gradient_accumulation_steps="
-            f"{config.gradient_accumulation_steps}; lower either or raise prompts_per_iteration"
-        )
-
-
 def train(config: TrainConfig) -> dict[str, Any]:
     """Run ``config.iterations`` PPO iterations; return the before/after held-out summary.
 
@@ -658,26 +596,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
 
 def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
-    from accelerate import Accelerator
-
     from textrl.envs import PromptSampler, load_prompts
+    from textrl.parallel import setup_backend
     from textrl.rollout import collect
 
     check_run(config)
-    device = resolve_device(config.device)
-    zero_section = check_sharding(config)
-    fsdp, zero_stage = config.fsdp, config.zero_stage
-    accelerator = Accelerator(cpu=device.type == "cpu")
-    dist = Distributed.from_accelerator(accelerator)
-    if (fsdp or zero_stage) and not dist.enabled:
-        flag = "--fsdp" if fsdp else "--zero-stage"
-        raise ValueError(f"{'fsdp=True' if fsdp else f'zero_stage={zero_stage}'} shards over several processes; "
-                         "launch with `accelerate launch --num_processes N -m textrl.cli train ...` or "
-                         f"torchrun, or drop {flag}")
-    if dist.enabled:  # each process: its own GPU (or the CPU), its share of every rollout
-        device = accelerator.device
-        check_process_split(config, dist)
-    main = accelerator.is_main_process
+    backend = setup_backend(config, resolve_device(config.device))  # single, replicated, FSDP or ZeRO
+    dist, device, main = backend.dist, backend.device, backend.is_main
     output_dir = Path(config.output_dir)
     log = print if main else (lambda *a, **k: None)
     if main:
@@ -697,18 +622,9 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     eval_batches = sampler.encode_eval(eval_rows, batch_size=config.generation_batch_size)
     agent = build_agent(config, policy, tokenizer)
     reward_fn = add_agent_reward(config, agent, reward_fn)
-    if dist.enabled:  # identical weights everywhere, different samples in every process
-        dist.broadcast_module(agent)
-        agent.dist = dist
-        torch.manual_seed(config.seed + 1_000_003 * dist.rank)
-    if fsdp:  # each process keeps 1/N of every weight, gradient and optimiser state
-        from textrl.sharding import device_mesh
-
-        agent.shard(device_mesh(device, dist.world_size), config.fsdp_reshard_after_forward)
-    if zero_stage:  # DeepSpeed ZeRO: AdamW states (1), + gradients (2), + weights (3) partitioned
-        agent.use_deepspeed(zero_stage, zero_section)
+    backend.prepare(agent)  # identical weights everywhere, this process's seed, models sharded
     # held-out evaluation: the main process alone, unless the forwards are collectives (FSDP, ZeRO-3)
-    evaluates = main or agent.partitions_weights
+    evaluates = main or backend.partitions_weights
 
     start = 0
     if checkpoint is not None:
@@ -776,8 +692,8 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
             config.checkpoint_every and iteration % config.checkpoint_every == 0)
         rng_per_process = dist.gather_object(rng_state()) if save and dist.enabled else None
         saved = None
-        if save and (not stop or _weights_finite(agent, dist)):
-            state = agent.state_dict() if agent.gathers_state else None  # a gather all processes join
+        if save and (not stop or backend.weights_finite(agent)):
+            state = agent.state_dict() if backend.gathers_state else None  # a gather all processes join
             if main:
                 saved = save_checkpoint(output_dir, iteration, agent, sampler, config.keep_checkpoints,
                                         rng_per_process=rng_per_process, agent_state=state)
@@ -796,20 +712,10 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     metrics_log.plot(output_dir / "curves.png")
     metrics_log.close()
     after = {k: v for k, v in (metrics_log.rows[-1] if metrics_log.rows else {}).items() if k.startswith("eval/")}
-    summary: dict[str, Any] = {"before": before, "after": after, "processes": dist.world_size, "fsdp": fsdp,
-                               "zero_stage": zero_stage}
+    summary: dict[str, Any] = {"before": before, "after": after, "processes": dist.world_size, "fsdp": config.fsdp,
+                               "zero_stage": config.zero_stage}
     summary["peak_memory_mib"] = dist.gather_object(peak_memory_mib(agent.device))  # one per process
-    if agent.partitions_weights:  # the share of the agent's weights this process holds (1 / processes, up to rounding)
-        from textrl.sharding import full_numel, held_numel
-
-        params = list(agent.parameters())
-        summary["weights_held_per_process"] = sum(map(held_numel, params)) / sum(map(full_numel, params))
-    if dist.enabled and not agent.partitions_weights:  # data parallelism must leave every process with the same weights
-        checksums = dist.gather_object(parameter_checksum(agent))
-        if len(set(checksums)) > 1:
-            raise RuntimeError(f"the {dist.world_size} processes ended with different weights "
-                               f"({checksums}); this is a bug in gradient synchronisation, please report it")
-        summary["parameter_checksum"] = checksums[0]
+    summary.update(backend.end_of_run(agent))  # weights held per process (sharded) or the replicas' checksum
     if main:
         log(format_summary(before, after))
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
