@@ -11,7 +11,9 @@ An agent owns its models and optimisers and consumes one rollout TensorDict (doc
 - :meth:`PPOAgent.update` runs K epochs of shuffled minibatch updates and returns metrics.
 
 Subclasses implement :meth:`~PPOAgent.estimate` (advantages) and :meth:`~PPOAgent.loss`
-(the minibatch loss); the math itself lives in :mod:`textrl.functional`.
+(the minibatch loss); the math itself lives in :mod:`textrl.functional`. How the backward, the
+optimiser step, weight gathering and full-state save / restore run over processes is the
+agent's backend's (:attr:`PPOAgent.backend`, :mod:`textrl.parallel`; docs/parallelism.md).
 """
 
 from __future__ import annotations

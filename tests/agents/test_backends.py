@@ -14,9 +14,9 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.agents.conftest import collect, make_agent
+from textrl.config import TrainConfig
 from textrl.distributed import Distributed
 from textrl.parallel import FSDP, Replicated, SingleProcess, setup_backend
-from textrl.config import TrainConfig
 
 
 def weights(agent) -> dict[str, torch.Tensor]:

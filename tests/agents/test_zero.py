@@ -1,6 +1,6 @@
 """Agents under a real DeepSpeed ZeRO engine, in this process (a gloo group of one process).
 
-The update loop's DeepSpeed branch against the plain one: the same step without clipping, the
+The DeepSpeedZero backend against the single-process one: the same step without clipping, the
 joint clipping norm, a NaN loss skipped by DeepSpeed's overflow check, the ratio threshold judged
 before the backward, and the full-tensor state round trip. Runs over two processes (partitioned
 weights, resume) are in tests/test_multiprocess.py.
