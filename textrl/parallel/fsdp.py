@@ -20,7 +20,8 @@ from textrl.parallel.replicated import Replicated
 
 class FSDP(Replicated):
     """FSDP2 over every process; ``reshard_after_forward=False`` keeps gathered layers from the
-    forward to the backward (ZeRO-2-like: faster, more memory)."""
+    forward to the backward (ZeRO-2-like: faster, more memory). The step's gradient sync is
+    :class:`Replicated`'s, which leaves the shards alone (the backward reduce-scattered them)."""
 
     name = "fsdp"
     partitions_weights = True
@@ -40,9 +41,6 @@ class FSDP(Replicated):
         for _, model in agent.named_children():
             sharding.shard_model(model, mesh, self.reshard_after_forward)
         agent._build_optimizers()
-
-    def sync_gradients(self, agent: Any) -> None:
-        """Nothing: the backward reduce-scattered every gradient already."""
 
     def norm_value(self, norm: Tensor) -> float:
         """The global norm of sharded gradients (a ``DTensor``) as a float."""
