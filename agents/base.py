@@ -46,7 +46,6 @@ from textrl.functional.ppo import explained_variance
 from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
 from textrl.parallel import Backend, SingleProcess
-from textrl.parallel.base import trained_parameters
 from textrl.sharding import local
 from textrl.timing import timed
 
@@ -185,11 +184,6 @@ class PPOAgent(nn.Module):
         return self.backend.dist
 
     @property
-    def partitions_weights(self) -> bool:
-        """Each process holds a part of every weight (FSDP or ZeRO-3): forwards are collectives."""
-        return self.backend.partitions_weights
-
-    @property
     def gathers_state(self) -> bool:
         """:meth:`state_dict` is a collective (FSDP or DeepSpeed): every process calls it, the main writes."""
         return self.backend.gathers_state
@@ -249,7 +243,7 @@ class PPOAgent(nn.Module):
                 pad_token_id=self.pad_token_id,
                 use_cache=True,
             )
-            if self.partitions_weights:  # each forward is a collective: finished processes keep stepping
+            if self.backend.partitions_weights:  # each forward is a collective: finished processes keep stepping
                 kwargs.update(synced_gpus=True)
             if greedy:
                 kwargs.update(do_sample=False)
@@ -709,10 +703,6 @@ class PPOAgent(nn.Module):
             "kl_ctl": self.kl_ctl.state_dict(),
             "iteration": self.iteration,
         }
-
-    def _trained_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """``(name, parameter)`` of every trained weight, named as in :meth:`state_dict`."""
-        return trained_parameters(self)
 
     def load_agent_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`agent_state_dict`'s output."""

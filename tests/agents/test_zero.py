@@ -21,6 +21,7 @@ from tests.agents.conftest import collect, record_loss_stats  # noqa: E402
 from tests.agents.conftest import make_agent as build  # noqa: E402
 from textrl.distributed import Distributed  # noqa: E402
 from textrl.parallel import DeepSpeedZero  # noqa: E402
+from textrl.parallel.base import trained_parameters  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,7 +65,7 @@ def first_moments(agent) -> dict[str, torch.Tensor]:
     if isinstance(agent.backend, DeepSpeedZero):
         return {k: v["exp_avg"] for k, v in agent.state_dict()["agent_state"]["optimizers"][0]["state"].items()}
     state = {**agent.actor_optimizer.state, **(agent.critic_optimizer.state if agent.critic_optimizer else {})}
-    return {name: state[p]["exp_avg"] for name, p in agent._trained_parameters()}
+    return {name: state[p]["exp_avg"] for name, p in trained_parameters(agent)}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -157,7 +158,7 @@ def test_the_full_state_round_trips_into_a_fresh_engine(tok, stage):
     state = zero.state_dict()
     saved = state["agent_state"]["optimizers"][0]
     assert saved["format"] == "deepspeed_zero_full" and saved["step"] == 1.0
-    assert set(saved["state"]) == {k for k, _ in zero._trained_parameters()}
+    assert set(saved["state"]) == {k for k, _ in trained_parameters(zero)}
 
     _, fresh = pair(tok, stage, seed=1, actor_lr=1e-2)  # other initial weights, no AdamW state yet
     fresh.load_state_dict(state)
