@@ -11,19 +11,20 @@ An agent owns its models and optimisers and consumes one rollout TensorDict (doc
 - :meth:`PPOAgent.update` runs K epochs of shuffled minibatch updates and returns metrics.
 
 Subclasses implement :meth:`~PPOAgent.estimate` (advantages) and :meth:`~PPOAgent.loss`
-(the minibatch loss); the math itself lives in :mod:`textrl.functional`.
+(the minibatch loss); the math itself lives in :mod:`textrl.functional`. How the backward, the
+optimiser step, weight gathering and full-state save / restore run over processes is the
+agent's backend's (:attr:`PPOAgent.backend`, :mod:`textrl.parallel`; docs/parallelism.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
 import math
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,14 +45,8 @@ from textrl.functional import (
 from textrl.functional.ppo import explained_variance
 from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
-from textrl.sharding import (
-    full_model_state,
-    full_optimizer_state,
-    load_full_model_state,
-    load_full_optimizer_state,
-    local,
-    to_float,
-)
+from textrl.parallel import Backend, SingleProcess
+from textrl.sharding import local
 from textrl.timing import timed
 
 SCORE = KEYS.score
@@ -159,104 +154,43 @@ class PPOAgent(nn.Module):
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.iteration = 0
         self.nonfinite_streak = 0  # consecutive skipped (NaN/inf) updates; the trainer stops at the max
-        self.dist = Distributed()  # one process; the trainer swaps in the process group under accelerate
-        self.sharded = False  # FSDP: see shard()
-        self.engine: Any = None  # DeepSpeed ZeRO: see use_deepspeed()
-        self.zero_stage = 0
-        self._backwards_pending = 0  # DeepSpeed: micro-batch backwards since the last step
         self.total_updates = total_updates or config.iterations * config.ppo_epochs * config.num_minibatches
+        self.backend: Backend = SingleProcess(device=self.device)
+        """How training is spread over processes (:mod:`textrl.parallel`); ``Backend.prepare`` swaps it."""
         self._build_optimizers()
 
-    def _build_optimizers(self) -> None:
-        """AdamW (no weight decay) over the trainable policy / critic weights, and their schedules."""
-        cfg = self.config
-        self.actor_optimizer = torch.optim.AdamW(
-            [p for p in self.policy.parameters() if p.requires_grad], lr=cfg.actor_lr, weight_decay=0.0
-        )
-        self.critic_optimizer = (
-            torch.optim.AdamW(
-                [p for p in self.critic.parameters() if p.requires_grad], lr=cfg.critic_lr, weight_decay=0.0
-            )
-            if self.critic is not None
-            else None
-        )
-        self.schedulers = [self._scheduler(opt, self.total_updates) for opt in self.optimizers]
-
-    def shard(self, mesh: Any, reshard_after_forward: bool = True) -> None:
-        """Split every model of the agent over the processes of ``mesh`` (FSDP2, :mod:`textrl.sharding`).
-
-        Call once, on every process, before training: the optimisers are rebuilt over the shards.
-        """
-        from textrl.sharding import shard_model
-
-        if self.gathers_state:
-            raise RuntimeError(f"{type(self).__name__} is already sharded or under DeepSpeed")
-        for _, model in self.named_children():
-            shard_model(model, mesh, reshard_after_forward)
-        self.reshard_after_forward = reshard_after_forward
-        self._build_optimizers()
-        self.sharded = True
-
-    def use_deepspeed(self, stage: int, zero_section: dict[str, Any] | None = None) -> None:
-        """Train under DeepSpeed ZeRO ``stage`` (:mod:`textrl.zero`): one engine over every model of
-        the agent, one AdamW with a parameter group per trained model (actor, then critic).
-
-        Call once, on every process of an initialised process group, before training.
-        """
-        from textrl import zero
-
-        if self.gathers_state:
-            raise RuntimeError(f"{type(self).__name__} is already sharded or under DeepSpeed")
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The trained weights by model, each with its learning rate: the actor's, then the critic's."""
         groups = [{"params": [p for p in self.policy.parameters() if p.requires_grad], "lr": self.config.actor_lr}]
         if self.critic is not None:
             groups.append({"params": [p for p in self.critic.parameters() if p.requires_grad],
                            "lr": self.config.critic_lr})
-        optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
-        self.zero_grad(set_to_none=True)  # DeepSpeed would add leftover gradients (e.g. of a warm-up) to the first step
-        models = nn.ModuleDict(dict(self.named_children()))  # the same modules, in one engine
-        hidden = getattr(getattr(self.policy, "config", None), "hidden_size", None)
-        config = zero.deepspeed_config(stage, self.config.max_grad_norm, zero_section, hidden_size=hidden)
-        # not a submodule: the engine wraps the agent's own models, which state_dict() already names
-        object.__setattr__(self, "engine", zero.initialize(models, optimizer, config))
-        self.zero_stage = stage
-        self.actor_optimizer, self.critic_optimizer = optimizer, None  # both groups; DeepSpeed steps it
-        self.schedulers = [self._scheduler(optimizer, self.total_updates)]
+        return groups
+
+    def _build_optimizers(self) -> None:
+        """One AdamW (no weight decay) per trained model, over its weights as they are now (a
+        backend that replaces the weights, e.g. by shards, calls this again), and their schedules."""
+        actor, *critic = (torch.optim.AdamW([group], weight_decay=0.0) for group in self.param_groups())
+        self.actor_optimizer = actor
+        self.critic_optimizer = critic[0] if critic else None
+        self.schedulers = [self._scheduler(opt, self.total_updates) for opt in self.optimizers]
+
+    def check_backend(self, backend: Backend) -> None:
+        """Refuse a backend this agent cannot train under (``ValueError`` saying what to do instead)."""
 
     @property
-    def partitions_weights(self) -> bool:
-        """Each process holds a part of every weight (FSDP or ZeRO-3): forwards are collectives."""
-        return self.sharded or self.zero_stage == 3
+    def dist(self) -> Distributed:
+        """The process group this agent trains over (its backend's)."""
+        return self.backend.dist
 
     @property
     def gathers_state(self) -> bool:
         """:meth:`state_dict` is a collective (FSDP or DeepSpeed): every process calls it, the main writes."""
-        return self.sharded or self.engine is not None
-
-    def _gathered_policy(self):
-        """Sharded: the policy's full weights for the block (generation); otherwise nothing."""
-        if self.zero_stage == 3:
-            from textrl.zero import gathered as zero_gathered
-
-            return zero_gathered(self.policy)
-        if not self.sharded:
-            return contextlib.nullcontext()
-        from textrl.sharding import gathered
-
-        return gathered(self.policy, self.reshard_after_forward)
+        return self.backend.gathers_state
 
     def _copy_weights(self, dst: nn.Module, src: nn.Module) -> None:
-        """``dst`` takes ``src``'s weights (reference / old-policy refresh), gathered under ZeRO-3."""
-        if self.zero_stage == 3:
-            from textrl.zero import copy_weights
-
-            copy_weights(dst, src)
-        else:
-            dst.load_state_dict(src.state_dict())
-
-    def _optimized_models(self) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
-        """Each optimiser with the model whose weights it steps."""
-        pairs = [(self.policy, self.actor_optimizer), (self.critic, self.critic_optimizer)]
-        return [(m, o) for m, o in pairs if o is not None]
+        """``dst`` takes ``src``'s weights (reference / old-policy refresh), as the backend holds them."""
+        self.backend.copy_weights(dst, src)
 
     # -- helpers --------------------------------------------------------------------------------
     @property
@@ -309,13 +243,13 @@ class PPOAgent(nn.Module):
                 pad_token_id=self.pad_token_id,
                 use_cache=True,
             )
-            if self.partitions_weights:  # each forward is a collective: finished processes keep stepping
+            if self.backend.partitions_weights:  # each forward is a collective: finished processes keep stepping
                 kwargs.update(synced_gpus=True)
             if greedy:
                 kwargs.update(do_sample=False)
             else:
                 kwargs.update(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-            with self._autocast(), self._gathered_policy():
+            with self._autocast(), self.backend.gathered(self.policy):
                 out = self.policy.generate(input_ids=ids, attention_mask=mask.long(), **kwargs)
             outs.append(out[:, ids.shape[1] :])
         width = max(o.shape[1] for o in outs)
@@ -583,113 +517,141 @@ class PPOAgent(nn.Module):
     def update(self, td: TensorDictBase) -> dict[str, float]:
         """K epochs of shuffled minibatch updates with gradient accumulation; returns metrics.
 
+        The loop of CleanRL's ppo.py: for each epoch, for each minibatch, one optimiser step
+        (:meth:`_minibatch_step`) over its micro-batches; the backend (:mod:`textrl.parallel`)
+        does the backward and the step, so the loop is the same on one process, replicated, FSDP
+        and DeepSpeed. The rollout is split into ``num_minibatches`` x
+        ``gradient_accumulation_steps`` as evenly as possible (uneven only when
+        ``reward_nonfinite='drop'`` removed rows).
+
         Besides the losses (averaged over minibatches), it reports seed 003's three KL monitors,
         each the mean per-token KL(policy || ref) of ``config.kl_kind``: ``kl/collection`` (the
         behaviour log-probs stored in the rollout), ``kl/before_update`` and, with
         ``config.kl_after_update``, ``kl/after_update`` (the policy re-evaluated before and after
         this update; the first is free, the second costs a policy forward).
 
-        Numerical faults: a rollout with NaN/inf log-probs, values, rewards or advantages on valid
-        tokens is skipped as a whole (one skipped update); a minibatch whose loss or gradient is
-        NaN/inf is skipped (no optimiser or scheduler step, weights untouched). Both count in
-        ``nonfinite/skipped_updates`` and in ``nonfinite_streak`` (consecutive skips, reset by a
-        good step); at ``config.max_nonfinite_updates`` the update stops and the trainer stops
-        the run. The rollout is split into ``num_minibatches`` x ``gradient_accumulation_steps``
-        as evenly as possible (uneven only when ``reward_nonfinite='drop'`` removed rows).
+        Skips, the same on every backend (docs/parallelism.md):
+
+        - ratio threshold (MA-RLHF): a micro-batch whose mean policy ratio, averaged over the
+          processes, exceeds ``config.ratio_threshold`` is judged before its backward and left
+          out of the step, actor and critic (its samples are stale or broken); the minibatch
+          counts once in ``ppo/ratio_threshold_skips``; when all its micro-batches are left out
+          nothing steps;
+        - numerical faults: a rollout with NaN/inf log-probs, values, rewards or advantages on
+          valid tokens is skipped as a whole (one skipped update); a minibatch with a NaN/inf
+          loss or gradient on any process is skipped (no optimiser or scheduler step, weights
+          untouched) on every process. Both count in ``nonfinite/skipped_updates`` and in
+          ``nonfinite_streak`` (consecutive skips, reset by a good step); at
+          ``config.max_nonfinite_updates`` the update stops and the trainer stops the run.
         """
-        cfg = self.config
-        n = td.shape[0]
-        mask = td.get(KEYS.mask)
-        kl_collection = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind=cfg.kl_kind)
-        metrics: dict[str, float] = {
-            "kl/collection": masked_mean(kl_collection, mask).item(),
-            "kl/before_update": self.policy_ref_kl(td),
-        }
-        stats: dict[str, list[float]] = defaultdict(list)
-        early_stopped = 0.0
-        skipped = 0
-        nonfinite = 0
-        epochs_run = 0
+        kl_before = self._kl_monitors(td)
+        tally = UpdateTally()
         kept = self._take_rollout_forward(td)
         if self.dist.any(not self._rollout_is_finite(td)):  # every minibatch would be poisoned: skip all
-            nonfinite = 1
-            self.nonfinite_streak += 1
-        for _ in range(0 if nonfinite else cfg.ppo_epochs):
-            epochs_run += 1
-            order = torch.randperm(n, device=td.device)
-            for idx in order.tensor_split(cfg.num_minibatches):
+            tally.skip_nonfinite(self)
+        else:
+            self._epochs(td, kept, tally)
+        metrics = {**kl_before, **self._update_metrics(td, tally)}
+        self.after_update()
+        return metrics
+
+    def _epochs(self, td: TensorDictBase, kept: RolloutForward | None, tally: UpdateTally) -> None:
+        """``ppo_epochs`` passes of shuffled minibatch steps; stops early on the KL early stop or
+        at ``max_nonfinite_updates`` consecutive skipped steps."""
+        cfg = self.config
+        for _ in range(cfg.ppo_epochs):
+            tally.epochs_run += 1
+            order = torch.randperm(td.shape[0], device=td.device)
+            for idx in order.tensor_split(cfg.num_minibatches):  # [b] rows of one minibatch
                 if idx.numel() == 0:
                     continue
-                mb_tokens = mask[idx].sum().clamp(min=1)
-                for opt in self.optimizers:
-                    opt.zero_grad(set_to_none=True)
-                mb_stats: dict[str, list[Tensor]] = defaultdict(list)
-                grad_norms = None
-                losses_finite = True
-                dropped = 0  # DeepSpeed: micro-batches over the ratio threshold, left out of the step
-                for sub_idx in idx.tensor_split(min(cfg.gradient_accumulation_steps, idx.numel())):
-                    sub = td[sub_idx]
-                    weight = self.micro_weight(sub, mask[sub_idx], mb_tokens, sub_idx.numel(), idx.numel())
-                    # the one step of reuses_rollout_forward(): the behaviour forward's graph, rows in order
-                    self._reused, kept = (kept.rows(sub_idx) if kept is not None else None), None
-                    try:
-                        loss, s = self.loss(sub)
-                    finally:
-                        self._reused = None
-                    if self.engine is not None:  # DeepSpeed reduces inside the backward: see _zero_backward
-                        dropped += not self._zero_backward(weight * loss, s)
-                    elif not bool(torch.isfinite(loss)):  # NaN/inf logits, log-probs, values or advantages
-                        losses_finite = False
-                        break
-                    else:
-                        (weight * loss).backward()
-                    for k, v in s.items():
-                        mb_stats[k].append(v.detach().float())
-                # every process takes the same branch: decisions use values averaged over processes
-                if not self.dist.any(not losses_finite):
-                    mb_means = self.dist.mean({k: torch.stack(v).mean().item() for k, v in mb_stats.items()})
-                    # MA-RLHF: an extreme mean ratio means stale or broken samples; drop the actor step.
-                    skipped += dropped > 0
-                    if (self.engine is None and cfg.ratio_threshold > 0
-                            and mb_means.get("ratio/mean", 1.0) > cfg.ratio_threshold):
-                        skipped += 1
-                        for param in self.policy.parameters():
-                            param.grad = None
-                    grad_norms = self._step()  # None when a gradient is NaN/inf: nothing stepped
-                if grad_norms is None:
-                    for opt in self.optimizers:
-                        opt.zero_grad(set_to_none=True)
-                    nonfinite += 1
-                    self.nonfinite_streak += 1
+                stats, norms = self._minibatch_step(td, idx, kept, tally)
+                kept = None
+                if norms is None:
+                    tally.skip_nonfinite(self)
                     if self.nonfinite_streak >= cfg.max_nonfinite_updates:
-                        break
+                        return
                     continue
                 self.nonfinite_streak = 0
-                for k, v in {**mb_means, **grad_norms}.items():
-                    stats[k].append(v)
-                if self._should_stop_early(stats):
-                    early_stopped = 1.0
-                    break
-            if early_stopped or self.nonfinite_streak >= cfg.max_nonfinite_updates:
-                break
-        if cfg.kl_after_update:
+                tally.add({**stats, **norms})
+                if self._should_stop_early(tally.stats):
+                    tally.early_stopped = True
+                    return
+
+    def _minibatch_step(self, td: TensorDictBase, idx: Tensor, kept: RolloutForward | None,
+                        tally: UpdateTally) -> tuple[dict[str, float], dict[str, float] | None]:
+        """One optimiser step over the rows ``idx`` ``[b]``: each micro-batch's weighted loss is
+        back-propagated (gradients accumulate), then the backend steps.
+
+        Returns the loss stats (averaged over micro-batches and processes) and the step's
+        gradient norms: None when a loss or gradient was NaN/inf on any process (nothing
+        stepped), ``{}`` when every micro-batch was over the ratio threshold (nothing to step).
+        """
+        cfg = self.config
+        mask = td.get(KEYS.mask)  # [B, T]
+        mb_tokens = mask[idx].sum().clamp(min=1)
+        self.backend.zero_grad(self)
+        micro_stats: dict[str, list[Tensor]] = defaultdict(list)
+        backwards = dropped = 0
+        for sub_idx in idx.tensor_split(min(cfg.gradient_accumulation_steps, idx.numel())):
+            sub = td[sub_idx]
+            weight = self.micro_weight(sub, mask[sub_idx], mb_tokens, sub_idx.numel(), idx.numel())
+            # the one step of reuses_rollout_forward(): the behaviour forward's graph, rows in order
+            loss, stats = self._micro_batch_loss(sub, kept.rows(sub_idx) if kept is not None else None)
+            kept = None
+            for k, v in stats.items():
+                micro_stats[k].append(v.detach().float())
+            if self._over_ratio_threshold(loss, stats):
+                dropped += 1
+                continue
+            self.backend.backward(weight * loss)
+            backwards += 1
+        means = self.dist.mean({k: torch.stack(v).mean().item() for k, v in micro_stats.items()})
+        tally.ratio_threshold_skips += dropped > 0
+        return means, (self.backend.step(self) if backwards else {})
+
+    def _micro_batch_loss(self, sub: TensorDictBase, reused: RolloutForward | None) -> tuple[Tensor, dict[str, Tensor]]:
+        """:meth:`loss` of a micro-batch, on the kept behaviour forward when given; a NaN/inf loss
+        is made to give NaN gradients too, so the backend's step skips it whatever caused it."""
+        self._reused = reused
+        try:
+            loss, stats = self.loss(sub)
+        finally:
+            self._reused = None
+        if not bool(torch.isfinite(loss)):
+            loss = loss * math.nan
+        return loss, stats
+
+    def _over_ratio_threshold(self, loss: Tensor, stats: dict[str, Tensor]) -> bool:
+        """Whether a micro-batch stays out of the step: its mean ratio, averaged over processes,
+        exceeds ``ratio_threshold`` (MA-RLHF: stale or broken samples) and no process has a
+        NaN/inf loss (that one is back-propagated, so that every process skips the step).
+
+        Decided before the backward and alike on every process: DeepSpeed ZeRO-2/3 and FSDP
+        reduce inside the backward, so every process must run the same backwards.
+        """
+        threshold = self.config.ratio_threshold
+        if threshold <= 0 or "ratio/mean" not in stats:
+            return False
+        shared = self.dist.mean({"ratio": float(stats["ratio/mean"]), "nonfinite": float(not torch.isfinite(loss))})
+        return shared["nonfinite"] == 0 and shared["ratio"] > threshold
+
+    def _kl_monitors(self, td: TensorDictBase) -> dict[str, float]:
+        """``kl/collection`` (the rollout's behaviour log-probs) and ``kl/before_update`` (the policy now)."""
+        kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind=self.config.kl_kind)
+        return {"kl/collection": masked_mean(kl, td.get(KEYS.mask)).item(), "kl/before_update": self.policy_ref_kl(td)}
+
+    def _update_metrics(self, td: TensorDictBase, tally: UpdateTally) -> dict[str, float]:
+        """The update's metrics: stats averaged over its steps, skip counts, learning rates, KL."""
+        metrics: dict[str, float] = {}
+        if self.config.kl_after_update:
             metrics["kl/after_update"] = self.policy_ref_kl(td)
         if KEYS.value_target in td.keys(include_nested=True) and self.critic is not None:
             metrics["explained_variance"] = explained_variance(
-                td.get(KEYS.state_value).squeeze(-1), td.get(KEYS.value_target).squeeze(-1), mask
+                td.get(KEYS.state_value).squeeze(-1), td.get(KEYS.value_target).squeeze(-1), td.get(KEYS.mask)
             ).item()
-        self.after_update()
-        metrics.update({k: float(sum(v) / len(v)) for k, v in stats.items() if v})
-        metrics["ppo/ratio_threshold_skips"] = float(skipped)
-        metrics["nonfinite/skipped_updates"] = float(nonfinite)
-        metrics["nonfinite/consecutive"] = float(self.nonfinite_streak)
-        metrics["ppo/early_stopped"] = early_stopped
-        metrics["ppo/epochs_run"] = float(epochs_run)
-        metrics["lr/actor"] = self.actor_optimizer.param_groups[0]["lr"]
-        if self.critic_optimizer is not None:
-            metrics["lr/critic"] = self.critic_optimizer.param_groups[0]["lr"]
-        elif self.engine is not None and self.critic is not None:  # the second group of DeepSpeed's AdamW
-            metrics["lr/critic"] = self.actor_optimizer.param_groups[1]["lr"]
+        metrics.update(tally.metrics(self.nonfinite_streak))
+        metrics.update(self.backend.learning_rates(self))
         metrics["kl/coef"] = self.kl_ctl.value
         return metrics
 
@@ -716,64 +678,6 @@ class PPOAgent(nn.Module):
                     return False
         return True
 
-    def _zero_backward(self, loss: Tensor, stats: dict[str, Tensor]) -> bool:
-        """DeepSpeed: back-propagate a micro-batch's weighted ``loss`` unless its mean ratio,
-        averaged over processes, exceeds ``ratio_threshold``; True when it was back-propagated.
-
-        DeepSpeed reduces gradients inside the backward (stages 2, 3), so every process must run
-        the same backwards and decisions cannot wait for the step: the ratio threshold is judged
-        here, per micro-batch, and a micro-batch over it is left out of the step (actor *and*
-        critic). A NaN/inf loss is back-propagated all the same: its gradients are NaN/inf and
-        DeepSpeed's overflow check skips the whole step on every process.
-        """
-        threshold = self.config.ratio_threshold
-        if threshold > 0 and "ratio/mean" in stats:
-            if self.dist.mean({"ratio": float(stats["ratio/mean"])})["ratio"] > threshold:
-                return False
-        from textrl.zero import backward
-
-        backward(self.engine, loss)
-        self._backwards_pending += 1
-        return True
-
-    def _zero_step(self) -> dict[str, float] | None:
-        """DeepSpeed: one engine step (it clips the joint actor + critic norm); the pre-clip norm as
-        ``grad_norm/total``, None when DeepSpeed skipped the step for NaN/inf gradients, and ``{}``
-        when every micro-batch was left out (nothing to step)."""
-        if not self._backwards_pending:
-            return {}
-        self._backwards_pending = 0
-        self.engine.step()
-        if not self.engine.was_step_applied():
-            return None
-        for sched in self.schedulers:
-            sched.step()
-        return {"grad_norm/total": float(self.engine.get_global_grad_norm())}
-
-    def _step(self) -> dict[str, float] | None:
-        """Clip gradients, step every optimiser and scheduler; return the pre-clip grad norms.
-
-        Returns None and steps nothing when a gradient norm is NaN/inf.
-        """
-        cfg = self.config
-        if self.engine is not None:
-            return self._zero_step()
-        self.dist.all_reduce_grads(p for p in self.parameters() if p.grad is not None)
-        norms = {}
-        for name, model in (("actor", self.policy), ("critic", self.critic)):
-            if model is None:
-                continue
-            params = [p for p in model.parameters() if p.grad is not None]
-            if params:
-                max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-                norms[f"grad_norm/{name}"] = to_float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        if not all(math.isfinite(v) for v in norms.values()):
-            return None
-        for opt, sched in zip(self.optimizers, self.schedulers):
-            opt.step()
-            sched.step()
-        return norms
-
     def _should_stop_early(self, stats: dict[str, list[float]]) -> bool:
         """KL early stop on the approximate KL to the behaviour policy of the last minibatch."""
         cfg = self.config
@@ -791,77 +695,77 @@ class PPOAgent(nn.Module):
 
     # -- resume ---------------------------------------------------------------------------------
     def agent_state_dict(self) -> dict[str, Any]:
-        """Everything but model weights: optimisers, schedulers, KL controller, counters."""
-        if self.engine is not None:  # full tensors keyed by parameter name (a collective)
-            from textrl.zero import full_optimizer_state as zero_optimizer_state
-
-            optimizers = [zero_optimizer_state(self._trained_parameters(), self.engine, self.dist.is_main)]
-        elif self.sharded:  # full tensors keyed by parameter name (a collective)
-            optimizers = [full_optimizer_state(m, o) for m, o in self._optimized_models()]
-        else:
-            optimizers = [o.state_dict() for o in self.optimizers]
+        """Everything but model weights: optimisers (full tensors, as the backend saves them),
+        schedulers, KL controller, counters. A collective where the backend gathers."""
         return {
-            "optimizers": optimizers,
+            "optimizers": self.backend.optimizer_state(self),
             "schedulers": [s.state_dict() for s in self.schedulers],
             "kl_ctl": self.kl_ctl.state_dict(),
             "iteration": self.iteration,
         }
 
-    def _trained_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """``(name, parameter)`` of every trained weight, named as in :meth:`state_dict`."""
-        return [(f"{name}.{k}", p) for name, model in (("policy", self.policy), ("critic", self.critic))
-                if model is not None for k, p in model.named_parameters() if p.requires_grad]
-
     def load_agent_state_dict(self, state: dict[str, Any]) -> None:
-        if self.engine is not None:
-            from textrl.zero import load_full_optimizer_state as load_zero_optimizer_state
-
-            load_zero_optimizer_state(self._trained_parameters(), self.engine, state["optimizers"][0])
-        else:
-            for (model, o), s in zip(self._optimized_models(), state["optimizers"]):
-                if self.sharded:
-                    load_full_optimizer_state(model, o, s)
-                else:
-                    o.load_state_dict(s)
+        """Restore :meth:`agent_state_dict`'s output."""
+        self.backend.load_optimizer_state(self, state["optimizers"])
         for sch, s in zip(self.schedulers, state["schedulers"]):
             sch.load_state_dict(s)
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.iteration = int(state["iteration"])
 
-    def state_dict(self, *args, **kwargs):  # type: ignore[override]
-        """Module weights (policy, reference, critic, snapshots) plus ``agent_state``.
+    def weights_state(self) -> dict[str, Tensor]:
+        """The weights a checkpoint holds: every model's (policy, reference, critic, snapshots),
+        full tensors as the backend gathers them (on the main process; all processes call)."""
+        return self.backend.model_state(self)
 
-        Sharded (:meth:`shard`): full tensors on the CPU, gathered from every process (all must call).
-        """
-        if self.engine is not None:
-            from textrl.zero import full_model_state as zero_model_state
+    def load_weights_state(self, state: dict[str, Tensor], strict: bool = True, assign: bool = False) -> Any:
+        """Restore :meth:`weights_state`'s output (every process passes the same ``state``)."""
+        return self.backend.load_model_state(self, state, strict=strict, assign=assign)
 
-            state = {f"{name}.{k}": v for name, model in self.named_children()
-                     for k, v in zero_model_state(model, self.dist.is_main).items()}
-        elif self.sharded:
-            state = {f"{name}.{k}": v for name, model in self.named_children()
-                     for k, v in full_model_state(model).items()}
-        else:
-            state = super().state_dict(*args, **kwargs)
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """:meth:`weights_state` plus ``agent_state`` (:meth:`agent_state_dict`); a collective
+        where the backend gathers."""
+        state = self.weights_state()
         state["agent_state"] = self.agent_state_dict()
         return state
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
         state_dict = dict(state_dict)
         agent_state = state_dict.pop("agent_state", None)
-        if self.gathers_state:
-            if self.engine is not None:
-                from textrl.zero import load_full_model_state as load_state
-            else:
-                load_state = load_full_model_state
-            for name, model in self.named_children():
-                load_state(model, {k[len(name) + 1:]: v for k, v in state_dict.items() if k.startswith(name + ".")})
-            result = None
-        else:
-            result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        result = self.load_weights_state(state_dict, strict=strict, assign=assign)
         if agent_state is not None:
             self.load_agent_state_dict(agent_state)
         return result
 
 
-__all__ = ["SCORE", "PPOAgent", "RolloutForward", "position_ids_for", "sequence_inputs", "warp_logits"]
+@dataclass
+class UpdateTally:
+    """What one :meth:`PPOAgent.update` did: the stats of its good steps and how many it skipped."""
+
+    stats: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    ratio_threshold_skips: int = 0
+    nonfinite_skips: int = 0
+    epochs_run: int = 0
+    early_stopped: bool = False
+
+    def add(self, step_stats: dict[str, float]) -> None:
+        """One good step's stats (losses, ratios, gradient norms)."""
+        for k, v in step_stats.items():
+            self.stats[k].append(v)
+
+    def skip_nonfinite(self, agent: PPOAgent) -> None:
+        """One update skipped for NaN/inf: counted here and in the agent's streak."""
+        self.nonfinite_skips += 1
+        agent.nonfinite_streak += 1
+
+    def metrics(self, streak: int) -> dict[str, float]:
+        """Stats averaged over the good steps, and the counters."""
+        out = {k: float(sum(v) / len(v)) for k, v in self.stats.items() if v}
+        out["ppo/ratio_threshold_skips"] = float(self.ratio_threshold_skips)
+        out["nonfinite/skipped_updates"] = float(self.nonfinite_skips)
+        out["nonfinite/consecutive"] = float(streak)
+        out["ppo/early_stopped"] = float(self.early_stopped)
+        out["ppo/epochs_run"] = float(self.epochs_run)
+        return out
+
+
+__all__ = ["SCORE", "PPOAgent", "RolloutForward", "UpdateTally", "position_ids_for", "sequence_inputs", "warp_logits"]

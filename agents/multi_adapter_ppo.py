@@ -55,6 +55,8 @@ from textrl.models.adapters import (
 if TYPE_CHECKING:
     from peft import PeftModel
 
+    from textrl.parallel import Backend
+
 POLICY, CRITIC, REWARD = "policy", "critic", "reward"
 
 
@@ -304,11 +306,13 @@ class MultiAdapterPPO(GAEPPO):
         if leaked:
             raise RuntimeError(f"frozen base weights received a gradient: {leaked[:3]}")
 
-    def shard(self, mesh: Any, reshard_after_forward: bool = True) -> None:
-        raise ValueError(
-            "multi_adapter_ppo does not shard (FSDP): its one base carries every role; it fits large "
-            "models with --load-in-4bit instead"
-        )
+    def check_backend(self, backend: Backend) -> None:
+        """One process or replicated only: the one base carries every role, so it is not split."""
+        if backend.gathers_state:
+            raise ValueError(
+                f"multi_adapter_ppo does not shard ({backend.name}: FSDP or DeepSpeed ZeRO): its one base "
+                "carries every role; it fits large models with --load-in-4bit instead"
+            )
 
     def update(self, td: TensorDictBase) -> dict[str, float]:
         """GAEPPO's update, then :meth:`check_frozen`."""
@@ -323,16 +327,12 @@ class MultiAdapterPPO(GAEPPO):
         out.update({f"critic.{n}": p for n, p in self.critic.named_parameters()})
         return out
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """Policy LoRA, value head (+ critic LoRA) and ``agent_state``: never the (4-bit) base."""
-        state: dict[str, Any] = {k: p.detach().clone() for k, p in self.trainable_state().items()}
-        state["agent_state"] = self.agent_state_dict()
-        return state
+    def weights_state(self) -> dict[str, Tensor]:
+        """Policy LoRA, value head (+ critic LoRA): never the (4-bit) base."""
+        return {k: p.detach().clone() for k, p in self.trainable_state().items()}
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
-        state = dict(state_dict)
-        agent_state = state.pop("agent_state", None)
+    def load_weights_state(self, state: dict[str, Tensor], strict: bool = True, assign: bool = False):
         own = self.trainable_state()
         missing = sorted(set(own) - set(state))
         unexpected = sorted(set(state) - set(own))
@@ -344,8 +344,6 @@ class MultiAdapterPPO(GAEPPO):
         for key, param in own.items():
             if key in state:
                 param.copy_(state[key])
-        if agent_state is not None:
-            self.load_agent_state_dict(agent_state)
         return _IncompatibleKeys(missing, unexpected)
 
 

@@ -89,7 +89,8 @@ def test_docs_cited_by_the_code_exist():
     cited = set()
     for path in python_files():
         text = path.read_text()
-        assert "DESIGN.md" not in text, f"{path.relative_to(ROOT)} cites DESIGN.md, which is not in the repository"
+        outside = "DESIGN" + ".md"  # spelled in two parts so that this file does not cite it
+        assert outside not in text, f"{path.relative_to(ROOT)} cites {outside}, which is not in the repository"
         cited.update(re.findall(r"docs/[\w-]+\.md", text))
     missing = sorted(c for c in cited if not (ROOT / c).is_file())
     assert not missing, f"cited but missing: {missing}"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -50,9 +51,15 @@ def test_a_script_beside_its_own_envs_package_imports_and_trains_with_textrl(tmp
 
 @pytest.mark.slow
 def test_the_wheel_installs_textrl_alone_at_the_top_level(tmp_path):
+    source = tmp_path / "source"  # a copy: setuptools writes build/ into the tree it builds
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    for name in tracked.stdout.splitlines():
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(ROOT)],
+         "-w", str(tmp_path), str(source)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -7,8 +7,9 @@ import torch
 
 from textrl.config import TrainConfig
 from textrl.models import ValueModel, build_tiny_causal_lm, build_tiny_tokenizer
+from textrl.parallel import check_sharding
 from textrl.sharding import is_sharded, local, to_float, unit_classes
-from textrl.trainer import check_sharding, train
+from textrl.trainer import train
 
 
 @pytest.mark.parametrize("overrides", [dict(agent="multi_adapter_ppo", reward_adapter="x"), dict(load_in_4bit=True)])

@@ -10,7 +10,8 @@ import os
 import pytest
 
 from textrl.config import TrainConfig
-from textrl.trainer import check_sharding, train
+from textrl.parallel import check_sharding
+from textrl.trainer import train
 from textrl.zero import deepspeed_config, read_zero_section
 
 

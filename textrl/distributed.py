@@ -2,11 +2,12 @@
 
 ``textrl train`` under ``accelerate launch --num_processes N`` (or ``torchrun``) runs one copy of
 the loop per process. Each process generates and scores its share of the rollout (whole prompt
-groups), computes gradients on it, and :meth:`Distributed.all_reduce_grads` averages them before
-every optimiser step, so the parameters stay identical everywhere (data parallelism, as DDP).
-Decisions that change control flow (KL early stop, the ratio threshold, skipping a non-finite
-update) are taken on values averaged over processes, so every process takes the same branch and
-no collective is left waiting. In a single process every method is a cheap no-op.
+groups); the run's backend (:mod:`textrl.parallel`) keeps the weights in step, e.g.
+:meth:`Distributed.all_reduce_grads` averages gradients before every optimiser step in a
+replicated run (data parallelism, as DDP). Decisions that change control flow (KL early stop, the
+ratio threshold, skipping a non-finite update) are taken on values averaged over processes, so
+every process takes the same branch and no collective is left waiting. In a single process every
+method is a cheap no-op.
 """
 
 from __future__ import annotations
@@ -27,11 +28,6 @@ class Distributed:
         self.world_size = torch.distributed.get_world_size() if initialized else 1
         self.rank = torch.distributed.get_rank() if initialized else 0
         self.device = torch.device(device)
-
-    @classmethod
-    def from_accelerator(cls, accelerator: Any) -> Distributed:
-        """The process group ``accelerate`` set up (its device)."""
-        return cls(accelerator.device)
 
     @property
     def enabled(self) -> bool:

@@ -1,11 +1,11 @@
 """Fully sharded data parallelism (FSDP2, ``torch.distributed.fsdp.fully_shard``) for the agents.
 
 With ``--fsdp`` (or an ``accelerate`` config with ``distributed_type: FSDP``) every model of the
-agent (policy, reference, critic, old-policy snapshot) is split over the processes: each decoder
-layer is one FSDP unit whose parameters are all-gathered for its forward / backward and freed
-after, and gradients are reduce-scattered (averaged), so each process holds ``1/N`` of every
-weight, gradient and AdamW state. Everything else is the data-parallel loop of
-:mod:`textrl.distributed`; what changes:
+agent (policy, reference, critic, old-policy snapshot) is split over the processes by the
+backend :class:`textrl.parallel.fsdp.FSDP`, with the functions here: each decoder layer is one
+FSDP unit whose parameters are all-gathered for its forward / backward and freed after, and
+gradients are reduce-scattered (averaged), so each process holds ``1/N`` of every weight,
+gradient and AdamW state. Everything else is the data-parallel loop; what changes:
 
 - generation runs ``generate(synced_gpus=True)``: a process whose rows all ended keeps stepping
   until every process is done, since each forward is a collective;

@@ -21,7 +21,6 @@ process writes files.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 from textrl.config import TrainConfig, save_config
 from textrl.distributed import Distributed
 from textrl.keys import KEYS
+from textrl.parallel import Backend, setup_backend
 from textrl.rollout import collect
 from textrl.run import (
     CheckpointError,
@@ -96,6 +96,8 @@ class PPORun:
     sampler: Any
     reward_fn: Any
     eval_batches: list[Any]
+    backend: Backend
+    """How the models train over the processes (:mod:`textrl.parallel`)."""
     dist: Distributed
     main: bool
     evaluates: bool
@@ -139,9 +141,9 @@ class PPORun:
         Stopping with NaN/inf weights saves nothing (the last good checkpoint stays newest)."""
         dist, agent = self.dist, self.agent
         rng_per_process = dist.gather_object(rng_state()) if dist.enabled else None
-        if stopping and not _weights_finite(agent, dist):
+        if stopping and not self.backend.weights_finite(agent):
             return None
-        state = agent.state_dict() if agent.gathers_state else None  # a gather all processes join
+        state = agent.state_dict() if self.backend.gathers_state else None  # a gather all processes join
         if not self.main:
             return None
         return save_checkpoint(self.output_dir, iteration, agent, self.sampler, self.config.keep_checkpoints,
@@ -210,7 +212,7 @@ class PPORun:
         summary: dict[str, Any] = {"before": before, "after": after, "processes": self.dist.world_size,
                                    "fsdp": self.config.fsdp, "zero_stage": self.config.zero_stage}
         summary["peak_memory_mib"] = self.dist.gather_object(peak_memory_mib(self.agent.device))  # one per process
-        summary.update(_weights_across_processes(self.agent, self.dist))
+        summary.update(self.backend.end_of_run(self.agent))  # weights held (sharded) or the replicas' checksum
         if self.main:
             self.log(format_summary(before, after))
             (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -223,23 +225,10 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     checkpoint (verified before any model loads), the reward, models, prompts and the agent, in
     this order (sharding options join the config before it is saved; every process holds the
     same weights before FSDP / ZeRO partition them)."""
-    from accelerate import Accelerator
-
     from textrl.envs import PromptSampler, load_prompts
 
-    zero_section = check_sharding(config)
-    fsdp, zero_stage = config.fsdp, config.zero_stage
-    accelerator = Accelerator(cpu=device.type == "cpu")
-    dist = Distributed.from_accelerator(accelerator)
-    if (fsdp or zero_stage) and not dist.enabled:
-        flag = "--fsdp" if fsdp else "--zero-stage"
-        raise ValueError(f"{'fsdp=True' if fsdp else f'zero_stage={zero_stage}'} shards over several processes; "
-                         "launch with `accelerate launch --num_processes N -m textrl.cli train ...` or "
-                         f"torchrun, or drop {flag}")
-    if dist.enabled:  # each process: its own GPU (or the CPU), its share of every rollout
-        device = accelerator.device
-        check_process_split(config, dist)
-    main = accelerator.is_main_process
+    backend = setup_backend(config, device)  # single, replicated, FSDP or ZeRO
+    dist, device, main = backend.dist, backend.device, backend.is_main
     output_dir = Path(config.output_dir)
     log = print if main else (lambda *a, **k: None)
     if main:
@@ -259,37 +248,14 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     eval_batches = sampler.encode_eval(eval_rows, batch_size=config.generation_batch_size)
     agent = build_agent(config, policy, tokenizer)
     reward_fn = add_agent_reward(config, agent, reward_fn)
-    if dist.enabled:  # identical weights everywhere, different samples in every process
-        dist.broadcast_module(agent)
-        agent.dist = dist
-        torch.manual_seed(config.seed + 1_000_003 * dist.rank)
-    if fsdp:  # each process keeps 1/N of every weight, gradient and optimiser state
-        from textrl.sharding import device_mesh
-
-        agent.shard(device_mesh(device, dist.world_size), config.fsdp_reshard_after_forward)
-    if zero_stage:  # DeepSpeed ZeRO: AdamW states (1), + gradients (2), + weights (3) partitioned
-        agent.use_deepspeed(zero_stage, zero_section)
+    backend.prepare(agent)  # identical weights everywhere, this process's seed, models sharded
     # held-out evaluation: the main process alone, unless the forwards are collectives (FSDP, ZeRO-3)
-    evaluates = main or agent.partitions_weights
+    evaluates = main or backend.partitions_weights
     return PPORun(config=config, agent=agent, sampler=sampler, reward_fn=reward_fn, eval_batches=eval_batches,
-                  dist=dist, main=main, evaluates=evaluates, output_dir=output_dir, resume_from=checkpoint, log=log)
+                  backend=backend, dist=dist, main=main, evaluates=evaluates, output_dir=output_dir,
+                  resume_from=checkpoint, log=log)
 
 
-def _weights_across_processes(agent, dist: Distributed) -> dict[str, Any]:
-    """Sharded: the share of the agent's weights this process holds (1 / processes, up to
-    rounding). Data-parallel: the one parameter checksum every process must share."""
-    if agent.partitions_weights:
-        from textrl.sharding import full_numel, held_numel
-
-        params = list(agent.parameters())
-        return {"weights_held_per_process": sum(map(held_numel, params)) / sum(map(full_numel, params))}
-    if not dist.enabled:
-        return {}
-    checksums = dist.gather_object(parameter_checksum(agent))
-    if len(set(checksums)) > 1:
-        raise RuntimeError(f"the {dist.world_size} processes ended with different weights "
-                           f"({checksums}); this is a bug in gradient synchronisation, please report it")
-    return {"parameter_checksum": checksums[0]}
 
 
 # -- set-up --------------------------------------------------------------------------------------
@@ -398,50 +364,8 @@ def add_agent_reward(config: TrainConfig, agent, reward_fn):
     return CompositeReward({**parts, "reward_model": (neural, 1.0)})
 
 
-def check_sharding(config: TrainConfig) -> dict[str, Any] | None:
-    """Fold an accelerate FSDP / DeepSpeed config into ``config`` (``fsdp``, ``zero_stage``) and
-    resolve ``deepspeed_config``; return the ZeRO section to use (None without DeepSpeed).
-
-    ``ValueError`` for what cannot run: offload, an unreadable DeepSpeed config, DeepSpeed not
-    installed, FSDP and DeepSpeed together.
-    """
-    from textrl import zero
-    from textrl.sharding import accelerate_fsdp_options, accelerate_wants_fsdp
-
-    if zero.accelerate_wants_deepspeed():
-        for name, value in zero.accelerate_deepspeed_options().items():
-            setattr(config, name, value)
-    if accelerate_wants_fsdp():
-        for name, value in {"fsdp": True, **accelerate_fsdp_options()}.items():
-            setattr(config, name, value)
-    section = zero.read_zero_section(config.deepspeed_config) if config.deepspeed_config else {}
-    if not config.zero_stage and "stage" in section:  # --deepspeed-config alone: its stage
-        config.zero_stage = section["stage"]
-    if config.deepspeed_config and not config.zero_stage:
-        raise ValueError(f"deepspeed_config={config.deepspeed_config!r} names no zero_optimization.stage; "
-                         "add one or pass --zero-stage 1, 2 or 3")
-    config.validate()
-    if not config.zero_stage:
-        return None
-    zero.require_deepspeed()
-    return section
 
 
-def check_process_split(config: TrainConfig, dist: Distributed) -> None:
-    """Each process takes whole prompt groups and splits its rows into the minibatches."""
-    if config.prompts_per_iteration % dist.world_size:
-        raise ValueError(
-            f"prompts_per_iteration={config.prompts_per_iteration} does not split over "
-            f"{dist.world_size} processes; choose a multiple of {dist.world_size}"
-        )
-    local = config.rollout_batch_size // dist.world_size
-    parts = config.num_minibatches * config.gradient_accumulation_steps
-    if local % parts:
-        raise ValueError(
-            f"each of the {dist.world_size} processes gets {local} rows, which do not divide into "
-            f"num_minibatches={config.num_minibatches} x gradient_accumulation_steps="
-            f"{config.gradient_accumulation_steps}; lower either or raise prompts_per_iteration"
-        )
 
 
 # -- the iteration's parts -----------------------------------------------------------------------
@@ -514,20 +438,8 @@ def nonfinite_rows(td, n_rows: int) -> float:
     return float(n_rows - td.shape[0] + flagged)
 
 
-def parameter_checksum(module: torch.nn.Module) -> str:
-    """sha256 of every parameter's bytes, in order: equal across processes iff the weights are."""
-    digest = hashlib.sha256()
-    for name, param in module.named_parameters():
-        digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
-def _weights_finite(agent, dist: Distributed) -> bool:
-    """Every weight is finite (this process's shards under FSDP; the answer is shared)."""
-    from textrl.sharding import local
-
-    return not dist.any(not all(bool(torch.isfinite(local(p)).all()) for p in agent.parameters()))
 
 
 def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak: int,

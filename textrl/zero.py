@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO (stages 1, 2 and 3) for the agents' training loop.
 
 With ``--zero-stage N`` (or ``accelerate launch`` with a DeepSpeed config) the agent's models go
-into one DeepSpeed engine (:meth:`textrl.agents.base.PPOAgent.use_deepspeed`), the way TRL wraps policy
-and value model together. The engine owns one AdamW with a parameter group per trained model
+into one DeepSpeed engine (the backend :class:`textrl.parallel.zero.DeepSpeedZero`), the way TRL
+wraps policy and value model together. The engine owns one AdamW with a parameter group per trained model
 (the actor's and the critic's learning rates) and:
 
 - stage 1 partitions the AdamW states over the processes, stage 2 the gradients as well, stage 3
@@ -70,7 +70,7 @@ def accelerate_deepspeed_options() -> dict[str, Any]:
     accelerate exports the stage as ``ACCELERATE_DEEPSPEED_ZERO_STAGE`` (its default is 2) and a
     config file as ``ACCELERATE_DEEPSPEED_CONFIG_FILE``; offload devices other than ``none`` are
     refused by name (``ValueError``). Turns accelerate's ``zero3_init`` off (sets
-    ``ACCELERATE_DEEPSPEED_ZERO3_INIT=false`` for this process) before the ``Accelerator`` exists.
+    ``ACCELERATE_DEEPSPEED_ZERO3_INIT=false`` for this process) before accelerate's state exists.
     """
     env = os.environ
     # textrl loads whole models (warm-up, reference copies) and partitions them when the engine

@@ -206,13 +206,13 @@ def test_gradient_accumulation_equals_the_full_minibatch_gradient(tok, name, agg
         td = agent.process_rollout(uneven_rollout(tok))
         assert td.get(KEYS.mask).sum(1).tolist() == [2, 6, 4, 1]
 
-        def record(agent=agent, steps=steps):
+        def record(agent, steps=steps):
             grads[steps] = {
                 n: p.grad.clone() for n, p in agent.named_parameters() if p.grad is not None
             }
             return {}
 
-        agent._step = record
+        agent.backend.step = record
         torch.manual_seed(5)  # the same minibatch order in every run
         agent.update(td)
     assert grads[1].keys() == grads[2].keys() == grads[4].keys() and grads[1]

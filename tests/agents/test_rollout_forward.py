@@ -23,17 +23,17 @@ def run_once(tok, name: str, reuse: bool, **overrides):
     torch.manual_seed(0)  # multi_adapter_ppo's LoRA weights start from the global generator
     agent = make_agent(tok, name, actor_lr=1e-2, critic_lr=1e-2, **overrides)
     agent.reuse_rollout_forward = reuse
-    grads, step = {}, agent._step
+    grads, step = {}, agent.backend.step
     # the policy's and critic's own parameter lists (multi_adapter_ppo's LoRA weights live in a
     # shared base that the agent module does not own)
     trainable = [(f"{role}.{n}", q) for role, model in (("policy", agent.policy), ("critic", agent.critic))
                  if model is not None for n, q in model.named_parameters()]
 
-    def spy():  # the gradient the optimiser is about to use
+    def spy(agent):  # the gradient the optimiser is about to use
         grads.update({n: q.grad.clone() for n, q in trainable if q.grad is not None})
-        return step()
+        return step(agent)
 
-    agent._step = spy
+    agent.backend.step = spy
     metrics = agent.update(collect(agent, tok))
     return agent, metrics, grads
 

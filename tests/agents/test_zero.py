@@ -1,6 +1,6 @@
 """Agents under a real DeepSpeed ZeRO engine, in this process (a gloo group of one process).
 
-The update loop's DeepSpeed branch against the plain one: the same step without clipping, the
+The DeepSpeedZero backend against the single-process one: the same step without clipping, the
 joint clipping norm, a NaN loss skipped by DeepSpeed's overflow check, the ratio threshold judged
 before the backward, and the full-tensor state round trip. Runs over two processes (partitioned
 weights, resume) are in tests/test_multiprocess.py.
@@ -19,6 +19,9 @@ pytest.importorskip("deepspeed")
 
 from tests.agents.conftest import collect, record_loss_stats  # noqa: E402
 from tests.agents.conftest import make_agent as build  # noqa: E402
+from textrl.distributed import Distributed  # noqa: E402
+from textrl.parallel import DeepSpeedZero  # noqa: E402
+from textrl.parallel.base import trained_parameters  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,16 +56,16 @@ def seeded_update(agent, td, seed: int = 0) -> dict[str, float]:
 def pair(tok, stage: int, agent: str = "gae_ppo", **overrides):
     """A plain agent and the same agent (same initial weights) under ZeRO ``stage``."""
     plain, zero = build(tok, agent, **overrides), build(tok, agent, **overrides)
-    zero.use_deepspeed(stage)
+    DeepSpeedZero(Distributed(), "cpu", stage).prepare(zero)
     return plain, zero
 
 
 def first_moments(agent) -> dict[str, torch.Tensor]:
     """AdamW's ``exp_avg`` of every trained weight, by name: ``(1 - beta1) x`` the first step's gradient."""
-    if agent.engine is not None:
+    if isinstance(agent.backend, DeepSpeedZero):
         return {k: v["exp_avg"] for k, v in agent.state_dict()["agent_state"]["optimizers"][0]["state"].items()}
     state = {**agent.actor_optimizer.state, **(agent.critic_optimizer.state if agent.critic_optimizer else {})}
-    return {name: state[p]["exp_avg"] for name, p in agent._trained_parameters()}
+    return {name: state[p]["exp_avg"] for name, p in trained_parameters(agent)}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -108,7 +111,7 @@ def test_deepspeed_clips_the_joint_actor_and_critic_norm(tok):
     assert m_zero["grad_norm/total"] == pytest.approx(joint, rel=1e-4)
     # one step, clipped jointly to norm 1e-3: AdamW's first moment is (1 - beta1) x the clipped gradient
     assert joint > 1e-2
-    state = zero.engine.optimizer.optimizer.state.values()
+    state = zero.backend.engine.optimizer.optimizer.state.values()
     first_moment = math.sqrt(sum(float(s["exp_avg"].norm()) ** 2 for s in state))
     assert first_moment == pytest.approx(0.1 * 1e-3, rel=1e-3)
 
@@ -144,7 +147,7 @@ def test_over_the_ratio_threshold_a_micro_batch_is_left_out_of_the_step(tok):
     assert len(seen) == 2 and metrics["ppo/ratio_threshold_skips"] == 1.0
     assert metrics["nonfinite/skipped_updates"] == 0 and "grad_norm/total" not in metrics
     assert all(torch.equal(weights(zero)[k], v) for k, v in before.items())  # critic untouched too
-    assert not zero.engine.optimizer.optimizer.state  # AdamW never stepped
+    assert not zero.backend.engine.optimizer.optimizer.state  # AdamW never stepped
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -155,7 +158,7 @@ def test_the_full_state_round_trips_into_a_fresh_engine(tok, stage):
     state = zero.state_dict()
     saved = state["agent_state"]["optimizers"][0]
     assert saved["format"] == "deepspeed_zero_full" and saved["step"] == 1.0
-    assert set(saved["state"]) == {k for k, _ in zero._trained_parameters()}
+    assert set(saved["state"]) == {k for k, _ in trained_parameters(zero)}
 
     _, fresh = pair(tok, stage, seed=1, actor_lr=1e-2)  # other initial weights, no AdamW state yet
     fresh.load_state_dict(state)

@@ -1,0 +1,151 @@
+"""textrl.parallel: the backend interface, and one meaning of the ratio threshold and the NaN skip.
+
+In one process (SingleProcess) and over two gloo processes (Replicated); DeepSpeed's engine is in
+tests/agents/test_zero.py, FSDP and ZeRO runs of ``textrl train`` in tests/test_multiprocess.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.agents.conftest import collect, make_agent
+from textrl.config import TrainConfig
+from textrl.distributed import Distributed
+from textrl.parallel import FSDP, Replicated, SingleProcess, setup_backend
+
+
+def weights(agent) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in agent.state_dict().items() if torch.is_tensor(v)}
+
+
+def judged(agent, ratio_of) -> list[str]:
+    """Wrap ``agent.loss``: micro-batch ``i`` reports ``ratio/mean = ratio_of(i)`` (``nan``: a NaN
+    loss as well); returns the list of backward calls, by micro-batch index."""
+    loss, calls, backwards = agent.loss, [], []
+
+    def fake(mb):
+        value, stats = loss(mb)
+        ratio = ratio_of(len(calls))
+        calls.append(len(calls))
+        if math.isnan(ratio):
+            return value * math.nan, {**stats, "ratio/mean": torch.tensor(100.0)}
+        return value, {**stats, "ratio/mean": torch.tensor(ratio)}
+
+    backward = agent.backend.backward
+
+    def spy(value):
+        backwards.append(calls[-1])
+        backward(value)
+
+    agent.loss, agent.backend.backward = fake, spy
+    return backwards
+
+
+def test_every_agent_starts_single_process_and_its_state_is_the_modules():
+    from textrl.models import build_tiny_tokenizer
+
+    agent = make_agent(build_tiny_tokenizer())
+    assert isinstance(agent.backend, SingleProcess) and agent.dist.world_size == 1
+    assert not agent.backend.partitions_weights and not agent.gathers_state
+    state = agent.state_dict()
+    assert set(state) - {"agent_state"} == set(torch.nn.Module.state_dict(agent))
+
+
+def test_setup_backend_in_one_process_is_single_and_refuses_sharding(tmp_path):
+    backend = setup_backend(TrainConfig(), torch.device("cpu"))
+    assert isinstance(backend, SingleProcess) and backend.is_main
+    with pytest.raises(ValueError, match="fsdp=True shards over several processes; launch with"):
+        setup_backend(TrainConfig(fsdp=True), torch.device("cpu"))
+
+
+def test_a_micro_batch_over_the_ratio_threshold_is_left_out_actor_and_critic(tok):
+    # micro-batch 0 over the threshold, micro-batch 1 not: only 1 is back-propagated, and the step
+    # is the one micro-batch 1 alone gives (its usual weight in the minibatch)
+    agent = make_agent(tok, gradient_accumulation_steps=2, ratio_threshold=5.0, actor_lr=1e-2)
+    td = collect(agent, tok)
+    backwards = judged(agent, lambda i: 50.0 if i == 0 else 1.0)
+    torch.manual_seed(0)
+    metrics = agent.update(td.clone())
+    assert backwards == [1] and metrics["ppo/ratio_threshold_skips"] == 1.0
+    assert metrics["nonfinite/skipped_updates"] == 0 and "grad_norm/critic" in metrics
+
+    alone = make_agent(tok, gradient_accumulation_steps=2, ratio_threshold=5.0, actor_lr=1e-2)
+    loss = alone.loss
+    alone.loss = lambda mb, calls=[]: (calls.append(1) or loss(mb)[0] * (len(calls) > 1), loss(mb)[1])
+    torch.manual_seed(0)
+    alone.update(td.clone())
+    a, b = weights(agent), weights(alone)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+
+
+def test_when_every_micro_batch_is_over_the_threshold_nothing_steps(tok):
+    agent = make_agent(tok, gradient_accumulation_steps=2, ratio_threshold=1e-3)
+    before = weights(agent)
+    metrics = agent.update(collect(agent, tok))
+    assert metrics["ppo/ratio_threshold_skips"] == 1.0 and metrics["nonfinite/skipped_updates"] == 0
+    assert all(torch.equal(weights(agent)[k], v) for k, v in before.items())  # critic untouched too
+    assert all(not o.state for o in agent.optimizers) and all(s.last_epoch == 0 for s in agent.schedulers)
+
+
+def test_a_nan_loss_is_never_left_out_by_the_threshold_and_skips_the_step(tok):
+    agent = make_agent(tok, gradient_accumulation_steps=2, ratio_threshold=5.0)
+    before = weights(agent)
+    backwards = judged(agent, lambda i: math.nan if i == 0 else 1.0)
+    metrics = agent.update(collect(agent, tok))
+    assert backwards == [0, 1] and metrics["ppo/ratio_threshold_skips"] == 0.0
+    assert metrics["nonfinite/skipped_updates"] == 1 == agent.nonfinite_streak
+    assert all(torch.equal(weights(agent)[k], v) for k, v in before.items())
+    assert all(not o.state for o in agent.optimizers) and all(s.last_epoch == 0 for s in agent.schedulers)
+
+
+def test_multi_adapter_ppo_refuses_a_sharding_backend_by_name(tok):
+    agent = make_agent(tok, "multi_adapter_ppo")
+    with pytest.raises(ValueError, match="multi_adapter_ppo does not shard .*--load-in-4bit instead"):
+        FSDP(Distributed(), "cpu").prepare(agent)
+    assert isinstance(agent.backend, SingleProcess)
+
+
+# -- two gloo processes: every process decides alike ------------------------------------------------
+
+
+def _worker(rank: int, init_file: str, out_dir: str, fault: str) -> None:
+    from tests.agents.conftest import collect, make_agent
+    from textrl.models import build_tiny_tokenizer
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        tok = build_tiny_tokenizer()
+        agent = make_agent(tok, "gae_ppo", seed=rank, gradient_accumulation_steps=2, ratio_threshold=5.0,
+                           actor_lr=1e-2)  # different initial weights: prepare() broadcasts rank 0's
+        Replicated(Distributed("cpu"), "cpu").prepare(agent)
+        td = collect(agent, tok, seed=rank)
+        before = weights(agent)
+        # rank 1 alone trips: a NaN loss, or a ratio whose average over both processes is over 5
+        ratio = {"nan": math.nan, "ratio": 20.0, "none": 1.0}[fault]
+        backwards = judged(agent, lambda i: ratio if (rank == 1 and i == 0) else 1.0)
+        metrics = agent.update(td)
+        torch.save({"before": before, "after": weights(agent), "metrics": metrics, "backwards": backwards},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["none", "nan", "ratio"])
+def test_replicated_processes_skip_alike_and_stay_identical(tmp_path, fault):
+    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path), fault), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert all(torch.equal(r0["before"][k], v) for k, v in r1["before"].items())  # rank 0's weights everywhere
+    assert all(torch.equal(r0["after"][k], v) for k, v in r1["after"].items())  # and the same step
+    moved = any(not torch.equal(r0["after"][k], v) for k, v in r0["before"].items())
+    for r in (r0, r1):
+        skipped = r["metrics"]["nonfinite/skipped_updates"]
+        dropped = r["metrics"]["ppo/ratio_threshold_skips"]
+        assert (skipped, dropped, moved) == {"none": (0, 0, True), "nan": (1, 0, False), "ratio": (0, 1, True)}[fault]
+        assert r["backwards"] == {"none": [0, 1], "nan": [0, 1], "ratio": [1]}[fault]

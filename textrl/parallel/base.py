@@ -1,0 +1,172 @@
+"""The backend interface: how one run spreads an agent's training over its processes.
+
+An agent (:class:`textrl.agents.base.PPOAgent`) computes losses; its :class:`Backend` owns the
+rest of a training step, so the agent's update loop is the same on every backend:
+
+- :meth:`Backend.prepare` makes an agent train under the backend: the same initial weights on
+  every process, this process's sampling seed, the models wrapped (sharded, in an engine) and
+  the optimisers built over what the backend trains;
+- :meth:`Backend.backward` back-propagates one micro-batch's weighted loss (gradients
+  accumulate until the step);
+- :meth:`Backend.step` synchronises the gradients, clips them, steps every optimiser and
+  scheduler and returns the pre-clip gradient norms; it returns ``None`` and steps nothing
+  (gradients dropped) when a gradient is NaN/inf on any process;
+- :meth:`Backend.gathered` holds a model's full weights for a block (generation),
+  :meth:`Backend.copy_weights` copies one model's weights into another (reference and
+  old-policy refreshes);
+- :meth:`Backend.model_state` / :meth:`Backend.load_model_state` and
+  :meth:`Backend.optimizer_state` / :meth:`Backend.load_optimizer_state` save and restore
+  full tensors (a collective where the backend gathers), so a checkpoint resumes under any
+  backend of the same kind and any number of processes;
+- :meth:`Backend.weights_finite` and :meth:`Backend.end_of_run` are the trainer's checks.
+
+Decisions that change control flow are taken on values shared by every process
+(:class:`textrl.distributed.Distributed`), so every process runs the same collectives.
+
+Implementations: :class:`textrl.parallel.single.SingleProcess`,
+:class:`textrl.parallel.replicated.Replicated` (data parallel, gradients all-reduced),
+:class:`textrl.parallel.fsdp.FSDP` (FSDP2) and :class:`textrl.parallel.zero.DeepSpeedZero`
+(ZeRO stages 1-3). :func:`textrl.parallel.setup.setup_backend` picks one from the config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from textrl.distributed import Distributed
+from textrl.sharding import local
+
+
+def trained_models(agent: Any) -> list[tuple[str, nn.Module]]:
+    """``(role, model)`` of every model an optimiser steps: ``actor`` (the policy), ``critic``."""
+    return [(role, model) for role, model in (("actor", agent.policy), ("critic", agent.critic)) if model is not None]
+
+
+def trained_parameters(agent: Any) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of every trained weight, named as in the agent's ``state_dict``."""
+    return [(f"{name}.{k}", p) for name, model in (("policy", agent.policy), ("critic", agent.critic))
+            if model is not None for k, p in model.named_parameters() if p.requires_grad]
+
+
+class Backend:
+    """One run's way of training an agent over its processes (see the module docstring).
+
+    Subclasses set ``name`` and override what differs; this base holds what every backend
+    shares (learning rates, scheduler steps, the finite-weights query).
+    """
+
+    name = "single"
+    partitions_weights = False
+    """Each process holds a part of every weight: every forward is a collective, so every process
+    takes part in generation and evaluation."""
+    gathers_state = False
+    """:meth:`model_state` is a collective: every process calls it, the main process writes."""
+
+    def __init__(self, dist: Distributed | None = None, device: torch.device | str = "cpu") -> None:
+        self.dist = dist or Distributed(device)
+        self.device = torch.device(device)
+
+    @property
+    def is_main(self) -> bool:
+        """This process writes files and logs (rank 0)."""
+        return self.dist.is_main
+
+    # -- preparing ------------------------------------------------------------------------------
+    def prepare(self, agent: Any) -> None:
+        """Train ``agent`` under this backend (on every process, once, before training)."""
+        agent.check_backend(self)
+        agent.backend = self
+
+    # -- one optimiser step -----------------------------------------------------------------------
+    def backward(self, loss: Tensor) -> None:
+        """Back-propagate a micro-batch's (weighted) ``loss``; gradients accumulate until :meth:`step`."""
+        loss.backward()
+
+    def step(self, agent: Any) -> dict[str, float] | None:
+        """Clip and apply the accumulated gradients; return ``grad_norm/<role>`` (pre-clip).
+
+        Returns None, steps nothing and drops the gradients when a norm is NaN/inf (the norms
+        are of synchronised gradients, so every process decides alike).
+        """
+        self.sync_gradients(agent)
+        max_norm = agent.config.max_grad_norm if agent.config.max_grad_norm > 0 else math.inf
+        norms = {}
+        for role, model in trained_models(agent):
+            params = [p for p in model.parameters() if p.grad is not None]
+            if params:
+                norms[f"grad_norm/{role}"] = self.norm_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if not all(math.isfinite(v) for v in norms.values()):
+            self.zero_grad(agent)
+            return None
+        for optimizer, scheduler in zip(agent.optimizers, agent.schedulers):
+            optimizer.step()
+            scheduler.step()
+        return norms
+
+    def sync_gradients(self, agent: Any) -> None:
+        """Make every process's accumulated gradients the same (nothing to do in one process)."""
+
+    def norm_value(self, norm: Tensor) -> float:
+        """A norm ``clip_grad_norm_`` returned, as a float."""
+        return float(norm)
+
+    def zero_grad(self, agent: Any) -> None:
+        """Drop the accumulated gradients (before a minibatch, and after a skipped step)."""
+        for optimizer in agent.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    def learning_rates(self, agent: Any) -> dict[str, float]:
+        """``lr/actor`` (and ``lr/critic``) as the schedulers set them now."""
+        rates = {"lr/actor": agent.actor_optimizer.param_groups[0]["lr"]}
+        if agent.critic_optimizer is not None:
+            rates["lr/critic"] = agent.critic_optimizer.param_groups[0]["lr"]
+        return rates
+
+    # -- weights for generation and copies ----------------------------------------------------------
+    def gathered(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """``model``'s full weights on this process for the block (generation); a no-op when held."""
+        return contextlib.nullcontext()
+
+    def copy_weights(self, dst: nn.Module, src: nn.Module) -> None:
+        """``dst`` takes ``src``'s weights (same architecture): reference / old-policy refresh."""
+        dst.load_state_dict(src.state_dict())
+
+    # -- full state: save and restore -------------------------------------------------------------
+    def model_state(self, agent: Any) -> dict[str, Tensor]:
+        """Every weight of the agent's models (policy, reference, critic, snapshots), full tensors."""
+        return nn.Module.state_dict(agent)
+
+    def load_model_state(self, agent: Any, state: dict[str, Tensor], strict: bool = True,
+                         assign: bool = False) -> Any:
+        """Copy :meth:`model_state`'s output into the agent's models; ``nn.Module``'s result."""
+        return nn.Module.load_state_dict(agent, state, strict=strict, assign=assign)
+
+    def optimizer_state(self, agent: Any) -> list[dict[str, Any]]:
+        """Each optimiser's state (a collective where the backend gathers)."""
+        return [optimizer.state_dict() for optimizer in agent.optimizers]
+
+    def load_optimizer_state(self, agent: Any, states: list[dict[str, Any]]) -> None:
+        """Restore :meth:`optimizer_state`'s output."""
+        for optimizer, state in zip(agent.optimizers, states):
+            optimizer.load_state_dict(state)
+
+    # -- the trainer's checks -----------------------------------------------------------------------
+    def weights_finite(self, agent: Any) -> bool:
+        """Every weight is finite on every process (its own shards where partitioned)."""
+        finite = all(bool(torch.isfinite(local(p)).all()) for p in agent.parameters())
+        return not self.dist.any(not finite)
+
+    def end_of_run(self, agent: Any) -> dict[str, Any]:
+        """Summary entries that check the run's parallelism (none in one process)."""
+        return {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(processes={self.dist.world_size}, device={self.device})"
+
+
+__all__ = ["Backend", "trained_models", "trained_parameters"]

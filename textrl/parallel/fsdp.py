@@ -1,0 +1,86 @@
+"""FSDP2: every model of the agent split over the processes (:mod:`textrl.sharding` does the work).
+
+Each decoder layer is one ``fully_shard`` unit: its weights are all-gathered for its forward and
+backward and freed after, and gradients are reduce-scattered (averaged) inside the backward, so
+each process holds ``1/N`` of every weight, gradient and AdamW state. The step clips the norms of
+the sharded gradients (global norms); generation gathers the policy once per block; checkpoints
+gather full tensors to the main process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from textrl import sharding
+from textrl.parallel.base import trained_models
+from textrl.parallel.replicated import Replicated
+
+
+class FSDP(Replicated):
+    """FSDP2 over every process; ``reshard_after_forward=False`` keeps gathered layers from the
+    forward to the backward (ZeRO-2-like: faster, more memory). The step's gradient sync is
+    :class:`Replicated`'s, which leaves the shards alone (the backward reduce-scattered them)."""
+
+    name = "fsdp"
+    partitions_weights = True
+    gathers_state = True
+
+    def __init__(self, dist: Any, device: Any, reshard_after_forward: bool = True) -> None:
+        super().__init__(dist, device)
+        self.reshard_after_forward = reshard_after_forward
+
+    def prepare(self, agent: Any) -> None:
+        """Shard every model of ``agent`` (after :class:`Replicated`'s broadcast and seeding) and
+        rebuild its optimisers over the shards."""
+        if agent.backend.gathers_state:
+            raise RuntimeError(f"{type(agent).__name__} is already sharded or under DeepSpeed")
+        super().prepare(agent)
+        mesh = sharding.device_mesh(self.device, self.dist.world_size)
+        for _, model in agent.named_children():
+            sharding.shard_model(model, mesh, self.reshard_after_forward)
+        agent._build_optimizers()
+
+    def norm_value(self, norm: Tensor) -> float:
+        """The global norm of sharded gradients (a ``DTensor``) as a float."""
+        return sharding.to_float(norm)
+
+    def gathered(self, model: nn.Module):
+        return sharding.gathered(model, self.reshard_after_forward)
+
+    def model_state(self, agent: Any) -> dict[str, Tensor]:
+        """Full CPU tensors on the main process (``{}`` elsewhere); every process must call."""
+        return {f"{name}.{k}": v for name, model in agent.named_children()
+                for k, v in sharding.full_model_state(model).items()}
+
+    def load_model_state(self, agent: Any, state: dict[str, Tensor], strict: bool = True,
+                         assign: bool = False) -> None:
+        for name, model in agent.named_children():
+            sharding.load_full_model_state(model, _prefixed(state, name))
+
+    def optimizer_state(self, agent: Any) -> list[dict[str, Any]]:
+        """Full CPU tensors keyed by parameter name, on the main process (a collective)."""
+        return [sharding.full_optimizer_state(model, optimizer)
+                for (_, model), optimizer in zip(trained_models(agent), agent.optimizers)]
+
+    def load_optimizer_state(self, agent: Any, states: list[dict[str, Any]]) -> None:
+        for ((_, model), optimizer), state in zip(zip(trained_models(agent), agent.optimizers), states):
+            sharding.load_full_optimizer_state(model, optimizer, state)
+
+    def end_of_run(self, agent: Any) -> dict[str, Any]:
+        return {"weights_held_per_process": weights_held(agent)}
+
+
+def _prefixed(state: dict[str, Tensor], name: str) -> dict[str, Tensor]:
+    """The entries of ``state`` under ``name.``, without the prefix."""
+    return {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
+
+
+def weights_held(agent: Any) -> float:
+    """The share of the agent's weights this process holds (1 / processes, up to rounding)."""
+    params = list(agent.parameters())
+    return sum(map(sharding.held_numel, params)) / sum(map(sharding.full_numel, params))
+
+
+__all__ = ["FSDP", "weights_held"]
