@@ -34,11 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDictBase
+from textrl.agents.base import LORA_OPTIONS
 from textrl.agents.gae_ppo import GAEPPO
 from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 from transformers.modeling_outputs import SequenceClassifierOutput
 
+from textrl.agent_registry import register_agent
 from textrl.config import TrainConfig
 from textrl.models.adapters import (
     final_hidden,
@@ -46,8 +48,10 @@ from textrl.models.adapters import (
     is_peft,
     keep_4bit_differentiable,
     last_token_hidden,
+    load_base_model,
     load_reward_adapter,
     lora_config,
+    read_reward_meta,
     save_adapter,
     warn_if_merged,
 )
@@ -188,6 +192,7 @@ class AdapterRewardModel(nn.Module):
         return SequenceClassifierOutput(logits=self.score_head(hidden))  # [B, 1]
 
 
+@register_agent("multi_adapter_ppo")
 class MultiAdapterPPO(GAEPPO):
     """GAEPPO on one base model: policy / critic / reward LoRA adapters, reference = no adapters.
 
@@ -205,7 +210,54 @@ class MultiAdapterPPO(GAEPPO):
             a leftover ``adapter_config.json`` in the model's folder; ``False`` silences it.
     """
 
-    name = "multi_adapter_ppo"
+    lora = "required"
+    default_lora_r = 8
+    """LoRA rank when ``lora_r`` is left unset (None)."""
+    shardable = False
+    pipeline_reward = "reward_adapter"
+    options = (GAEPPO.options - {"critic_init", "ref_refresh_every"}) | LORA_OPTIONS | {"reward_adapter", "critic_type"}
+    not_read = {
+        "critic_init": "it builds its critic from critic_type ('value_head' or 'lora') on its own base",
+        "ref_refresh_every": "its reference is the base with adapters disabled and cannot be refreshed",
+        "old_policy_refresh_every": GAEPPO.not_read["old_policy_refresh_every"],
+    }
+
+    @classmethod
+    def validate_config(cls, config: TrainConfig) -> None:
+        """The declarations (:meth:`PPOAgent.validate_config`), then: no full reward model (its
+        reward model is ``--reward-adapter``), and the reward adapter's folder is readable."""
+        super().validate_config(config)
+        if config.reward_model:
+            raise ValueError(
+                f"reward_model={config.reward_model!r}: {config.agent} scores with a LoRA reward "
+                "adapter on its own base (--reward-adapter PATH from `textrl rm --lora`); drop --reward-model"
+            )
+        if config.reward_adapter:
+            read_reward_meta(config.reward_adapter)  # names a missing file before any model loads
+
+    @classmethod
+    def brings_reward(cls, config: TrainConfig) -> bool:
+        """Its reward adapter (``--reward-adapter``) scores responses on its own."""
+        return bool(config.reward_adapter)
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, device: torch.device | str = "cpu", log: Any = print) -> MultiAdapterPPO:
+        """The base model (4-bit with ``load_in_4bit``) and its tokenizer; the agent adds its adapters,
+        critic and reward model to the base. No SFT warm-up: the base must stay exactly the model the
+        reward adapter was trained on (fine-tune first with `textrl sft` + `textrl merge`, or run
+        `textrl pipeline`)."""
+        config.validate(cls)
+        from textrl.models import load_tokenizer
+
+        if config.warmup_sft_steps > 0 and config.dataset == "builtin:digits":
+            log(f"{config.agent}: no SFT warm-up (the base is shared with the reward adapter)")
+        tokenizer = load_tokenizer(config.model)
+        return cls(load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device), tokenizer, config)
+
+    @classmethod
+    def load_policy(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print) -> nn.Module:
+        """The plain base model (no warm-up, see :meth:`from_config`)."""
+        return load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device)
 
     def __init__(
         self,
@@ -219,7 +271,7 @@ class MultiAdapterPPO(GAEPPO):
         total_updates: int | None = None,
         merged: bool | None = None,
     ) -> None:
-        config = (config or TrainConfig(agent=self.name)).validate()
+        config = (config or TrainConfig(agent=self.name)).validate(type(self))
         if ref_policy is not None or critic is not None:
             raise ValueError(
                 "MultiAdapterPPO builds its own reference (the base with adapters disabled) and "
@@ -234,7 +286,8 @@ class MultiAdapterPPO(GAEPPO):
         keep_4bit_differentiable(policy)
         from peft import get_peft_model  # here: importing agents must not import bitsandbytes
 
-        lora = lora_config(config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules)
+        rank = config.lora_r if config.lora_r is not None else self.default_lora_r
+        lora = lora_config(rank, config.lora_alpha, config.lora_dropout, config.lora_target_modules)
         model = get_peft_model(policy.eval(), lora, adapter_name=POLICY)
         if config.critic_type == "lora":
             model.add_adapter(CRITIC, copy.deepcopy(lora))

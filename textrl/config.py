@@ -23,7 +23,8 @@ from typing import Any
 
 import yaml
 
-AGENTS = ("gae_ppo", "one_step_ppo", "grpo", "rloo", "multi_adapter_ppo")
+from textrl.agent_registry import agent_class
+
 KL_KINDS = ("k1", "k2", "k3", "abs")
 
 
@@ -43,7 +44,7 @@ class TrainConfig:
     resume: bool = False
     """Continue from the newest complete checkpoint in output_dir."""
     agent: str = "gae_ppo"
-    """Agent: gae_ppo | one_step_ppo | grpo | rloo | multi_adapter_ppo."""
+    """Agent: a registered name (`textrl train --help` lists them) or path/to/file.py:Class."""
 
     # -- models and data -----------------------------------------------------------------------
     model: str = "tiny"
@@ -153,9 +154,10 @@ class TrainConfig:
     reward_adapter: str | None = None
     """multi_adapter_ppo: folder of a LoRA reward adapter + score head written by `textrl rm --lora`."""
     load_in_4bit: bool = False
-    """Quantise the base model to 4-bit NF4 with bitsandbytes (multi_adapter_ppo, LoRA stages)."""
-    lora_r: int = 8
-    """LoRA rank of the trainable adapters."""
+    """Quantise the frozen base model to 4-bit NF4 with bitsandbytes (needs a LoRA policy: --lora-r)."""
+    lora_r: int | None = None
+    """LoRA rank of the trainable adapters (None: the agent's default, 8 for multi_adapter_ppo, every
+    weight trained for the others; a rank trains a policy LoRA whose reference is the base)."""
     lora_alpha: int = 16
     """LoRA scaling numerator (the update is scaled by lora_alpha / lora_r)."""
     lora_dropout: float = 0.0
@@ -193,9 +195,11 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar."""
 
-    def validate(self) -> TrainConfig:
-        """Check every field; raise ``ValueError`` naming the field, its value and what is allowed."""
-        _choice("agent", self.agent, AGENTS)
+    def validate(self, agent: type | None = None) -> TrainConfig:
+        """Check every field, then the agent's own rules (``agent.validate_config``: what it needs
+        and which options it reads); raise ``ValueError`` naming the field, its value and what is
+        allowed. ``agent`` defaults to the class ``self.agent`` names."""
+        agent = agent if agent is not None else agent_class(self.agent)
         _choice("kl_kind", self.kl_kind, KL_KINDS)
         _choice("kl_in", self.kl_in, ("reward", "loss"))
         _choice("kl_early_stop", self.kl_early_stop, ("none", "target", "beta_target"))
@@ -208,11 +212,13 @@ class TrainConfig:
         for name in ("iterations", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
                      "generation_batch_size", "forward_batch_size", "ppo_epochs", "num_minibatches",
                      "gradient_accumulation_steps", "max_prompt_length", "warmup_sft_batch_size",
-                     "kl_horizon", "keep_checkpoints", "lora_r", "lora_alpha", "max_nonfinite_updates"):
+                     "kl_horizon", "keep_checkpoints", "lora_alpha", "max_nonfinite_updates"):
             _at_least(name, getattr(self, name), 1)
         for name in ("eval_size", "warmup_sft_steps", "eval_every", "checkpoint_every",
                      "ref_refresh_every", "lr_warmup_steps", "top_k"):
             _at_least(name, getattr(self, name), 0)
+        if self.lora_r is not None:
+            _at_least("lora_r", self.lora_r, 1)
         _at_least("old_policy_refresh_every", self.old_policy_refresh_every, 1)
         for name in ("gamma", "lam", "warmup_answer_accuracy"):
             _in_range(name, getattr(self, name), 0.0, 1.0)
@@ -233,11 +239,6 @@ class TrainConfig:
             raise ValueError("lora_target_modules='': name at least one module (e.g. q_proj,v_proj) or 'all-linear'")
         if self.load_in_4bit:
             check_bitsandbytes("load_in_4bit")
-        if self.agent in ("grpo", "rloo") and self.n_samples_per_prompt < 2:
-            raise ValueError(
-                f"n_samples_per_prompt={self.n_samples_per_prompt}: agent={self.agent!r} compares "
-                "samples within a group, so it needs n_samples_per_prompt >= 2"
-            )
         rollout = self.rollout_batch_size
         if rollout % self.num_minibatches:
             raise ValueError(
@@ -259,42 +260,17 @@ class TrainConfig:
                              "choose one (DeepSpeed ZeRO or FSDP)")
         for on, setting, flag in ((self.fsdp, "fsdp=True", "--fsdp"),
                                   (self.zero_stage, f"zero_stage={self.zero_stage}", "--zero-stage")):
-            if on and (self.agent == "multi_adapter_ppo" or self.load_in_4bit):
+            if on and self.load_in_4bit:
                 raise ValueError(
-                    f"{setting} shards full-precision models; multi_adapter_ppo and load_in_4bit keep one "
-                    f"(4-bit) base per process instead: drop {flag}, or use another agent without --load-in-4bit"
+                    f"{setting} shards full-precision models; load_in_4bit keeps one 4-bit base per "
+                    f"process instead: drop {flag}, or drop --load-in-4bit"
                 )
-        self._validate_multi_adapter()
+        agent.validate_config(self)
         return self
 
-    def _validate_multi_adapter(self) -> None:
-        """multi_adapter_ppo: one base model; its reward model is --reward-adapter, its reference fixed."""
-        if self.agent != "multi_adapter_ppo":
-            if self.reward_adapter:
-                raise ValueError(
-                    f"reward_adapter={self.reward_adapter!r} is read only by agent=multi_adapter_ppo; "
-                    "use --agent multi_adapter_ppo, or --reward-model for a full reward model"
-                )
-            return
-        if self.reward_model:
-            raise ValueError(
-                f"reward_model={self.reward_model!r}: multi_adapter_ppo scores with a LoRA reward "
-                "adapter on its own base (--reward-adapter PATH from `textrl rm --lora`); drop --reward-model"
-            )
-        if self.critic_init != "policy":
-            raise ValueError(
-                f"critic_init={self.critic_init!r}: multi_adapter_ppo builds its critic from "
-                "critic_type ('value_head' or 'lora'); leave critic_init='policy'"
-            )
-        if self.ref_refresh_every:
-            raise ValueError(
-                f"ref_refresh_every={self.ref_refresh_every}: the multi_adapter_ppo reference is the "
-                "base with adapters disabled and cannot be refreshed; set it to 0"
-            )
-        if self.reward_adapter:
-            from textrl.models.adapters import read_reward_meta
-
-            read_reward_meta(self.reward_adapter)  # names a missing file before any model loads
+    def is_default(self, name: str) -> bool:
+        """Whether field ``name`` holds its default value (an option left unset)."""
+        return getattr(self, name) == _DEFAULTS[name]
 
     @property
     def rollout_batch_size(self) -> int:
@@ -303,6 +279,21 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
+
+AGENT_OPTIONS = frozenset({
+    "ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "clip_eps", "dual_clip",
+    "value_clip_eps", "vf_coef", "entropy_coef", "gamma", "lam", "whiten_advantages",
+    "loss_aggregation", "kl_coef", "kl_kind", "kl_in", "adaptive_kl", "kl_target", "kl_horizon",
+    "kl_hinge", "kl_early_stop", "reward_placement", "ratio_threshold", "kl_after_update",
+    "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr", "lr_schedule",
+    "lr_warmup_steps", "max_grad_norm", "critic_init", "reward_adapter", "load_in_4bit", "lora_r",
+    "lora_alpha", "lora_dropout", "lora_target_modules", "critic_type",
+})
+"""The fields an agent reads (the algorithm's options); each agent declares the ones it reads
+(``options``), and one it does not read, set to another value than its default, is refused."""
 
 
 def check_bitsandbytes(field_name: str) -> None:
@@ -445,7 +436,7 @@ def save_config(config: Any, path: str | Path) -> None:
 
 
 __all__ = [
-    "AGENTS",
+    "AGENT_OPTIONS",
     "KL_KINDS",
     "TrainConfig",
     "add_config_arguments",
