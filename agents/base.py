@@ -178,6 +178,8 @@ class PPOAgent(nn.Module):
         for option in sorted(AGENT_OPTIONS - cls.options):
             if not config.is_default(option):
                 raise ValueError(cls._ignored_option(agent, option, getattr(config, option)))
+        if "critic_init" in cls.options and config.critic_init == "reward_model" and not config.reward_model:
+            raise ValueError("critic_init='reward_model' needs --reward-model PATH")
         for on, setting, flag in ((config.fsdp, "fsdp=True", "--fsdp"),
                                   (config.zero_stage, f"zero_stage={config.zero_stage}", "--zero-stage")):
             if on and not cls.shardable:

@@ -252,8 +252,6 @@ class TrainConfig:
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}: the minibatch of "
                 f"{minibatch} rows does not divide into it; choose a divisor of {minibatch}"
             )
-        if self.critic_init == "reward_model" and not self.reward_model:
-            raise ValueError("critic_init='reward_model' needs --reward-model PATH")
         _choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
         if self.zero_stage and self.fsdp:
             raise ValueError(f"zero_stage={self.zero_stage} and fsdp=True both shard the training state; "
