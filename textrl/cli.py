@@ -163,12 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from textrl.config import TrainConfig, add_config_arguments
+    from textrl.config import TrainConfig, add_config_arguments, add_trl_names
 
     train = sub.add_parser("train", help="PPO training (no arguments: the embedded CPU default)",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     train.add_argument("--config", default=None, help="YAML file of options (flags override it)")
     add_config_arguments(train, TrainConfig)
+    add_trl_names(train, TrainConfig)
     _list_agents_in_help(train)
     train.set_defaults(func=_cmd_train)
 

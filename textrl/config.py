@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import math
 import textwrap
@@ -24,6 +25,7 @@ from typing import Any
 import yaml
 
 from textrl.agent_registry import agent_class
+from textrl.trl_names import trl_hint
 
 KL_KINDS = ("k1", "k2", "k3", "abs")
 
@@ -281,6 +283,31 @@ class TrainConfig:
 
 _DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
 
+
+def _unknown_options(cls: type, names: typing.Iterable[str]) -> str:
+    """``unknown option(s) a, b`` with, for a TRL name, the option textrl calls it."""
+    hints = [trl_hint(name) for name in names if trl_hint(name)]
+    listed = ", ".join(names)
+    return f"unknown {cls.__name__} option(s) {listed}" + (f"; {'; '.join(hints)}" if hints else "")
+
+
+def _with_trl_hints(cls: type) -> type:
+    """Make ``cls(**kwargs)`` name the option textrl uses for a TRL option name."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        unknown = [name for name in kwargs if name not in cls.__dataclass_fields__]
+        if unknown:
+            raise TypeError(_unknown_options(cls, unknown) + "; see `textrl train --help`")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+_with_trl_hints(TrainConfig)
+
 AGENT_OPTIONS = frozenset({
     "ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "clip_eps", "dual_clip",
     "value_clip_eps", "vf_coef", "entropy_coef", "gamma", "lam", "whiten_advantages",
@@ -398,6 +425,28 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type = TrainConfi
             )
 
 
+class _TRLOption(argparse.Action):
+    """A TRL option name that is not ours: the parser error says which option we call it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[override]
+        parser.error(f"{option_string}: {trl_hint(self.dest)}")
+
+
+def add_trl_names(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> None:
+    """Hidden ``--trl-name`` options for TRL option names ``cls`` lacks; each is an error that names
+    our option (``--learning-rate`` -> ``actor_lr``)."""
+    from textrl.trl_names import TRL_OPTIONS
+
+    taken = {name for action in parser._actions for name in action.option_strings}
+    for name in TRL_OPTIONS:
+        if name in cls.__dataclass_fields__:
+            continue
+        flags = [f for f in dict.fromkeys([f"--{name.replace('_', '-')}", f"--{name}"]) if f not in taken]
+        if flags:
+            parser.add_argument(*flags, dest=name, nargs="?", action=_TRLOption, default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS)
+
+
 def load_yaml(path: str | Path, cls: type = TrainConfig) -> dict[str, Any]:
     """Read a YAML mapping of field -> value; unknown keys are an error naming them."""
     path = Path(path)
@@ -410,7 +459,7 @@ def load_yaml(path: str | Path, cls: type = TrainConfig) -> dict[str, Any]:
     data = {k.replace("-", "_"): v for k, v in data.items()}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"--config {path}: unknown option(s) {', '.join(unknown)}; see `textrl train --help`")
+        raise ValueError(f"--config {path}: {_unknown_options(cls, unknown)}; see `textrl train --help`")
     return data
 
 
@@ -438,6 +487,7 @@ __all__ = [
     "KL_KINDS",
     "TrainConfig",
     "add_config_arguments",
+    "add_trl_names",
     "build_config",
     "field",
     "field_docs",
