@@ -214,12 +214,26 @@ class PPOAgent(nn.Module):
         ``config`` is validated for this class first, before any model loads.
         """
         config.validate(cls)
-        from textrl.models import load_tokenizer
-
-        tokenizer = load_tokenizer(config.model)
+        tokenizer = cls.load_tokenizer(config)
         policy = cls.load_policy(config, tokenizer, torch.device(device), log)
         critic = cls.build_critic(config, policy) if cls.needs_critic else None
         return cls(policy, tokenizer, config, ref_policy=copy.deepcopy(policy), critic=critic)
+
+    @classmethod
+    def load_tokenizer(cls, config: TrainConfig) -> Any:
+        """``config.tokenizer`` (a path, hub id or tokenizer object), else the model's own tokenizer
+        (found by the model object's ``name_or_path`` when ``config.model`` is an object)."""
+        from textrl.models import load_tokenizer
+
+        if config.tokenizer is not None:
+            return load_tokenizer(config.tokenizer)
+        if isinstance(config.model, str):
+            return load_tokenizer(config.model)
+        name = getattr(config.model, "name_or_path", None)
+        if not name:
+            raise ValueError(f"model is a {type(config.model).__name__} object without a name_or_path; "
+                             "pass its tokenizer too (TrainConfig(tokenizer=...))")
+        return load_tokenizer(name)
 
     @classmethod
     def load_policy(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print) -> nn.Module:

@@ -247,11 +247,9 @@ class MultiAdapterPPO(GAEPPO):
         reward adapter was trained on (fine-tune first with `textrl sft` + `textrl merge`, or run
         `textrl pipeline`)."""
         config.validate(cls)
-        from textrl.models import load_tokenizer
-
         if config.warmup_sft_steps > 0 and config.dataset == "builtin:digits":
             log(f"{config.agent}: no SFT warm-up (the base is shared with the reward adapter)")
-        tokenizer = load_tokenizer(config.model)
+        tokenizer = cls.load_tokenizer(config)
         return cls(load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device), tokenizer, config)
 
     @classmethod

@@ -191,14 +191,13 @@ def warm_start(config: TrainConfig, folder: Path, log: Any = print, threads: int
     import torch
 
     from textrl.agents import PPOAgent
-    from textrl.models import load_tokenizer
     from textrl.trainer import resolve_device, seed_everything
 
     seed_everything(config.seed)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
-        tokenizer = load_tokenizer(config.model)
+        tokenizer = PPOAgent.load_tokenizer(config)
         policy = PPOAgent.load_policy(config, tokenizer, resolve_device(config.device), log)
     finally:
         torch.set_num_threads(previous)

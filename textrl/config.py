@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import functools
 import inspect
 import math
@@ -50,13 +49,17 @@ class TrainConfig:
 
     # -- models and data -----------------------------------------------------------------------
     model: str = "tiny"
-    """Policy: a local path or hub id of a causal LM; 'tiny' builds the offline tiny model."""
+    """Policy: a local path or hub id of a causal LM; 'tiny' builds the offline tiny model (Python
+    API: also a loaded PreTrainedModel)."""
+    tokenizer: str | None = None
+    """Tokenizer: a path or hub id (None: the model's own; Python API: also a tokenizer object)."""
     reward_model: str | None = None
     """Optional sequence-classification reward model (path or hub id), added as 'reward_model'."""
     reward: str = "think_format,tag_count,accuracy"
     """Reward spec: NAME[:weight],... from the registry, or file.py:function."""
     dataset: str = "builtin:digits"
-    """Prompts: 'builtin:NAME', a .jsonl file (MiniMind 'conversations' or {'prompt': ...})."""
+    """Prompts: 'builtin:NAME', a .jsonl file (MiniMind 'conversations' or {'prompt': ...}); Python
+    API: also a datasets.Dataset or a list of rows."""
     eval_size: int = 32
     """Held-out prompts for evaluation."""
     max_prompt_length: int = 64
@@ -202,6 +205,8 @@ class TrainConfig:
         and which options it reads); raise ``ValueError`` naming the field, its value and what is
         allowed. ``agent`` defaults to the class ``self.agent`` names."""
         agent = agent if agent is not None else agent_class(self.agent)
+        for name in OBJECT_FIELDS:
+            _refuse_saved_object(name, getattr(self, name))
         _choice("kl_kind", self.kl_kind, KL_KINDS)
         _choice("kl_in", self.kl_in, ("reward", "loss"))
         _choice("kl_early_stop", self.kl_early_stop, ("none", "target", "beta_target"))
@@ -278,7 +283,8 @@ class TrainConfig:
         return self.prompts_per_iteration * self.n_samples_per_prompt
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Field -> value (objects given to the Python API as they are, not copied)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 _DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
@@ -460,6 +466,11 @@ def load_yaml(path: str | Path, cls: type = TrainConfig) -> dict[str, Any]:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"--config {path}: {_unknown_options(cls, unknown)}; see `textrl train --help`")
+    for name, value in data.items():
+        try:
+            _refuse_saved_object(name, value)
+        except ValueError as err:
+            raise ValueError(f"--config {path}: {err}") from None
     return data
 
 
@@ -477,9 +488,45 @@ def build_config(namespace: argparse.Namespace, cls: type = TrainConfig) -> Any:
         raise ValueError(str(err)) from err
 
 
+OBJECT_FIELDS = ("model", "tokenizer", "dataset")
+"""Fields the Python API may set to an object (a model, a tokenizer, a dataset or list of rows)."""
+
+
+def describe_object(value: Any) -> dict[str, Any]:
+    """What ``config.yaml`` says of an object given for a field: its class, ``name_or_path`` and
+    length where it has them (``{"object": "transformers...LlamaForCausalLM", ...}``)."""
+    cls = type(value)
+    out: dict[str, Any] = {"object": f"{cls.__module__}.{cls.__qualname__}"}
+    name = getattr(value, "name_or_path", None) or getattr(getattr(value, "config", None), "_name_or_path", None)
+    if name:
+        out["name_or_path"] = str(name)
+    if isinstance(value, (list, tuple)) or hasattr(value, "column_names"):
+        out["rows"] = len(value)
+    return out
+
+
+def _yaml_value(value: Any) -> Any:
+    """A field's value as YAML can hold it: itself, or :func:`describe_object` of an object."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return describe_object(value)
+
+
+def _refuse_saved_object(name: str, value: Any) -> None:
+    """A field read back from a config.yaml that recorded an object: say to pass the object again."""
+    if isinstance(value, dict) and "object" in value:
+        what = value["object"] + (f" ({value['name_or_path']})" if value.get("name_or_path") else "")
+        raise ValueError(
+            f"{name}: this config was saved from a run given a {what} object, which a YAML file cannot hold; "
+            f"pass the object again (TrainConfig({name}=...) in Python) or a path / hub id for {name}"
+        )
+
+
 def save_config(config: Any, path: str | Path) -> None:
-    """Write the resolved config as YAML (loadable again with ``--config``)."""
-    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
+    """Write the resolved config as YAML (loadable again with ``--config``); an object given to the
+    Python API is recorded by :func:`describe_object` (loading that file back asks for it again)."""
+    values = {f.name: _yaml_value(getattr(config, f.name)) for f in fields(config)}
+    Path(path).write_text(yaml.safe_dump(values, sort_keys=False))
 
 
 __all__ = [
