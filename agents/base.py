@@ -71,6 +71,14 @@ LORA_OPTIONS = frozenset({"lora_r", "lora_alpha", "lora_dropout", "lora_target_m
 """Options of a policy LoRA (``lora`` 'required' or 'optional')."""
 
 
+def _own_lora_weights(view: nn.Module, weights: list[tuple[str, nn.Parameter]]) -> nn.Module:
+    """Register the LoRA ``weights`` of a view of the shared base on ``view`` itself, so that the
+    agent's ``state_dict`` (checkpoints, resume) and ``parameters`` hold them; the base stays out."""
+    for name, param in weights:
+        view.register_parameter(name.replace(".", "__"), param)
+    return view
+
+
 def position_ids_for(attention_mask: Tensor) -> Tensor:
     """Positions that skip left padding: ``cumsum(mask) - 1`` clamped at 0. ``[B, L] -> [B, L]``."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -148,6 +156,8 @@ class PPOAgent(nn.Module):
     """Fewest responses per prompt the estimator works with (a group baseline needs 2)."""
     lora = "no"
     """Policy LoRA: 'required' (the policy is an adapter), 'optional' (``--lora-r``) or 'no'."""
+    default_lora_r: int | None = None
+    """LoRA rank when ``lora_r`` is left unset (None: every policy weight trains)."""
     shardable = True
     """Whether FSDP / DeepSpeed ZeRO may shard the agent's models (full-precision copies)."""
     pipeline_reward: str | None = None
@@ -180,6 +190,7 @@ class PPOAgent(nn.Module):
                 raise ValueError(cls._ignored_option(agent, option, getattr(config, option)))
         if "critic_init" in cls.options and config.critic_init == "reward_model" and not config.reward_model:
             raise ValueError("critic_init='reward_model' needs --reward-model PATH")
+        cls._validate_lora(config)
         for on, setting, flag in ((config.fsdp, "fsdp=True", "--fsdp"),
                                   (config.zero_stage, f"zero_stage={config.zero_stage}", "--zero-stage")):
             if on and not cls.shardable:
@@ -187,6 +198,39 @@ class PPOAgent(nn.Module):
                     f"{setting} shards full-precision models; {agent} keeps one (4-bit) base per process "
                     f"instead: drop {flag}, or use another agent without --load-in-4bit"
                 )
+
+    @classmethod
+    def lora_rank(cls, config: TrainConfig) -> int | None:
+        """The policy LoRA's rank: ``lora_r``, else :attr:`default_lora_r` (None: no LoRA)."""
+        return config.lora_r if config.lora_r is not None else cls.default_lora_r
+
+    @classmethod
+    def _validate_lora(cls, config: TrainConfig) -> None:
+        """A LoRA policy shares one (4-bit) base with its reference (adapters disabled): that
+        reference cannot be refreshed, nor the base sharded; LoRA options need a rank."""
+        agent, rank = config.agent, cls.lora_rank(config)
+        if cls.lora == "required" and not rank:
+            raise ValueError(f"lora_r={config.lora_r}: {agent} trains a policy LoRA; give --lora-r >= 1")
+        if not rank:
+            if config.load_in_4bit:
+                raise ValueError("load_in_4bit=True freezes the base model, so only a LoRA policy can train on it: "
+                                 f"add --lora-r 8 (with --agent {agent}), or drop --load-in-4bit")
+            for option in ("lora_alpha", "lora_dropout", "lora_target_modules", "critic_type"):
+                if option in cls.options and not config.is_default(option):
+                    raise ValueError(f"{option}={getattr(config, option)!r} is read only with a LoRA policy: "
+                                     f"add --lora-r 8, or drop --{option.replace('_', '-')}")
+            return
+        if config.ref_refresh_every:
+            raise ValueError(f"ref_refresh_every={config.ref_refresh_every}: with a LoRA policy ({agent}, lora_r={rank}) "
+                             "the reference is the base with adapters disabled and cannot be refreshed; set it to 0")
+        if cls.needs_critic and config.critic_init != "policy":
+            raise ValueError(f"critic_init={config.critic_init!r}: with a LoRA policy ({agent}, lora_r={rank}) the critic "
+                             "is a value head on the shared base (critic_type); leave critic_init='policy'")
+        for on, setting, flag in ((config.fsdp, "fsdp=True", "--fsdp"),
+                                  (config.zero_stage, f"zero_stage={config.zero_stage}", "--zero-stage")):
+            if on:
+                raise ValueError(f"{setting} shards full-precision models; a LoRA policy ({agent}, lora_r={rank}) "
+                                 f"shares one base per process instead: drop {flag}, or drop --lora-r")
 
     @classmethod
     def _ignored_option(cls, agent: str, option: str, value: Any) -> str:
@@ -215,9 +259,49 @@ class PPOAgent(nn.Module):
         """
         config.validate(cls)
         tokenizer = cls.load_tokenizer(config)
+        if cls.lora_rank(config):
+            return cls._from_config_lora(config, tokenizer, torch.device(device), log)
         policy = cls.load_policy(config, tokenizer, torch.device(device), log)
         critic = cls.build_critic(config, policy) if cls.needs_critic else None
         return cls(policy, tokenizer, config, ref_policy=copy.deepcopy(policy), critic=critic)
+
+    @classmethod
+    def _from_config_lora(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any) -> PPOAgent:
+        """The agent with a policy LoRA (``lora_r``) on one base, as TRL does with peft: the
+        reference is that base with adapters disabled; the critic (if any) a value head on the
+        base's final hidden states under the policy adapter (``critic_type='value_head'``: only the
+        head trains) or under a critic adapter of its own (``'lora'``). ``load_in_4bit`` loads the
+        base in 4-bit NF4; a full-precision tiny base gets the format warm-up first."""
+        from peft import get_peft_model
+        from textrl.agents.multi_adapter_ppo import (
+            CRITIC,
+            POLICY,
+            AdapterCritic,
+            AdapterPolicy,
+            AdapterStack,
+        )
+
+        from textrl.models.adapters import hidden_size, load_base_model, lora_config
+
+        if config.load_in_4bit:
+            base = load_base_model(config.model, load_in_4bit=True, device=device)
+        else:
+            base = cls.load_policy(config, tokenizer, device, log)
+        lora = lora_config(cls.lora_rank(config), config.lora_alpha, config.lora_dropout, config.lora_target_modules)
+        model = get_peft_model(base.eval(), lora, adapter_name=POLICY)
+        lora_critic = cls.needs_critic and config.critic_type == "lora"
+        if lora_critic:
+            model.add_adapter(CRITIC, copy.deepcopy(lora))
+        model.set_adapter(POLICY)
+        stack = AdapterStack(model.eval(), trainable={POLICY, CRITIC})
+        policy = _own_lora_weights(AdapterPolicy(stack, POLICY), stack.lora[POLICY])
+        critic = None
+        if cls.needs_critic:
+            critic = AdapterCritic(stack, CRITIC if lora_critic else POLICY, hidden_size(model), lora_critic)
+            critic = _own_lora_weights(critic.to(device), stack.lora[CRITIC] if lora_critic else [])
+        agent = cls(policy, tokenizer, config, ref_policy=AdapterPolicy(stack, None), critic=critic)
+        agent.stack = stack
+        return agent
 
     @classmethod
     def load_tokenizer(cls, config: TrainConfig) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from tensordict import TensorDictBase
 from textrl.agents.base import (
     CRITIC_OPTIONS,
+    LORA_OPTIONS,
     POLICY_OBJECTIVE_OPTIONS,
     SCORE,
     SHARED_OPTIONS,
@@ -35,16 +36,12 @@ class GAEPPO(PPOAgent):
 
     needs_critic = True
     pipeline_reward = "reward_model"
-    options = SHARED_OPTIONS | POLICY_OBJECTIVE_OPTIONS | CRITIC_OPTIONS | {
-        "value_clip_eps", "gamma", "lam", "whiten_advantages", "reward_placement"}
+    lora = "optional"
+    options = SHARED_OPTIONS | POLICY_OBJECTIVE_OPTIONS | CRITIC_OPTIONS | LORA_OPTIONS | {
+        "value_clip_eps", "gamma", "lam", "whiten_advantages", "reward_placement", "critic_type"}
     not_read = {
         "old_policy_refresh_every": "it keeps no old-policy snapshot: the behaviour policy is the policy at collection",
         "reward_adapter": "its reward comes from --reward / --reward-model",
-        "critic_type": "its critic is a full value model (critic_init)",
-        "lora_r": "it trains every weight of the policy", "lora_alpha": "it trains every weight of the policy",
-        "lora_dropout": "it trains every weight of the policy",
-        "lora_target_modules": "it trains every weight of the policy",
-        "load_in_4bit": "it trains every weight of the policy, which a 4-bit base would freeze",
     }
     default_clip_eps = 0.2
 

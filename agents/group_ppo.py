@@ -17,7 +17,13 @@ from __future__ import annotations
 
 import torch
 from tensordict import TensorDictBase
-from textrl.agents.base import POLICY_OBJECTIVE_OPTIONS, SCORE, SHARED_OPTIONS, PPOAgent
+from textrl.agents.base import (
+    LORA_OPTIONS,
+    POLICY_OBJECTIVE_OPTIONS,
+    SCORE,
+    SHARED_OPTIONS,
+    PPOAgent,
+)
 from torch import Tensor
 
 from textrl.agent_registry import register_agent
@@ -35,7 +41,8 @@ class GroupPPO(PPOAgent):
     name = "group_ppo"
     needs_critic = False
     min_samples_per_prompt = 2
-    options = SHARED_OPTIONS | POLICY_OBJECTIVE_OPTIONS | {"reward_placement"}
+    lora = "optional"
+    options = SHARED_OPTIONS | POLICY_OBJECTIVE_OPTIONS | LORA_OPTIONS | {"reward_placement"}
     not_read = {
         "gamma": "the group baseline replaces discounted returns", "lam": "it has no critic, so no GAE",
         "whiten_advantages": "the group baseline is its own normalisation",
@@ -43,10 +50,6 @@ class GroupPPO(PPOAgent):
         "critic_init": "it has no critic", "critic_type": "it has no critic",
         "old_policy_refresh_every": "it keeps no old-policy snapshot",
         "reward_adapter": "its reward comes from --reward / --reward-model",
-        "lora_r": "it trains every weight of the policy", "lora_alpha": "it trains every weight of the policy",
-        "lora_dropout": "it trains every weight of the policy",
-        "lora_target_modules": "it trains every weight of the policy",
-        "load_in_4bit": "it trains every weight of the policy, which a 4-bit base would freeze",
     }
     default_clip_eps = 0.2
 

@@ -212,7 +212,6 @@ class MultiAdapterPPO(GAEPPO):
 
     lora = "required"
     default_lora_r = 8
-    """LoRA rank when ``lora_r`` is left unset (None)."""
     shardable = False
     pipeline_reward = "reward_adapter"
     options = (GAEPPO.options - {"critic_init", "ref_refresh_every"}) | LORA_OPTIONS | {"reward_adapter", "critic_type"}
@@ -284,8 +283,7 @@ class MultiAdapterPPO(GAEPPO):
         keep_4bit_differentiable(policy)
         from peft import get_peft_model  # here: importing agents must not import bitsandbytes
 
-        rank = config.lora_r if config.lora_r is not None else self.default_lora_r
-        lora = lora_config(rank, config.lora_alpha, config.lora_dropout, config.lora_target_modules)
+        lora = lora_config(self.lora_rank(config), config.lora_alpha, config.lora_dropout, config.lora_target_modules)
         model = get_peft_model(policy.eval(), lora, adapter_name=POLICY)
         if config.critic_type == "lora":
             model.add_adapter(CRITIC, copy.deepcopy(lora))
