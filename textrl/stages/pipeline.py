@@ -100,8 +100,9 @@ class PipelineConfig:
     batch_size: int = 32
     """Batch size of SFT and reward-model training."""
     agent: str = "gae_ppo"
-    """PPO agent: gae_ppo | one_step_ppo (full reward model) | multi_adapter_ppo (LoRA reward adapter
-    and policy LoRA on one SFT base, MA-RLHF)."""
+    """PPO agent: a registered agent that declares the reward model the pipeline trains for it
+    (``pipeline_reward``): gae_ppo, one_step_ppo (a full reward model), multi_adapter_ppo (a LoRA
+    reward adapter and policy LoRA on one SFT base, MA-RLHF), or one of your own (file.py:Class)."""
     ppo_iterations: int = 100
     """PPO iterations."""
     actor_lr: float | None = None
