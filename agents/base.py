@@ -273,7 +273,7 @@ class PPOAgent(nn.Module):
         head trains) or under a critic adapter of its own (``'lora'``). ``load_in_4bit`` loads the
         base in 4-bit NF4; a full-precision tiny base gets the format warm-up first."""
         from peft import get_peft_model
-        from textrl.agents.multi_adapter_ppo import (
+        from textrl.agents.adapter_views import (
             CRITIC,
             POLICY,
             AdapterCritic,
