@@ -290,11 +290,11 @@ class TrainConfig:
 _DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
 
 
-def _unknown_options(cls: type, names: typing.Iterable[str]) -> str:
+def _unknown_options(names: typing.Iterable[str]) -> str:
     """``unknown option(s) a, b`` with, for a TRL name, the option textrl calls it."""
     hints = [trl_hint(name) for name in names if trl_hint(name)]
     listed = ", ".join(names)
-    return f"unknown {cls.__name__} option(s) {listed}" + (f"; {'; '.join(hints)}" if hints else "")
+    return f"unknown option(s) {listed}" + (f"; {'; '.join(hints)}" if hints else "")
 
 
 def _with_trl_hints(cls: type) -> type:
@@ -305,7 +305,7 @@ def _with_trl_hints(cls: type) -> type:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         unknown = [name for name in kwargs if name not in cls.__dataclass_fields__]
         if unknown:
-            raise TypeError(_unknown_options(cls, unknown) + "; see `textrl train --help`")
+            raise TypeError(_unknown_options(unknown) + "; see `textrl train --help`")
         init(self, *args, **kwargs)
 
     cls.__init__ = __init__
@@ -465,7 +465,7 @@ def load_yaml(path: str | Path, cls: type = TrainConfig) -> dict[str, Any]:
     data = {k.replace("-", "_"): v for k, v in data.items()}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"--config {path}: {_unknown_options(cls, unknown)}; see `textrl train --help`")
+        raise ValueError(f"--config {path}: {_unknown_options(unknown)}; see `textrl train --help`")
     for name, value in data.items():
         try:
             _refuse_saved_object(name, value)
