@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
+from textrl.agents import agent_class, agent_names
 
 from tests.agents.conftest import collect
-from textrl.agents import agent_class, agent_names
 from textrl.config import TrainConfig
 from textrl.keys import KEYS
 from textrl.models import load_causal_lm
