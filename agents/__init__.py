@@ -1,7 +1,19 @@
-"""PPO-family agents (docs/design.md, "Agents") and a registry by name.
+"""PPO-family agents (docs/design.md, "Agents") and the one registry of agent names.
+
+Each agent class registers itself with :func:`register_agent`; ``--agent`` accepts a registered
+name, an entry point of the packaging group ``textrl.agents``, or ``path/to/file.py:Class`` (see
+:mod:`textrl.agent_registry`). The built-ins:
 
 >>> sorted(AGENTS)
 ['gae_ppo', 'grpo', 'multi_adapter_ppo', 'one_step_ppo', 'rloo']
+
+An agent of your own subclasses :class:`PPOAgent` (or one of these), declares what it needs
+(``needs_critic``, ``min_samples_per_prompt``, ``lora``) and the options it reads (``options``),
+and implements ``estimate`` and ``loss``::
+
+    @register_agent("my_grpo")
+    class MyGRPO(GroupPPO):
+        def group_advantage(self, rewards, group_size): ...
 """
 
 from __future__ import annotations
@@ -10,25 +22,25 @@ from typing import Any
 
 from textrl.agents.base import PPOAgent
 from textrl.agents.gae_ppo import GAEPPO
-from textrl.agents.group_ppo import GRPO, RLOO
+from textrl.agents.group_ppo import GRPO, RLOO, GroupPPO
 from textrl.agents.multi_adapter_ppo import MultiAdapterPPO
 from textrl.agents.one_step_ppo import OneStepPPO
 
-AGENTS: dict[str, type[PPOAgent]] = {
-    "gae_ppo": GAEPPO,
-    "grpo": GRPO,
-    "multi_adapter_ppo": MultiAdapterPPO,
-    "one_step_ppo": OneStepPPO,
-    "rloo": RLOO,
-}
-"""Agent name (``--agent``) -> class."""
+from textrl.agent_registry import (
+    AGENTS,
+    ENTRY_POINT_GROUP,
+    agent_class,
+    agent_names,
+    register_agent,
+)
 
 
 def make_agent(name: str, *args: Any, **kwargs: Any) -> PPOAgent:
-    """Build the agent registered as ``name``; arguments go to its constructor."""
-    if name not in AGENTS:
-        raise ValueError(f"unknown agent {name!r}: choose one of {', '.join(sorted(AGENTS))}")
-    return AGENTS[name](*args, **kwargs)
+    """Build the agent ``name`` (a registered name or ``file.py:Class``); arguments go to its constructor."""
+    return agent_class(name)(*args, **kwargs)
 
 
-__all__ = ["AGENTS", "GAEPPO", "GRPO", "RLOO", "MultiAdapterPPO", "OneStepPPO", "PPOAgent", "make_agent"]
+__all__ = [
+    "AGENTS", "ENTRY_POINT_GROUP", "GAEPPO", "GRPO", "RLOO", "GroupPPO", "MultiAdapterPPO", "OneStepPPO",
+    "PPOAgent", "agent_class", "agent_names", "make_agent", "register_agent",
+]

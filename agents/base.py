@@ -31,7 +31,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor, nn
 
-from textrl.config import TrainConfig
+from textrl.config import AGENT_OPTIONS, TrainConfig
 from textrl.distributed import Distributed
 from textrl.functional import (
     aggregate_loss,
@@ -51,6 +51,27 @@ from textrl.timing import timed
 
 SCORE = KEYS.score
 """Key of the task score per row ``[B]`` (float), before any KL shaping."""
+
+SHARED_OPTIONS = frozenset({
+    "ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "clip_eps", "dual_clip", "kl_coef",
+    "kl_kind", "adaptive_kl", "kl_target", "kl_horizon", "kl_early_stop", "ratio_threshold",
+    "kl_after_update", "ref_refresh_every", "actor_lr", "lr_schedule", "lr_warmup_steps", "max_grad_norm",
+})
+"""Options :class:`PPOAgent`'s own machinery reads for every agent (update loop, KL control, optimisers)."""
+POLICY_OBJECTIVE_OPTIONS = frozenset({"entropy_coef", "loss_aggregation", "kl_in", "kl_hinge"})
+"""Options of :meth:`PPOAgent.policy_objective` (the token-level clipped surrogate)."""
+CRITIC_OPTIONS = frozenset({"critic_lr", "vf_coef", "critic_init"})
+"""Options of an agent with a critic (:attr:`PPOAgent.needs_critic`)."""
+LORA_OPTIONS = frozenset({"lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit"})
+"""Options of a policy LoRA (``lora`` 'required' or 'optional')."""
+
+
+def _own_lora_weights(view: nn.Module, weights: list[tuple[str, nn.Parameter]]) -> nn.Module:
+    """Register the LoRA ``weights`` of a view of the shared base on ``view`` itself, so that the
+    agent's ``state_dict`` (checkpoints, resume) and ``parameters`` hold them; the base stays out."""
+    for name, param in weights:
+        view.register_parameter(name.replace(".", "__"), param)
+    return view
 
 
 def position_ids_for(attention_mask: Tensor) -> Tensor:
@@ -118,15 +139,231 @@ class RolloutForward:
 
 
 class PPOAgent(nn.Module):
-    """Base of the PPO-family agents. Subclasses set ``name`` and implement the estimator/loss."""
+    """Base of the PPO-family agents. Subclasses implement the estimator and the loss, and declare
+    what they need and which options they read; :meth:`validate_config` checks a config against
+    those declarations and :meth:`from_config` builds the agent's models and optimisers."""
 
     name = "ppo"
-    uses_critic = True
+    """The ``--agent`` name (set by :func:`textrl.agents.register_agent`)."""
+    needs_critic = True
+    """Whether the agent trains a value model (:meth:`from_config` builds none when False)."""
+    min_samples_per_prompt = 1
+    """Fewest responses per prompt the estimator works with (a group baseline needs 2)."""
+    lora = "no"
+    """Policy LoRA: 'required' (the policy is an adapter), 'optional' (``--lora-r``) or 'no'."""
+    default_lora_r: int | None = None
+    """LoRA rank when ``lora_r`` is left unset (None: every policy weight trains)."""
+    shardable = True
+    """Whether FSDP / DeepSpeed ZeRO may shard the agent's models (full-precision copies)."""
+    pipeline_reward: str | None = None
+    """The reward model ``textrl pipeline`` trains for the agent: 'reward_model' (a full one),
+    'reward_adapter' (a LoRA adapter on the SFT base), or None (not a pipeline agent)."""
+    options: frozenset[str] = SHARED_OPTIONS
+    """The :data:`textrl.config.AGENT_OPTIONS` the agent reads; another one set is refused."""
+    not_read: dict[str, str] = {}
+    """Why the agent does not read an option: the refusal names it (option -> reason)."""
     default_clip_eps = 0.2
     reuse_rollout_forward = True
     """See :meth:`reuses_rollout_forward`; set False to always run the update's own forward."""
     _rollout_forward: RolloutForward | None = None
     _reused: RolloutForward | None = None
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def validate_config(cls, config: TrainConfig) -> None:
+        """Check ``config`` against the declarations (samples per prompt, options read, LoRA,
+        sharding); ``ValueError`` names the agent, the option and what to do. Runs inside
+        :meth:`TrainConfig.validate`, before any model loads; subclasses add their own checks."""
+        agent = config.agent
+        if config.n_samples_per_prompt < cls.min_samples_per_prompt:
+            raise ValueError(
+                f"n_samples_per_prompt={config.n_samples_per_prompt}: agent={agent!r} compares samples "
+                f"within a group, so it needs n_samples_per_prompt >= {cls.min_samples_per_prompt}"
+            )
+        for option in sorted(AGENT_OPTIONS - cls.options):
+            if not config.is_default(option):
+                raise ValueError(cls._ignored_option(agent, option, getattr(config, option)))
+        if "critic_init" in cls.options and config.critic_init == "reward_model" and not config.reward_model:
+            raise ValueError("critic_init='reward_model' needs --reward-model PATH")
+        cls._validate_lora(config)
+        for on, setting, flag in ((config.fsdp, "fsdp=True", "--fsdp"),
+                                  (config.zero_stage, f"zero_stage={config.zero_stage}", "--zero-stage")):
+            if on and not cls.shardable:
+                raise ValueError(
+                    f"{setting} shards full-precision models; {agent} keeps one (4-bit) base per process "
+                    f"instead: drop {flag}, or use another agent without --load-in-4bit"
+                )
+
+    @classmethod
+    def lora_rank(cls, config: TrainConfig) -> int | None:
+        """The policy LoRA's rank: ``lora_r``, else :attr:`default_lora_r` (None: no LoRA)."""
+        return config.lora_r if config.lora_r is not None else cls.default_lora_r
+
+    @classmethod
+    def _validate_lora(cls, config: TrainConfig) -> None:
+        """A LoRA policy shares one (4-bit) base with its reference (adapters disabled): that
+        reference cannot be refreshed, nor the base sharded; LoRA options need a rank."""
+        agent, rank = config.agent, cls.lora_rank(config)
+        if cls.lora == "required" and not rank:
+            raise ValueError(f"lora_r={config.lora_r}: {agent} trains a policy LoRA; give --lora-r >= 1")
+        if not rank:
+            if config.load_in_4bit:
+                raise ValueError("load_in_4bit=True freezes the base model, so only a LoRA policy can train on it: "
+                                 f"add --lora-r 8 (with --agent {agent}), or drop --load-in-4bit")
+            for option in ("lora_alpha", "lora_dropout", "lora_target_modules", "critic_type"):
+                if option in cls.options and not config.is_default(option):
+                    raise ValueError(f"{option}={getattr(config, option)!r} is read only with a LoRA policy: "
+                                     f"add --lora-r 8, or drop --{option.replace('_', '-')}")
+            return
+        if config.ref_refresh_every:
+            raise ValueError(f"ref_refresh_every={config.ref_refresh_every}: with a LoRA policy ({agent}, lora_r={rank}) "
+                             "the reference is the base with adapters disabled and cannot be refreshed; set it to 0")
+        if cls.needs_critic and config.critic_init != "policy":
+            raise ValueError(f"critic_init={config.critic_init!r}: with a LoRA policy ({agent}, lora_r={rank}) the critic "
+                             "is a value head on the shared base (critic_type); leave critic_init='policy'")
+        for on, setting, flag in ((config.fsdp, "fsdp=True", "--fsdp"),
+                                  (config.zero_stage, f"zero_stage={config.zero_stage}", "--zero-stage")):
+            if on:
+                raise ValueError(f"{setting} shards full-precision models; a LoRA policy ({agent}, lora_r={rank}) "
+                                 f"shares one base per process instead: drop {flag}, or drop --lora-r")
+
+    @classmethod
+    def _ignored_option(cls, agent: str, option: str, value: Any) -> str:
+        """The refusal of an option the agent does not read: why, and which agents read it."""
+        from textrl.agent_registry import AGENTS
+
+        readers = [name for name, other in AGENTS.items() if option in other.options]
+        why = cls.not_read.get(option, "its algorithm has no use for it")
+        flag = "--" + option.replace("_", "-")
+        where = (f"{option} is read only by agent={readers[0]}" if len(readers) == 1
+                 else f"{option} is read by agent={'/'.join(readers)}" if readers else "")
+        choose = f" or choose --agent {readers[0]}" if readers else ""
+        return f"{agent} does not read {option}={value!r} ({why}); {where + ': ' if where else ''}drop {flag}{choose}"
+
+    @classmethod
+    def brings_reward(cls, config: TrainConfig) -> bool:
+        """Whether the agent scores responses with a reward model of its own (then ``--reward`` may be empty)."""
+        return False
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, device: torch.device | str = "cpu", log: Any = print) -> PPOAgent:
+        """The agent of ``config``: tokenizer, policy (the tiny model's format warm-up included),
+        a frozen reference copy, a critic when :attr:`needs_critic`, optimisers.
+
+        ``config`` is validated for this class first, before any model loads.
+        """
+        config.validate(cls)
+        tokenizer = cls.load_tokenizer(config)
+        if cls.lora_rank(config):
+            return cls._from_config_lora(config, tokenizer, torch.device(device), log)
+        policy = cls.load_policy(config, tokenizer, torch.device(device), log)
+        critic = cls.build_critic(config, policy) if cls.needs_critic else None
+        return cls(policy, tokenizer, config, ref_policy=copy.deepcopy(policy), critic=critic)
+
+    @classmethod
+    def _from_config_lora(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any) -> PPOAgent:
+        """The agent with a policy LoRA (``lora_r``) on one base, as TRL does with peft: the
+        reference is that base with adapters disabled; the critic (if any) a value head on the
+        base's final hidden states under the policy adapter (``critic_type='value_head'``: only the
+        head trains) or under a critic adapter of its own (``'lora'``). ``load_in_4bit`` loads the
+        base in 4-bit NF4; a full-precision tiny base gets the format warm-up first."""
+        from peft import get_peft_model
+        from textrl.agents.adapter_views import (
+            CRITIC,
+            POLICY,
+            AdapterCritic,
+            AdapterPolicy,
+            AdapterStack,
+        )
+
+        from textrl.models.adapters import hidden_size, load_base_model, lora_config
+
+        if config.load_in_4bit:
+            base = load_base_model(config.model, load_in_4bit=True, device=device)
+        else:
+            base = cls.load_policy(config, tokenizer, device, log)
+        lora = lora_config(cls.lora_rank(config), config.lora_alpha, config.lora_dropout, config.lora_target_modules)
+        model = get_peft_model(base.eval(), lora, adapter_name=POLICY)
+        lora_critic = cls.needs_critic and config.critic_type == "lora"
+        if lora_critic:
+            model.add_adapter(CRITIC, copy.deepcopy(lora))
+        model.set_adapter(POLICY)
+        stack = AdapterStack(model.eval(), trainable={POLICY, CRITIC})
+        policy = _own_lora_weights(AdapterPolicy(stack, POLICY), stack.lora[POLICY])
+        critic = None
+        if cls.needs_critic:
+            critic = AdapterCritic(stack, CRITIC if lora_critic else POLICY, hidden_size(model), lora_critic)
+            critic = _own_lora_weights(critic.to(device), stack.lora[CRITIC] if lora_critic else [])
+        agent = cls(policy, tokenizer, config, ref_policy=AdapterPolicy(stack, None), critic=critic)
+        agent.stack = stack
+        return agent
+
+    @classmethod
+    def load_tokenizer(cls, config: TrainConfig) -> Any:
+        """``config.tokenizer`` (a path, hub id or tokenizer object), else the model's own tokenizer
+        (found by the model object's ``name_or_path`` when ``config.model`` is an object)."""
+        from textrl.models import load_tokenizer
+
+        if config.tokenizer is not None:
+            return load_tokenizer(config.tokenizer)
+        if isinstance(config.model, str):
+            return load_tokenizer(config.model)
+        name = getattr(config.model, "name_or_path", None)
+        if not name:
+            raise ValueError(f"model is a {type(config.model).__name__} object without a name_or_path; "
+                             "pass its tokenizer too (TrainConfig(tokenizer=...))")
+        return load_tokenizer(name)
+
+    @classmethod
+    def load_policy(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print) -> nn.Module:
+        """The policy of ``config.model`` in float32, eval mode; the built-in digits task gets a
+        short supervised format warm-up first (``warmup_sft_steps``)."""
+        from textrl.models import load_causal_lm
+
+        policy = load_causal_lm(config.model, device=device)
+        policy.float()
+        if config.warmup_sft_steps > 0 and config.dataset == "builtin:digits":
+            from textrl.envs import load_prompts
+            from textrl.envs.tasks import warmup_examples
+
+            from textrl.warmup import sft_warmup
+
+            train_rows, _ = load_prompts(config.dataset).split(config.eval_size, seed=config.seed)
+            pairs = warmup_examples(
+                list(train_rows), seed=config.seed, answer_accuracy=config.warmup_answer_accuracy
+            )
+            stats = sft_warmup(
+                policy, tokenizer, pairs, steps=config.warmup_sft_steps, lr=config.warmup_sft_lr,
+                batch_size=config.warmup_sft_batch_size, seed=config.seed,
+            )
+            log(f"warm-up: {stats['steps']} SFT steps on the format, loss {stats['loss_first']:.2f} -> "
+                f"{stats['loss_last']:.2f} in {stats['seconds']:.1f}s")
+        return policy.eval()
+
+    @classmethod
+    def build_critic(cls, config: TrainConfig, policy: nn.Module) -> nn.Module:
+        """``V(s_t)``: a value head on a copy of the policy, or on the reward model (``critic_init``)."""
+        from textrl.models.value import ValueModel
+
+        if config.critic_init == "reward_model":
+            from textrl.models import load_reward_model
+
+            return ValueModel.from_reward_model(load_reward_model(config.reward_model)).to(policy.device)
+        return ValueModel.from_causal_lm(policy)
+
+    def task_reward(self, spec: str) -> Any:
+        """The task reward of reward ``spec`` (``textrl.rewards.parse_reward_spec``), joined by the
+        agent's own ``reward_model`` (if it has one) as component 'reward_model', scored in batches
+        by ``NeuralReward``; None when there is neither."""
+        from textrl.rewards import CompositeReward, NeuralReward, parse_reward_spec
+
+        model = getattr(self, "reward_model", None)
+        rules = parse_reward_spec(spec) if spec.strip() or model is None else None
+        if model is None:
+            return rules
+        neural = NeuralReward(model, self.tokenizer, batch_size=self.config.forward_batch_size)
+        parts = {} if rules is None else {name: (fn, rules.weights[name]) for name, fn in rules.functions.items()}
+        return CompositeReward({**parts, "reward_model": (neural, 1.0)})
 
     def __init__(
         self,
@@ -139,15 +376,15 @@ class PPOAgent(nn.Module):
         total_updates: int | None = None,
     ) -> None:
         super().__init__()
-        self.config = config = (config or TrainConfig()).validate()
+        self.config = config = (config or TrainConfig(agent=self.name)).validate(type(self))
         self.tokenizer = tokenizer
         self.policy = policy.eval()  # dropout off everywhere: PPO ratios must be exactly 1 at step 0
         if ref_policy is None:
             ref_policy = copy.deepcopy(policy)
         self.ref_policy = ref_policy.eval().requires_grad_(False)
-        if self.uses_critic and critic is None:
+        if self.needs_critic and critic is None:
             raise ValueError(f"{type(self).__name__} needs a critic (e.g. ValueModel.from_causal_lm)")
-        self.critic = critic.eval() if critic is not None else None
+        self.critic = critic.eval() if critic is not None and self.needs_critic else None
         self.clip_eps = config.clip_eps if config.clip_eps is not None else self.default_clip_eps
         self.kl_ctl = make_kl_controller(config.kl_coef, config.adaptive_kl, config.kl_target, config.kl_horizon)
         self.eos_token_id = tokenizer.eos_token_id
@@ -768,4 +1005,7 @@ class UpdateTally:
         return out
 
 
-__all__ = ["SCORE", "PPOAgent", "RolloutForward", "UpdateTally", "position_ids_for", "sequence_inputs", "warp_logits"]
+__all__ = [
+    "CRITIC_OPTIONS", "LORA_OPTIONS", "POLICY_OBJECTIVE_OPTIONS", "SCORE", "SHARED_OPTIONS", "PPOAgent",
+    "RolloutForward", "UpdateTally", "position_ids_for", "sequence_inputs", "warp_logits",
+]

@@ -9,9 +9,17 @@ of clipped policy loss + ``vf_coef`` x clipped value loss - ``entropy_coef`` x e
 from __future__ import annotations
 
 from tensordict import TensorDictBase
-from textrl.agents.base import SCORE, PPOAgent
+from textrl.agents.base import (
+    CRITIC_OPTIONS,
+    LORA_OPTIONS,
+    POLICY_OBJECTIVE_OPTIONS,
+    SCORE,
+    SHARED_OPTIONS,
+    PPOAgent,
+)
 from torch import Tensor
 
+from textrl.agent_registry import register_agent
 from textrl.functional import (
     clipped_value_loss,
     gae,
@@ -22,11 +30,19 @@ from textrl.functional import (
 from textrl.keys import KEYS
 
 
+@register_agent("gae_ppo")
 class GAEPPO(PPOAgent):
-    """Token-level PPO: KL-shaped rewards (or KL in the loss), GAE, clipped losses (DESIGN §5)."""
+    """Token-level PPO: KL-shaped rewards (or KL in the loss), GAE, clipped losses (docs/design.md, "Agents")."""
 
-    name = "gae_ppo"
-    uses_critic = True
+    needs_critic = True
+    pipeline_reward = "reward_model"
+    lora = "optional"
+    options = SHARED_OPTIONS | POLICY_OBJECTIVE_OPTIONS | CRITIC_OPTIONS | LORA_OPTIONS | {
+        "value_clip_eps", "gamma", "lam", "whiten_advantages", "reward_placement", "critic_type"}
+    not_read = {
+        "old_policy_refresh_every": "it keeps no old-policy snapshot: the behaviour policy is the policy at collection",
+        "reward_adapter": "its reward comes from --reward / --reward-model",
+    }
     default_clip_eps = 0.2
 
     def token_kl(self, logp: Tensor, ref_logp: Tensor) -> Tensor:

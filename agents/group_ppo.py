@@ -15,14 +15,18 @@ PPO surrogate (``loss_aggregation``), minus ``entropy_coef`` x entropy, plus ``b
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from tensordict import TensorDictBase
-from textrl.agents.base import SCORE, PPOAgent
-from torch import Tensor, nn
+from textrl.agents.base import (
+    LORA_OPTIONS,
+    POLICY_OBJECTIVE_OPTIONS,
+    SCORE,
+    SHARED_OPTIONS,
+    PPOAgent,
+)
+from torch import Tensor
 
-from textrl.config import TrainConfig
+from textrl.agent_registry import register_agent
 from textrl.functional import (
     kl_penalty,
     kl_shaped_rewards,
@@ -35,13 +39,19 @@ class GroupPPO(PPOAgent):
     """PPO with a group baseline instead of a critic; subclasses pick :meth:`group_advantage`."""
 
     name = "group_ppo"
-    uses_critic = False
+    needs_critic = False
+    min_samples_per_prompt = 2
+    lora = "optional"
+    options = SHARED_OPTIONS | POLICY_OBJECTIVE_OPTIONS | LORA_OPTIONS | {"reward_placement"}
+    not_read = {
+        "gamma": "the group baseline replaces discounted returns", "lam": "it has no critic, so no GAE",
+        "whiten_advantages": "the group baseline is its own normalisation",
+        "vf_coef": "it has no critic", "value_clip_eps": "it has no critic", "critic_lr": "it has no critic",
+        "critic_init": "it has no critic", "critic_type": "it has no critic",
+        "old_policy_refresh_every": "it keeps no old-policy snapshot",
+        "reward_adapter": "its reward comes from --reward / --reward-model",
+    }
     default_clip_eps = 0.2
-
-    def __init__(self, policy: nn.Module, tokenizer: Any, config: TrainConfig | None = None, **kwargs: Any) -> None:
-        """As :class:`PPOAgent`; a ``critic`` passed in (the trainer builds one for every agent) is not used."""
-        kwargs.pop("critic", None)
-        super().__init__(policy, tokenizer, config, **kwargs)
 
     def group_advantage(self, rewards: Tensor, group_size: int) -> Tensor:  # pragma: no cover - abstract
         """Sequence advantages ``[B]`` from sequence rewards ``[B]`` (groups of consecutive rows)."""
@@ -78,20 +88,18 @@ class GroupPPO(PPOAgent):
         return loss, {k: v.detach() for k, v in stats.items()}
 
 
+@register_agent("grpo")
 class GRPO(GroupPPO):
     """Group Relative Policy Optimisation: the group-normalised reward is the advantage."""
-
-    name = "grpo"
 
     def group_advantage(self, rewards: Tensor, group_size: int) -> Tensor:
         """``(r - mean_g) / (std_g + 1e-6)``; a constant group gives exactly 0. ``[B] -> [B]``."""
         return grpo_advantage(rewards, group_size)
 
 
+@register_agent("rloo")
 class RLOO(GroupPPO):
     """REINFORCE leave-one-out baseline, optimised with the clipped PPO surrogate."""
-
-    name = "rloo"
 
     def group_advantage(self, rewards: Tensor, group_size: int) -> Tensor:
         """``r_i - mean_{j != i} r_j`` within each group. ``[B] -> [B]``."""

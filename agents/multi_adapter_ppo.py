@@ -13,7 +13,7 @@ One copy of the base weights (optionally 4-bit NF4) carries every model PPO need
   as :attr:`MultiAdapterPPO.reward_model`, a sequence classifier (``.logits`` ``[B, 1]``) that
   the trainer wraps in ``textrl.rewards.NeuralReward`` for batched scoring.
 
-Each of these is an ``nn.Module`` *view* of the shared PeftModel: calling it activates its
+Each of these is an ``nn.Module`` *view* of the shared PeftModel (:mod:`textrl.agents.adapter_views`): calling it activates its
 adapter, and its ``parameters()`` are only that adapter's weights (plus the head). So GAEPPO's
 estimator, losses, update loop and optimisers apply unchanged: the actor optimiser holds the
 policy LoRA, the critic optimiser the value head (+ critic LoRA). peft flips ``requires_grad``
@@ -28,168 +28,42 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDictBase
+from textrl.agents.adapter_views import (
+    CRITIC,
+    POLICY,
+    REWARD,
+    AdapterCritic,
+    AdapterPolicy,
+    AdapterRewardModel,
+    AdapterStack,
+)
+from textrl.agents.base import LORA_OPTIONS
 from textrl.agents.gae_ppo import GAEPPO
 from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
-from transformers.modeling_outputs import SequenceClassifierOutput
 
+from textrl.agent_registry import register_agent
 from textrl.config import TrainConfig
 from textrl.models.adapters import (
-    final_hidden,
     hidden_size,
     is_peft,
     keep_4bit_differentiable,
-    last_token_hidden,
+    load_base_model,
     load_reward_adapter,
     lora_config,
-    save_adapter,
+    read_reward_meta,
     warn_if_merged,
 )
 
 if TYPE_CHECKING:
-    from peft import PeftModel
-
     from textrl.parallel import Backend
 
-POLICY, CRITIC, REWARD = "policy", "critic", "reward"
 
-
-class AdapterStack:
-    """The shared PeftModel and which adapter is active; ``requires_grad`` of LoRA weights fixed.
-
-    ``trainable`` names the adapters whose weights train; every other parameter stays frozen,
-    whatever peft's ``set_adapter`` / ``disable_adapter`` do to the flags.
-    """
-
-    def __init__(self, model: PeftModel, trainable: set[str]) -> None:
-        self.model = model
-        self.lora: dict[str, list[tuple[str, nn.Parameter]]] = {name: [] for name in model.peft_config}
-        for pname, param in model.named_parameters():
-            adapter = next((a for a in self.lora if f".{a}." in pname and "lora_" in pname), None)
-            if adapter is not None:
-                self.lora[adapter].append((pname, param))
-            param.requires_grad_(adapter in trainable)
-        self._flags = [(p, a in trainable) for a, params in self.lora.items() for _, p in params]
-
-    def _restore_flags(self) -> None:
-        for param, flag in self._flags:
-            param.requires_grad_(flag)
-
-    @contextmanager
-    def use(self, adapter: str | None) -> Iterator[None]:
-        """Run the block with ``adapter`` active; ``None`` disables every adapter (the reference)."""
-        previous = self.model.active_adapter
-        try:
-            if adapter is None:
-                with self.model.disable_adapter():
-                    self._restore_flags()
-                    yield
-            else:
-                if adapter != previous:
-                    self.model.set_adapter(adapter)
-                    self._restore_flags()
-                yield
-        finally:
-            if adapter is not None and self.model.active_adapter != previous:
-                self.model.set_adapter(previous)
-            self._restore_flags()
-
-
-class AdapterPolicy(nn.Module):
-    """A causal LM that is the shared base with ``adapter`` active (``None``: adapters disabled).
-
-    ``forward`` / ``generate`` as the HF model; ``parameters()`` are the adapter's LoRA weights
-    only (none for the reference); ``save_pretrained`` writes the adapter in peft format.
-    """
-
-    def __init__(self, stack: AdapterStack, adapter: str | None) -> None:
-        super().__init__()
-        self.stack = stack  # a plain object: the base is shared, not owned by this module
-        self.adapter = adapter
-
-    @property
-    def config(self):
-        return self.stack.model.config
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):  # type: ignore[override]
-        for name, param in self.stack.lora.get(self.adapter, []):
-            yield prefix + name, param
-
-    def forward(self, **kwargs: Any) -> Any:
-        with self.stack.use(self.adapter):
-            return self.stack.model(**kwargs)
-
-    def generate(self, **kwargs: Any) -> Tensor:
-        with self.stack.use(self.adapter):
-            return self.stack.model.generate(**kwargs)
-
-    def save_pretrained(self, path: str | os.PathLike[str], **_: Any) -> None:
-        """The adapter's ``adapter_config.json`` + ``adapter_model.safetensors`` in ``path``."""
-        if self.adapter is None:
-            raise ValueError("the reference is the base with adapters disabled; save the base itself")
-        save_adapter(self.stack.model, self.adapter, path)
-
-
-class AdapterCritic(nn.Module):
-    """``V(s_t)`` ``[B, L]`` float32: ``value_head(final hidden state)`` under ``adapter``.
-
-    With ``train_trunk=False`` (value-head critic on the policy adapter) the hidden states come
-    from a no-grad pass, so only the head trains; with ``True`` (a critic LoRA) the adapter trains too.
-    """
-
-    def __init__(self, stack: AdapterStack, adapter: str, hidden: int, train_trunk: bool) -> None:
-        super().__init__()
-        self.stack = stack
-        self.adapter = adapter
-        self.train_trunk = train_trunk
-        self.value_head = nn.Linear(hidden, 1)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):  # type: ignore[override]
-        yield from super().named_parameters(prefix, recurse, remove_duplicate)
-        if self.train_trunk:
-            for name, param in self.stack.lora[self.adapter]:
-                yield prefix + name, param
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """``input_ids``, ``attention_mask`` ``[B, L]`` -> values ``[B, L]``."""
-        with self.stack.use(self.adapter), torch.set_grad_enabled(self.train_trunk and torch.is_grad_enabled()):
-            hidden = final_hidden(self.stack.model, input_ids, attention_mask)  # [B, L, H]
-        return self.value_head(hidden.float()).squeeze(-1)  # [B, L]
-
-
-class AdapterRewardModel(nn.Module):
-    """The frozen reward adapter + score head as a scalar sequence classifier.
-
-    ``forward(input_ids [B, L], attention_mask [B, L]) -> SequenceClassifierOutput(logits [B, 1])``:
-    the score head at each row's last attended token, under ``torch.no_grad``. Shaped like an HF
-    ``*ForSequenceClassification`` (``config.num_labels == 1``) so ``textrl.rewards.NeuralReward`` batches it.
-    """
-
-    def __init__(self, stack: AdapterStack, score_head: nn.Linear) -> None:
-        super().__init__()
-        self.stack = stack
-        self.score_head = score_head
-        self.config = copy.copy(stack.model.config)
-        self.config.num_labels = 1
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.stack.model.get_input_embeddings()
-
-    @torch.no_grad()
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, **_: Any) -> SequenceClassifierOutput:
-        with self.stack.use(REWARD):
-            hidden = last_token_hidden(self.stack.model, input_ids, attention_mask)  # [B, H]
-        return SequenceClassifierOutput(logits=self.score_head(hidden))  # [B, 1]
-
-
+@register_agent("multi_adapter_ppo")
 class MultiAdapterPPO(GAEPPO):
     """GAEPPO on one base model: policy / critic / reward LoRA adapters, reference = no adapters.
 
@@ -207,7 +81,51 @@ class MultiAdapterPPO(GAEPPO):
             a leftover ``adapter_config.json`` in the model's folder; ``False`` silences it.
     """
 
-    name = "multi_adapter_ppo"
+    lora = "required"
+    default_lora_r = 8
+    shardable = False
+    pipeline_reward = "reward_adapter"
+    options = (GAEPPO.options - {"critic_init", "ref_refresh_every"}) | LORA_OPTIONS | {"reward_adapter", "critic_type"}
+    not_read = {
+        "critic_init": "it builds its critic from critic_type ('value_head' or 'lora') on its own base",
+        "ref_refresh_every": "its reference is the base with adapters disabled and cannot be refreshed",
+        "old_policy_refresh_every": GAEPPO.not_read["old_policy_refresh_every"],
+    }
+
+    @classmethod
+    def validate_config(cls, config: TrainConfig) -> None:
+        """The declarations (:meth:`PPOAgent.validate_config`), then: no full reward model (its
+        reward model is ``--reward-adapter``), and the reward adapter's folder is readable."""
+        super().validate_config(config)
+        if config.reward_model:
+            raise ValueError(
+                f"reward_model={config.reward_model!r}: {config.agent} scores with a LoRA reward "
+                "adapter on its own base (--reward-adapter PATH from `textrl rm --lora`); drop --reward-model"
+            )
+        if config.reward_adapter:
+            read_reward_meta(config.reward_adapter)  # names a missing file before any model loads
+
+    @classmethod
+    def brings_reward(cls, config: TrainConfig) -> bool:
+        """Its reward adapter (``--reward-adapter``) scores responses on its own."""
+        return bool(config.reward_adapter)
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, device: torch.device | str = "cpu", log: Any = print) -> MultiAdapterPPO:
+        """The base model (4-bit with ``load_in_4bit``) and its tokenizer; the agent adds its adapters,
+        critic and reward model to the base. No SFT warm-up: the base must stay exactly the model the
+        reward adapter was trained on (fine-tune first with `textrl sft` + `textrl merge`, or run
+        `textrl pipeline`)."""
+        config.validate(cls)
+        if config.warmup_sft_steps > 0 and config.dataset == "builtin:digits":
+            log(f"{config.agent}: no SFT warm-up (the base is shared with the reward adapter)")
+        tokenizer = cls.load_tokenizer(config)
+        return cls(load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device), tokenizer, config)
+
+    @classmethod
+    def load_policy(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print) -> nn.Module:
+        """The plain base model (no warm-up, see :meth:`from_config`)."""
+        return load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device)
 
     def __init__(
         self,
@@ -221,7 +139,7 @@ class MultiAdapterPPO(GAEPPO):
         total_updates: int | None = None,
         merged: bool | None = None,
     ) -> None:
-        config = (config or TrainConfig(agent=self.name)).validate()
+        config = (config or TrainConfig(agent=self.name)).validate(type(self))
         if ref_policy is not None or critic is not None:
             raise ValueError(
                 "MultiAdapterPPO builds its own reference (the base with adapters disabled) and "
@@ -236,7 +154,7 @@ class MultiAdapterPPO(GAEPPO):
         keep_4bit_differentiable(policy)
         from peft import get_peft_model  # here: importing agents must not import bitsandbytes
 
-        lora = lora_config(config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_target_modules)
+        lora = lora_config(self.lora_rank(config), config.lora_alpha, config.lora_dropout, config.lora_target_modules)
         model = get_peft_model(policy.eval(), lora, adapter_name=POLICY)
         if config.critic_type == "lora":
             model.add_adapter(CRITIC, copy.deepcopy(lora))

@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 from tensordict import TensorDictBase
-from textrl.agents.base import SCORE, PPOAgent
+from textrl.agents.base import CRITIC_OPTIONS, SCORE, SHARED_OPTIONS, PPOAgent
 from torch import Tensor, nn
 
+from textrl.agent_registry import register_agent
 from textrl.config import TrainConfig
 from textrl.functional import (
     clipped_policy_loss,
@@ -28,11 +29,30 @@ from textrl.functional.advantages import last_valid
 from textrl.keys import KEYS
 
 
+@register_agent("one_step_ppo")
 class OneStepPPO(PPOAgent):
-    """MiniMind's PPO: one action per response, summed log-probs, old-policy snapshot (DESIGN §5)."""
+    """MiniMind's PPO: one action per response, summed log-probs, old-policy snapshot (docs/design.md, "Agents")."""
 
-    name = "one_step_ppo"
-    uses_critic = True
+    needs_critic = True
+    pipeline_reward = "reward_model"
+    options = SHARED_OPTIONS | CRITIC_OPTIONS | {"old_policy_refresh_every"}
+    not_read = {
+        "entropy_coef": "it has no entropy bonus",
+        "kl_in": "its sequence KL always goes into the loss",
+        "kl_hinge": "its sequence KL is never hinged",
+        "loss_aggregation": "its loss is a mean over responses, one action each",
+        "whiten_advantages": "its advantage R - V(s_last) is not whitened",
+        "gamma": "a response is one action: there is nothing to discount",
+        "lam": "a response is one action: there is no GAE",
+        "value_clip_eps": "its value loss is an unclipped MSE",
+        "reward_placement": "the score is the one action's reward",
+        "reward_adapter": "its reward comes from --reward / --reward-model",
+        "critic_type": "its critic is a full value model (critic_init)",
+        "lora_r": "its old-policy snapshot is a copy of the whole policy",
+        "lora_alpha": "it trains every weight of the policy", "lora_dropout": "it trains every weight of the policy",
+        "lora_target_modules": "it trains every weight of the policy",
+        "load_in_4bit": "it trains every weight of the policy, which a 4-bit base would freeze",
+    }
     default_clip_eps = 0.1
 
     def __init__(self, policy: nn.Module, tokenizer: Any, config: TrainConfig | None = None, **kwargs: Any) -> None:

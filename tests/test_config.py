@@ -65,3 +65,42 @@ def test_unknown_yaml_key_is_named(tmp_path):
 def test_invalid_fields_are_named(overrides, field):
     with pytest.raises(ValueError, match=field):
         TrainConfig(**overrides).validate()
+
+
+# -- TRL option names --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("trl", "ours"), [("learning_rate", "actor_lr"), ("cliprange", "clip_eps"),
+                                           ("num_generations", "n_samples_per_prompt"), ("beta", "kl_coef"),
+                                           ("num_ppo_epochs", "ppo_epochs")])
+def test_a_trl_option_name_says_which_option_we_call_it(tmp_path, trl, ours):
+    message = f"{trl} is TRL's name: textrl calls it {ours}"
+    with pytest.raises(TypeError, match=message):
+        TrainConfig(**{trl: 1})
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{trl}: 1\n")
+    with pytest.raises(ValueError, match=message):
+        _parse(["--config", str(path)])
+    from textrl.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", f"--{trl.replace('_', '-')}", "1"])
+
+
+def test_a_trl_name_on_the_command_line_is_answered_with_ours(capsys):
+    from textrl.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--learning-rate", "1e-5"])
+    assert "learning_rate is TRL's name: textrl calls it actor_lr" in capsys.readouterr().err
+
+
+def test_every_trl_option_maps_to_a_field_and_the_doc_holds_the_table():
+    from pathlib import Path
+
+    from textrl.trl_names import TRL_OPTIONS, markdown_table
+
+    fields_ = set(TrainConfig.__dataclass_fields__)
+    assert all(ours in fields_ for _, ours, _ in TRL_OPTIONS.values() if ours)
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "migrating-from-trl.md").read_text()
+    assert markdown_table() in doc

@@ -212,7 +212,7 @@ def test_a_bad_reward_name_fails_before_any_model_loads(tmp_path, monkeypatch):
     def no_models(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was checked")
 
-    monkeypatch.setattr(trainer, "build_models", no_models)
+    monkeypatch.setattr(trainer, "build_agent", no_models)
     with pytest.raises(SystemExit, match="unknown reward 'nope'"):
         main(["train", "--reward", "nope", "--output-dir", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()

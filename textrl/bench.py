@@ -17,13 +17,15 @@ seed, saved under ``warmup/seed<k>/`` and loaded by every agent's run), sees the
 split and reward, and samples the same number of responses per iteration of at most
 ``max_new_tokens`` tokens for the same number of iterations: the same budget of generated tokens
 (``iterations x rollout_batch_size x max_new_tokens``; the table also gives the tokens actually
-generated, which differ with response length). Agents listed but not registered in
-:data:`textrl.agents.AGENTS` (or rejected by :meth:`TrainConfig.validate`) are skipped with a note; a run
-that fails is reported in the table, and the other runs go on.
+generated, which differ with response length). An agent is a registered name (by default every
+registered agent runs) or ``path/to/file.py:Class`` (passed as given to each run's subprocess);
+agents that resolve to nothing (or are rejected by :meth:`TrainConfig.validate` with the common
+settings) are skipped with a note; a run that fails is reported in the table, and the other runs go on.
 
 Command line (``textrl bench`` wires :func:`add_arguments` and :func:`run`)::
 
     python -m textrl.bench --agents gae_ppo,one_step_ppo --seeds 0,1,2 --iterations 40
+    python -m textrl.bench --agents gae_ppo,my_agent.py:MyAgent --seeds 0
 """
 
 from __future__ import annotations
@@ -45,8 +47,6 @@ from typing import Any
 
 from textrl.config import TrainConfig
 
-DEFAULT_AGENTS = ("one_step_ppo", "gae_ppo", "multi_adapter_ppo", "grpo", "rloo")
-"""Agents compared by default; those not available in this installation are skipped."""
 DEFAULT_SEEDS = (0, 1, 2)
 DEFAULT_SETTINGS: dict[str, Any] = {"iterations": 40, "eval_every": 10}
 """Overrides of the embedded default (``TrainConfig()``) for a run that fits ~10 min on 2 CPU cores."""
@@ -151,23 +151,35 @@ def read_run(output_dir: str | Path) -> dict[str, Any]:
 # -- set-up --------------------------------------------------------------------------------------
 
 
+def default_agents() -> list[str]:
+    """Agents compared by default: every registered one (:func:`textrl.agents.agent_names`)."""
+    from textrl.agents import agent_names
+
+    return agent_names()
+
+
 def available_agents(names: Sequence[str], settings: dict[str, Any] | None = None) -> tuple[list[str], dict[str, str]]:
-    """``(agents that can run, {skipped agent: why})``: registered in ``textrl.agents.AGENTS``, and valid
-    (:meth:`TrainConfig.validate`) with ``settings`` (TrainConfig fields)."""
-    from textrl.agents import AGENTS
+    """``(agents that can run, {skipped agent: why})``: each a registered name or ``file.py:Class``
+    that resolves (:func:`textrl.agents.agent_class`) and is valid (:meth:`TrainConfig.validate`)
+    with ``settings`` (TrainConfig fields). A file spec comes back with its file's absolute path, so
+    that a run's subprocess finds it."""
+    from textrl.agent_registry import absolute_spec
 
     ok, skipped = [], {}
     for name in names:
-        if name not in AGENTS:
-            skipped[name] = "not registered in agents.AGENTS in this version"
-            continue
         try:
-            TrainConfig(**{**(settings or {}), "agent": name}).validate()
+            spec = absolute_spec(name)
+            TrainConfig(**{**(settings or {}), "agent": spec}).validate()
         except ValueError as err:
             skipped[name] = str(err)
             continue
-        ok.append(name)
+        ok.append(spec)
     return ok, skipped
+
+
+def run_label(agent: str) -> str:
+    """An agent's name in tables, plots and folders: its registered name, or the class of a spec."""
+    return agent.rpartition(":")[2]
 
 
 def warm_start(config: TrainConfig, folder: Path, log: Any = print, threads: int | None = None) -> str:
@@ -178,13 +190,15 @@ def warm_start(config: TrainConfig, folder: Path, log: Any = print, threads: int
     """
     import torch
 
-    from textrl.trainer import build_models, resolve_device, seed_everything
+    from textrl.agents import PPOAgent
+    from textrl.trainer import resolve_device, seed_everything
 
     seed_everything(config.seed)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
-        tokenizer, policy = build_models(replace(config, agent="gae_ppo"), resolve_device(config.device), log)
+        tokenizer = PPOAgent.load_tokenizer(config)
+        policy = PPOAgent.load_policy(config, tokenizer, resolve_device(config.device), log)
     finally:
         torch.set_num_threads(previous)
     policy.save_pretrained(folder)
@@ -199,7 +213,7 @@ def run_configs(
     base = run_settings(settings)
     return [
         TrainConfig(**{**base, "agent": agent, "seed": seed,
-                       "output_dir": str(output_dir / "runs" / agent / f"seed{seed}")}).validate()
+                       "output_dir": str(output_dir / "runs" / run_label(agent) / f"seed{seed}")}).validate()
         for agent in agents for seed in seeds
     ]
 
@@ -328,7 +342,8 @@ def compare_agents(
     """Train each agent with each seed on the same set-up; write the table and plots.
 
     Args:
-        agents: agent names (default :data:`DEFAULT_AGENTS`, keeping the available ones).
+        agents: registered agent names or ``file.py:Class`` specs (default: every registered
+            agent, keeping those that run with ``settings``).
         seeds: seeds; each agent runs once per seed.
         output_dir: where everything goes (see the module docstring); runs are overwritten.
         token_budget: generated tokens per run; sets ``iterations`` to
@@ -350,11 +365,12 @@ def compare_agents(
     start = time.perf_counter()
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    names, skipped = available_agents(list(agents) if agents is not None else DEFAULT_AGENTS, run_settings(settings))
+    wanted = list(agents) if agents is not None else default_agents()
+    names, skipped = available_agents(wanted, run_settings(settings))
     for name, why in skipped.items():
         log(f"skipping {name}: {why}")
     if not names:
-        raise ValueError(f"none of the agents {list(agents or DEFAULT_AGENTS)} can run here: {skipped}")
+        raise ValueError(f"none of the agents {wanted} can run here: {skipped}")
     if not seeds:
         raise ValueError("seeds is empty; give at least one seed")
     if token_budget is not None:
@@ -373,7 +389,7 @@ def compare_agents(
             config = replace(config, model=warm[config.seed], warmup_sft_steps=0)
         log(f"[{i}/{len(configs)}] {config.agent} seed {config.seed}: {config.iterations} iterations")
         record = run_training(config, isolate=isolate, threads=threads)
-        run = {"agent": config.agent, "seed": config.seed, "output_dir": config.output_dir, **record}
+        run = {"agent": run_label(config.agent), "seed": config.seed, "output_dir": config.output_dir, **record}
         if not run["error"]:
             try:
                 figures = read_run(config.output_dir)
@@ -419,7 +435,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from textrl.config import add_config_arguments
 
     parser.add_argument("--agents", type=_names, default=None,
-                        help=f"comma-separated agents (default: the available ones of {','.join(DEFAULT_AGENTS)})")
+                        help="comma-separated agents: registered names or path/to/file.py:Class "
+                             "(default: every registered agent that runs with the given options)")
     parser.add_argument("--seeds", type=lambda s: [int(x) for x in _names(s)], default=list(DEFAULT_SEEDS),
                         help="comma-separated seeds (default: 0,1,2)")
     parser.add_argument("--token-budget", type=int, default=None,

@@ -149,17 +149,29 @@ def _add_stages(sub) -> None:
         parser.set_defaults(func=_stage_command(name, config_cls, run, describe))
 
 
+def _list_agents_in_help(parser: argparse.ArgumentParser) -> None:
+    """``--agent``'s help names every registered agent (the registry is the only list)."""
+    from textrl.agents import agent_names
+
+    for action in parser._actions:
+        if action.dest == "agent":
+            action.help = (f"Agent: one of {', '.join(agent_names())} (registered names), or "
+                           "path/to/file.py:Class for an agent of your own (default: 'gae_ppo')")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="textrl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from textrl.config import TrainConfig, add_config_arguments
+    from textrl.config import TrainConfig, add_config_arguments, add_trl_names
 
     train = sub.add_parser("train", help="PPO training (no arguments: the embedded CPU default)",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     train.add_argument("--config", default=None, help="YAML file of options (flags override it)")
     add_config_arguments(train, TrainConfig)
+    add_trl_names(train, TrainConfig)
+    _list_agents_in_help(train)
     train.set_defaults(func=_cmd_train)
 
     tiny = sub.add_parser("tiny", help="build or locate the offline tiny models")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
+import functools
 import inspect
 import math
 import textwrap
@@ -23,7 +23,9 @@ from typing import Any
 
 import yaml
 
-AGENTS = ("gae_ppo", "one_step_ppo", "grpo", "rloo", "multi_adapter_ppo")
+from textrl.agent_registry import agent_class
+from textrl.trl_names import trl_hint
+
 KL_KINDS = ("k1", "k2", "k3", "abs")
 
 
@@ -43,17 +45,21 @@ class TrainConfig:
     resume: bool = False
     """Continue from the newest complete checkpoint in output_dir."""
     agent: str = "gae_ppo"
-    """Agent: gae_ppo | one_step_ppo | grpo | rloo | multi_adapter_ppo."""
+    """Agent: a registered name (`textrl train --help` lists them) or path/to/file.py:Class."""
 
     # -- models and data -----------------------------------------------------------------------
     model: str = "tiny"
-    """Policy: a local path or hub id of a causal LM; 'tiny' builds the offline tiny model."""
+    """Policy: a local path or hub id of a causal LM; 'tiny' builds the offline tiny model (Python
+    API: also a loaded PreTrainedModel)."""
+    tokenizer: str | None = None
+    """Tokenizer: a path or hub id (None: the model's own; Python API: also a tokenizer object)."""
     reward_model: str | None = None
     """Optional sequence-classification reward model (path or hub id), added as 'reward_model'."""
     reward: str = "think_format,tag_count,accuracy"
     """Reward spec: NAME[:weight],... from the registry, or file.py:function."""
     dataset: str = "builtin:digits"
-    """Prompts: 'builtin:NAME', a .jsonl file (MiniMind 'conversations' or {'prompt': ...})."""
+    """Prompts: 'builtin:NAME', a .jsonl file (MiniMind 'conversations' or {'prompt': ...}); Python
+    API: also a datasets.Dataset or a list of rows."""
     eval_size: int = 32
     """Held-out prompts for evaluation."""
     max_prompt_length: int = 64
@@ -153,9 +159,10 @@ class TrainConfig:
     reward_adapter: str | None = None
     """multi_adapter_ppo: folder of a LoRA reward adapter + score head written by `textrl rm --lora`."""
     load_in_4bit: bool = False
-    """Quantise the base model to 4-bit NF4 with bitsandbytes (multi_adapter_ppo, LoRA stages)."""
-    lora_r: int = 8
-    """LoRA rank of the trainable adapters."""
+    """Quantise the frozen base model to 4-bit NF4 with bitsandbytes (needs a LoRA policy: --lora-r)."""
+    lora_r: int | None = None
+    """LoRA rank of the trainable adapters (None: the agent's default, 8 for multi_adapter_ppo, every
+    weight trained for the others; a rank trains a policy LoRA whose reference is the base)."""
     lora_alpha: int = 16
     """LoRA scaling numerator (the update is scaled by lora_alpha / lora_r)."""
     lora_dropout: float = 0.0
@@ -193,9 +200,13 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar."""
 
-    def validate(self) -> TrainConfig:
-        """Check every field; raise ``ValueError`` naming the field, its value and what is allowed."""
-        _choice("agent", self.agent, AGENTS)
+    def validate(self, agent: type | None = None) -> TrainConfig:
+        """Check every field, then the agent's own rules (``agent.validate_config``: what it needs
+        and which options it reads); raise ``ValueError`` naming the field, its value and what is
+        allowed. ``agent`` defaults to the class ``self.agent`` names."""
+        agent = agent if agent is not None else agent_class(self.agent)
+        for name in OBJECT_FIELDS:
+            _refuse_saved_object(name, getattr(self, name))
         _choice("kl_kind", self.kl_kind, KL_KINDS)
         _choice("kl_in", self.kl_in, ("reward", "loss"))
         _choice("kl_early_stop", self.kl_early_stop, ("none", "target", "beta_target"))
@@ -208,11 +219,13 @@ class TrainConfig:
         for name in ("iterations", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
                      "generation_batch_size", "forward_batch_size", "ppo_epochs", "num_minibatches",
                      "gradient_accumulation_steps", "max_prompt_length", "warmup_sft_batch_size",
-                     "kl_horizon", "keep_checkpoints", "lora_r", "lora_alpha", "max_nonfinite_updates"):
+                     "kl_horizon", "keep_checkpoints", "lora_alpha", "max_nonfinite_updates"):
             _at_least(name, getattr(self, name), 1)
         for name in ("eval_size", "warmup_sft_steps", "eval_every", "checkpoint_every",
                      "ref_refresh_every", "lr_warmup_steps", "top_k"):
             _at_least(name, getattr(self, name), 0)
+        if self.lora_r is not None:
+            _at_least("lora_r", self.lora_r, 1)
         _at_least("old_policy_refresh_every", self.old_policy_refresh_every, 1)
         for name in ("gamma", "lam", "warmup_answer_accuracy"):
             _in_range(name, getattr(self, name), 0.0, 1.0)
@@ -233,11 +246,6 @@ class TrainConfig:
             raise ValueError("lora_target_modules='': name at least one module (e.g. q_proj,v_proj) or 'all-linear'")
         if self.load_in_4bit:
             check_bitsandbytes("load_in_4bit")
-        if self.agent in ("grpo", "rloo") and self.n_samples_per_prompt < 2:
-            raise ValueError(
-                f"n_samples_per_prompt={self.n_samples_per_prompt}: agent={self.agent!r} compares "
-                "samples within a group, so it needs n_samples_per_prompt >= 2"
-            )
         rollout = self.rollout_batch_size
         if rollout % self.num_minibatches:
             raise ValueError(
@@ -251,50 +259,23 @@ class TrainConfig:
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}: the minibatch of "
                 f"{minibatch} rows does not divide into it; choose a divisor of {minibatch}"
             )
-        if self.critic_init == "reward_model" and not self.reward_model:
-            raise ValueError("critic_init='reward_model' needs --reward-model PATH")
         _choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
         if self.zero_stage and self.fsdp:
             raise ValueError(f"zero_stage={self.zero_stage} and fsdp=True both shard the training state; "
                              "choose one (DeepSpeed ZeRO or FSDP)")
         for on, setting, flag in ((self.fsdp, "fsdp=True", "--fsdp"),
                                   (self.zero_stage, f"zero_stage={self.zero_stage}", "--zero-stage")):
-            if on and (self.agent == "multi_adapter_ppo" or self.load_in_4bit):
+            if on and self.load_in_4bit:
                 raise ValueError(
-                    f"{setting} shards full-precision models; multi_adapter_ppo and load_in_4bit keep one "
-                    f"(4-bit) base per process instead: drop {flag}, or use another agent without --load-in-4bit"
+                    f"{setting} shards full-precision models; load_in_4bit keeps one 4-bit base per "
+                    f"process instead: drop {flag}, or drop --load-in-4bit"
                 )
-        self._validate_multi_adapter()
+        agent.validate_config(self)
         return self
 
-    def _validate_multi_adapter(self) -> None:
-        """multi_adapter_ppo: one base model; its reward model is --reward-adapter, its reference fixed."""
-        if self.agent != "multi_adapter_ppo":
-            if self.reward_adapter:
-                raise ValueError(
-                    f"reward_adapter={self.reward_adapter!r} is read only by agent=multi_adapter_ppo; "
-                    "use --agent multi_adapter_ppo, or --reward-model for a full reward model"
-                )
-            return
-        if self.reward_model:
-            raise ValueError(
-                f"reward_model={self.reward_model!r}: multi_adapter_ppo scores with a LoRA reward "
-                "adapter on its own base (--reward-adapter PATH from `textrl rm --lora`); drop --reward-model"
-            )
-        if self.critic_init != "policy":
-            raise ValueError(
-                f"critic_init={self.critic_init!r}: multi_adapter_ppo builds its critic from "
-                "critic_type ('value_head' or 'lora'); leave critic_init='policy'"
-            )
-        if self.ref_refresh_every:
-            raise ValueError(
-                f"ref_refresh_every={self.ref_refresh_every}: the multi_adapter_ppo reference is the "
-                "base with adapters disabled and cannot be refreshed; set it to 0"
-            )
-        if self.reward_adapter:
-            from textrl.models.adapters import read_reward_meta
-
-            read_reward_meta(self.reward_adapter)  # names a missing file before any model loads
+    def is_default(self, name: str) -> bool:
+        """Whether field ``name`` holds its default value (an option left unset)."""
+        return getattr(self, name) == _DEFAULTS[name]
 
     @property
     def rollout_batch_size(self) -> int:
@@ -302,7 +283,48 @@ class TrainConfig:
         return self.prompts_per_iteration * self.n_samples_per_prompt
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Field -> value (objects given to the Python API as they are, not copied)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
+
+
+def _unknown_options(names: typing.Iterable[str]) -> str:
+    """``unknown option(s) a, b`` with, for a TRL name, the option textrl calls it."""
+    hints = [trl_hint(name) for name in names if trl_hint(name)]
+    listed = ", ".join(names)
+    return f"unknown option(s) {listed}" + (f"; {'; '.join(hints)}" if hints else "")
+
+
+def _with_trl_hints(cls: type) -> type:
+    """Make ``cls(**kwargs)`` name the option textrl uses for a TRL option name."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        unknown = [name for name in kwargs if name not in cls.__dataclass_fields__]
+        if unknown:
+            raise TypeError(_unknown_options(unknown) + "; see `textrl train --help`")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+_with_trl_hints(TrainConfig)
+
+AGENT_OPTIONS = frozenset({
+    "ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "clip_eps", "dual_clip",
+    "value_clip_eps", "vf_coef", "entropy_coef", "gamma", "lam", "whiten_advantages",
+    "loss_aggregation", "kl_coef", "kl_kind", "kl_in", "adaptive_kl", "kl_target", "kl_horizon",
+    "kl_hinge", "kl_early_stop", "reward_placement", "ratio_threshold", "kl_after_update",
+    "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr", "lr_schedule",
+    "lr_warmup_steps", "max_grad_norm", "critic_init", "reward_adapter", "load_in_4bit", "lora_r",
+    "lora_alpha", "lora_dropout", "lora_target_modules", "critic_type",
+})
+"""The fields an agent reads (the algorithm's options); each agent declares the ones it reads
+(``options``), and one it does not read, set to another value than its default, is refused."""
 
 
 def check_bitsandbytes(field_name: str) -> None:
@@ -409,6 +431,28 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type = TrainConfi
             )
 
 
+class _TRLOption(argparse.Action):
+    """A TRL option name that is not ours: the parser error says which option we call it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[override]
+        parser.error(f"{option_string}: {trl_hint(self.dest)}")
+
+
+def add_trl_names(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> None:
+    """Hidden ``--trl-name`` options for TRL option names ``cls`` lacks; each is an error that names
+    our option (``--learning-rate`` -> ``actor_lr``)."""
+    from textrl.trl_names import TRL_OPTIONS
+
+    taken = {name for action in parser._actions for name in action.option_strings}
+    for name in TRL_OPTIONS:
+        if name in cls.__dataclass_fields__:
+            continue
+        flags = [f for f in dict.fromkeys([f"--{name.replace('_', '-')}", f"--{name}"]) if f not in taken]
+        if flags:
+            parser.add_argument(*flags, dest=name, nargs="?", action=_TRLOption, default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS)
+
+
 def load_yaml(path: str | Path, cls: type = TrainConfig) -> dict[str, Any]:
     """Read a YAML mapping of field -> value; unknown keys are an error naming them."""
     path = Path(path)
@@ -421,7 +465,12 @@ def load_yaml(path: str | Path, cls: type = TrainConfig) -> dict[str, Any]:
     data = {k.replace("-", "_"): v for k, v in data.items()}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"--config {path}: unknown option(s) {', '.join(unknown)}; see `textrl train --help`")
+        raise ValueError(f"--config {path}: {_unknown_options(unknown)}; see `textrl train --help`")
+    for name, value in data.items():
+        try:
+            _refuse_saved_object(name, value)
+        except ValueError as err:
+            raise ValueError(f"--config {path}: {err}") from None
     return data
 
 
@@ -439,16 +488,53 @@ def build_config(namespace: argparse.Namespace, cls: type = TrainConfig) -> Any:
         raise ValueError(str(err)) from err
 
 
+OBJECT_FIELDS = ("model", "tokenizer", "dataset")
+"""Fields the Python API may set to an object (a model, a tokenizer, a dataset or list of rows)."""
+
+
+def describe_object(value: Any) -> dict[str, Any]:
+    """What ``config.yaml`` says of an object given for a field: its class, ``name_or_path`` and
+    length where it has them (``{"object": "transformers...LlamaForCausalLM", ...}``)."""
+    cls = type(value)
+    out: dict[str, Any] = {"object": f"{cls.__module__}.{cls.__qualname__}"}
+    name = getattr(value, "name_or_path", None) or getattr(getattr(value, "config", None), "_name_or_path", None)
+    if name:
+        out["name_or_path"] = str(name)
+    if isinstance(value, (list, tuple)) or hasattr(value, "column_names"):
+        out["rows"] = len(value)
+    return out
+
+
+def _yaml_value(value: Any) -> Any:
+    """A field's value as YAML can hold it: itself, or :func:`describe_object` of an object."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return describe_object(value)
+
+
+def _refuse_saved_object(name: str, value: Any) -> None:
+    """A field read back from a config.yaml that recorded an object: say to pass the object again."""
+    if isinstance(value, dict) and "object" in value:
+        what = value["object"] + (f" ({value['name_or_path']})" if value.get("name_or_path") else "")
+        raise ValueError(
+            f"{name}: this config was saved from a run given a {what} object, which a YAML file cannot hold; "
+            f"pass the object again (TrainConfig({name}=...) in Python) or a path / hub id for {name}"
+        )
+
+
 def save_config(config: Any, path: str | Path) -> None:
-    """Write the resolved config as YAML (loadable again with ``--config``)."""
-    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(config), sort_keys=False))
+    """Write the resolved config as YAML (loadable again with ``--config``); an object given to the
+    Python API is recorded by :func:`describe_object` (loading that file back asks for it again)."""
+    values = {f.name: _yaml_value(getattr(config, f.name)) for f in fields(config)}
+    Path(path).write_text(yaml.safe_dump(values, sort_keys=False))
 
 
 __all__ = [
-    "AGENTS",
+    "AGENT_OPTIONS",
     "KL_KINDS",
     "TrainConfig",
     "add_config_arguments",
+    "add_trl_names",
     "build_config",
     "field",
     "field_docs",

@@ -20,7 +20,6 @@ process writes files.
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,10 +220,11 @@ class PPORun:
 
 
 def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
-    """Processes and sharding, the output folder and ``config.yaml``, the seed, the ``--resume``
-    checkpoint (verified before any model loads), the reward, models, prompts and the agent, in
-    this order (sharding options join the config before it is saved; every process holds the
-    same weights before FSDP / ZeRO partition them)."""
+    """The backend (processes, sharding), the output folder and ``config.yaml``, the seed, the
+    ``--resume`` checkpoint (verified before any model loads), the agent (it builds its models),
+    the reward, the prompts, then the agent prepared for the backend, in this order (sharding
+    options join the config before it is saved; every process holds the same weights before
+    FSDP / ZeRO partition them)."""
     from textrl.envs import PromptSampler, load_prompts
 
     backend = setup_backend(config, device)  # single, replicated, FSDP or ZeRO
@@ -237,8 +237,9 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     seed_everything(config.seed)
     checkpoint = resume_checkpoint(config, log)  # verified before any model loads
 
-    reward_fn = build_reward(config)
-    tokenizer, policy = build_models(config, device, log)
+    agent = build_agent(config, device, log)  # its models, critic (if any) and optimisers
+    tokenizer = agent.tokenizer
+    reward_fn = agent.task_reward(reward_spec(config))  # the reward spec, plus the agent's own reward model
     train_rows, eval_rows = load_prompts(config.dataset).split(config.eval_size, seed=config.seed)
     sampler = PromptSampler(
         train_rows, tokenizer, prompts_per_batch=config.prompts_per_iteration,
@@ -246,16 +247,12 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
         max_prompt_length=config.max_prompt_length,
     )
     eval_batches = sampler.encode_eval(eval_rows, batch_size=config.generation_batch_size)
-    agent = build_agent(config, policy, tokenizer)
-    reward_fn = add_agent_reward(config, agent, reward_fn)
     backend.prepare(agent)  # identical weights everywhere, this process's seed, models sharded
     # held-out evaluation: the main process alone, unless the forwards are collectives (FSDP, ZeRO-3)
     evaluates = main or backend.partitions_weights
     return PPORun(config=config, agent=agent, sampler=sampler, reward_fn=reward_fn, eval_batches=eval_batches,
                   backend=backend, dist=dist, main=main, evaluates=evaluates, output_dir=output_dir,
                   resume_from=checkpoint, log=log)
-
-
 
 
 # -- set-up --------------------------------------------------------------------------------------
@@ -280,92 +277,18 @@ def reward_spec(config: TrainConfig) -> str:
     return spec
 
 
-def build_reward(config: TrainConfig):
-    """The composite task reward of ``--reward`` (and ``--reward-model`` as 'reward_model').
-
-    None when the spec is empty and the agent brings its own reward model (multi_adapter_ppo's
-    reward adapter, joined by :func:`add_agent_reward`).
-    """
-    from textrl.rewards import parse_reward_spec
-
-    if _agent_scores_alone(config):
-        return None
-    return parse_reward_spec(reward_spec(config))
-
-
 def _agent_scores_alone(config: TrainConfig) -> bool:
-    """An empty reward spec with multi_adapter_ppo: its reward adapter is the whole reward."""
-    return not reward_spec(config).strip() and config.agent == "multi_adapter_ppo"
+    """An empty reward spec with an agent that brings its own reward model (``brings_reward``)."""
+    from textrl.agents import agent_class
+
+    return not reward_spec(config).strip() and agent_class(config.agent).brings_reward(config)
 
 
-def build_models(config: TrainConfig, device: torch.device, log) -> tuple[Any, Any]:
-    """Tokenizer and policy; the tiny default gets a short supervised format warm-up."""
-    from textrl.envs.tasks import warmup_examples
-    from textrl.models import load_causal_lm, load_tokenizer
-    from textrl.warmup import sft_warmup
+def build_agent(config: TrainConfig, device: torch.device, log):
+    """The agent of ``config.agent``, built by its class: models, critic (if any), optimisers."""
+    from textrl.agents import agent_class
 
-    tokenizer = load_tokenizer(config.model)
-    if config.agent == "multi_adapter_ppo":
-        from textrl.models.adapters import load_base_model
-
-        # No warm-up: the base must stay exactly the model the reward adapter was trained on
-        # (fine-tune first with `textrl sft` + `textrl merge`, or run `textrl pipeline`).
-        if config.warmup_sft_steps > 0 and config.dataset == "builtin:digits":
-            log("multi_adapter_ppo: no SFT warm-up (the base is shared with the reward adapter)")
-        base = load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device)
-        return tokenizer, base
-    policy = load_causal_lm(config.model, device=device)
-    policy.float()
-    if config.warmup_sft_steps > 0 and config.dataset == "builtin:digits":
-        from textrl.envs import load_prompts
-
-        train_rows, _ = load_prompts(config.dataset).split(config.eval_size, seed=config.seed)
-        pairs = warmup_examples(
-            list(train_rows), seed=config.seed, answer_accuracy=config.warmup_answer_accuracy
-        )
-        stats = sft_warmup(
-            policy, tokenizer, pairs, steps=config.warmup_sft_steps, lr=config.warmup_sft_lr,
-            batch_size=config.warmup_sft_batch_size, seed=config.seed,
-        )
-        log(f"warm-up: {stats['steps']} SFT steps on the format, loss {stats['loss_first']:.2f} -> "
-            f"{stats['loss_last']:.2f} in {stats['seconds']:.1f}s")
-    return tokenizer, policy.eval()
-
-
-def build_agent(config: TrainConfig, policy, tokenizer):
-    from textrl.agents import make_agent
-    from textrl.models.value import ValueModel
-
-    if config.agent == "multi_adapter_ppo":  # one base: it adds its adapters, critic and reward model
-        return make_agent(config.agent, policy, tokenizer, config)
-    if config.critic_init == "reward_model":
-        from textrl.models import load_reward_model
-
-        critic = ValueModel.from_reward_model(load_reward_model(config.reward_model)).to(policy.device)
-    else:
-        critic = ValueModel.from_causal_lm(policy)
-    return make_agent(config.agent, policy, tokenizer, config, ref_policy=copy.deepcopy(policy), critic=critic)
-
-
-def add_agent_reward(config: TrainConfig, agent, reward_fn):
-    """``reward_fn`` plus the agent's own reward model (multi_adapter_ppo's reward adapter), if any.
-
-    The adapter's sequence classifier is scored in batches by ``NeuralReward`` (as a
-    ``reward_model:`` spec would be) and joins the rule rewards as component ``reward_model``.
-    """
-    model = getattr(agent, "reward_model", None)
-    if model is None:
-        return reward_fn
-    from textrl.rewards import CompositeReward, NeuralReward
-
-    neural = NeuralReward(model, agent.tokenizer, batch_size=config.forward_batch_size)
-    parts = {} if reward_fn is None else {
-        name: (fn, reward_fn.weights[name]) for name, fn in reward_fn.functions.items()}
-    return CompositeReward({**parts, "reward_model": (neural, 1.0)})
-
-
-
-
+    return agent_class(config.agent).from_config(config, device, log)
 
 
 # -- the iteration's parts -----------------------------------------------------------------------
@@ -436,10 +359,6 @@ def nonfinite_rows(td, n_rows: int) -> float:
     """Rows of a rollout of ``n_rows`` whose task reward was NaN/inf: dropped plus zeroed."""
     flagged = td.get(KEYS.reward_nonfinite).sum().item() if KEYS.reward_nonfinite in td.keys() else 0
     return float(n_rows - td.shape[0] + flagged)
-
-
-
-
 
 
 def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak: int,

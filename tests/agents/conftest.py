@@ -37,10 +37,11 @@ def make_config(**overrides) -> TrainConfig:
 
 def make_agent(tok, name: str = "gae_ppo", seed: int = 0, **overrides):
     policy = build_tiny_causal_lm(tok, seed=seed)
+    cls = AGENTS[name]
     if name == "multi_adapter_ppo":  # one base: builds its own reference and critic
-        return AGENTS[name](policy, tok, make_config(agent=name, **overrides))
-    critic = ValueModel.from_causal_lm(policy)
-    return AGENTS[name](policy, tok, make_config(agent=name, **overrides), critic=critic)
+        return cls(policy, tok, make_config(agent=name, **overrides))
+    critic = ValueModel.from_causal_lm(policy) if cls.needs_critic else None
+    return cls(policy, tok, make_config(agent=name, **overrides), critic=critic)
 
 
 def collect(agent, tok, prompts=PROMPTS, seed: int = 0, reward_fn=target_reward):

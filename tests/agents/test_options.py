@@ -202,7 +202,9 @@ def test_gradient_accumulation_equals_the_full_minibatch_gradient(tok, name, agg
     gradient of the whole minibatch (the step itself is replaced by a recorder)."""
     grads = {}
     for steps in (1, 2, 4):
-        agent = make_agent(tok, name, gradient_accumulation_steps=steps, loss_aggregation=aggregation)
+        # one_step_ppo reads no loss_aggregation (its loss is a mean over responses): left at its default
+        reads = {"loss_aggregation": aggregation} if name != "one_step_ppo" else {}
+        agent = make_agent(tok, name, gradient_accumulation_steps=steps, **reads)
         td = agent.process_rollout(uneven_rollout(tok))
         assert td.get(KEYS.mask).sum(1).tolist() == [2, 6, 4, 1]
 

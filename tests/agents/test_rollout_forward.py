@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from textrl.agents import AGENTS
 
 from tests.agents.conftest import collect, make_agent
 
@@ -21,7 +22,8 @@ def weights(agent) -> dict[str, torch.Tensor]:
 
 def run_once(tok, name: str, reuse: bool, **overrides):
     torch.manual_seed(0)  # multi_adapter_ppo's LoRA weights start from the global generator
-    agent = make_agent(tok, name, actor_lr=1e-2, critic_lr=1e-2, **overrides)
+    critic_lr = {"critic_lr": 1e-2} if AGENTS[name].needs_critic else {}  # a critic-free agent reads none
+    agent = make_agent(tok, name, actor_lr=1e-2, **critic_lr, **overrides)
     agent.reuse_rollout_forward = reuse
     grads, step = {}, agent.backend.step
     # the policy's and critic's own parameter lists (multi_adapter_ppo's LoRA weights live in a

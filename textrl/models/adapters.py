@@ -68,6 +68,11 @@ def load_base_model(
     bfloat16 on CUDA; embeddings, norms and the LM head stay in the compute dtype.
     """
     device = torch.device(device if device is not None else "cpu")
+    if isinstance(name, nn.Module) and load_in_4bit and not getattr(name, "is_loaded_in_4bit", False):
+        raise ValueError("load_in_4bit=True quantises a model while loading it: pass a path or hub id as model, "
+                         "or a model loaded in 4-bit (BitsAndBytesConfig(load_in_4bit=True))")
+    if isinstance(name, nn.Module):
+        return name.eval() if load_in_4bit else load_causal_lm(name, device=device).eval()
     if not load_in_4bit:
         return load_causal_lm(name, device=device).eval()
     check_bitsandbytes("load_in_4bit")

@@ -395,9 +395,16 @@ def _resolve(name_or_path: str | os.PathLike[str], kind: TinyKind) -> str:
     )
 
 
-def load_tokenizer(name_or_path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """``AutoTokenizer`` with a pad token (falls back to EOS, with a warning) and left padding."""
-    tokenizer = AutoTokenizer.from_pretrained(_resolve(name_or_path, "causal_lm"))
+def load_tokenizer(name_or_path: str | os.PathLike[str] | PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer`` with a pad token (falls back to EOS, with a warning) and left padding.
+
+    A tokenizer object (the Python API) is used as it is, given the same pad token and padding side.
+    """
+    if isinstance(name_or_path, PreTrainedTokenizerBase):
+        tokenizer = name_or_path
+        name_or_path = tokenizer.name_or_path
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(_resolve(name_or_path, "causal_lm"))
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer of {name_or_path!r} has neither a pad nor an eos token")
@@ -417,10 +424,12 @@ def load_causal_lm(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
 ) -> PreTrainedModel:
-    """``AutoModelForCausalLM.from_pretrained``; ``"tiny"`` is the cached tiny Llama."""
-    model = AutoModelForCausalLM.from_pretrained(
-        _resolve(name_or_path, "causal_lm"), dtype=dtype or "auto"
-    )
+    """``AutoModelForCausalLM.from_pretrained``; ``"tiny"`` is the cached tiny Llama. A model
+    object (the Python API) is used as it is (cast to ``dtype`` and moved to ``device`` if given)."""
+    if isinstance(name_or_path, torch.nn.Module):
+        model = name_or_path.to(dtype) if dtype is not None and dtype != "auto" else name_or_path
+    else:
+        model = AutoModelForCausalLM.from_pretrained(_resolve(name_or_path, "causal_lm"), dtype=dtype or "auto")
     return model.to(device) if device is not None else model
 
 

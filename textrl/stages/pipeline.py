@@ -38,16 +38,29 @@ from typing import Any
 
 import torch
 
-from textrl.config import AGENTS, _at_least, _positive, check_bitsandbytes, save_config
+from textrl.agent_registry import is_spec
+from textrl.agents import AGENTS, agent_class
+from textrl.config import _at_least, _positive, check_bitsandbytes, save_config
 from textrl.stages.common import MODEL_DIR
 from textrl.stages.rm import RMConfig, train_rm
 from textrl.stages.sft import SFTConfig, train_sft
 
 MONITOR = "case_follow_reward"
 """The rule of the built-in task, logged (weight 0) next to the reward-model score."""
-PIPELINE_AGENTS = ("gae_ppo", "one_step_ppo", "multi_adapter_ppo")
-LORA_AGENTS = ("multi_adapter_ppo",)
-"""Agents whose reward model is a LoRA adapter on the SFT model and whose policy is a LoRA."""
+
+
+def pipeline_agents() -> list[str]:
+    """Registered agents that declare the reward model the pipeline trains for them
+    (``pipeline_reward``): those taking a full reward model first, then those taking an adapter."""
+    kinds = ("reward_model", "reward_adapter")
+    found = [(kinds.index(cls.pipeline_reward), name) for name, cls in AGENTS.items() if cls.pipeline_reward in kinds]
+    return [name for _, name in sorted(found, key=lambda kind_name: kind_name[0])]
+
+
+def lora_agents() -> list[str]:
+    """Pipeline agents whose reward model is a LoRA adapter on the SFT model (their policy is a LoRA too)."""
+    return [name for name, cls in AGENTS.items() if cls.pipeline_reward == "reward_adapter"]
+
 LR_DEFAULTS = {"full": {"rm_lr": 1e-3, "actor_lr": 3e-4}, "lora": {"rm_lr": 3e-3, "actor_lr": 3e-3}}
 """Learning rates used when ``rm_lr`` / ``actor_lr`` are left unset: 'full' fine-tunes every
 weight (gae_ppo, one_step_ppo), 'lora' trains adapters (multi_adapter_ppo). Measured on the
@@ -87,8 +100,9 @@ class PipelineConfig:
     batch_size: int = 32
     """Batch size of SFT and reward-model training."""
     agent: str = "gae_ppo"
-    """PPO agent: gae_ppo | one_step_ppo (full reward model) | multi_adapter_ppo (LoRA reward adapter
-    and policy LoRA on one SFT base, MA-RLHF)."""
+    """PPO agent: a registered agent that declares the reward model the pipeline trains for it
+    (``pipeline_reward``): gae_ppo, one_step_ppo (a full reward model), multi_adapter_ppo (a LoRA
+    reward adapter and policy LoRA on one SFT base, MA-RLHF), or one of your own (file.py:Class)."""
     ppo_iterations: int = 100
     """PPO iterations."""
     actor_lr: float | None = None
@@ -123,15 +137,16 @@ class PipelineConfig:
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         _at_least("kl_coef", self.kl_coef, 0.0)
-        if self.agent not in PIPELINE_AGENTS:
+        cls = self.agent_class()
+        if cls is None or not cls.pipeline_reward:
             hint = (f"; run {self.agent} after the pipeline: `textrl train --agent {self.agent} "
-                    "--model OUT/sft/model --reward-model OUT/rm/model`" if self.agent in AGENTS else "")
-            raise ValueError(f"agent={self.agent!r}: must be one of {', '.join(PIPELINE_AGENTS)}{hint}")
+                    "--model OUT/sft/model --reward-model OUT/rm/model`" if cls is not None else "")
+            raise ValueError(f"agent={self.agent!r}: must be one of {', '.join(pipeline_agents())}{hint}")
         if self.load_in_4bit:
-            if self.agent not in LORA_AGENTS:
+            if not self.lora:
                 raise ValueError(
                     f"load_in_4bit=True with agent={self.agent!r}: a 4-bit base is frozen, so only "
-                    "LoRA stages can use it; add --agent multi_adapter_ppo, or drop --load-in-4bit"
+                    f"LoRA stages can use it; add --agent {' or --agent '.join(lora_agents())}, or drop --load-in-4bit"
                 )
             check_bitsandbytes("load_in_4bit")
         out = Path(self.output_dir)
@@ -145,10 +160,20 @@ class PipelineConfig:
             )
         return self
 
+    def agent_class(self) -> type | None:
+        """The class of ``agent`` (None for a name nobody registered)."""
+        try:
+            return agent_class(self.agent)
+        except ValueError:
+            if is_spec(self.agent):  # a file or module the user named: say what is wrong with it
+                raise
+            return None
+
     @property
     def lora(self) -> bool:
-        """Whether the reward model and the PPO policy are LoRA adapters (multi_adapter_ppo)."""
-        return self.agent in LORA_AGENTS
+        """Whether the reward model and the PPO policy are LoRA adapters (the agent's ``pipeline_reward``)."""
+        cls = self.agent_class()
+        return cls is not None and cls.pipeline_reward == "reward_adapter"
 
     def resolved(self) -> PipelineConfig:
         """A copy with ``rm_lr`` / ``actor_lr`` filled in from :data:`LR_DEFAULTS` where unset."""
@@ -239,10 +264,11 @@ def _run(config: PipelineConfig) -> dict[str, Any]:
 
     print(f"== 3/3 ppo ({config.agent}) ==", flush=True)
     dataset, monitor = write_prompts(config.prompts, out / "data" / "prompts.jsonl")
-    if config.lora:  # MA-RLHF: the reward adapter rides on the SFT base that PPO's policy LoRA shares
-        reward_models = {"reward_adapter": rm_model, "load_in_4bit": config.load_in_4bit}
-    else:
-        reward_models = {"reward_model": rm_model}
+    # the option the agent takes its reward model by; a LoRA reward adapter rides on the SFT base
+    # that PPO's policy LoRA shares (MA-RLHF)
+    reward_models = {config.agent_class().pipeline_reward: rm_model}
+    if config.lora:
+        reward_models["load_in_4bit"] = config.load_in_4bit
     every = max(1, config.ppo_iterations // 4)
     ppo = _stage(config, "ppo", lambda resume: train(TrainConfig(
         output_dir=str(out / "ppo"), model=sft_model, agent=config.agent,
@@ -323,4 +349,4 @@ def format_pipeline_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["LR_DEFAULTS", "PIPELINE_AGENTS", "PipelineConfig", "format_pipeline_summary", "run_pipeline", "write_prompts"]
+__all__ = ["LR_DEFAULTS", "PipelineConfig", "lora_agents", "pipeline_agents", "format_pipeline_summary", "run_pipeline", "write_prompts"]
