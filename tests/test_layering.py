@@ -83,7 +83,7 @@ def test_functional_imports_only_torch(path):
 
 
 def test_docs_cited_by_the_code_exist():
-    """Docstrings cite design documents inside the repository only (``docs/NAME.md``)."""
+    """Docstrings cite design documents inside the repository only (files under docs/)."""
     import re
 
     cited = set()
