@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from textrl.config import TrainConfig, build_config
-    from textrl.run import CheckpointError
+    from textrl.run import CheckpointError, RunFolderBusy
     from textrl.trainer import check_run, train
 
     config: TrainConfig = build_config(args, TrainConfig)
@@ -35,7 +35,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise SystemExit(f"textrl train: {err}") from None
     try:
         train(config)
-    except CheckpointError as err:
+    except (CheckpointError, RunFolderBusy) as err:
         raise SystemExit(f"textrl train: {err}") from None
     finally:
         _close_process_group()

@@ -14,6 +14,7 @@ import ast
 import functools
 import inspect
 import math
+import re
 import textwrap
 import types
 import typing
@@ -204,9 +205,10 @@ class TrainConfig:
         """Check every field, then the agent's own rules (``agent.validate_config``: what it needs
         and which options it reads); raise ``ValueError`` naming the field, its value and what is
         allowed. ``agent`` defaults to the class ``self.agent`` names."""
-        agent = agent if agent is not None else agent_class(self.agent)
         for name in OBJECT_FIELDS:
             _refuse_saved_object(name, getattr(self, name))
+        check_values(self, skip=OBJECT_FIELDS)
+        agent = agent if agent is not None else agent_class(self.agent)
         _choice("kl_kind", self.kl_kind, KL_KINDS)
         _choice("kl_in", self.kl_in, ("reward", "loss"))
         _choice("kl_early_stop", self.kl_early_stop, ("none", "target", "beta_target"))
@@ -398,19 +400,69 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
-def _converter(tp: type, optional: bool):
-    scalar = _parse_bool if tp is bool else tp
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
-    def convert(text: str):
-        if optional and text.lower() in ("none", "null"):
+
+def parse_value(tp: type, optional: bool, value: Any) -> Any:
+    """A field's value from a flag or a YAML file, parsed the same way: text is read as the field's
+    type (``"no"`` -> False, ``"1e-4"`` -> 0.0001: PyYAML reads ``1e-4`` as text), numbers must
+    fit it (2.5 is not an integer; a bool is not a number). ``ValueError`` says what is expected."""
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
             return None
-        return scalar(text)
+        raise ValueError(f"must be {_KINDS.get(tp, tp.__name__)}, not null")
+    try:
+        if isinstance(value, str) and tp is not str:
+            return _parse_bool(value) if tp is bool else tp(value)
+        if tp is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+    except (ValueError, argparse.ArgumentTypeError):
+        pass
+    else:
+        if isinstance(value, tp) and not (tp is not bool and isinstance(value, bool)):
+            return value
+    raise ValueError(f"must be {_KINDS.get(tp, tp.__name__)}")
 
+
+def _converter(tp: type, optional: bool):
+    def convert(text: str):
+        try:
+            return parse_value(tp, optional, text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{err}, got {text!r}") from None
+
+    convert.__name__ = tp.__name__  # argparse names the type in its error
     return convert
+
+
+def check_values(config: Any, skip: tuple[str, ...] = ()) -> None:
+    """Every field of a config dataclass holds a value of its type, finite where it is a number
+    (the Python API and YAML get the checks the flags get); ``ValueError`` names the field."""
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):
+        if f.name in skip:
+            continue
+        value = getattr(config, f.name)
+        tp, optional = _base_type(hints[f.name])
+        if tp not in _KINDS:
+            continue
+        try:
+            parsed = parse_value(tp, optional, value)
+        except ValueError as err:
+            raise ValueError(f"{f.name}={value!r}: {err}") from None
+        if parsed is not value and not (tp is float and parsed == value and not isinstance(value, str)):
+            raise ValueError(f"{f.name}={value!r}: must be {_KINDS[tp]}, not {type(value).__name__}")
+        if tp is float and parsed is not None and not math.isfinite(parsed):
+            raise ValueError(f"{f.name}={value!r}: must be a finite number")
+
+
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+"""What argparse should take for a negative number (``-1e-4`` too), not for an option."""
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> None:
     """One ``--field-name`` / ``--field_name`` option per dataclass field, default: not given."""
+    parser._negative_number_matcher = NEGATIVE_NUMBER  # argparse's own misses -1e-4
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     for f in fields(cls):
@@ -466,11 +518,16 @@ def load_yaml(path: str | Path, cls: type = TrainConfig) -> dict[str, Any]:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"--config {path}: {_unknown_options(unknown)}; see `textrl train --help`")
+    hints = typing.get_type_hints(cls)
     for name, value in data.items():
         try:
             _refuse_saved_object(name, value)
+            tp, optional = _base_type(hints[name])
+            if tp in _KINDS and not (name in OBJECT_FIELDS and not isinstance(value, str)):
+                data[name] = parse_value(tp, optional, value)
         except ValueError as err:
-            raise ValueError(f"--config {path}: {err}") from None
+            message = str(err) if str(err).startswith(f"{name}=") else f"{name}={value!r}: {err}"
+            raise ValueError(f"--config {path}: {message}") from None
     return data
 
 
@@ -538,6 +595,8 @@ __all__ = [
     "build_config",
     "field",
     "field_docs",
+    "check_values",
     "load_yaml",
+    "parse_value",
     "save_config",
 ]

@@ -21,6 +21,7 @@ process writes files.
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from textrl.rollout import collect
 from textrl.run import (
     CheckpointError,
     MetricsLog,
+    RunFolderLock,
     RunLoop,
     SamplesLog,
     StopSignals,
@@ -73,16 +75,17 @@ def train(config: TrainConfig) -> dict[str, Any]:
 def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     """Set up, resume, evaluate before, iterate (:class:`RunLoop` over :class:`PPORun`), summarise."""
     check_run(config)
-    run = _set_up(config, resolve_device(config.device))
-    start = run.resume()
-    before = run.evaluate_before(start)
-    loop = RunLoop(
-        "PPO", config.iterations, run.metrics, eval_every=config.eval_every,
-        checkpoint_every=config.checkpoint_every, evaluates=run.evaluates, throughput="tokens",
-        progress=config.progress and run.main, plot=run.output_dir / "curves.png", main=run.main, dist=run.dist,
-    )
-    loop.run(run, start, signals)
-    return run.summary(before)
+    with ExitStack() as held:  # the run folder's lock, from set-up to the summary
+        run = _set_up(config, resolve_device(config.device), held)
+        start = run.resume()
+        before = run.evaluate_before(start)
+        loop = RunLoop(
+            "PPO", config.iterations, run.metrics, eval_every=config.eval_every,
+            checkpoint_every=config.checkpoint_every, evaluates=run.evaluates, throughput="tokens",
+            progress=config.progress and run.main, plot=run.output_dir / "curves.png", main=run.main, dist=run.dist,
+        )
+        loop.run(run, start, signals)
+        return run.summary(before)
 
 
 @dataclass
@@ -219,8 +222,8 @@ class PPORun:
         return summary
 
 
-def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
-    """The backend (processes, sharding), the output folder and ``config.yaml``, the seed, the
+def _set_up(config: TrainConfig, device: torch.device, held: ExitStack) -> PPORun:
+    """The backend (processes, sharding), the output folder (locked) and ``config.yaml``, the seed, the
     ``--resume`` checkpoint (verified before any model loads), the agent (it builds its models),
     the reward, the prompts, then the agent prepared for the backend, in this order (sharding
     options join the config before it is saved; every process holds the same weights before
@@ -231,8 +234,8 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     dist, device, main = backend.dist, backend.device, backend.is_main
     output_dir = Path(config.output_dir)
     log = print if main else (lambda *a, **k: None)
-    if main:
-        output_dir.mkdir(parents=True, exist_ok=True)
+    if main:  # one writer per run folder, until ``held`` closes; a second run is refused here
+        held.enter_context(RunFolderLock(output_dir))
         save_config(config, output_dir / "config.yaml")
     seed_everything(config.seed)
     checkpoint = resume_checkpoint(config, log)  # verified before any model loads

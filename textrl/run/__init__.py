@@ -3,6 +3,7 @@
 - :mod:`~textrl.run.loop`: :class:`RunLoop`, the one loop driver (iterations, timing, evaluation
   and checkpoint cadence, the metrics row, progress, signals, the stop);
 - :mod:`~textrl.run.checkpoints`: atomic, manifest-marked checkpoints (save, verify, latest, load);
+- :mod:`~textrl.run.lock`: one writer per run folder;
 - :mod:`~textrl.run.resume`: which checkpoint ``--resume`` continues from;
 - :mod:`~textrl.run.metrics`: ``metrics.jsonl`` / TensorBoard / ``curves.png`` and ``samples.jsonl``;
 - :mod:`~textrl.run.signals`: SIGINT / SIGTERM and :class:`TrainingStopped`;
@@ -22,6 +23,7 @@ from textrl.run.checkpoints import (
     verify_checkpoint,
 )
 from textrl.run.device import resolve_device
+from textrl.run.lock import RunFolderBusy, RunFolderLock
 from textrl.run.loop import LoopBody, RunLoop
 from textrl.run.metrics import MetricsLog, SamplesLog
 from textrl.run.progress import Progress
@@ -35,6 +37,8 @@ __all__ = [
     "LoopBody",
     "MetricsLog",
     "Progress",
+    "RunFolderBusy",
+    "RunFolderLock",
     "RunLoop",
     "SamplesLog",
     "StopSignals",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -45,6 +46,7 @@ from textrl.config import (
     _positive,
     add_config_arguments,
     check_bitsandbytes,
+    check_values,
     field_docs,
     save_config,
 )
@@ -53,6 +55,7 @@ from textrl.run import (
     CHECKPOINT_MARKER,
     CheckpointError,
     MetricsLog,
+    RunFolderLock,
     RunLoop,
     complete_checkpoints,
     load_checkpoint,
@@ -122,6 +125,7 @@ class StageConfig:
 
     def validate(self) -> StageConfig:
         """Check every field; raise ``ValueError`` naming the field, its value and what is allowed."""
+        check_values(self, skip=("model", "dataset"))
         for name in ("steps", "batch_size", "max_length", "keep_checkpoints", "lora_r", "lora_alpha"):
             _at_least(name, getattr(self, name), 1)
         for name in ("eval_size", "eval_every", "checkpoint_every", "max_grad_norm"):
@@ -348,15 +352,46 @@ def pad_left(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor
 # -- the loop ---------------------------------------------------------------------------------------
 
 
+_HELD: dict[Path, RunFolderLock] = {}
+"""Run folders whose lock this process holds for a stage (:func:`prepare_run` takes it,
+:func:`holds_run_folder` gives it back)."""
+
+
+def take_run_folder(folder: Path) -> None:
+    """Create and lock ``folder`` for this stage (:class:`RunFolderBusy` when another process
+    holds it); :func:`holds_run_folder` gives it back."""
+    lock = RunFolderLock(folder)
+    lock.acquire()
+    _HELD[Path(folder).resolve()] = lock
+
+
+def holds_run_folder(stage: Callable[..., Any]) -> Callable[..., Any]:
+    """A stage's entry point: the lock of its ``output_dir`` (one writer per run folder,
+    :class:`textrl.run.RunFolderLock`), which :func:`prepare_run` takes once the config and the
+    folder are checked, is given back when the stage returns or fails."""
+
+    @functools.wraps(stage)
+    def run(config: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return stage(config, *args, **kwargs)
+        finally:
+            held = _HELD.pop(Path(config.output_dir).resolve(), None)
+            if held is not None:
+                held.release()
+
+    return run
+
+
 def prepare_run(config: Any) -> tuple[torch.device, Path, Path | None]:
     """Validate, check the output folder (:func:`resume_point`), seed, resolve the device, create
-    ``output_dir`` and write ``config.yaml``; return the device, the folder and the checkpoint
-    ``--resume`` continues from (None for a fresh run). Nothing loads a model before this."""
+    and lock ``output_dir`` (:func:`take_run_folder`) and write ``config.yaml``; return the device,
+    the folder and the checkpoint ``--resume`` continues from (None for a fresh run). Nothing
+    loads a model before this, and a refused run writes nothing."""
     config.validate()
     checkpoint = resume_point(config)
     device = resolve_device(config.device)
     output_dir = Path(config.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    take_run_folder(output_dir)  # a second run on the folder is refused here, before any write
     save_config(config, output_dir / "config.yaml")
     seed_everything(config.seed)
     return device, output_dir, checkpoint
@@ -611,6 +646,8 @@ __all__ = [
     "load_policy",
     "model_record",
     "pad_left",
+    "holds_run_folder",
+    "take_run_folder",
     "prepare_run",
     "read_jsonl",
     "resolve_model_path",

@@ -27,6 +27,7 @@ from textrl.functional import logprobs_from_logits
 from textrl.stages.common import (
     fit,
     format_summary,
+    holds_run_folder,
     load_policy,
     prepare_run,
     save_policy,
@@ -89,6 +90,7 @@ def response_logps(model: Any, batch: dict[str, Tensor]) -> Tensor:
     return torch.where(mask, logp, 0.0).sum(1)
 
 
+@holds_run_folder
 def train_dpo(config: DPOConfig) -> dict[str, Any]:
     """Run the stage; return ``{"before", "after", "model", ...}`` (held-out margin, accuracy)."""
     from textrl.models import load_tokenizer

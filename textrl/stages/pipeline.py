@@ -41,7 +41,7 @@ import torch
 from textrl.agent_registry import is_spec
 from textrl.agents import AGENTS, agent_class
 from textrl.config import _at_least, _positive, check_bitsandbytes, save_config
-from textrl.stages.common import MODEL_DIR
+from textrl.stages.common import MODEL_DIR, holds_run_folder, take_run_folder
 from textrl.stages.rm import RMConfig, train_rm
 from textrl.stages.sft import SFTConfig, train_sft
 
@@ -228,8 +228,10 @@ def write_prompts(spec: str, path: Path) -> tuple[str, bool]:
     return spec, False
 
 
+@holds_run_folder
 def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
-    """Run SFT, the reward model and PPO; return the summary (also in ``summary.json``)."""
+    """Run SFT, the reward model and PPO; return the summary (also in ``summary.json``). The
+    pipeline's folder is locked for the whole run, each stage's subfolder by the stage."""
     config = config.validate().resolved()
     threads = torch.get_num_threads()
     torch.set_num_threads(config.threads or threads)
@@ -245,7 +247,7 @@ def _run(config: PipelineConfig) -> dict[str, Any]:
 
     start = time.perf_counter()
     out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    take_run_folder(out)  # one pipeline per folder; each stage locks its own subfolder
     save_config(dataclasses.replace(config, resume=False), out / "config.yaml")
     common = {"seed": config.seed, "device": config.device, "progress": config.progress}
 

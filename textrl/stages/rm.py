@@ -31,6 +31,7 @@ from textrl.stages.common import (
     add_lora,
     fit,
     format_summary,
+    holds_run_folder,
     model_record,
     pad_left,
     prepare_run,
@@ -130,6 +131,7 @@ def save_reward(scorer: RewardScorer, tokenizer: Any, config: RMConfig, path) ->
     write_atomically(path, write)
 
 
+@holds_run_folder
 def train_rm(config: RMConfig) -> dict[str, Any]:
     """Run the stage; return ``{"before", "after", "model", ...}`` (held-out accuracy, margin)."""
     from textrl.models import load_tokenizer

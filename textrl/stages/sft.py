@@ -27,6 +27,7 @@ from textrl.stages.common import (
     StageConfig,
     fit,
     format_summary,
+    holds_run_folder,
     load_policy,
     prepare_run,
     save_policy,
@@ -113,6 +114,7 @@ def completion_loss(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.T
     return loss, n
 
 
+@holds_run_folder
 def train_sft(config: SFTConfig) -> dict[str, Any]:
     """Run the stage; return ``{"before", "after", "model", ...}`` (held-out completion loss)."""
     from textrl.models import load_tokenizer

@@ -1,0 +1,100 @@
+"""One writer per run folder (textrl.run.lock): a second run is refused naming the holder, a
+dead holder's lock is taken over, and a refused run writes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from textrl.config import TrainConfig
+from textrl.run import RunFolderBusy, RunFolderLock
+from textrl.run.lock import LOCK_FILE
+from textrl.stages.sft import SFTConfig, train_sft
+from textrl.trainer import train
+
+HOLD = """
+import sys, time
+from textrl.run import RunFolderLock
+with RunFolderLock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """Another process holding the lock of ``tmp_path / 'run'``; killed at the end."""
+    folder = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    yield folder, proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_second_lock_is_refused_naming_the_holder_and_free_after_release(tmp_path):
+    with RunFolderLock(tmp_path / "run"):
+        with pytest.raises(RunFolderBusy, match=rf"in use by process {os.getpid()} on .*choose another --output-dir"):
+            RunFolderLock(tmp_path / "run").acquire()
+    with RunFolderLock(tmp_path / "run"):  # released: free again
+        pass
+
+
+def test_a_lock_left_by_a_killed_process_is_taken_over(holder):
+    folder, proc = holder
+    with pytest.raises(RunFolderBusy, match=f"process {proc.pid}"):
+        RunFolderLock(folder).acquire()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with RunFolderLock(folder):
+        assert f'"pid": {os.getpid()}' in (folder / LOCK_FILE).read_text()
+
+
+def test_textrl_train_on_a_held_folder_is_refused_and_writes_nothing(holder):
+    folder, proc = holder
+    config = TrainConfig(output_dir=str(folder), iterations=1, warmup_sft_steps=0, progress=False)
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(RunFolderBusy, match=f"process {proc.pid}"):
+        train(config)
+    assert sorted(p.name for p in folder.iterdir()) == before == [LOCK_FILE]
+
+
+def test_a_stage_on_a_held_folder_is_refused_and_writes_nothing(holder):
+    folder, proc = holder
+    with pytest.raises(RunFolderBusy, match=f"process {proc.pid}"):
+        train_sft(SFTConfig(output_dir=str(folder), steps=1, progress=False))
+    assert sorted(p.name for p in folder.iterdir()) == [LOCK_FILE]
+
+
+@pytest.mark.slow
+def test_two_textrl_train_commands_on_one_folder(tmp_path):
+    """The command line: the second run (fresh or --resume) exits at once with the one-line
+    message while the first runs; the first then stops on SIGTERM with its checkpoint, and its
+    metrics hold each iteration once."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "textrl.cli", "train", "--output-dir", str(out), "--iterations", "1000",
+            "--warmup-sft-steps", "0", "--eval-every", "0", "--progress", "false",
+            "--prompts-per-iteration", "4", "--n-samples-per-prompt", "2", "--max-new-tokens", "8"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for extra in ([], ["--resume"]):
+            second = subprocess.run(args + extra, env=env, capture_output=True, text=True, timeout=120)
+            assert second.returncode != 0
+            assert f"in use by process {first.pid}" in second.stderr, second.stderr[-2000:]
+            assert "Traceback" not in second.stderr
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=300) == 128 + signal.SIGTERM, first.stderr.read()[-2000:]
+    finally:
+        first.kill()
+    rows = [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(1, len(rows) + 1))
