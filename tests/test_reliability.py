@@ -124,6 +124,31 @@ def test_consecutive_nonfinite_updates_stop_the_run_with_the_last_good_weights(t
     assert all(torch.equal(good[k], last[k]) for k in good)
 
 
+def test_an_update_that_leaves_nonfinite_weights_stops_the_run_without_a_checkpoint(tmp_path, monkeypatch):
+    """Weights poisoned by iteration 2's update: the run stops after it, with no evaluation from
+    them and no checkpoint of them; the newest checkpoint is iteration 1's, every weight finite."""
+    update = GAEPPO.update
+
+    def poison_iteration_2(self, td):
+        metrics = update(self, td)
+        if self.iteration == 2:
+            with torch.no_grad():
+                next(self.policy.parameters()).fill_(math.nan)
+        return metrics
+
+    monkeypatch.setattr(GAEPPO, "update", poison_iteration_2)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingStopped, match=r"stopped after iteration 2: its update left NaN/inf weights, so "
+                       r"no checkpoint was written; the newest good one is .*iter_000001") as stop:
+        main(["train", *SMALL, "--iterations", "6", "--output-dir", str(out), "--checkpoint-every", "1",
+              "--keep-checkpoints", "6", "--eval-every", "1"])
+    assert stop.value.code == 1
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter_000001"]
+    assert all(torch.isfinite(v).all() for v in _state(out / "checkpoints" / "iter_000001").values()
+               if v.is_floating_point())
+    assert [("eval/greedy/reward/mean" in row) for row in _metrics(out)] == [True, False]
+
+
 def _nan_on_first_row(prompts, completions, **kwargs):
     scores = torch.ones(len(completions))
     scores[0] = math.nan

@@ -108,6 +108,8 @@ class PPORun:
     resume_from: Path | None
     """The verified checkpoint ``--resume`` continues from (None: a fresh run)."""
     log: Any = print
+    weights_poisoned: bool = False
+    """The last update left NaN/inf weights: no evaluation, no checkpoint, the run stops."""
     metrics: MetricsLog | None = None
     samples: SamplesLog | None = None
 
@@ -123,15 +125,18 @@ class PPORun:
         batch = batch.select(self.dist.shard(len(batch)))
         td = collect(agent, batch, self.reward_fn, reward_placement=config.reward_placement, timings=timings,
                      reward_nonfinite=config.reward_nonfinite, check_finite=False)  # update() skips NaN
-        # update: K epochs of minibatch steps
+        # update: K epochs of minibatch steps; an update that left NaN/inf weights stops the run
         with timed(timings, "update", agent.device):
             update_metrics = agent.update(td)
+            self.weights_poisoned = not self.backend.weights_finite(agent)
         # log: the metrics row over every process
         with timed(timings, "bookkeeping", agent.device):
             return self.metrics_row(iteration, td, len(batch), update_metrics)
 
     def evaluate(self, iteration: int, timings: dict[str, float]) -> dict[str, float]:
-        """Held-out rewards (``eval/*``) and greedy samples (``samples.jsonl``)."""
+        """Held-out rewards (``eval/*``) and greedy samples (``samples.jsonl``); none from NaN/inf weights."""
+        if self.weights_poisoned:
+            return {}
         with timed(timings, "eval", self.agent.device):
             row = evaluate(self.agent, self.eval_batches, self.reward_fn, self.config.seed + iteration,
                            reward_nonfinite=self.config.reward_nonfinite)
@@ -152,12 +157,13 @@ class PPORun:
                                rng_per_process=rng_per_process, agent_state=state)
 
     def faulted(self) -> bool:
-        """``max_nonfinite_updates`` consecutive updates were skipped for NaN/inf."""
-        return self.nonfinite_streak >= self.config.max_nonfinite_updates
+        """``max_nonfinite_updates`` consecutive updates were skipped for NaN/inf, or the last
+        update left NaN/inf weights."""
+        return self.weights_poisoned or self.nonfinite_streak >= self.config.max_nonfinite_updates
 
     def stop_message(self, iteration: int, signum: int | None, saved: Path | None) -> str:
         """:func:`stop_message`: why the run stopped, where its checkpoint is, how to resume."""
-        return stop_message(self.config, iteration, signum, self.nonfinite_streak, saved)
+        return stop_message(self.config, iteration, signum, self.nonfinite_streak, saved, self.weights_poisoned)
 
     def postfix(self, row: dict[str, Any]) -> dict[str, str]:
         """The progress bar's rollout reward and KL at collection."""
@@ -365,9 +371,14 @@ def nonfinite_rows(td, n_rows: int) -> float:
 
 
 def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak: int,
-                 saved: Path | None) -> str:
+                 saved: Path | None, weights_poisoned: bool = False) -> str:
     """What the user reads when the run stops early: why, where the checkpoint is, how to resume."""
     config_path = Path(config.output_dir) / "config.yaml"
+    if weights_poisoned:
+        return (f"textrl train: stopped after iteration {iteration}: its update left NaN/inf weights, so "
+                f"no checkpoint was written; the newest good one is {latest_checkpoint(config.output_dir)}. "
+                "Usual causes: a learning rate too high, max_grad_norm=0, a reward model that overflows. "
+                f"Lower them, then resume with: {resume_command('train', config_path)}")
     if streak >= config.max_nonfinite_updates:
         kept = (f"the weights of the last good update are saved in {saved}" if saved else
                 "the weights themselves are NaN/inf, so no checkpoint was written; the newest "
