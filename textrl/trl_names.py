@@ -69,7 +69,7 @@ TRL_OPTIONS: dict[str, tuple[str, str, str]] = {
                                               "seq_mean_token_sum (up to the constant 1 / max_completion_length)"),
     "scale_rewards": ("GRPO", "agent", "--agent grpo divides by the group std, --agent rloo does not"),
     "reward_weights": ("GRPO", "reward", "weights in the spec: name:weight,..."),
-    "missing_eos_penalty": ("PPO", "reward", "add a length or format penalty to the reward spec"),
+    "missing_eos_penalty": ("PPO", "reward", "a reward of the spec: --reward ...,missing_eos_penalty:WEIGHT"),
     "stop_token": ("PPO", "", "generation stops at the tokenizer's EOS"),
     "stop_token_id": ("PPO", "", "generation stops at the tokenizer's EOS"),
     "num_sample_generations": ("PPO", "eval_every", "held-out samples are written at each evaluation"),
