@@ -1,10 +1,54 @@
 """What a run writes as it goes: ``metrics.jsonl``, TensorBoard events, ``curves.png`` and
-``samples.jsonl``; on resume each keeps only what was written up to the resumed iteration."""
+``samples.jsonl``; on resume each keeps only what was written up to the resumed iteration.
+
+The JSON-lines logs are appended a line at a time, so a crash or a full disk can leave a torn last
+line; on resume it is dropped with a warning (:func:`rows_up_to`) and the kept lines are rewritten
+atomically. TensorBoard purges the events after the resumed iteration, so each shows once.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from pathlib import Path
+from typing import Any
+
+
+def rows_up_to(path: Path, iteration: int) -> list[dict[str, Any]]:
+    """The JSON rows of ``path`` whose ``iteration`` is at most ``iteration``.
+
+    A last line that does not parse (torn by a crash or a full disk while appending) is dropped
+    with a warning; a bad line before the last is a ``ValueError`` naming the file and the line.
+    """
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            row["iteration"]
+        except (ValueError, TypeError, KeyError):
+            if number == len(lines):
+                warnings.warn(f"{path}: dropped its last line {number}, torn by an interrupted write "
+                              f"({line[:60]!r})", stacklevel=2)
+                break
+            raise ValueError(f"{path}: line {number} is not a JSON row with an 'iteration' ({line[:60]!r}); "
+                             "repair or delete that line, then resume again") from None
+        rows.append(row)
+    return [row for row in rows if row["iteration"] <= iteration]
+
+
+def rewrite_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Replace ``path`` by ``rows`` (one JSON object a line) atomically: a crash leaves the old
+    file or the new one, never a half-written one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write("".join(json.dumps(row) + "\n" for row in rows))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class MetricsLog:
@@ -22,14 +66,16 @@ class MetricsLog:
         if not enabled:
             return
         if resume_after is not None and self.path.exists():
-            kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-            self.rows = [r for r in kept if r["iteration"] <= resume_after]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+            self.rows = rows_up_to(self.path, resume_after)
+            rewrite_rows(self.path, self.rows)
         elif self.path.exists():
             self.path.unlink()
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(output_dir / "tb"))
+        # resumed: TensorBoard hides the events of iterations after resume_after (written before
+        # the stop), so each iteration shows once
+        purge = resume_after + 1 if resume_after is not None else None
+        self.writer = SummaryWriter(str(output_dir / "tb"), purge_step=purge)
 
     def write(self, row: dict[str, float]) -> None:
         """Append one iteration's row (kept in ``rows`` on every process, written on the main one)."""
@@ -91,8 +137,7 @@ class SamplesLog:
         if resume_after is None:
             self.path.unlink(missing_ok=True)
         elif self.path.exists():
-            kept = [s for s in self.path.read_text().splitlines() if json.loads(s)["iteration"] <= resume_after]
-            self.path.write_text("".join(s + "\n" for s in kept))
+            rewrite_rows(self.path, rows_up_to(self.path, resume_after))
 
     def write(self, iteration: int, samples: list[dict[str, str]]) -> None:
         if not self.enabled:
@@ -102,4 +147,4 @@ class SamplesLog:
                 f.write(json.dumps({"iteration": iteration, **sample}) + "\n")
 
 
-__all__ = ["MetricsLog", "SamplesLog"]
+__all__ = ["MetricsLog", "SamplesLog", "rewrite_rows", "rows_up_to"]
