@@ -122,6 +122,43 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, run, mo
     assert all(torch.equal(v, agent.state_dict()[k]) for k, v in saved.items())
 
 
+@pytest.mark.parametrize("failure", ["torch", "safetensors", "read-only", "other"])
+def test_every_library_write_failure_gets_the_documented_message(tmp_path, run, monkeypatch, failure):
+    """torch reports a full disk as a RuntimeError of its writer, safetensors as SafetensorError,
+    a read-only folder as EACCES: each ends in one message with the earlier checkpoint intact (and
+    the right advice); any other RuntimeError is not disguised as a disk fault."""
+    from safetensors import SafetensorError
+
+    previous = _save(tmp_path, run, 1, keep=2)
+    raised = {
+        "torch": RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 5376 vs 5264"),
+        "safetensors": SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })"),
+        "read-only": PermissionError(errno.EACCES, "Permission denied"),
+        "other": RuntimeError("a bug in a state_dict"),
+    }[failure]
+
+    def failing_save(obj, path, *args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(checkpoints.torch, "save", failing_save)
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: type("U", (), {"free": 2**20})())
+    if failure == "other":
+        with pytest.raises(RuntimeError, match="a bug in a state_dict"):
+            _save(tmp_path, run, 2, keep=2)
+    else:
+        with pytest.raises(OSError, match=r"could not write checkpoint .*iter_000002") as err:
+            _save(tmp_path, run, 2, keep=2)
+        message = str(err.value)
+        assert f"{previous} is intact" in message and "resume with --resume" in message
+        if failure == "read-only":
+            assert err.value.errno == errno.EACCES and "writable" in message
+        else:  # 1 MiB free: the library's error is a full disk
+            assert err.value.errno == errno.ENOSPC and "Free disk space (1 MiB free there)" in message
+    monkeypatch.undo()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["iter_000001"]
+    assert latest_checkpoint(tmp_path) == previous
+
+
 def test_an_interrupted_save_leaves_no_partial_folder(tmp_path, run, monkeypatch):
     _save(tmp_path, run, 1)
 

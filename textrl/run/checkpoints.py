@@ -12,6 +12,7 @@ stage's trainable state and batch order).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -137,8 +138,10 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync(root)
-    except OSError as err:
+    except (OSError, *LIBRARY_WRITE_ERRORS) as err:  # a full disk, whichever library was writing
         shutil.rmtree(tmp, ignore_errors=True)
+        if not _is_write_error(err):
+            raise
         raise _save_failed(err, final) from err
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -168,13 +171,55 @@ def _write_checkpoint(folder: Path, iteration: int, agent, sampler, rng_per_proc
     _write_manifest(folder, iteration)
 
 
-def _save_failed(err: OSError, final: Path) -> OSError:
-    """The ``OSError`` of a failed save: which checkpoint, why, which earlier one is intact, what to do."""
+def _library_write_errors() -> tuple[type[BaseException], ...]:
+    """What torch and safetensors raise when a write fails (a full disk among other causes):
+    torch a ``RuntimeError`` ("[enforce fail at inline_container.cc] unexpected pos ..."),
+    safetensors its ``SafetensorError``."""
+    errors: list[type[BaseException]] = [RuntimeError]
+    try:
+        from safetensors import SafetensorError
+
+        errors.append(SafetensorError)
+    except ImportError:  # pragma: no cover - safetensors is a dependency
+        pass
+    return tuple(errors)
+
+
+LIBRARY_WRITE_ERRORS = _library_write_errors()
+_TORCH_WRITE_MARKERS = ("inline_container", "PytorchStreamWriter", "unexpected pos", "file write failed")
+
+
+def _is_write_error(err: BaseException) -> bool:
+    """An ``OSError``, safetensors' error, or torch's ``RuntimeError`` from its file writer (any
+    other ``RuntimeError`` is a bug to report as it is)."""
+    if isinstance(err, RuntimeError):
+        return any(marker in str(err) for marker in _TORCH_WRITE_MARKERS)
+    return True
+
+_NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+
+
+def _save_failed(err: BaseException, final: Path) -> OSError:
+    """The ``OSError`` of a failed save: which checkpoint, why, which earlier one is intact, what
+    to do (free space, or make the folder writable). A library's write error (torch, safetensors)
+    gets the ``errno`` of a full disk when the filesystem has (almost) no space left."""
     previous = complete_checkpoints(final.parent)
     intact = f"{previous[-1]} is intact" if previous else "there is no earlier checkpoint"
-    return OSError(err.errno, f"could not write checkpoint {final} ({err.strerror or err}); the "
-                   f"partial copy was removed and {intact}. Free disk space (or lower "
-                   "keep_checkpoints), then resume with --resume")
+    free = shutil.disk_usage(final.parent).free
+    code = err.errno if isinstance(err, OSError) else None
+    if code is None and free < 64 * 2**20:
+        code = errno.ENOSPC
+    reason = (err.strerror or str(err)) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
+    if code in _NOT_WRITABLE:
+        fix = f"make {final.parent} writable (or choose another --output-dir)"
+    elif code in _NO_SPACE:
+        fix = f"free disk space ({free / 2**20:.0f} MiB free there) or lower keep_checkpoints"
+    else:
+        fix = (f"check the disk ({free / 2**20:.0f} MiB free there; a full disk is the usual cause) and "
+               "the folder's permissions")
+    return OSError(code, f"could not write checkpoint {final} ({reason.strip()[:300]}); the partial copy "
+                   f"was removed and {intact}. {fix[0].upper() + fix[1:]}, then resume with --resume")
 
 
 def load_checkpoint(path: str | Path, agent, sampler, verify: bool = True, dist: Distributed | None = None) -> int:
