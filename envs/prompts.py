@@ -174,17 +174,23 @@ class PromptDataset(Sequence[dict]):
     def from_jsonl(cls, path: str | os.PathLike[str]) -> PromptDataset:
         """From a JSONL file of MiniMind ``conversations`` rows or ``{"prompt": ...}`` rows.
 
-        Blank lines are skipped; a malformed line raises ``ValueError`` naming file and line.
+        Blank lines are skipped; a malformed or non-UTF-8 line raises ``ValueError`` naming file
+        and line.
         """
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"prompt file {str(path)!r} does not exist")
         rows = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
+        with path.open("rb") as f:
+            for lineno, data in enumerate(f, start=1):
+                where = f"{path}:{lineno}"
+                try:
+                    line = data.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise ValueError(f"{where}: not UTF-8 text (byte 0x{data[err.start]:02x} at column "
+                                     f"{err.start + 1}); save the file as UTF-8") from None
                 if not line.strip():
                     continue
-                where = f"{path}:{lineno}"
                 try:
                     raw = json.loads(line)
                 except json.JSONDecodeError as err:

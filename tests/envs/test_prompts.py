@@ -117,6 +117,13 @@ def test_jsonl_malformed_row_names_file_and_line(tmp_path, line, what):
     assert what in str(info.value)
 
 
+def test_a_non_utf8_line_names_file_line_and_byte(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9 at column 16\); save the file as UTF-8"):
+        PromptDataset.from_jsonl(path)
+
+
 def test_empty_sources_raise(tmp_path):
     with pytest.raises(ValueError, match="no rows"):
         PromptDataset.from_jsonl(_write(tmp_path / "empty.jsonl", ["", "  "]))
