@@ -35,7 +35,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise SystemExit(f"textrl train: {err}") from None
     try:
         train(config)
-    except (CheckpointError, RunFolderBusy) as err:
+    except (CheckpointError, RunFolderBusy, OSError) as err:  # OSError: a checkpoint write (full disk, permissions)
         raise SystemExit(f"textrl train: {err}") from None
     finally:
         _close_process_group()
@@ -116,7 +116,7 @@ def _stage_command(name: str, config_cls: type, run, describe):
 
         try:
             result = run(build_config(args, config_cls).validate())
-        except ValueError as err:
+        except (ValueError, OSError) as err:  # OSError: a checkpoint or model write (full disk, permissions)
             raise SystemExit(f"textrl {name}: {err}") from None
         print(describe(result))
         return 0
