@@ -19,7 +19,13 @@ import torch
 from torch import Tensor, nn
 from transformers.modeling_outputs import SequenceClassifierOutput
 
-from textrl.models.adapters import final_hidden, last_token_hidden, save_adapter
+from textrl.models.adapters import (
+    final_hidden,
+    hidden_size,
+    last_token_hidden,
+    load_reward_adapter,
+    save_adapter,
+)
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -157,4 +163,32 @@ class AdapterRewardModel(nn.Module):
         return SequenceClassifierOutput(logits=self.score_head(hidden))  # [B, 1]
 
 
-__all__ = ["CRITIC", "POLICY", "REWARD", "AdapterCritic", "AdapterPolicy", "AdapterRewardModel", "AdapterStack"]
+def build_adapter_stack(base: nn.Module, lora: Any, *, critic_adapter: bool,
+                        reward_adapter: str | os.PathLike[str] | None = None) -> tuple[AdapterStack, nn.Linear | None]:
+    """One base with its adapters, as every LoRA agent sets it up: the policy adapter ``lora``
+    (active), a critic adapter of the same shape when ``critic_adapter``, the frozen reward
+    adapter and its score head from ``reward_adapter`` (a ``textrl rm --lora`` folder). Returns
+    the stack (policy and critic adapters trainable) and the score head (None without one)."""
+    from peft import get_peft_model  # here: importing agents must not import bitsandbytes
+
+    model = get_peft_model(base.eval(), lora, adapter_name=POLICY)
+    if critic_adapter:
+        model.add_adapter(CRITIC, copy.deepcopy(lora))
+    score_head = None
+    if reward_adapter:
+        model, score_head = load_reward_adapter(model, reward_adapter, adapter_name=REWARD)
+    model.set_adapter(POLICY)
+    return AdapterStack(model.eval(), trainable={POLICY, CRITIC}), score_head
+
+
+def value_critic(stack: AdapterStack, critic_adapter: bool) -> AdapterCritic:
+    """The critic on the stack's base: a value head under the critic adapter (which trains too),
+    or under the policy adapter (the head alone trains), on the base's device."""
+    critic = AdapterCritic(stack, CRITIC if critic_adapter else POLICY, hidden_size(stack.model), critic_adapter)
+    return critic.to(next(stack.model.parameters()).device)
+
+
+__all__ = [
+    "CRITIC", "POLICY", "REWARD", "AdapterCritic", "AdapterPolicy", "AdapterRewardModel", "AdapterStack",
+    "build_adapter_stack", "value_critic",
+]

@@ -267,33 +267,27 @@ class PPOAgent(nn.Module):
         base's final hidden states under the policy adapter (``critic_type='value_head'``: only the
         head trains) or under a critic adapter of its own (``'lora'``). ``load_in_4bit`` loads the
         base in 4-bit NF4; a full-precision tiny base gets the format warm-up first."""
-        from peft import get_peft_model
         from textrl.agents.adapter_views import (
             CRITIC,
             POLICY,
-            AdapterCritic,
             AdapterPolicy,
-            AdapterStack,
+            build_adapter_stack,
+            value_critic,
         )
 
-        from textrl.models.adapters import hidden_size, load_base_model, lora_config
+        from textrl.models.adapters import load_base_model, lora_config
 
         if config.load_in_4bit:
             base = load_base_model(config.model, load_in_4bit=True, device=device)
         else:
             base = cls.load_policy(config, tokenizer, device, log)
         lora = lora_config(cls.lora_rank(config), config.lora_alpha, config.lora_dropout, config.lora_target_modules)
-        model = get_peft_model(base.eval(), lora, adapter_name=POLICY)
         lora_critic = cls.needs_critic and config.critic_type == "lora"
-        if lora_critic:
-            model.add_adapter(CRITIC, copy.deepcopy(lora))
-        model.set_adapter(POLICY)
-        stack = AdapterStack(model.eval(), trainable={POLICY, CRITIC})
+        stack, _ = build_adapter_stack(base, lora, critic_adapter=lora_critic)
         policy = _own_lora_weights(AdapterPolicy(stack, POLICY), stack.lora[POLICY])
         critic = None
         if cls.needs_critic:
-            critic = AdapterCritic(stack, CRITIC if lora_critic else POLICY, hidden_size(model), lora_critic)
-            critic = _own_lora_weights(critic.to(device), stack.lora[CRITIC] if lora_critic else [])
+            critic = _own_lora_weights(value_critic(stack, lora_critic), stack.lora[CRITIC] if lora_critic else [])
         agent = cls(policy, tokenizer, config, ref_policy=AdapterPolicy(stack, None), critic=critic)
         agent.stack = stack
         return agent

@@ -26,20 +26,20 @@ A base that shows a LoRA merge (:func:`textrl.models.adapters.merge_info`) gets 
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDictBase
 from textrl.agents.adapter_views import (
-    CRITIC,
     POLICY,
     REWARD,
     AdapterCritic,
     AdapterPolicy,
     AdapterRewardModel,
     AdapterStack,
+    build_adapter_stack,
+    value_critic,
 )
 from textrl.agents.base import LORA_OPTIONS
 from textrl.agents.gae_ppo import GAEPPO
@@ -49,11 +49,9 @@ from torch.nn.modules.module import _IncompatibleKeys
 from textrl.agent_registry import register_agent
 from textrl.config import TrainConfig
 from textrl.models.adapters import (
-    hidden_size,
     is_peft,
     keep_4bit_differentiable,
     load_base_model,
-    load_reward_adapter,
     lora_config,
     read_reward_meta,
     warn_if_merged,
@@ -152,24 +150,15 @@ class MultiAdapterPPO(GAEPPO):
             )
         warn_if_merged(policy, merged)
         keep_4bit_differentiable(policy)
-        from peft import get_peft_model  # here: importing agents must not import bitsandbytes
-
         lora = lora_config(self.lora_rank(config), config.lora_alpha, config.lora_dropout, config.lora_target_modules)
-        model = get_peft_model(policy.eval(), lora, adapter_name=POLICY)
-        if config.critic_type == "lora":
-            model.add_adapter(CRITIC, copy.deepcopy(lora))
-        reward_adapter = reward_adapter if reward_adapter is not None else config.reward_adapter
-        score_head = None
-        if reward_adapter:
-            model, score_head = load_reward_adapter(model, reward_adapter, adapter_name=REWARD)
-        model.set_adapter(POLICY)
-        stack = AdapterStack(model.eval(), trainable={POLICY, CRITIC})
-        device = next(model.parameters()).device
         lora_critic = config.critic_type == "lora"
-        value_critic = AdapterCritic(stack, CRITIC if lora_critic else POLICY, hidden_size(model), lora_critic)
+        stack, score_head = build_adapter_stack(
+            policy, lora, critic_adapter=lora_critic,
+            reward_adapter=reward_adapter if reward_adapter is not None else config.reward_adapter,
+        )
         super().__init__(
             AdapterPolicy(stack, POLICY), tokenizer, config, ref_policy=AdapterPolicy(stack, None),
-            critic=value_critic.to(device), total_updates=total_updates,
+            critic=value_critic(stack, lora_critic), total_updates=total_updates,
         )
         self.stack = stack
         self.reward_model = AdapterRewardModel(stack, score_head) if score_head is not None else None
