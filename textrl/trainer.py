@@ -21,7 +21,6 @@ process writes files.
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,11 +35,11 @@ from textrl.rollout import collect
 from textrl.run import (
     CheckpointError,
     MetricsLog,
-    RunFolderLock,
     RunLoop,
     SamplesLog,
     StopSignals,
     TrainingStopped,
+    holds_run_folder,
     latest_checkpoint,
     load_checkpoint,
     refuse_earlier_run,
@@ -51,6 +50,7 @@ from textrl.run import (
     save_checkpoint,
     seed_everything,
     signal_message,
+    take_run_folder,
 )
 from textrl.timing import timed
 
@@ -72,20 +72,20 @@ def train(config: TrainConfig) -> dict[str, Any]:
         return _train(config, signals)
 
 
+@holds_run_folder  # the run folder's lock, taken in _set_up, is given back at the end
 def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     """Set up, resume, evaluate before, iterate (:class:`RunLoop` over :class:`PPORun`), summarise."""
     check_run(config)
-    with ExitStack() as held:  # the run folder's lock, from set-up to the summary
-        run = _set_up(config, resolve_device(config.device), held)
-        start = run.resume()
-        before = run.evaluate_before(start)
-        loop = RunLoop(
-            "PPO", config.iterations, run.metrics, eval_every=config.eval_every,
-            checkpoint_every=config.checkpoint_every, evaluates=run.evaluates, throughput="tokens",
-            progress=config.progress and run.main, plot=run.output_dir / "curves.png", main=run.main, dist=run.dist,
-        )
-        loop.run(run, start, signals)
-        return run.summary(before)
+    run = _set_up(config, resolve_device(config.device))
+    start = run.resume()
+    before = run.evaluate_before(start)
+    loop = RunLoop(
+        "PPO", config.iterations, run.metrics, eval_every=config.eval_every,
+        checkpoint_every=config.checkpoint_every, evaluates=run.evaluates, throughput="tokens",
+        progress=config.progress and run.main, plot=run.output_dir / "curves.png", main=run.main, dist=run.dist,
+    )
+    loop.run(run, start, signals)
+    return run.summary(before)
 
 
 @dataclass
@@ -228,7 +228,7 @@ class PPORun:
         return summary
 
 
-def _set_up(config: TrainConfig, device: torch.device, held: ExitStack) -> PPORun:
+def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     """The backend (processes, sharding), the output folder (locked) and ``config.yaml``, the seed, the
     ``--resume`` checkpoint (verified before any model loads), the agent (it builds its models),
     the reward, the prompts, then the agent prepared for the backend, in this order (sharding
@@ -240,8 +240,8 @@ def _set_up(config: TrainConfig, device: torch.device, held: ExitStack) -> PPORu
     dist, device, main = backend.dist, backend.device, backend.is_main
     output_dir = Path(config.output_dir)
     log = print if main else (lambda *a, **k: None)
-    if main:  # one writer per run folder, until ``held`` closes; a second run is refused here
-        held.enter_context(RunFolderLock(output_dir))
+    if main:  # one writer per run folder, until _train returns; a second run is refused here
+        take_run_folder(output_dir)
         save_config(config, output_dir / "config.yaml")
     seed_everything(config.seed)
     checkpoint = resume_checkpoint(config, log)  # verified before any model loads

@@ -23,7 +23,7 @@ from textrl.run.checkpoints import (
     verify_checkpoint,
 )
 from textrl.run.device import resolve_device
-from textrl.run.lock import RunFolderBusy, RunFolderLock
+from textrl.run.lock import RunFolderBusy, RunFolderLock, holds_run_folder, take_run_folder
 from textrl.run.loop import LoopBody, RunLoop
 from textrl.run.metrics import MetricsLog, SamplesLog
 from textrl.run.progress import Progress
@@ -44,6 +44,7 @@ __all__ = [
     "StopSignals",
     "TrainingStopped",
     "complete_checkpoints",
+    "holds_run_folder",
     "latest_checkpoint",
     "load_checkpoint",
     "refuse_earlier_run",
@@ -54,6 +55,7 @@ __all__ = [
     "save_checkpoint",
     "seed_everything",
     "set_rng_state",
+    "take_run_folder",
     "signal_message",
     "verify_checkpoint",
 ]

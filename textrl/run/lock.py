@@ -1,7 +1,9 @@
 """One writer per run folder: a lock that a second run meets with a message naming the holder.
 
 The lock is an exclusive ``flock`` on ``OUTPUT_DIR/.textrl.lock``, held for the whole run by its
-main process. The kernel releases it when the holder's process ends, however it ends (``kill -9``
+main process: a run's entry point is wrapped in :func:`holds_run_folder`, and its set-up calls
+:func:`take_run_folder` once the config and the folder are checked, before it writes anything
+(so a refused run writes nothing). The kernel releases it when the holder's process ends, however it ends (``kill -9``
 included), so a lock left by a dead process is simply taken over: there is no stale lock to clean
 up, and no cleanup that could touch another writer's files. The file itself names the holder (its
 process id, host, command and start time) for the message the next run shows.
@@ -10,11 +12,13 @@ process id, host, command and start time) for the message the next run shows.
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +77,35 @@ class RunFolderLock:
                 "stop it), or choose another --output-dir")
 
 
+_HELD: dict[Path, RunFolderLock] = {}
+"""Run folders whose lock this process holds (:func:`take_run_folder` takes one,
+:func:`holds_run_folder` gives it back)."""
+
+
+def take_run_folder(folder: str | Path) -> None:
+    """Create and lock ``folder`` for the run in progress (:class:`RunFolderBusy` when another
+    process holds it); the enclosing :func:`holds_run_folder` gives it back."""
+    lock = RunFolderLock(folder)
+    lock.acquire()
+    _HELD[Path(folder).resolve()] = lock
+
+
+def holds_run_folder(run: Callable[..., Any]) -> Callable[..., Any]:
+    """A run's entry point, ``run(config, ...)``: the lock its set-up takes on
+    ``config.output_dir`` (:func:`take_run_folder`) is given back when it returns or fails."""
+
+    @functools.wraps(run)
+    def wrapped(config: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return run(config, *args, **kwargs)
+        finally:
+            held = _HELD.pop(Path(config.output_dir).resolve(), None)
+            if held is not None:
+                held.release()
+
+    return wrapped
+
+
 def holder_record() -> dict[str, Any]:
     """Who holds a lock: process id, host, command line, start time."""
     argv = [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv and sys.argv[0] else ["python"]
@@ -80,4 +113,4 @@ def holder_record() -> dict[str, Any]:
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-__all__ = ["LOCK_FILE", "RunFolderBusy", "RunFolderLock", "holder_record"]
+__all__ = ["LOCK_FILE", "RunFolderBusy", "RunFolderLock", "holder_record", "holds_run_folder", "take_run_folder"]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import hashlib
 import json
 import math
@@ -55,7 +54,6 @@ from textrl.run import (
     CHECKPOINT_MARKER,
     CheckpointError,
     MetricsLog,
-    RunFolderLock,
     RunLoop,
     complete_checkpoints,
     load_checkpoint,
@@ -65,6 +63,7 @@ from textrl.run import (
     save_checkpoint,
     seed_everything,
     signal_message,
+    take_run_folder,
 )
 
 ADAPTER_META = "textrl_adapter.json"
@@ -352,36 +351,6 @@ def pad_left(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor
 # -- the loop ---------------------------------------------------------------------------------------
 
 
-_HELD: dict[Path, RunFolderLock] = {}
-"""Run folders whose lock this process holds for a stage (:func:`prepare_run` takes it,
-:func:`holds_run_folder` gives it back)."""
-
-
-def take_run_folder(folder: Path) -> None:
-    """Create and lock ``folder`` for this stage (:class:`RunFolderBusy` when another process
-    holds it); :func:`holds_run_folder` gives it back."""
-    lock = RunFolderLock(folder)
-    lock.acquire()
-    _HELD[Path(folder).resolve()] = lock
-
-
-def holds_run_folder(stage: Callable[..., Any]) -> Callable[..., Any]:
-    """A stage's entry point: the lock of its ``output_dir`` (one writer per run folder,
-    :class:`textrl.run.RunFolderLock`), which :func:`prepare_run` takes once the config and the
-    folder are checked, is given back when the stage returns or fails."""
-
-    @functools.wraps(stage)
-    def run(config: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return stage(config, *args, **kwargs)
-        finally:
-            held = _HELD.pop(Path(config.output_dir).resolve(), None)
-            if held is not None:
-                held.release()
-
-    return run
-
-
 def prepare_run(config: Any) -> tuple[torch.device, Path, Path | None]:
     """Validate, check the output folder (:func:`resume_point`), seed, resolve the device, create
     and lock ``output_dir`` (:func:`take_run_folder`) and write ``config.yaml``; return the device,
@@ -646,8 +615,6 @@ __all__ = [
     "load_policy",
     "model_record",
     "pad_left",
-    "holds_run_folder",
-    "take_run_folder",
     "prepare_run",
     "read_jsonl",
     "resolve_model_path",

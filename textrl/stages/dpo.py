@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from textrl.functional import logprobs_from_logits
+from textrl.run import holds_run_folder
 from textrl.stages.common import (
     fit,
     format_summary,
-    holds_run_folder,
     load_policy,
     prepare_run,
     save_policy,

@@ -41,7 +41,8 @@ import torch
 from textrl.agent_registry import is_spec
 from textrl.agents import AGENTS, agent_class
 from textrl.config import _at_least, _positive, check_bitsandbytes, save_config
-from textrl.stages.common import MODEL_DIR, holds_run_folder, take_run_folder
+from textrl.run import holds_run_folder, take_run_folder
+from textrl.stages.common import MODEL_DIR
 from textrl.stages.rm import RMConfig, train_rm
 from textrl.stages.sft import SFTConfig, train_sft
 

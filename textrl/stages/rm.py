@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from textrl.run import holds_run_folder
 from textrl.stages.common import (
     add_lora,
     fit,
     format_summary,
-    holds_run_folder,
     model_record,
     pad_left,
     prepare_run,

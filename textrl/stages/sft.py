@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
+from textrl.run import holds_run_folder
 from textrl.stages.common import (
     StageConfig,
     fit,
     format_summary,
-    holds_run_folder,
     load_policy,
     prepare_run,
     save_policy,
