@@ -403,25 +403,30 @@ def _parse_bool(text: str) -> bool:
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
+def _of_type(tp: type, value: Any) -> bool:
+    """``value`` is already of the field's type: a bool only for a bool field, an int for a float."""
+    if isinstance(value, bool):
+        return tp is bool
+    return isinstance(value, tp) or (tp is float and isinstance(value, int))
+
+
 def parse_value(tp: type, optional: bool, value: Any) -> Any:
     """A field's value from a flag or a YAML file, parsed the same way: text is read as the field's
     type (``"no"`` -> False, ``"1e-4"`` -> 0.0001: PyYAML reads ``1e-4`` as text), numbers must
     fit it (2.5 is not an integer; a bool is not a number). ``ValueError`` says what is expected."""
+    kind = _KINDS.get(tp, tp.__name__)
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
         if optional:
             return None
-        raise ValueError(f"must be {_KINDS.get(tp, tp.__name__)}, not null")
-    try:
-        if isinstance(value, str) and tp is not str:
+        raise ValueError(f"must be {kind}, not null")
+    if isinstance(value, str) and tp is not str:
+        try:
             return _parse_bool(value) if tp is bool else tp(value)
-        if tp is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-    except (ValueError, argparse.ArgumentTypeError):
-        pass
-    else:
-        if isinstance(value, tp) and not (tp is not bool and isinstance(value, bool)):
-            return value
-    raise ValueError(f"must be {_KINDS.get(tp, tp.__name__)}")
+        except (ValueError, argparse.ArgumentTypeError):
+            raise ValueError(f"must be {kind}") from None
+    if not _of_type(tp, value):
+        raise ValueError(f"must be {kind}")
+    return float(value) if tp is float else value
 
 
 def _converter(tp: type, optional: bool):
@@ -436,23 +441,21 @@ def _converter(tp: type, optional: bool):
 
 
 def check_values(config: Any, skip: tuple[str, ...] = ()) -> None:
-    """Every field of a config dataclass holds a value of its type, finite where it is a number
-    (the Python API and YAML get the checks the flags get); ``ValueError`` names the field."""
+    """Every field of a config dataclass holds a value of its type (no text standing for one:
+    the Python API and YAML get the checks the flags get), finite where it is a number;
+    ``ValueError`` names the field."""
     hints = typing.get_type_hints(type(config))
     for f in fields(config):
-        if f.name in skip:
-            continue
         value = getattr(config, f.name)
         tp, optional = _base_type(hints[f.name])
-        if tp not in _KINDS:
+        if f.name in skip or tp not in _KINDS or (value is None and optional):
             continue
-        try:
-            parsed = parse_value(tp, optional, value)
-        except ValueError as err:
-            raise ValueError(f"{f.name}={value!r}: {err}") from None
-        if parsed is not value and not (tp is float and parsed == value and not isinstance(value, str)):
-            raise ValueError(f"{f.name}={value!r}: must be {_KINDS[tp]}, not {type(value).__name__}")
-        if tp is float and parsed is not None and not math.isfinite(parsed):
+        if value is None:
+            raise ValueError(f"{f.name}=None: must be {_KINDS[tp]}, not null")
+        if not _of_type(tp, value):
+            text = f", not {type(value).__name__}" if isinstance(value, str) else ""
+            raise ValueError(f"{f.name}={value!r}: must be {_KINDS[tp]}{text}")
+        if tp is float and not math.isfinite(value):
             raise ValueError(f"{f.name}={value!r}: must be a finite number")
 
 
