@@ -14,8 +14,9 @@ Everything a run writes goes under ``config.output_dir``: ``config.yaml`` (the r
 continues from the newest checkpoint whose manifest verifies. SIGINT / SIGTERM stop after the
 current iteration with a checkpoint; NaN/inf updates are skipped (docs/reliability.md).
 
-The same loop runs under ``accelerate`` (its device and main-process logic); only the main
-process writes files.
+The same loop runs in one process or several (``accelerate launch`` / ``torchrun``), replicated,
+FSDP-sharded or under DeepSpeed ZeRO: its backend (:mod:`textrl.parallel`) owns what differs.
+Only the main process writes files, holding the run folder's lock (:mod:`textrl.run.lock`).
 """
 
 from __future__ import annotations
