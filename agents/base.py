@@ -186,13 +186,13 @@ class PPOAgent(nn.Module):
         if "critic_init" in cls.options and config.critic_init == "reward_model" and not config.reward_model:
             raise ValueError("critic_init='reward_model' needs --reward-model PATH")
         cls._validate_lora(config)
-        for on, setting, flag in ((config.fsdp, "fsdp=True", "--fsdp"),
-                                  (config.zero_stage, f"zero_stage={config.zero_stage}", "--zero-stage")):
-            if on and not cls.shardable:
-                raise ValueError(
-                    f"{setting} shards full-precision models; {agent} keeps one (4-bit) base per process "
-                    f"instead: drop {flag}, or use another agent without --load-in-4bit"
-                )
+        sharded = config.sharding()
+        if sharded and not cls.shardable:
+            setting, flag = sharded
+            raise ValueError(
+                f"{setting} shards full-precision models; {agent} keeps one (4-bit) base per process "
+                f"instead: drop {flag}, or use another agent without --load-in-4bit"
+            )
 
     @classmethod
     def lora_rank(cls, config: TrainConfig) -> int | None:
@@ -221,11 +221,11 @@ class PPOAgent(nn.Module):
         if cls.needs_critic and config.critic_init != "policy":
             raise ValueError(f"critic_init={config.critic_init!r}: with a LoRA policy ({agent}, lora_r={rank}) the critic "
                              "is a value head on the shared base (critic_type); leave critic_init='policy'")
-        for on, setting, flag in ((config.fsdp, "fsdp=True", "--fsdp"),
-                                  (config.zero_stage, f"zero_stage={config.zero_stage}", "--zero-stage")):
-            if on:
-                raise ValueError(f"{setting} shards full-precision models; a LoRA policy ({agent}, lora_r={rank}) "
-                                 f"shares one base per process instead: drop {flag}, or drop --lora-r")
+        sharded = config.sharding()
+        if sharded:
+            setting, flag = sharded
+            raise ValueError(f"{setting} shards full-precision models; a LoRA policy ({agent}, lora_r={rank}) "
+                             f"shares one base per process instead: drop {flag}, or drop --lora-r")
 
     @classmethod
     def _ignored_option(cls, agent: str, option: str, value: Any) -> str:

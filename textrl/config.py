@@ -265,15 +265,24 @@ class TrainConfig:
         if self.zero_stage and self.fsdp:
             raise ValueError(f"zero_stage={self.zero_stage} and fsdp=True both shard the training state; "
                              "choose one (DeepSpeed ZeRO or FSDP)")
-        for on, setting, flag in ((self.fsdp, "fsdp=True", "--fsdp"),
-                                  (self.zero_stage, f"zero_stage={self.zero_stage}", "--zero-stage")):
-            if on and self.load_in_4bit:
-                raise ValueError(
-                    f"{setting} shards full-precision models; load_in_4bit keeps one 4-bit base per "
-                    f"process instead: drop {flag}, or drop --load-in-4bit"
-                )
+        sharded = self.sharding()
+        if sharded and self.load_in_4bit:
+            setting, flag = sharded
+            raise ValueError(
+                f"{setting} shards full-precision models; load_in_4bit keeps one 4-bit base per "
+                f"process instead: drop {flag}, or drop --load-in-4bit"
+            )
         agent.validate_config(self)
         return self
+
+    def sharding(self) -> tuple[str, str] | None:
+        """``(setting, flag)`` of the sharding asked for (``("fsdp=True", "--fsdp")`` or
+        ``("zero_stage=N", "--zero-stage")``) for messages that refuse it; None without sharding."""
+        if self.fsdp:
+            return "fsdp=True", "--fsdp"
+        if self.zero_stage:
+            return f"zero_stage={self.zero_stage}", "--zero-stage"
+        return None
 
     def is_default(self, name: str) -> bool:
         """Whether field ``name`` holds its default value (an option left unset)."""
