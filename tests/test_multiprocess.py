@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.runs import checkpoint_tensors, metrics
-from textrl.trainer import latest_checkpoint
+from textrl.run import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 

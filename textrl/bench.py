@@ -191,7 +191,7 @@ def warm_start(config: TrainConfig, folder: Path, log: Any = print, threads: int
     import torch
 
     from textrl.agents import PPOAgent
-    from textrl.trainer import resolve_device, seed_everything
+    from textrl.run import resolve_device, seed_everything
 
     seed_everything(config.seed)
     previous = torch.get_num_threads()

@@ -111,7 +111,7 @@ def test_combinations_that_make_no_sense_are_refused_by_name(overrides, message)
 
 def test_textrl_train_with_lora_writes_an_adapter_checkpoint(tmp_path):
     from textrl.cli import main
-    from textrl.trainer import latest_checkpoint
+    from textrl.run import latest_checkpoint
 
     out = tmp_path / "run"
     assert main(["train", "--agent", "grpo", "--lora-r", "4", "--iterations", "2", "--warmup-sft-steps", "0",

@@ -242,7 +242,7 @@ def test_4bit_and_full_precision_bases_both_update(tok, reward_dir, tmp_path, mo
 
 def test_trainer_runs_multi_adapter_ppo_from_the_command_line(tok, tmp_path, monkeypatch):
     from textrl.cli import main
-    from textrl.trainer import latest_checkpoint
+    from textrl.run import latest_checkpoint
 
     monkeypatch.setenv("TEXTRL_CACHE", str(tmp_path / "cache"))
     base = load_base_model("tiny")
