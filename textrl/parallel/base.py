@@ -157,8 +157,11 @@ class Backend:
 
     # -- the trainer's checks -----------------------------------------------------------------------
     def weights_finite(self, agent: Any) -> bool:
-        """Every weight is finite on every process (its own shards where partitioned)."""
-        finite = all(bool(torch.isfinite(local(p)).all()) for p in agent.parameters())
+        """Every trained weight is finite on every process (its own shards where partitioned). The
+        frozen models need no look: the reference and old-policy snapshots only ever take copies
+        of weights checked here, so checking after each update costs one pass over the trained
+        weights, not every model's."""
+        finite = all(bool(torch.isfinite(local(p)).all()) for _, p in trained_parameters(agent))
         return not self.dist.any(not finite)
 
     def end_of_run(self, agent: Any) -> dict[str, Any]:
