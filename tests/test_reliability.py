@@ -79,6 +79,20 @@ def test_sigint_stops_after_the_iteration_and_a_second_one_aborts_without_a_part
         return update(self, td)
 
     monkeypatch.setattr(GAEPPO, "update", interrupted_update)
+    # the handler in place before the run, whatever the suite's own is (under nohup, or in a
+    # background job, SIGINT is ignored, and a run leaves an ignored signal ignored)
+    outer = signal.signal(signal.SIGINT, _before_the_run)
+    try:
+        _sigint_stops_then_aborts(tmp_path, monkeypatch, capsys)
+    finally:
+        signal.signal(signal.SIGINT, outer)
+
+
+def _before_the_run(signum, frame):  # a handler of the caller's that the run must give back
+    raise KeyboardInterrupt
+
+
+def _sigint_stops_then_aborts(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     with pytest.raises(TrainingStopped, match="stopped by SIGINT after iteration 1 of 3") as stop:
         main(["train", "--iterations", "3", "--output-dir", str(out), *SMALL])
@@ -86,7 +100,7 @@ def test_sigint_stops_after_the_iteration_and_a_second_one_aborts_without_a_part
     assert "--resume" in capsys.readouterr().err
     assert [r["iteration"] for r in _metrics(out)] == [1]
     assert latest_checkpoint(out).name == "iter_000001"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert signal.getsignal(signal.SIGINT) is _before_the_run  # the caller's handler is back
 
     write_manifest = checkpoints._write_manifest
 
@@ -98,6 +112,23 @@ def test_sigint_stops_after_the_iteration_and_a_second_one_aborts_without_a_part
     with pytest.raises(KeyboardInterrupt):
         main(["train", "--iterations", "3", "--output-dir", str(out), "--resume", *SMALL])
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter_000001"]
+
+
+def test_stop_signals_give_back_the_previous_handlers_and_leave_an_ignored_signal_ignored():
+    from textrl.run import StopSignals
+
+    outer = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job of a script
+    try:
+        with StopSignals():
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL  # taken over
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        signal.signal(signal.SIGINT, _before_the_run)
+        with StopSignals():
+            assert signal.getsignal(signal.SIGINT) is not _before_the_run
+        assert signal.getsignal(signal.SIGINT) is _before_the_run
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 # -- numerical faults ------------------------------------------------------------------------------

@@ -28,7 +28,9 @@ class StopSignals:
     """SIGINT / SIGTERM during a run: the first asks the loop to stop after the current
     iteration (with a checkpoint); a second one aborts at once (``KeyboardInterrupt``).
 
-    Installed only in the main thread; the previous handlers come back on exit.
+    Installed only in the main thread; the previous handlers come back on exit. A signal the
+    process ignores when the run starts (``SIG_IGN``: SIGINT in a background job started by a
+    non-interactive shell) stays ignored: the run does not take over what its parent turned off.
     """
 
     def __init__(self) -> None:
@@ -38,7 +40,8 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
+                if signal.getsignal(sig) != signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
