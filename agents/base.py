@@ -943,6 +943,26 @@ class PPOAgent(nn.Module):
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.iteration = int(state["iteration"])
 
+    SCHEDULE_SETTINGS = frozenset({"actor_lr", "critic_lr", "lr_schedule", "lr_warmup_steps", "iterations",
+                                   "ppo_epochs", "num_minibatches"})
+    """Settings the learning-rate schedule is built from (its length counts optimiser steps)."""
+
+    def take_changed_settings(self, names: set[str]) -> None:
+        """After a resume that changed the settings ``names``: the restored state holds the
+        checkpoint's learning rates and KL coefficient, so set the config's (each learning rate
+        where the schedule puts it at this step; the KL controller, adaptive or not, continues
+        from the new ``kl_coef``). Every other setting is read from the config where it is used."""
+        if names & self.SCHEDULE_SETTINGS:
+            rates = iter(group["lr"] for group in self.param_groups())  # the actor's, then the critic's
+            for scheduler in self.schedulers:  # one per optimiser, or one over both groups (ZeRO)
+                scheduler.base_lrs = [next(rates) for _ in scheduler.optimizer.param_groups]
+                for group, lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
+                                             scheduler.lr_lambdas):
+                    group["initial_lr"] = lr
+                    group["lr"] = lr * factor(scheduler.last_epoch)
+        if "kl_coef" in names:
+            self.kl_ctl.value = float(self.config.kl_coef)
+
     def weights_state(self) -> dict[str, Tensor]:
         """The weights a checkpoint holds: every model's (policy, reference, critic, snapshots),
         full tensors as the backend gathers them (on the main process; all processes call)."""

@@ -109,8 +109,9 @@ def _sigint_stops_then_aborts(tmp_path, monkeypatch, capsys):
         write_manifest(folder, iteration)
 
     monkeypatch.setattr(checkpoints, "_write_manifest", second_ctrl_c)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as aborted:  # the second Ctrl-C: exit 130 (a traceback with --debug)
         main(["train", "--iterations", "3", "--output-dir", str(out), "--resume", *SMALL])
+    assert aborted.value.code == 130
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter_000001"]
 
 
@@ -200,8 +201,11 @@ def test_nonfinite_reward_follows_the_configured_policy(tmp_path, policy, mean):
     args = ["train", "--iterations", "1", "--output-dir", str(out), "--reward", f"{reward_file}:nan_first",
             "--reward-nonfinite", policy, *SMALL]
     if policy == "raise":
-        with pytest.raises(RewardError, match=r"non-finite scores \[nan\] in rows \[0\]"):
+        with pytest.raises(SystemExit, match=r"^textrl train: reward 'nan_first' returned non-finite scores "
+                           r"\[nan\] in rows \[0\]; return a finite score"):  # one line, no traceback
             main(args)
+        with pytest.raises(RewardError):  # --debug: the exception itself, with its traceback
+            main([*args, "--debug", "--output-dir", str(tmp_path / "debug")])
         return
     assert main(args) == 0
     row = _metrics(out)[0]

@@ -14,6 +14,8 @@ Subcommands available in this version:
 - ``textrl pipeline``: SFT -> reward model -> PPO; with no arguments, the offline demo.
 
 Each stage accepts ``--config file.yaml`` and one flag per config field (``--help`` lists them).
+A user's error ends the command with one line naming the culprit and the fix; ``--debug`` (or
+``TEXTRL_DEBUG=1``) shows the traceback instead (:mod:`textrl.errors`).
 """
 
 from __future__ import annotations
@@ -25,18 +27,12 @@ from collections.abc import Sequence
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from textrl.config import TrainConfig, build_config
-    from textrl.run import CheckpointError, RunFolderBusy
     from textrl.trainer import check_run, train
 
     config: TrainConfig = build_config(args, TrainConfig)
-    try:
-        check_run(config)  # every field, the reward names, the output folder: before any model loads
-    except ValueError as err:
-        raise SystemExit(f"textrl train: {err}") from None
+    check_run(config)  # every field, the reward names, the output folder: before any model loads
     try:
         train(config)
-    except (CheckpointError, RunFolderBusy, OSError) as err:  # OSError: a checkpoint write (full disk, permissions)
-        raise SystemExit(f"textrl train: {err}") from None
     finally:
         _close_process_group()
     return 0
@@ -74,10 +70,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from textrl.stages.common import is_adapter_dir, load_adapter_model
 
     if is_adapter_dir(args.model):  # a LoRA adapter folder: its base plus the adapter
-        try:
-            model = load_adapter_model(args.model, device=args.device)
-        except ValueError as err:
-            raise SystemExit(f"textrl generate: {err}") from None
+        model = load_adapter_model(args.model, device=args.device)
         tokenizer = load_tokenizer(args.model)
     else:
         tokenizer = load_tokenizer(args.model)
@@ -106,19 +99,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _stage_command(name: str, config_cls: type, run, describe):
-    """The function of subcommand ``name``: config from defaults < YAML < flags, run, report.
-
-    A ``ValueError`` (a bad option, a malformed data row) ends the command with its message.
-    """
+    """The function of subcommand ``name``: config from defaults < YAML < flags, run, report
+    (a user's error is reported by :func:`main`)."""
 
     def command(args: argparse.Namespace) -> int:
         from textrl.config import build_config
 
-        try:
-            result = run(build_config(args, config_cls).validate())
-        except (ValueError, OSError) as err:  # OSError: a checkpoint or model write (full disk, permissions)
-            raise SystemExit(f"textrl {name}: {err}") from None
-        print(describe(result))
+        print(describe(run(build_config(args, config_cls).validate())))
         return 0
 
     return command
@@ -201,9 +188,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    """``--debug`` on every subcommand: the traceback of an error instead of its one line."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.add_argument("--debug", action="store_true",
+                                 help="show the traceback of an error (also: TEXTRL_DEBUG=1)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    """Run a subcommand; a user's error (:func:`textrl.errors.user_errors`) exits with status 1
+    and one line naming the culprit and the fix (``--debug``: the traceback); a second Ctrl-C
+    exits with 130."""
+    from textrl.errors import debug_requested, user_error_message, user_errors
+
+    parser = build_parser()
+    _add_debug_flag(parser)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except user_errors() as err:
+        if debug_requested(getattr(args, "debug", False)):
+            raise
+        raise SystemExit(user_error_message(args.command, err)) from None
+    except KeyboardInterrupt:
+        if debug_requested(getattr(args, "debug", False)):
+            raise
+        print(f"textrl {args.command}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

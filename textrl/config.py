@@ -19,6 +19,7 @@ import textwrap
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from typing import ClassVar
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,32 @@ from textrl.agent_registry import agent_class
 from textrl.trl_names import trl_hint
 
 KL_KINDS = ("k1", "k2", "k3", "abs")
+
+
+@dataclass(frozen=True)
+class ResumeRules:
+    """What ``--resume`` may change, for one config class (:mod:`textrl.run.resume` applies it).
+    A field not in ``applied`` or ``invocation`` is fixed: a change is refused."""
+
+    applied: frozenset[str]
+    """Fields that take effect from the resumed iteration on; a change is applied, logged and
+    recorded in ``resumes.jsonl``."""
+    fixed: frozenset[str] | None = None
+    """Fields that define the run (the checkpoint's weights, data position or objective depend on
+    them), listed to make every field a decision (:meth:`check_covers`); None: every field not
+    applied or invocation."""
+    invocation: frozenset[str] = frozenset({"output_dir", "resume", "progress"})
+    """Fields about this command only (where, whether resuming, the progress bar); not compared."""
+
+    def check_covers(self, cls: type) -> None:
+        """``ValueError`` unless ``fixed``, ``applied`` and ``invocation`` partition ``cls``'s fields."""
+        fixed = self.fixed or frozenset()
+        names = {f.name for f in fields(cls)}
+        listed = fixed | self.applied | self.invocation
+        twice = (fixed & self.applied) | ((fixed | self.applied) & self.invocation)
+        if names != listed or twice:
+            raise ValueError(f"{cls.__name__}.RESUME_RULES: not classified {sorted(names - listed)}, "
+                             f"in two sets {sorted(twice)}, not fields {sorted(listed - names)}")
 
 
 @dataclass
@@ -200,6 +227,29 @@ class TrainConfig:
     """Complete checkpoints kept on disk."""
     progress: bool = True
     """Show a progress bar."""
+
+    RESUME_RULES: ClassVar[ResumeRules] = ResumeRules(
+        # how long and how hard it trains from here, cadences, micro-batching, fault handling
+        applied=frozenset({
+            "device", "iterations", "generation_batch_size", "forward_batch_size", "ppo_epochs",
+            "num_minibatches", "gradient_accumulation_steps", "clip_eps", "dual_clip", "value_clip_eps",
+            "vf_coef", "entropy_coef", "kl_coef", "kl_target", "kl_horizon", "kl_early_stop", "ratio_threshold",
+            "kl_after_update", "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr",
+            "lr_schedule", "lr_warmup_steps", "max_grad_norm", "fsdp_reshard_after_forward",
+            "reward_nonfinite", "max_nonfinite_updates", "eval_every", "checkpoint_every", "keep_checkpoints",
+        }),
+        # the models, the data and its split, the task and the sampling distribution, the objective
+        fixed=frozenset({
+            "seed", "agent", "model", "tokenizer", "reward_model", "reward", "dataset", "eval_size",
+            "max_prompt_length", "warmup_sft_steps", "warmup_sft_lr", "warmup_sft_batch_size",
+            "warmup_answer_accuracy", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
+            "temperature", "top_k", "top_p", "gamma", "lam", "whiten_advantages", "loss_aggregation",
+            "kl_kind", "kl_in", "adaptive_kl", "kl_hinge", "reward_placement", "critic_init",
+            "reward_adapter", "load_in_4bit", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+            "critic_type", "fsdp", "zero_stage", "deepspeed_config",
+        }),
+    )
+    """What ``--resume`` may change (docs/reliability.md, "Resuming with other settings")."""
 
     def validate(self, agent: type | None = None) -> TrainConfig:
         """Check every field, then the agent's own rules (``agent.validate_config``: what it needs
@@ -522,7 +572,12 @@ def load_yaml(path: str | Path, cls: type = TrainConfig) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--config {path}: no such file")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"--config {path}: not valid YAML: {_yaml_problem(err)}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--config {path}: not UTF-8 text (byte {err.start}); save it as UTF-8") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
     known = {f.name for f in fields(cls)}
@@ -541,6 +596,13 @@ def load_yaml(path: str | Path, cls: type = TrainConfig) -> dict[str, Any]:
             message = str(err) if str(err).startswith(f"{name}=") else f"{name}={value!r}: {err}"
             raise ValueError(f"--config {path}: {message}") from None
     return data
+
+
+def _yaml_problem(err: Exception) -> str:
+    """PyYAML's error as one line with the 1-based line and column (it names no file)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
 def build_config(namespace: argparse.Namespace, cls: type = TrainConfig) -> Any:
@@ -574,7 +636,7 @@ def describe_object(value: Any) -> dict[str, Any]:
     return out
 
 
-def _yaml_value(value: Any) -> Any:
+def yaml_value(value: Any) -> Any:
     """A field's value as YAML can hold it: itself, or :func:`describe_object` of an object."""
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
@@ -594,12 +656,24 @@ def _refuse_saved_object(name: str, value: Any) -> None:
 def save_config(config: Any, path: str | Path) -> None:
     """Write the resolved config as YAML (loadable again with ``--config``); an object given to the
     Python API is recorded by :func:`describe_object` (loading that file back asks for it again)."""
-    values = {f.name: _yaml_value(getattr(config, f.name)) for f in fields(config)}
-    Path(path).write_text(yaml.safe_dump(values, sort_keys=False))
+    Path(path).write_text(config_yaml(config))
+
+
+def config_values(config: Any) -> dict[str, Any]:
+    """Each field of a config dataclass as ``config.yaml`` holds it (:func:`yaml_value`)."""
+    return {f.name: yaml_value(getattr(config, f.name)) for f in fields(config)}
+
+
+def config_yaml(config: Any) -> str:
+    """The text of ``config.yaml`` (:func:`config_values`, in field order)."""
+    return yaml.safe_dump(config_values(config), sort_keys=False)
 
 
 __all__ = [
     "AGENT_OPTIONS",
+    "ResumeRules",
+    "config_values",
+    "config_yaml",
     "KL_KINDS",
     "TrainConfig",
     "add_config_arguments",

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from textrl.config import TrainConfig, save_config
+from textrl.config import TrainConfig, config_values, config_yaml, save_config
 from textrl.distributed import Distributed
 from textrl.keys import KEYS
 from textrl.parallel import Backend, setup_backend
@@ -36,13 +36,17 @@ from textrl.rollout import collect
 from textrl.run import (
     CheckpointError,
     MetricsLog,
+    ResumeRefused,
     RunLoop,
     SamplesLog,
     StopSignals,
     TrainingStopped,
+    check_resume_settings,
+    complete_checkpoints,
     holds_run_folder,
     latest_checkpoint,
     load_checkpoint,
+    record_resume,
     refuse_earlier_run,
     resolve_device,
     resume_checkpoint,
@@ -53,6 +57,7 @@ from textrl.run import (
     signal_message,
     take_run_folder,
 )
+from textrl.run.resume import SETTINGS_FILE
 from textrl.timing import timed
 
 BEFORE_FILE = "eval_before.json"
@@ -108,6 +113,8 @@ class PPORun:
     output_dir: Path
     resume_from: Path | None
     """The verified checkpoint ``--resume`` continues from (None: a fresh run)."""
+    resumed_changes: dict[str, tuple[Any, Any]]
+    """Settings this resumed run changes from the checkpoint's, ``{name: (old, new)}``."""
     log: Any = print
     weights_poisoned: bool = False
     """The last update left NaN/inf weights: no evaluation, no checkpoint, the run stops."""
@@ -155,7 +162,8 @@ class PPORun:
         if not self.main:
             return None
         return save_checkpoint(self.output_dir, iteration, agent, self.sampler, self.config.keep_checkpoints,
-                               rng_per_process=rng_per_process, agent_state=state)
+                               rng_per_process=rng_per_process, agent_state=state,
+                               files={SETTINGS_FILE: config_yaml(self.config)})
 
     def faulted(self) -> bool:
         """``max_nonfinite_updates`` consecutive updates were skipped for NaN/inf, or the last
@@ -187,12 +195,19 @@ class PPORun:
     # -- before and after the iterations -------------------------------------------------------
 
     def resume(self) -> int:
-        """Load the ``--resume`` checkpoint (verified already) and open the logs, cut back to it;
-        the iteration the run continues after (0 for a fresh run)."""
+        """Load the ``--resume`` checkpoint (verified and its settings compared already), apply
+        the changed settings, then write the run's record (``config.yaml``, ``resumes.jsonl``) and
+        open the logs, cut back to it; the iteration the run continues after (0 for a fresh
+        run). Nothing is written before the checkpoint loaded: a refused resume changes nothing."""
         start = 0
         if self.resume_from is not None:
             start = load_checkpoint(self.resume_from, self.agent, self.sampler, verify=False, dist=self.dist)
+            self.agent.take_changed_settings(set(self.resumed_changes))
             self.log(f"resumed from {self.resume_from} (iteration {start})")
+        if self.main:  # the record of what runs from here on
+            save_config(self.config, self.output_dir / SETTINGS_FILE)
+            if self.resume_from is not None:
+                record_resume(self.output_dir, start, self.resume_from, self.resumed_changes)
         resume_after = start if self.resume_from is not None else None
         self.metrics = MetricsLog(self.output_dir, self.main, resume_after=resume_after)
         self.samples = SamplesLog(self.output_dir, self.main, resume_after=resume_after)
@@ -230,11 +245,11 @@ class PPORun:
 
 
 def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
-    """The backend (processes, sharding), the output folder (locked) and ``config.yaml``, the seed, the
-    ``--resume`` checkpoint (verified before any model loads), the agent (it builds its models),
-    the reward, the prompts, then the agent prepared for the backend, in this order (sharding
-    options join the config before it is saved; every process holds the same weights before
-    FSDP / ZeRO partition them)."""
+    """The backend (processes, sharding), the output folder (locked), the seed, the ``--resume``
+    checkpoint (verified and its settings compared), the prompts (all before any model loads),
+    the agent (it builds its models), the reward, the sampler, then the agent prepared for the backend, in this order
+    (every process holds the same weights before FSDP / ZeRO partition them). ``config.yaml`` is
+    written by :meth:`PPORun.resume`, once the checkpoint has loaded."""
     from textrl.envs import PromptSampler, load_prompts
 
     backend = setup_backend(config, device)  # single, replicated, FSDP or ZeRO
@@ -243,14 +258,16 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     log = print if main else (lambda *a, **k: None)
     if main:  # one writer per run folder, until _train returns; a second run is refused here
         take_run_folder(output_dir)
-        save_config(config, output_dir / "config.yaml")
     seed_everything(config.seed)
     checkpoint = resume_checkpoint(config, log)  # verified before any model loads
+    changes = {} if checkpoint is None else check_resume_settings(config, config_values(config), checkpoint,
+                                                                    "train", log)
 
+    # the prompts before any model loads: a bad file or row is named in seconds
+    train_rows, eval_rows = load_prompts(config.dataset).split(config.eval_size, seed=config.seed)
     agent = build_agent(config, device, log)  # its models, critic (if any) and optimisers
     tokenizer = agent.tokenizer
     reward_fn = agent.task_reward(reward_spec(config))  # the reward spec, plus the agent's own reward model
-    train_rows, eval_rows = load_prompts(config.dataset).split(config.eval_size, seed=config.seed)
     sampler = PromptSampler(
         train_rows, tokenizer, prompts_per_batch=config.prompts_per_iteration,
         n_samples_per_prompt=config.n_samples_per_prompt, seed=config.seed,
@@ -262,21 +279,31 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     evaluates = main or backend.partitions_weights
     return PPORun(config=config, agent=agent, sampler=sampler, reward_fn=reward_fn, eval_batches=eval_batches,
                   backend=backend, dist=dist, main=main, evaluates=evaluates, output_dir=output_dir,
-                  resume_from=checkpoint, log=log)
+                  resume_from=checkpoint, resumed_changes=changes, log=log)
 
 
 # -- set-up --------------------------------------------------------------------------------------
 
 
 def check_run(config: TrainConfig) -> None:
-    """Everything checkable before a model loads: every config field, the reward names, and that a
-    fresh run would not overwrite an earlier run's checkpoints. ``ValueError`` says what to fix."""
+    """Everything checkable before a model loads or a file is written: every config field, the
+    reward names, that a fresh run would not overwrite an earlier run's checkpoints, and that a
+    resume changes no setting that defines the run. ``ValueError`` says what to fix."""
     from textrl.rewards import check_reward_spec
 
     config.validate()
     if not _agent_scores_alone(config):
         check_reward_spec(reward_spec(config))
     refuse_earlier_run(config)
+    refuse_changed_settings(config)
+
+
+def refuse_changed_settings(config: TrainConfig) -> None:
+    """:class:`ResumeRefused` when ``--resume`` changes a fixed setting of the newest checkpoint
+    (compared again, on the verified checkpoint, under the run folder's lock in set-up)."""
+    newest = complete_checkpoints(Path(config.output_dir) / "checkpoints") if config.resume else []
+    if newest:
+        check_resume_settings(config, config_values(config), newest[-1], "train", log=lambda *a, **k: None)
 
 
 def reward_spec(config: TrainConfig) -> str:
@@ -409,6 +436,7 @@ def format_summary(before: dict[str, float] | None, after: dict[str, float]) -> 
 __all__ = [
     "CheckpointError",
     "PPORun",
+    "ResumeRefused",
     "TrainingStopped",
     "check_run",
     "format_summary",

@@ -120,11 +120,12 @@ def test_resume_refuses_another_model_other_data_or_no_steps_left(uninterrupted,
     checkpoint = tmp_path / "checkpoints" / "iter_000004"
     shutil.copytree(uninterrupted["sft"] / "checkpoints" / checkpoint.name, checkpoint)
     resume = ["sft", "--output-dir", str(tmp_path), "--resume", *_flags(TINY)]
-    with pytest.raises(SystemExit, match=rf"cannot continue from {re.escape(str(checkpoint))}: it holds \d+ trainable "
-                       r"tensors .* resume with the --model, --lora and lora_\* options of that run"):
+    # the settings the checkpoint holds are compared first, each changed field named with both values
+    with pytest.raises(SystemExit, match=r"--resume cannot change what defines the run \(lora: False -> True\): "
+                       rf"{re.escape(str(checkpoint))} was trained with the settings in .*config.yaml; resume "
+                       r"with `textrl sft --config .*config.yaml --resume`"):
         main([*resume, "--lora"])
-    with pytest.raises(SystemExit, match=r"cannot continue from .*: it was taken on other training rows "
-                       r"\(\d+ rows.*resume with the --data, --eval-size and --seed of that run"):
+    with pytest.raises(SystemExit, match=r"\(eval_size: 4 -> 8\)"):
         main([*resume, "--eval-size", "8"])
     with pytest.raises(SystemExit, match=r"iter_000004 is at step 4 and steps=4; pass --steps above 4"):
         main([*resume, "--steps", "4"])

@@ -4,7 +4,7 @@
   and checkpoint cadence, the metrics row, progress, signals, the stop);
 - :mod:`~textrl.run.checkpoints`: atomic, manifest-marked checkpoints (save, verify, latest, load);
 - :mod:`~textrl.run.lock`: one writer per run folder;
-- :mod:`~textrl.run.resume`: which checkpoint ``--resume`` continues from;
+- :mod:`~textrl.run.resume`: which checkpoint ``--resume`` continues from, and what it may change;
 - :mod:`~textrl.run.metrics`: ``metrics.jsonl`` / TensorBoard / ``curves.png`` and ``samples.jsonl``;
 - :mod:`~textrl.run.signals`: SIGINT / SIGTERM and :class:`TrainingStopped`;
 - :mod:`~textrl.run.rng`: seeding, and every RNG captured and restored for exact resume;
@@ -27,7 +27,13 @@ from textrl.run.lock import RunFolderBusy, RunFolderLock, holds_run_folder, take
 from textrl.run.loop import LoopBody, RunLoop
 from textrl.run.metrics import MetricsLog, SamplesLog
 from textrl.run.progress import Progress
-from textrl.run.resume import refuse_earlier_run, resume_checkpoint
+from textrl.run.resume import (
+    ResumeRefused,
+    check_resume_settings,
+    record_resume,
+    refuse_earlier_run,
+    resume_checkpoint,
+)
 from textrl.run.rng import rng_state, seed_everything, set_rng_state
 from textrl.run.signals import StopSignals, TrainingStopped, resume_command, signal_message
 
@@ -37,16 +43,19 @@ __all__ = [
     "LoopBody",
     "MetricsLog",
     "Progress",
+    "ResumeRefused",
     "RunFolderBusy",
     "RunFolderLock",
     "RunLoop",
     "SamplesLog",
     "StopSignals",
     "TrainingStopped",
+    "check_resume_settings",
     "complete_checkpoints",
     "holds_run_folder",
     "latest_checkpoint",
     "load_checkpoint",
+    "record_resume",
     "refuse_earlier_run",
     "resolve_device",
     "resume_checkpoint",

@@ -114,6 +114,7 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 def save_checkpoint(
     output_dir: str | Path, iteration: int, agent, sampler, keep: int,
     rng_per_process: list[dict[str, Any]] | None = None, agent_state: dict[str, Any] | None = None,
+    files: dict[str, str] | None = None,
 ) -> Path:
     """Write ``checkpoints/iter_NNNNNN`` atomically; return its path.
 
@@ -123,7 +124,8 @@ def save_checkpoint(
     disk, a second Ctrl-C) the temporary folder is removed and earlier checkpoints are
     untouched; an ``OSError`` names the checkpoint and the one that is still intact.
     ``agent_state`` is ``agent.state_dict()`` when the caller gathered it already (FSDP: every
-    process takes part in gathering, only the main process writes).
+    process takes part in gathering, only the main process writes). ``files`` are text files
+    saved beside them, ``{name: text}`` (the run's settings, ``config.yaml``), in the manifest too.
     """
     root = Path(output_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -133,6 +135,8 @@ def save_checkpoint(
     tmp = root / f".tmp_iter_{iteration:06d}_{os.getpid()}"
     try:
         tmp.mkdir()
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
         _write_checkpoint(tmp, iteration, agent, sampler, rng_per_process, agent_state)
         if final.exists():  # this iteration saved before (e.g. by an earlier run into this folder)
             shutil.rmtree(final)
@@ -237,10 +241,40 @@ def load_checkpoint(path: str | Path, agent, sampler, verify: bool = True, dist:
     except Exception as err:
         raise CheckpointError(f"{file} cannot be read ({type(err).__name__}: {err}); it is truncated "
                               f"or corrupt: delete {path} to resume from an earlier checkpoint") from err
-    agent.load_state_dict(state["agent"])
-    sampler.load_state_dict(state["sampler"])
+    try:
+        agent.load_state_dict(state["agent"])
+    except RuntimeError as err:  # torch lists every key; name the mismatch in one line
+        raise CheckpointError(f"{path} does not fit the models this run built: {_state_mismatch(err)}; "
+                              "resume with the models the checkpoint was trained with") from None
+    try:
+        sampler.load_state_dict(state["sampler"])
+    except ValueError as err:
+        raise CheckpointError(f"{path} cannot continue on this data: {err}") from None
     _restore_rngs(state, dist or Distributed(), path)
     return int(state["iteration"])
+
+
+def _state_mismatch(err: RuntimeError) -> str:
+    """``load_state_dict``'s error summarised: how many keys are missing, unexpected or of another
+    shape, with the first of each."""
+    import re
+
+    text = str(err)
+    parts = []
+    for label, pattern in (("missing", r'Missing key\(s\) in state_dict: (.*?)\.\s*(?:Unexpected|size mismatch|$)'),
+                           ("unexpected", r'Unexpected key\(s\) in state_dict: (.*?)\.\s*(?:size mismatch|$)')):
+        found = re.search(pattern, text, re.S)
+        if found:
+            keys = re.findall(r'"([^"]+)"', found.group(1))
+            parts.append(f"{len(keys)} {label} weights (first: {keys[0]})" if keys else "")
+    size = r"torch\.Size\(\[([^\]]*)\]\)"
+    shapes = re.findall(rf"size mismatch for ([^:]+): copying a param with shape {size} from checkpoint, "
+                        rf"the shape in current model is {size}", text)
+    if shapes:
+        name, saved, here = shapes[0]
+        parts.append(f"{len(shapes)} weights of another shape (first: {name}, [{saved}] saved, [{here}] here)")
+    parts = [part for part in parts if part]
+    return "; ".join(parts) if parts else text.splitlines()[0]
 
 
 def _restore_rngs(state: dict[str, Any], dist: Distributed, path: Path) -> None:

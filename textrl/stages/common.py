@@ -33,19 +33,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from textrl.config import (
+    ResumeRules,
     _at_least,
     _in_range,
     _positive,
     add_config_arguments,
     check_bitsandbytes,
     check_values,
+    config_values,
+    config_yaml,
     field_docs,
     save_config,
 )
@@ -55,8 +58,10 @@ from textrl.run import (
     CheckpointError,
     MetricsLog,
     RunLoop,
+    check_resume_settings,
     complete_checkpoints,
     load_checkpoint,
+    record_resume,
     refuse_earlier_run,
     resolve_device,
     resume_checkpoint,
@@ -121,6 +126,11 @@ class StageConfig:
     """Quantise the frozen base to 4-bit NF4 with bitsandbytes (needs lora=true)."""
     progress: bool = True
     """Show a progress bar."""
+
+    RESUME_RULES: ClassVar[ResumeRules] = ResumeRules(
+        applied=frozenset({"device", "steps", "eval_every", "checkpoint_every", "keep_checkpoints"}))
+    """What ``--resume`` may change: the length and cadences; every other field (model, data, seed,
+    learning rate, batch, LoRA, the stage's own) is fixed (docs/reliability.md)."""
 
     def validate(self) -> StageConfig:
         """Check every field; raise ``ValueError`` naming the field, its value and what is allowed."""
@@ -358,12 +368,21 @@ def prepare_run(config: Any) -> tuple[torch.device, Path, Path | None]:
     loads a model before this, and a refused run writes nothing."""
     config.validate()
     checkpoint = resume_point(config)
+    changes = {} if checkpoint is None else check_resume_settings(
+        config, config_values(config), checkpoint, _command(config))  # refused: nothing written
     device = resolve_device(config.device)
     output_dir = Path(config.output_dir)
     take_run_folder(output_dir)  # a second run on the folder is refused here, before any write
     save_config(config, output_dir / "config.yaml")
+    if checkpoint is not None:
+        record_resume(output_dir, int(checkpoint.name.removeprefix("iter_")), checkpoint, changes)
     seed_everything(config.seed)
     return device, output_dir, checkpoint
+
+
+def _command(config: StageConfig) -> str:
+    """The subcommand of a stage's config: ``SFTConfig`` -> 'sft'."""
+    return type(config).__name__.removesuffix("Config").lower()
 
 
 def resume_point(config: StageConfig) -> Path | None:
@@ -536,7 +555,7 @@ class StageSteps:
     def checkpoint(self, step: int, stopping: bool) -> Path:
         """``checkpoints/iter_NNNNNN`` after ``step``."""
         return save_stage_checkpoint(Path(self.config.output_dir), step, self.state, self.order,
-                                     self.config.keep_checkpoints)
+                                     self.config.keep_checkpoints, files={"config.yaml": config_yaml(self.config)})
 
     def faulted(self) -> bool:
         """A stage stops on a signal only."""
@@ -581,10 +600,10 @@ def restore(checkpoint: Path, state: StageState, order: BatchOrder) -> int:
 
 
 def save_stage_checkpoint(output_dir: Path, step: int, state: StageState, order: BatchOrder,
-                          keep: int) -> Path:
+                          keep: int, files: dict[str, str] | None = None) -> Path:
     """``checkpoints/iter_NNNNNN`` through the atomic, manifest-marked
     :func:`textrl.run.save_checkpoint` (the ``keep`` newest stay); its path."""
-    return save_checkpoint(output_dir, step, state, order, keep)
+    return save_checkpoint(output_dir, step, state, order, keep, files=files)
 
 
 def format_summary(summary: dict[str, Any], keys: Sequence[str]) -> str:
