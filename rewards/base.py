@@ -5,7 +5,9 @@ A reward function is any callable
     fn(prompts: list[str], completions: list[str], **kwargs) -> Tensor  # float32 [B]
 
 ``kwargs`` carry optional per-row batch fields; a function reads the ones it needs and ignores
-the rest, so every reward function must accept ``**kwargs``. The fields the built-in rewards
+the rest, so every reward function must accept ``**kwargs``. As TRL does, a function with a
+parameter named ``completions`` gets ``prompts`` and ``completions`` by keyword, so TRL's
+``def reward(completions, **kwargs)`` works as it is (:func:`invoke`); others get them by position. The fields the built-in rewards
 read are
 
 - ``completion_ids``: per-row token id lists, or an int64 ``[B, T]`` tensor (then with
@@ -134,6 +136,22 @@ def _slice_kwargs(kwargs: dict[str, Any], i: int, n: int) -> dict[str, Any]:
     return out
 
 
+def invoke(fn: RewardFn, prompts: list[str], completions: list[str], kwargs: dict[str, Any]) -> Any:
+    """``fn`` called as TRL calls a reward function (``prompts=``, ``completions=`` and the batch
+    fields by keyword) when it names a ``completions`` parameter, else ``fn(prompts, completions,
+    **kwargs)``."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        params = {}
+    completions_param = params.get("completions")
+    if completions_param is not None and completions_param.kind is not inspect.Parameter.POSITIONAL_ONLY:
+        return fn(prompts=prompts, completions=completions, **kwargs)
+    return fn(prompts, completions, **kwargs)
+
+
 def _rows_that_raise(fn: RewardFn, prompts, completions, kwargs) -> list[int] | None:
     """Rows whose one-row call raises, or None when the batch is too large to retry."""
     n = len(completions)
@@ -142,7 +160,7 @@ def _rows_that_raise(fn: RewardFn, prompts, completions, kwargs) -> list[int] | 
     bad = []
     for i in range(n):
         try:
-            fn(prompts[i : i + 1], completions[i : i + 1], **_slice_kwargs(kwargs, i, n))
+            invoke(fn, prompts[i : i + 1], completions[i : i + 1], _slice_kwargs(kwargs, i, n))
         except Exception:
             bad.append(i)
     return bad
@@ -185,7 +203,7 @@ def call_reward(
     n = check_batch(prompts, completions)
     name = reward_name(fn)
     try:
-        out = fn(list(prompts), list(completions), **kwargs)
+        out = invoke(fn, list(prompts), list(completions), kwargs)
     except Exception as err:
         raise _raised(fn, name, err, list(prompts), list(completions), kwargs) from err
 

@@ -177,3 +177,17 @@ def test_name_falls_back_to_dunder_name_and_class():
         call_reward(plain, ["p"], ["c"])
     with pytest.raises(RewardError, match=r"reward 'Scorer'"):
         call_reward(Scorer(), ["p"], ["c"])
+
+
+def test_a_trl_style_function_gets_prompts_and_completions_by_keyword():
+    """TRL calls ``reward_func(prompts=..., completions=..., **fields)``: its documented
+    ``def reward_len(completions, **kwargs)`` must work unchanged."""
+
+    def reward_len(completions, **kwargs):
+        assert kwargs["prompts"] == ["p", "q"] and kwargs["answer"] == ["1", "2"]
+        return [-abs(20 - len(c)) for c in completions]
+
+    out = call_reward(reward_len, ["p", "q"], ["a" * 20, "b"], answer=["1", "2"])
+    assert out.tolist() == [0.0, -19.0]
+    positional = call_reward(lambda p, c, **kw: [len(x) for x in c], ["p"], ["abc"])  # other names: by position
+    assert positional.tolist() == [3.0]
