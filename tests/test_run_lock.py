@@ -65,6 +65,27 @@ def test_textrl_train_on_a_held_folder_is_refused_and_writes_nothing(holder):
     assert sorted(p.name for p in folder.iterdir()) == before == [LOCK_FILE]
 
 
+def test_a_busy_folder_is_named_before_its_checkpoints_and_the_probe_writes_nothing(holder):
+    """A second run on a folder whose live run has checkpoints hears that the folder is in use
+    (not that it holds an earlier run's checkpoints); the probe leaves the holder's record."""
+    from textrl.run import refuse_busy_folder
+    from textrl.trainer import check_run
+
+    folder, proc = holder
+    (folder / "checkpoints" / "iter_000001").mkdir(parents=True)
+    (folder / "checkpoints" / "iter_000001" / "manifest.json").write_text("{}")
+    record = (folder / LOCK_FILE).read_bytes()
+    with pytest.raises(RunFolderBusy, match=f"process {proc.pid}"):
+        check_run(TrainConfig(output_dir=str(folder)))
+    with pytest.raises(RunFolderBusy, match=f"process {proc.pid}"):
+        refuse_busy_folder(folder)
+    assert (folder / LOCK_FILE).read_bytes() == record
+    proc.kill()
+    proc.wait()
+    refuse_busy_folder(folder)  # free: no complaint
+    refuse_busy_folder(folder / "never_made")
+
+
 def test_a_stage_on_a_held_folder_is_refused_and_writes_nothing(holder):
     folder, proc = holder
     with pytest.raises(RunFolderBusy, match=f"process {proc.pid}"):

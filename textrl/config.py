@@ -592,6 +592,8 @@ def load_yaml(path: str | Path, cls: type = TrainConfig) -> dict[str, Any]:
             tp, optional = _base_type(hints[name])
             if tp in _KINDS and not (name in OBJECT_FIELDS and not isinstance(value, str)):
                 data[name] = parse_value(tp, optional, value)
+                if tp is float and data[name] is not None and not math.isfinite(data[name]):
+                    raise ValueError("must be a finite number")
         except ValueError as err:
             message = str(err) if str(err).startswith(f"{name}=") else f"{name}={value!r}: {err}"
             raise ValueError(f"--config {path}: {message}") from None

@@ -47,6 +47,7 @@ from textrl.run import (
     latest_checkpoint,
     load_checkpoint,
     record_resume,
+    refuse_busy_folder,
     refuse_earlier_run,
     resolve_device,
     resume_checkpoint,
@@ -294,6 +295,7 @@ def check_run(config: TrainConfig) -> None:
     config.validate()
     if not _agent_scores_alone(config):
         check_reward_spec(reward_spec(config))
+    refuse_busy_folder(config.output_dir)  # another run writes there now: say that first
     refuse_earlier_run(config)
     refuse_changed_settings(config)
 

@@ -77,6 +77,21 @@ class RunFolderLock:
                 "stop it), or choose another --output-dir")
 
 
+def refuse_busy_folder(folder: str | Path) -> None:
+    """:class:`RunFolderBusy` when a live process holds ``folder``'s lock now; writes nothing (a
+    probe before the other checks of a run, so a second run hears first that the folder is in use)."""
+    lock = RunFolderLock(folder)
+    if not lock.path.is_file():
+        return
+    fd = os.open(lock.path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RunFolderBusy(lock._busy_message()) from None
+    finally:
+        os.close(fd)  # closing drops the probe's shared lock
+
+
 _HELD: dict[Path, RunFolderLock] = {}
 """Run folders whose lock this process holds (:func:`take_run_folder` takes one,
 :func:`holds_run_folder` gives it back)."""
@@ -113,4 +128,5 @@ def holder_record() -> dict[str, Any]:
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-__all__ = ["LOCK_FILE", "RunFolderBusy", "RunFolderLock", "holder_record", "holds_run_folder", "take_run_folder"]
+__all__ = ["LOCK_FILE", "RunFolderBusy", "RunFolderLock", "holder_record", "holds_run_folder", "refuse_busy_folder",
+           "take_run_folder"]

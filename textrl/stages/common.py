@@ -62,6 +62,7 @@ from textrl.run import (
     complete_checkpoints,
     load_checkpoint,
     record_resume,
+    refuse_busy_folder,
     refuse_earlier_run,
     resolve_device,
     resume_checkpoint,
@@ -362,22 +363,32 @@ def pad_left(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor
 
 
 def prepare_run(config: Any) -> tuple[torch.device, Path, Path | None]:
-    """Validate, check the output folder (:func:`resume_point`), seed, resolve the device, create
-    and lock ``output_dir`` (:func:`take_run_folder`) and write ``config.yaml``; return the device,
-    the folder and the checkpoint ``--resume`` continues from (None for a fresh run). Nothing
-    loads a model before this, and a refused run writes nothing."""
+    """Validate, check the output folder (:func:`resume_point`) and the settings a resume
+    changes, seed, resolve the device, create and lock ``output_dir`` (:func:`take_run_folder`);
+    return the device, the folder and the checkpoint ``--resume`` continues from (None for a
+    fresh run). Nothing loads a model before this, and a refused run writes nothing;
+    ``config.yaml`` is written by :func:`record_run` once everything has loaded."""
     config.validate()
     checkpoint = resume_point(config)
-    changes = {} if checkpoint is None else check_resume_settings(
-        config, config_values(config), checkpoint, _command(config))  # refused: nothing written
+    if checkpoint is not None:  # a refused change writes nothing
+        check_resume_settings(config, config_values(config), checkpoint, _command(config))
     device = resolve_device(config.device)
     output_dir = Path(config.output_dir)
     take_run_folder(output_dir)  # a second run on the folder is refused here, before any write
-    save_config(config, output_dir / "config.yaml")
-    if checkpoint is not None:
-        record_resume(output_dir, int(checkpoint.name.removeprefix("iter_")), checkpoint, changes)
     seed_everything(config.seed)
     return device, output_dir, checkpoint
+
+
+def record_run(config: StageConfig, resume_from: Path | None, start: int) -> None:
+    """``config.yaml`` (the settings that run from here on) and, after a resume that changed
+    some, a line of ``resumes.jsonl``: written once the data, the model and the checkpoint have
+    loaded, so a run refused on the way leaves no record of settings that never ran."""
+    output_dir = Path(config.output_dir)
+    if resume_from is not None:
+        changes = check_resume_settings(config, config_values(config), resume_from, _command(config),
+                                        log=lambda *a, **k: None)  # printed by prepare_run already
+        record_resume(output_dir, start, resume_from, changes)
+    save_config(config, output_dir / "config.yaml")
 
 
 def _command(config: StageConfig) -> str:
@@ -392,6 +403,7 @@ def resume_point(config: StageConfig) -> Path | None:
     train``'s ``check_run``), when ``--resume`` finds no checkpoint or none that verifies, or when
     the newest one is already at ``--steps``.
     """
+    refuse_busy_folder(config.output_dir)  # another run writes there now: say that first
     refuse_earlier_run(config)
     if not config.resume:
         return None
@@ -515,6 +527,7 @@ def fit(
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     state, order = StageState(params, optimizer, save), BatchOrder(train_rows, config.seed)
     start = 0 if resume_from is None else restore(resume_from, state, order)
+    record_run(config, resume_from, start)
     log = MetricsLog(output_dir, enabled=True, resume_after=None if resume_from is None else start)
     began = time.perf_counter()
     if resume_from is None:
