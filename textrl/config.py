@@ -229,14 +229,16 @@ class TrainConfig:
     """Show a progress bar."""
 
     RESUME_RULES: ClassVar[ResumeRules] = ResumeRules(
-        # how long and how hard it trains from here, cadences, micro-batching, fault handling
+        # how long and how hard it trains from here, cadences, micro-batching, sharding (checkpoints
+        # hold full tensors: docs/parallelism.md), fault handling
         applied=frozenset({
             "device", "iterations", "generation_batch_size", "forward_batch_size", "ppo_epochs",
             "num_minibatches", "gradient_accumulation_steps", "clip_eps", "dual_clip", "value_clip_eps",
             "vf_coef", "entropy_coef", "kl_coef", "kl_target", "kl_horizon", "kl_early_stop", "ratio_threshold",
             "kl_after_update", "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr",
-            "lr_schedule", "lr_warmup_steps", "max_grad_norm", "fsdp_reshard_after_forward",
-            "reward_nonfinite", "max_nonfinite_updates", "eval_every", "checkpoint_every", "keep_checkpoints",
+            "lr_schedule", "lr_warmup_steps", "max_grad_norm", "fsdp", "fsdp_reshard_after_forward", "zero_stage",
+            "deepspeed_config", "reward_nonfinite", "max_nonfinite_updates", "eval_every", "checkpoint_every",
+            "keep_checkpoints",
         }),
         # the models, the data and its split, the task and the sampling distribution, the objective
         fixed=frozenset({
@@ -246,7 +248,7 @@ class TrainConfig:
             "temperature", "top_k", "top_p", "gamma", "lam", "whiten_advantages", "loss_aggregation",
             "kl_kind", "kl_in", "adaptive_kl", "kl_hinge", "reward_placement", "critic_init",
             "reward_adapter", "load_in_4bit", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
-            "critic_type", "fsdp", "zero_stage", "deepspeed_config",
+            "critic_type",
         }),
     )
     """What ``--resume`` may change (docs/reliability.md, "Resuming with other settings")."""
