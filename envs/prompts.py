@@ -467,10 +467,15 @@ def _encode_rows(dataset: PromptDataset, tokenizer: Any) -> tuple[list[str], lis
     return texts, ids
 
 
-def _too_long(where: str, n_tokens: int, max_prompt_length: int) -> ValueError:
+def _counted(tokenizer: Any) -> str:
+    """What a prompt's length counts, for messages."""
+    return " (chat template included)" if _has_chat_template(tokenizer) else ""
+
+
+def _too_long(where: str, n_tokens: int, max_prompt_length: int, tokenizer: Any) -> ValueError:
     """The refusal of a prompt over ``max_prompt_length`` (``truncate='error'``)."""
     return ValueError(
-        f"{where}: the prompt is {n_tokens} tokens long (chat template included), more than "
+        f"{where}: the prompt is {n_tokens} tokens long{_counted(tokenizer)}, more than "
         f"max_prompt_length={max_prompt_length}; raise --max-prompt-length, shorten the prompt, or "
         "(Python API) pass truncate='left' to keep its last tokens"
     )
@@ -508,7 +513,7 @@ class _Encoded:
         for i, row_ids in enumerate(ids):
             if max_prompt_length is not None and len(row_ids) > max_prompt_length:
                 if truncate == "error":
-                    raise _too_long(dataset.where(i), len(row_ids), max_prompt_length)
+                    raise _too_long(dataset.where(i), len(row_ids), max_prompt_length, tokenizer)
                 row_ids = row_ids[-max_prompt_length:]
                 truncated.append((i, len(ids[i])))
             self.ids.append(row_ids)
@@ -595,7 +600,7 @@ def check_prompts_fit(
     for i, row_ids in enumerate(ids):
         if max_prompt_length is not None and len(row_ids) > max_prompt_length:
             if truncate == "error":
-                raise _too_long(dataset.where(i), len(row_ids), max_prompt_length)
+                raise _too_long(dataset.where(i), len(row_ids), max_prompt_length, tokenizer)
             lengths.append(max_prompt_length)
         else:
             lengths.append(len(row_ids))
@@ -609,9 +614,11 @@ def check_prompts_fit(
     fixes = ["shorten or remove the prompt"]
     if truncate == "left":
         fixes.append(f"lower max_prompt_length to {context - max_new_tokens}")
-    fixes += [f"lower --max-new-tokens to {context - lengths[longest]}", "choose a model with a longer context"]
+    if lengths[longest] < context:  # else the prompt alone fills the context
+        fixes.append(f"lower --max-new-tokens to {context - lengths[longest]}")
+    fixes.append("choose a model with a longer context")
     raise ValueError(
-        f"{dataset.where(first)}: the prompt is {n} tokens long (chat template included); with "
+        f"{dataset.where(first)}: the prompt is {n} tokens long{_counted(tokenizer)}; with "
         f"max_new_tokens={max_new_tokens} its sequence reaches {n + max_new_tokens} positions, more than "
         f"{limit}{others}.\n{', '.join(fixes[:-1]).capitalize()}, or {fixes[-1]}"
     )

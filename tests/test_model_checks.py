@@ -141,6 +141,8 @@ def test_the_context_check_counts_truncated_prompts_and_names_list_rows():
     with pytest.raises(ValueError, match=r"list\[2\]: the prompt is 62 tokens long .*more than max_prompt_length=56"):
         check_prompts_fit(rows, tokenizer, context=64, max_new_tokens=8, model="m", max_prompt_length=56)
     check_prompts_fit(rows, tokenizer, context=None, max_new_tokens=8)  # no known context: no check
+    with pytest.raises(ValueError, match=r"list\[2\]: .*\nShorten or remove the prompt, or choose a model with a longer"):
+        check_prompts_fit(rows, tokenizer, context=62, max_new_tokens=8, model="m")  # no max_new_tokens would do
 
 
 def test_context_length_reads_the_models_own_field():
