@@ -45,6 +45,7 @@ from textrl.functional import (
 from textrl.functional.ppo import explained_variance
 from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
+from textrl.models.checks import check_tokenizer_fits, name_of
 from textrl.parallel import Backend, SingleProcess
 from textrl.sharding import local
 from textrl.timing import timed
@@ -72,6 +73,18 @@ def _own_lora_weights(view: nn.Module, weights: list[tuple[str, nn.Parameter]]) 
     for name, param in weights:
         view.register_parameter(name.replace(".", "__"), param)
     return view
+
+
+def policy_name(config: TrainConfig) -> str:
+    """How messages name the policy: ``config.model`` (a path or hub id), or the model object's."""
+    return config.model if isinstance(config.model, str) else name_of(config.model)
+
+
+def tokenizer_name(config: TrainConfig) -> str:
+    """How messages name the tokenizer: ``config.tokenizer``, else the policy's (its own tokenizer)."""
+    if config.tokenizer is None:
+        return policy_name(config)
+    return config.tokenizer if isinstance(config.tokenizer, str) else name_of(config.tokenizer)
 
 
 def position_ids_for(attention_mask: Tensor) -> Tensor:
@@ -256,8 +269,14 @@ class PPOAgent(nn.Module):
         tokenizer = cls.load_tokenizer(config)
         if cls.lora_rank(config):
             return cls._from_config_lora(config, tokenizer, torch.device(device), log)
+        critic_from_reward_model = cls.needs_critic and config.critic_init == "reward_model"
+        if critic_from_reward_model:  # before the policy loads: only the tokenizers are compared
+            cls.check_critic_tokenizer(config, tokenizer)
         policy = cls.load_policy(config, tokenizer, torch.device(device), log)
         critic = cls.build_critic(config, policy) if cls.needs_critic else None
+        if critic_from_reward_model:
+            check_tokenizer_fits(tokenizer, critic, tokenizer_name=tokenizer_name(config),
+                                 model_name=str(config.reward_model))
         return cls(policy, tokenizer, config, ref_policy=copy.deepcopy(policy), critic=critic)
 
     @classmethod
@@ -279,6 +298,7 @@ class PPOAgent(nn.Module):
 
         if config.load_in_4bit:
             base = load_base_model(config.model, load_in_4bit=True, device=device)
+            check_tokenizer_fits(tokenizer, base, tokenizer_name=tokenizer_name(config), model_name=policy_name(config))
         else:
             base = cls.load_policy(config, tokenizer, device, log)
         lora = lora_config(cls.lora_rank(config), config.lora_alpha, config.lora_dropout, config.lora_target_modules)
@@ -315,6 +335,7 @@ class PPOAgent(nn.Module):
         from textrl.models import load_causal_lm
 
         policy = load_causal_lm(config.model, device=device)
+        check_tokenizer_fits(tokenizer, policy, tokenizer_name=tokenizer_name(config), model_name=policy_name(config))
         policy.float()
         if config.warmup_sft_steps > 0 and config.dataset == "builtin:digits":
             from textrl.envs import load_prompts
@@ -333,6 +354,22 @@ class PPOAgent(nn.Module):
             log(f"warm-up: {stats['steps']} SFT steps on the format, loss {stats['loss_first']:.2f} -> "
                 f"{stats['loss_last']:.2f} in {stats['seconds']:.1f}s")
         return policy.eval()
+
+    @classmethod
+    def check_critic_tokenizer(cls, config: TrainConfig, tokenizer: Any) -> None:
+        """``critic_init='reward_model'``: the critic reads the policy's token ids with the reward
+        model's body, so the reward model's tokenizer must give each policy token the same id
+        (:func:`textrl.models.checks.check_critic_tokenizer`); refused before any model loads."""
+        from textrl.models import load_tokenizer
+        from textrl.models.checks import check_critic_tokenizer
+
+        try:
+            reward_tokenizer = load_tokenizer(config.reward_model)
+        except ValueError as err:
+            raise ValueError(f"critic_init='reward_model': the tokenizer of reward model {config.reward_model!r} "
+                             f"cannot be compared with the policy's: {err}") from None
+        check_critic_tokenizer(tokenizer, reward_tokenizer, policy=tokenizer_name(config),
+                               reward_model=str(config.reward_model))
 
     @classmethod
     def build_critic(cls, config: TrainConfig, policy: nn.Module) -> nn.Module:

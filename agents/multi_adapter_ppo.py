@@ -41,7 +41,7 @@ from textrl.agents.adapter_views import (
     build_adapter_stack,
     value_critic,
 )
-from textrl.agents.base import LORA_OPTIONS
+from textrl.agents.base import LORA_OPTIONS, policy_name, tokenizer_name
 from textrl.agents.gae_ppo import GAEPPO
 from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
@@ -56,6 +56,7 @@ from textrl.models.adapters import (
     read_reward_meta,
     warn_if_merged,
 )
+from textrl.models.checks import check_tokenizer_fits
 
 if TYPE_CHECKING:
     from textrl.parallel import Backend
@@ -118,12 +119,14 @@ class MultiAdapterPPO(GAEPPO):
         if config.warmup_sft_steps > 0 and config.dataset == "builtin:digits":
             log(f"{config.agent}: no SFT warm-up (the base is shared with the reward adapter)")
         tokenizer = cls.load_tokenizer(config)
-        return cls(load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device), tokenizer, config)
+        return cls(cls.load_policy(config, tokenizer, torch.device(device), log), tokenizer, config)
 
     @classmethod
     def load_policy(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print) -> nn.Module:
-        """The plain base model (no warm-up, see :meth:`from_config`)."""
-        return load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device)
+        """The plain base model (no warm-up, see :meth:`from_config`), checked against the tokenizer."""
+        base = load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device)
+        check_tokenizer_fits(tokenizer, base, tokenizer_name=tokenizer_name(config), model_name=policy_name(config))
+        return base
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ from textrl.envs.fast_path import (
 )
 from textrl.envs.policies import KVCachePolicy
 from textrl.envs.prompt_table import PromptTable
-from textrl.envs.prompts import PromptDataset, PromptSampler, load_prompts
+from textrl.envs.prompts import PromptDataset, PromptSampler, check_prompts_fit, load_prompts
 from textrl.envs.tasks import make_digits_task
 from textrl.envs.token_mdp import ENV_ID, TokenMDPEnv, register
 from textrl.envs.torchrl_env import TextGenEnv
@@ -32,6 +32,7 @@ __all__ = [
     "Scores",
     "TextGenEnv",
     "TokenMDPEnv",
+    "check_prompts_fit",
     "load_prompts",
     "make_digits_task",
     "place_score",

@@ -152,7 +152,7 @@ class PromptDataset(Sequence[dict]):
     (2, '6')
     """
 
-    __slots__ = ("_rows", "source")
+    __slots__ = ("_rows", "source", "_origins", "_lines")
 
     def __init__(self, rows: Iterable[Any], *, source: str = "list") -> None:
         """Validate ``rows`` (strings or dicts); ``source`` names them in error messages."""
@@ -161,6 +161,8 @@ class PromptDataset(Sequence[dict]):
             raise ValueError(f"{source}: the prompt dataset is empty")
         self._rows = normalized
         self.source = source
+        self._origins = tuple(range(len(normalized)))
+        self._lines = False
 
     # -- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -180,7 +182,7 @@ class PromptDataset(Sequence[dict]):
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"prompt file {str(path)!r} does not exist")
-        rows = []
+        rows, lines = [], []
         with path.open("rb") as f:
             for lineno, data in enumerate(f, start=1):
                 where = f"{path}:{lineno}"
@@ -198,9 +200,10 @@ class PromptDataset(Sequence[dict]):
                 if not isinstance(raw, dict):
                     raise ValueError(f"{where}: expected a JSON object, got {type(raw).__name__}")
                 rows.append(_normalize_row(raw, where))
+                lines.append(lineno)
         if not rows:
             raise ValueError(f"{path}: the prompt file has no rows")
-        return cls._trusted(rows, source=str(path))
+        return cls._trusted(rows, source=str(path), origins=lines, lines=True)
 
     @classmethod
     def from_hf_dataset(cls, ds: Any, prompt_field: str = "prompt") -> PromptDataset:
@@ -222,11 +225,16 @@ class PromptDataset(Sequence[dict]):
         return cls._trusted(rows, source=f"datasets.Dataset[{prompt_field}]")
 
     @classmethod
-    def _trusted(cls, rows: list[dict[str, Any]], *, source: str) -> PromptDataset:
-        """Wrap rows already normalized (and owned) by this module, without a second copy."""
+    def _trusted(cls, rows: list[dict[str, Any]], *, source: str, origins: Sequence[int] | None = None,
+                 lines: bool = False) -> PromptDataset:
+        """Wrap rows already normalized (and owned) by this module, without a second copy.
+        ``origins``: where each row came from, a 1-based line of the file (``lines``) or an
+        index of the source list (default: the rows' own indices)."""
         self = cls.__new__(cls)
         self._rows = tuple(rows)
         self.source = source
+        self._origins = tuple(origins) if origins is not None else tuple(range(len(rows)))
+        self._lines = lines
         return self
 
     # -- sequence -------------------------------------------------------------------------------
@@ -244,16 +252,25 @@ class PromptDataset(Sequence[dict]):
     def __repr__(self) -> str:
         return f"PromptDataset({len(self)} rows from {self.source})"
 
+    def where(self, index: int) -> str:
+        """How messages name row ``index``: ``FILE:LINE`` (1-based) for a prompt file, else
+        ``SOURCE[i]`` (the row's 0-based index in the list or dataset it came from), also after
+        :meth:`select` and :meth:`split`."""
+        origin = self._origins[index]
+        return f"{self.source}:{origin}" if self._lines else f"{self.source}[{origin}]"
+
     def messages(self, index: int) -> list[dict[str, str]]:
         """The chat messages of row ``index`` (a plain prompt is one user turn)."""
         return _row_messages(self._rows[index])
 
     def select(self, indices: Iterable[int]) -> PromptDataset:
         """The rows at ``indices``, in that order."""
+        indices = list(indices)
         rows = [copy.deepcopy(self._rows[i]) for i in indices]
         if not rows:
             raise ValueError("select: no indices given; a prompt dataset cannot be empty")
-        return PromptDataset._trusted(rows, source=self.source)
+        return PromptDataset._trusted(rows, source=self.source, origins=[self._origins[i] for i in indices],
+                                      lines=self._lines)
 
     def split(self, eval_size: int, seed: int = 0) -> tuple[PromptDataset, PromptDataset]:
         """(train, eval): ``eval_size`` rows drawn with a seeded permutation, the rest train.
@@ -437,6 +454,40 @@ def template_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     return "\n".join(m["content"] for m in messages)
 
 
+def _encode_rows(dataset: PromptDataset, tokenizer: Any) -> tuple[list[str], list[list[int]]]:
+    """The templated text and token ids of every row, in one batched tokenizer call; a row that
+    tokenizes to nothing is a ``ValueError`` naming it."""
+    templated = _has_chat_template(tokenizer)
+    texts = [template_prompt(tokenizer, dataset.messages(i)) for i in range(len(dataset))]
+    # After a template the special tokens are in the text; adding BOS again would double it.
+    ids = [list(row) for row in tokenizer(texts, add_special_tokens=not templated)["input_ids"]]
+    for i, row_ids in enumerate(ids):
+        if not row_ids:
+            raise ValueError(f"{dataset.where(i)}: the prompt tokenizes to no tokens: {texts[i]!r}")
+    return texts, ids
+
+
+def _counted(tokenizer: Any) -> str:
+    """What a prompt's length counts, for messages."""
+    return " (chat template included)" if _has_chat_template(tokenizer) else ""
+
+
+def _too_long(where: str, n_tokens: int, max_prompt_length: int, tokenizer: Any) -> ValueError:
+    """The refusal of a prompt over ``max_prompt_length`` (``truncate='error'``)."""
+    return ValueError(
+        f"{where}: the prompt is {n_tokens} tokens long{_counted(tokenizer)}, more than "
+        f"max_prompt_length={max_prompt_length}; raise --max-prompt-length, shorten the prompt, or "
+        "(Python API) pass truncate='left' to keep its last tokens"
+    )
+
+
+def _check_truncate(max_prompt_length: int | None, truncate: str) -> None:
+    if truncate not in _TRUNCATE_MODES:
+        raise ValueError(f"truncate must be one of {_TRUNCATE_MODES}, got {truncate!r}")
+    if max_prompt_length is not None and max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be >= 1 or None, got {max_prompt_length}")
+
+
 class _Encoded:
     """Templated text and token ids of every row of a dataset, computed once."""
 
@@ -447,10 +498,7 @@ class _Encoded:
         max_prompt_length: int | None,
         truncate: TruncateMode,
     ) -> None:
-        if truncate not in _TRUNCATE_MODES:
-            raise ValueError(f"truncate must be one of {_TRUNCATE_MODES}, got {truncate!r}")
-        if max_prompt_length is not None and max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length must be >= 1 or None, got {max_prompt_length}")
+        _check_truncate(max_prompt_length, truncate)
         pad_id = tokenizer.pad_token_id
         if pad_id is None:
             raise ValueError(
@@ -459,27 +507,18 @@ class _Encoded:
             )
         self.pad_id = int(pad_id)
         self.dataset = dataset
-        templated = _has_chat_template(tokenizer)
-        self.texts = [template_prompt(tokenizer, dataset.messages(i)) for i in range(len(dataset))]
-        # After a template the special tokens are in the text; adding BOS again would double it.
-        ids = tokenizer(self.texts, add_special_tokens=not templated)["input_ids"]
+        self.texts, ids = _encode_rows(dataset, tokenizer)
         self.ids: list[list[int]] = []
         truncated = []
         for i, row_ids in enumerate(ids):
-            if not row_ids:
-                raise ValueError(f"prompt {i} tokenizes to no tokens: {self.texts[i]!r}")
             if max_prompt_length is not None and len(row_ids) > max_prompt_length:
                 if truncate == "error":
-                    raise ValueError(
-                        f"prompt {i} of {dataset.source} is {len(row_ids)} tokens long, more "
-                        f"than max_prompt_length={max_prompt_length}; raise max_prompt_length, "
-                        "shorten the prompt, or pass truncate='left' to keep its last tokens"
-                    )
+                    raise _too_long(dataset.where(i), len(row_ids), max_prompt_length, tokenizer)
                 row_ids = row_ids[-max_prompt_length:]
                 truncated.append((i, len(ids[i])))
-            self.ids.append(list(row_ids))
+            self.ids.append(row_ids)
         if truncated:
-            shown = ", ".join(f"{i} ({n} tokens)" for i, n in truncated[:5])
+            shown = ", ".join(f"{dataset.where(i)} ({n} tokens)" for i, n in truncated[:5])
             warnings.warn(
                 f"{len(truncated)} prompt(s) of {dataset.source} are longer than "
                 f"max_prompt_length={max_prompt_length} and were left-truncated to their last "
@@ -525,6 +564,64 @@ def encode_prompts(
     return [
         encoded.batch(range(s, min(s + size, len(dataset)))) for s in range(0, len(dataset), size)
     ]
+
+
+def check_prompts_fit(
+    dataset: PromptDataset | Sequence[Any] | str,
+    tokenizer: Any,
+    *,
+    context: int | None,
+    max_new_tokens: int,
+    model: str = "the model",
+    context_field: str = "max_position_embeddings",
+    max_prompt_length: int | None = None,
+    truncate: TruncateMode = "error",
+) -> None:
+    """Refuse, before training, prompts that would not fit ``model``'s context of ``context``
+    positions (read from its config's ``context_field``; None: not known, nothing checked).
+
+    A row's sequence is its prompt (templated, tokenized as the sampler does; left-padding takes no
+    position) plus up to ``max_new_tokens`` response tokens, so it needs ``len(prompt) +
+    max_new_tokens <= context``. A prompt over ``max_prompt_length`` is refused as the sampler
+    refuses it (``truncate='error'``, what ``textrl train`` uses: nothing is cut or dropped
+    silently) or counts as its last ``max_prompt_length`` tokens (``'left'``). ``ValueError``
+    names the first row that does not fit (``FILE:LINE``), its length, the limit and what to do.
+    """
+    _check_truncate(max_prompt_length, truncate)
+    if context is None:
+        return
+    limit = f"the {context} positions of model {model!r} ({context_field} in its config)"
+    if max_new_tokens >= context:
+        raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in {limit}; lower "
+                         f"--max-new-tokens below {context}, or choose a model with a longer context")
+    dataset = load_prompts(dataset)
+    _, ids = _encode_rows(dataset, tokenizer)
+    lengths = []
+    for i, row_ids in enumerate(ids):
+        if max_prompt_length is not None and len(row_ids) > max_prompt_length:
+            if truncate == "error":
+                raise _too_long(dataset.where(i), len(row_ids), max_prompt_length, tokenizer)
+            lengths.append(max_prompt_length)
+        else:
+            lengths.append(len(row_ids))
+    over = [i for i, n in enumerate(lengths) if n + max_new_tokens > context]
+    if not over:
+        return
+    first, longest = over[0], max(over, key=lambda i: lengths[i])
+    n = lengths[first]
+    others = (f"; {len(over) - 1} more row(s) do not fit either, the longest {dataset.where(longest)} "
+              f"({lengths[longest]} tokens)" if len(over) > 1 else "")
+    fixes = ["shorten or remove the prompt"]
+    if truncate == "left":
+        fixes.append(f"lower max_prompt_length to {context - max_new_tokens}")
+    if lengths[longest] < context:  # else the prompt alone fills the context
+        fixes.append(f"lower --max-new-tokens to {context - lengths[longest]}")
+    fixes.append("choose a model with a longer context")
+    raise ValueError(
+        f"{dataset.where(first)}: the prompt is {n} tokens long{_counted(tokenizer)}; with "
+        f"max_new_tokens={max_new_tokens} its sequence reaches {n + max_new_tokens} positions, more than "
+        f"{limit}{others}.\n{', '.join(fixes[:-1]).capitalize()}, or {fixes[-1]}"
+    )
 
 
 # -- sampler ---------------------------------------------------------------------------------------
@@ -658,6 +755,7 @@ __all__ = [
     "PromptDataset",
     "PromptSampler",
     "batch_fields",
+    "check_prompts_fit",
     "encode_prompts",
     "load_prompts",
     "raw_prompts",

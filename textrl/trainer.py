@@ -267,6 +267,7 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     # the prompts before any model loads: a bad file or row is named in seconds
     train_rows, eval_rows = load_prompts(config.dataset).split(config.eval_size, seed=config.seed)
     agent = build_agent(config, device, log)  # its models, critic (if any) and optimisers
+    check_context(config, agent)  # every prompt + max_new_tokens fits the models' positions
     tokenizer = agent.tokenizer
     reward_fn = agent.task_reward(reward_spec(config))  # the reward spec, plus the agent's own reward model
     sampler = PromptSampler(
@@ -306,6 +307,26 @@ def refuse_changed_settings(config: TrainConfig) -> None:
     newest = complete_checkpoints(Path(config.output_dir) / "checkpoints") if config.resume else []
     if newest:
         check_resume_settings(config, config_values(config), newest[-1], "train", log=lambda *a, **k: None)
+
+
+def check_context(config: TrainConfig, agent) -> None:
+    """Right after the models load, before any training: every prompt of ``config.dataset`` plus
+    ``max_new_tokens`` fits the context of the models that read the policy's sequences, the policy
+    and its critic (a reward model's body with ``critic_init='reward_model'``); the smallest
+    context counts (:func:`textrl.envs.check_prompts_fit` names the row, its length and the limit)."""
+    from textrl.envs import check_prompts_fit
+    from textrl.models.checks import context_length, name_of
+
+    critic_source = config.reward_model if config.critic_init == "reward_model" else config.model
+    limits = []
+    for model, source in ((agent.policy, config.model), (getattr(agent, "critic", None), critic_source)):
+        found = context_length(model) if model is not None else None
+        if found is not None:
+            limits.append((found, source if isinstance(source, str) else name_of(model)))
+    if limits:
+        (context, field), name = min(limits, key=lambda limit: limit[0][0])
+        check_prompts_fit(config.dataset, agent.tokenizer, context=context, context_field=field, model=name,
+                          max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length)
 
 
 def reward_spec(config: TrainConfig) -> str:

@@ -283,7 +283,7 @@ def test_resume_from_state_dict(tokenizer, digits):
 def test_truncation_error_and_left(tokenizer):
     ds = PromptDataset.from_list(["ok", "this prompt is far too long " * 5])
     with pytest.raises(
-        ValueError, match=r"prompt 1 .* tokens long.*max_prompt_length=30.*truncate"
+        ValueError, match=r"^list\[1\]: the prompt is \d+ tokens long.*max_prompt_length=30.*truncate"
     ):
         _sampler(ds, tokenizer, max_prompt_length=30)
     with pytest.warns(UserWarning, match="left-truncated"):
@@ -294,6 +294,21 @@ def test_truncation_error_and_left(tokenizer):
     assert batch.input_ids[1].tolist() == full[-30:]  # the end (generation prompt) is kept
     with pytest.raises(ValueError, match="truncate must be one of"):
         _sampler(ds, tokenizer, truncate="right")
+
+
+def test_a_long_prompt_is_named_by_its_file_line_even_inside_a_split(tmp_path, tokenizer):
+    """The train split re-indexes the rows; the message still names the line of the file
+    (blank lines counted), not the row's position in the split."""
+    lines = [json.dumps({"prompt": f"short {i}"}) for i in range(10)]
+    lines[3] = ""
+    lines[7] = json.dumps({"prompt": "this prompt is far too long " * 5})
+    path = _write(tmp_path / "p.jsonl", lines)
+    train, held_out = PromptDataset.from_jsonl(path).split(2, seed=0)
+    part = train if any("far too long" in row["prompt"] for row in train) else held_out
+    assert [part.where(i) for i in range(len(part))][-1].startswith(f"{path}:")
+    with pytest.raises(ValueError, match=f"^{path}:8: the prompt is \\d+ tokens long.*max_prompt_length=30"):
+        _sampler(part, tokenizer, max_prompt_length=30)
+    assert PromptDataset.from_list(["a", "b", "c"]).select([2, 0]).where(0) == "list[2]"
 
 
 def test_no_truncation_warning_when_short(tokenizer, digits):

@@ -46,6 +46,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from textrl.models.sources import Files, check_model_folder, resolve_hub_id
+
 TinyKind = Literal["causal_lm", "reward_model", "gpt2"]
 
 PAD_TOKEN = "<|pad|>"
@@ -379,16 +381,24 @@ def _discard(path: Path) -> None:
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-def _resolve(name_or_path: str | os.PathLike[str], kind: TinyKind) -> str:
-    """``"tiny"`` -> cached tiny model dir; an existing path or a hub id -> itself; else ValueError."""
+def _resolve(name_or_path: str | os.PathLike[str], kind: TinyKind, files: Files = "model") -> str:
+    """What ``from_pretrained`` loads for ``name_or_path``; ``files`` says what it must hold.
+
+    ``"tiny"`` -> the cached tiny model dir; an existing folder -> itself, once it holds a model
+    (config and weights) or a tokenizer (:func:`~textrl.models.sources.check_model_folder`); a hub
+    id -> itself, or its cached snapshot when the hub cannot be reached
+    (:func:`~textrl.models.sources.resolve_hub_id`). Anything else, or a folder or hub id that
+    cannot give ``files``, is a ``ValueError`` naming it and what to pass instead.
+    """
     name = os.fspath(name_or_path)
     if name in TINY_NAMES:
         tiny_kind = "reward_model" if kind == "reward_model" else TINY_NAMES[name]
         return str(tiny_model_path(tiny_kind))
     if Path(name).expanduser().exists():
+        check_model_folder(Path(name).expanduser(), files)
         return str(Path(name).expanduser())
     if _HUB_ID.match(name) and ".." not in name:
-        return name
+        return resolve_hub_id(name, files)
     raise ValueError(
         f"{name!r} is neither an existing local path nor a Hugging Face hub id ('org/name'): "
         f"pass the directory of a saved model, a hub id, or 'tiny' for the offline test model"
@@ -404,7 +414,7 @@ def load_tokenizer(name_or_path: str | os.PathLike[str] | PreTrainedTokenizerBas
         tokenizer = name_or_path
         name_or_path = tokenizer.name_or_path
     else:
-        tokenizer = AutoTokenizer.from_pretrained(_resolve(name_or_path, "causal_lm"))
+        tokenizer = AutoTokenizer.from_pretrained(_resolve(name_or_path, "causal_lm", "tokenizer"))
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer of {name_or_path!r} has neither a pad nor an eos token")
