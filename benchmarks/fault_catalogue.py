@@ -189,8 +189,16 @@ def models(trial: Trial, base: Path) -> None:
     empty = trial.root / "empty_model"
     empty.mkdir(exist_ok=True)
     out = trial.folder("models")
+    from textrl.models import tiny_model_path
+
+    gpt2 = tiny_model_path("gpt2", cache_dir=trial.env["TEXTRL_CACHE"])
+    long_prompt = _write(trial, "long.jsonl", '{"prompt": "a"}\n' + json.dumps({"prompt": " ".join(str(i) for i in range(600))}) + "\n")
     cases = [("a folder that is not a model", ["--model", str(empty)], str(empty)),
-             ("an uncached hub id, offline", ["--model", "nobody-xyz/not-a-model"], "nobody-xyz/not-a-model")]
+             ("an uncached hub id, offline", ["--model", "nobody-xyz/not-a-model"], "nobody-xyz/not-a-model"),
+             ("max_new_tokens past the context", ["--model", str(gpt2), "--max-new-tokens", "5000"],
+              "positions of model"),
+             ("a prompt past the context", ["--model", str(gpt2), "--dataset", str(long_prompt), "--eval-size", "1", "--iterations", "1",
+                                            "--max-prompt-length", "2000", "--reward", "think_format"], "long.jsonl:2")]
     for label, flags, expect in cases:
         start = time.monotonic()
         proc = trial.textrl("train", *SMALL, *flags, "--output-dir", str(out))
