@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from textrl.sharding import _env_flag
+from textrl.sharding import _env_flag, local
 
 STAGES = (1, 2, 3)
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -213,6 +213,18 @@ def copy_weights(dst: nn.Module, src: nn.Module) -> None:
             d.data.copy_(s.data)
 
 
+def weight_tensors(params: Iterable[nn.Parameter]) -> list[Tensor]:
+    """The tensors that hold ``params``' values on this process, which a step writes from the float32
+    master partitions: each full weight (stages 1, 2), or this process's partition of it (stage 3)
+    and, for a weight stage 3 keeps gathered (``ds_persist``), its full copy too."""
+    tensors = []
+    for param in params:
+        tensors.append(local(param))
+        if is_partitioned(param) and getattr(param, "ds_persist", False):
+            tensors.append(param.data)
+    return tensors
+
+
 def full_model_state(model: nn.Module, keep: bool) -> dict[str, Tensor]:
     """Every full tensor of ``model`` on the CPU where ``keep`` (the main process), ``{}`` elsewhere.
 
@@ -350,4 +362,5 @@ __all__ = [
     "load_full_optimizer_state",
     "read_zero_section",
     "require_deepspeed",
+    "weight_tensors",
 ]

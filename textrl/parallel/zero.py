@@ -105,6 +105,12 @@ class DeepSpeedZero(Replicated):
     def load_optimizer_state(self, agent: Any, states: list[dict[str, Any]]) -> None:
         zero.load_full_optimizer_state(trained_parameters(agent), self.engine, states[0])
 
+    def updated_tensors(self, agent: Any) -> list[Tensor]:
+        """The float32 master partitions the engine's AdamW steps (its parameters), then the weights
+        DeepSpeed copies them into (:func:`textrl.zero.weight_tensors`): a snapshot of both and of
+        the AdamW state restores the engine exactly, on every stage, without a collective."""
+        return super().updated_tensors(agent) + zero.weight_tensors(p for _, p in trained_parameters(agent))
+
     def end_of_run(self, agent: Any) -> dict[str, Any]:
         """Stage 3: the share of weights held; stages 1, 2: the checksum of the replicated weights."""
         return {"weights_held_per_process": weights_held(agent)} if self.stage == 3 else super().end_of_run(agent)
