@@ -190,6 +190,10 @@ class TrainConfig:
     """A NaN/inf task reward: 'raise' (default), 'zero' (score 0) or 'drop' (row left out); counted."""
     max_nonfinite_updates: int = 3
     """Stop (with a checkpoint of the last good state) after this many consecutive skipped updates."""
+    nonfinite_weights: str = "rollback"
+    """An update whose steps leave NaN/inf weights: 'rollback' (restore the weights, optimiser and
+    scheduler states from before it and count one skipped update; costs a CPU copy of the trained
+    weights and optimiser state per iteration) or 'stop' (no copy: stop at once, no checkpoint)."""
 
     # -- logging, evaluation, checkpoints ------------------------------------------------------
     eval_every: int = 50
@@ -218,6 +222,7 @@ class TrainConfig:
         _choice("critic_init", self.critic_init, ("policy", "reward_model"))
         _choice("critic_type", self.critic_type, ("value_head", "lora"))
         _choice("reward_nonfinite", self.reward_nonfinite, ("raise", "zero", "drop"))
+        _choice("nonfinite_weights", self.nonfinite_weights, ("rollback", "stop"))
         for name in ("iterations", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
                      "generation_batch_size", "forward_batch_size", "ppo_epochs", "num_minibatches",
                      "gradient_accumulation_steps", "max_prompt_length", "warmup_sft_batch_size",
