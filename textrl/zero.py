@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from textrl.sharding import _env_flag, local
+from textrl.sharding import _env_flag
 
 STAGES = (1, 2, 3)
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -213,18 +213,6 @@ def copy_weights(dst: nn.Module, src: nn.Module) -> None:
             d.data.copy_(s.data)
 
 
-def weight_tensors(params: Iterable[nn.Parameter]) -> list[Tensor]:
-    """The tensors that hold ``params``' values on this process, which a step writes from the float32
-    master partitions: each full weight (stages 1, 2), or this process's partition of it (stage 3)
-    and, for a weight stage 3 keeps gathered (``ds_persist``), its full copy too."""
-    tensors = []
-    for param in params:
-        tensors.append(local(param))
-        if is_partitioned(param) and getattr(param, "ds_persist", False):
-            tensors.append(param.data)
-    return tensors
-
-
 def full_model_state(model: nn.Module, keep: bool) -> dict[str, Tensor]:
     """Every full tensor of ``model`` on the CPU where ``keep`` (the main process), ``{}`` elsewhere.
 
@@ -285,8 +273,9 @@ def _adamw(engine: Any) -> torch.optim.Optimizer:
     return engine.optimizer.optimizer
 
 
-def _flat_partitions(engine: Any) -> list[Tensor]:
-    """This process's float32 partitions, one per parameter group: the keys of AdamW's state."""
+def flat_partitions(engine: Any) -> list[Tensor]:
+    """This process's float32 master partitions, one per parameter group: what AdamW steps and the
+    keys of its state (stage 3 leaves AdamW's parameter groups empty between steps)."""
     zero = engine.optimizer
     flats = getattr(zero, "fp32_partitioned_groups_flat", None)  # stage 3
     return list(flats if flats is not None else zero.single_partition_of_fp32_groups)  # stages 1, 2
@@ -334,7 +323,7 @@ def load_full_optimizer_state(named_params: list[tuple[str, nn.Parameter]], engi
         raise KeyError(f"the checkpoint's optimizer state names other parameters (missing "
                        f"{sorted(names - saved['state'].keys())[:5]}); it belongs to another model")
     adamw = _adamw(engine)
-    for flat in _flat_partitions(engine):  # AdamW creates its state at its first step: create it here
+    for flat in flat_partitions(engine):  # AdamW creates its state at its first step: create it here
         state = adamw.state.setdefault(flat, {})
         for key in OPTIMIZER_STATE_KEYS:
             state.setdefault(key, torch.zeros_like(flat))
@@ -353,6 +342,7 @@ __all__ = [
     "backward",
     "copy_weights",
     "deepspeed_config",
+    "flat_partitions",
     "full_model_state",
     "full_optimizer_state",
     "gathered",
@@ -362,5 +352,4 @@ __all__ = [
     "load_full_optimizer_state",
     "read_zero_section",
     "require_deepspeed",
-    "weight_tensors",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from textrl.agents import AGENTS
@@ -9,6 +11,7 @@ from textrl.envs import rollout_from_responses
 
 from textrl.config import TrainConfig
 from textrl.models import ValueModel, build_tiny_causal_lm, build_tiny_tokenizer
+from textrl.sharding import local
 
 PROMPTS = ["What is 1+2?", "hi", "Count to 3", "<think>"]
 LOW_IDS = 128
@@ -70,20 +73,16 @@ def record_loss_stats(agent) -> list[dict]:
 
 
 def poison_next_step(optimizer) -> None:
-    """``optimizer``'s next step writes +inf into (this process's part of) its first parameter after
-    stepping: a step that overflows, from finite gradients. Under DeepSpeed that parameter is a
-    float32 master partition, which the engine then copies into the weights."""
-    import math
-
-    from textrl.sharding import local
-
+    """``optimizer``'s next step fills (this process's part of) its first parameter with +inf after
+    stepping: a step that overflows, from finite gradients. Under DeepSpeed that parameter is the
+    float32 master partition of every policy weight, which the engine then copies into the weights."""
     step = optimizer.step
 
     def overflowing(*args, **kwargs):
         del optimizer.step  # once: the class's step again
         out = step(*args, **kwargs)
         with torch.no_grad():
-            local(optimizer.param_groups[0]["params"][0]).view(-1)[0] = math.inf
+            local(optimizer.param_groups[0]["params"][0]).fill_(math.inf)
         return out
 
     optimizer.step = overflowing

@@ -92,28 +92,24 @@ def _copy(tensor: Tensor, device: torch.device | str) -> Tensor:
     return local(tensor).detach().to(device, copy=True)
 
 
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    """``optimizer``'s parameters, group after group."""
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def copy_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> OptimizerCopy:
-    """:class:`OptimizerCopy` of ``optimizer`` with its state tensors on ``device``."""
+def copy_optimizer(optimizer: torch.optim.Optimizer, params: list[Tensor], device: torch.device | str) -> OptimizerCopy:
+    """:class:`OptimizerCopy` of ``optimizer``, whose state is keyed by ``params``, with its state
+    tensors on ``device``."""
     groups = [copy.deepcopy({k: v for k, v in group.items() if k != "params"}) for group in optimizer.param_groups]
     state = []
-    for param in _optimizer_params(optimizer):
+    for param in params:
         own = optimizer.state.get(param)
         state.append({k: _copy(v, device) if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in own.items()}
                      if own else None)
     return OptimizerCopy(groups, state)
 
 
-def restore_optimizer(optimizer: torch.optim.Optimizer, saved: OptimizerCopy) -> None:
-    """Put :func:`copy_optimizer`'s ``saved`` back into ``optimizer``, tensors in place (their
-    local part: FSDP's states are shards); a state created since is dropped, as before a first step."""
+def restore_optimizer(optimizer: torch.optim.Optimizer, params: list[Tensor], saved: OptimizerCopy) -> None:
+    """Put :func:`copy_optimizer`'s ``saved`` back into ``optimizer`` (state keyed by ``params``),
+    tensors in place (their local part: FSDP's states are shards); a state created since is
+    dropped, as before a first step."""
     for group, hyper in zip(optimizer.param_groups, saved.groups):
         group.update(copy.deepcopy(hyper))
-    params = _optimizer_params(optimizer)
     if len(params) != len(saved.state):
         raise ValueError(f"the snapshot holds the state of {len(saved.state)} parameters, the optimiser has "
                          f"{len(params)}; restore a snapshot into the agent it was taken from")
@@ -232,10 +228,15 @@ class Backend:
             optimizer.load_state_dict(state)
 
     # -- rolling an update back --------------------------------------------------------------------
+    def optimizer_parameters(self, agent: Any) -> list[list[Tensor]]:
+        """What each optimiser of ``agent`` steps and keys its state by: its parameters (the trained
+        weights; FSDP: their shards, as ``DTensor``), in order."""
+        return [[p for group in optimizer.param_groups for p in group["params"]] for optimizer in agent.optimizers]
+
     def updated_tensors(self, agent: Any) -> list[Tensor]:
         """Every tensor an optimiser step writes on this process, besides the optimisers' state: the
-        local part of each parameter the optimisers hold (the trained weights; FSDP: their shards)."""
-        return [local(p) for optimizer in agent.optimizers for p in _optimizer_params(optimizer)]
+        local part of each of :meth:`optimizer_parameters`."""
+        return [local(p) for params in self.optimizer_parameters(agent) for p in params]
 
     def snapshot(self, agent: Any, device: torch.device | str = "cpu") -> UpdateSnapshot:
         """A copy, on ``device``, of what an update changes on this process: :meth:`updated_tensors`,
@@ -249,7 +250,8 @@ class Backend:
         with torch.no_grad():
             return UpdateSnapshot(
                 tensors=[_copy(t, device) for t in self.updated_tensors(agent)],
-                optimizers=[copy_optimizer(optimizer, device) for optimizer in agent.optimizers],
+                optimizers=[copy_optimizer(optimizer, params, device)
+                            for optimizer, params in zip(agent.optimizers, self.optimizer_parameters(agent))],
                 schedulers=[copy.deepcopy(scheduler.state_dict()) for scheduler in agent.schedulers],
             )
 
@@ -263,8 +265,8 @@ class Backend:
                                  "restore a snapshot into the agent it was taken from")
             for tensor, saved in zip(tensors, snapshot.tensors):
                 tensor.copy_(saved)
-            for optimizer, saved in zip(agent.optimizers, snapshot.optimizers):
-                restore_optimizer(optimizer, saved)
+            for optimizer, params, saved in zip(agent.optimizers, self.optimizer_parameters(agent), snapshot.optimizers):
+                restore_optimizer(optimizer, params, saved)
         for scheduler, state in zip(agent.schedulers, snapshot.schedulers):
             scheduler.load_state_dict(copy.deepcopy(state))
 
