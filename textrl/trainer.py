@@ -389,13 +389,13 @@ def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak
         rollback = ("With nonfinite_weights='rollback' (the default) the update is undone and the run "
                     "goes on. " if config.nonfinite_weights == "stop" else "")
         return (f"textrl train: stopped after iteration {iteration}: its update left NaN/inf weights, so "
-                f"no checkpoint was written; the newest good one is {latest_checkpoint(config.output_dir)}. "
+                f"no checkpoint was written; {_newest_good(config.output_dir)}. "
                 f"{rollback}Usual causes: a learning rate too high, max_grad_norm=0, a reward model that "
                 f"overflows. Lower them, then resume with: {resume_command('train', config_path)}")
     if streak >= config.max_nonfinite_updates:
         kept = (f"the weights of the last good update are saved in {saved}" if saved else
-                "the weights themselves are NaN/inf, so no checkpoint was written; the newest "
-                f"good one is {latest_checkpoint(config.output_dir)}")
+                "the weights themselves are NaN/inf, so no checkpoint was written; "
+                f"{_newest_good(config.output_dir)}")
         return (f"textrl train: stopped after iteration {iteration}: {streak} consecutive updates "
                 "were skipped for NaN/inf (loss, gradients, log-probs, values or advantages, or "
                 "steps that left NaN/inf weights, rolled back; see nonfinite/skipped_updates and "
@@ -403,6 +403,12 @@ def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak
                 f"too high, max_grad_norm=0, a reward model that overflows. Resume with: "
                 f"{resume_command('train', config_path)}")
     return signal_message("train", "iteration", iteration, config.iterations, signum, saved, config_path)
+
+
+def _newest_good(output_dir: str) -> str:
+    """For a stop that wrote no checkpoint: the newest good one (not "None" when there is none)."""
+    newest = latest_checkpoint(output_dir)
+    return f"the newest good one is {newest}" if newest else "none was written before either"
 
 
 def format_summary(before: dict[str, float] | None, after: dict[str, float]) -> str:
