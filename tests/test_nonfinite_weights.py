@@ -46,9 +46,9 @@ def _without_iteration(state: dict) -> dict:
     return {**state, "agent_state": {k: v for k, v in state["agent_state"].items() if k != "iteration"}}
 
 
-def trained_agent(tok, **overrides):
-    """A gae_ppo agent after one update (so AdamW has moments and the schedulers have stepped)."""
-    agent = make_agent(tok, actor_lr=1e-2, num_minibatches=2, ppo_epochs=2, **overrides)
+def trained_agent(tok, name: str = "gae_ppo", **overrides):
+    """An agent after one update (so AdamW has moments and the schedulers have stepped)."""
+    agent = make_agent(tok, name, actor_lr=1e-2, num_minibatches=2, ppo_epochs=2, **overrides)
     agent.update(collect(agent, tok, seed=0))
     return agent
 
@@ -111,6 +111,21 @@ def test_an_update_that_leaves_nonfinite_weights_is_rolled_back_and_counts_as_on
     assert metrics["nonfinite/rolled_back"] == 0.0 and agent.nonfinite_streak == 0
     assert agent.backend.weights_finite(agent)
     assert not torch.equal(agent.policy.state_dict()["model.norm.weight"], before["policy.model.norm.weight"])
+
+
+@pytest.mark.parametrize("name", ["gae_ppo", "one_step_ppo", "grpo", "rloo", "multi_adapter_ppo"])
+def test_every_agent_rolls_back_and_refreshes_its_copies_from_the_restored_policy(tok, name):
+    # one_step_ppo refreshes its old-policy snapshot after every update; the LoRA agent's trained
+    # weights are its adapters and value head
+    agent = trained_agent(tok, name) if name == "multi_adapter_ppo" else trained_agent(tok, name, ref_refresh_every=1)
+    before = full_state(agent)
+    poison_next_step(agent.actor_optimizer)
+    metrics = agent.update(collect(agent, tok, seed=1))
+    assert metrics["nonfinite/rolled_back"] == 1.0 and agent.nonfinite_streak == 1
+    assert same(_without_iteration(full_state(agent)), _without_iteration(before))
+    for copy in (getattr(agent, "old_policy", None), agent.ref_policy if name != "multi_adapter_ppo" else None):
+        if copy is not None:
+            assert all(torch.equal(v, copy.state_dict()[k]) for k, v in agent.policy.state_dict().items())
 
 
 def test_rolled_back_updates_add_to_the_streak_of_skipped_ones(tok):

@@ -107,8 +107,8 @@ class DeepSpeedZero(Replicated):
         zero.load_full_optimizer_state(trained_parameters(agent), self.engine, states[0])
 
     def optimizer_parameters(self, agent: Any) -> list[list[Tensor]]:
-        """The engine's AdamW steps this process's float32 master partitions, one per model
-        (:func:`textrl.zero.flat_partitions`), and keys its state by them."""
+        """The engine's AdamW steps this process's float32 master partitions, one per parameter group
+        (stage 3: per sub-group; :func:`textrl.zero.flat_partitions`), and keys its state by them."""
         return [zero.flat_partitions(self.engine)]
 
     def updated_tensors(self, agent: Any) -> list[Tensor]:
