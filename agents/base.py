@@ -8,7 +8,8 @@ An agent owns its models and optimisers and consumes one rollout TensorDict (doc
   forward per micro-batch;
 - :meth:`PPOAgent.process_rollout` writes the behaviour/reference log-probs, values, the shaped
   per-token reward and the advantages into the rollout (each agent's own estimator);
-- :meth:`PPOAgent.update` runs K epochs of shuffled minibatch updates and returns metrics.
+- :meth:`PPOAgent.update` runs K epochs of shuffled minibatch updates and returns metrics; steps
+  that leave NaN/inf weights are rolled back (the backend's ``snapshot`` / ``restore``).
 
 Subclasses implement :meth:`~PPOAgent.estimate` (advantages) and :meth:`~PPOAgent.loss`
 (the minibatch loss); the math itself lives in :mod:`textrl.functional`. How the backward, the
@@ -810,7 +811,13 @@ class PPOAgent(nn.Module):
           loss or gradient on any process is skipped (no optimiser or scheduler step, weights
           untouched) on every process. Both count in ``nonfinite/skipped_updates`` and in
           ``nonfinite_streak`` (consecutive skips, reset by a good step); at
-          ``config.max_nonfinite_updates`` the update stops and the trainer stops the run.
+          ``config.max_nonfinite_updates`` the update stops and the trainer stops the run;
+        - steps that leave NaN/inf weights (finite gradients, a step too large):
+          with ``config.nonfinite_weights='rollback'`` (the default) the whole update is undone
+          (:meth:`_guarded_epochs`) and counts as one skipped update, ``nonfinite/rolled_back`` = 1;
+          with ``'stop'`` the weights stay as they are and the trainer's check stops the run.
+
+        The reference refresh (:meth:`after_update`) runs last, so it copies checked weights.
         """
         kl_before = self._kl_monitors(td)
         tally = UpdateTally()
@@ -818,10 +825,28 @@ class PPOAgent(nn.Module):
         if self.dist.any(not self._rollout_is_finite(td)):  # every minibatch would be poisoned: skip all
             tally.skip_nonfinite(self)
         else:
-            self._epochs(td, kept, tally)
+            self._guarded_epochs(td, kept, tally)
         metrics = {**kl_before, **self._update_metrics(td, tally)}
         self.after_update()
         return metrics
+
+    def _guarded_epochs(self, td: TensorDictBase, kept: RolloutForward | None, tally: UpdateTally) -> None:
+        """:meth:`_epochs`, rolled back when its steps left NaN/inf weights (``nonfinite_weights='rollback'``).
+
+        Before the steps the backend copies what they change (``Backend.snapshot``: this process's
+        part of the trained weights, the optimiser and scheduler states; on the CPU); after them,
+        if a step was applied and a weight is NaN/inf on any process (a shared decision), every
+        process restores its copy in place and the update counts as one skipped update: the streak
+        is the one before it plus one, whatever its minibatches counted.
+        """
+        if self.config.nonfinite_weights != "rollback":
+            self._epochs(td, kept, tally)
+            return
+        snapshot, streak = self.backend.snapshot(self), self.nonfinite_streak
+        self._epochs(td, kept, tally)
+        if tally.steps and not self.backend.weights_finite(self):
+            self.backend.restore(self, snapshot)
+            tally.roll_back(self, streak)
 
     def _epochs(self, td: TensorDictBase, kept: RolloutForward | None, tally: UpdateTally) -> None:
         """``ppo_epochs`` passes of shuffled minibatch steps; stops early on the KL early stop or
@@ -841,6 +866,7 @@ class PPOAgent(nn.Module):
                         return
                     continue
                 self.nonfinite_streak = 0
+                tally.steps += bool(norms)  # {}: every micro-batch was left out, nothing stepped
                 tally.add({**stats, **norms})
                 if self._should_stop_early(tally.stats):
                     tally.early_stopped = True
@@ -955,7 +981,8 @@ class PPOAgent(nn.Module):
         return stats["kl/policy_old"][-1] > factor * cfg.kl_target
 
     def after_update(self) -> None:
-        """End of an iteration's updates: reference refresh (seed 000) and counters."""
+        """End of an iteration's updates: reference refresh (seed 000) and counters. Runs after a
+        rollback, so a refresh copies the restored weights, never NaN/inf ones."""
         self.iteration += 1
         every = self.config.ref_refresh_every
         if every and self.iteration % every == 0:
@@ -1032,8 +1059,12 @@ class UpdateTally:
     stats: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     ratio_threshold_skips: int = 0
     nonfinite_skips: int = 0
+    steps: int = 0
+    """Optimiser steps applied (a step that left every micro-batch out is not one)."""
     epochs_run: int = 0
     early_stopped: bool = False
+    rolled_back: bool = False
+    """The update's steps left NaN/inf weights and were undone."""
 
     def add(self, step_stats: dict[str, float]) -> None:
         """One good step's stats (losses, ratios, gradient norms)."""
@@ -1045,12 +1076,21 @@ class UpdateTally:
         self.nonfinite_skips += 1
         agent.nonfinite_streak += 1
 
+    def roll_back(self, agent: PPOAgent, streak: int) -> None:
+        """The update's steps were undone (they left NaN/inf weights): the whole update counts as one
+        skipped update, and the agent's streak is ``streak`` (the one before the update) plus one."""
+        self.rolled_back = True
+        self.nonfinite_skips = 1
+        agent.nonfinite_streak = streak + 1
+
     def metrics(self, streak: int) -> dict[str, float]:
-        """Stats averaged over the good steps, and the counters."""
+        """Stats averaged over the good steps (undone ones too: the losses and norms of the steps
+        that were rolled back), and the counters."""
         out = {k: float(sum(v) / len(v)) for k, v in self.stats.items() if v}
         out["ppo/ratio_threshold_skips"] = float(self.ratio_threshold_skips)
         out["nonfinite/skipped_updates"] = float(self.nonfinite_skips)
         out["nonfinite/consecutive"] = float(streak)
+        out["nonfinite/rolled_back"] = float(self.rolled_back)
         out["ppo/early_stopped"] = float(self.early_stopped)
         out["ppo/epochs_run"] = float(self.epochs_run)
         return out

@@ -15,6 +15,7 @@ from textrl.agents import GAEPPO
 from textrl.envs import rollout_from_responses
 from textrl.rewards import RewardError
 
+from tests.agents.conftest import poison_next_step, same
 from tests.runs import SMALL
 from tests.runs import checkpoint_tensors as _state
 from tests.runs import metrics as _metrics
@@ -23,6 +24,7 @@ from textrl.cli import main
 from textrl.config import TrainConfig
 from textrl.keys import KEYS
 from textrl.models import build_tiny_tokenizer
+from textrl.parallel import Backend
 from textrl.run import TrainingStopped, checkpoints, latest_checkpoint
 from textrl.trainer import check_run
 
@@ -156,29 +158,106 @@ def test_consecutive_nonfinite_updates_stop_the_run_with_the_last_good_weights(t
     assert all(torch.equal(good[k], last[k]) for k in good)
 
 
-def test_an_update_that_leaves_nonfinite_weights_stops_the_run_without_a_checkpoint(tmp_path, monkeypatch):
-    """Weights poisoned by iteration 2's update: the run stops after it, with no evaluation from
-    them and no checkpoint of them; the newest checkpoint is iteration 1's, every weight finite."""
-    update = GAEPPO.update
+def poison_updates(monkeypatch, when) -> None:
+    """Every optimiser step of an update for which ``when(agent)`` holds (before it) writes inf into a
+    policy weight: a step that overflows, from finite gradients."""
+    step = Backend.step
 
-    def poison_iteration_2(self, td):
-        metrics = update(self, td)
-        if self.iteration == 2:
-            with torch.no_grad():
-                next(self.policy.parameters()).fill_(math.nan)
-        return metrics
+    def stepping(self, agent):
+        if not when(agent):
+            return step(self, agent)
+        poison_next_step(agent.actor_optimizer)
+        try:
+            return step(self, agent)
+        finally:  # a step skipped for a NaN gradient never called the optimiser: nothing left armed
+            vars(agent.actor_optimizer).pop("step", None)
 
-    monkeypatch.setattr(GAEPPO, "update", poison_iteration_2)
+    monkeypatch.setattr(Backend, "step", stepping)
+
+
+def _all_finite(checkpoint) -> bool:
+    return all(torch.isfinite(v).all() for v in _state(checkpoint).values() if v.is_floating_point())
+
+
+def _agent_state(checkpoint) -> dict:
+    """The optimisers, schedulers and KL controller saved in ``checkpoint`` (its counters left out)."""
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)["agent"]["agent_state"]
+    return {k: v for k, v in state.items() if k != "iteration"}
+
+
+def test_an_update_that_leaves_nonfinite_weights_is_rolled_back_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """Iteration 2's steps write inf into a weight: its update is undone (weights, AdamW moments,
+    schedules bit for bit as after iteration 1), counted as one skipped update, evaluated and
+    checkpointed finite, and the run finishes."""
+    poison_updates(monkeypatch, lambda agent: agent.iteration == 1)  # counts updates done: iteration 2
     out = tmp_path / "run"
+    main(["train", *SMALL, "--iterations", "4", "--output-dir", str(out), "--checkpoint-every", "1",
+          "--keep-checkpoints", "4", "--eval-every", "1"])
+    rows = _metrics(out)
+    assert [r["nonfinite/rolled_back"] for r in rows] == [0.0, 1.0, 0.0, 0.0]
+    assert [r["nonfinite/skipped_updates"] for r in rows] == [0.0, 1.0, 0.0, 0.0]
+    assert [r["nonfinite/consecutive"] for r in rows] == [0.0, 1.0, 0.0, 0.0]
+    assert all(math.isfinite(r["eval/greedy/reward/mean"]) for r in rows)
+    assert "iteration 2: its update left NaN/inf weights and was rolled back (1 of at most 3" in capsys.readouterr().out
+    folders = sorted((out / "checkpoints").iterdir())
+    assert [p.name for p in folders] == [f"iter_{i:06d}" for i in range(1, 5)] and (out / "summary.json").is_file()
+    assert all(_all_finite(folder) for folder in folders)
+    one, two, three = (_state(folder) for folder in folders[:3])
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    assert same(_agent_state(folders[0]), _agent_state(folders[1]))  # AdamW moments and step counts too
+    assert any(not torch.equal(two[k], three[k]) for k in two if k.startswith("policy."))  # iteration 3 trained
+
+
+def test_consecutive_rolled_back_updates_stop_the_run_with_a_checkpoint_of_finite_weights(tmp_path, monkeypatch, capsys):
+    poison_updates(monkeypatch, lambda agent: agent.iteration >= 1)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingStopped, match=r"stopped after iteration 3: 2 consecutive updates were skipped "
+                       r"for NaN/inf .*steps that left NaN/inf weights, rolled back.*; the weights of the last "
+                       r"good update are saved in .*iter_000003") as stop:
+        main(["train", *SMALL, "--iterations", "5", "--output-dir", str(out), "--checkpoint-every", "1",
+              "--keep-checkpoints", "5", "--max-nonfinite-updates", "2"])
+    assert stop.value.code == 1
+    assert "iter_000003" in capsys.readouterr().err
+    assert [r["nonfinite/rolled_back"] for r in _metrics(out)] == [0.0, 1.0, 1.0]
+    assert [r["nonfinite/consecutive"] for r in _metrics(out)] == [0.0, 1.0, 2.0]
+    folders = sorted((out / "checkpoints").iterdir())
+    assert [p.name for p in folders] == ["iter_000001", "iter_000002", "iter_000003"]
+    assert all(_all_finite(folder) for folder in folders)
+    good, last = _state(folders[0]), _state(folders[-1])
+    assert all(torch.equal(good[k], last[k]) for k in good)
+    assert same(_agent_state(folders[0]), _agent_state(folders[-1]))
+
+
+@pytest.mark.parametrize("mode", ["stop", "rollback"])
+def test_an_update_that_leaves_nonfinite_weights_stops_the_run_without_a_checkpoint(tmp_path, monkeypatch, mode):
+    """Weights poisoned by iteration 2's update and not rolled back: with nonfinite_weights='stop'
+    (a step's inf stays), or in any mode when they turn NaN/inf outside the agent's update (the
+    trainer's own check after it). The run stops after it, with no evaluation from them and no
+    checkpoint of them; the newest checkpoint is iteration 1's, every weight finite."""
+    if mode == "stop":
+        poison_updates(monkeypatch, lambda agent: agent.iteration == 1)
+    else:
+        update = GAEPPO.update
+
+        def poison_after_iteration_2(self, td):
+            metrics = update(self, td)
+            if self.iteration == 2:
+                with torch.no_grad():
+                    next(self.policy.parameters()).fill_(math.nan)
+            return metrics
+
+        monkeypatch.setattr(GAEPPO, "update", poison_after_iteration_2)
+    out = tmp_path / "run"
+    hint = "With nonfinite_weights='rollback' \\(the default\\) the update is undone" if mode == "stop" else "Usual"
     with pytest.raises(TrainingStopped, match=r"stopped after iteration 2: its update left NaN/inf weights, so "
-                       r"no checkpoint was written; the newest good one is .*iter_000001") as stop:
+                       r"no checkpoint was written; the newest good one is .*iter_000001\. " + hint) as stop:
         main(["train", *SMALL, "--iterations", "6", "--output-dir", str(out), "--checkpoint-every", "1",
-              "--keep-checkpoints", "6", "--eval-every", "1"])
+              "--keep-checkpoints", "6", "--eval-every", "1", "--nonfinite-weights", mode])
     assert stop.value.code == 1
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter_000001"]
-    assert all(torch.isfinite(v).all() for v in _state(out / "checkpoints" / "iter_000001").values()
-               if v.is_floating_point())
+    assert _all_finite(out / "checkpoints" / "iter_000001")
     assert [("eval/greedy/reward/mean" in row) for row in _metrics(out)] == [True, False]
+    assert [row["nonfinite/rolled_back"] for row in _metrics(out)] == [0.0, 0.0]
 
 
 def _nan_on_first_row(prompts, completions, **kwargs):

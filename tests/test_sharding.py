@@ -1,4 +1,5 @@
-"""FSDP set-up checks that need no process group (sharded runs: test_multiprocess.py; DeepSpeed: test_zero.py)."""
+"""FSDP set-up checks that need no process group (sharded runs: test_multiprocess.py; DeepSpeed: test_zero.py),
+and a rollback of NaN/inf weights over two FSDP processes."""
 
 from __future__ import annotations
 
@@ -73,3 +74,12 @@ def test_decoder_layers_are_the_fsdp_units_of_policy_and_critic():
 def test_plain_tensors_pass_through_the_shard_helpers():
     t = torch.tensor(2.5)
     assert not is_sharded(t) and local(t) is t and to_float(t) == 2.5
+
+
+@pytest.mark.slow
+def test_fsdp_processes_roll_back_a_step_that_left_nonfinite_weights_together(tmp_path):
+    # rank 1's step fills its shards of the policy weights with inf: both processes restore their own
+    # shards and AdamW states (DTensors' local parts), bit for bit, and train on as if it never ran
+    from tests.test_nonfinite_weights import check_rolled_back_together
+
+    check_rolled_back_together(tmp_path, "fsdp")

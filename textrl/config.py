@@ -217,6 +217,10 @@ class TrainConfig:
     """A NaN/inf task reward: 'raise' (default), 'zero' (score 0) or 'drop' (row left out); counted."""
     max_nonfinite_updates: int = 3
     """Stop (with a checkpoint of the last good state) after this many consecutive skipped updates."""
+    nonfinite_weights: str = "rollback"
+    """An update whose steps leave NaN/inf weights: 'rollback' (restore the weights, optimiser and
+    scheduler states from before it and count one skipped update; costs a CPU copy of the trained
+    weights and optimiser state per iteration) or 'stop' (no copy: stop at once, no checkpoint)."""
 
     # -- logging, evaluation, checkpoints ------------------------------------------------------
     eval_every: int = 50
@@ -237,7 +241,8 @@ class TrainConfig:
             "vf_coef", "entropy_coef", "kl_coef", "kl_target", "kl_horizon", "kl_early_stop", "ratio_threshold",
             "kl_after_update", "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr",
             "lr_schedule", "lr_warmup_steps", "max_grad_norm", "fsdp", "fsdp_reshard_after_forward", "zero_stage",
-            "deepspeed_config", "reward_nonfinite", "max_nonfinite_updates", "eval_every", "checkpoint_every",
+            "deepspeed_config", "reward_nonfinite", "max_nonfinite_updates", "nonfinite_weights", "eval_every",
+            "checkpoint_every",
             "keep_checkpoints",
         }),
         # the models, the data and its split, the task and the sampling distribution, the objective
@@ -270,6 +275,7 @@ class TrainConfig:
         _choice("critic_init", self.critic_init, ("policy", "reward_model"))
         _choice("critic_type", self.critic_type, ("value_head", "lora"))
         _choice("reward_nonfinite", self.reward_nonfinite, ("raise", "zero", "drop"))
+        _choice("nonfinite_weights", self.nonfinite_weights, ("rollback", "stop"))
         for name in ("iterations", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
                      "generation_batch_size", "forward_batch_size", "ppo_epochs", "num_minibatches",
                      "gradient_accumulation_steps", "max_prompt_length", "warmup_sft_batch_size",

@@ -149,6 +149,17 @@ def gathered(model: nn.Module, reshard_after_forward: bool) -> Iterator[None]:
                 module.reshard()
 
 
+def reshard(model: nn.Module) -> None:
+    """Free every gathered FSDP unit of ``model`` (the root keeps its weights after a forward), so
+    that its next forward gathers the shards again: after the shards were written in place (a
+    rollback), no stale full copy is used. Local: no collective; a no-op on an unsharded model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _options(cpu_offload: bool = False) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -199,6 +210,7 @@ __all__ = [
     "full_numel",
     "held_numel",
     "local",
+    "reshard",
     "shard_model",
     "to_float",
     "unit_classes",

@@ -12,7 +12,9 @@ Everything a run writes goes under ``config.output_dir``: ``config.yaml`` (the r
 ``curves.png`` (reward and KL), ``samples.jsonl`` (held-out completions at each evaluation),
 ``checkpoints/iter_NNNNNN/`` (:mod:`textrl.run.checkpoints`) and ``summary.json``. ``--resume``
 continues from the newest checkpoint whose manifest verifies. SIGINT / SIGTERM stop after the
-current iteration with a checkpoint; NaN/inf updates are skipped (docs/reliability.md).
+current iteration with a checkpoint; NaN/inf updates are skipped, and an update that leaves
+NaN/inf weights is rolled back (``nonfinite_weights``), so no evaluation or checkpoint sees
+NaN/inf weights (docs/reliability.md).
 
 The same loop runs in one process or several (``accelerate launch`` / ``torchrun``), replicated,
 FSDP-sharded or under DeepSpeed ZeRO: its backend (:mod:`textrl.parallel`) owns what differs.
@@ -73,7 +75,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
     SIGINT / SIGTERM finish the current iteration, save a checkpoint and raise
     :class:`TrainingStopped` (its message says how to resume); so does a run of
-    ``config.max_nonfinite_updates`` consecutive NaN/inf updates.
+    ``config.max_nonfinite_updates`` consecutive NaN/inf updates (skipped or rolled back). With
+    ``nonfinite_weights='stop'`` an update that leaves NaN/inf weights raises it at once, without
+    a checkpoint.
     """
     with StopSignals() as signals:
         return _train(config, signals)
@@ -118,7 +122,8 @@ class PPORun:
     """Settings this resumed run changes from the checkpoint's, ``{name: (old, new)}``."""
     log: Any = print
     weights_poisoned: bool = False
-    """The last update left NaN/inf weights: no evaluation, no checkpoint, the run stops."""
+    """The weights are NaN/inf after the last update (``nonfinite_weights='stop'``, or an agent that
+    does not roll back): no evaluation, no checkpoint, the run stops."""
     metrics: MetricsLog | None = None
     samples: SamplesLog | None = None
 
@@ -134,10 +139,15 @@ class PPORun:
         batch = batch.select(self.dist.shard(len(batch)))
         td = collect(agent, batch, self.reward_fn, reward_placement=config.reward_placement, timings=timings,
                      reward_nonfinite=config.reward_nonfinite, check_finite=False)  # update() skips NaN
-        # update: K epochs of minibatch steps; an update that left NaN/inf weights stops the run
+        # update: K epochs of minibatch steps; one that left NaN/inf weights is rolled back inside
+        # it (before the reference refresh), or with nonfinite_weights='stop' stops the run here
         with timed(timings, "update", agent.device):
             update_metrics = agent.update(td)
             self.weights_poisoned = not self.backend.weights_finite(agent)
+        if update_metrics.get("nonfinite/rolled_back"):
+            self.log(f"iteration {iteration}: its update left NaN/inf weights and was rolled back "
+                     f"({self.nonfinite_streak} of at most {config.max_nonfinite_updates} consecutive "
+                     "skipped updates)")
         # log: the metrics row over every process
         with timed(timings, "bookkeeping", agent.device):
             return self.metrics_row(iteration, td, len(batch), update_metrics)
@@ -167,8 +177,8 @@ class PPORun:
                                files={SETTINGS_FILE: config_yaml(self.config)})
 
     def faulted(self) -> bool:
-        """``max_nonfinite_updates`` consecutive updates were skipped for NaN/inf, or the last
-        update left NaN/inf weights."""
+        """``max_nonfinite_updates`` consecutive updates were skipped (or rolled back) for NaN/inf,
+        or the last update left NaN/inf weights (not rolled back: ``nonfinite_weights='stop'``)."""
         return self.weights_poisoned or self.nonfinite_streak >= self.config.max_nonfinite_updates
 
     def stop_message(self, iteration: int, signum: int | None, saved: Path | None) -> str:
@@ -426,20 +436,29 @@ def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak
     """What the user reads when the run stops early: why, where the checkpoint is, how to resume."""
     config_path = Path(config.output_dir) / "config.yaml"
     if weights_poisoned:
+        rollback = ("With nonfinite_weights='rollback' (the default) the update is undone and the run "
+                    "goes on. " if config.nonfinite_weights == "stop" else "")
         return (f"textrl train: stopped after iteration {iteration}: its update left NaN/inf weights, so "
-                f"no checkpoint was written; the newest good one is {latest_checkpoint(config.output_dir)}. "
-                "Usual causes: a learning rate too high, max_grad_norm=0, a reward model that overflows. "
-                f"Lower them, then resume with: {resume_command('train', config_path)}")
+                f"no checkpoint was written; {_newest_good(config.output_dir)}. "
+                f"{rollback}Usual causes: a learning rate too high, max_grad_norm=0, a reward model that "
+                f"overflows. Lower them, then resume with: {resume_command('train', config_path)}")
     if streak >= config.max_nonfinite_updates:
         kept = (f"the weights of the last good update are saved in {saved}" if saved else
-                "the weights themselves are NaN/inf, so no checkpoint was written; the newest "
-                f"good one is {latest_checkpoint(config.output_dir)}")
+                "the weights themselves are NaN/inf, so no checkpoint was written; "
+                f"{_newest_good(config.output_dir)}")
         return (f"textrl train: stopped after iteration {iteration}: {streak} consecutive updates "
-                "were skipped for NaN/inf (loss, gradients, log-probs, values or advantages; see "
-                f"nonfinite/skipped_updates in metrics.jsonl); {kept}. Usual causes: a learning rate "
+                "were skipped for NaN/inf (loss, gradients, log-probs, values or advantages, or "
+                "steps that left NaN/inf weights, rolled back; see nonfinite/skipped_updates and "
+                f"nonfinite/rolled_back in metrics.jsonl); {kept}. Usual causes: a learning rate "
                 f"too high, max_grad_norm=0, a reward model that overflows. Resume with: "
                 f"{resume_command('train', config_path)}")
     return signal_message("train", "iteration", iteration, config.iterations, signum, saved, config_path)
+
+
+def _newest_good(output_dir: str) -> str:
+    """For a stop that wrote no checkpoint: the newest good one (not "None" when there is none)."""
+    newest = latest_checkpoint(output_dir)
+    return f"the newest good one is {newest}" if newest else "none was written before either"
 
 
 def format_summary(before: dict[str, float] | None, after: dict[str, float]) -> str:

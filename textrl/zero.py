@@ -273,8 +273,9 @@ def _adamw(engine: Any) -> torch.optim.Optimizer:
     return engine.optimizer.optimizer
 
 
-def _flat_partitions(engine: Any) -> list[Tensor]:
-    """This process's float32 partitions, one per parameter group: the keys of AdamW's state."""
+def flat_partitions(engine: Any) -> list[Tensor]:
+    """This process's float32 master partitions, one per parameter group: what AdamW steps and the
+    keys of its state (stage 3 leaves AdamW's parameter groups empty between steps)."""
     zero = engine.optimizer
     flats = getattr(zero, "fp32_partitioned_groups_flat", None)  # stage 3
     return list(flats if flats is not None else zero.single_partition_of_fp32_groups)  # stages 1, 2
@@ -322,7 +323,7 @@ def load_full_optimizer_state(named_params: list[tuple[str, nn.Parameter]], engi
         raise KeyError(f"the checkpoint's optimizer state names other parameters (missing "
                        f"{sorted(names - saved['state'].keys())[:5]}); it belongs to another model")
     adamw = _adamw(engine)
-    for flat in _flat_partitions(engine):  # AdamW creates its state at its first step: create it here
+    for flat in flat_partitions(engine):  # AdamW creates its state at its first step: create it here
         state = adamw.state.setdefault(flat, {})
         for key in OPTIMIZER_STATE_KEYS:
             state.setdefault(key, torch.zeros_like(flat))
@@ -341,6 +342,7 @@ __all__ = [
     "backward",
     "copy_weights",
     "deepspeed_config",
+    "flat_partitions",
     "full_model_state",
     "full_optimizer_state",
     "gathered",

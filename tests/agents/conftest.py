@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from textrl.agents import AGENTS
@@ -9,6 +11,7 @@ from textrl.envs import rollout_from_responses
 
 from textrl.config import TrainConfig
 from textrl.models import ValueModel, build_tiny_causal_lm, build_tiny_tokenizer
+from textrl.sharding import local
 
 PROMPTS = ["What is 1+2?", "hi", "Count to 3", "<think>"]
 LOW_IDS = 128
@@ -67,3 +70,30 @@ def record_loss_stats(agent) -> list[dict]:
 
     agent.loss = spy
     return seen
+
+
+def poison_next_step(optimizer) -> None:
+    """``optimizer``'s next step fills (this process's part of) its first parameter with +inf after
+    stepping: a step that overflows, from finite gradients. Under DeepSpeed that parameter is the
+    float32 master partition of every policy weight, which the engine then copies into the weights."""
+    step = optimizer.step
+
+    def overflowing(*args, **kwargs):
+        del optimizer.step  # once: the class's step again
+        out = step(*args, **kwargs)
+        with torch.no_grad():
+            local(optimizer.param_groups[0]["params"][0]).fill_(math.inf)
+        return out
+
+    optimizer.step = overflowing
+
+
+def same(a, b) -> bool:
+    """``a`` and ``b`` (nested dicts, lists, tensors, numbers) are equal, tensors bit for bit."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b

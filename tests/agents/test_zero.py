@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from tests.agents.conftest import collect, record_loss_stats  # noqa: E402
+from tests.agents.conftest import collect, poison_next_step, record_loss_stats, same  # noqa: E402
 from tests.agents.conftest import make_agent as build  # noqa: E402
 from textrl.distributed import Distributed  # noqa: E402
 from textrl.parallel import DeepSpeedZero  # noqa: E402
@@ -179,3 +179,30 @@ def test_a_plain_checkpoint_is_refused_by_a_deepspeed_agent(tok):
     plain.update(collect(plain, tok))
     with pytest.raises(ValueError, match="was not written under DeepSpeed"):
         zero.load_state_dict(plain.state_dict())
+
+
+def _zero_agent(tok, stage: int, **overrides):
+    agent = build(tok, **overrides)
+    DeepSpeedZero(Distributed(), "cpu", stage).prepare(agent)
+    return agent
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_rolled_back_update_leaves_the_engine_as_if_it_never_ran(tok, stage):
+    # the AdamW step writes inf into its float32 master partition, which DeepSpeed copies into the
+    # weights: the rollback restores weights, masters (and stage 3's gathered small weights) and
+    # AdamW state, so the next update equals that of an engine that never saw the poisoned one
+    options = dict(actor_lr=1e-2, critic_lr=1e-2, max_grad_norm=0.0)
+    a, b = _zero_agent(tok, stage, **options), _zero_agent(tok, stage, **options)
+    td = collect(a, tok)
+    seeded_update(a, td), seeded_update(b, td)
+    before = a.state_dict()
+    poison_next_step(a.actor_optimizer)
+    metrics = seeded_update(a, collect(a, tok, seed=1))
+    assert metrics["nonfinite/rolled_back"] == 1.0 and a.nonfinite_streak == 1
+    after = a.state_dict()
+    after["agent_state"]["iteration"] = before["agent_state"]["iteration"]
+    assert same(after, before)
+    td = collect(a, tok, seed=2)
+    seeded_update(a, td), seeded_update(b, td)
+    assert same(weights(a), weights(b)) and a.backend.weights_finite(a)

@@ -18,6 +18,9 @@ rest of a training step, so the agent's update loop is the same on every backend
   :meth:`Backend.optimizer_state` / :meth:`Backend.load_optimizer_state` save and restore
   full tensors (a collective where the backend gathers), so a checkpoint resumes under any
   backend of the same kind and any number of processes;
+- :meth:`Backend.snapshot` / :meth:`Backend.restore` copy what one update changes on this
+  process (its part of the trained weights, the optimiser and scheduler states) and put it back
+  in place: an update whose steps left NaN/inf weights is rolled back;
 - :meth:`Backend.weights_finite` and :meth:`Backend.end_of_run` are the trainer's checks.
 
 Decisions that change control flow are taken on values shared by every process
@@ -32,7 +35,9 @@ Implementations: :class:`textrl.parallel.single.SingleProcess`,
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,6 +56,73 @@ def trained_parameters(agent: Any) -> list[tuple[str, nn.Parameter]]:
     """``(name, parameter)`` of every trained weight, named as in the agent's ``state_dict``."""
     return [(f"{name}.{k}", p) for name, model in (("policy", agent.policy), ("critic", agent.critic))
             if model is not None for k, p in model.named_parameters() if p.requires_grad]
+
+
+@dataclass
+class OptimizerCopy:
+    """One optimiser's state as :meth:`Backend.snapshot` copies it: ``groups`` the hyperparameters
+    of each parameter group (``lr``, ...; not its parameters), ``state`` the per-parameter state in
+    the groups' parameter order (tensors: this process's local part; None: no state yet)."""
+
+    groups: list[dict[str, Any]]
+    state: list[dict[str, Any] | None]
+
+
+@dataclass
+class UpdateSnapshot:
+    """What one update changes on this process, copied by :meth:`Backend.snapshot` (opaque to callers).
+
+    ``tensors``: :meth:`Backend.updated_tensors` in order; ``optimizers``: one
+    :class:`OptimizerCopy` per optimiser; ``schedulers``: each scheduler's ``state_dict``.
+    """
+
+    tensors: list[Tensor]
+    optimizers: list[OptimizerCopy]
+    schedulers: list[dict[str, Any]]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data held (the weights and the optimiser states)."""
+        states = [v for o in self.optimizers for s in o.state if s for v in s.values()]
+        return sum(t.nbytes for t in [*self.tensors, *states] if isinstance(t, Tensor))
+
+
+def _copy(tensor: Tensor, device: torch.device | str) -> Tensor:
+    """A copy of ``tensor``'s local part on ``device``."""
+    return local(tensor).detach().to(device, copy=True)
+
+
+def copy_optimizer(optimizer: torch.optim.Optimizer, params: list[Tensor], device: torch.device | str) -> OptimizerCopy:
+    """:class:`OptimizerCopy` of ``optimizer``, whose state is keyed by ``params``, with its state
+    tensors on ``device``."""
+    groups = [copy.deepcopy({k: v for k, v in group.items() if k != "params"}) for group in optimizer.param_groups]
+    state = []
+    for param in params:
+        own = optimizer.state.get(param)
+        state.append({k: _copy(v, device) if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in own.items()}
+                     if own else None)
+    return OptimizerCopy(groups, state)
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, params: list[Tensor], saved: OptimizerCopy) -> None:
+    """Put :func:`copy_optimizer`'s ``saved`` back into ``optimizer`` (state keyed by ``params``),
+    tensors in place (their local part: FSDP's states are shards); a state created since is
+    dropped, as before a first step."""
+    for group, hyper in zip(optimizer.param_groups, saved.groups):
+        group.update(copy.deepcopy(hyper))
+    if len(params) != len(saved.state):
+        raise ValueError(f"the snapshot holds the state of {len(saved.state)} parameters, the optimiser has "
+                         f"{len(params)}; restore a snapshot into the agent it was taken from")
+    for param, entry in zip(params, saved.state):
+        if entry is None:
+            optimizer.state.pop(param, None)
+            continue
+        own = optimizer.state[param]
+        for key, value in entry.items():
+            if isinstance(value, Tensor):
+                local(own[key]).copy_(value)
+            else:
+                own[key] = copy.deepcopy(value)
 
 
 class Backend:
@@ -155,6 +227,49 @@ class Backend:
         for optimizer, state in zip(agent.optimizers, states):
             optimizer.load_state_dict(state)
 
+    # -- rolling an update back --------------------------------------------------------------------
+    def optimizer_parameters(self, agent: Any) -> list[list[Tensor]]:
+        """What each optimiser of ``agent`` steps and keys its state by: its parameters (the trained
+        weights; FSDP: their shards, as ``DTensor``), in order."""
+        return [[p for group in optimizer.param_groups for p in group["params"]] for optimizer in agent.optimizers]
+
+    def updated_tensors(self, agent: Any) -> list[Tensor]:
+        """Every tensor an optimiser step writes on this process, besides the optimisers' state: the
+        local part of each of :meth:`optimizer_parameters`."""
+        return [local(p) for params in self.optimizer_parameters(agent) for p in params]
+
+    def snapshot(self, agent: Any, device: torch.device | str = "cpu") -> UpdateSnapshot:
+        """A copy, on ``device``, of what an update changes on this process: :meth:`updated_tensors`,
+        every optimiser's state and hyperparameters, every scheduler's state. Local: no collective.
+
+        Costs a copy of the trained weights and of the optimiser state (AdamW: two moments), this
+        process's part of them; on the CPU by default, so accelerator memory does not grow. The KL
+        controller is not in it (it moves at collection, not in the update), nor the frozen
+        reference and old-policy snapshot (refreshed after the update, from checked weights).
+        """
+        with torch.no_grad():
+            return UpdateSnapshot(
+                tensors=[_copy(t, device) for t in self.updated_tensors(agent)],
+                optimizers=[copy_optimizer(optimizer, params, device)
+                            for optimizer, params in zip(agent.optimizers, self.optimizer_parameters(agent))],
+                schedulers=[copy.deepcopy(scheduler.state_dict()) for scheduler in agent.schedulers],
+            )
+
+    def restore(self, agent: Any, snapshot: UpdateSnapshot) -> None:
+        """Put :meth:`snapshot`'s copy back, in place: the weights, optimiser and scheduler states are
+        bit for bit those of the snapshot. Every process restores its own (the decision to is shared)."""
+        with torch.no_grad():
+            tensors = self.updated_tensors(agent)
+            if [t.shape for t in tensors] != [t.shape for t in snapshot.tensors]:
+                raise ValueError("the snapshot's tensors do not match the agent's trained weights; "
+                                 "restore a snapshot into the agent it was taken from")
+            for tensor, saved in zip(tensors, snapshot.tensors):
+                tensor.copy_(saved)
+            for optimizer, params, saved in zip(agent.optimizers, self.optimizer_parameters(agent), snapshot.optimizers):
+                restore_optimizer(optimizer, params, saved)
+        for scheduler, state in zip(agent.schedulers, snapshot.schedulers):
+            scheduler.load_state_dict(copy.deepcopy(state))
+
     # -- the trainer's checks -----------------------------------------------------------------------
     def weights_finite(self, agent: Any) -> bool:
         """Every trained weight is finite on every process (its own shards where partitioned). The
@@ -172,4 +287,5 @@ class Backend:
         return f"{type(self).__name__}(processes={self.dist.world_size}, device={self.device})"
 
 
-__all__ = ["Backend", "trained_models", "trained_parameters"]
+__all__ = ["Backend", "OptimizerCopy", "UpdateSnapshot", "copy_optimizer", "restore_optimizer", "trained_models",
+           "trained_parameters"]

@@ -68,6 +68,13 @@ class FSDP(Replicated):
         for ((_, model), optimizer), state in zip(zip(trained_models(agent), agent.optimizers), states):
             sharding.load_full_optimizer_state(model, optimizer, state)
 
+    def restore(self, agent: Any, snapshot: Any) -> None:
+        """:meth:`Backend.restore` into this process's shards (the optimisers hold the shards), after
+        freeing every gathered unit, whose full copy would still hold the rolled-back weights."""
+        for _, model in agent.named_children():
+            sharding.reshard(model)
+        super().restore(agent, snapshot)
+
     def end_of_run(self, agent: Any) -> dict[str, Any]:
         return {"weights_held_per_process": weights_held(agent)}
 

@@ -18,6 +18,7 @@ from textrl import zero
 from textrl.parallel.base import trained_parameters
 from textrl.parallel.fsdp import _prefixed, weights_held
 from textrl.parallel.replicated import Replicated
+from textrl.sharding import local
 
 
 class DeepSpeedZero(Replicated):
@@ -104,6 +105,25 @@ class DeepSpeedZero(Replicated):
 
     def load_optimizer_state(self, agent: Any, states: list[dict[str, Any]]) -> None:
         zero.load_full_optimizer_state(trained_parameters(agent), self.engine, states[0])
+
+    def optimizer_parameters(self, agent: Any) -> list[list[Tensor]]:
+        """The engine's AdamW steps this process's float32 master partitions, one per parameter group
+        (stage 3: per sub-group; :func:`textrl.zero.flat_partitions`), and keys its state by them."""
+        return [zero.flat_partitions(self.engine)]
+
+    def updated_tensors(self, agent: Any) -> list[Tensor]:
+        """The float32 master partitions, then the weights DeepSpeed copies them into: each full
+        weight (stages 1, 2), or this process's partition of it (stage 3). A snapshot of both and
+        of the AdamW state restores the engine exactly."""
+        return super().updated_tensors(agent) + [local(p) for _, p in trained_parameters(agent)]
+
+    def restore(self, agent: Any, snapshot: Any) -> None:
+        """:meth:`Backend.restore` after every gathered copy of a weight is freed (stage 3 keeps the
+        small ones gathered from one step to the next; DeepSpeed's ``empty_partition_cache``, local):
+        the next forward gathers the restored partitions. Nothing more below stage 3."""
+        if self.stage == 3:
+            self.engine.empty_partition_cache()
+        super().restore(agent, snapshot)
 
     def end_of_run(self, agent: Any) -> dict[str, Any]:
         """Stage 3: the share of weights held; stages 1, 2: the checksum of the replicated weights."""
