@@ -519,12 +519,27 @@ class PPOAgent(nn.Module):
             else:
                 kwargs.update(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
             with self._autocast(), self.backend.gathered(self.policy):
-                out = self.policy.generate(input_ids=ids, attention_mask=mask.long(), **kwargs)
+                try:
+                    out = self.policy.generate(input_ids=ids, attention_mask=mask.long(), **kwargs)
+                except RuntimeError as err:
+                    if "probability tensor contains" not in str(err):
+                        raise
+                    raise self._overflowed() from err
             outs.append(out[:, ids.shape[1] :])
         width = max(o.shape[1] for o in outs)
         return torch.cat(
             [nn.functional.pad(o, (0, width - o.shape[1]), value=self.pad_token_id) for o in outs], dim=0
         )
+
+    def _overflowed(self) -> ValueError:
+        """Sampling met NaN/inf probabilities: the weights are finite (checked after every update)
+        but so large that the forward overflows. A ``ValueError`` naming the largest weight and
+        the learning rate, for a one-line stop (the checkpoints on disk are intact)."""
+        largest = max((float(p.detach().abs().max()) for p in self.policy.parameters() if p.numel()), default=0.0)
+        return ValueError(
+            f"generation drew from NaN/inf probabilities: the policy's forward overflows (its largest weight "
+            f"is {largest:.3g}, actor_lr={self.config.actor_lr:g}); lower --actor-lr (or set --max-grad-norm), "
+            "then resume from a checkpoint taken before the weights grew (--resume takes the newest)")
 
     # -- 2. evaluating ----------------------------------------------------------------------------
     def _response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:

@@ -217,3 +217,18 @@ def check_rolled_back_together(tmp_path, kind: str) -> None:
     importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed"))])
 def test_processes_roll_back_together(tmp_path, kind):
     check_rolled_back_together(tmp_path, kind)
+
+
+def test_weights_too_large_for_the_forward_stop_sampling_with_one_line(tok, monkeypatch):
+    """Finite weights so large that the forward overflows (AdamW with actor_lr=1e30 moves each
+    weight by about 1e30; tried by hand): torch.multinomial's error is said as what it means."""
+    agent = make_agent(tok)
+
+    def overflowing_generate(*args, **kwargs):
+        torch.multinomial(torch.tensor([[float("nan"), 1.0]]), 1)  # the error sampling raises then
+
+    monkeypatch.setattr(agent.policy, "generate", overflowing_generate)
+    ids = torch.randint(3, 50, (2, 4))
+    with pytest.raises(ValueError, match=r"^generation drew from NaN/inf probabilities: the policy's forward "
+                                         r"overflows \(its largest weight is .*, actor_lr=.*\); lower --actor-lr"):
+        agent.act(ids, torch.ones_like(ids))
