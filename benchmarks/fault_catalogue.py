@@ -303,6 +303,33 @@ def read_only(trial: Trial, base: Path) -> None:
     judge(trial, "read-only output folder", proc, refused=True, kept=True, expect=str(out))
 
 
+@case("disk full")
+def disk_full(trial: Trial, base: Path) -> None:
+    """A real full disk: the run folder on an 8 MiB tmpfs (needs root and mount), then enlarged
+    and resumed."""
+    mount = trial.root / "small_disk"
+    mount.mkdir(exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        trial.outcomes.append(Outcome("disk full during a checkpoint", 0, [], False, True, True, "skipped: no mount"))
+        return
+    try:
+        out = mount / "run"
+        flags = [*SMALL, "--iterations", "6", "--checkpoint-every", "1", "--keep-checkpoints", "3",
+                 "--output-dir", str(out)]
+        full = trial.textrl("train", *flags)
+        from textrl.run import latest_checkpoint
+
+        intact = latest_checkpoint(out)
+        subprocess.run(["mount", "-o", "remount,size=256m", str(mount)], check=True)
+        resumed = trial.textrl("train", *flags, "--resume")
+        kept = intact is not None and resumed.returncode == 0 and run_folder_sound(out, 6)
+        judge(trial, "disk full during a checkpoint, then --resume", full, refused=True, kept=kept,
+              expect="is intact", note=f"resume rc={resumed.returncode}")
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
 # -- main -----------------------------------------------------------------------------------------------
 
 

@@ -242,8 +242,8 @@ class TrainConfig:
             "kl_after_update", "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr",
             "lr_schedule", "lr_warmup_steps", "max_grad_norm", "fsdp", "fsdp_reshard_after_forward", "zero_stage",
             "deepspeed_config", "reward_nonfinite", "max_nonfinite_updates", "nonfinite_weights", "eval_every",
-            "checkpoint_every",
-            "keep_checkpoints",
+            "checkpoint_every", "keep_checkpoints",
+            "load_in_4bit",  # the frozen base's quantisation: the trained LoRA weights carry over
         }),
         # the models, the data and its split, the task and the sampling distribution, the objective
         fixed=frozenset({
@@ -252,7 +252,7 @@ class TrainConfig:
             "warmup_answer_accuracy", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
             "temperature", "top_k", "top_p", "gamma", "lam", "whiten_advantages", "loss_aggregation",
             "kl_kind", "kl_in", "adaptive_kl", "kl_hinge", "reward_placement", "critic_init",
-            "reward_adapter", "load_in_4bit", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+            "reward_adapter", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
             "critic_type",
         }),
     )
