@@ -354,9 +354,9 @@ def main() -> int:
         verdict = ("clear" if o.clear else "UNCLEAR") + (" kept" if o.kept else " LOST")
         shown = " / ".join(o.message)[:150] if o.message else ""
         print(f"{o.name:<{width}}  rc={o.rc:<4} {verdict:<14} {o.note:<12} {shown}")
-    n = len(trial.outcomes)
-    print(f"\ntried {n}, clear message {sum(o.clear for o in trial.outcomes)}, "
-          f"nothing lost {sum(o.kept for o in trial.outcomes)}")
+    tried = [o for o in trial.outcomes if not o.note.startswith("skipped")]
+    print(f"\ntried {len(tried)}, clear message {sum(o.clear for o in tried)}, nothing lost "
+          f"{sum(o.kept for o in tried)} (skipped: {len(trial.outcomes) - len(tried)})")
     shutil.rmtree(root, ignore_errors=True)
     return 0
 
