@@ -513,17 +513,23 @@ def check_values(config: Any, skip: tuple[str, ...] = ()) -> None:
     ``ValueError`` names the field."""
     hints = typing.get_type_hints(type(config))
     for f in fields(config):
-        value = getattr(config, f.name)
-        tp, optional = _base_type(hints[f.name])
-        if f.name in skip or tp not in _KINDS or (value is None and optional):
-            continue
-        if value is None:
-            raise ValueError(f"{f.name}=None: must be {_KINDS[tp]}, not null")
-        if not _of_type(tp, value):
-            text = f", not {type(value).__name__}" if isinstance(value, str) else ""
-            raise ValueError(f"{f.name}={value!r}: must be {_KINDS[tp]}{text}")
-        if tp is float and not math.isfinite(value):
-            raise ValueError(f"{f.name}={value!r}: must be a finite number")
+        if f.name not in skip:
+            check_value(f.name, hints[f.name], getattr(config, f.name))
+
+
+def check_value(name: str, hint: Any, value: Any) -> None:
+    """One field of :func:`check_values`: ``value`` is of the type ``hint`` names, finite where it
+    is a number (None where the field is optional; fields of other types are not checked)."""
+    tp, optional = _base_type(hint)
+    if tp not in _KINDS or (value is None and optional):
+        return
+    if value is None:
+        raise ValueError(f"{name}=None: must be {_KINDS[tp]}, not null")
+    if not _of_type(tp, value):
+        text = f", not {type(value).__name__}" if isinstance(value, str) else ""
+        raise ValueError(f"{name}={value!r}: must be {_KINDS[tp]}{text}")
+    if tp is float and not math.isfinite(value):
+        raise ValueError(f"{name}={value!r}: must be a finite number")
 
 
 NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
@@ -600,8 +606,7 @@ def load_yaml(path: str | Path, cls: type = TrainConfig) -> dict[str, Any]:
             tp, optional = _base_type(hints[name])
             if tp in _KINDS and not (name in OBJECT_FIELDS and not isinstance(value, str)):
                 data[name] = parse_value(tp, optional, value)
-                if tp is float and data[name] is not None and not math.isfinite(data[name]):
-                    raise ValueError("must be a finite number")
+                check_value(name, hints[name], data[name])
         except ValueError as err:
             message = str(err) if str(err).startswith(f"{name}=") else f"{name}={value!r}: {err}"
             raise ValueError(f"--config {path}: {message}") from None
@@ -691,6 +696,7 @@ __all__ = [
     "build_config",
     "field",
     "field_docs",
+    "check_value",
     "check_values",
     "load_yaml",
     "parse_value",
