@@ -38,6 +38,7 @@ from textrl.rollout import collect
 from textrl.run import (
     CheckpointError,
     MetricsLog,
+    SETTINGS_FILE,
     ResumeRefused,
     RunLoop,
     SamplesLog,
@@ -60,7 +61,6 @@ from textrl.run import (
     signal_message,
     take_run_folder,
 )
-from textrl.run.resume import SETTINGS_FILE
 from textrl.timing import timed
 
 BEFORE_FILE = "eval_before.json"
@@ -275,9 +275,10 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
                                                                     "train", log)
 
     # the prompts before any model loads: a bad file or row is named in seconds
-    train_rows, eval_rows = load_prompts(config.dataset).split(config.eval_size, seed=config.seed)
+    prompts = load_prompts(config.dataset)
+    train_rows, eval_rows = prompts.split(config.eval_size, seed=config.seed)
     agent = build_agent(config, device, log)  # its models, critic (if any) and optimisers
-    check_context(config, agent)  # every prompt + max_new_tokens fits the models' positions
+    check_context(config, agent, prompts)  # every prompt + max_new_tokens fits the models' positions
     tokenizer = agent.tokenizer
     reward_fn = agent.task_reward(reward_spec(config))  # the reward spec, plus the agent's own reward model
     sampler = PromptSampler(
@@ -319,8 +320,9 @@ def refuse_changed_settings(config: TrainConfig) -> None:
         check_resume_settings(config, config_values(config), newest[-1], "train", log=lambda *a, **k: None)
 
 
-def check_context(config: TrainConfig, agent) -> None:
-    """Right after the models load, before any training: every prompt of ``config.dataset`` plus
+def check_context(config: TrainConfig, agent, prompts) -> None:
+    """Right after the models load, before any training: every prompt of ``prompts`` (the
+    ``PromptDataset`` of ``config.dataset``, loaded once by set-up) plus
     ``max_new_tokens`` fits the context of the models that read the policy's sequences, the policy
     and its critic (a reward model's body with ``critic_init='reward_model'``); the smallest
     context counts (:func:`textrl.envs.check_prompts_fit` names the row, its length and the limit)."""
@@ -335,7 +337,7 @@ def check_context(config: TrainConfig, agent) -> None:
             limits.append((found, source if isinstance(source, str) else name_of(model)))
     if limits:
         (context, field), name = min(limits, key=lambda limit: limit[0][0])
-        check_prompts_fit(config.dataset, agent.tokenizer, context=context, context_field=field, model=name,
+        check_prompts_fit(prompts, agent.tokenizer, context=context, context_field=field, model=name,
                           max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length)
 
 
@@ -434,7 +436,7 @@ def nonfinite_rows(td, n_rows: int) -> float:
 def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak: int,
                  saved: Path | None, weights_poisoned: bool = False) -> str:
     """What the user reads when the run stops early: why, where the checkpoint is, how to resume."""
-    config_path = Path(config.output_dir) / "config.yaml"
+    config_path = Path(config.output_dir) / SETTINGS_FILE
     if weights_poisoned:
         rollback = ("With nonfinite_weights='rollback' (the default) the update is undone and the run "
                     "goes on. " if config.nonfinite_weights == "stop" else "")

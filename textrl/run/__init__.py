@@ -28,6 +28,7 @@ from textrl.run.loop import LoopBody, RunLoop
 from textrl.run.metrics import MetricsLog, SamplesLog
 from textrl.run.progress import Progress
 from textrl.run.resume import (
+    SETTINGS_FILE,
     ResumeRefused,
     check_resume_settings,
     record_resume,
@@ -44,6 +45,7 @@ __all__ = [
     "MetricsLog",
     "Progress",
     "ResumeRefused",
+    "SETTINGS_FILE",
     "RunFolderBusy",
     "RunFolderLock",
     "RunLoop",

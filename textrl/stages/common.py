@@ -57,6 +57,7 @@ from textrl.run import (
     CHECKPOINT_MARKER,
     CheckpointError,
     MetricsLog,
+    SETTINGS_FILE,
     RunLoop,
     check_resume_settings,
     complete_checkpoints,
@@ -388,7 +389,7 @@ def record_run(config: StageConfig, resume_from: Path | None, start: int) -> Non
         changes = check_resume_settings(config, config_values(config), resume_from, _command(config),
                                         log=lambda *a, **k: None)  # printed by prepare_run already
         record_resume(output_dir, start, resume_from, changes)
-    save_config(config, output_dir / "config.yaml")
+    save_config(config, output_dir / SETTINGS_FILE)
 
 
 def _command(config: StageConfig) -> str:
@@ -568,7 +569,7 @@ class StageSteps:
     def checkpoint(self, step: int, stopping: bool) -> Path:
         """``checkpoints/iter_NNNNNN`` after ``step``."""
         return save_stage_checkpoint(Path(self.config.output_dir), step, self.state, self.order,
-                                     self.config.keep_checkpoints, files={"config.yaml": config_yaml(self.config)})
+                                     self.config.keep_checkpoints, files={SETTINGS_FILE: config_yaml(self.config)})
 
     def faulted(self) -> bool:
         """A stage stops on a signal only."""
@@ -577,7 +578,7 @@ class StageSteps:
     def stop_message(self, step: int, signum: int | None, saved: Path | None) -> str:
         """``textrl NAME: stopped by SIGTERM after step 3 of 6; ...``: the command that resumes."""
         return signal_message(self.name, "step", step, self.config.steps, signum, saved,
-                              Path(self.config.output_dir) / "config.yaml")
+                              Path(self.config.output_dir) / SETTINGS_FILE)
 
     def postfix(self, row: dict[str, Any]) -> dict[str, str]:
         """The progress bar's loss."""
