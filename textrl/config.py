@@ -19,9 +19,8 @@ import textwrap
 import types
 import typing
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 

@@ -36,9 +36,9 @@ from textrl.keys import KEYS
 from textrl.parallel import Backend, setup_backend
 from textrl.rollout import collect
 from textrl.run import (
+    SETTINGS_FILE,
     CheckpointError,
     MetricsLog,
-    SETTINGS_FILE,
     ResumeRefused,
     RunLoop,
     SamplesLog,

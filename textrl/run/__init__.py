@@ -23,7 +23,13 @@ from textrl.run.checkpoints import (
     verify_checkpoint,
 )
 from textrl.run.device import resolve_device
-from textrl.run.lock import RunFolderBusy, RunFolderLock, holds_run_folder, refuse_busy_folder, take_run_folder
+from textrl.run.lock import (
+    RunFolderBusy,
+    RunFolderLock,
+    holds_run_folder,
+    refuse_busy_folder,
+    take_run_folder,
+)
 from textrl.run.loop import LoopBody, RunLoop
 from textrl.run.metrics import MetricsLog, SamplesLog
 from textrl.run.progress import Progress

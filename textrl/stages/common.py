@@ -55,9 +55,9 @@ from textrl.config import (
 from textrl.models.adapters import write_atomically
 from textrl.run import (
     CHECKPOINT_MARKER,
+    SETTINGS_FILE,
     CheckpointError,
     MetricsLog,
-    SETTINGS_FILE,
     RunLoop,
     check_resume_settings,
     complete_checkpoints,
