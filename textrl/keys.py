@@ -22,7 +22,13 @@ class RolloutKeys:
     action: NestedKey = "action"
     """int64 ``[B, T]``: response tokens, right-padded after the last one."""
     mask: NestedKey = ("collector", "mask")
-    """bool ``[B, T]``: valid response tokens, EOS included; a prefix of Trues."""
+    """bool ``[B, T]``: the agent's tokens (the actions), EOS included: what is trained on. A prefix
+    of Trues for a single turn; in a multi-turn episode it has gaps where the environment's
+    observation tokens sit."""
+    response_mask: NestedKey = ("masks", "response")
+    """bool ``[B, T]``: every token of the episode after the prompt, agent's and environment's (the
+    attention mask of the response side); a prefix of Trues, ``mask`` lies inside it. Equal to
+    ``mask`` for a single turn. A rollout without it reads ``mask`` instead."""
     action_log_prob: NestedKey = "action_log_prob"
     """float ``[B, T]``: behaviour-policy log-prob of each action."""
     ref_log_prob: NestedKey = "ref_log_prob"
@@ -39,6 +45,14 @@ class RolloutKeys:
     """bool ``[B, T, 1]``: the row ended with EOS at this token."""
     truncated: NestedKey = ("next", "truncated")
     """bool ``[B, T, 1]``: the row hit ``max_new_tokens`` at this token without EOS."""
+    task_reward: NestedKey = ("next", "task_reward")
+    """float ``[B, T, 1]``: the environment's reward before any shaping: each turn's reward on that
+    turn's last agent token (``reward_placement='last'``), 0 elsewhere; its sum over time is
+    ``score``."""
+    turns: NestedKey = ("episode", "turns")
+    """int64 ``[B]``: agent turns the episode took."""
+    end_reason: NestedKey = ("episode", "end")
+    """int64 ``[B]``: why the episode ended, an index into :data:`END_REASONS`."""
     advantage: NestedKey = "advantage"
     """float ``[B, T, 1]``: written by the advantage estimator."""
     value_target: NestedKey = "value_target"
@@ -60,7 +74,12 @@ class RolloutKeys:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+END_REASONS = ("done", "length", "max_turns", "context")
+"""Why an episode ended (``KEYS.end_reason``): the environment (or, single-turn, EOS) ended it;
+a turn hit ``max_new_tokens`` without ending; ``max_turns`` agent turns were taken; the next
+observation would not fit the context (the episode is truncated before it)."""
+
 KEYS = RolloutKeys()
 """The default key set; pass another :class:`RolloutKeys` to rename keys."""
 
-__all__ = ["KEYS", "NestedKey", "RolloutKeys"]
+__all__ = ["END_REASONS", "KEYS", "NestedKey", "RolloutKeys"]

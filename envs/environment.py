@@ -1,0 +1,178 @@
+"""Task environments: the dynamics of a text episode, above the token MDP.
+
+The token MDP (docs/design.md, "The token MDP") has the agent's tokens as actions. An
+:class:`Environment` says what happens between the agent's turns: when the agent ends its turn
+(EOS, or one of the environment's ``stop_strings``), the environment reads the turn's text and
+answers with a :class:`Turn`: a reward for the turn, whether the episode is over, and otherwise
+an observation (a tool result, a user or game message) whose tokens are appended to the state and
+never trained on. A single-turn task (prompts plus a reward) is the environment whose first answer
+always ends the episode: :class:`PromptTask`.
+
+An environment also carries its task instances (:meth:`Environment.rows`, with a held-out split),
+its final reward (``reward``: a reward spec or a callable, scoring the finished episode in a
+batch), its maximum reward where known, and an optional warm-up source for the supervised format
+warm-up. Environments are registered by id (:mod:`textrl.envs.registry`).
+
+Writing one: subclass :class:`Environment`, give ``id``, ``description``, ``max_turns`` and
+:meth:`~Environment.rows`, and answer turns in :meth:`~Environment.step`::
+
+    class Echo(Environment):
+        id = "echo"
+        max_turns = 2
+
+        def rows(self):
+            return [{"prompt": f"Say {w}, then say it again.", "word": w} for w in ("a", "b")]
+
+        def step(self, episode, completion):
+            said = completion.strip() == episode.row["word"]
+            if episode.turn == 1:
+                return Turn(observation="Again.", reward=float(said))
+            return Turn(reward=float(said), done=True)
+
+Nothing here imports torch models or the agents; the batched collector that runs episodes is
+:mod:`textrl.envs.collector`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+Message = dict[str, str]
+"""``{"role": ..., "content": ...}``, as in a chat template."""
+
+
+@dataclass
+class Turn:
+    """The environment's answer to one agent turn.
+
+    ``reward`` is paid for this turn (on its last agent token); ``done`` ends the episode; otherwise
+    ``observation`` (a string, sent as one ``user`` message, or a list of messages such as
+    ``[{"role": "tool", "content": "42"}]``) is appended to the conversation, tokenised once as the
+    chat template renders it after the history. ``info`` is kept for the episode's record.
+    """
+
+    reward: float = 0.0
+    done: bool = False
+    observation: str | list[Message] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def messages(self) -> list[Message]:
+        """The observation as messages (``[]`` when there is none)."""
+        if self.observation is None:
+            return []
+        if isinstance(self.observation, str):
+            return [{"role": "user", "content": self.observation}]
+        return [dict(m) for m in self.observation]
+
+
+@dataclass
+class Episode:
+    """One episode's text-level state, as the environment sees it.
+
+    ``row`` is the task instance; ``messages`` the conversation so far (the prompt's messages, then
+    ``assistant`` messages holding the decoded agent turns and the environment's observations);
+    ``turn`` the number of agent turns answered so far (1 inside the first :meth:`Environment.step`);
+    ``state`` is the environment's own scratch space for the episode (a guessing game's secret,
+    say), filled by :meth:`Environment.start`.
+    """
+
+    row: dict[str, Any]
+    messages: list[Message]
+    turn: int = 0
+    state: dict[str, Any] = field(default_factory=dict)
+    index: int = -1
+    """The row's index in the environment's rows (-1: a row given directly)."""
+    prompt_messages: int = 0
+    """How many of ``messages`` are the prompt's."""
+
+    @property
+    def completions(self) -> list[Message]:
+        """The messages after the prompt: every agent turn and observation so far."""
+        return self.messages[self.prompt_messages :]
+
+
+class EnvError(RuntimeError):
+    """An environment raised while answering a turn; the message names the environment and row."""
+
+
+class Environment:
+    """Base class of task environments; see the module docstring.
+
+    Class attributes a subclass sets:
+
+    - ``id``: the registry id (``textrl train --env ID``);
+    - ``description``: one line for ``textrl envs``;
+    - ``max_turns``: agent turns before the episode ends (truncated) if the environment has not
+      ended it;
+    - ``max_reward``: the best episode reward, where known (None otherwise);
+    - ``stop_strings``: strings that end the agent's turn besides EOS (``"</tool>"``, say); the
+      turn's tokens end with the token that completes the string.
+    - ``reward``: the final reward (a reward spec such as ``"accuracy"`` or a callable in the
+      reward convention of :mod:`textrl.rewards`), scored once per finished episode over the
+      batch and added to the last turn's reward; None: the turns' rewards alone.
+    """
+
+    id: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    max_turns: int = 1
+    max_reward: float | None = None
+    stop_strings: tuple[str, ...] = ()
+    reward: str | Callable[..., Any] | None = None
+
+    # -- task instances ------------------------------------------------------------------------
+
+    def rows(self) -> Sequence[dict[str, Any]]:
+        """The task instances: dict rows with ``"prompt"`` (a string) or ``"messages"`` (a
+        conversation up to the first agent turn), plus any fields the environment or its reward
+        reads (an ``"answer"``, say)."""
+        raise NotImplementedError(f"{type(self).__name__} must define rows()")
+
+    def eval_rows(self) -> Sequence[dict[str, Any]] | None:
+        """A held-out split of its own, if the task has one; None: the trainer holds out
+        ``eval_size`` rows of :meth:`rows` (seeded)."""
+        return None
+
+    def warmup_examples(self, rows: Sequence[dict[str, Any]], seed: int) -> list[tuple[Any, str]] | None:
+        """(prompt, completion) pairs for the supervised format warm-up, or None (no warm-up).
+        A prompt is a string or a list of messages; the completion is the agent's text (EOS added
+        by the warm-up)."""
+        return None
+
+    # -- dynamics ------------------------------------------------------------------------------
+
+    def start(self, episode: Episode) -> None:
+        """Prepare ``episode.state`` before the first agent turn (nothing by default)."""
+
+    def step(self, episode: Episode, completion: str) -> Turn:
+        """Answer the agent's turn ``completion`` (decoded, special tokens skipped); the default
+        ends the episode with no turn reward (a single-turn task scored by ``reward``)."""
+        return Turn(done=True)
+
+    def describe(self) -> str:
+        """The line ``textrl envs`` prints."""
+        turns = "single turn" if self.max_turns == 1 else f"up to {self.max_turns} turns"
+        best = "" if self.max_reward is None else f", max reward {self.max_reward:g}"
+        return f"{self.description} ({turns}{best})"
+
+
+class PromptTask(Environment):
+    """A single-turn task: prompts (any source :func:`textrl.envs.load_prompts` reads) and a
+    reward; the first answer ends the episode, scored by ``reward``. What ``textrl train`` builds
+    from ``--dataset`` and ``--reward`` when no ``--env`` is given."""
+
+    description = "prompts and a reward, one answer per episode"
+
+    def __init__(self, dataset: Any, reward: str | Callable[..., Any] | None, *, id: str = "") -> None:
+        from textrl.envs.prompts import load_prompts
+
+        self.dataset = load_prompts(dataset)
+        self.reward = reward
+        self.id = id or str(self.dataset.source)  # type: ignore[misc]
+
+    def rows(self) -> Any:
+        return self.dataset
+
+
+__all__ = ["Environment", "EnvError", "Episode", "Message", "PromptTask", "Turn"]

@@ -1,0 +1,54 @@
+"""Tokenising an environment's observation once, as the chat template renders it after a history.
+
+The history is never re-rendered (docs/design.md, "Multi-turn episodes"): the agent's tokens stay
+the tokens it sampled. :func:`observation_ids` renders a fixed stand-in history that ends with an
+assistant turn, then the same history followed by the new messages and the generation prompt; the
+tokens after the stand-in's last end-of-turn token are the observation's. With ChatML that is
+``"\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n"``: the newline the template
+puts after the agent's EOS, the messages, and the prompt for the next agent turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+_STAND_IN = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+
+
+def _template_ids(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def observation_ids(tokenizer: Any, messages: Sequence[dict[str, str]], eos_token_ids: Sequence[int]) -> list[int]:
+    """Token ids of ``messages`` appended after an agent turn that ended with one of
+    ``eos_token_ids``, up to and including the next generation prompt.
+
+    A tokenizer without a chat template gets each message's content on its own line
+    (``"\\n" + content`` per message, then ``"\\n"``). ``ValueError`` when the template renders the
+    history differently once messages follow (the observation could not be cut from it), or the
+    messages are not ``{"role", "content"}`` dicts.
+    """
+    messages = [dict(m) for m in messages]
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"observation message {i} must be {{'role': str, 'content': str}}, got {m!r}")
+    if not getattr(tokenizer, "chat_template", None):
+        text = "".join("\n" + m["content"] for m in messages) + "\n"
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    before = _template_ids(tokenizer, _STAND_IN, False)
+    after = _template_ids(tokenizer, _STAND_IN + messages, True)
+    eos = set(int(e) for e in eos_token_ids)
+    ends = [i for i, t in enumerate(before) if t in eos]
+    if not ends:
+        raise ValueError("the chat template renders an assistant turn without the tokenizer's EOS; set "
+                         "eos_token_id to the template's end-of-turn token")
+    cut = ends[-1] + 1
+    if after[:cut] != before[:cut]:
+        raise ValueError("the chat template renders the earlier turns differently once new messages follow, "
+                         "so an observation cannot be appended without re-tokenising the history")
+    return after[cut:]
+
+
+__all__ = ["observation_ids"]

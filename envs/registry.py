@@ -1,0 +1,162 @@
+"""Environments by id: ``register_env``, ``make_env``, ``env_ids``.
+
+``make_env`` accepts
+
+- a registered id (``"digits"``, ``"guess_number"``; ``textrl envs`` lists them), with keyword
+  settings passed to the environment's constructor;
+- ``"path/to/file.py:ClassName"``: an :class:`~textrl.envs.environment.Environment` subclass (or
+  a function returning an environment) defined in a user's file;
+- ``"<scheme>:<argument>"`` for a scheme in :data:`ENV_LOADERS` (the adapters register
+  ``reasoning_gym:<task>`` and ``textarena:<game id>``);
+- an :class:`~textrl.envs.environment.Environment` instance, returned as it is.
+
+Every registered id is also a Gymnasium id, ``textrl/<Id>-v0`` (``gym.make`` builds the token MDP
+of that environment, :class:`textrl.envs.TokenMDPEnv`); registration extends this table, nobody
+edits a list.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from textrl.envs.environment import Environment
+
+ENVS: dict[str, Callable[..., Environment]] = {}
+"""Registered id -> constructor (a class or a function) of the environment."""
+
+ENV_LOADERS: dict[str, Callable[..., Environment]] = {}
+"""Scheme -> loader: ``make_env("scheme:arg", **kw)`` returns ``ENV_LOADERS[scheme](arg, **kw)``."""
+
+_ADAPTER_MODULES = ("textrl.envs.builtin", "textrl.envs.adapters")
+"""Modules imported on the first lookup that misses, so their schemes and ids register lazily."""
+
+T = TypeVar("T")
+
+
+def register_env(env_id: str, *, overwrite: bool = False) -> Callable[[T], T]:
+    """Decorator: make ``make_env(env_id)`` (and ``textrl train --env env_id``) build the decorated
+    class or function. Ids are lower-case words with ``_``, ``-`` or ``.``; ``:`` is reserved for
+    schemes and files."""
+    if not isinstance(env_id, str) or not env_id or ":" in env_id or "," in env_id or "/" in env_id:
+        raise ValueError(f"environment id {env_id!r} must be a non-empty str without ':', ',' or '/'")
+
+    def register(obj: T) -> T:
+        if env_id in ENVS and not overwrite:
+            raise ValueError(f"an environment with id {env_id!r} is already registered; pick another id "
+                             "or pass overwrite=True")
+        if not callable(obj):
+            raise ValueError(f"register_env({env_id!r}) decorates a class or function, got {obj!r}")
+        ENVS[env_id] = obj  # type: ignore[assignment]
+        _register_gym_id(env_id)
+        return obj
+
+    return register
+
+
+def register_env_loader(scheme: str) -> Callable[[T], T]:
+    """Decorator: ``make_env("scheme:ARG", **kw)`` calls the decorated ``loader(ARG, **kw)``."""
+
+    def register(loader: T) -> T:
+        ENV_LOADERS[scheme] = loader  # type: ignore[assignment]
+        return loader
+
+    return register
+
+
+def gym_id(env_id: str) -> str:
+    """The Gymnasium id of a registered environment: ``textrl/<Id>-v0`` (``guess_number`` ->
+    ``textrl/GuessNumber-v0``)."""
+    words = env_id.replace("-", "_").replace(".", "_").split("_")
+    return "textrl/" + "".join(w[:1].upper() + w[1:] for w in words) + "-v0"
+
+
+def _register_gym_id(env_id: str) -> None:
+    import gymnasium as gym
+
+    name = gym_id(env_id)
+    if name not in gym.registry:
+        gym.register(id=name, entry_point="textrl.envs.token_mdp:TokenMDPEnv", kwargs={"env": env_id})
+
+
+def _load_builtins() -> None:
+    import importlib
+
+    for module in _ADAPTER_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as error:  # the adapters module itself missing is a bug
+            if error.name == module:
+                raise
+
+
+def env_ids() -> list[str]:
+    """The registered ids, sorted."""
+    _load_builtins()
+    return sorted(ENVS)
+
+
+def _from_file(spec: str, settings: dict[str, Any]) -> Environment:
+    path, _, name = spec.rpartition(":")
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"--env {spec!r}: no file {str(file)!r}; give PATH.py:ClassName of an existing file")
+    module_name = f"textrl_user_env_{abs(hash(str(file.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, file)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"--env {spec!r}: {str(file)!r} cannot be imported as a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    module_spec.loader.exec_module(module)
+    obj = getattr(module, name, None)
+    if obj is None:
+        found = [n for n, v in vars(module).items() if inspect.isclass(v) and issubclass(v, Environment)
+                 and v is not Environment and v.__module__ == module_name]
+        raise ValueError(f"--env {spec!r}: {str(file)!r} defines no {name!r}"
+                         + (f"; its environments: {', '.join(found)}" if found else ""))
+    return _build(obj, settings, spec)
+
+
+def _build(factory: Callable[..., Any], settings: dict[str, Any], label: str) -> Environment:
+    env = factory(**settings)
+    if not isinstance(env, Environment):
+        raise TypeError(f"--env {label!r} built a {type(env).__name__}, not a textrl.envs.Environment; "
+                        "subclass textrl.envs.Environment (rows() and step())")
+    return env
+
+
+def make_env(spec: str | Environment, **settings: Any) -> Environment:
+    """The environment ``spec`` names (see the module docstring); ``ValueError`` for an unknown id
+    lists the registered ones."""
+    if isinstance(spec, Environment):
+        if settings:
+            raise ValueError(f"make_env got an environment instance and settings {sorted(settings)}; "
+                             "pass an id with the settings, or the instance alone")
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"--env {spec!r}: give a registered id (textrl envs lists them), "
+                         "PATH.py:ClassName, or an Environment")
+    spec = spec.strip()
+    if spec not in ENVS:
+        _load_builtins()
+    if spec in ENVS:
+        return _build(ENVS[spec], settings, spec)
+    scheme, sep, arg = spec.partition(":")
+    if sep and (spec.rpartition(":")[0].endswith(".py")):
+        return _from_file(spec, settings)
+    if sep and scheme in ENV_LOADERS:
+        return _build(lambda **kw: ENV_LOADERS[scheme](arg, **kw), settings, spec)
+    known = sorted(ENVS)
+    close = difflib.get_close_matches(spec, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    schemes = ", ".join(f"{s}:NAME" for s in sorted(ENV_LOADERS))
+    raise ValueError(f"unknown environment {spec!r}{hint}; registered: {', '.join(known)}"
+                     + (f"; adapters: {schemes}" if schemes else "") + "; or PATH.py:ClassName")
+
+
+__all__ = ["ENVS", "ENV_LOADERS", "env_ids", "gym_id", "make_env", "register_env", "register_env_loader"]
