@@ -158,21 +158,23 @@ class Environment:
 
 
 class PromptTask(Environment):
-    """A single-turn task: prompts (any source :func:`textrl.envs.load_prompts` reads) and a
-    reward; the first answer ends the episode, scored by ``reward``. What ``textrl train`` builds
-    from ``--dataset`` and ``--reward`` when no ``--env`` is given."""
+    """A single-turn task: prompt rows and a reward; the first answer ends the episode, scored by
+    ``reward``. What ``textrl train`` builds from ``--dataset`` and ``--reward`` when no ``--env``
+    is given (``rows``: a :class:`textrl.envs.PromptDataset` or a list of rows; None for a task
+    that only scores batches it is handed)."""
 
     description = "prompts and a reward, one answer per episode"
 
-    def __init__(self, dataset: Any, reward: str | Callable[..., Any] | None, *, id: str = "") -> None:
-        from textrl.envs.prompts import load_prompts
-
-        self.dataset = load_prompts(dataset)
+    def __init__(self, rows: Sequence[dict[str, Any]] | None, reward: str | Callable[..., Any] | None,
+                 *, id: str = "prompts") -> None:
+        self._rows = rows
         self.reward = reward
-        self.id = id or str(self.dataset.source)  # type: ignore[misc]
+        self.id = id  # type: ignore[misc]
 
-    def rows(self) -> Any:
-        return self.dataset
+    def rows(self) -> Sequence[dict[str, Any]]:
+        if self._rows is None:
+            raise ValueError("this PromptTask was built without rows; pass rows=[...] (or a PromptDataset)")
+        return self._rows
 
 
 __all__ = ["Environment", "EnvError", "Episode", "Message", "PromptTask", "Turn"]

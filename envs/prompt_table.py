@@ -20,7 +20,8 @@ from textrl.envs.fast_path import (
     default_tokenizer,
     special_ids,
 )
-from textrl.envs.prompts import load_prompts, row_messages
+from textrl.envs.prompts import load_prompts
+from textrl.envs.rows import row_messages
 from textrl.envs.tasks import make_digits_task
 
 

@@ -34,7 +34,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from tensordict import TensorDict
+from textrl.envs.collector import EpisodeRunner
 from textrl.envs.fast_path import rollout_from_responses
+from textrl.envs.rows import batch_fields, raw_prompts
 from textrl.envs.tasks import BUILTIN_TASKS, DATA_DIR
 from torch import Tensor
 
@@ -115,27 +117,6 @@ def _normalize_row(raw: Any, where: str) -> dict[str, Any]:
             f"list, got fields {sorted(row)}"
         )
     return row
-
-
-def row_messages(row: Mapping[str, Any], index: int) -> tuple[list[dict[str, str]], str]:
-    """(chat messages, prompt text for the rewards) of a row with ``prompt`` or ``messages``."""
-    messages = row.get("messages")
-    prompt = row.get("prompt")
-    if messages is None and isinstance(prompt, list):
-        messages = prompt
-    if messages is not None:
-        user = [m.get("content", "") for m in messages if m.get("role") == "user"]
-        text = prompt if isinstance(prompt, str) else (user[-1] if user else "")
-        if not any(str(m.get("content", "")).strip() for m in messages):
-            raise ValueError(f"prompt {index} is empty (its messages have no content)")
-        return list(messages), text
-    if not isinstance(prompt, str):
-        raise ValueError(
-            f"prompt {index} is {row!r}: a row needs a 'prompt' str (or a 'messages' list)"
-        )
-    if not prompt.strip():
-        raise ValueError(f"prompt {index} is empty; remove it or give it text")
-    return [{"role": "user", "content": prompt}], prompt
 
 
 def _row_messages(row: Mapping[str, Any]) -> list[dict[str, str]]:
@@ -374,6 +355,12 @@ class PromptBatch:
             self.prompt_index[rows],
         )
 
+    def episode_runner(self, env: Any, **settings: Any) -> Any:
+        """An :class:`textrl.envs.collector.EpisodeRunner` of ``env`` (an environment, or a reward
+        spec / callable: the single-turn task it scores) for batches like this one; ``settings``
+        are its keyword arguments (``tokenizer``, ``max_new_tokens``, ...)."""
+        return EpisodeRunner(env, **settings)
+
     def rollout(
         self,
         responses: Tensor,
@@ -417,29 +404,6 @@ class PromptBatch:
         )
         td.set(KEYS.score, td.get(KEYS.reward).squeeze(-1).sum(1))
         return td
-
-
-_PROMPT_FIELDS = ("prompt", "messages")
-
-
-def batch_fields(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
-    """The rows' reward fields as a dict of lists (``prompt`` / ``messages`` left out).
-
-    A field missing from some rows is ``None`` there, so every list has one entry per row.
-
-    >>> batch_fields([{"prompt": "a", "answer": "1"}, {"prompt": "b"}])
-    {'answer': ['1', None]}
-    """
-    names: dict[str, None] = {}
-    for row in rows:
-        names.update((k, None) for k in row if k not in _PROMPT_FIELDS)
-    return {name: [row.get(name) for row in rows] for name in names}
-
-
-def raw_prompts(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The text the reward functions see for each row: the raw prompt, no chat template
-    (for a conversation, its last user turn)."""
-    return [row_messages(row, i)[1] for i, row in enumerate(rows)]
 
 
 def _has_chat_template(tokenizer: Any) -> bool:

@@ -1,9 +1,10 @@
 """Collecting rollouts with an agent: generate, score, hand to the agent, check.
 
 :func:`collect` is phases 1-3 of the training loop (rollout, rewards, advantages) for one batch
-of prompts: the agent samples responses with batched ``model.generate`` (its fast path), the
-prompt batch turns them into the rows (docs/design.md, "The rollout TensorDict") the token MDP would pay, and the agent fills
-in log-probs, values and advantages. :func:`evaluate_prompts` scores held-out prompts without
+of prompts: an environment's episodes, the agent sampling each turn with batched
+``model.generate`` (its fast path), become the rows (docs/design.md, "The rollout TensorDict",
+"Multi-turn episodes") the token MDP would pay, and the agent fills in log-probs, values and
+advantages. :func:`evaluate_prompts` scores held-out prompts without
 touching the agent's state.
 
 Both sides are duck-typed, so this module imports no environment or agent (docs/design.md, "Layers"):
@@ -12,21 +13,21 @@ Both sides are duck-typed, so this module imports no environment or agent (docs/
   ``process_rollout(td, timings=...) -> td``, and the attributes ``config`` (``max_new_tokens``),
   ``tokenizer``, ``eos_token_id``, ``pad_token_id`` and ``device``;
 - the batch (an :class:`textrl.envs.prompts.PromptBatch`): ``input_ids`` / ``attention_mask``
-  ``[B, P]`` and ``rollout(responses, tokenizer=, reward_fn=, eos_token_id=, pad_token_id=,
-  max_new_tokens=, reward_placement=) -> TensorDict`` with ``KEYS.score``.
+  ``[B, P]``, ``rows``, ``to(device)`` and ``episode_runner(env, **settings)``, the
+  :class:`textrl.envs.collector.EpisodeRunner` that runs the episodes (``run(generate, batch,
+  timings=) -> TensorDict`` with ``KEYS.score``); a runner may also be passed as ``env``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
 from textrl.checks import check_rollout
-from textrl.keys import KEYS
-from textrl.timing import timed
+from textrl.keys import END_REASONS, KEYS
 
 SCORE_KEY = KEYS.score
 """float ``[B]``: each row's task score (the weighted reward before any KL shaping)."""
@@ -49,37 +50,47 @@ def _max_new_tokens(agent: Any, max_new_tokens: int | None) -> int:
     return int(value)
 
 
-def _score_rows(
+def episode_runner(
     agent: Any,
     batch: Any,
-    responses: torch.Tensor,
-    reward_fn: Callable[..., Any] | str,
-    reward_placement: str,
-    max_new_tokens: int | None,
+    env: Any,
+    reward_placement: str = "last",
+    max_new_tokens: int | None = None,
     reward_nonfinite: str = "raise",
-) -> TensorDictBase:
-    """The batch's rollout rows for ``responses`` ``[B, T]``, plus ``KEYS.score`` ``[B]``."""
-    if not callable(getattr(batch, "rollout", None)):
+    max_episode_tokens: int | None = None,
+) -> Any:
+    """``env`` itself when it is already a runner (has ``run(generate, batch, timings=)``, such as
+    :class:`textrl.envs.collector.EpisodeRunner`), else the batch's runner of ``env`` (an
+    environment, or a reward spec / callable: the single-turn task it scores) with the agent's
+    tokenizer, EOS and pad ids and generation limit."""
+    if callable(getattr(env, "run", None)):
+        return env
+    if not callable(getattr(batch, "episode_runner", None)):
         raise TypeError(
             f"collect() got a {type(batch).__name__} as the prompt batch; pass an "
             "textrl.envs.prompts.PromptBatch (from PromptSampler.next_batch or encode_prompts)"
         )
-    return batch.rollout(
-        responses.to(torch.device(agent.device)),
-        tokenizer=agent.tokenizer,
-        reward_fn=reward_fn,
-        eos_token_id=agent.eos_token_id,
-        pad_token_id=agent.pad_token_id,
-        max_new_tokens=_max_new_tokens(agent, max_new_tokens),
-        reward_placement=reward_placement,
-        reward_nonfinite=reward_nonfinite,
+    return batch.episode_runner(
+        env, tokenizer=agent.tokenizer, eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id,
+        max_new_tokens=_max_new_tokens(agent, max_new_tokens), reward_placement=reward_placement,
+        reward_nonfinite=reward_nonfinite, max_episode_tokens=max_episode_tokens,
     )
+
+
+def _episodes(agent: Any, batch: Any, runner: Any, greedy: bool, timings: dict[str, float] | None) -> TensorDictBase:
+    """The runner's episodes of ``batch``, the agent generating every turn."""
+    device = torch.device(agent.device)
+
+    def generate(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return agent.act(input_ids.to(device), attention_mask.to(device), greedy=greedy)  # [n, T]
+
+    return runner.run(generate, batch.to(device), timings=timings)
 
 
 def collect(
     agent: Any,
     batch: Any,
-    reward_fn: Callable[..., Any] | str,
+    env: Any,
     *,
     reward_placement: str = "last",
     max_new_tokens: int | None = None,
@@ -89,12 +100,14 @@ def collect(
 ) -> TensorDictBase:
     """One rollout TensorDict (docs/design.md, "The rollout TensorDict", ``batch_size=[B]``) for a batch of prompts.
 
-    1. ``agent.act`` samples a response per row (micro-batched generation inside the agent);
-    2. ``batch.rollout`` scores them with ``reward_fn`` (a callable or a spec string such as
-       ``"think_format,tag_count"``) and writes the tokens, masks, done flags,
-       ``("next","reward")`` (placed by ``reward_placement``), ``("reward_components", name)``
-       and ``KEYS.score`` float ``[B]`` (each row's task score, kept so it survives the KL
-       shaping of the next step);
+    1. one episode per row of ``env`` (an environment, a runner of one, or a reward spec /
+       callable such as ``"think_format,tag_count"``: the single-turn task it scores), run by
+       :class:`textrl.envs.collector.EpisodeRunner`: ``agent.act`` samples every turn
+       (micro-batched generation inside the agent), the environment answers;
+    2. the runner writes the tokens, the agent and response masks, done flags,
+       ``("next","reward")`` (placed by ``reward_placement``), ``("reward_components", name)``,
+       the episode's turns and end reason, and ``KEYS.score`` float ``[B]`` (each row's task
+       score, kept so it survives the KL shaping of the next step);
     3. ``agent.process_rollout(td)`` (when the agent has it) adds log-probs, values, KL shaping,
        ``advantage`` and ``value_target``;
     4. :func:`textrl.checks.check_rollout` validates the result.
@@ -108,17 +121,10 @@ def collect(
     ``check_finite=False`` lets NaN/inf log-probs, values or advantages through the final check,
     for a caller (the trainer) whose ``agent.update`` skips such an update instead.
     """
-    device = torch.device(agent.device)
-    # 1. rollout
-    with timed(timings, "generation", device):
-        responses = agent.act(
-            batch.input_ids.to(device), batch.attention_mask.to(device), greedy=False
-        )  # [B, T]
-    # 2. rewards
-    with timed(timings, "reward", device):
-        td = _score_rows(
-            agent, batch, responses, reward_fn, reward_placement, max_new_tokens, reward_nonfinite
-        )
+    # 1.-2. rollout and rewards: every turn generated (timed as generation), the environment's
+    # answers and the final reward (timed as reward)
+    runner = episode_runner(agent, batch, env, reward_placement, max_new_tokens, reward_nonfinite)
+    td = _episodes(agent, batch, runner, greedy=False, timings=timings)
     # 3. log-probs, values, advantages
     process = getattr(agent, "process_rollout", None)
     if callable(process):
@@ -130,30 +136,31 @@ def collect(
 def evaluate_prompts(
     agent: Any,
     prompt_batches: Iterable[Any],
-    reward_fn: Callable[..., Any] | str,
+    env: Any,
     greedy: bool = True,
     *,
     max_new_tokens: int | None = None,
     reward_nonfinite: str = "raise",
 ) -> dict[str, float]:
-    """Held-out evaluation: generate for every prompt once and average the task rewards.
+    """Held-out evaluation: one episode of ``env`` per prompt, averaging the task rewards.
 
     Returns flat float metrics over all rows: ``reward/mean`` (the weighted task score, no KL),
     ``reward_components/NAME`` (each reward function's raw mean), ``response_length/mean``
-    (valid tokens, EOS included), ``truncated/rate`` (rows that hit ``max_new_tokens``),
+    (the agent's tokens, EOS included), ``truncated/rate`` (episodes that did not end by the
+    environment: a length cap, ``max_turns`` or the context), :func:`episode_metrics`,
     ``format_rate`` (fraction with ``think_format > 0``, only when that component exists) and
     ``accuracy`` (mean of the ``accuracy`` component, only when it exists). ``n`` is the row
     count. The agent's state is untouched (no ``process_rollout``). ``reward_nonfinite``: as in
     :func:`collect` (dropped rows are left out of every mean and of ``n``).
     """
-    device = torch.device(agent.device)
-    scores, lengths, truncated = [], [], []
+    scores, lengths, truncated, turns, ends = [], [], [], [], []
     components: dict[str, list[torch.Tensor]] = {}
+    runner = None
     for batch in prompt_batches:
-        responses = agent.act(
-            batch.input_ids.to(device), batch.attention_mask.to(device), greedy=greedy
-        )
-        td = _score_rows(agent, batch, responses, reward_fn, "last", max_new_tokens, reward_nonfinite)
+        runner = runner or episode_runner(agent, batch, env, "last", max_new_tokens, reward_nonfinite)
+        td = _episodes(agent, batch, runner, greedy=greedy, timings=None)
+        turns.append(td.get(KEYS.turns).float().cpu())
+        ends.append(td.get(KEYS.end_reason).cpu())
         scores.append(td.get(SCORE_KEY).float().cpu())
         lengths.append(td.get(KEYS.mask).sum(1).float().cpu())
         truncated.append(td.get(KEYS.truncated).squeeze(-1).any(1).float().cpu())
@@ -169,6 +176,7 @@ def evaluate_prompts(
         "n": float(sum(s.numel() for s in scores)),
     }
     metrics.update({f"reward_components/{name}": v.mean().item() for name, v in comp.items()})
+    metrics.update(episode_metrics(torch.cat(turns), torch.cat(ends)))
     if "think_format" in comp:
         metrics["format_rate"] = (comp["think_format"] > 0).float().mean().item()
     if "accuracy" in comp:
@@ -176,4 +184,14 @@ def evaluate_prompts(
     return metrics
 
 
-__all__ = ["PHASES", "SCORE_KEY", "collect", "evaluate_prompts"]
+def episode_metrics(turns: torch.Tensor, ends: torch.Tensor) -> dict[str, float]:
+    """``episode/turns/mean`` and the share of episodes that ended for each reason of
+    :data:`textrl.keys.END_REASONS` (``episode/end/done``, ``.../length``, ``.../max_turns``,
+    ``.../context``), from ``turns`` and ``ends`` ``[N]``."""
+    out = {"episode/turns/mean": turns.float().mean().item()}
+    for i, reason in enumerate(END_REASONS):
+        out[f"episode/end/{reason}"] = (ends == i).float().mean().item()
+    return out
+
+
+__all__ = ["PHASES", "SCORE_KEY", "collect", "episode_metrics", "episode_runner", "evaluate_prompts"]
