@@ -81,6 +81,22 @@ def policy_name(config: TrainConfig) -> str:
     return config.model if isinstance(config.model, str) else name_of(config.model)
 
 
+def warmup_pairs(config: TrainConfig) -> list[tuple[Any, str]] | None:
+    """The (prompt, completion) pairs of the run's environment's format warm-up, drawn from its
+    training rows (None: it has none, as a plain ``--dataset`` has none). An environment whose
+    ``warmup_examples`` takes ``answer_accuracy`` gets ``warmup_answer_accuracy``."""
+    import inspect
+
+    from textrl.envs.registry import split_rows, task_environment
+
+    env = task_environment(config.env, config.dataset, config.reward)
+    train_rows, _ = split_rows(env, config.eval_size, config.seed)
+    settings = {}
+    if "answer_accuracy" in inspect.signature(env.warmup_examples).parameters:
+        settings["answer_accuracy"] = config.warmup_answer_accuracy
+    return env.warmup_examples(list(train_rows), config.seed, **settings)
+
+
 def tokenizer_name(config: TrainConfig) -> str:
     """How messages name the tokenizer: ``config.tokenizer``, else the policy's (its own tokenizer)."""
     if config.tokenizer is None:
@@ -331,23 +347,18 @@ class PPOAgent(nn.Module):
 
     @classmethod
     def load_policy(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print) -> nn.Module:
-        """The policy of ``config.model`` in float32, eval mode; the built-in digits task gets a
-        short supervised format warm-up first (``warmup_sft_steps``)."""
+        """The policy of ``config.model`` in float32, eval mode; an environment with a warm-up
+        source (the built-in tasks) gets a short supervised format warm-up first
+        (``warmup_sft_steps``, :func:`warmup_pairs`)."""
         from textrl.models import load_causal_lm
 
         policy = load_causal_lm(config.model, device=device)
         check_tokenizer_fits(tokenizer, policy, tokenizer_name=tokenizer_name(config), model_name=policy_name(config))
         policy.float()
-        if config.warmup_sft_steps > 0 and config.dataset == "builtin:digits":
-            from textrl.envs import load_prompts
-            from textrl.envs.tasks import warmup_examples
-
+        pairs = warmup_pairs(config) if config.warmup_sft_steps > 0 else None
+        if pairs:
             from textrl.warmup import sft_warmup
 
-            train_rows, _ = load_prompts(config.dataset).split(config.eval_size, seed=config.seed)
-            pairs = warmup_examples(
-                list(train_rows), seed=config.seed, answer_accuracy=config.warmup_answer_accuracy
-            )
             stats = sft_warmup(
                 policy, tokenizer, pairs, steps=config.warmup_sft_steps, lr=config.warmup_sft_lr,
                 batch_size=config.warmup_sft_batch_size, seed=config.seed,
@@ -383,18 +394,22 @@ class PPOAgent(nn.Module):
             return ValueModel.from_reward_model(load_reward_model(config.reward_model)).to(policy.device)
         return ValueModel.from_causal_lm(policy)
 
-    def task_reward(self, spec: str) -> Any:
-        """The task reward of reward ``spec`` (``textrl.rewards.parse_reward_spec``), joined by the
-        agent's own ``reward_model`` (if it has one) as component 'reward_model', scored in batches
-        by ``NeuralReward``; None when there is neither."""
-        from textrl.rewards import CompositeReward, NeuralReward, parse_reward_spec
+    def task_reward(self, spec: str, default: Any = None) -> Any:
+        """The task reward of reward ``spec`` (``textrl.rewards.parse_reward_spec``; when empty,
+        ``default``, a reward callable such as an environment's own), joined by the agent's own
+        ``reward_model`` (if it has one) as component 'reward_model', scored in batches by
+        ``NeuralReward``; None when there is none of them."""
+        from textrl.rewards import CompositeReward, NeuralReward, parse_reward_spec, reward_name
 
         model = getattr(self, "reward_model", None)
-        rules = parse_reward_spec(spec) if spec.strip() or model is None else None
+        rules = parse_reward_spec(spec) if spec.strip() else (default if callable(default) else None)
         if model is None:
             return rules
         neural = NeuralReward(model, self.tokenizer, batch_size=self.config.forward_batch_size)
-        parts = {} if rules is None else {name: (fn, rules.weights[name]) for name, fn in rules.functions.items()}
+        if isinstance(rules, CompositeReward):
+            parts = {name: (fn, rules.weights[name]) for name, fn in rules.functions.items()}
+        else:
+            parts = {} if rules is None else {reward_name(rules): (rules, 1.0)}
         return CompositeReward({**parts, "reward_model": (neural, 1.0)})
 
     def __init__(

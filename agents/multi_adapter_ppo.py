@@ -41,7 +41,7 @@ from textrl.agents.adapter_views import (
     build_adapter_stack,
     value_critic,
 )
-from textrl.agents.base import LORA_OPTIONS, policy_name, tokenizer_name
+from textrl.agents.base import LORA_OPTIONS, policy_name, tokenizer_name, warmup_pairs
 from textrl.agents.gae_ppo import GAEPPO
 from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
@@ -116,7 +116,7 @@ class MultiAdapterPPO(GAEPPO):
         reward adapter was trained on (fine-tune first with `textrl sft` + `textrl merge`, or run
         `textrl pipeline`)."""
         config.validate(cls)
-        if config.warmup_sft_steps > 0 and config.dataset == "builtin:digits":
+        if config.warmup_sft_steps > 0 and warmup_pairs(config):
             log(f"{config.agent}: no SFT warm-up (the base is shared with the reward adapter)")
         tokenizer = cls.load_tokenizer(config)
         return cls(cls.load_policy(config, tokenizer, torch.device(device), log), tokenizer, config)

@@ -159,4 +159,48 @@ def make_env(spec: str | Environment, **settings: Any) -> Environment:
                      + (f"; adapters: {schemes}" if schemes else "") + "; or PATH.py:ClassName")
 
 
-__all__ = ["ENVS", "ENV_LOADERS", "env_ids", "gym_id", "make_env", "register_env", "register_env_loader"]
+DEFAULT_ENV = "digits"
+"""The environment of ``textrl train`` with neither ``--env`` nor ``--dataset``."""
+DATASET_REWARD = "think_format,tag_count,accuracy"
+"""The reward of a ``--dataset`` without ``--reward``."""
+
+
+def task_environment(env: str | Environment | None = None, dataset: Any = None,
+                     reward: Any = None) -> Environment:
+    """The environment a run trains on: ``env`` (an id, spec or instance), else a
+    :class:`~textrl.envs.environment.PromptTask` of ``dataset`` scored by ``reward`` (default
+    :data:`DATASET_REWARD`), else :data:`DEFAULT_ENV`. ``dataset='builtin:NAME'`` of a registered
+    environment NAME is that environment. A ``reward`` replaces the environment's final reward."""
+    from textrl.envs.environment import PromptTask
+    from textrl.envs.prompts import load_prompts
+
+    if env is not None and dataset is not None:
+        raise ValueError("--env and --dataset are both given: an environment carries its own rows; give one")
+    if env is None and isinstance(dataset, str) and dataset.startswith("builtin:"):
+        name = dataset.removeprefix("builtin:")
+        env = name if name in ENVS or name in env_ids() else None
+    if env is None and dataset is not None:
+        return PromptTask(load_prompts(dataset), DATASET_REWARD if reward is None else reward, id="dataset")
+    environment = make_env(DEFAULT_ENV if env is None else env)
+    if reward is not None:
+        environment.reward = reward
+    return environment
+
+
+def split_rows(env: Environment, eval_size: int, seed: int) -> tuple[Any, Any]:
+    """``(train, held-out)`` :class:`textrl.envs.PromptDataset` of ``env``: its own held-out rows
+    when it has them, else ``eval_size`` of its rows held out (seeded, as ``PromptDataset.split``)."""
+    from textrl.envs.prompts import load_prompts
+
+    rows = load_prompts(env.rows())
+    held_out = env.eval_rows()
+    if held_out is None:
+        return rows.split(eval_size, seed=seed)
+    held_out = load_prompts(held_out)
+    if eval_size < len(held_out):  # the first eval_size of its own held-out rows
+        held_out = held_out.select(list(range(eval_size)))
+    return rows, held_out
+
+
+__all__ = ["DATASET_REWARD", "DEFAULT_ENV", "ENVS", "ENV_LOADERS", "env_ids", "gym_id", "make_env", "register_env", "register_env_loader", "split_rows",
+           "task_environment"]

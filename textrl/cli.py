@@ -4,6 +4,7 @@ Subcommands available in this version:
 
 - ``textrl train``: PPO on a prompt set with pluggable rewards; with no arguments, the embedded
   CPU default (tiny offline model, a short format warm-up, GAEPPO on the built-in digits task).
+- ``textrl envs``: list the environments ``textrl train --env ID`` takes, a line each.
 - ``textrl tiny``: build (or find in the cache) the offline tiny models and print where they are.
 - ``textrl generate``: generate from a causal LM (a local path, a hub id, ``tiny``, or a LoRA
   adapter folder) with its chat template, greedy or sampled.
@@ -46,6 +47,20 @@ def _close_process_group() -> None:
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def _cmd_envs(args: argparse.Namespace) -> int:
+    from textrl.envs.registry import ENV_LOADERS, env_ids, gym_id, make_env
+
+    ids = env_ids()
+    width = max(len(i) for i in ids)
+    for env_id in ids:
+        print(f"{env_id:<{width}}  {make_env(env_id).describe()}  [{gym_id(env_id)}]")
+    for scheme in sorted(ENV_LOADERS):
+        doc = (ENV_LOADERS[scheme].__doc__ or "").strip().splitlines()
+        print(f"{scheme + ':NAME':<{width}}  {doc[0] if doc else 'adapter'}")
+    print("PATH.py:Class".ljust(width) + "  an Environment subclass in your own file")
+    return 0
 
 
 def _cmd_tiny(args: argparse.Namespace) -> int:
@@ -160,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_trl_names(train, TrainConfig)
     _list_agents_in_help(train)
     train.set_defaults(func=_cmd_train)
+
+    envs = sub.add_parser("envs", help="list the environments `textrl train --env` takes")
+    envs.set_defaults(func=_cmd_envs)
 
     tiny = sub.add_parser("tiny", help="build or locate the offline tiny models")
     tiny.add_argument("--seed", type=int, default=0)

@@ -82,11 +82,17 @@ class TrainConfig:
     """Tokenizer: a path or hub id (None: the model's own; Python API: also a tokenizer object)."""
     reward_model: str | None = None
     """Optional sequence-classification reward model (path or hub id), added as 'reward_model'."""
-    reward: str = "think_format,tag_count,accuracy"
-    """Reward spec: NAME[:weight],... from the registry, or file.py:function."""
-    dataset: str = "builtin:digits"
-    """Prompts: 'builtin:NAME', a .jsonl file (MiniMind 'conversations' or {'prompt': ...}); Python
-    API: also a datasets.Dataset or a list of rows."""
+    env: str | None = None
+    """Environment: a registered id (`textrl envs` lists them), PATH.py:Class, reasoning_gym:TASK or
+    textarena:ID (Python API: also an Environment); None: --dataset scored by --reward, or without
+    a dataset the built-in digits task."""
+    reward: str | None = None
+    """Reward spec: NAME[:weight],... from the registry, or file.py:function. None: the
+    environment's own (think_format,tag_count,accuracy for a --dataset); with --env it replaces the
+    environment's final reward."""
+    dataset: str | None = None
+    """Prompts of a single-turn task (instead of --env): 'builtin:NAME', a .jsonl file (MiniMind
+    'conversations' or {'prompt': ...}); Python API: also a datasets.Dataset or a list of rows."""
     eval_size: int = 32
     """Held-out prompts for evaluation."""
     max_prompt_length: int = 64
@@ -106,7 +112,10 @@ class TrainConfig:
     n_samples_per_prompt: int = 4
     """Responses sampled per prompt (rollout batch = prompts_per_iteration x this)."""
     max_new_tokens: int = 24
-    """Length cap of a response; a response that hits it is truncated."""
+    """Length cap of a response (of each agent turn); a response that hits it is truncated."""
+    max_episode_tokens: int | None = None
+    """Cap of a multi-turn episode's tokens after the prompt, the agent's and the environment's
+    (None: max_new_tokens per turn plus the environment's max_observation_tokens per observation)."""
     temperature: float = 1.0
     """Sampling temperature (log-probs are computed at the same temperature)."""
     top_k: int = 0
@@ -246,7 +255,8 @@ class TrainConfig:
         }),
         # the models, the data and its split, the task and the sampling distribution, the objective
         fixed=frozenset({
-            "seed", "agent", "model", "tokenizer", "reward_model", "reward", "dataset", "eval_size",
+            "seed", "agent", "model", "tokenizer", "reward_model", "env", "reward", "dataset", "eval_size",
+            "max_episode_tokens",
             "max_prompt_length", "warmup_sft_steps", "warmup_sft_lr", "warmup_sft_batch_size",
             "warmup_answer_accuracy", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
             "temperature", "top_k", "top_p", "gamma", "lam", "whiten_advantages", "loss_aggregation",
@@ -285,6 +295,11 @@ class TrainConfig:
             _at_least(name, getattr(self, name), 0)
         if self.lora_r is not None:
             _at_least("lora_r", self.lora_r, 1)
+        if self.max_episode_tokens is not None:
+            _at_least("max_episode_tokens", self.max_episode_tokens, self.max_new_tokens)
+        if self.env is not None and self.dataset is not None:
+            raise ValueError(f"env={_shown(self.env)} and dataset={_shown(self.dataset)} are both set: an "
+                             "environment carries its own rows; give --env, or --dataset (with --reward)")
         _at_least("old_policy_refresh_every", self.old_policy_refresh_every, 1)
         for name in ("gamma", "lam", "warmup_answer_accuracy"):
             _in_range(name, getattr(self, name), 0.0, 1.0)
@@ -612,6 +627,11 @@ def load_yaml(path: str | Path, cls: type = TrainConfig) -> dict[str, Any]:
     return data
 
 
+def _shown(value: Any) -> str:
+    """A field's value for a message: a string as it is, an object by its type."""
+    return repr(value) if isinstance(value, str) else f"a {type(value).__name__}"
+
+
 def _yaml_problem(err: Exception) -> str:
     """PyYAML's error as one line with the 1-based line and column (it names no file)."""
     mark = getattr(err, "problem_mark", None)
@@ -633,8 +653,9 @@ def build_config(namespace: argparse.Namespace, cls: type = TrainConfig) -> Any:
         raise ValueError(str(err)) from err
 
 
-OBJECT_FIELDS = ("model", "tokenizer", "dataset")
-"""Fields the Python API may set to an object (a model, a tokenizer, a dataset or list of rows)."""
+OBJECT_FIELDS = ("model", "tokenizer", "dataset", "env")
+"""Fields the Python API may set to an object (a model, a tokenizer, a dataset or list of rows, an
+environment)."""
 
 
 def describe_object(value: Any) -> dict[str, Any]:
