@@ -407,7 +407,7 @@ def compare_agents(
     table = (
         f"{len(seeds)} seeds per agent; each run: {c.iterations} iterations x {c.rollout_batch_size} responses "
         f"({c.prompts_per_iteration} prompts x {c.n_samples_per_prompt}) of at most {c.max_new_tokens} tokens "
-        f"= a budget of {budget} generated tokens; dataset {c.dataset}, reward {c.reward}, "
+        f"= a budget of {budget} generated tokens; {_task(c)}, "
         f"{c.eval_size} held-out prompts.\n\n" + markdown_table(rows, skipped)
     )
     (output_dir / "results.md").write_text(table)
@@ -419,6 +419,12 @@ def compare_agents(
     log(table)
     log(f"wrote {', '.join(str(p) for p in files)} in {wall_s:.0f} s")
     return result
+
+
+def _task(config: TrainConfig) -> str:
+    """The task of the runs, for the table: the environment (or dataset) and the reward."""
+    task = f"environment {config.env}" if config.env else f"dataset {config.dataset or 'builtin:digits'}"
+    return f"{task}, reward {config.reward or 'its own'}"
 
 
 # -- command line --------------------------------------------------------------------------------
