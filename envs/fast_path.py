@@ -30,7 +30,14 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict
-from textrl.rewards import RewardError, call_reward, parse_reward_spec, reward_name
+from textrl.rewards import (
+    CompositeReward,
+    RewardError,
+    combine_scores,
+    evaluate_reward,
+    parse_reward_spec,
+    reward_name,
+)
 from torch import Tensor
 
 from textrl.checks import check_rollout
@@ -102,13 +109,63 @@ class Scores:
     """What :func:`score_completions` returns for a batch of ``B`` finished responses."""
 
     total: Tensor
-    """float32 ``[B]``: the task reward (weighted sum of the components)."""
+    """float32 ``[B]``: the task reward (weighted sum of the components that apply to the row;
+    0 where none applies)."""
     components: dict[str, Tensor]
-    """name -> float32 ``[B]`` raw score of each reward function."""
+    """name -> float32 ``[B]`` raw score of each reward function; NaN exactly where the function
+    returned None ("does not apply"), never for a faulty score."""
     completions: list[str]
     """the decoded completions (valid tokens, ``skip_special_tokens=True``)."""
     nonfinite: Tensor | None = None
     """bool ``[B]``: rows whose total was NaN/inf, set to 0 (``nonfinite`` 'zero' / 'drop' only)."""
+
+
+def _message_rows(rows: Sequence[Any], what: str, b: int) -> list[list[dict[str, Any]]]:
+    """Per-row copies of ``B`` message lists; raises naming ``what`` and the row when a row is
+    not a non-empty list of ``{"role": str, "content": ...}`` messages."""
+    if isinstance(rows, (str, bytes)) or len(rows) != b:
+        got = "a str" if isinstance(rows, (str, bytes)) else f"{len(rows)} rows"
+        raise ValueError(f"{what} has {got} for {b} responses; pass one message list per row")
+    out = []
+    for i, row in enumerate(rows):
+        if (
+            not isinstance(row, (list, tuple))
+            or not row
+            or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in row)
+        ):
+            raise ValueError(
+                f"{what}[{i}] is {row!r}: each row must be a non-empty list of "
+                "{'role': str, 'content': str} messages"
+            )
+        out.append([dict(m) for m in row])
+    return out
+
+
+def _reward_inputs(
+    prompts: Sequence[str],
+    completions: list[str],
+    conversations: Sequence[Sequence[Mapping[str, Any]]] | None,
+    completion_messages: Sequence[Sequence[Mapping[str, Any]]] | None,
+) -> tuple[list[Any], list[Any]]:
+    """``(prompts, completions)`` as the reward functions get them (TRL's two forms).
+
+    Standard rows: the prompt texts and decoded completions. Conversational rows (either
+    argument given): each prompt is its message list (a plain prompt becomes one user message
+    when only ``completion_messages`` is given), each completion its message list
+    (``[{"role": "assistant", "content": text}]`` when ``completion_messages`` is None).
+    """
+    b = len(completions)
+    if conversations is None and completion_messages is None:
+        return list(prompts), completions
+    if conversations is None:
+        prompt_rows = [[{"role": "user", "content": p}] for p in prompts]
+    else:
+        prompt_rows = _message_rows(conversations, "conversations", b)
+    if completion_messages is None:
+        completion_rows = [[{"role": "assistant", "content": c}] for c in completions]
+    else:
+        completion_rows = _message_rows(completion_messages, "completion_messages", b)
+    return prompt_rows, completion_rows
 
 
 def score_completions(
@@ -121,6 +178,8 @@ def score_completions(
     truncated: Tensor | None = None,
     fields: Mapping[str, Sequence[Any]] | None = None,
     nonfinite: str = "raise",
+    conversations: Sequence[Sequence[Mapping[str, Any]]] | None = None,
+    completion_messages: Sequence[Sequence[Mapping[str, Any]]] | None = None,
 ) -> Scores:
     """Decode and score ``B`` finished responses; the one scoring path of the envs and fast path.
 
@@ -133,9 +192,19 @@ def score_completions(
     Rewards must be row-wise (a row's score does not depend on the other rows of the batch) for
     an environment, which scores rows as they finish, to match the fast path exactly.
 
+    Conversational rows (TRL's convention): ``conversations`` gives each row's prompt messages
+    (the whole conversation up to the answered turn); the reward functions then get those
+    message lists as ``prompts`` and ``[{"role": "assistant", "content": text}]`` as
+    ``completions``. ``completion_messages`` (``B`` message lists, e.g. the several turns of a
+    multi-turn episode) replaces those completions; given alone, each prompt text becomes one
+    user message. Without either, prompts and completions are strings.
+
+    A reward function may return None for a row ("does not apply"): the total sums the
+    components that apply (0 with a warning where none does), and the row's component is NaN.
     ``nonfinite`` (one of :data:`NONFINITE_POLICIES`): with ``"zero"`` or ``"drop"`` a NaN/inf
     score does not raise; the row's total and its non-finite components become 0 and
-    ``Scores.nonfinite`` marks it (the caller drops it under ``"drop"``).
+    ``Scores.nonfinite`` marks it (the caller drops it under ``"drop"``). A None is never
+    counted as a non-finite score.
     """
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"reward_nonfinite={nonfinite!r}: must be one of {NONFINITE_POLICIES}")
@@ -159,14 +228,11 @@ def score_completions(
         )
     kwargs["completion_ids"] = ids
     kwargs["truncated"] = truncated.to(torch.bool).cpu().reshape(b)
-    prompts = list(prompts)
+    reward_prompts, reward_completions = _reward_inputs(
+        prompts, list(completions), conversations, completion_messages
+    )
     allow = {"allow_nonfinite": True} if nonfinite != "raise" else {}
-    components_fn = getattr(reward_fn, "components", None)
-    if callable(components_fn) and isinstance(getattr(reward_fn, "weights", None), Mapping):
-        total, raw = components_fn(prompts, completions, **allow, **kwargs)
-    else:
-        total = call_reward(reward_fn, prompts, completions, **allow, **kwargs)
-        raw = {reward_name(reward_fn): total}
+    total, raw, applies = _evaluate(reward_fn, reward_prompts, reward_completions, allow, kwargs)
     total = total.detach().to(torch.float32).cpu()
     raw = {k: v.detach().to(torch.float32).cpu() for k, v in raw.items()}
     bad = ~torch.isfinite(total)
@@ -175,8 +241,34 @@ def score_completions(
             raise RewardError(f"reward {reward_name(reward_fn)!r} produced a non-finite weighted total")
         return Scores(total, raw, completions)
     zero = torch.zeros((), dtype=torch.float32)
-    raw = {k: torch.where(torch.isfinite(v), v, zero) for k, v in raw.items()}
+    raw = {k: torch.where(applies[k].cpu() & ~torch.isfinite(v), zero, v) for k, v in raw.items()}
     return Scores(torch.where(bad, zero, total), raw, completions, nonfinite=bad)
+
+
+def _evaluate(
+    reward_fn: Callable[..., Any],
+    prompts: list[Any],
+    completions: list[Any],
+    allow: dict[str, bool],
+    kwargs: dict[str, Any],
+) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    """``(total [B], raw scores {name: [B]}, applies {name: bool [B]})`` of ``reward_fn``.
+
+    A :class:`CompositeReward` reports its breakdown; another object with ``components`` and
+    ``weights`` reports raw scores that all apply; a plain function is one component whose None
+    rows count 0 in the total (:func:`combine_scores`).
+    """
+    if isinstance(reward_fn, CompositeReward):
+        out = reward_fn.evaluate(prompts, completions, **allow, **kwargs)
+        return out.total, out.components, out.applies
+    components_fn = getattr(reward_fn, "components", None)
+    if callable(components_fn) and isinstance(getattr(reward_fn, "weights", None), Mapping):
+        total, raw = components_fn(prompts, completions, **allow, **kwargs)
+        return total, raw, {k: torch.ones(v.shape, dtype=torch.bool) for k, v in raw.items()}
+    name = reward_name(reward_fn)
+    score, applies = evaluate_reward(reward_fn, prompts, completions, **allow, **kwargs)
+    total = combine_scores({name: score}, {name: applies}, {name: 1.0})
+    return total, {name: score}, {name: applies}
 
 
 def place_score(score: Tensor, mask: Tensor, placement: str = "last") -> Tensor:

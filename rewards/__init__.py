@@ -1,7 +1,9 @@
 """Reward functions: rule-based, neural (a reward model), composite, and a registry by name.
 
-A reward function is ``fn(prompts: list[str], completions: list[str], **kwargs) -> Tensor``
-(float32 ``[B]``); see :mod:`textrl.rewards.base` for the batch fields in ``kwargs``.
+A reward function is ``fn(prompts, completions, **kwargs) -> Tensor`` (float32 ``[B]``, or a
+list with None where it does not apply), called as TRL's ``GRPOTrainer`` calls its
+``reward_funcs``: strings for plain prompts, message lists for conversational rows; see
+:mod:`textrl.rewards.base` for the two forms and the batch fields in ``kwargs``.
 
 >>> from textrl.rewards import parse_reward_spec
 >>> reward = parse_reward_spec("think_format:0.5,tag_count,accuracy:2")
@@ -10,8 +12,21 @@ A reward function is ``fn(prompts: list[str], completions: list[str], **kwargs) 
 ([2.5], {'think_format': [0.0], 'tag_count': [0.5], 'accuracy': [1.0]})
 """
 
-from textrl.rewards.base import RewardError, RewardFn, call_reward, named, reward_name
-from textrl.rewards.composite import CompositeReward
+from textrl.rewards.base import (
+    RewardError,
+    RewardFn,
+    call_reward,
+    completion_text,
+    evaluate_reward,
+    named,
+    reward_name,
+)
+from textrl.rewards.composite import (
+    CompositeReward,
+    NoApplicableRewardWarning,
+    RewardBreakdown,
+    combine_scores,
+)
 from textrl.rewards.neural import NeuralReward
 from textrl.rewards.penalties import length_penalty, missing_eos_penalty, repetition_penalty
 from textrl.rewards.registry import (
@@ -29,11 +44,16 @@ __all__ = [
     "REWARD_LOADERS",
     "CompositeReward",
     "NeuralReward",
+    "NoApplicableRewardWarning",
+    "RewardBreakdown",
     "RewardError",
     "RewardFn",
     "accuracy_reward",
     "call_reward",
     "check_reward_spec",
+    "combine_scores",
+    "completion_text",
+    "evaluate_reward",
     "get_reward",
     "length_penalty",
     "missing_eos_penalty",

@@ -2,13 +2,27 @@
 
 A reward function is any callable
 
-    fn(prompts: list[str], completions: list[str], **kwargs) -> Tensor  # float32 [B]
+    fn(prompts: list[Prompt], completions: list[Completion], **kwargs) -> scores  # [B]
+
+where a row comes in one of TRL's two forms:
+
+- **standard** (a plain-prompt dataset): ``prompts[i]`` and ``completions[i]`` are ``str``;
+- **conversational** (rows with ``"messages"``): ``prompts[i]`` is the conversation up to the
+  answered turn, a list of ``{"role", "content"}`` messages, and ``completions[i]`` the list of
+  messages the policy produced (one ``{"role": "assistant", "content": text}`` for a single
+  turn), so TRL's ``completion[0]["content"]`` works. :func:`completion_text` reads either form.
+
+``scores`` is a float tensor ``[B]``, or a list / tuple / array of ``B`` numbers in which
+``None`` means *this reward does not apply to this row* (TRL's convention): the row's score
+becomes NaN, its ``applies`` flag False (:func:`evaluate_reward`), and weighted sums leave it out
+(:func:`textrl.rewards.composite.combine_scores`). A NaN or inf *returned* as a score is a fault,
+not "does not apply".
 
 ``kwargs`` carry optional per-row batch fields; a function reads the ones it needs and ignores
 the rest, so every reward function must accept ``**kwargs``. As TRL does, a function with a
 parameter named ``completions`` gets ``prompts`` and ``completions`` by keyword, so TRL's
-``def reward(completions, **kwargs)`` works as it is (:func:`invoke`); others get them by position. The fields the built-in rewards
-read are
+``def reward(completions, **kwargs)`` works as it is (:func:`invoke`); others get them by
+position. The fields the built-in rewards read are
 
 - ``completion_ids``: per-row token id lists, or an int64 ``[B, T]`` tensor (then with
   ``completion_mask`` bool ``[B, T]``, True on valid tokens);
@@ -22,20 +36,28 @@ back to ``__name__`` for user callables. Rewards are scores, not losses: they ar
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
 _MAX_ROWS_SHOWN = 10
 _MAX_ROWS_RETRIED = 64
 
+Message = Mapping[str, Any]
+"""One chat message: ``{"role": str, "content": str}`` (content may also be a list of parts)."""
+Prompt = str | list[Message]
+"""A row's prompt: text (standard form) or the conversation up to the answered turn."""
+Completion = str | list[Message]
+"""A row's completion: text (standard form) or the messages the policy produced."""
+
 
 class RewardFn(Protocol):
-    """``fn(prompts, completions, **kwargs) -> Tensor`` float32 ``[B]``."""
+    """``fn(prompts, completions, **kwargs) -> scores [B]`` (a tensor, or numbers and None)."""
 
-    def __call__(self, prompts: list[str], completions: list[str], **kwargs: Any) -> Tensor: ...
+    def __call__(self, prompts: list[Prompt], completions: list[Completion], **kwargs: Any) -> Any: ...
 
 
 class RewardError(ValueError):
@@ -72,7 +94,77 @@ def _rows(indices: Sequence[int]) -> str:
     return f"{shown}{more}"
 
 
-def check_batch(prompts: Sequence[str], completions: Sequence[str]) -> int:
+def message_text(message: Message) -> str:
+    """The text of one message: its ``content`` str, or the ``"text"`` of its content parts.
+
+    >>> message_text({"role": "assistant", "content": [{"type": "text", "text": "hi"}]})
+    'hi'
+    """
+    content = message.get("content") if isinstance(message, Mapping) else None
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            part["text"]
+            for part in content
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str)
+        )
+    raise ValueError(
+        f"message {message!r} has no text content: a message is {{'role': ..., 'content': str}}"
+    )
+
+
+def last_assistant(messages: Sequence[Message]) -> int | None:
+    """Index of the last ``"assistant"`` message in ``messages``, None without one."""
+    for j in range(len(messages) - 1, -1, -1):
+        message = messages[j]
+        if isinstance(message, Mapping) and message.get("role") == "assistant":
+            return j
+    return None
+
+
+def completion_text(completion: Completion) -> str:
+    """The text a rule reward reads: a str as it is; for messages, the last assistant message.
+
+    >>> completion_text("42")
+    '42'
+    >>> completion_text([{"role": "assistant", "content": "4"}, {"role": "tool", "content": "ok"},
+    ...                  {"role": "assistant", "content": "42"}])
+    '42'
+    """
+    if isinstance(completion, str):
+        return completion
+    if not isinstance(completion, (list, tuple)):
+        raise ValueError(
+            f"a completion is a str or a list of messages, got {type(completion).__name__}"
+        )
+    j = last_assistant(completion)
+    if j is None:
+        roles = [m.get("role") if isinstance(m, Mapping) else type(m).__name__ for m in completion]
+        raise ValueError(
+            f"completion messages with roles {roles} have no 'assistant' message to score; "
+            "give each row's completion the policy's turn(s) as role 'assistant'"
+        )
+    return message_text(completion[j])
+
+
+def completion_texts(completions: Sequence[Completion]) -> list[str]:
+    """:func:`completion_text` of every row: ``B`` texts from strings or message lists."""
+    return [completion_text(c) for c in completions]
+
+
+def conversation_text(messages: Prompt | Completion) -> str:
+    """Plain text of a prompt or completion: a str as it is, messages' texts joined by newlines.
+
+    >>> conversation_text([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+    's\\nu'
+    """
+    if isinstance(messages, str):
+        return messages
+    return "\n".join(message_text(m) for m in messages)
+
+
+def check_batch(prompts: Sequence[Prompt], completions: Sequence[Completion]) -> int:
     """Batch size ``B``; raises when prompts and completions are not equally long lists."""
     for what, x in (("prompts", prompts), ("completions", completions)):
         if isinstance(x, str):
@@ -136,7 +228,7 @@ def _slice_kwargs(kwargs: dict[str, Any], i: int, n: int) -> dict[str, Any]:
     return out
 
 
-def invoke(fn: RewardFn, prompts: list[str], completions: list[str], kwargs: dict[str, Any]) -> Any:
+def invoke(fn: RewardFn, prompts: list[Any], completions: list[Any], kwargs: dict[str, Any]) -> Any:
     """``fn`` called as TRL calls a reward function (``prompts=``, ``completions=`` and the batch
     fields by keyword) when it names a ``completions`` parameter, else ``fn(prompts, completions,
     **kwargs)``."""
@@ -182,31 +274,23 @@ def _raised(fn: RewardFn, name: str, err: Exception, prompts, completions, kwarg
     return RewardError(f"reward {name!r} raised {type(err).__name__}: {err}; {where}; {hint}")
 
 
-def call_reward(
-    fn: RewardFn,
-    prompts: Sequence[str],
-    completions: Sequence[str],
-    *,
-    allow_nonfinite: bool = False,
-    **kwargs: Any,
-) -> Tensor:
-    """Call ``fn`` and return its scores as a finite, detached float32 ``[B]`` tensor.
+def _none_free(out: Any) -> tuple[Any, list[bool] | None]:
+    """``(out with None -> NaN, per-entry "is None" flags)`` for a list / tuple / object array;
+    ``(out, None)`` for anything else (tensors, numeric arrays, scalars)."""
+    if not isinstance(out, (list, tuple, Tensor)) and hasattr(out, "__array__"):
+        array = np.asarray(out)
+        if array.dtype == object:
+            out = array.tolist()
+    if not isinstance(out, (list, tuple)):
+        return out, None
+    flags = [x is None for x in out]
+    return [math.nan if x is None else x for x in out], flags
 
-    Raises :class:`RewardError` naming the function, the offending rows and what to do when it
-    raises, returns NaN/inf, the wrong shape, or something that is not a tensor, list or array
-    of ``B`` numbers. Lists and arrays of shape ``[B]`` are converted. ``allow_nonfinite=True``
-    lets NaN/inf scores through (the caller applies a ``reward_nonfinite`` policy to them).
 
-    >>> call_reward(lambda p, c, **kw: [1, 2], ["p", "p"], ["a", "b"]).tolist()
-    [1.0, 2.0]
-    """
-    n = check_batch(prompts, completions)
-    name = reward_name(fn)
-    try:
-        out = invoke(fn, list(prompts), list(completions), kwargs)
-    except Exception as err:
-        raise _raised(fn, name, err, list(prompts), list(completions), kwargs) from err
-
+def _as_scores(out: Any, name: str, n: int) -> tuple[Tensor, Tensor]:
+    """A reward function's output as ``(float32 [n] scores, bool [n] applies)``; raises
+    :class:`RewardError` for anything that is not ``n`` numbers (None allowed in lists)."""
+    out, none_flags = _none_free(out)
     if not isinstance(out, Tensor):
         if isinstance(out, (list, tuple)) or hasattr(out, "__array__"):
             try:
@@ -214,7 +298,8 @@ def call_reward(
             except (TypeError, ValueError, RuntimeError) as err:
                 raise RewardError(
                     f"reward {name!r} returned a {type(out).__name__} that is not {n} numbers "
-                    f"({err}); return a float tensor of shape [{n}]"
+                    f"({err}); return a float tensor of shape [{n}] (or a list of floats, None "
+                    "where the reward does not apply)"
                 ) from err
         else:
             raise RewardError(
@@ -235,14 +320,69 @@ def call_reward(
             f"reward {name!r} returned shape {tuple(out.shape)}, expected [{n}]{hint}"
         )
     out = out.detach().to(torch.float32)
-    bad = [] if allow_nonfinite else torch.nonzero(~torch.isfinite(out)).flatten().tolist()
-    if bad:
-        values = [out[i].item() for i in bad[:_MAX_ROWS_SHOWN]]
-        raise RewardError(
-            f"reward {name!r} returned non-finite scores {values} in rows {_rows(bad)}; "
-            "return a finite score for every row (e.g. 0.0 for a completion it cannot parse)"
-        )
-    return out
+    applies = torch.ones(n, dtype=torch.bool, device=out.device)
+    if none_flags is not None:
+        applies = ~torch.tensor(none_flags, dtype=torch.bool, device=out.device)
+    return out, applies
+
+
+def evaluate_reward(
+    fn: RewardFn,
+    prompts: Sequence[Prompt],
+    completions: Sequence[Completion],
+    *,
+    allow_nonfinite: bool = False,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """Call ``fn`` once on the batch: ``(scores, applies)``, float32 ``[B]`` and bool ``[B]``.
+
+    ``applies[i]`` is False where ``fn`` returned None for row ``i`` ("does not apply", TRL's
+    convention); ``scores[i]`` is NaN there. Every applying score is finite, else a
+    :class:`RewardError` names the function, the rows and what to do; the same when ``fn``
+    raises, returns the wrong shape, or something that is not a tensor, list or array of ``B``
+    numbers. ``allow_nonfinite=True`` lets NaN/inf scores of applying rows through (the caller
+    applies a ``reward_nonfinite`` policy to them).
+
+    >>> scores, applies = evaluate_reward(lambda p, c, **kw: [1, None], ["p", "p"], ["a", "b"])
+    >>> scores.tolist(), applies.tolist()
+    ([1.0, nan], [True, False])
+    """
+    n = check_batch(prompts, completions)
+    name = reward_name(fn)
+    try:
+        out = invoke(fn, list(prompts), list(completions), kwargs)
+    except Exception as err:
+        raise _raised(fn, name, err, list(prompts), list(completions), kwargs) from err
+    scores, applies = _as_scores(out, name, n)
+    if not allow_nonfinite:
+        bad = torch.nonzero(applies & ~torch.isfinite(scores)).flatten().tolist()
+        if bad:
+            values = [scores[i].item() for i in bad[:_MAX_ROWS_SHOWN]]
+            raise RewardError(
+                f"reward {name!r} returned non-finite scores {values} in rows {_rows(bad)}; "
+                "return a finite score for every row (e.g. 0.0 for a completion it cannot "
+                "parse), or None where the reward does not apply"
+            )
+    return scores, applies
+
+
+def call_reward(
+    fn: RewardFn,
+    prompts: Sequence[Prompt],
+    completions: Sequence[Completion],
+    *,
+    allow_nonfinite: bool = False,
+    **kwargs: Any,
+) -> Tensor:
+    """``fn``'s scores as a detached float32 ``[B]`` tensor, checked by :func:`evaluate_reward`.
+
+    Rows where ``fn`` returned None ("does not apply") are NaN; every other score is finite
+    unless ``allow_nonfinite=True``. Lists and arrays of shape ``[B]`` are converted.
+
+    >>> call_reward(lambda p, c, **kw: [1, 2], ["p", "p"], ["a", "b"]).tolist()
+    [1.0, 2.0]
+    """
+    return evaluate_reward(fn, prompts, completions, allow_nonfinite=allow_nonfinite, **kwargs)[0]
 
 
 _REAL_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -260,6 +400,9 @@ def check_finite_weight(weight: float, what: str) -> float:
 
 
 __all__ = [
+    "Completion",
+    "Message",
+    "Prompt",
     "RewardError",
     "RewardFn",
     "batch_field",
@@ -267,6 +410,12 @@ __all__ = [
     "call_reward",
     "check_batch",
     "check_finite_weight",
+    "completion_text",
+    "completion_texts",
+    "conversation_text",
+    "evaluate_reward",
+    "last_assistant",
+    "message_text",
     "named",
     "reward_name",
     "token_lists",

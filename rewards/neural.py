@@ -16,8 +16,11 @@ How a row is scored, in order:
    template, the row is ``[{"role": "user", "content": prompt}, {"role": "assistant",
    "content": completion}]`` rendered by that template (``tokenize=False``) and encoded without
    extra special tokens. A prompt that is already ChatML-rendered (contains ``<|im_start|>``
-   turns) is parsed back into its messages first, as MiniMind does. Otherwise the text is
-   ``prompt + completion`` encoded with the tokenizer's usual special tokens.
+   turns) is parsed back into its messages first, as MiniMind does. A conversational row
+   (TRL's form: the prompt a list of messages, the completion a list of messages) is the whole
+   conversation, ``prompt + completion`` messages, rendered the same way. Otherwise the text is
+   ``prompt + completion`` encoded with the tokenizer's usual special tokens (messages: their
+   texts joined by newlines, :func:`~textrl.rewards.base.conversation_text`).
 3. **Truncation.** Sequences longer than ``max_length`` keep their *last* ``max_length`` tokens:
    the score is read at the final token, so the end of the completion must survive, and the
    tokens dropped are the start of the rendered prompt (system turn, beginning of the user
@@ -37,7 +40,8 @@ How a row is scored, in order:
    and a completion containing ``<answer>...</answer>``, the result is
    ``w_whole * s(whole completion) + w_answer * s(answer)`` where ``answer`` is the stripped
    content of the *first* answer block, scored as the assistant turn after the same prompt;
-   without an answer block it is ``s(whole completion)``.
+   without an answer block it is ``s(whole completion)``. For a message completion the answer
+   block is looked for in its last assistant message, which the answer then replaces.
 
 The result is float32 ``[B]`` on ``output_device`` (CPU by default), detached.
 """
@@ -52,7 +56,17 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from textrl.rewards.base import check_batch, check_finite_weight, token_lists
+from textrl.rewards.base import (
+    Completion,
+    Message,
+    Prompt,
+    check_batch,
+    check_finite_weight,
+    completion_text,
+    conversation_text,
+    last_assistant,
+    token_lists,
+)
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -82,13 +96,26 @@ def _context_length(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) 
     return min(limits) if limits else None
 
 
-def _messages(prompt: str) -> list[dict[str, str]]:
-    """A ChatML-rendered prompt parsed back into its turns; any other prompt is the user turn."""
+def _messages(prompt: Prompt) -> list[dict[str, Any]]:
+    """A prompt's messages: a message list copied, a ChatML-rendered prompt parsed back into its
+    turns, any other text as the user turn."""
+    if not isinstance(prompt, str):
+        return [dict(m) for m in prompt]
     if "<|im_start|>" in prompt:
         turns = _CHATML_TURN.findall(prompt)
         if turns:
             return [{"role": role, "content": content.strip()} for role, content in turns]
     return [{"role": "user", "content": prompt}]
+
+
+def _with_answer(completion: Completion, answer: str) -> Completion:
+    """The completion with its (last assistant message's) text replaced by ``answer``."""
+    if isinstance(completion, str):
+        return answer
+    messages: list[Message] = [dict(m) for m in completion]
+    j = last_assistant(messages)
+    messages[j] = {**messages[j], "content": answer}  # type: ignore[index]
+    return messages
 
 
 class NeuralReward:
@@ -268,14 +295,26 @@ class NeuralReward:
 
     # -- text -> ids --------------------------------------------------------------------------
 
-    def render(self, prompt: str, completion: str) -> str:
+    @staticmethod
+    def conversation(prompt: Prompt, completion: Completion) -> list[dict[str, Any]]:
+        """The row as chat messages: the prompt's messages, then the completion's (a str
+        completion is one assistant message)."""
+        if isinstance(completion, str):
+            tail: list[dict[str, Any]] = [{"role": "assistant", "content": completion}]
+        else:
+            tail = [dict(m) for m in completion]
+        return _messages(prompt) + tail
+
+    def render(self, prompt: Prompt, completion: Completion) -> str:
         """The text the reward model reads for one row (step 2 of the module docstring)."""
         if not self.use_chat_template:
-            return prompt + completion
-        messages = _messages(prompt) + [{"role": "assistant", "content": completion}]
+            return conversation_text(prompt) + conversation_text(completion)
+        messages = self.conversation(prompt, completion)
         return self.tokenizer.apply_chat_template(messages, tokenize=False)
 
-    def encode(self, prompts: Sequence[str], completions: Sequence[str]) -> list[list[int]]:
+    def encode(
+        self, prompts: Sequence[Prompt], completions: Sequence[Completion]
+    ) -> list[list[int]]:
         """Reward-tokenizer ids per row, truncated from the left to ``max_length``."""
         texts = [self.render(p, c) for p, c in zip(prompts, completions)]
         if not texts:
@@ -337,7 +376,7 @@ class NeuralReward:
             return per_token[:, -1, 0].float()  # left padding: the last position is real
         return logits.reshape(n, -1)[:, 0].float()
 
-    def score_raw(self, prompts: Sequence[str], completions: Sequence[str]) -> Tensor:
+    def score_raw(self, prompts: Sequence[Prompt], completions: Sequence[Completion]) -> Tensor:
         """The model's raw score per row (no baseline, clip or answer blend). -> float32 [B]."""
         ids = self.encode(prompts, completions)
         out = torch.zeros(len(ids), dtype=torch.float32)
@@ -368,18 +407,20 @@ class NeuralReward:
             s = s.clamp(self.clip[0], self.clip[1])
         return s
 
-    def __call__(self, prompts: list[str], completions: list[str], **fields: Any) -> Tensor:
+    def __call__(
+        self, prompts: list[Prompt], completions: list[Completion], **fields: Any
+    ) -> Tensor:
         """Scores, float32 ``[B]`` on ``output_device``. ``fields`` (incl. ids) are ignored."""
         n = check_batch(prompts, completions)
         rows_p, rows_c = list(prompts), list(completions)
         answer_rows: list[int] = []
         if self.answer_blend is not None:
             for i, completion in enumerate(completions):
-                match = _ANSWER.search(completion)
+                match = _ANSWER.search(completion_text(completion))
                 if match:
                     answer_rows.append(i)
                     rows_p.append(prompts[i])
-                    rows_c.append(match.group(1).strip())
+                    rows_c.append(_with_answer(completion, match.group(1).strip()))
         s = self._post(self.score_raw(rows_p, rows_c))  # [B + n_answers], one batched pass
         score = s[:n].clone()
         if answer_rows:

@@ -1,7 +1,8 @@
 """Penalty rewards (scores <= 0): length over a target, repeated n-grams, missing EOS.
 
 Plain functions; their settings are keyword-only arguments, bound by the registry
-(``get_reward("length_penalty", target_tokens=128)``) or with ``functools.partial``.
+(``get_reward("length_penalty", target_tokens=128)``) or with ``functools.partial``. Completions
+may be strings or message lists (conversational rows: the last assistant message's text counts).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from textrl.rewards.base import bool_rows, named, token_lists
+from textrl.rewards.base import Completion, Prompt, bool_rows, completion_texts, named, token_lists
 from torch import Tensor
 
 
@@ -21,8 +22,8 @@ def _check_nonnegative(fn_name: str, **values: float | None) -> None:
 
 @named("length_penalty")
 def length_penalty(
-    prompts: list[str],
-    completions: list[str],
+    prompts: list[Prompt],
+    completions: list[Completion],
     *,
     completion_ids: Any = None,
     completion_mask: Any = None,
@@ -67,8 +68,8 @@ def repeated_ngram_fraction(units: list[Any], ngram_size: int) -> float:
 
 @named("repetition_penalty")
 def repetition_penalty(
-    prompts: list[str],
-    completions: list[str],
+    prompts: list[Prompt],
+    completions: list[Completion],
     *,
     ngram_size: int = 3,
     max_penalty: float = 1.0,
@@ -92,7 +93,7 @@ def repetition_penalty(
         raise ValueError(f"repetition_penalty: ngram_size={ngram_size} must be >= 1")
     _check_nonnegative("repetition_penalty", max_penalty=max_penalty)
     if unit == "words":
-        rows: list[list[Any]] = [c.split() for c in completions]
+        rows: list[list[Any]] = [c.split() for c in completion_texts(completions)]
     elif unit == "tokens":
         rows = token_lists(completion_ids, completion_mask, len(completions), "repetition_penalty")
     else:
@@ -103,8 +104,8 @@ def repetition_penalty(
 
 @named("missing_eos_penalty")
 def missing_eos_penalty(
-    prompts: list[str],
-    completions: list[str],
+    prompts: list[Prompt],
+    completions: list[Completion],
     *,
     truncated: Any = None,
     penalty: float = 1.0,

@@ -1,7 +1,9 @@
 """Rule rewards for ``<think>...</think><answer>...</answer>`` reasoning completions.
 
 Plain functions in the style of TRL's ``format_rewards``: batched in, float32 ``[B]`` out, no
-hidden state; each docstring is a doctest. ``think_format_reward`` and ``tag_count_reward``
+hidden state; each docstring is a doctest. Completions may be strings or, for conversational
+rows, message lists (TRL's form): then the text of the last assistant message is scored
+(:func:`textrl.rewards.base.completion_text`). ``think_format_reward`` and ``tag_count_reward``
 reproduce MiniMind's PPO reasoning rewards (format: 0.5, tags: 0.25 each).
 """
 
@@ -11,7 +13,7 @@ import re
 from typing import Any
 
 import torch
-from textrl.rewards.base import batch_field, named
+from textrl.rewards.base import Completion, Prompt, batch_field, completion_texts, named
 from torch import Tensor
 
 # One regex for MiniMind's two patterns: ``\n\n?`` allows the blank line between the blocks.
@@ -27,7 +29,9 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 @named("think_format")
-def think_format_reward(prompts: list[str], completions: list[str], **kwargs: Any) -> Tensor:
+def think_format_reward(
+    prompts: list[Prompt], completions: list[Completion], **kwargs: Any
+) -> Tensor:
     r"""0.5 when a completion is ``<think>\n...\n</think>\n<answer>\n...\n</answer>``, else 0.
 
     A blank line between the blocks and one trailing newline are accepted (MiniMind's
@@ -45,12 +49,12 @@ def think_format_reward(prompts: list[str], completions: list[str], **kwargs: An
     ... ]).tolist()
     [0.5, 0.5, 0.5, 0.0]
     """
-    scores = [0.5 if THINK_FORMAT_PATTERN.match(c) else 0.0 for c in completions]
+    scores = [0.5 if THINK_FORMAT_PATTERN.match(c) else 0.0 for c in completion_texts(completions)]
     return torch.tensor(scores, dtype=torch.float32)
 
 
 @named("tag_count")
-def tag_count_reward(prompts: list[str], completions: list[str], **kwargs: Any) -> Tensor:
+def tag_count_reward(prompts: list[Prompt], completions: list[Completion], **kwargs: Any) -> Tensor:
     """+0.25 for each of ``<think>``, ``</think>``, ``<answer>``, ``</answer>`` seen exactly once.
 
     A dense partial-credit signal for the format (MiniMind's ``mark_num``): a doubled or missing
@@ -64,7 +68,7 @@ def tag_count_reward(prompts: list[str], completions: list[str], **kwargs: Any) 
     ... ]).tolist()
     [1.0, 0.5, 0.75, 0.0]
     """
-    scores = [0.25 * sum(c.count(tag) == 1 for tag in TAGS) for c in completions]
+    scores = [0.25 * sum(c.count(tag) == 1 for tag in TAGS) for c in completion_texts(completions)]
     return torch.tensor(scores, dtype=torch.float32)
 
 
@@ -91,8 +95,8 @@ def normalize_answer(text: Any) -> str:
 
 @named("accuracy")
 def accuracy_reward(
-    prompts: list[str],
-    completions: list[str],
+    prompts: list[Prompt],
+    completions: list[Completion],
     *,
     answer: Any = None,
     require_tags: bool = False,
@@ -115,6 +119,10 @@ def accuracy_reward(
     [1.0, 1.0, 0.0, 1.0]
     >>> accuracy_reward(["q"], ["42"], answer=["42"], require_tags=True).tolist()
     [0.0]
+    >>> accuracy_reward([[{"role": "user", "content": "6*7?"}]],  # a conversational row
+    ...                 [[{"role": "assistant", "content": "<answer>42</answer>"}]],
+    ...                 answer=["42"]).tolist()
+    [1.0]
     """
     refs = batch_field(answer, "answer", len(completions), "accuracy_reward")
     missing = [i for i, r in enumerate(refs) if r is None]
@@ -124,7 +132,7 @@ def accuracy_reward(
             "drop those rows or leave accuracy out of the reward spec for this dataset"
         )
     scores = []
-    for completion, ref in zip(completions, refs):
+    for completion, ref in zip(completion_texts(completions), refs):
         got = extract_answer(completion)
         if got is None:
             got = None if require_tags else completion
