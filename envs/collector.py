@@ -124,7 +124,7 @@ class EpisodeRunner:
         self.reward_nonfinite = reward_nonfinite
         self.reward_fn = None if self.env.reward is None else as_reward_fn(self.env.reward)
         self._steps = type(self.env).step is not Environment.step or bool(self.env.stop_strings)
-        self.multi_turn = self.env.max_turns > 1
+        self.multi_turn = self.env.max_turns > 1 and self._steps
 
     # -- the episodes --------------------------------------------------------------------------
 
@@ -204,6 +204,9 @@ class EpisodeRunner:
             else:
                 r.end = LENGTH if cap == self.max_new_tokens else CONTEXT
                 r.episode.turn += 1
+                if self.multi_turn:  # the cut turn is the conversation's last message
+                    text = self.tokenizer.decode(turn, skip_special_tokens=True)
+                    r.episode.messages.append({"role": "assistant", "content": text})
         return waiting
 
     def _turn_tokens(self, out: list[int]) -> tuple[list[int], bool]:
@@ -354,9 +357,14 @@ class EpisodeRunner:
             own = action[i][agent[i]]
             tokens[i, : own.numel()] = own
             mask[i, : own.numel()] = True
+        # TRL's convention: conversational rows (and multi-turn episodes) give the rewards message
+        # lists, the prompt's messages and what followed them
+        conversational = self.multi_turn or any("messages" in row for row in batch.rows)
         scores = score_completions(
             self.reward_fn, raw_prompts(batch.rows), tokens, mask, tokenizer=self.tokenizer,
             truncated=end != DONE, fields=batch_fields(batch.rows), nonfinite=self.reward_nonfinite,
+            conversations=[r.episode.messages[: r.episode.prompt_messages] for r in rows] if conversational else None,
+            completion_messages=[r.episode.completions for r in rows] if self.multi_turn else None,
         )
         nonfinite = scores.nonfinite if scores.nonfinite is not None else torch.zeros(b, dtype=torch.bool)
         return scores.total, scores.components, nonfinite

@@ -175,12 +175,13 @@ def evaluate_prompts(
         "truncated/rate": torch.cat(truncated).mean().item(),
         "n": float(sum(s.numel() for s in scores)),
     }
-    metrics.update({f"reward_components/{name}": v.mean().item() for name, v in comp.items()})
+    # a component is NaN where its function does not apply to the row (it returned None)
+    metrics.update({f"reward_components/{name}": v.nanmean().item() for name, v in comp.items()})
     metrics.update(episode_metrics(torch.cat(turns), torch.cat(ends)))
     if "think_format" in comp:
         metrics["format_rate"] = (comp["think_format"] > 0).float().mean().item()
     if "accuracy" in comp:
-        metrics["accuracy"] = comp["accuracy"].mean().item()
+        metrics["accuracy"] = comp["accuracy"].nanmean().item()
     return metrics
 
 

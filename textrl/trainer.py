@@ -448,8 +448,10 @@ def iteration_metrics(
     row["reward/std"] = score.std().item() if score.numel() > 1 else 0.0
     for name, value in td.get(KEYS.reward_components).items():
         value = dist.gather(value.float())
-        row[f"reward_components/{name}/mean"] = value.mean().item()
-        row[f"reward_components/{name}/std"] = value.std().item() if value.numel() > 1 else 0.0
+        # NaN where the function does not apply to a row (it returned None): over the rows it applies to
+        applies = value[~value.isnan()]
+        row[f"reward_components/{name}/mean"] = applies.mean().item() if applies.numel() else float("nan")
+        row[f"reward_components/{name}/std"] = applies.std().item() if applies.numel() > 1 else 0.0
     row["response_length/mean"] = lengths.float().mean().item()
     row["samples"] = float(lengths.numel())
     row["tokens"] = float(lengths.sum().item())
