@@ -8,6 +8,8 @@ Importing ``textrl.envs`` registers ``textrl/TokenMDP-v0`` with Gymnasium::
 
 from __future__ import annotations
 
+from textrl.envs.collector import EpisodeRunner, collect_episodes
+from textrl.envs.environment import EnvError, Environment, Episode, PromptTask, Turn
 from textrl.envs.fast_path import (
     Scores,
     place_score,
@@ -16,7 +18,14 @@ from textrl.envs.fast_path import (
 )
 from textrl.envs.policies import KVCachePolicy
 from textrl.envs.prompt_table import PromptTable
-from textrl.envs.prompts import PromptDataset, PromptSampler, check_prompts_fit, load_prompts
+from textrl.envs.prompts import (
+    PromptDataset,
+    PromptSampler,
+    check_prompts_fit,
+    encode_prompts,
+    load_prompts,
+)
+from textrl.envs.registry import env_ids, make_env, register_env
 from textrl.envs.tasks import make_digits_task
 from textrl.envs.token_mdp import ENV_ID, TokenMDPEnv, register
 from textrl.envs.torchrl_env import TextGenEnv
@@ -25,6 +34,17 @@ register()
 
 __all__ = [
     "ENV_ID",
+    "EnvError",
+    "Environment",
+    "Episode",
+    "EpisodeRunner",
+    "PromptTask",
+    "Turn",
+    "collect_episodes",
+    "encode_prompts",
+    "env_ids",
+    "make_env",
+    "register_env",
     "KVCachePolicy",
     "PromptDataset",
     "PromptSampler",
