@@ -39,9 +39,11 @@ from textrl.functional import (
     clipped_policy_loss,
     entropy_from_logits,
     kl_penalty,
+    kl_shaped_rewards,
     logprobs_from_logits,
     masked_mean,
     masked_sum,
+    next_valid,
 )
 from textrl.functional.ppo import explained_variance
 from textrl.keys import KEYS
@@ -109,11 +111,24 @@ def position_ids_for(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def attended_response(td: TensorDictBase) -> Tensor:
+    """The response tokens a forward attends to, bool ``[B, T]``: ``KEYS.response_mask`` (every
+    token of the episode, the environment's observations included), else ``KEYS.mask`` (a
+    single-turn rollout, where the two are equal)."""
+    response = td.get(KEYS.response_mask, None)
+    return td.get(KEYS.mask) if response is None else response
+
+
 def sequence_inputs(td: TensorDictBase) -> tuple[Tensor, Tensor, int]:
-    """``(input_ids [B, P+T], attention_mask [B, P+T], P)`` of prompt + response."""
+    """``(input_ids [B, P+T], attention_mask [B, P+T], P)`` of prompt + response.
+
+    The attention mask covers the prompt and :func:`attended_response`: in a multi-turn episode the
+    agent's later tokens attend to the observations before them (docs/design.md, "Multi-turn
+    episodes"); losses and counts still use the agent mask ``KEYS.mask``.
+    """
     prompt = td.get(KEYS.prompt_tokens)
     input_ids = torch.cat([prompt, td.get(KEYS.action)], dim=1)
-    attention_mask = torch.cat([td.get(KEYS.prompt_mask), td.get(KEYS.mask)], dim=1)
+    attention_mask = torch.cat([td.get(KEYS.prompt_mask), attended_response(td)], dim=1)
     return input_ids, attention_mask, prompt.shape[1]
 
 
@@ -693,13 +708,18 @@ class PPOAgent(nn.Module):
     def process_rollout(self, td: TensorDictBase, *, timings: dict[str, float] | None = None) -> TensorDictBase:
         """Fill log-probs, values, the per-token reward, ``advantage`` and ``value_target``; in place.
 
-        The task score per row is kept as ``KEYS.score`` ``[B]``: on the first call it is read
-        from the fast path's ``("next","reward")`` (the sum over time, before any shaping),
-        afterwards the stored score is reused, so calling this twice does not shape the reward
-        twice. The adaptive KL controller is then fed the mean sequence KL of this rollout. With a
-        ``timings`` dict, the seconds of the prefill forwards (``forward``) and of the shaping and
-        estimator (``advantages``) are added to it.
+        The task reward is kept before any shaping, on the first call: the score per row as
+        ``KEYS.score`` ``[B]`` (the sum over time of the fast path's ``("next","reward")``) and
+        the placed reward as ``KEYS.task_reward`` ``[B, T, 1]`` (unless the collector wrote it:
+        a multi-turn episode's per-turn rewards); later calls reuse both, so calling this twice
+        does not shape the reward twice. ``("next","state_value")`` is V at the row's next agent
+        token (0 after its last: docs/design.md, "Multi-turn episodes"). The adaptive KL
+        controller is then fed the mean sequence KL of this rollout. With a ``timings`` dict, the
+        seconds of the prefill forwards (``forward``) and of the shaping and estimator
+        (``advantages``) are added to it.
         """
+        if KEYS.task_reward not in td.keys(include_nested=True):
+            td.set(KEYS.task_reward, td.get(KEYS.reward).clone())
         if SCORE not in td.keys():
             td.set(SCORE, td.get(KEYS.reward).squeeze(-1).sum(1).float())
         with timed(timings, "forward", self.device):
@@ -708,8 +728,7 @@ class PPOAgent(nn.Module):
             mask = td.get(KEYS.mask)
             if self.critic is not None:
                 values = torch.where(mask, td.get(KEYS.state_value).squeeze(-1), 0.0)  # [B, T]
-                next_mask = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
-                next_values = torch.where(next_mask, values.roll(-1, dims=1), 0.0)  # V(s_t+1), 0 after the end
+                next_values = next_valid(values, mask)  # V(s_t+1): at the next agent token, 0 after the last
                 td.set(KEYS.state_value, values.unsqueeze(-1))
                 td.set(KEYS.next_state_value, next_values.unsqueeze(-1))
             self.estimate(td)
@@ -717,6 +736,21 @@ class PPOAgent(nn.Module):
             seq_kl = self.dist.mean({"kl": masked_sum(kl, mask, dim=1).mean().item()})["kl"]
             self.kl_ctl.update(seq_kl, td.shape[0] * self.dist.world_size)
         return td
+
+    def task_token_rewards(self, td: TensorDictBase) -> Tensor:
+        """The task reward per token before any shaping, ``[B, T]`` (0 off the agent mask).
+
+        ``reward_placement='last'``: the rollout's ``KEYS.task_reward`` (each turn's reward on its
+        last agent token; for a single turn, the score on the last valid token), or the score
+        on the row's last agent token when the rollout has no such key. ``'uniform'``: the
+        score spread evenly over the row's agent tokens (docs/design.md, "Multi-turn episodes").
+        """
+        mask = td.get(KEYS.mask)  # [B, T]
+        placement = self.config.reward_placement
+        if placement == "last" and KEYS.task_reward in td.keys(include_nested=True):
+            return td.get(KEYS.task_reward).squeeze(-1)
+        zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        return kl_shaped_rewards(td.get(SCORE), zeros, mask, 0.0, placement) + 0.0  # +0.0: no -0.0
 
     def estimate(self, td: TensorDictBase) -> None:  # pragma: no cover - abstract
         """Write ``("next","reward")``, ``advantage`` and ``value_target`` (``[B, T, 1]``)."""
@@ -1128,5 +1162,5 @@ class UpdateTally:
 
 __all__ = [
     "CRITIC_OPTIONS", "LORA_OPTIONS", "POLICY_OBJECTIVE_OPTIONS", "SCORE", "SHARED_OPTIONS", "PPOAgent",
-    "RolloutForward", "UpdateTally", "position_ids_for", "sequence_inputs", "warp_logits",
+    "RolloutForward", "UpdateTally", "attended_response", "position_ids_for", "sequence_inputs", "warp_logits",
 ]

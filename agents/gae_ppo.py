@@ -1,8 +1,9 @@
 """Token-level PPO with a critic and GAE (Ziegler et al. 2019; Ouyang et al. 2022; CleanRL ppo.py).
 
 Per iteration: per-token KL to the reference (k1/k2/k3/abs) goes into the reward
-(``r_t = -beta * KL_t``, the task score on the last valid token or spread as ``r/T``) or into the
-loss; GAE(gamma, lam) over the response mask gives ``advantage`` and ``value_target``; K epochs
+(``r_t = -beta * KL_t``, the task reward on each turn's last agent token or the score spread as
+``r/T``) or into the loss; GAE(gamma, lam) over the agent's tokens (the observation tokens of a
+multi-turn episode skipped) gives ``advantage`` and ``value_target``; K epochs
 of clipped policy loss + ``vf_coef`` x clipped value loss - ``entropy_coef`` x entropy.
 """
 
@@ -13,7 +14,6 @@ from textrl.agents.base import (
     CRITIC_OPTIONS,
     LORA_OPTIONS,
     POLICY_OBJECTIVE_OPTIONS,
-    SCORE,
     SHARED_OPTIONS,
     PPOAgent,
 )
@@ -24,8 +24,8 @@ from textrl.functional import (
     clipped_value_loss,
     gae,
     kl_penalty,
-    kl_shaped_rewards,
     masked_whiten,
+    shaped_token_rewards,
 )
 from textrl.keys import KEYS
 
@@ -53,12 +53,17 @@ class GAEPPO(PPOAgent):
         return kl
 
     def estimate(self, td: TensorDictBase) -> None:
-        """Shaped rewards, then GAE; writes ``("next","reward")``, ``advantage``, ``value_target``."""
+        """Shaped rewards, then GAE; writes ``("next","reward")``, ``advantage``, ``value_target``.
+
+        The task reward per token (:meth:`~PPOAgent.task_token_rewards`: each turn's reward on its
+        last agent token) minus ``beta * KL_t`` on every agent token; GAE steps from agent token
+        to agent token over the observation gaps of a multi-turn episode.
+        """
         cfg = self.config
         mask = td.get(KEYS.mask)  # [B, T]
         kl = self.token_kl(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob))  # [B, T]
         beta = self.kl_ctl.value if cfg.kl_in == "reward" else 0.0
-        rewards = kl_shaped_rewards(td.get(SCORE), kl, mask, beta, cfg.reward_placement)  # [B, T]
+        rewards = shaped_token_rewards(self.task_token_rewards(td), kl, mask, beta)  # [B, T]
         values = td.get(KEYS.state_value).squeeze(-1)  # [B, T]
         advantages, returns = gae(rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam)
         if cfg.whiten_advantages:

@@ -20,7 +20,6 @@ from tensordict import TensorDictBase
 from textrl.agents.base import (
     LORA_OPTIONS,
     POLICY_OBJECTIVE_OPTIONS,
-    SCORE,
     SHARED_OPTIONS,
     PPOAgent,
 )
@@ -29,7 +28,7 @@ from torch import Tensor
 from textrl.agent_registry import register_agent
 from textrl.functional import (
     kl_penalty,
-    kl_shaped_rewards,
+    shaped_token_rewards,
 )
 from textrl.functional.advantages import grpo_advantage, rloo_advantage
 from textrl.keys import KEYS
@@ -73,7 +72,7 @@ class GroupPPO(PPOAgent):
             )
         kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind=cfg.kl_kind)  # [B, T]
         beta = self.kl_ctl.value if cfg.kl_in == "reward" else 0.0
-        rewards = kl_shaped_rewards(td.get(SCORE), kl, mask, beta, cfg.reward_placement)  # [B, T]
+        rewards = shaped_token_rewards(self.task_token_rewards(td), kl, mask, beta)  # [B, T]
         sequence_reward = torch.where(mask, rewards, 0.0).sum(1)  # [B]: score - beta * sum_t KL_t
         advantage = self.group_advantage(sequence_reward, n).to(rewards.dtype)  # [B]
         zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)

@@ -175,7 +175,7 @@ def _bt(b=2, t=3):
         ({"values": torch.zeros(2, 4)}, r"values"),
         ({"rewards": torch.zeros(2, 3, dtype=torch.long)}, r"rewards .*float"),
         ({"mask": torch.ones(2, 3)}, r"mask .*bool"),
-        ({"mask": torch.tensor([[True, False, True], [True, True, True]])}, r"mask .*prefix"),
+        ({"mask": torch.ones(2, 3, 1, dtype=torch.bool)}, r"mask .*\[2, 3\]"),
         ({"gamma": 1.5}, r"gamma"),
         ({"lam": -0.1}, r"lam"),
     ],

@@ -2,6 +2,8 @@
 
 Every function checks its inputs and raises ``ValueError`` naming the argument and the expected
 shape or dtype; masks are bool and masked positions may hold NaN/inf (select, don't multiply).
+A mask of the agent's tokens may have gaps (the observation tokens of a multi-turn episode,
+docs/design.md, "Multi-turn episodes"); only ``response_mask`` builds a prefix.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from textrl.functional.advantages import (
     gae,
     grpo_advantage,
+    last_valid,
+    next_valid,
     one_step_advantage,
     rloo_advantage,
 )
@@ -20,14 +24,19 @@ from textrl.functional.kl import (
     kl_k3,
     kl_penalty,
     kl_shaped_rewards,
+    shaped_token_rewards,
 )
 from textrl.functional.logprobs import entropy_from_logits, logprobs_from_logits
 from textrl.functional.masking import (
+    compact,
+    compaction_index,
+    last_true_index,
     masked_mean,
     masked_sum,
     masked_var,
     masked_whiten,
     response_mask,
+    uncompact,
 )
 from textrl.functional.ppo import (
     LOSS_AGGREGATIONS,
@@ -43,6 +52,8 @@ __all__ = [
     "aggregate_loss",
     "clipped_policy_loss",
     "clipped_value_loss",
+    "compact",
+    "compaction_index",
     "entropy_from_logits",
     "explained_variance",
     "gae",
@@ -53,12 +64,17 @@ __all__ = [
     "kl_k3",
     "kl_penalty",
     "kl_shaped_rewards",
+    "last_true_index",
+    "last_valid",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "next_valid",
     "one_step_advantage",
     "response_mask",
     "rloo_advantage",
+    "shaped_token_rewards",
+    "uncompact",
 ]

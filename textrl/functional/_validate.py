@@ -47,8 +47,8 @@ def check_same_shape(name: str, x: Tensor, ref_name: str, ref: Tensor) -> None:
     raise ValueError(f"{name} must have the shape of {ref_name} {_shape(ref)}, got {_shape(x)}{hint}")
 
 
-def check_mask(name: str, mask: Tensor, ref_name: str, ref: Tensor, *, prefix: bool = False) -> None:
-    """``mask`` is bool with the shape of ``ref``; with ``prefix``, each row is Trues then Falses."""
+def check_mask(name: str, mask: Tensor, ref_name: str, ref: Tensor) -> None:
+    """``mask`` is bool with the shape of ``ref``; any pattern of Trues (gaps allowed)."""
     check_tensor(name, mask)
     if mask.dtype != torch.bool:
         raise ValueError(
@@ -56,20 +56,6 @@ def check_mask(name: str, mask: Tensor, ref_name: str, ref: Tensor, *, prefix: b
             "(a float mask is ambiguous about NaN/inf in masked positions)"
         )
     check_same_shape(name, mask, ref_name, ref)
-    if prefix:
-        check_prefix(name, mask)
-
-
-def check_prefix(name: str, mask: Tensor) -> None:
-    """Each row of a bool ``[B, T]`` mask is a run of Trues followed by Falses."""
-    if mask.shape[-1] > 1:
-        gap = mask[..., 1:] & ~mask[..., :-1]
-        if gap.any():
-            rows = torch.nonzero(gap.reshape(-1, gap.shape[-1]).any(-1)).flatten().tolist()
-            raise ValueError(
-                f"{name} must be a prefix of Trues in each row (valid response tokens, then padding); "
-                f"rows {rows[:10]} have a True after a False. Build it with response_mask()"
-            )
 
 
 def check_probability(name: str, value: float) -> None:

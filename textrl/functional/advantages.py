@@ -2,10 +2,13 @@
 
 - ``gae``: Generalized Advantage Estimation (Schulman et al. 2016), token level, for PPO.
 - ``one_step_advantage``: sequence score minus V at the last valid token (MiniMind).
+- ``last_valid`` / ``next_valid``: the value at a row's last valid token / at the next valid one.
 - ``grpo_advantage``: group-normalised score (Shao et al. 2024, DeepSeekMath GRPO).
 - ``rloo_advantage``: REINFORCE leave-one-out baseline (Ahmadian et al. 2024, RLOO).
 
 Masked positions may hold NaN/inf: they are selected away with ``torch.where`` before any math.
+Masks may have gaps (a multi-turn episode's observation tokens, docs/design.md, "Multi-turn
+episodes"): only True positions are steps, in order.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from textrl.functional._validate import (
     check_same_shape,
     check_tensor,
 )
+from textrl.functional.masking import compact, compaction_index, last_true_index, uncompact
 
 
 def _check_1d(name: str, x: Tensor) -> None:
@@ -79,39 +83,10 @@ def _discounted_reverse_cumsum(x: Tensor, decay: float) -> Tensor:
     return (local + carry.unsqueeze(-1) * tail).reshape(b, n_blocks * c)[:, :t]
 
 
-def gae(
-    rewards: Tensor,
-    values: Tensor,
-    mask: Tensor,
-    gamma: float = 1.0,
-    lam: float = 0.95,
+def _gae_prefix(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
 ) -> tuple[Tensor, Tensor]:
-    """Generalized Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438, eq. 16).
-
-    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V_{t+1} = 0`` after the last valid token
-    (the response ends there: done and terminated), and ``A_t = delta_t + gamma * lam * A_{t+1}``;
-    ``returns = A + V`` (the value target, CleanRL ``returns = advantages + values``).
-
-    Args:
-        rewards: float ``[B, T]``, per-token reward.
-        values: float ``[B, T]``, V(s_t) of the old value head.
-        mask: bool ``[B, T]``, a prefix of Trues per row (valid response tokens).
-        gamma: discount in [0, 1].
-        lam: GAE lambda in [0, 1].
-
-    Returns:
-        ``(advantages, returns)``, each ``[B, T]`` in float32 (float64 if the inputs are),
-        exactly 0 at masked positions. Equals TorchRL's ``generalized_advantage_estimate`` on
-        ``[B, T, 1]`` tensors with ``done`` at each row's last valid token.
-    """
-    check_2d("rewards", rewards)
-    check_float("rewards", rewards)
-    check_same_shape("values", values, "rewards", rewards)
-    check_float("values", values)
-    check_mask("mask", mask, "rewards", rewards, prefix=True)
-    check_probability("gamma", gamma)
-    check_probability("lam", lam)
-
+    """GAE over a prefix ``mask`` (inputs checked by :func:`gae`): ``(advantages, returns)`` ``[B, T]``."""
     dtype = torch.promote_types(_compute_dtype(rewards), _compute_dtype(values))
     zero = torch.zeros((), dtype=dtype, device=rewards.device)
     r = torch.where(mask, rewards.to(dtype), zero)  # (B, T)
@@ -125,18 +100,90 @@ def gae(
     return advantages, returns
 
 
-def last_valid(x: Tensor, mask: Tensor) -> Tensor:
-    """``x[b, L_b - 1]`` with ``L_b = mask[b].sum()``: the value at each row's last valid token.
+def _prefix_of(mask: Tensor) -> Tensor:
+    """The prefix mask with each row's count of Trues: ``arange(T) < mask.sum(1)``. ``[B, T]``."""
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    return positions.unsqueeze(0) < mask.sum(dim=1, keepdim=True)
 
-    x: float ``[B, T]``; mask: bool prefix ``[B, T]`` with at least one True per row -> ``[B]``.
+
+def gae(
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[Tensor, Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438, eq. 16).
+
+    Only the True positions of ``mask`` are decisions (the agent's tokens). For a True position
+    ``t`` let ``t'`` be the row's next True position: ``delta_t = r_t + gamma * V_{t'} - V_t``
+    with ``V_{t'} = 0`` after the row's last True (the episode ends there: done and terminated),
+    and ``A_t = delta_t + gamma * lam * A_{t'}``; ``returns = A + V`` (the value target, CleanRL
+    ``returns = advantages + values``). False positions between Trues (a multi-turn episode's
+    observation tokens, docs/design.md, "Multi-turn episodes") are skipped: they neither
+    discount nor carry reward, so GAE on a gapped mask equals GAE on the compacted Trues
+    (:func:`~textrl.functional.masking.compact`), scattered back. For a prefix mask the
+    compaction is the identity and ``t' = t + 1``.
+
+    Args:
+        rewards: float ``[B, T]``, per-token reward.
+        values: float ``[B, T]``, V(s_t) of the old value head.
+        mask: bool ``[B, T]``, the decisions (a prefix of Trues for a single turn; gaps allowed).
+        gamma: discount in [0, 1].
+        lam: GAE lambda in [0, 1].
+
+    Returns:
+        ``(advantages, returns)``, each ``[B, T]`` in float32 (float64 if the inputs are),
+        exactly 0 at masked positions. Equals TorchRL's ``generalized_advantage_estimate`` on
+        the compacted ``[B, T, 1]`` tensors with ``done`` at each row's last True.
+    """
+    check_2d("rewards", rewards)
+    check_float("rewards", rewards)
+    check_same_shape("values", values, "rewards", rewards)
+    check_float("values", values)
+    check_mask("mask", mask, "rewards", rewards)
+    check_probability("gamma", gamma)
+    check_probability("lam", lam)
+
+    index = compaction_index(mask)  # (B, T): identity for a prefix mask
+    advantages, returns = _gae_prefix(
+        compact(rewards, index), compact(values, index), _prefix_of(mask), gamma, lam
+    )
+    return uncompact(advantages, index), uncompact(returns, index)
+
+
+def last_valid(x: Tensor, mask: Tensor) -> Tensor:
+    """``x[b, t_b]`` with ``t_b`` the last True position of ``mask[b]``: the value at each row's
+    last valid token (``mask.sum(1) - 1`` for a prefix mask).
+
+    x: ``[B, T]``; mask: bool ``[B, T]`` (gaps allowed) with at least one True per row -> ``[B]``.
     """
     check_2d("x", x)
-    check_mask("mask", mask, "x", x, prefix=True)
-    lengths = mask.sum(dim=1)  # (B,)
-    if (lengths == 0).any():
-        rows = torch.nonzero(lengths == 0).flatten().tolist()
+    check_mask("mask", mask, "x", x)
+    last = last_true_index(mask)  # (B,)
+    if (last < 0).any():
+        rows = torch.nonzero(last < 0).flatten().tolist()
         raise ValueError(f"mask has empty rows {rows[:10]}: each row needs a valid token")
-    return x.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)  # (B,)
+    return x.gather(1, last.unsqueeze(1)).squeeze(1)  # (B,)
+
+
+def next_valid(x: Tensor, mask: Tensor) -> Tensor:
+    """At each True position ``t``: ``x`` at the row's next True position, 0 after its last. ``[B, T]``.
+
+    x: ``[B, T]``; mask: bool ``[B, T]`` (gaps allowed) -> ``[B, T]`` of ``x``'s dtype, exactly 0
+    at False positions. With ``x = V`` this is ``V(s_{t+1})`` of the token MDP: in a multi-turn
+    episode the state after a turn's last agent token is the one before the next turn's first
+    agent token (docs/design.md, "Multi-turn episodes"); for a prefix mask it is ``x[:, t + 1]``
+    where ``t + 1`` is valid.
+    """
+    check_2d("x", x)
+    check_mask("mask", mask, "x", x)
+    index = compaction_index(mask)
+    valid = _prefix_of(mask)  # (B, T): the compacted mask
+    shifted = torch.cat([compact(x, index)[:, 1:], torch.zeros_like(x[:, :1])], dim=1)  # (B, T)
+    next_is_valid = torch.cat([valid[:, 1:], torch.zeros_like(valid[:, :1])], dim=1)  # (B, T)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    return uncompact(torch.where(next_is_valid, shifted, zero), index)
 
 
 def one_step_advantage(score: Tensor, values_last: Tensor) -> Tensor:

@@ -3,7 +3,9 @@
 The estimators take the log-probs of the *sampled* tokens, ``logp = log pi(a)`` and
 ``ref_logp = log pi_ref(a)`` with ``a ~ pi``, and estimate ``KL(pi || pi_ref)`` per token
 (J. Schulman, "Approximating KL Divergence", 2020, http://joschu.net/blog/kl-approx.html).
-All compute in float32 (float64 stays float64) and return that dtype.
+All compute in float32 (float64 stays float64) and return that dtype. ``kl_shaped_rewards``
+places a sequence score; ``shaped_token_rewards`` takes rewards already placed per token (the
+per-turn rewards of a multi-turn episode).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from textrl.functional._validate import (
     check_same_shape,
     check_tensor,
 )
+from textrl.functional.masking import last_true_index
 
 KL_KINDS = ("k1", "k2", "k3", "abs")
 
@@ -91,17 +94,23 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k1") -> Tensor:
     return _KL_FUNCS[kind](logp, ref_logp)
 
 
+def _check_kl_coef(kl_coef: float) -> None:
+    if not isinstance(kl_coef, (int, float)) or isinstance(kl_coef, bool) or not kl_coef >= 0:
+        raise ValueError(f"kl_coef={kl_coef!r}: must be a number >= 0")
+
+
 def kl_shaped_rewards(
     score: Tensor, kl: Tensor, mask: Tensor, kl_coef: float, placement: str = "last"
 ) -> Tensor:
     """Per-token rewards: the KL penalty on every valid token plus the sequence score.
 
     score: float ``[B]`` task reward per sequence; kl: float ``[B, T]`` per-token KL (e.g. from
-    ``kl_penalty``); mask: bool prefix ``[B, T]`` (``response_mask``); kl_coef >= 0.
+    ``kl_penalty``); mask: bool ``[B, T]``, the agent's tokens (a prefix from ``response_mask``
+    for a single turn; gaps allowed, docs/design.md, "Multi-turn episodes"); kl_coef >= 0.
     Returns float32 ``[B, T]``: ``r_t = -kl_coef * kl_t`` on valid tokens, plus
 
-    * ``placement="last"``: ``score`` at the last valid token ``mask.sum(1) - 1``
-      (Ziegler et al. 2019; Ouyang et al. 2022; TRL ``PPOTrainer``);
+    * ``placement="last"``: ``score`` at the row's last True position (``mask.sum(1) - 1`` for
+      a prefix mask; Ziegler et al. 2019; Ouyang et al. 2022; TRL ``PPOTrainer``);
     * ``placement="uniform"``: ``score / T_valid`` on each valid token (the Actor-Critic PPO
       seed), so each row's rewards still sum to ``score - kl_coef * sum(kl)``.
 
@@ -110,7 +119,7 @@ def kl_shaped_rewards(
     """
     check_2d("kl", kl)
     check_float("kl", kl)
-    check_mask("mask", mask, "kl", kl, prefix=True)
+    check_mask("mask", mask, "kl", kl)
     check_tensor("score", score)
     check_float("score", score)
     b, _ = kl.shape
@@ -119,8 +128,7 @@ def kl_shaped_rewards(
         raise ValueError(
             f"score must be [B] = [{b}] to match kl [B, T], got shape {list(score.shape)}{hint}"
         )
-    if not isinstance(kl_coef, (int, float)) or isinstance(kl_coef, bool) or not kl_coef >= 0:
-        raise ValueError(f"kl_coef={kl_coef!r}: must be a number >= 0")
+    _check_kl_coef(kl_coef)
     if placement not in ("last", "uniform"):
         raise ValueError(f"placement={placement!r}: must be one of ('last', 'uniform')")
     lengths = mask.sum(dim=1)  # [B]
@@ -136,9 +144,33 @@ def kl_shaped_rewards(
     rewards = torch.where(mask, -kl_coef * kl.to(cdt), zero)  # [B, T]
     score = score.to(cdt)
     if placement == "last":
-        last = (lengths - 1).unsqueeze(1)  # [B, 1]
+        last = last_true_index(mask).unsqueeze(1)  # [B, 1]
         rewards = rewards.scatter_add(1, last, score.unsqueeze(1))
     else:
         per_token = score / lengths.to(cdt)  # [B]
         rewards = rewards + torch.where(mask, per_token.unsqueeze(1), zero)
     return rewards
+
+
+def shaped_token_rewards(task_rewards: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
+    """Per-token rewards from per-token task rewards: ``where(mask, task_rewards - kl_coef * kl, 0)``.
+
+    task_rewards: float ``[B, T]``, the environment's reward already placed on tokens (each
+    turn's reward on its last agent token, docs/design.md, "Multi-turn episodes"); kl: float
+    ``[B, T]``; mask: bool ``[B, T]``, the agent's tokens (gaps allowed); kl_coef >= 0.
+    Returns float32 ``[B, T]`` (float64 if an input is), exactly 0 at masked positions (a task
+    reward there is dropped, NaN/inf there does not leak).
+
+    Computed as ``-kl_coef * kl + task_rewards``, the float operations of
+    :func:`kl_shaped_rewards`: with ``task_rewards = kl_shaped_rewards(score, 0, mask, 0,
+    placement)`` (the score placed) both give the same numbers (up to the sign of a zero).
+    """
+    check_2d("task_rewards", task_rewards)
+    check_float("task_rewards", task_rewards)
+    check_same_shape("kl", kl, "task_rewards", task_rewards)
+    check_float("kl", kl)
+    check_mask("mask", mask, "task_rewards", task_rewards)
+    _check_kl_coef(kl_coef)
+    cdt = torch.promote_types(torch.promote_types(kl.dtype, task_rewards.dtype), torch.float32)
+    zero = torch.zeros((), dtype=cdt, device=kl.device)
+    return torch.where(mask, -kl_coef * kl.to(cdt) + task_rewards.to(cdt), zero)

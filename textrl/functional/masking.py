@@ -1,8 +1,14 @@
-"""Masked reductions over ``[B, T]`` tensors and the response mask.
+"""Masked reductions over ``[B, T]`` tensors, the response mask, and gapped masks.
 
 Masks are bool and masked positions may hold anything, NaN and inf included: every function
 selects with ``torch.where(mask, x, 0)`` instead of multiplying, so garbage never leaks
 (``nan * 0`` is ``nan``).
+
+A mask may have gaps: in a multi-turn episode the agent's tokens are interrupted by the
+environment's observation tokens (docs/design.md, "Multi-turn episodes"). :func:`compaction_index`,
+:func:`compact` and :func:`uncompact` move each row's True positions to the left (in order) and
+back, so that math over "the agent's tokens in order" runs on a prefix mask; for a prefix mask
+they are the identity.
 """
 
 from __future__ import annotations
@@ -84,6 +90,57 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask, whitened, torch.zeros((), dtype=whitened.dtype, device=x.device))
+
+
+def _check_bool_2d(name: str, mask: Tensor) -> None:
+    check_2d(name, mask)
+    if mask.dtype != torch.bool:
+        raise ValueError(f"{name} must be a bool tensor, got dtype {mask.dtype}; pass {name}.bool()")
+
+
+def compaction_index(mask: Tensor) -> Tensor:
+    """Where each position goes when each row's True positions move left: int64 ``[B, T]``.
+
+    mask: bool ``[B, T]``, gaps allowed. Row ``b`` of the result is a permutation of
+    ``range(T)``: the k-th True of the row goes to ``k``, the k-th False to ``n_b + k`` with
+    ``n_b = mask[b].sum()``. For a prefix mask it is ``arange(T)`` in every row.
+    """
+    _check_bool_2d("mask", mask)
+    m = mask.long()
+    n = m.sum(dim=1, keepdim=True)  # (B, 1)
+    true_rank = m.cumsum(dim=1) - 1  # (B, T)
+    false_rank = (1 - m).cumsum(dim=1) - 1  # (B, T)
+    return torch.where(mask, true_rank, n + false_rank)
+
+
+def compact(x: Tensor, index: Tensor) -> Tensor:
+    """``x`` ``[B, T]`` with each row permuted by ``index`` (:func:`compaction_index`) -> ``[B, T]``.
+
+    ``out[b, index[b, t]] = x[b, t]``: a row's True positions come first, in order, then its
+    False positions (whatever they hold). The prefix mask of the result is
+    ``arange(T) < mask.sum(1, keepdim=True)``.
+    """
+    check_2d("x", x)
+    return torch.empty_like(x).scatter_(1, index, x)
+
+
+def uncompact(y: Tensor, index: Tensor) -> Tensor:
+    """The inverse of :func:`compact`: ``out[b, t] = y[b, index[b, t]]``. ``[B, T] -> [B, T]``."""
+    check_2d("y", y)
+    return y.gather(1, index)
+
+
+def last_true_index(mask: Tensor) -> Tensor:
+    """Position of each row's last True: int64 ``[B]``, -1 for a row without one.
+
+    mask: bool ``[B, T]``, gaps allowed; for a prefix mask this is ``mask.sum(1) - 1``.
+    """
+    _check_bool_2d("mask", mask)
+    b, t = mask.shape
+    if t == 0:
+        return torch.full((b,), -1, dtype=torch.long, device=mask.device)
+    positions = torch.arange(t, device=mask.device)
+    return torch.where(mask, positions, -1).amax(dim=1)
 
 
 def response_mask(
