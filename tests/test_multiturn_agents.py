@@ -408,3 +408,25 @@ def test_pad_equal_to_eos_keeps_each_turns_eos_multi_turn(eos_pad_tok):
     assert (adv[is_eos & mask] != 0).all() and (adv[~mask] == 0).all()
     metrics = agent.update(td)
     assert metrics["nonfinite/skipped_updates"] == 0.0
+
+
+# -- with the collector ----------------------------------------------------------------------
+@pytest.mark.parametrize("name", AGENT_NAMES)
+def test_a_collected_multiturn_rollout_is_processed_and_trained(tok, name):
+    """envs/collector.py's rollout of a two-turn environment (scripted turns), through each agent."""
+    from textrl.envs.collector import EpisodeRunner
+
+    from tests.envs.test_collector import Echo, batch_of, scripted
+
+    env = Echo(max_turns=2)
+    rows = [env.rows()[0], env.rows()[0], env.rows()[1], env.rows()[1]]  # grpo: two groups of two
+    gen = scripted(tok, [["cat", "cat"], ["no", "cat"], ["dog", "x"], ["dog", "dog"]])
+    td = EpisodeRunner(env, tokenizer=tok, max_new_tokens=8, max_episode_tokens=200).run(gen, batch_of(tok, rows))
+    mask, response = td.get(KEYS.mask), td.get(KEYS.response_mask)
+    assert (response & ~mask).any(1).all()  # every row has observation tokens between its turns
+    placed = flat(td, KEYS.reward).clone()
+    agent = agent_with_values(tok, name, kl_coef=0.1)
+    td = check_rollout(agent.process_rollout(td))
+    assert torch.equal(flat(td, KEYS.task_reward), placed)
+    assert (flat(td, KEYS.advantage)[~mask] == 0).all() and (flat(td, KEYS.advantage)[mask] != 0).all()
+    assert agent.update(td)["nonfinite/skipped_updates"] == 0.0
