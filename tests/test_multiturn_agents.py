@@ -175,7 +175,7 @@ def test_without_a_response_mask_the_agent_mask_must_be_a_prefix(tok):
 
 
 # -- the estimators --------------------------------------------------------------------------
-@pytest.mark.parametrize("name", AGENT_NAMES)
+@pytest.mark.parametrize("name", (*AGENT_NAMES, "multi_adapter_ppo"))
 def test_observation_tokens_get_no_advantage_reward_or_value_target(tok, name):
     agent = agent_with_values(tok, name, kl_coef=0.1)
     td = check_rollout(agent.process_rollout(multiturn_rollout(tok)))
