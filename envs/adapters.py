@@ -106,13 +106,17 @@ _EXTRAS = {"reasoning_gym": ("reasoning-gym", "reasoning-gym"), "textarena": ("t
 
 def require(module: str, what: str) -> ModuleType:
     """``import module``, or a one-line ``ImportError`` naming ``what`` needs it and the extra
-    that installs it (``pip install 'textrl[reasoning-gym]'``)."""
+    that installs it (``pip install 'textrl[reasoning-gym]'``). The global ``random`` state is
+    kept: importing reasoning_gym or textarena draws from it."""
+    outer = random.getstate()
     try:
         return importlib.import_module(module)
     except ImportError as error:
         package, extra = _EXTRAS[module]
         raise ImportError(f"{what} needs the {package} package, which cannot be imported ({error}); "
                           f"install it with: pip install 'textrl[{extra}]'") from None
+    finally:
+        random.setstate(outer)
 
 
 def _unknown(kind: str, name: str, known: Sequence[str], checked: Sequence[str]) -> ValueError:
@@ -213,6 +217,7 @@ class ReasoningGymEnv(Environment):
         self.dataset = self._dataset(size, seed)
         self.reward = ReasoningGymScorer(task, self.dataset)
         self._rows: list[dict[str, Any]] | None = None
+        self._questions: set[str] = set()
         self._eval_rows: list[dict[str, Any]] | None = None
 
     def _dataset(self, size: int, seed: int) -> Any:
@@ -237,7 +242,9 @@ class ReasoningGymEnv(Environment):
     def rows(self) -> list[dict[str, Any]]:
         """Items ``0..size-1`` of the dataset of ``seed``, as rows (built once)."""
         if self._rows is None:
-            self._rows = [self._row(self.dataset[i]) for i in range(self.size)]
+            items = [self.dataset[i] for i in range(self.size)]
+            self._questions = {item["question"] for item in items}
+            self._rows = [self._row(item) for item in items]
         return self._rows
 
     def eval_rows(self) -> list[dict[str, Any]] | None:
@@ -246,7 +253,8 @@ class ReasoningGymEnv(Environment):
         if self.eval_size == 0:
             return None
         if self._eval_rows is None:
-            seen = {item["question"] for item in (self.dataset[i] for i in range(self.size))}
+            self.rows()
+            seen = set(self._questions)
             tries = 4 * self.eval_size + 64
             held = self._dataset(tries, self.seed + self.size)
             rows = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import doctest
 import importlib.util
 import random
+import subprocess
 import sys
 import threading
 from fractions import Fraction
@@ -285,7 +286,7 @@ def test_math_verify_is_registered_by_name():
     from textrl.rewards import REWARDS, get_reward
 
     if "math_verify" not in REWARDS:
-        pytest.skip("rewards/registry.py does not register math_verify yet (one import line to add)")
+        pytest.skip("rewards/registry.py does not register math_verify yet (an import and one tuple entry)")
     assert get_reward("math_verify")(["q"], ["<answer>0.5</answer>"], answer=["1/2"]).tolist() == [1.0]
 
 
@@ -426,8 +427,10 @@ def test_max_turns_setting_and_the_games_own_limit():
 def test_textarena_errors_name_the_culprit():
     with pytest.raises(ValueError, match="did you mean 'GuessTheNumber-v0'"):
         make_env("textarena:GuessTheNumbr-v0")
-    with pytest.raises(ValueError, match="(several players|set up for one player).*GuessTheNumber-v0"):
-        make_env("textarena:TicTacToe-v0")
+    with pytest.raises(ValueError, match="cannot be set up for one player.*has to be 2.*GuessTheNumber-v0"):
+        make_env("textarena:TicTacToe-v0")  # its reset refuses one player
+    with pytest.raises(ValueError, match="game for several players.*GuessTheNumber-v0"):
+        make_env("textarena:QuantumTicTacToe-v0")  # its reset takes one player, its state is for two
     with pytest.raises(ValueError, match="max_turns=0"):
         make_env("textarena:GuessTheNumber-v0", max_turns=0)
 
@@ -469,6 +472,18 @@ def test_listed_games_play_offline(game):
 def test_every_listed_game_plays_offline():
     for game in TEXTARENA_GAMES:
         _play_a_little(game)
+
+
+@needs_rg
+@pytest.mark.slow
+@pytest.mark.parametrize(("how", "kept"), [("import reasoning_gym", False), ("require('reasoning_gym', 'x')", True)])
+def test_importing_a_suite_through_require_leaves_the_global_random_state_alone(how, kept):
+    """A plain ``import reasoning_gym`` draws from ``random`` (in a fresh interpreter: the first
+    import does); through ``require`` the caller's state is kept."""
+    code = ("import random\nfrom textrl.envs.adapters import require\nrandom.seed(0); s = random.getstate()\n"
+            f"{how}\nprint(random.getstate() == s)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == [str(kept)], out.stderr[-2000:]
 
 
 # -- missing packages ------------------------------------------------------------------------------
