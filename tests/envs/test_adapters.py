@@ -22,7 +22,6 @@ import textrl.envs.adapters as adapters
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from textrl.envs import registry
 from textrl.envs.adapters import (
     EMPTY_OBSERVATION,
     REASONING_GYM_TASKS,
@@ -52,14 +51,6 @@ needs_ta = pytest.mark.skipif(importlib.util.find_spec("textarena") is None,
                               reason="textarena is not installed (pip install 'textrl[textarena]')")
 needs_mv = pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
                               reason="math-verify is not installed (pip install 'textrl[math]')")
-
-
-@pytest.fixture(autouse=True)
-def existing_adapter_modules(monkeypatch):
-    """make_env imports the registry's lazy modules on a miss; import only those that exist (the
-    built-in environments' module may not be on this branch yet)."""
-    present = tuple(m for m in registry._ADAPTER_MODULES if importlib.util.find_spec(m) is not None)
-    monkeypatch.setattr(registry, "_ADAPTER_MODULES", present)
 
 
 @pytest.fixture(scope="module")
