@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from textrl.rewards.base import RewardFn, check_finite_weight, reward_name
 from textrl.rewards.composite import CompositeReward
+from textrl.rewards.math_verify import math_verify_reward
 from textrl.rewards.neural import load_neural_reward
 from textrl.rewards.penalties import length_penalty, missing_eos_penalty, repetition_penalty
 from textrl.rewards.rules import accuracy_reward, tag_count_reward, think_format_reward
@@ -281,6 +282,7 @@ for _fn in (
     length_penalty,
     repetition_penalty,
     missing_eos_penalty,
+    math_verify_reward,
 ):
     register_reward(_fn.name)(_fn)
 
