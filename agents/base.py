@@ -91,7 +91,7 @@ def warmup_pairs(config: TrainConfig) -> list[tuple[Any, str]] | None:
 
     from textrl.envs.registry import split_rows, task_environment
 
-    env = task_environment(config.env, config.dataset, config.reward)
+    env = task_environment(config.env, config.dataset, config.reward, config.env_args)
     train_rows, _ = split_rows(env, config.eval_size, config.seed)
     settings = {}
     if "answer_accuracy" in inspect.signature(env.warmup_examples).parameters:

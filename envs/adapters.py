@@ -275,7 +275,9 @@ class ReasoningGymEnv(Environment):
 
 @register_env_loader("reasoning_gym")
 def load_reasoning_gym(task: str, **settings: Any) -> ReasoningGymEnv:
-    """``make_env("reasoning_gym:<task>", **settings)``: a :class:`ReasoningGymEnv`."""
+    """A reasoning-gym task by name, scored by its own scorer (pip install 'textrl[reasoning-gym]').
+
+    ``make_env("reasoning_gym:<task>", **settings)``: a :class:`ReasoningGymEnv`."""
     return ReasoningGymEnv(task, **settings)
 
 
@@ -442,7 +444,9 @@ class TextArenaEnv(Environment):
 
 @register_env_loader("textarena")
 def load_textarena(game: str, **settings: Any) -> TextArenaEnv:
-    """``make_env("textarena:<game id>", **settings)``: a :class:`TextArenaEnv`."""
+    """A single-player TextArena game by its id, multi-turn (pip install 'textrl[textarena]').
+
+    ``make_env("textarena:<game id>", **settings)``: a :class:`TextArenaEnv`."""
     return TextArenaEnv(game, **settings)
 
 

@@ -123,11 +123,26 @@ def _from_file(spec: str, settings: dict[str, Any]) -> Environment:
 
 
 def _build(factory: Callable[..., Any], settings: dict[str, Any], label: str) -> Environment:
-    env = factory(**settings)
+    try:
+        env = factory(**settings)
+    except TypeError as error:
+        if settings and "argument" in str(error):
+            raise ValueError(f"--env {label!r} does not take the settings {sorted(settings)}: {error}; its "
+                             f"settings: {', '.join(env_settings(factory)) or 'none'}") from error
+        raise
     if not isinstance(env, Environment):
         raise TypeError(f"--env {label!r} built a {type(env).__name__}, not a textrl.envs.Environment; "
                         "subclass textrl.envs.Environment (rows() and step())")
     return env
+
+
+def env_settings(factory: Callable[..., Any]) -> list[str]:
+    """The keyword settings an environment's constructor takes."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
 
 
 def make_env(spec: str | Environment, **settings: Any) -> Environment:
@@ -165,8 +180,24 @@ DATASET_REWARD = "think_format,tag_count,accuracy"
 """The reward of a ``--dataset`` without ``--reward``."""
 
 
+def parse_env_args(text: str | None) -> dict[str, Any]:
+    """``"max_n=16,turn_cost=0.1"`` -> ``{"max_n": 16, "turn_cost": 0.1}`` (each value a YAML
+    scalar); ``ValueError`` naming a malformed item."""
+    import yaml
+
+    settings: dict[str, Any] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ValueError(f"env_args: {item.strip()!r} is not KEY=VALUE; write e.g. 'max_n=16,turn_cost=0.1'")
+        settings[key.strip()] = yaml.safe_load(value.strip()) if value.strip() else ""
+    return settings
+
+
 def task_environment(env: str | Environment | None = None, dataset: Any = None,
-                     reward: Any = None) -> Environment:
+                     reward: Any = None, env_args: str | None = None) -> Environment:
     """The environment a run trains on: ``env`` (an id, spec or instance), else a
     :class:`~textrl.envs.environment.PromptTask` of ``dataset`` scored by ``reward`` (default
     :data:`DATASET_REWARD`), else :data:`DEFAULT_ENV`. ``dataset='builtin:NAME'`` of a registered
@@ -179,9 +210,13 @@ def task_environment(env: str | Environment | None = None, dataset: Any = None,
     if env is None and isinstance(dataset, str) and dataset.startswith("builtin:"):
         name = dataset.removeprefix("builtin:")
         env = name if name in ENVS or name in env_ids() else None
+    settings = parse_env_args(env_args)
     if env is None and dataset is not None:
+        if settings:
+            raise ValueError(f"env_args {sorted(settings)} given with a --dataset: they are settings of an "
+                             "environment; use --env")
         return PromptTask(load_prompts(dataset), DATASET_REWARD if reward is None else reward, id="dataset")
-    environment = make_env(DEFAULT_ENV if env is None else env)
+    environment = make_env(DEFAULT_ENV if env is None else env, **settings)
     if reward is not None:
         environment.reward = reward
     return environment
@@ -202,5 +237,5 @@ def split_rows(env: Environment, eval_size: int, seed: int) -> tuple[Any, Any]:
     return rows, held_out
 
 
-__all__ = ["DATASET_REWARD", "DEFAULT_ENV", "ENVS", "ENV_LOADERS", "env_ids", "gym_id", "make_env", "register_env", "register_env_loader", "split_rows",
+__all__ = ["DATASET_REWARD", "DEFAULT_ENV", "ENVS", "ENV_LOADERS", "env_ids", "gym_id", "make_env", "register_env", "env_settings", "parse_env_args", "register_env_loader", "split_rows",
            "task_environment"]

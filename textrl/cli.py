@@ -50,12 +50,14 @@ def _close_process_group() -> None:
 
 
 def _cmd_envs(args: argparse.Namespace) -> int:
-    from textrl.envs.registry import ENV_LOADERS, env_ids, gym_id, make_env
+    from textrl.envs.registry import ENV_LOADERS, ENVS, env_ids, env_settings, gym_id, make_env
 
     ids = env_ids()
     width = max(len(i) for i in ids)
     for env_id in ids:
-        print(f"{env_id:<{width}}  {make_env(env_id).describe()}  [{gym_id(env_id)}]")
+        settings = ", ".join(env_settings(ENVS[env_id]))
+        print(f"{env_id:<{width}}  {make_env(env_id).describe()}  [{gym_id(env_id)}]"
+              + (f"\n{'':<{width}}  --env-args: {settings}" if settings else ""))
     for scheme in sorted(ENV_LOADERS):
         doc = (ENV_LOADERS[scheme].__doc__ or "").strip().splitlines()
         print(f"{scheme + ':NAME':<{width}}  {doc[0] if doc else 'adapter'}")

@@ -86,6 +86,9 @@ class TrainConfig:
     """Environment: a registered id (`textrl envs` lists them), PATH.py:Class, reasoning_gym:TASK or
     textarena:ID (Python API: also an Environment); None: --dataset scored by --reward, or without
     a dataset the built-in digits task."""
+    env_args: str | None = None
+    """Settings of the environment's constructor, KEY=VALUE,... (values read as YAML scalars:
+    'max_n=16,turn_cost=0.1'); `textrl envs` names each environment's settings."""
     reward: str | None = None
     """Reward spec: NAME[:weight],... from the registry, or file.py:function. None: the
     environment's own (think_format,tag_count,accuracy for a --dataset); with --env it replaces the
@@ -255,7 +258,7 @@ class TrainConfig:
         }),
         # the models, the data and its split, the task and the sampling distribution, the objective
         fixed=frozenset({
-            "seed", "agent", "model", "tokenizer", "reward_model", "env", "reward", "dataset", "eval_size",
+            "seed", "agent", "model", "tokenizer", "reward_model", "env", "env_args", "reward", "dataset", "eval_size",
             "max_episode_tokens",
             "max_prompt_length", "warmup_sft_steps", "warmup_sft_lr", "warmup_sft_batch_size",
             "warmup_answer_accuracy", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",

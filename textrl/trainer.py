@@ -337,7 +337,7 @@ def environment(config: TrainConfig):
     ``--dataset`` scored by ``--reward``, else the built-in digits task."""
     from textrl.envs.registry import task_environment
 
-    return task_environment(config.env, config.dataset, config.reward)
+    return task_environment(config.env, config.dataset, config.reward, config.env_args)
 
 
 def episode_tokens(config: TrainConfig, env) -> int:
