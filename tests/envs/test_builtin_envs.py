@@ -553,3 +553,25 @@ def test_reward_model_env_scores_with_the_tiny_reward_model():
     )
     assert total.shape == (4,) and set(raw) == {"reward_model", "case_follow_reward"}
     assert raw["case_follow_reward"].tolist() == [float(r["style"] == "capital") for r in rows]
+
+
+# -- warm-up conversations are the token sequences a rollout shows ------------------------------
+
+
+@pytest.mark.parametrize("env_id", ["guess_number", "calculator"])
+def test_warmup_conversations_tokenise_as_a_rollout(env_id, tokenizer):
+    """A later-turn warm-up prompt, rendered whole, is token for token what the collector builds:
+    the first prompt, then each agent turn's tokens + EOS and the observation tokenised after it
+    (``observation_ids``); so the warm-up teaches exactly the states the agent will see."""
+    env = make_env(env_id)
+    eos = tokenizer.eos_token_id
+    later = [(p, c) for p, c in env.warmup_examples(env.rows()[:40], 0) if isinstance(p, list)]
+    assert later
+    for prompt, completion in later:
+        ids, n_prompt = encode_sft_example(tokenizer, prompt, completion)
+        first, n_first = encode_sft_example(tokenizer, prompt[0]["content"], completion)
+        rollout = first[:n_first]
+        for agent, observation in zip(prompt[1::2], prompt[2::2]):
+            rollout += tokenizer(agent["content"], add_special_tokens=False)["input_ids"] + [eos]
+            rollout += observation_ids(tokenizer, [observation], [eos])
+        assert ids[:n_prompt] == rollout
