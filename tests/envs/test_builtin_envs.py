@@ -575,3 +575,10 @@ def test_warmup_conversations_tokenise_as_a_rollout(env_id, tokenizer):
             rollout += tokenizer(agent["content"], add_special_tokens=False)["input_ids"] + [eos]
             rollout += observation_ids(tokenizer, [observation], [eos])
         assert ids[:n_prompt] == rollout
+
+
+def test_doctests_pass():
+    import doctest
+
+    result = doctest.testmod(builtin)
+    assert result.attempted > 0 and result.failed == 0
