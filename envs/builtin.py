@@ -68,9 +68,10 @@ def _check_share(name: str, value: Any, env: str) -> float:
 
 def _distinct_indices(total: int, n_eval: int, n_rows: int, seed: int, env: str) -> tuple[list[int], list[int]]:
     """Disjoint (train, eval) samples of ``range(total)``: ``n_rows`` and ``n_eval`` indices."""
-    if n_rows + n_eval > total:
-        raise ValueError(f"{env}: n_rows={n_rows} + n_eval={n_eval} exceeds the {total} distinct "
-                         "instances of its settings; ask for fewer rows or widen the task")
+    if n_rows < 1 or n_rows + n_eval > total:
+        raise ValueError(f"{env}: n_rows={n_rows} and n_eval={n_eval} do not fit its {total} distinct "
+                         f"instances (need n_rows >= 1 and n_rows + n_eval <= {total}); ask for fewer "
+                         "rows or widen the task")
     picked = _rng(seed, 0xA217).choice(total, size=n_rows + n_eval, replace=False)
     return [int(i) for i in picked[n_eval:]], [int(i) for i in picked[:n_eval]]
 
@@ -254,7 +255,7 @@ class CalculatorEnv(Environment):
 
     - Row: ``{"prompt": "What is 347 * 829? ...", "answer": "287663", "expression": "347 * 829"}``;
       instances are distinct ordered pairs, ``n_eval`` of them held out (:meth:`eval_rows`).
-    - Turns (``max_turns`` 3; a turn also ends at ``</tool>``, the stop string): a turn holding
+    - Turns (``max_turns``, default 3; a turn also ends at ``</tool>``, the stop string): a turn holding
       ``<answer>N</answer>`` ends the episode. Otherwise a turn holding ``<tool>EXPR</tool>`` is
       answered with one ``observation_role`` ("tool") message: the value of ``EXPR``
       (:func:`textrl.envs.calculator.evaluate`, shown by :func:`format_number`) or
@@ -278,9 +279,11 @@ class CalculatorEnv(Environment):
 
     INSTRUCTION = "Use <tool>EXPR</tool> to calculate, then reply <answer>N</answer>."
 
-    def __init__(self, *, n_rows: int = 512, n_eval: int = 64, digits: int = 3, seed: int = 0,
-                 observation_role: str = "tool", answer_accuracy: float = WARMUP_ACCURACY) -> None:
+    def __init__(self, *, n_rows: int = 512, n_eval: int = 64, digits: int = 3, max_turns: int = 3,
+                 seed: int = 0, observation_role: str = "tool",
+                 answer_accuracy: float = WARMUP_ACCURACY) -> None:
         self.digits = _check_int("digits", digits, 1, self.id)
+        self.max_turns = _check_int("max_turns", max_turns, 1, self.id)
         if self.digits > 9:
             raise ValueError(f"{self.id}: digits={digits} must be at most 9")
         self.n_rows = _check_int("n_rows", n_rows, 1, self.id)
