@@ -272,6 +272,8 @@ class EpisodeRunner:
         except ValueError as error:
             raise EnvError(f"environment {self.env.id!r}: its observation on row {r.episode.index} cannot be "
                            f"tokenised: {error}") from error
+        if r.tokens[-1] not in self.eos_ids:  # a turn cut by a stop string: the template closes it
+            obs = [self.eos_ids[0], *obs]
         if len(r.tokens) + len(obs) + 1 > self.max_episode_tokens:
             r.end = CONTEXT
             return

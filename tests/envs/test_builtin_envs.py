@@ -185,7 +185,7 @@ def test_bad_settings_name_the_setting(env_id, settings, message):
 
 
 def test_unknown_setting_is_refused():
-    with pytest.raises(TypeError, match="max_m"):
+    with pytest.raises(ValueError, match="does not take the settings .*max_m.*its settings: max_n"):
         make_env("guess_number", max_m=16)
 
 

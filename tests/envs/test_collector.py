@@ -187,6 +187,10 @@ def test_a_stop_string_ends_the_turn_at_the_token_that_completes_it(tok):
     assert td.get(KEYS.mask)[0, :cut].all() and not td.get(KEYS.mask)[0, cut]
     assert td.get(KEYS.score).tolist() == [1.0]
     assert td.get(KEYS.end_reason).tolist() == [0]
+    # the template closes the cut turn: the observation starts with EOS, an environment token
+    assert td.get(KEYS.action)[0, cut].item() == tok.eos_token_id
+    obs = observation_ids(tok, [{"role": "tool", "content": "42"}], [tok.eos_token_id])
+    assert td.get(KEYS.action)[0, cut + 1 : cut + 1 + len(obs)].tolist() == obs
 
 
 class Raises(Echo):
