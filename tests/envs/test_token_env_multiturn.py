@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from textrl.envs import EnvError, Environment, Turn, TokenMDPEnv, observation_ids
+from textrl.envs import EnvError, Environment, TokenMDPEnv, Turn, observation_ids
 from textrl.envs import collector as collector_module
 from textrl.envs.collector import EpisodeRunner
 from textrl.envs.fast_path import default_tokenizer
