@@ -298,32 +298,52 @@ class TextGenEnv(TokenMDPSetup, EnvBase):
                     f"action {action[bad].tolist()[:10]} in rows {rows[:10]} is outside the "
                     f"vocabulary: token ids are in [0, {self.vocab_size}) (vocab_size={self.vocab_size})"
                 )
-        reward = torch.zeros(b, 1, dtype=torch.float32, device=self.device)
-        finished = []
-        for row in torch.nonzero(active).flatten().tolist():
+        paid = [0.0] * b
+        rows, cols, tokens, agent = [], [], [], []  # every token appended at this step, all rows
+        finished, ends = [], []
+        actions = action.tolist()
+        stepped = torch.nonzero(active).flatten().tolist()
+        for row in stepped:
             s = self._states[row]
             assert s is not None  # an active row was reset
             before = len(s.tokens)
-            paid = self.dynamics.act(s, int(action[row]))
-            if paid is not None:
-                reward[row, 0] = paid
-            new = slice(before, len(s.tokens))
-            self._response[row, new] = torch.tensor(s.tokens[new], dtype=torch.int64, device=self.device)
-            self._agent[row, new] = torch.tensor(s.agent[new], dtype=torch.bool, device=self.device)
-            self._length[row] = len(s.tokens)
-            self._turns[row] = s.episode.turn
+            turn_reward = self.dynamics.act(s, actions[row])
+            if turn_reward is not None:
+                paid[row] = turn_reward
+            rows += [row] * (len(s.tokens) - before)
+            cols += range(before, len(s.tokens))
+            tokens += s.tokens[before:]
+            agent += s.agent[before:]
             if s.end is not None:
                 finished.append(row)
-                self._end[row] = s.end
-                self._terminated[row] = s.end == DONE
-                self._truncated[row] = s.end != DONE
-                self._done[row] = True
+                ends.append(s.end)
+        self._write(rows, cols, tokens, agent, finished, ends)
+        self._turns[stepped] = torch.tensor([self._states[r].episode.turn for r in stepped],  # type: ignore[union-attr]
+                                            dtype=torch.int64, device=self.device)
+        reward = torch.tensor(paid, dtype=torch.float32, device=self.device).unsqueeze(1)
         components = None
         if finished:
             components = self._score(finished, reward)
         out = self._observation(components)
         out.set("reward", reward)
         return out
+
+    def _write(self, rows: list[int], cols: list[int], tokens: list[int], agent: list[bool], finished: list[int],
+               ends: list[int]) -> None:
+        """Write a step's appended tokens (``tokens[i]`` at ``[rows[i], cols[i]]``) and the rows that
+        finished (with their end reasons) into the state tensors."""
+        dev = self.device
+        if rows:
+            index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+            self._response[index] = torch.tensor(tokens, dtype=torch.int64, device=dev)
+            self._agent[index] = torch.tensor(agent, dtype=torch.bool, device=dev)
+            self._length.index_add_(0, index[0], torch.ones_like(index[0]))
+        if finished:
+            done, end = torch.tensor(finished, device=dev), torch.tensor(ends, device=dev)
+            self._end[done] = end
+            self._terminated[done] = end == DONE
+            self._truncated[done] = end != DONE
+            self._done[done] = True
 
     def _score(self, finished: list[int], reward: torch.Tensor) -> dict[str, torch.Tensor]:
         """Score the rows that finished at this step (adding the final reward to ``reward``
