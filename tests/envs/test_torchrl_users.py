@@ -234,3 +234,19 @@ def test_gae_and_clip_ppo_loss_run_on_collector_data(gapped, multi_turn):
     assert rollout.batch_size[0] >= 1 and torch.equal(rollout[KEYS.score], rollout[KEYS.reward].squeeze(-1).sum(1))
     if not multi_turn:
         check_rollout(rollout)
+
+
+def test_a_textrl_agent_consumes_the_rollout():
+    from tests.agents.conftest import make_agent, target_reward
+
+    agent = make_agent(TOK)  # GAEPPO on the tiny model, max_new_tokens=6
+    env = TextGenEnv(4, max_new_tokens=6, reward=target_reward, seed=0)
+    policy = KVCachePolicy(agent.policy, temperature=1.0, seed=0, return_log_prob=True)
+    data = env.rollout(6, policy, break_when_any_done=False, break_when_all_done=True)
+    td = agent.process_rollout(to_rollout(data, env))
+    # the agent's behaviour log-probs of the sampled tokens are the sampler's
+    mask = td[KEYS.mask]
+    sampled = data["action_log_prob"][:, : mask.shape[1]]
+    assert torch.allclose(td["action_log_prob"][mask], sampled[mask], atol=1e-4)
+    metrics = agent.update(td)
+    assert metrics and all(torch.isfinite(torch.tensor(v)) for v in metrics.values() if isinstance(v, float))
