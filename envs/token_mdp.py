@@ -53,6 +53,7 @@ the current turn is decoded once per step.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -109,19 +110,20 @@ def check_action(action: Any, vocab_size: int) -> int:
 # the episode dynamics both environments share
 
 
-def task_environment(env: Environment | str | None, prompts: Any, reward: RewardLike | None) -> tuple[Environment, Any]:
+def environment_and_rows(env: Environment | str | None, prompts: Any, reward: RewardLike | None) -> tuple[Environment, Any]:
     """``(environment, prompt rows)`` of an env's arguments: ``env=None`` is the single-turn task
     of ``prompts`` (None: the built-in digits task) scored by ``reward`` (None: the default spec);
     otherwise the environment (``make_env(env)`` for an id) over ``prompts`` if given, else its
-    own ``rows()``. An environment brings its reward, so ``reward`` must then be None."""
+    own ``rows()``, with ``reward`` (if given) replacing its final reward, as ``textrl train --env
+    ID --reward SPEC`` does (on a copy: an environment passed in is left as it is)."""
     if env is None:
         return PromptTask(None, DEFAULT_REWARD if reward is None else reward), prompts
-    if reward is not None:
-        raise ValueError(f"got env={env!r} and reward={reward!r}: an environment brings its own final reward "
-                         "(env.reward); pass reward only without env")
     task = make_env(env)
     if not isinstance(task.max_turns, int) or isinstance(task.max_turns, bool) or task.max_turns < 1:
         raise ValueError(f"environment {task.id!r}: max_turns={task.max_turns!r} must be an int >= 1")
+    if reward is not None:
+        task = copy.copy(task)
+        task.reward = reward
     return task, task.rows() if prompts is None else prompts
 
 
@@ -181,9 +183,9 @@ class EpisodeDynamics:
         self.max_new_tokens = max_new_tokens
         self.max_episode_tokens = max_episode_tokens
         self.max_episode_steps = max_episode_steps
-        self.multi_turn = env.max_turns > 1
         # the base step answers every turn with done and no reward: it is not called (as in the collector)
         self.steps_env = type(env).step is not Environment.step or bool(env.stop_strings)
+        self.multi_turn = env.max_turns > 1 and self.steps_env
 
     # -- an episode ----------------------------------------------------------------------------
 
@@ -212,14 +214,18 @@ class EpisodeDynamics:
             s.end = CONTEXT
         if s.end is not None:
             s.episode.turn += 1
+            if self.multi_turn:  # the cut turn is the conversation's last message (not answered)
+                s.episode.messages.append({"role": "assistant", "content": self._text(s.turn)})
         return None
+
+    def _text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def _stopped(self, turn: list[int]) -> bool:
         stops = self.env.stop_strings
         if not stops:
             return False
-        text = self.tokenizer.decode(turn, skip_special_tokens=True)
-        return any(stop in text for stop in stops)
+        return any(stop in self._text(turn) for stop in stops)
 
     def _out_of_steps(self, s: EpisodeState) -> bool:
         return self.max_episode_steps is not None and s.steps >= self.max_episode_steps
@@ -230,7 +236,7 @@ class EpisodeDynamics:
         if not self.steps_env:
             s.end = DONE
             return 0.0
-        text = self.tokenizer.decode(s.turn, skip_special_tokens=True)
+        text = self._text(s.turn)
         s.episode.messages.append({"role": "assistant", "content": text})
         answer = self._call(self.env.step, s.episode, "step", text)
         if not isinstance(answer, Turn):
@@ -289,33 +295,48 @@ class EpisodeDynamics:
 
     def final_scores(self, states: Sequence[EpisodeState],
                      reward_fn: Callable[..., Any] | None) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
-        """The final reward of finished episodes, scored together on their agent tokens by
-        :func:`textrl.envs.fast_path.score_completions`: ``(total float32 [n], components
-        name -> float32 [n], decoded agent tokens)``; zeros and no components without a reward.
-        Multi-turn episodes also report the sum of their turn rewards (``TURN_REWARDS``)."""
+        """The final reward of finished episodes on their agent tokens, by
+        :func:`textrl.envs.fast_path.score_completions` as the collector calls it: ``(total float32
+        [n], components name -> float32 [n], decoded agent tokens)``; zeros and no components
+        without a reward. Rows with ``"messages"`` and multi-turn episodes are conversational
+        (TRL's convention: the rewards get the prompt's messages, and a multi-turn episode's
+        messages after the prompt as its completion); each kind is scored in its own call, so a
+        row's score never depends on the rows beside it. Multi-turn episodes also report the sum
+        of their turn rewards (``TURN_REWARDS``)."""
         n = len(states)
-        ids = [s.agent_tokens for s in states]
-        if reward_fn is None:
-            total, components = torch.zeros(n), {}
-            completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        else:
-            width = max(1, max(len(t) for t in ids))
-            tokens = torch.zeros((n, width), dtype=torch.long)
-            mask = torch.zeros((n, width), dtype=torch.bool)
-            for i, t in enumerate(ids):
-                tokens[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-                mask[i, : len(t)] = True
-            names = list(dict.fromkeys(k for s in states for k in s.fields))
-            scores = score_completions(
-                reward_fn, [s.prompt_text for s in states], tokens, mask, tokenizer=self.tokenizer,
-                truncated=torch.tensor([s.end != DONE for s in states]),
-                fields={k: [s.fields.get(k) for s in states] for k in names},
-            )
-            total, components, completions = scores.total, dict(scores.components), scores.completions
+        completions = self.tokenizer.batch_decode([s.agent_tokens for s in states], skip_special_tokens=True)
+        total, components = torch.zeros(n), {}
+        if reward_fn is not None:
+            kinds: dict[bool, list[int]] = {}
+            for i, s in enumerate(states):
+                kinds.setdefault(self.multi_turn or "messages" in s.episode.row, []).append(i)
+            for conversational, rows in kinds.items():
+                scores = self._score([states[i] for i in rows], reward_fn, conversational)
+                index = torch.tensor(rows)
+                total[index] = scores.total
+                for name, value in scores.components.items():
+                    components.setdefault(name, torch.zeros(n))[index] = value
         if self.multi_turn:
             turn_sums = torch.stack([turn_reward_row(s, max(1, len(s.tokens))).sum() for s in states])
             components = {TURN_REWARDS: turn_sums, **components}
         return total, components, completions
+
+    def _score(self, states: Sequence[EpisodeState], reward_fn: Callable[..., Any], conversational: bool) -> Any:
+        ids = [s.agent_tokens for s in states]
+        width = max(1, max(len(t) for t in ids))
+        tokens = torch.zeros((len(ids), width), dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.bool)
+        for i, t in enumerate(ids):
+            tokens[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+            mask[i, : len(t)] = True
+        names = list(dict.fromkeys(k for s in states for k in s.fields))
+        return score_completions(
+            reward_fn, [s.prompt_text for s in states], tokens, mask, tokenizer=self.tokenizer,
+            truncated=torch.tensor([s.end != DONE for s in states]),
+            fields={k: [s.fields.get(k) for s in states] for k in names},
+            conversations=[s.episode.messages[: s.episode.prompt_messages] for s in states] if conversational else None,
+            completion_messages=[s.episode.completions for s in states] if self.multi_turn else None,
+        )
 
     def placed(self, s: EpisodeState, final: torch.Tensor, width: int, placement: str) -> torch.Tensor:
         """Per-token rewards float32 ``[width]`` of a finished episode (as the collector places
@@ -407,7 +428,7 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
             raise ValueError(
                 f"render_mode={render_mode!r}: must be None or one of {self.metadata['render_modes']}"
             )
-        task, rows = task_environment(env, prompts, reward)
+        task, rows = environment_and_rows(env, prompts, reward)
         self._setup_mdp(
             tokenizer=tokenizer,
             prompts=rows,
@@ -673,6 +694,6 @@ __all__ = [
     "check_action",
     "register",
     "register_gym_id",
-    "task_environment",
+    "environment_and_rows",
     "turn_reward_row",
 ]

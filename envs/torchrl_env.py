@@ -65,7 +65,7 @@ from textrl.envs.collector import default_episode_tokens
 from textrl.envs.environment import Environment
 from textrl.envs.fast_path import DEFAULT_REWARD, PLACEMENTS, RewardLike, place_score
 from textrl.envs.prompt_table import TokenMDPSetup
-from textrl.envs.token_mdp import DONE, EpisodeDynamics, EpisodeState, task_environment
+from textrl.envs.token_mdp import DONE, EpisodeDynamics, EpisodeState, environment_and_rows
 
 from textrl.checks import check_rollout
 from textrl.keys import END_REASONS, KEYS, RolloutKeys
@@ -127,7 +127,7 @@ class TextGenEnv(TokenMDPSetup, EnvBase):
         if b < 1:
             raise ValueError(f"batch_size={batch_size!r}: must be >= 1")
         super().__init__(device=device, batch_size=torch.Size([b]))
-        task, rows = task_environment(env, prompts, reward)
+        task, rows = environment_and_rows(env, prompts, reward)
         self._setup_mdp(
             tokenizer=tokenizer,
             prompts=rows,

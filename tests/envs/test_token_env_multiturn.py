@@ -57,9 +57,16 @@ class Echo(Environment):
         return Turn(reward=float(said), observation=self.observation)
 
 
+def said(completion) -> str:
+    """The agent's text of a completion: a string, or (TRL's conversational form, which a multi-turn
+    episode gets) the assistant messages of a message list."""
+    return completion if isinstance(completion, str) else "".join(
+        m["content"] for m in completion if m["role"] == "assistant")
+
+
 def count_a(prompts, completions, **kwargs):
     """Final reward: how many ``a`` the agent said over the episode."""
-    return torch.tensor([float(c.count("a")) for c in completions])
+    return torch.tensor([float(said(c).count("a")) for c in completions])
 
 
 def truncated_flag(prompts, completions, truncated, **kwargs):
@@ -203,9 +210,16 @@ def test_an_environment_that_raises_is_named_with_its_row():
         env.step(EOS)
 
 
+def test_a_reward_replaces_the_final_reward_of_a_copy():
+    echo = Echo(reward=count_a)
+    env = TokenMDPEnv(env=echo, reward=truncated_flag, max_new_tokens=4)
+    assert echo.reward is count_a and env.task.reward is truncated_flag and env.task is not echo
+    assert feed(env, [A, EOS, A, EOS])[-1][4]["reward_components"] == {"turn_rewards": 2.0, "truncated_flag": 0.0}
+
+
 def test_bad_arguments_are_refused_with_the_fix():
-    with pytest.raises(ValueError, match="an environment brings its own final reward"):
-        TokenMDPEnv(env=Echo(), reward="accuracy")
+    with pytest.raises(ValueError, match="unknown environment 'no_such_env'"):
+        TokenMDPEnv(env="no_such_env")
     with pytest.raises(ValueError, match="max_turns=0 must be an int >= 1"):
         TokenMDPEnv(env=Echo(max_turns=0))
     with pytest.raises(ValueError, match="max_episode_steps=0"):
@@ -312,3 +326,35 @@ def test_stepping_equals_the_batched_collector(gapped_rollouts, max_turns, done_
     last = int(np.nonzero(obs["agent_mask"])[0].max())
     assert bool(row[KEYS.done][last]) and bool(row[KEYS.terminated][last]) == (info["end_reason"] == "done")
     assert sum(rewards) == pytest.approx(info["score"], abs=1e-5)  # the step rewards pay the score
+
+
+def encode(text: str) -> list[int]:
+    return TOK(text, add_special_tokens=False)["input_ids"]
+
+
+BUILTIN_SCRIPTS = {
+    "calculator": [
+        ["<tool>{expression}</tool> and more", "<answer>{answer}</answer>", ""],  # tool, then the answer
+        ["<answer>{answer}</answer>", "", ""],  # answers at once
+        ["let me think", "<tool>2 +</tool>", "<answer>1</answer>"],  # no tool call, a bad one, wrong
+        ["<tool>{expression}", "</tool>", "x" * 30],  # a turn cut by the length cap
+    ],
+    "guess_number": [["4", "2", "1", "3"], ["{secret}", "", "", ""], ["9", "x", "5", "5"]],
+}
+
+
+@pytest.mark.parametrize("env_id", sorted(BUILTIN_SCRIPTS))
+def test_builtin_environments_equal_the_batched_collector(env_id):
+    env = TokenMDPEnv(env=env_id, max_new_tokens=24, max_prompt_length=128)
+    for index, script in enumerate(BUILTIN_SCRIPTS[env_id]):
+        row = env.prompts.row(index)
+        texts = [t.format(**row) for t in script]
+        turns = effective_turns([encode(t) + ([EOS] if "</tool>" not in t else []) for t in texts], 24)
+        obs, info, _ = run_token_env(env, index, turns)
+        ref = run_collector(env, index, turns)
+        n = int(obs["response_length"])
+        assert ref[KEYS.action].tolist() == obs["response_ids"][:n].tolist(), (env_id, index)
+        assert ref[KEYS.mask].tolist() == obs["agent_mask"][:n].astype(bool).tolist()
+        assert ref[KEYS.reward].squeeze(-1).tolist() == info["per_token_rewards"][:n].tolist()
+        assert (END_REASONS[int(ref[KEYS.end_reason])], int(ref[KEYS.turns])) == (info["end_reason"], info["turns"])
+    assert info["turns"] >= 2  # the scripts reach the environment's observations
