@@ -77,7 +77,7 @@ from textrl.envs.fast_path import (
 )
 from textrl.envs.observations import observation_ids
 from textrl.envs.prompt_table import TokenMDPSetup
-from textrl.envs.registry import ENVS, env_ids, gym_id, make_env
+from textrl.envs.registry import env_ids, gym_id, make_env
 from textrl.envs.rows import row_messages
 
 from textrl.keys import END_REASONS
@@ -663,24 +663,12 @@ def register_gym_id(name: str, kwargs: dict[str, Any] | None = None) -> None:
         spec.additional_wrappers = (*spec.additional_wrappers, TIME_LIMIT_CAP)
 
 
-def _registry_ids() -> list[str]:
-    """The environment registry's ids (:func:`~textrl.envs.registry.env_ids` imports the built-in
-    environments); only the ids registered so far where a built-in module is absent from this
-    installation."""
-    try:
-        return env_ids()
-    except ModuleNotFoundError as error:
-        if not (error.name or "").startswith("textrl.envs."):
-            raise
-        return sorted(ENVS)
-
-
 def register() -> None:
     """Register ``textrl/TokenMDP-v0`` and ``textrl/<Id>-v0`` for every registered environment
     with Gymnasium (idempotent; ``import textrl.envs`` calls it). Gymnasium >= 1.0 has no plugin
     entry points, so a fresh interpreter names the module: ``gym.make("textrl.envs:textrl/TokenMDP-v0")``."""
     register_gym_id(ENV_ID)
-    for env_id in _registry_ids():
+    for env_id in env_ids():
         register_gym_id(gym_id(env_id), {"env": env_id})
 
 

@@ -37,9 +37,15 @@ def test_fresh_interpreter_makes_the_id_by_naming_the_module():
         obs, _ = env.reset(seed=0)
         *_, info = env.step(3)
         print(sorted(info))
+        env = gym.make("textrl.envs:textrl/GuessNumber-v0", max_episode_steps=2)  # a built-in environment
+        env.reset(seed=0)
+        env.step(52)
+        *_, truncated, info = env.step(52)
+        print(truncated, info["end_reason"])
     """)
     assert out.returncode == 0, out.stderr
     assert "'score'" in out.stdout and "'end_reason'" in out.stdout
+    assert out.stdout.splitlines()[-1] == "True length"
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import torch
 import torchrl.collectors
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
-from textrl.envs import KVCachePolicy, TextGenEnv, rollout_from_responses, to_rollout
+from textrl.envs import EnvError, KVCachePolicy, TextGenEnv, rollout_from_responses, to_rollout
 from textrl.envs import collector as collector_module
 from textrl.envs import torchrl_env as torchrl_env_module
 from textrl.envs.fast_path import default_tokenizer
@@ -250,3 +250,18 @@ def test_a_textrl_agent_consumes_the_rollout():
     assert torch.allclose(td["action_log_prob"][mask], sampled[mask], atol=1e-4)
     metrics = agent.update(td)
     assert metrics and all(torch.isfinite(torch.tensor(v)) for v in metrics.values() if isinstance(v, float))
+
+
+def test_multi_turn_specs_and_environment_errors():
+    from torchrl.envs.utils import check_env_specs
+
+    from tests.envs.test_token_env_multiturn import Broken
+
+    check_env_specs(TextGenEnv(3, env=Echo(reward=count_a), max_new_tokens=3, seed=0))
+    with pytest.raises(EnvError, match=r"environment 'echo' raised in start\(\) on row 1: KeyError"):
+        TextGenEnv(2, env=Broken("start"), seed=0).reset(TensorDict({"prompt_index": torch.tensor([1, 1])}, [2]))
+    env = TextGenEnv(2, env=Broken("step"), seed=0)
+    td = env.reset(TensorDict({"prompt_index": torch.tensor([0, 1])}, [2]))
+    td["action"] = torch.tensor([A, EOS])
+    with pytest.raises(EnvError, match=r"raised in step\(\) on row 1 \(turn 1\): RuntimeError: game over"):
+        env.step(td)
