@@ -20,7 +20,8 @@ class KVCachePolicy(TensorDictModuleBase):
     """Next-token policy for :class:`textrl.envs.TextGenEnv` that keeps the LM's KV cache between steps.
 
     Reads ``"prompt_ids"``, ``"prompt_mask"`` (left-padded), ``"response_ids"`` and
-    ``"response_length"`` and writes ``"action"`` ``[B]`` (and ``"action_log_prob"`` ``[B]``,
+    ``"response_length"`` (every response token is attended, the agent's and the observations')
+    and writes ``"action"`` ``[B]`` (and ``"action_log_prob"`` ``[B]``,
     the log-probability of the action under the sampling distribution, if
     ``return_log_prob``). Use it directly as ``env.rollout(n, policy)``.
 
@@ -37,8 +38,9 @@ class KVCachePolicy(TensorDictModuleBase):
       freezes) get a masked pad token and reuse their previous next-token logits. If no row
       advanced, no forward is run at all.
     * **fallback**: anything else (a partial reset mid-rollout, i.e. ``response_length == 0``
-      for some rows but not all; rows that jumped by more than one token; a changed prompt,
-      response prefix or batch size) re-encodes ``prompt + response`` for every row in one
+      for some rows but not all; rows that jumped by more than one token, as after a multi-turn
+      environment's observation, appended in the step that ended the agent's turn; a changed
+      prompt, response prefix or batch size) re-encodes ``prompt + response`` for every row in one
       forward (masking each row's unused response slots) and rebuilds the cache from it;
       later steps are incremental again. Correctness first: the fallback gives the same
       next-token logits as recomputing the whole prefix.

@@ -1,51 +1,89 @@
-"""``TokenMDPEnv``: text generation as a token-level Gymnasium MDP (docs/design.md, "The token MDP").
+"""``TokenMDPEnv``: text generation as a token-level Gymnasium MDP (docs/design.md, "The token MDP",
+"Multi-turn episodes").
 
-A state is ``prompt + response tokens so far``; an action is the next token id; the episode
-ends with ``terminated=True`` when the action is EOS and ``truncated=True`` after
-``max_new_tokens`` actions without EOS. The task reward (a reward spec such as
-``"think_format,tag_count"`` or any reward callable) is paid on the final step only.
+A state is ``prompt + response tokens so far``; an action is the next token id. Without an
+environment (``env=None``) an episode is one answer to a prompt: it ends with
+``terminated=True`` when the action is EOS and ``truncated=True`` after ``max_new_tokens``
+actions without EOS, and the task reward (a reward spec such as ``"think_format,tag_count"`` or
+any reward callable) is paid on the final step only.
+
+With an environment (:class:`textrl.envs.Environment`, or an id for
+:func:`textrl.envs.registry.make_env`) this env is the token-by-token specification of its
+episodes. The agent's **turn** ends at EOS (an action), at the token that completes one of
+``env.stop_strings`` (in the turn's text decoded with ``skip_special_tokens=True``), or after
+``max_new_tokens`` tokens (the episode ends: ``"length"``). A turn that ended by EOS or a stop
+string goes to ``env.step(episode, text)``; its :class:`~textrl.envs.Turn` reward is the step
+reward of the turn's last token. Unless the turn ended the episode (``"done"``) or was the
+``max_turns``-th (``"max_turns"``), the observation's tokens
+(:func:`textrl.envs.observations.observation_ids`) are appended to the state in the same step
+(they are not actions). An observation that would leave no room for one more agent token within
+``max_episode_tokens``, or a turn cut by that budget, ends the episode (``"context"``). At the
+end the environment's final ``reward`` is scored on the episode's agent tokens and added to the
+last step's reward. Agent tokens are never decoded and re-encoded: the state holds the sampled
+ids. A single-turn task (``env=None`` or a :class:`~textrl.envs.PromptTask`) is the case whose
+first answer ends the episode, exactly as without an environment.
 
 Observation (a ``Dict`` of fixed-size arrays, so it batches under vector envs):
 
 * ``"prompt_ids"``: int64 ``[max_prompt_length]``, the chat-templated prompt, left-padded
   with ``pad_token_id``;
 * ``"prompt_mask"``: int8 ``[max_prompt_length]`` (``MultiBinary``), 1 on prompt tokens;
-* ``"response_ids"``: int64 ``[max_new_tokens]``, the actions so far, right-padded with
-  ``pad_token_id``;
-* ``"response_length"``: ``Discrete(max_new_tokens + 1)``, how many actions were taken.
+* ``"response_ids"``: int64 ``[max_episode_tokens]``, every token after the prompt (the agent's
+  and the observations'), right-padded with ``pad_token_id``;
+* ``"agent_mask"``: int8 ``[max_episode_tokens]`` (``MultiBinary``), 1 on the agent's tokens;
+* ``"response_length"``: ``Discrete(max_episode_tokens + 1)``, how many response tokens so far.
+
+``max_episode_tokens`` defaults to ``max_new_tokens`` for a single turn.
 
 ``reward_placement``: a step-by-step MDP cannot know the score before the episode ends, so the
-step reward is always 0 until the final step, which pays the whole score (``"last"``, the
-DESIGN default). ``"uniform"`` (score / T on every valid token) is a credit assignment that
-needs the full response; it is produced by the fast path (:func:`textrl.envs.rollout_from_responses`),
-and the final step's ``info["per_token_rewards"]`` (float32 ``[max_new_tokens]``, 0 after the
-last valid token) holds the per-token rewards of either placement, equal to the fast path's.
+step rewards always follow ``"last"``: a turn's reward on its last token, the final reward on the
+episode's last token. ``"uniform"`` (the score spread over the agent tokens) needs the whole
+episode; the final step's ``info["per_token_rewards"]`` (float32 ``[max_episode_tokens]``, 0 off
+the agent's tokens) holds the per-token rewards of either placement, equal to the fast path's
+(:func:`textrl.envs.rollout_from_responses`) and the batched collector's
+(:mod:`textrl.envs.collector`).
 
-Cost per step is O(1) in the prefix: the env holds token ids and appends one; it never
-re-tokenises text (the response is decoded once, at the end, for the rewards and ``info``).
+``gym.make(id, max_episode_steps=N)``: Gymnasium's ``TimeLimit`` would cut the episode without
+a score; the ids registered here carry :class:`TimeLimitCap`, which hands ``N`` to the env, so
+the N-th action ends the episode as the env's own caps do (truncated, ``"length"``, scored).
+
+Cost per step is O(1) in the prefix without stop strings (the env appends ids); with stop strings
+the current turn is decoded once per step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import torch
 from gymnasium import spaces
-from gymnasium.envs.registration import EnvSpec
+from gymnasium.envs.registration import EnvSpec, WrapperSpec
 from gymnasium.error import ResetNeeded
+from textrl.envs.collector import TURN_REWARDS, default_episode_tokens
+from textrl.envs.environment import EnvError, Environment, Episode, PromptTask, Turn
 from textrl.envs.fast_path import (
     DEFAULT_REWARD,
     PLACEMENTS,
     RewardLike,
     place_score,
+    reward_component_names,
     score_completions,
 )
-from textrl.envs.prompt_table import TokenMDPSetup, row_messages
+from textrl.envs.observations import observation_ids
+from textrl.envs.prompt_table import TokenMDPSetup
+from textrl.envs.registry import env_ids, gym_id, make_env
+from textrl.envs.rows import row_messages
+
+from textrl.keys import END_REASONS
 
 ENV_ID = "textrl/TokenMDP-v0"
+DONE, LENGTH, MAX_TURNS, CONTEXT = (END_REASONS.index(r) for r in ("done", "length", "max_turns", "context"))
 
 
 def check_action(action: Any, vocab_size: int) -> int:
@@ -68,8 +106,268 @@ def check_action(action: Any, vocab_size: int) -> int:
     return int(value)
 
 
+# --------------------------------------------------------------------------------------------
+# the episode dynamics both environments share
+
+
+def environment_and_rows(env: Environment | str | None, prompts: Any, reward: RewardLike | None) -> tuple[Environment, Any]:
+    """``(environment, prompt rows)`` of an env's arguments: ``env=None`` is the single-turn task
+    of ``prompts`` (None: the built-in digits task) scored by ``reward`` (None: the default spec);
+    otherwise the environment (``make_env(env)`` for an id) over ``prompts`` if given, else its
+    own ``rows()``, with ``reward`` (if given) replacing its final reward, as ``textrl train --env
+    ID --reward SPEC`` does (on a copy: an environment passed in is left as it is)."""
+    if env is None:
+        return PromptTask(None, DEFAULT_REWARD if reward is None else reward), prompts
+    task = make_env(env)
+    if not isinstance(task.max_turns, int) or isinstance(task.max_turns, bool) or task.max_turns < 1:
+        raise ValueError(f"environment {task.id!r}: max_turns={task.max_turns!r} must be an int >= 1")
+    if reward is not None:
+        task = copy.copy(task)
+        task.reward = reward
+    return task, task.rows() if prompts is None else prompts
+
+
+@dataclass
+class EpisodeState:
+    """One episode's token-level state (docs/design.md, "Multi-turn episodes")."""
+
+    episode: Episode
+    """The text-level state the environment sees (its messages, turn count and scratch state)."""
+    prompt_text: str
+    """The raw prompt the final reward reads."""
+    fields: dict[str, Any]
+    """The row's reward fields (everything but ``prompt`` / ``messages``)."""
+    tokens: list[int] = field(default_factory=list)
+    """Every token after the prompt, the agent's and the observations'."""
+    agent: list[bool] = field(default_factory=list)
+    """Per token of ``tokens``: True where the agent chose it."""
+    turn: list[int] = field(default_factory=list)
+    """The current turn's agent tokens."""
+    rewards: dict[int, float] = field(default_factory=dict)
+    """Position in ``tokens`` -> the turn reward paid there (a turn's last agent token)."""
+    steps: int = 0
+    """Actions taken."""
+    end: int | None = None
+    """Index into :data:`textrl.keys.END_REASONS` once the episode is over."""
+
+    @property
+    def agent_tokens(self) -> list[int]:
+        return [t for t, a in zip(self.tokens, self.agent) if a]
+
+    @property
+    def last_agent(self) -> int:
+        """Position of the last agent token (-1 before the first action)."""
+        return max((i for i, a in enumerate(self.agent) if a), default=-1)
+
+
+class EpisodeDynamics:
+    """The token-level rules of an environment's episodes, one action at a time (module docstring).
+
+    Args:
+        env: the environment.
+        tokenizer: decodes turns and tokenises observations.
+        eos_token_ids: the ids that end a turn.
+        max_new_tokens: the cap of one agent turn.
+        max_episode_tokens: the cap of the response side (agent and observation tokens).
+        max_episode_steps: a cap on the episode's actions (``gym.make(..., max_episode_steps=)``);
+            reaching it ends the episode as a length cap does.
+    """
+
+    def __init__(self, env: Environment, *, tokenizer: Any, eos_token_ids: Sequence[int], max_new_tokens: int,
+                 max_episode_tokens: int, max_episode_steps: int | None = None) -> None:
+        if not isinstance(max_episode_tokens, int) or max_episode_tokens < 1:
+            raise ValueError(f"max_episode_tokens={max_episode_tokens!r}: must be an int >= 1")
+        self.env = env
+        self.tokenizer = tokenizer
+        self.eos = frozenset(int(e) for e in eos_token_ids)
+        self.max_new_tokens = max_new_tokens
+        self.max_episode_tokens = max_episode_tokens
+        self.max_episode_steps = max_episode_steps
+        # the base step answers every turn with done and no reward: it is not called (as in the collector)
+        self.steps_env = type(env).step is not Environment.step or bool(env.stop_strings)
+        self.multi_turn = env.max_turns > 1 and self.steps_env
+
+    # -- an episode ----------------------------------------------------------------------------
+
+    def start(self, row: dict[str, Any], index: int, where: int | str) -> EpisodeState:
+        """A new episode on ``row`` (its index in the prompts, -1 for a row given directly);
+        calls ``env.start`` (an :class:`EnvError` naming the environment and row if it raises)."""
+        messages, text = row_messages(row, where)  # type: ignore[arg-type]
+        episode = Episode(row=dict(row), messages=list(messages), index=index, prompt_messages=len(messages))
+        self._call(self.env.start, episode, "start")
+        fields = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
+        return EpisodeState(episode=episode, prompt_text=text, fields=fields)
+
+    def act(self, s: EpisodeState, token: int) -> float | None:
+        """Append the agent's ``token``; end its turn where the rules say so, ask the environment
+        and append its observation. Returns the turn reward paid at this token (``None`` when no
+        turn was answered here); ``s.end`` is set when the episode is over."""
+        s.tokens.append(token)
+        s.agent.append(True)
+        s.turn.append(token)
+        s.steps += 1
+        if token in self.eos or self._stopped(s.turn):
+            return self._answer(s)
+        if len(s.turn) >= self.max_new_tokens or self._out_of_steps(s):
+            s.end = LENGTH
+        elif len(s.tokens) >= self.max_episode_tokens:
+            s.end = CONTEXT
+        if s.end is not None:
+            s.episode.turn += 1
+            if self.multi_turn:  # the cut turn is the conversation's last message (not answered)
+                s.episode.messages.append({"role": "assistant", "content": self._text(s.turn)})
+        return None
+
+    def _text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _stopped(self, turn: list[int]) -> bool:
+        stops = self.env.stop_strings
+        if not stops:
+            return False
+        return any(stop in self._text(turn) for stop in stops)
+
+    def _out_of_steps(self, s: EpisodeState) -> bool:
+        return self.max_episode_steps is not None and s.steps >= self.max_episode_steps
+
+    def _answer(self, s: EpisodeState) -> float:
+        """The environment's answer to the turn that just ended by EOS or a stop string."""
+        s.episode.turn += 1
+        if not self.steps_env:
+            s.end = DONE
+            return 0.0
+        text = self._text(s.turn)
+        s.episode.messages.append({"role": "assistant", "content": text})
+        answer = self._call(self.env.step, s.episode, "step", text)
+        if not isinstance(answer, Turn):
+            raise EnvError(f"environment {self.env.id!r}: step() returned {type(answer).__name__} on row "
+                           f"{s.episode.index}; return a textrl.envs.Turn")
+        reward = self._turn_reward(s, answer.reward)
+        s.rewards[len(s.tokens) - 1] = s.rewards.get(len(s.tokens) - 1, 0.0) + reward
+        if answer.done:
+            s.end = DONE
+        elif s.episode.turn >= self.env.max_turns:
+            s.end = MAX_TURNS
+        elif self._out_of_steps(s):
+            s.end = LENGTH
+        else:
+            self._observe(s, answer)
+        return float(np.float32(reward))
+
+    def _turn_reward(self, s: EpisodeState, reward: Any) -> float:
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise EnvError(f"environment {self.env.id!r}: a turn reward must be a float, got {reward!r} on row "
+                           f"{s.episode.index}")
+        if not math.isfinite(reward):
+            raise EnvError(f"environment {self.env.id!r} paid a non-finite turn reward {reward} on row "
+                           f"{s.episode.index}; fix the environment")
+        return float(reward)
+
+    def _observe(self, s: EpisodeState, answer: Turn) -> None:
+        messages = answer.messages()
+        try:
+            obs = observation_ids(self.tokenizer, messages, sorted(self.eos))
+        except ValueError as error:
+            raise EnvError(f"environment {self.env.id!r}: its observation on row {s.episode.index} cannot be "
+                           f"tokenised: {error}") from error
+        if len(s.tokens) + len(obs) + 1 > self.max_episode_tokens:
+            s.end = CONTEXT
+            return
+        s.tokens += obs
+        s.agent += [False] * len(obs)
+        s.episode.messages += messages
+        s.turn = []
+
+    def _call(self, method: Callable[..., Any], episode: Episode, what: str, *args: Any) -> Any:
+        try:
+            return method(episode, *args)
+        except Exception as error:
+            turn = f" (turn {episode.turn})" if what == "step" else ""
+            raise EnvError(f"environment {self.env.id!r} raised in {what}() on row {episode.index}{turn}: "
+                           f"{type(error).__name__}: {error}") from error
+
+    # -- rewards -------------------------------------------------------------------------------
+
+    def component_names(self, reward_fn: Callable[..., Any] | None) -> list[str]:
+        """The ``reward_components`` names of a finished episode."""
+        names = [] if reward_fn is None else reward_component_names(reward_fn)
+        return [TURN_REWARDS, *names] if self.multi_turn else names
+
+    def final_scores(self, states: Sequence[EpisodeState],
+                     reward_fn: Callable[..., Any] | None) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
+        """The final reward of finished episodes on their agent tokens, by
+        :func:`textrl.envs.fast_path.score_completions` as the collector calls it: ``(total float32
+        [n], components name -> float32 [n], decoded agent tokens)``; zeros and no components
+        without a reward. Rows with ``"messages"`` and multi-turn episodes are conversational
+        (TRL's convention: the rewards get the prompt's messages, and a multi-turn episode's
+        messages after the prompt as its completion); each kind is scored in its own call, so a
+        row's score never depends on the rows beside it. Multi-turn episodes also report the sum
+        of their turn rewards (``TURN_REWARDS``)."""
+        n = len(states)
+        completions = self.tokenizer.batch_decode([s.agent_tokens for s in states], skip_special_tokens=True)
+        total, components = torch.zeros(n), {}
+        if reward_fn is not None:
+            kinds: dict[bool, list[int]] = {}
+            for i, s in enumerate(states):
+                kinds.setdefault(self.multi_turn or "messages" in s.episode.row, []).append(i)
+            for conversational, rows in kinds.items():
+                scores = self._score([states[i] for i in rows], reward_fn, conversational)
+                index = torch.tensor(rows)
+                total[index] = scores.total
+                for name, value in scores.components.items():
+                    components.setdefault(name, torch.zeros(n))[index] = value
+        if self.multi_turn:
+            turn_sums = torch.stack([turn_reward_row(s, max(1, len(s.tokens))).sum() for s in states])
+            components = {TURN_REWARDS: turn_sums, **components}
+        return total, components, completions
+
+    def _score(self, states: Sequence[EpisodeState], reward_fn: Callable[..., Any], conversational: bool) -> Any:
+        ids = [s.agent_tokens for s in states]
+        width = max(1, max(len(t) for t in ids))
+        tokens = torch.zeros((len(ids), width), dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.bool)
+        for i, t in enumerate(ids):
+            tokens[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+            mask[i, : len(t)] = True
+        names = list(dict.fromkeys(k for s in states for k in s.fields))
+        return score_completions(
+            reward_fn, [s.prompt_text for s in states], tokens, mask, tokenizer=self.tokenizer,
+            truncated=torch.tensor([s.end != DONE for s in states]),
+            fields={k: [s.fields.get(k) for s in states] for k in names},
+            conversations=[s.episode.messages[: s.episode.prompt_messages] for s in states] if conversational else None,
+            completion_messages=[s.episode.completions for s in states] if self.multi_turn else None,
+        )
+
+    def placed(self, s: EpisodeState, final: torch.Tensor, width: int, placement: str) -> torch.Tensor:
+        """Per-token rewards float32 ``[width]`` of a finished episode (as the collector places
+        them): single turn, the score placed by :func:`textrl.envs.place_score` on the agent
+        tokens; multi-turn, ``"last"`` puts each turn reward on its turn's last agent token and the
+        final reward on the episode's, ``"uniform"`` spreads their sum over the agent tokens."""
+        turn = turn_reward_row(s, width)
+        agent = torch.zeros(width, dtype=torch.bool)
+        agent[: len(s.agent)] = torch.tensor(s.agent, dtype=torch.bool)
+        final = final.reshape(1).to(torch.float32)
+        if not self.multi_turn:
+            return place_score(turn.sum().reshape(1) + final, agent.unsqueeze(0), placement)[0]
+        if placement == "uniform":
+            return torch.where(agent, (turn.sum() + final) / agent.sum(), 0.0)
+        return turn.scatter_add(0, torch.tensor([s.last_agent]), final)
+
+
+def turn_reward_row(s: EpisodeState, width: int) -> torch.Tensor:
+    """float32 ``[width]``: each turn reward of ``s`` at its position, 0 elsewhere."""
+    row = torch.zeros(width, dtype=torch.float32)
+    for pos, value in s.rewards.items():
+        row[pos] = value
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# the Gymnasium environment
+
+
 class TokenMDPEnv(TokenMDPSetup, gym.Env):
-    """One prompt per episode, one token per step; see the module docstring for the MDP.
+    """One episode per reset, one token per step; see the module docstring for the MDP.
 
     All arguments are optional: ``TokenMDPEnv()`` uses the tiny offline ChatML tokenizer, the
     built-in digits prompts and the reward ``"think_format,tag_count"``.
@@ -78,9 +376,10 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
         tokenizer: a Hugging Face tokenizer (default: :func:`textrl.models.build_tiny_tokenizer`).
         prompts: list of str, list of dict rows (``"prompt"`` or ``"messages"`` plus fields such
             as ``"answer"`` that reach the rewards), an indexable dataset, or a source string
-            such as ``"builtin:digits"`` (default: the built-in digits task).
-        reward: a reward spec string for :func:`textrl.rewards.parse_reward_spec` or a callable.
-        max_new_tokens: actions per episode before truncation.
+            such as ``"builtin:digits"`` (default: the built-in digits task, or ``env.rows()``).
+        reward: a reward spec string for :func:`textrl.rewards.parse_reward_spec` or a callable
+            (default ``"think_format,tag_count"``); only without ``env``.
+        max_new_tokens: actions per agent turn before the episode is truncated.
         max_prompt_length: size of the prompt arrays; longer prompts raise (``truncate_prompt=
             "error"``) or keep their last tokens with a warning (``"left"``).
         reward_placement: ``"last"`` or ``"uniform"``, for ``info["per_token_rewards"]``.
@@ -88,6 +387,20 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
         apply_chat_template: wrap prompts in the tokenizer's chat template (default: when it
             has one).
         eos_token_id, pad_token_id: override the tokenizer's (pad falls back to EOS).
+        env: an :class:`textrl.envs.Environment` or an id / spec for
+            :func:`textrl.envs.registry.make_env`; None: the single-turn task of ``prompts`` and
+            ``reward``.
+        max_episode_tokens: the cap of the response side, agent and observation tokens (default:
+            :func:`textrl.envs.collector.default_episode_tokens`, ``max_new_tokens`` for a single
+            turn); the size of ``"response_ids"``.
+        max_episode_steps: a cap on the episode's actions (ends it truncated, ``"length"``,
+            scored); ``gym.make(id, max_episode_steps=N)`` sets it through :class:`TimeLimitCap`.
+
+    ``info`` of the final step: ``"prompt"``, ``"response"`` (the agent's tokens decoded),
+    ``"response_length"``, ``"score"``, ``"reward_components"``, ``"per_token_rewards"``,
+    ``"turns"``, ``"end_reason"`` (a name in :data:`textrl.keys.END_REASONS`) and ``"messages"``
+    (the conversation as the environment saw it). A step that ended a turn without ending the
+    episode has ``info = {"turn": n, "turn_reward": r}``; other steps ``{}``.
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
@@ -96,7 +409,7 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
         self,
         tokenizer: Any = None,
         prompts: Any = None,
-        reward: RewardLike = DEFAULT_REWARD,
+        reward: RewardLike | None = None,
         max_new_tokens: int = 32,
         max_prompt_length: int = 64,
         reward_placement: str = "last",
@@ -105,6 +418,9 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
         apply_chat_template: bool | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
+        env: Environment | str | None = None,
+        max_episode_tokens: int | None = None,
+        max_episode_steps: int | None = None,
     ) -> None:
         if reward_placement not in PLACEMENTS:
             raise ValueError(f"reward_placement={reward_placement!r}: must be one of {PLACEMENTS}")
@@ -112,10 +428,11 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
             raise ValueError(
                 f"render_mode={render_mode!r}: must be None or one of {self.metadata['render_modes']}"
             )
+        task, rows = environment_and_rows(env, prompts, reward)
         self._setup_mdp(
             tokenizer=tokenizer,
-            prompts=prompts,
-            reward=reward,
+            prompts=rows,
+            reward=DEFAULT_REWARD if task.reward is None else task.reward,
             max_new_tokens=max_new_tokens,
             max_prompt_length=max_prompt_length,
             truncate_prompt=truncate_prompt,
@@ -123,6 +440,14 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
         )
+        if task.reward is None:
+            self.reward_fn = None
+        self.task = task
+        budget = default_episode_tokens(task, max_new_tokens) if max_episode_tokens is None else max_episode_tokens
+        self.dynamics = EpisodeDynamics(task, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
+                                        max_new_tokens=max_new_tokens, max_episode_tokens=budget)
+        self.max_episode_tokens = budget
+        self.max_episode_steps = max_episode_steps
         self.reward_placement = reward_placement
         self.render_mode = render_mode
         # gym.make replaces this; a directly built env still gets a spec that re-makes it (with
@@ -141,6 +466,9 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
                 "apply_chat_template": apply_chat_template,
                 "eos_token_id": eos_token_id,
                 "pad_token_id": pad_token_id,
+                "env": env,
+                "max_episode_tokens": max_episode_tokens,
+                "max_episode_steps": max_episode_steps,
             },
         )
 
@@ -149,23 +477,35 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
             {
                 "prompt_ids": ids,
                 "prompt_mask": spaces.MultiBinary(max_prompt_length),
-                "response_ids": spaces.Box(
-                    0, self.vocab_size - 1, shape=(max_new_tokens,), dtype=np.int64
-                ),
-                "response_length": spaces.Discrete(max_new_tokens + 1),
+                "response_ids": spaces.Box(0, self.vocab_size - 1, shape=(budget,), dtype=np.int64),
+                "agent_mask": spaces.MultiBinary(budget),
+                "response_length": spaces.Discrete(budget + 1),
             }
         )
         self.action_space = spaces.Discrete(self.vocab_size)
 
         self._prompt_ids = np.full(max_prompt_length, self.pad_token_id, dtype=np.int64)
         self._prompt_mask = np.zeros(max_prompt_length, dtype=np.int8)
-        self._response = np.full(max_new_tokens, self.pad_token_id, dtype=np.int64)
+        self._response = np.full(budget, self.pad_token_id, dtype=np.int64)
+        self._agent = np.zeros(budget, dtype=np.int8)
         self._length = 0
         self._done: bool | None = None  # None: never reset
+        self._state: EpisodeState | None = None
         self._prompt_text = ""
         self._fields: dict[str, Any] = {}
         self._prompt_index: int | None = None
         self._final_info: dict[str, Any] = {}
+
+    @property
+    def max_episode_steps(self) -> int | None:
+        """The cap on an episode's actions (None: only the env's own caps)."""
+        return self.dynamics.max_episode_steps
+
+    @max_episode_steps.setter
+    def max_episode_steps(self, value: int | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"max_episode_steps={value!r}: must be None or an int >= 1")
+        self.dynamics.max_episode_steps = value
 
     # ---------------------------------------------------------------------------------------
 
@@ -174,6 +514,7 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
             "prompt_ids": self._prompt_ids.copy(),
             "prompt_mask": self._prompt_mask.copy(),
             "response_ids": self._response.copy(),
+            "agent_mask": self._agent.copy(),
             "response_length": np.int64(self._length),
         }
 
@@ -192,33 +533,36 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
             row = {"prompt": row} if isinstance(row, str) else dict(row)
             index = None
             ids = self.prompts.encode(row, "options['prompt']")
-            text = row_messages(row, "options['prompt']")[1]  # type: ignore[arg-type]
-            fields = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
+            where: int | str = "options['prompt']"
         else:
             if "prompt_index" in options:
                 index = int(options["prompt_index"])
             else:
                 index = int(self.np_random.integers(len(self.prompts)))
             ids = self.prompts.ids(index)
-            text = self.prompts.text(index)
-            fields = self.prompts.fields(index)
+            row, where = self.prompts.row(index), index
+        state = self.dynamics.start(row, -1 if index is None else index, where)
         p = self.max_prompt_length
         self._prompt_ids[:] = self.pad_token_id
         self._prompt_ids[p - ids.size :] = ids
         self._prompt_mask[:] = 0
         self._prompt_mask[p - ids.size :] = 1
         self._response[:] = self.pad_token_id
+        self._agent[:] = 0
         self._length = 0
         self._done = False
+        self._state = state
         self._prompt_index = index
-        self._prompt_text = text
-        self._fields = fields
+        self._prompt_text = state.prompt_text
+        self._fields = state.fields
         self._final_info = {}
-        return self._observation(), {"prompt_index": -1 if index is None else index, "prompt": text}
+        return self._observation(), {"prompt_index": -1 if index is None else index, "prompt": state.prompt_text}
 
     def step(self, action: Any) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
-        """Append the token ``action``; the final step pays the task reward and fills ``info``."""
-        if self._done is None:
+        """Append the token ``action`` (and, when it ended a turn, the environment's observation);
+        a turn's last token pays its reward, the final step also the final reward and fills
+        ``info``."""
+        if self._done is None or self._state is None:
             raise ResetNeeded("TokenMDPEnv.step() called before reset(); call reset() first")
         if self._done:
             raise ResetNeeded(
@@ -226,39 +570,43 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
                 "call reset() to start a new episode"
             )
         token = check_action(action, self.vocab_size)
-        self._response[self._length] = token
-        self._length += 1
-        terminated = token in self.eos_token_ids
-        truncated = not terminated and self._length == self.max_new_tokens
-        if not (terminated or truncated):
-            return self._observation(), 0.0, False, False, {}
+        s = self._state
+        before = len(s.tokens)
+        turn_reward = self.dynamics.act(s, token)
+        self._response[before : len(s.tokens)] = s.tokens[before:]
+        self._agent[before : len(s.tokens)] = s.agent[before:]
+        self._length = len(s.tokens)
+        if s.end is None:
+            info = {} if turn_reward is None else {"turn": s.episode.turn, "turn_reward": turn_reward}
+            return self._observation(), turn_reward or 0.0, False, False, info
         self._done = True
-        info = self._finish(truncated)
-        return self._observation(), float(info["score"]), terminated, truncated, info
+        reward, info = self._finish(s)
+        return self._observation(), reward, s.end == DONE, s.end != DONE, info
 
-    def _finish(self, truncated: bool) -> dict[str, Any]:
-        """Score the finished response exactly as the fast path does (one-row batch)."""
-        responses = torch.from_numpy(self._response.copy()).unsqueeze(0)  # [1, T]
-        mask = torch.arange(self.max_new_tokens).unsqueeze(0) < self._length  # [1, T]
-        scores = score_completions(
-            self.reward_fn,
-            [self._prompt_text],
-            responses,
-            mask,
-            tokenizer=self.tokenizer,
-            truncated=torch.tensor([truncated]),
-            fields={k: [v] for k, v in self._fields.items()},
-        )
-        per_token = place_score(scores.total, mask, self.reward_placement)[0]  # [T]
+    def _finish(self, s: EpisodeState) -> tuple[float, dict[str, Any]]:
+        """Score the finished episode as the fast path / collector do (a one-row batch): the
+        final step's reward and ``info``."""
+        final, components, completions = self.dynamics.final_scores([s], self.reward_fn)
+        width = self.max_episode_tokens
+        per_token = self.dynamics.placed(s, final[0], width, self.reward_placement)  # [W]
+        turn = turn_reward_row(s, width)
+        if self.dynamics.multi_turn:
+            score = float(per_token.sum())
+            last = turn[s.last_agent] + final[0]  # the "last" placement's reward at the last token
+        else:
+            score = last = float(turn.sum() + final[0])
         self._final_info = {
-            "prompt": self._prompt_text,
-            "response": scores.completions[0],
-            "response_length": self._length,
-            "score": float(scores.total[0]),
-            "reward_components": {k: float(v[0]) for k, v in scores.components.items()},
+            "prompt": s.prompt_text,
+            "response": completions[0],
+            "response_length": len(s.tokens),
+            "score": score,
+            "reward_components": {k: float(v[0]) for k, v in components.items()},
             "per_token_rewards": per_token.numpy().astype(np.float32),
+            "turns": s.episode.turn,
+            "end_reason": END_REASONS[s.end],  # type: ignore[index]
+            "messages": [dict(m) for m in s.episode.messages],
         }
-        return dict(self._final_info)
+        return float(last), dict(self._final_info)
 
     def render(self) -> str | None:
         """``"ansi"``: the prompt, the response so far (decoded) and, at the end, the score."""
@@ -272,14 +620,68 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
             parts = ", ".join(
                 f"{k}={v:g}" for k, v in self._final_info["reward_components"].items()
             )
-            lines.append(f"score: {self._final_info['score']:g} ({parts})")
+            lines.append(f"score: {self._final_info['score']:g} ({parts}); "
+                         f"{self._final_info['turns']} turn(s), ended by {self._final_info['end_reason']}")
         return "\n".join(lines) + "\n"
 
 
+# --------------------------------------------------------------------------------------------
+# Gymnasium registration
+
+
+class TimeLimitCap(gym.Wrapper, gym.utils.RecordConstructorArgs):
+    """Hands a ``TimeLimit`` below it (``gym.make(id, max_episode_steps=N)``) to the
+    :class:`TokenMDPEnv` it wraps, so the N-th action ends the episode as the env's own caps do:
+    truncated, end reason ``"length"``, scored, with the final ``info``. (Gymnasium passes
+    ``max_episode_steps`` to ``TimeLimit``, never to the env, and a ``TimeLimit`` truncation alone
+    would end the episode with reward 0 and an empty ``info``.) The ids :func:`register`
+    registers carry it in their spec's ``additional_wrappers``, which ``gym.make`` applies
+    above the ``TimeLimit``. Without a ``TimeLimit`` it changes nothing."""
+
+    def __init__(self, env: gym.Env) -> None:
+        gym.utils.RecordConstructorArgs.__init__(self)
+        gym.Wrapper.__init__(self, env)
+        steps = env.spec.max_episode_steps if env.spec is not None else None
+        inner = env.unwrapped
+        if steps is not None and isinstance(inner, TokenMDPEnv):
+            own = inner.max_episode_steps
+            inner.max_episode_steps = steps if own is None else min(own, steps)
+
+
+TIME_LIMIT_CAP = WrapperSpec("TimeLimitCap", "textrl.envs.token_mdp:TimeLimitCap", {})
+"""The wrapper spec of :class:`TimeLimitCap`, in the ``additional_wrappers`` of every textrl id."""
+
+
+def register_gym_id(name: str, kwargs: dict[str, Any] | None = None) -> None:
+    """Register the Gymnasium id ``name`` as a :class:`TokenMDPEnv` with ``kwargs`` (idempotent);
+    an id registered before without :class:`TimeLimitCap` gets it."""
+    spec = gym.registry.get(name)
+    if spec is None:
+        gym.register(id=name, entry_point="textrl.envs.token_mdp:TokenMDPEnv", kwargs=kwargs or {},
+                     additional_wrappers=(TIME_LIMIT_CAP,))
+    elif TIME_LIMIT_CAP not in spec.additional_wrappers:
+        spec.additional_wrappers = (*spec.additional_wrappers, TIME_LIMIT_CAP)
+
+
 def register() -> None:
-    """Register ``textrl/TokenMDP-v0`` with Gymnasium (idempotent)."""
-    if ENV_ID not in gym.registry:
-        gym.register(id=ENV_ID, entry_point="textrl.envs.token_mdp:TokenMDPEnv")
+    """Register ``textrl/TokenMDP-v0`` and ``textrl/<Id>-v0`` for every registered environment
+    with Gymnasium (idempotent; ``import textrl.envs`` calls it). Gymnasium >= 1.0 has no plugin
+    entry points, so a fresh interpreter names the module: ``gym.make("textrl.envs:textrl/TokenMDP-v0")``."""
+    register_gym_id(ENV_ID)
+    for env_id in env_ids():
+        register_gym_id(gym_id(env_id), {"env": env_id})
 
 
-__all__ = ["ENV_ID", "TokenMDPEnv", "check_action", "register"]
+__all__ = [
+    "ENV_ID",
+    "TIME_LIMIT_CAP",
+    "EpisodeDynamics",
+    "EpisodeState",
+    "TimeLimitCap",
+    "TokenMDPEnv",
+    "check_action",
+    "register",
+    "register_gym_id",
+    "environment_and_rows",
+    "turn_reward_row",
+]

@@ -1,19 +1,29 @@
 """``TextGenEnv``: the token MDP as a batched TorchRL environment (``batch_size=[B]``).
 
-Each of the ``B`` rows is one episode of :class:`textrl.envs.TokenMDPEnv`'s MDP: the action is the
-next token id (``Categorical(vocab_size)``), a row terminates on EOS and is truncated after
-``max_new_tokens`` actions, and its task reward (scored by the same
-:func:`textrl.envs.score_completions` as the fast path) is paid on its final step; every other step
-pays 0.
+Each of the ``B`` rows is one episode of :class:`textrl.envs.TokenMDPEnv`'s MDP, with the same
+rules (:class:`textrl.envs.token_mdp.EpisodeDynamics`): the action is the next token id
+(``Categorical(vocab_size)``). Without an environment a row terminates on EOS and is truncated
+after ``max_new_tokens`` actions, and its task reward (scored by the same
+:func:`textrl.envs.score_completions` as the fast path) is paid on its final step. With an
+environment (``env=``, docs/design.md "Multi-turn episodes") a row's turn ends at EOS, a stop string
+or the caps; the environment's answer pays the turn's reward on that step, and its observation
+tokens are appended to the row within the same step call (they are not actions); the final reward
+is added on the row's last step.
 
 Observation keys (all with leading batch dim ``B``):
 
 * ``"prompt_ids"`` int64 ``[B, P]`` left-padded with ``pad_token_id``, ``"prompt_mask"`` bool
   ``[B, P]`` (``P = max_prompt_length``);
-* ``"response_ids"`` int64 ``[B, T]``, the actions so far right-padded with ``pad_token_id``
-  (``T = max_new_tokens``), ``"response_length"`` int64 ``[B, 1]``;
+* ``"response_ids"`` int64 ``[B, T]``, every token after the prompt (the agent's and the
+  observations') right-padded with ``pad_token_id`` (``T = max_episode_tokens``, by default
+  ``max_new_tokens`` for a single turn), ``"response_length"`` int64 ``[B, 1]``;
+* ``"agent_mask"`` bool ``[B, T]``: True on the agent's tokens;
+* ``("episode", "id")`` int64 ``[B]`` (a number unique to the episode, new at every reset),
+  ``("episode", "turns")`` int64 ``[B]`` (agent turns ended so far), ``("episode", "end")`` int64
+  ``[B]`` (why the episode ended, an index into :data:`textrl.keys.END_REASONS`; -1 while it runs);
 * ``("reward_components", name)`` float ``[B]``: each reward's raw score on the step a row
-  finishes, 0 otherwise.
+  finishes, 0 otherwise (a multi-turn environment adds ``"turn_rewards"``, the sum of its turn
+  rewards).
 
 ``reward`` is float ``[B, 1]`` and ``done`` / ``terminated`` / ``truncated`` bool ``[B, 1]``.
 
@@ -21,9 +31,9 @@ Finished rows: a row that is done ignores further actions (its state does not ch
 reward 0 and stays done until it is reset. ``env.rollout(..., break_when_any_done=False)``
 resets finished rows (partial reset through ``"_reset"``) with new prompts, and
 ``break_when_all_done=True`` runs until every row is done (TorchRL then repeats a finished
-row's last transition in the stacked output, so read each row up to its first ``done``).
-Only ``reward_placement="last"`` exists here: spreading a score needs the whole response, see
-:func:`textrl.envs.rollout_from_responses`.
+row's last transition in the stacked output). :func:`to_rollout` turns such data, or a TorchRL
+collector's, into textrl's rollout TensorDict. The step rewards follow ``reward_placement="last"``;
+:func:`to_rollout` can spread them (``"uniform"``).
 
 The prompt of each reset row is drawn with a private ``torch.Generator`` seeded by
 ``env.set_seed(seed)``; pass ``"prompt_index"`` int64 ``[B]`` in the reset TensorDict to pick
@@ -32,27 +42,52 @@ prompts instead.
 A policy reads the observation and writes ``"action"`` ``[B]``. A policy that recomputes the
 model on ``prompt + response`` every step costs O(T^2) per episode; :class:`textrl.envs.KVCachePolicy`
 (``envs/policies.py``) keeps the KV cache on the module and feeds one token per row per step,
-re-encoding ``prompt + response`` only when the observation does not continue its cache (e.g.
-after a partial reset). The env never re-tokenises text: it only appends ids.
+re-encoding ``prompt + response`` only when the observation does not continue its cache (after a
+partial reset, or an environment's observation). The env never re-tokenises the agent's tokens.
+
+Importing this module imports TorchRL, whose first import sets the process's multiprocessing start
+method to ``"spawn"`` when none is set; this module puts it back (unset), so Gymnasium's
+``AsyncVectorEnv`` and other ``multiprocessing`` users keep the platform default. TorchRL's own
+workers ask for their start method explicitly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import multiprocessing
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
-from textrl.envs.fast_path import (
-    DEFAULT_REWARD,
-    RewardLike,
-    reward_component_names,
-    score_completions,
-)
+from textrl.envs.collector import default_episode_tokens
+from textrl.envs.environment import Environment
+from textrl.envs.fast_path import DEFAULT_REWARD, PLACEMENTS, RewardLike, place_score
 from textrl.envs.prompt_table import TokenMDPSetup
-from torchrl.data import Bounded, Categorical, Composite, Unbounded
-from torchrl.envs import EnvBase
+from textrl.envs.token_mdp import DONE, EpisodeDynamics, EpisodeState, environment_and_rows
+
+from textrl.checks import check_rollout
+from textrl.keys import END_REASONS, KEYS, RolloutKeys
+
+
+@contextlib.contextmanager
+def _start_method_kept() -> Iterator[None]:
+    """Leave ``multiprocessing``'s global start method as it was (TorchRL's first import sets
+    ``"spawn"`` when it is unset, which breaks scripts without a ``__main__`` guard)."""
+    before = multiprocessing.get_start_method(allow_none=True)
+    try:
+        yield
+    finally:
+        if before is None and multiprocessing.get_start_method(allow_none=True) is not None:
+            multiprocessing.set_start_method(None, force=True)
+
+
+with _start_method_kept():
+    from torchrl.data import Bounded, Categorical, Composite, Unbounded
+    from torchrl.envs import EnvBase
+
+EPISODE_ID, EPISODE_TURNS, EPISODE_END = ("episode", "id"), ("episode", "turns"), ("episode", "end")
 
 
 class TextGenEnv(TokenMDPSetup, EnvBase):
@@ -61,7 +96,8 @@ class TextGenEnv(TokenMDPSetup, EnvBase):
     Args:
         batch_size: number of rows ``B`` (an int or ``[B]``).
         tokenizer, prompts, reward, max_new_tokens, max_prompt_length, truncate_prompt,
-        apply_chat_template, eos_token_id, pad_token_id: as for :class:`textrl.envs.TokenMDPEnv`.
+        apply_chat_template, eos_token_id, pad_token_id, env, max_episode_tokens: as for
+        :class:`textrl.envs.TokenMDPEnv`.
         device: where the TensorDicts live.
         seed: seed of the prompt sampler (default: fresh entropy); ``set_seed`` reseeds it.
     """
@@ -72,7 +108,7 @@ class TextGenEnv(TokenMDPSetup, EnvBase):
         *,
         tokenizer: Any = None,
         prompts: Any = None,
-        reward: RewardLike = DEFAULT_REWARD,
+        reward: RewardLike | None = None,
         max_new_tokens: int = 32,
         max_prompt_length: int = 64,
         truncate_prompt: str = "error",
@@ -81,6 +117,8 @@ class TextGenEnv(TokenMDPSetup, EnvBase):
         pad_token_id: int | None = None,
         device: torch.device | str = "cpu",
         seed: int | None = None,
+        env: Environment | str | None = None,
+        max_episode_tokens: int | None = None,
     ) -> None:
         dims = [batch_size] if isinstance(batch_size, int) else list(batch_size)
         if len(dims) != 1:
@@ -89,10 +127,11 @@ class TextGenEnv(TokenMDPSetup, EnvBase):
         if b < 1:
             raise ValueError(f"batch_size={batch_size!r}: must be >= 1")
         super().__init__(device=device, batch_size=torch.Size([b]))
+        task, rows = environment_and_rows(env, prompts, reward)
         self._setup_mdp(
             tokenizer=tokenizer,
-            prompts=prompts,
-            reward=reward,
+            prompts=rows,
+            reward=DEFAULT_REWARD if task.reward is None else task.reward,
             max_new_tokens=max_new_tokens,
             max_prompt_length=max_prompt_length,
             truncate_prompt=truncate_prompt,
@@ -100,7 +139,14 @@ class TextGenEnv(TokenMDPSetup, EnvBase):
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
         )
-        self.component_names = reward_component_names(self.reward_fn)
+        if task.reward is None:
+            self.reward_fn = None
+        self.task = task
+        self.max_episode_tokens = (default_episode_tokens(task, max_new_tokens) if max_episode_tokens is None
+                                   else max_episode_tokens)
+        self.dynamics = EpisodeDynamics(task, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
+                                        max_new_tokens=max_new_tokens, max_episode_tokens=self.max_episode_tokens)
+        self.component_names = self.dynamics.component_names(self.reward_fn)
         self._make_specs(b)
         self._rng = torch.Generator()
         self._rng.manual_seed(
@@ -110,13 +156,22 @@ class TextGenEnv(TokenMDPSetup, EnvBase):
 
     def _make_specs(self, b: int) -> None:
         dev, v = self.device, self.vocab_size
-        p, t = self.max_prompt_length, self.max_new_tokens
+        p, t = self.max_prompt_length, self.max_episode_tokens
         ids = {"low": 0, "high": v - 1, "dtype": torch.int64, "device": dev}
+        count = {"dtype": torch.int64, "device": dev}
         self.observation_spec = Composite(
             prompt_ids=Bounded(shape=(b, p), **ids),
             prompt_mask=Categorical(2, shape=(b, p), dtype=torch.bool, device=dev),
             response_ids=Bounded(shape=(b, t), **ids),
-            response_length=Bounded(0, t, shape=(b, 1), dtype=torch.int64, device=dev),
+            response_length=Bounded(0, t, shape=(b, 1), **count),
+            agent_mask=Categorical(2, shape=(b, t), dtype=torch.bool, device=dev),
+            episode=Composite(
+                id=Unbounded(shape=(b,), **count),
+                turns=Bounded(0, self.task.max_turns, shape=(b,), **count),
+                end=Bounded(-1, len(END_REASONS) - 1, shape=(b,), **count),
+                shape=(b,),
+                device=dev,
+            ),
             reward_components=Composite(
                 {
                     name: Unbounded(shape=(b,), dtype=torch.float32, device=dev)
@@ -140,20 +195,23 @@ class TextGenEnv(TokenMDPSetup, EnvBase):
         )
 
     def _init_state(self, b: int) -> None:
-        dev = self.device
+        dev, t = self.device, self.max_episode_tokens
         self._prompt_ids = torch.full(
             (b, self.max_prompt_length), self.pad_token_id, dtype=torch.int64, device=dev
         )
         self._prompt_mask = torch.zeros((b, self.max_prompt_length), dtype=torch.bool, device=dev)
-        self._response = torch.full(
-            (b, self.max_new_tokens), self.pad_token_id, dtype=torch.int64, device=dev
-        )
+        self._response = torch.full((b, t), self.pad_token_id, dtype=torch.int64, device=dev)
+        self._agent = torch.zeros((b, t), dtype=torch.bool, device=dev)
         self._length = torch.zeros(b, dtype=torch.int64, device=dev)
         self._done = torch.ones(b, dtype=torch.bool, device=dev)  # no episode until reset
         self._terminated = torch.zeros(b, dtype=torch.bool, device=dev)
         self._truncated = torch.zeros(b, dtype=torch.bool, device=dev)
+        self._episode_id = torch.zeros(b, dtype=torch.int64, device=dev)
+        self._turns = torch.zeros(b, dtype=torch.int64, device=dev)
+        self._end = torch.full((b,), -1, dtype=torch.int64, device=dev)
+        self._next_episode = 0
+        self._states: list[EpisodeState | None] = [None] * b
         self._prompt_index = [0] * b
-        self._eos = torch.tensor(self.eos_token_ids, dtype=torch.int64, device=dev)
 
     def _set_seed(self, seed: int | None) -> None:
         self._rng.manual_seed(
@@ -172,6 +230,10 @@ class TextGenEnv(TokenMDPSetup, EnvBase):
                 "prompt_mask": self._prompt_mask.clone(),
                 "response_ids": self._response.clone(),
                 "response_length": self._length.unsqueeze(-1).clone(),
+                "agent_mask": self._agent.clone(),
+                EPISODE_ID: self._episode_id.clone(),
+                EPISODE_TURNS: self._turns.clone(),
+                EPISODE_END: self._end.clone(),
                 "reward_components": TensorDict(comps, batch_size=[b], device=self.device),
                 "done": self._done.unsqueeze(-1).clone(),
                 "terminated": self._terminated.unsqueeze(-1).clone(),
@@ -195,24 +257,34 @@ class TextGenEnv(TokenMDPSetup, EnvBase):
             picks = chosen.reshape(b).cpu()[idx].tolist()
         else:
             picks = torch.randint(len(self.prompts), (len(idx),), generator=self._rng).tolist()
+        starts = {}
+        for row, k in zip(idx, picks):  # every start before any change: a raising env.start changes nothing
+            ids = torch.from_numpy(self.prompts.ids(int(k)))
+            starts[row] = (ids, self.dynamics.start(self.prompts.row(int(k)), int(k), int(k)))
         p = self.max_prompt_length
         for row, k in zip(idx, picks):
-            ids = torch.from_numpy(self.prompts.ids(int(k)))
+            ids, state = starts[row]
             self._prompt_ids[row] = self.pad_token_id
             self._prompt_ids[row, p - ids.numel() :] = ids.to(self.device)
             self._prompt_mask[row] = False
             self._prompt_mask[row, p - ids.numel() :] = True
             self._prompt_index[row] = int(k)
+            self._states[row] = state
+            self._episode_id[row] = self._next_episode
+            self._next_episode += 1
         sel = rows.to(self.device)
         self._response[sel] = self.pad_token_id
+        self._agent[sel] = False
         self._length[sel] = 0
         self._done[sel] = False
         self._terminated[sel] = False
         self._truncated[sel] = False
+        self._turns[sel] = 0
+        self._end[sel] = -1
         return self._observation()
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        b, t = self.batch_size[0], self.max_new_tokens
+        b = self.batch_size[0]
         action = tensordict.get("action").reshape(b).to(self.device)
         active = ~self._done
         partial = tensordict.get("_step", None)
@@ -226,54 +298,171 @@ class TextGenEnv(TokenMDPSetup, EnvBase):
                     f"action {action[bad].tolist()[:10]} in rows {rows[:10]} is outside the "
                     f"vocabulary: token ids are in [0, {self.vocab_size}) (vocab_size={self.vocab_size})"
                 )
-        pos = self._length.clamp(max=t - 1).unsqueeze(1)  # [B, 1]
-        current = self._response.gather(1, pos).squeeze(1)
-        self._response.scatter_(1, pos, torch.where(active, action, current).unsqueeze(1))
-        self._length = self._length + active.long()
-        terminated = active & torch.isin(action, self._eos)
-        truncated = active & ~terminated & (self._length == t)
-        finished = terminated | truncated
-        self._terminated |= terminated
-        self._truncated |= truncated
-        self._done |= finished
-
-        reward = torch.zeros(b, 1, dtype=torch.float32, device=self.device)
+        paid = [0.0] * b
+        rows, cols, tokens, agent = [], [], [], []  # every token appended at this step, all rows
+        finished, ends = [], []
+        actions = action.tolist()
+        stepped = torch.nonzero(active).flatten().tolist()
+        for row in stepped:
+            s = self._states[row]
+            assert s is not None  # an active row was reset
+            before = len(s.tokens)
+            turn_reward = self.dynamics.act(s, actions[row])
+            if turn_reward is not None:
+                paid[row] = turn_reward
+            rows += [row] * (len(s.tokens) - before)
+            cols += range(before, len(s.tokens))
+            tokens += s.tokens[before:]
+            agent += s.agent[before:]
+            if s.end is not None:
+                finished.append(row)
+                ends.append(s.end)
+        self._write(rows, cols, tokens, agent, finished, ends)
+        self._turns[stepped] = torch.tensor([self._states[r].episode.turn for r in stepped],  # type: ignore[union-attr]
+                                            dtype=torch.int64, device=self.device)
+        reward = torch.tensor(paid, dtype=torch.float32, device=self.device).unsqueeze(1)
         components = None
-        if finished.any():
-            reward, components = self._score(finished)
+        if finished:
+            components = self._score(finished, reward)
         out = self._observation(components)
         out.set("reward", reward)
         return out
 
-    def _score(self, finished: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Score the rows that finished at this step, with the fast path's scoring function."""
+    def _write(self, rows: list[int], cols: list[int], tokens: list[int], agent: list[bool], finished: list[int],
+               ends: list[int]) -> None:
+        """Write a step's appended tokens (``tokens[i]`` at ``[rows[i], cols[i]]``) and the rows that
+        finished (with their end reasons) into the state tensors."""
+        dev = self.device
+        if rows:
+            index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+            self._response[index] = torch.tensor(tokens, dtype=torch.int64, device=dev)
+            self._agent[index] = torch.tensor(agent, dtype=torch.bool, device=dev)
+            self._length.index_add_(0, index[0], torch.ones_like(index[0]))
+        if finished:
+            done, end = torch.tensor(finished, device=dev), torch.tensor(ends, device=dev)
+            self._end[done] = end
+            self._terminated[done] = end == DONE
+            self._truncated[done] = end != DONE
+            self._done[done] = True
+
+    def _score(self, finished: list[int], reward: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Score the rows that finished at this step (adding the final reward to ``reward``
+        ``[B, 1]`` in place) and return the components of every row (0 for the others)."""
         b = self.batch_size[0]
-        rows = torch.nonzero(finished).flatten().tolist()
-        fields_per_row = [self.prompts.fields(self._prompt_index[r]) for r in rows]
-        names = sorted({k for f in fields_per_row for k in f})
-        lengths = self._length[rows]
-        mask = torch.arange(self.max_new_tokens, device=self.device).unsqueeze(
-            0
-        ) < lengths.unsqueeze(1)
-        scores = score_completions(
-            self.reward_fn,
-            [self.prompts.text(self._prompt_index[r]) for r in rows],
-            self._response[rows],
-            mask,
-            tokenizer=self.tokenizer,
-            truncated=self._truncated[rows],
-            fields={k: [f.get(k) for f in fields_per_row] for k in names},
-        )
-        index = torch.tensor(rows, device=self.device)
-        reward = torch.zeros(b, 1, dtype=torch.float32, device=self.device)
-        reward[index, 0] = scores.total.to(self.device)
+        states = [self._states[r] for r in finished]
+        total, scores, _ = self.dynamics.final_scores(states, self.reward_fn)  # type: ignore[arg-type]
+        index = torch.tensor(finished, device=self.device)
+        reward[index, 0] = reward[index, 0] + total.to(self.device)
         components = {}
         for name in self.component_names:
             full = torch.zeros(b, dtype=torch.float32, device=self.device)
-            if name in scores.components:
-                full[index] = scores.components[name].to(self.device)
+            if name in scores:
+                full[index] = scores[name].to(self.device)
             components[name] = full
-        return reward, components
+        return components
 
 
-__all__ = ["TextGenEnv"]
+# --------------------------------------------------------------------------------------------
+# TorchRL data -> the rollout TensorDict
+
+
+def _episodes(data: TensorDictBase) -> list[tuple[int, list[int]]]:
+    """``(row, steps)`` of every episode that both starts and ends inside ``data`` ``[B, S]``:
+    the steps of one ``("episode","id")`` up to its first ``("next","done")``."""
+    ids = data.get(EPISODE_ID)
+    done = data.get(("next", "done")).reshape(ids.shape)
+    start = data.get("response_length").reshape(ids.shape) == 0
+    out = []
+    for row in range(ids.shape[0]):
+        steps: dict[int, list[int]] = {}
+        ended: set[int] = set()
+        for s, (episode, d) in enumerate(zip(ids[row].tolist(), done[row].tolist())):
+            if episode in ended:
+                continue  # TorchRL repeats a finished row's last transition (break_when_all_done)
+            steps.setdefault(episode, []).append(s)
+            if d:
+                ended.add(episode)
+        out += [(row, st) for episode, st in steps.items() if episode in ended and bool(start[row, st[0]])]
+    return out
+
+
+def to_rollout(data: TensorDictBase, env: TextGenEnv, *, reward_placement: str = "last",
+               keys: RolloutKeys = KEYS) -> TensorDict:
+    """textrl's rollout TensorDict (docs/design.md, "The rollout TensorDict", "Multi-turn
+    episodes") of the episodes in TorchRL data collected from ``env``: ``env.rollout(...)`` or a
+    TorchRL collector's batch, ``[B, S]`` with one entry per step.
+
+    One row per episode that starts and ends inside ``data`` (an episode cut by the data's start
+    or end is left out; collect more steps to keep it), ordered by ``env`` row, then time. Writes
+    the prompt tokens / mask ``[N, P]``, ``action`` ``[N, T]`` (every token after the prompt, agent
+    and observation, right-padded; ``T`` the longest episode), ``("collector","mask")`` (the
+    agent's tokens), ``("masks","response")`` (every token), ``("next","done" / "terminated" /
+    "truncated")`` ``[N, T, 1]`` at the last agent token, ``("next","reward")`` ``[N, T, 1]`` (the
+    task reward the env paid, placed by ``reward_placement``: ``"last"`` as paid, or
+    ``"uniform"``), ``("reward_components", name)`` and ``score`` ``[N]``, and
+    ``("episode","turns")`` / ``("episode","end")`` ``[N]``; for a single turn it equals
+    :func:`textrl.envs.rollout_from_responses` of the same tokens. Checked by
+    :func:`textrl.checks.check_rollout`.
+    """
+    if reward_placement not in PLACEMENTS:
+        raise ValueError(f"reward_placement={reward_placement!r}: must be one of {PLACEMENTS}")
+    if data.batch_dims != 2:
+        raise ValueError(f"data has batch_size {list(data.batch_size)}: pass TorchRL data of a TextGenEnv, "
+                         "[B, steps] (env.rollout(...) or a collector's batch)")
+    if EPISODE_ID not in data.keys(include_nested=True):
+        raise ValueError("data has no ('episode', 'id'): collect it from a textrl.envs.TextGenEnv")
+    episodes = _episodes(data)
+    if not episodes:
+        raise ValueError(f"no episode both starts and ends in data of {data.batch_size[1]} steps; collect more "
+                         "steps (an episode takes up to max_episode_tokens of them)")
+    data = data.cpu()
+    nxt = data.get("next")
+    finals = [(row, steps[-1]) for row, steps in episodes]
+    lengths = [int(nxt.get("response_length")[r, s]) for r, s in finals]
+    n, t = len(episodes), max(1, max(lengths))
+    action = torch.stack([nxt.get("response_ids")[r, s, :t] for r, s in finals])  # [N, T]
+    agent = torch.stack([nxt.get("agent_mask")[r, s, :t] for r, s in finals])  # [N, T]
+    seen = torch.arange(t).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)  # [N, T]
+    paid = torch.zeros((n, t), dtype=torch.float32)  # each step's reward at its action's position
+    for i, (row, steps) in enumerate(episodes):
+        pos = data.get("response_length")[row, steps].reshape(-1)
+        paid[i].index_put_((pos,), nxt.get("reward")[row, steps].reshape(-1), accumulate=True)
+    terminated_row = torch.stack([nxt.get("terminated")[r, s].reshape(()) for r, s in finals])  # [N]
+    last = torch.tensor([int(torch.nonzero(a).max()) for a in agent])  # [N]
+    at_last = torch.arange(t).unsqueeze(0) == last.unsqueeze(1)  # [N, T]
+    rewards = _placed(paid, agent, env.dynamics.multi_turn, reward_placement)
+    components = {name: torch.stack([nxt.get(("reward_components", name))[r, s] for r, s in finals])
+                  for name in env.component_names}
+    td = TensorDict(
+        {
+            keys.prompt_tokens: torch.stack([data.get("prompt_ids")[r, s] for r, s in finals]),
+            keys.prompt_mask: torch.stack([data.get("prompt_mask")[r, s] for r, s in finals]).bool(),
+            keys.action: action,
+            keys.mask: agent,
+            keys.response_mask: seen,
+            keys.reward: rewards.unsqueeze(-1),
+            keys.done: at_last.unsqueeze(-1),
+            keys.terminated: (at_last & terminated_row.unsqueeze(1)).unsqueeze(-1),
+            keys.truncated: (at_last & ~terminated_row.unsqueeze(1)).unsqueeze(-1),
+            keys.reward_components: TensorDict(components, batch_size=[n]),
+            keys.turns: torch.stack([nxt.get(EPISODE_TURNS)[r, s] for r, s in finals]),
+            keys.end_reason: torch.stack([nxt.get(EPISODE_END)[r, s] for r, s in finals]),
+            keys.score: rewards.sum(1),
+        },
+        batch_size=[n],
+    )
+    return check_rollout(td, keys)
+
+
+def _placed(paid: torch.Tensor, agent: torch.Tensor, multi_turn: bool, placement: str) -> torch.Tensor:
+    """Per-token task rewards ``[N, T]`` from the rewards the env paid at each action ``[N, T]``
+    (``"last"``: as paid; ``"uniform"``: their sum spread over the agent tokens, as the collector
+    places it)."""
+    if placement == "last":
+        return paid
+    if not multi_turn:
+        return place_score(paid.sum(1), agent, placement)
+    return torch.where(agent, (paid.sum(1) / agent.sum(1)).unsqueeze(1), 0.0)
+
+
+__all__ = ["TextGenEnv", "to_rollout"]
