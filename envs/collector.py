@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
-from textrl.envs.environment import EnvError, Environment, Episode, PromptTask, Turn
+from textrl.envs.environment import (
+    EnvError,
+    Environment,
+    Episode,
+    PromptTask,
+    Turn,
+    answer_turn,
+    call_env,
+)
 from textrl.envs.fast_path import (
     NONFINITE_POLICIES,
     PLACEMENTS,
@@ -31,7 +39,7 @@ from textrl.envs.fast_path import (
     score_completions,
     special_ids,
 )
-from textrl.envs.observations import observation_ids
+from textrl.envs.observations import turn_observation
 from textrl.envs.rows import batch_fields, raw_prompts, row_messages
 from torch import Tensor
 
@@ -160,17 +168,9 @@ class EpisodeRunner:
         index = int(batch.prompt_index[b]) if getattr(batch, "prompt_index", None) is not None else -1
         messages, _ = row_messages(row, index)
         episode = Episode(row=row, messages=list(messages), index=index, prompt_messages=len(messages))
-        self._call(self.env.start, episode, "start")
+        call_env(self.env, self.env.start, episode, "start")
         valid = batch.attention_mask[b].bool()
         return _Row(prompt=batch.input_ids[b][valid].tolist(), episode=episode)
-
-    def _call(self, method: Callable[..., Any], episode: Episode, what: str, *args: Any) -> Any:
-        try:
-            return method(episode, *args)
-        except Exception as error:
-            turn = f" (turn {episode.turn})" if what == "step" else ""
-            raise EnvError(f"environment {self.env.id!r} raised in {what}() on row {episode.index}{turn}: "
-                           f"{type(error).__name__}: {error}") from error
 
     def _contexts(self, rows: list[_Row], device: torch.device) -> tuple[Tensor, Tensor]:
         """Left-padded prompt + episode tokens of each row: int64 / bool ``[n, L]``."""
@@ -240,10 +240,7 @@ class EpisodeRunner:
         for (r, _), text in zip(finished, texts):
             r.episode.turn += 1
             r.episode.messages.append({"role": "assistant", "content": text})
-            answer = self._call(self.env.step, r.episode, "step", text)
-            if not isinstance(answer, Turn):
-                raise EnvError(f"environment {self.env.id!r}: step() returned {type(answer).__name__} on row "
-                               f"{r.episode.index}; return a textrl.envs.Turn")
+            answer = answer_turn(self.env, r.episode, text)
             self._pay(r, answer.reward)
             if answer.done:
                 r.end = DONE
@@ -252,10 +249,7 @@ class EpisodeRunner:
             else:
                 self._observe(r, answer)
 
-    def _pay(self, r: _Row, reward: Any) -> None:
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-            raise EnvError(f"environment {self.env.id!r}: a turn reward must be a float, got {reward!r} on row "
-                           f"{r.episode.index}")
+    def _pay(self, r: _Row, reward: float) -> None:
         reward = float(reward)
         if not math.isfinite(reward):
             if self.reward_nonfinite == "raise":
@@ -268,12 +262,10 @@ class EpisodeRunner:
     def _observe(self, r: _Row, answer: Turn) -> None:
         messages = answer.messages()
         try:
-            obs = observation_ids(self.tokenizer, messages, self.eos_ids)
+            obs = turn_observation(self.tokenizer, messages, self.eos_ids, r.tokens[-1], env_id=self.env.id,
+                                   row=r.episode.index)
         except ValueError as error:
-            raise EnvError(f"environment {self.env.id!r}: its observation on row {r.episode.index} cannot be "
-                           f"tokenised: {error}") from error
-        if r.tokens[-1] not in self.eos_ids:  # a turn cut by a stop string: the template closes it
-            obs = [self.eos_ids[0], *obs]
+            raise EnvError(str(error)) from error
         if len(r.tokens) + len(obs) + 1 > self.max_episode_tokens:
             r.end = CONTEXT
             return

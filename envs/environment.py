@@ -97,6 +97,31 @@ class EnvError(RuntimeError):
     """An environment raised while answering a turn; the message names the environment and row."""
 
 
+def call_env(env: Any, method: Callable[..., Any], episode: Episode, what: str, *args: Any) -> Any:
+    """``method(episode, *args)`` (the environment's ``start`` or ``step``); what it raises comes
+    back as an :class:`EnvError` naming the environment, the method, the row and the turn."""
+    try:
+        return method(episode, *args)
+    except Exception as error:
+        turn = f" (turn {episode.turn})" if what == "step" else ""
+        raise EnvError(f"environment {env.id!r} raised in {what}() on row {episode.index}{turn}: "
+                       f"{type(error).__name__}: {error}") from error
+
+
+def answer_turn(env: Any, episode: Episode, completion: str) -> Turn:
+    """``env.step(episode, completion)``, checked: a :class:`Turn` whose reward is a real number
+    (:class:`EnvError` naming the environment and row otherwise; a NaN/inf reward is the caller's
+    to judge)."""
+    answer = call_env(env, env.step, episode, "step", completion)
+    if not isinstance(answer, Turn):
+        raise EnvError(f"environment {env.id!r}: step() returned {type(answer).__name__} on row "
+                       f"{episode.index}; return a textrl.envs.Turn")
+    if isinstance(answer.reward, bool) or not isinstance(answer.reward, (int, float)):
+        raise EnvError(f"environment {env.id!r}: a turn reward must be a float, got {answer.reward!r} on row "
+                       f"{episode.index}")
+    return answer
+
+
 class Environment:
     """Base class of task environments; see the module docstring.
 
@@ -177,4 +202,4 @@ class PromptTask(Environment):
         return self._rows
 
 
-__all__ = ["Environment", "EnvError", "Episode", "Message", "PromptTask", "Turn"]
+__all__ = ["EnvError", "Environment", "Episode", "answer_turn", "call_env", "Message", "PromptTask", "Turn"]

@@ -51,4 +51,17 @@ def observation_ids(tokenizer: Any, messages: Sequence[dict[str, str]], eos_toke
     return after[cut:]
 
 
-__all__ = ["observation_ids"]
+def turn_observation(tokenizer: Any, messages: Sequence[dict[str, str]], eos_token_ids: Sequence[int],
+                     last_token: int, *, env_id: str = "", row: int = -1) -> list[int]:
+    """The tokens appended after an agent turn whose last token is ``last_token``:
+    :func:`observation_ids`, preceded by the EOS (``eos_token_ids[0]``) the template closes an
+    assistant turn with when the turn was cut by a stop string instead. ``ValueError`` naming the
+    environment and row when the observation cannot be tokenised."""
+    try:
+        ids = observation_ids(tokenizer, messages, eos_token_ids)
+    except ValueError as error:
+        raise ValueError(f"environment {env_id!r}: its observation on row {row} cannot be tokenised: {error}") from error
+    return ids if last_token in eos_token_ids else [int(eos_token_ids[0]), *ids]
+
+
+__all__ = ["observation_ids", "turn_observation"]

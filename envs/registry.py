@@ -77,11 +77,17 @@ def gym_id(env_id: str) -> str:
 
 
 def _register_gym_id(env_id: str) -> None:
+    """``textrl/<Id>-v0`` as a ``TokenMDPEnv`` of the environment, wrapped so a ``gym.make(...,
+    max_episode_steps=N)`` cut scores the episode as the environment's own cap does (names as
+    strings: this module imports no environment class)."""
     import gymnasium as gym
+    from gymnasium.envs.registration import WrapperSpec
 
     name = gym_id(env_id)
     if name not in gym.registry:
-        gym.register(id=name, entry_point="textrl.envs.token_mdp:TokenMDPEnv", kwargs={"env": env_id})
+        cap = WrapperSpec("TimeLimitCap", "textrl.envs.token_mdp:TimeLimitCap", {})
+        gym.register(id=name, entry_point="textrl.envs.token_mdp:TokenMDPEnv", kwargs={"env": env_id},
+                     additional_wrappers=(cap,))
 
 
 def _load_builtins() -> None:

@@ -66,7 +66,15 @@ from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec, WrapperSpec
 from gymnasium.error import ResetNeeded
 from textrl.envs.collector import TURN_REWARDS, default_episode_tokens
-from textrl.envs.environment import EnvError, Environment, Episode, PromptTask, Turn
+from textrl.envs.environment import (
+    EnvError,
+    Environment,
+    Episode,
+    PromptTask,
+    Turn,
+    answer_turn,
+    call_env,
+)
 from textrl.envs.fast_path import (
     DEFAULT_REWARD,
     PLACEMENTS,
@@ -75,7 +83,7 @@ from textrl.envs.fast_path import (
     reward_component_names,
     score_completions,
 )
-from textrl.envs.observations import observation_ids
+from textrl.envs.observations import turn_observation
 from textrl.envs.prompt_table import TokenMDPSetup
 from textrl.envs.registry import env_ids, gym_id, make_env
 from textrl.envs.rows import row_messages
@@ -179,7 +187,8 @@ class EpisodeDynamics:
             raise ValueError(f"max_episode_tokens={max_episode_tokens!r}: must be an int >= 1")
         self.env = env
         self.tokenizer = tokenizer
-        self.eos = frozenset(int(e) for e in eos_token_ids)
+        self.eos_ids = tuple(int(e) for e in eos_token_ids)  # the first closes a turn cut by a stop string
+        self.eos = frozenset(self.eos_ids)
         self.max_new_tokens = max_new_tokens
         self.max_episode_tokens = max_episode_tokens
         self.max_episode_steps = max_episode_steps
@@ -194,7 +203,7 @@ class EpisodeDynamics:
         calls ``env.start`` (an :class:`EnvError` naming the environment and row if it raises)."""
         messages, text = row_messages(row, where)  # type: ignore[arg-type]
         episode = Episode(row=dict(row), messages=list(messages), index=index, prompt_messages=len(messages))
-        self._call(self.env.start, episode, "start")
+        call_env(self.env, self.env.start, episode, "start")
         fields = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
         return EpisodeState(episode=episode, prompt_text=text, fields=fields)
 
@@ -238,10 +247,7 @@ class EpisodeDynamics:
             return 0.0
         text = self._text(s.turn)
         s.episode.messages.append({"role": "assistant", "content": text})
-        answer = self._call(self.env.step, s.episode, "step", text)
-        if not isinstance(answer, Turn):
-            raise EnvError(f"environment {self.env.id!r}: step() returned {type(answer).__name__} on row "
-                           f"{s.episode.index}; return a textrl.envs.Turn")
+        answer = answer_turn(self.env, s.episode, text)
         reward = self._turn_reward(s, answer.reward)
         s.rewards[len(s.tokens) - 1] = s.rewards.get(len(s.tokens) - 1, 0.0) + reward
         if answer.done:
@@ -254,10 +260,7 @@ class EpisodeDynamics:
             self._observe(s, answer)
         return float(np.float32(reward))
 
-    def _turn_reward(self, s: EpisodeState, reward: Any) -> float:
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-            raise EnvError(f"environment {self.env.id!r}: a turn reward must be a float, got {reward!r} on row "
-                           f"{s.episode.index}")
+    def _turn_reward(self, s: EpisodeState, reward: float) -> float:
         if not math.isfinite(reward):
             raise EnvError(f"environment {self.env.id!r} paid a non-finite turn reward {reward} on row "
                            f"{s.episode.index}; fix the environment")
@@ -266,10 +269,10 @@ class EpisodeDynamics:
     def _observe(self, s: EpisodeState, answer: Turn) -> None:
         messages = answer.messages()
         try:
-            obs = observation_ids(self.tokenizer, messages, sorted(self.eos))
+            obs = turn_observation(self.tokenizer, messages, self.eos_ids, s.tokens[-1], env_id=self.env.id,
+                                   row=s.episode.index)
         except ValueError as error:
-            raise EnvError(f"environment {self.env.id!r}: its observation on row {s.episode.index} cannot be "
-                           f"tokenised: {error}") from error
+            raise EnvError(str(error)) from error
         if len(s.tokens) + len(obs) + 1 > self.max_episode_tokens:
             s.end = CONTEXT
             return
@@ -277,14 +280,6 @@ class EpisodeDynamics:
         s.agent += [False] * len(obs)
         s.episode.messages += messages
         s.turn = []
-
-    def _call(self, method: Callable[..., Any], episode: Episode, what: str, *args: Any) -> Any:
-        try:
-            return method(episode, *args)
-        except Exception as error:
-            turn = f" (turn {episode.turn})" if what == "step" else ""
-            raise EnvError(f"environment {self.env.id!r} raised in {what}() on row {episode.index}{turn}: "
-                           f"{type(error).__name__}: {error}") from error
 
     # -- rewards -------------------------------------------------------------------------------
 

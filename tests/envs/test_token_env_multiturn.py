@@ -156,7 +156,9 @@ def test_stop_string_ends_the_turn_at_the_token_completing_it():
     assert echo.calls[0] == (0, 1, "aSTOP")
     obs = steps[end - 1][0]
     assert obs["response_ids"][:end].tolist() == turn  # the stop string's tokens are the agent's
-    assert obs["response_ids"][end : obs["response_length"]].tolist() == observation_ids(TOK, AGAIN, [EOS])
+    # the template's EOS closes the cut turn (an environment token), then the observation
+    assert obs["response_ids"][end : obs["response_length"]].tolist() == [EOS, *observation_ids(TOK, AGAIN, [EOS])]
+    assert obs["agent_mask"][end : obs["response_length"]].tolist() == [0] * (obs["response_length"] - end)
     assert steps[-1][4]["end_reason"] == "done"
 
 
