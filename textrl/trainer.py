@@ -34,7 +34,7 @@ from textrl.config import TrainConfig, config_values, config_yaml, save_config
 from textrl.distributed import Distributed
 from textrl.keys import KEYS
 from textrl.parallel import Backend, setup_backend
-from textrl.rollout import collect
+from textrl.rollout import collect, episode_metrics
 from textrl.run import (
     SETTINGS_FILE,
     CheckpointError,
@@ -437,8 +437,9 @@ def sample_completions(agent, batch, episodes, n: int = 4) -> list[dict[str, str
 def iteration_metrics(
     iteration: int, td, update_metrics: dict[str, float], dist: Distributed | None = None
 ) -> dict[str, float]:
-    """The flat metrics row of one iteration: rollout reward (total and per component), response
-    length, rows (``samples``) and generated tokens over every process's share of the rollout,
+    """The flat metrics row of one iteration: rollout reward (total and per component), the
+    episodes' turns and end reasons (``episode/*``), response length (the agent's tokens), rows
+    (``samples``) and generated tokens over every process's share of the rollout,
     then the agent's update metrics (losses, KL monitors, ...) averaged over processes."""
     dist = dist or Distributed()
     lengths = dist.gather(td.get(KEYS.mask).sum(1))  # [B_global]
@@ -452,6 +453,8 @@ def iteration_metrics(
         applies = value[~value.isnan()]
         row[f"reward_components/{name}/mean"] = applies.mean().item() if applies.numel() else float("nan")
         row[f"reward_components/{name}/std"] = applies.std().item() if applies.numel() > 1 else 0.0
+    if KEYS.turns in td.keys(include_nested=True):  # turns and why the episodes ended (length, context, ...)
+        row.update(episode_metrics(dist.gather(td.get(KEYS.turns)), dist.gather(td.get(KEYS.end_reason))))
     row["response_length/mean"] = lengths.float().mean().item()
     row["samples"] = float(lengths.numel())
     row["tokens"] = float(lengths.sum().item())
