@@ -93,7 +93,7 @@ class Episode:
         return self.messages[self.prompt_messages :]
 
 
-class EnvError(RuntimeError):
+class EnvError(ValueError):
     """An environment raised while answering a turn; the message names the environment and row."""
 
 

@@ -139,6 +139,8 @@ def _build(factory: Callable[..., Any], settings: dict[str, Any], label: str) ->
     if not isinstance(env, Environment):
         raise TypeError(f"--env {label!r} built a {type(env).__name__}, not a textrl.envs.Environment; "
                         "subclass textrl.envs.Environment (rows() and step())")
+    if not env.id:  # a user's class without an id is named by its spec in messages
+        env.id = label  # type: ignore[misc]
     return env
 
 
