@@ -97,6 +97,7 @@ def run_check(path: Path) -> dict:
 def child(case: str, path: Path) -> None:
     """One case in this (fresh) process; prints one JSON line."""
     import textrl.envs  # noqa: F401  (imports are not timed)
+
     import textrl.models  # noqa: F401
 
     base = rss_mib()
@@ -112,7 +113,10 @@ def measure(case: str, path: Path) -> dict:
     """Run ``case`` in a fresh subprocess; its JSON line."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, __file__, "--child", case, "--file", str(path)],
-                         check=True, capture_output=True, text=True, env=env)
+                         capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        tail = "\n".join(out.stderr.strip().splitlines()[-5:])
+        sys.exit(f"case {case!r} failed (exit {out.returncode}) on {path}:\n{tail}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
