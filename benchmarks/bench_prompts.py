@@ -14,8 +14,10 @@ after the imports:
 - ``check``: ``load_prompts`` + ``check_prompts_fit`` over the whole file (``textrl train``'s
   refusal of prompts that do not fit the model's context), with ``max_prompt_length=64``.
 
-Memory is the peak RSS (``ru_maxrss``) and its rise over the RSS right after the imports (torch,
-transformers); ratios are against the ``floor`` case of the same run and the file's size.
+Time is wall-clock and CPU (user + system, every thread: the tokenizer's run in parallel); on a
+shared machine the CPU time is the steadier figure. Memory is the peak RSS (``ru_maxrss``) and its
+rise over the RSS right after the imports (torch, transformers); ratios are against the ``floor``
+case of the same run and the file's size.
 Prints a table, then one JSON line last. A script, never imported.
 """
 
@@ -45,6 +47,12 @@ def rss_mib() -> float:
 def peak_mib() -> float:
     """High-water RSS of this process in MiB (``ru_maxrss`` is KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cpu_s() -> float:
+    """CPU seconds (user + system) this process has used, all its threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def write_prompts(path: Path, rows: int) -> int:
@@ -101,12 +109,12 @@ def child(case: str, path: Path) -> None:
     import textrl.models  # noqa: F401
 
     base = rss_mib()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_s()
     info = {"floor": run_floor, "sampler": run_sampler, "check": run_check}[case](path)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, cpu_s() - cpu
     peak = peak_mib()
-    print(json.dumps({"case": case, "wall_s": wall, "peak_mib": peak, "rise_mib": peak - base,
-                      "base_mib": base, **info}))
+    print(json.dumps({"case": case, "wall_s": wall, "cpu_s": cpu, "peak_mib": peak,
+                      "rise_mib": peak - base, "base_mib": base, **info}))
 
 
 def measure(case: str, path: Path) -> dict:
@@ -143,13 +151,14 @@ def main() -> None:
             print(f"\n{rows:,} rows, file {size_mib:.1f} MiB; floor (read + json.loads every line): "
                   f"{floor['wall_s']:.2f} s, peak {floor['peak_mib']:.0f} MiB "
                   f"(+{floor['rise_mib']:.0f} over the imports)")
-            print(f"{'case':<8} {'wall s':>8} {'x floor':>8} {'peak MiB':>9} {'rise MiB':>9} "
-                  f"{'rise/file':>9} {'B/row':>7}")
+            print(f"{'case':<8} {'wall s':>8} {'cpu s':>8} {'x floor':>8} {'peak MiB':>9} "
+                  f"{'rise MiB':>9} {'rise/file':>9} {'B/row':>7}")
             for case in cases:
                 r = floor if case == "floor" else measure(case, path)
                 r.update(rows_in_file=rows, file_mib=size_mib)
                 results.append(r)
-                print(f"{case:<8} {r['wall_s']:>8.2f} {r['wall_s'] / floor['wall_s']:>8.1f} "
+                print(f"{case:<8} {r['wall_s']:>8.2f} {r['cpu_s']:>8.2f} "
+                      f"{r['wall_s'] / floor['wall_s']:>8.1f} "
                       f"{r['peak_mib']:>9.0f} {r['rise_mib']:>9.0f} "
                       f"{r['rise_mib'] / size_mib:>9.2f} {r['rise_mib'] * 2**20 / rows:>7.0f}")
     print(json.dumps(results))

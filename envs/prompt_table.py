@@ -9,6 +9,7 @@ Imports point one way: ``fast_path`` <- ``prompts`` <- ``prompt_table`` <- the e
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,11 @@ from textrl.envs.fast_path import (
 from textrl.envs.prompts import load_prompts
 from textrl.envs.rows import row_messages
 from textrl.envs.tasks import make_digits_task
+
+_CACHE_ROWS = 4096
+"""Prompts whose token ids a :class:`PromptTable` keeps, those read last: memory stays bounded
+however many rows a prompt file has (a file's rows are parsed when read, see
+:class:`textrl.envs.PromptDataset`)."""
 
 
 def _as_row(item: Any, index: int) -> dict[str, Any]:
@@ -90,7 +96,8 @@ class PromptTable:
     (``"prompt"`` or ``"messages"`` plus extra fields such as ``"answer"``), or any indexable
     dataset of such rows. Prompts are wrapped in the tokenizer's chat template (with the
     generation prompt) when it has one and ``apply_chat_template`` is not False, tokenised on
-    first use and cached. Lists are checked for empty prompts up front.
+    first use; the ids of the last ``_CACHE_ROWS`` prompts read are kept. Lists are checked for
+    empty prompts up front (a prompt file is checked as it loads).
     """
 
     def __init__(
@@ -120,7 +127,7 @@ class PromptTable:
         )
         if self.apply_chat_template and not has_template:
             raise ValueError("apply_chat_template=True but the tokenizer has no chat_template")
-        self._cache: dict[int, np.ndarray] = {}
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         if isinstance(self.rows, (list, tuple)):
             for i, item in enumerate(self.rows):
                 row_messages(_as_row(item, i), i)
@@ -144,9 +151,14 @@ class PromptTable:
 
     def ids(self, index: int) -> np.ndarray:
         """int64 token ids of prompt ``index`` (templated), at most ``max_prompt_length``."""
-        if index not in self._cache:
-            self._cache[index] = self.encode(self.row(index), index)
-        return self._cache[index]
+        ids = self._cache.get(index)
+        if ids is not None:
+            self._cache.move_to_end(index)
+            return ids
+        ids = self._cache[index] = self.encode(self.row(index), index)
+        if len(self._cache) > _CACHE_ROWS:
+            self._cache.popitem(last=False)
+        return ids
 
     def encode(self, row: Mapping[str, Any], index: int | str) -> np.ndarray:
         """Token ids of one row; raises (or left-truncates) when longer than the maximum."""

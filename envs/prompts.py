@@ -15,17 +15,25 @@ Sources (:func:`load_prompts` picks one from a spec):
   conversational prompt format).
 * a list of strings or row dicts; a ``datasets.Dataset`` (:meth:`PromptDataset.from_hf_dataset`).
 
-The sampler templates and tokenizes every prompt once, up front, so a too-long or empty prompt
-fails before training starts rather than hours into it.
+A prompt file is read once and kept compactly: its bytes plus where each row starts (16 bytes a
+row), every row checked (UTF-8, JSON, a prompt) at load, parsed again when read. Nothing is
+tokenized up front: the sampler templates and tokenizes the prompts of each batch when it draws
+them (keeping the last few thousand), so start-up costs about one read of the file. Run
+:func:`check_prompts_fit` (``textrl train`` does) to refuse a too-long or empty prompt before
+training; the sampler refuses it, with the same message, when it first draws it.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import io
 import json
+import operator
 import os
 import warnings
+from array import array
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,13 +92,15 @@ def _parse_messages(
     return clean[: last + 1], (tail[0]["content"] if tail else None)
 
 
-def _normalize_row(raw: Any, where: str) -> dict[str, Any]:
-    """A validated copy of one row: ``prompt: str`` or ``messages: list``, other fields kept."""
+def _normalize_row(raw: Any, where: str, *, owned: bool = False) -> dict[str, Any]:
+    """A validated copy of one row: ``prompt: str`` or ``messages: list``, other fields kept.
+
+    ``owned``: ``raw`` is a dict nobody else holds (just parsed from JSON), reused, not copied."""
     if isinstance(raw, str):
         raw = {"prompt": raw}
     if not isinstance(raw, Mapping):
         raise ValueError(f"{where}: a row must be a string or an object, got {type(raw).__name__}")
-    row = copy.deepcopy(dict(raw))
+    row = raw if owned and isinstance(raw, dict) else copy.deepcopy(dict(raw))
     conv_field = next((f for f in _CONVERSATION_FIELDS if f in row), None)
     if "prompt" in row:
         prompt = row["prompt"]
@@ -125,25 +135,165 @@ def _row_messages(row: Mapping[str, Any]) -> list[dict[str, str]]:
     return [{"role": "user", "content": row["prompt"]}]
 
 
+# -- row stores ------------------------------------------------------------------------------------
+
+
+def _content_hash(rows: Iterable[Mapping[str, Any]]) -> str:
+    """sha256 (16 hex digits) of ``json.dumps(list(rows), sort_keys=True, default=str)``, one row
+    at a time: the fingerprint of rows held as dicts (and of every dataset before file rows were
+    hashed by their bytes)."""
+    digest = hashlib.sha256(b"[")
+    for k, row in enumerate(rows):
+        if k:
+            digest.update(b", ")
+        digest.update(json.dumps(row, sort_keys=True, default=str).encode())
+    digest.update(b"]")
+    return digest.hexdigest()[:16]
+
+
+class _ListRows:
+    """Rows held as validated dicts (a list, a ``datasets.Dataset``); row ``k`` is ``SOURCE[k]``."""
+
+    __slots__ = ("rows", "source")
+
+    def __init__(self, rows: Sequence[dict[str, Any]], source: str) -> None:
+        self.rows = tuple(rows)
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def row(self, k: int) -> dict[str, Any]:
+        """A copy of row ``k``."""
+        return copy.deepcopy(self.rows[k])
+
+    def messages(self, k: int) -> list[dict[str, str]]:
+        return _row_messages(self.rows[k])
+
+    def where(self, k: int) -> str:
+        return f"{self.source}[{k}]"
+
+    def fingerprint(self, index: np.ndarray) -> str:
+        """The content hash of the rows at ``index`` (int64 ``[n]``)."""
+        return _content_hash(self.rows[k] for k in index.tolist())
+
+
+class _JsonlRows:
+    """The rows of a JSONL file, kept as the file's bytes plus, per non-blank line, ``starts``
+    (int64 ``[N]``, its byte offset) and ``lines`` (int64 ``[N]``, its 1-based line number).
+    Every row was checked at load (:func:`_scan_jsonl`); a row is parsed again when read."""
+
+    __slots__ = ("data", "starts", "lines", "source")
+
+    def __init__(self, data: bytes, starts: np.ndarray, lines: np.ndarray, source: str) -> None:
+        self.data, self.starts, self.lines, self.source = data, starts, lines, source
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def _line(self, start: int) -> bytes:
+        """The line starting at byte ``start``, without its ``\n``."""
+        end = self.data.find(b"\n", start)
+        return self.data[start : end if end >= 0 else len(self.data)]
+
+    def row(self, k: int) -> dict[str, Any]:
+        """Row ``k`` parsed afresh (a new dict each call)."""
+        text = self._line(int(self.starts[k])).decode("utf-8")
+        return _normalize_row(json.loads(text), self.where(k), owned=True)
+
+    def messages(self, k: int) -> list[dict[str, str]]:
+        return _row_messages(self.row(k))
+
+    def where(self, k: int) -> str:
+        return f"{self.source}:{int(self.lines[k])}"
+
+    def fingerprint(self, index: np.ndarray) -> str:
+        """A hash of the lines (bytes) of the rows at ``index`` (int64 ``[n]``), in order."""
+        digest = hashlib.sha256(b"textrl jsonl rows v1\n")
+        for start in range(0, len(index), 65536):  # a bounded list of offsets at a time
+            for offset in self.starts[index[start : start + 65536]].tolist():
+                digest.update(self._line(offset))
+                digest.update(b"\n")
+        return digest.hexdigest()[:16]
+
+
+def _not_utf8(where: str, line: bytes, err: UnicodeDecodeError) -> ValueError:
+    return ValueError(f"{where}: not UTF-8 text (byte 0x{line[err.start]:02x} at column "
+                      f"{err.start + 1}); save the file as UTF-8")
+
+
+def _scan_jsonl(data: bytes, source: str) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, lines), int64 ``[N]`` each: byte offset and 1-based line number of every
+    non-blank line of ``data`` (lines end at ``\\n``). Each such line must be UTF-8 and one JSON
+    object holding a prompt, else ``ValueError`` names ``SOURCE:LINE``; nothing parsed is kept."""
+    starts, lines = array("q"), array("q")
+    offset = 0
+    for lineno, line in enumerate(io.BytesIO(data), start=1):
+        start, offset = offset, offset + len(line)
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise _not_utf8(f"{source}:{lineno}", line, err) from None
+        if not text.strip():
+            continue
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{source}:{lineno}: not valid JSON ({err.msg})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source}:{lineno}: expected a JSON object, got {type(raw).__name__}")
+        _normalize_row(raw, f"{source}:{lineno}", owned=True)
+        starts.append(start)
+        lines.append(lineno)
+    return np.frombuffer(starts, dtype=np.int64), np.frombuffer(lines, dtype=np.int64)
+
+
+def _row_ids(indices: Iterable[int] | np.ndarray, n: int) -> np.ndarray:
+    """``indices`` as int64 ``[k]`` in ``[0, n)`` (negative ones count from the end)."""
+    ids = np.asarray(indices if isinstance(indices, (np.ndarray, Sequence)) else list(indices))
+    if ids.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"select: indices must be integers, got an array of {ids.dtype} {ids.shape}")
+    ids = ids.astype(np.int64)
+    bad = (ids < -n) | (ids >= n)
+    if bad.any():
+        raise IndexError(f"select: index {int(ids[bad][0])} is out of range for {n} rows")
+    return np.where(ids < 0, ids + n, ids)
+
+
 class PromptDataset(Sequence[dict]):
     """An immutable, validated list of prompt rows; indexing returns copies.
+
+    A prompt file's rows stay as the file's bytes until read (see the module's docstring);
+    :meth:`select` and :meth:`split` share the rows and keep only their indices (int64).
 
     >>> ds = PromptDataset.from_list(["2+2?", {"prompt": "3+3?", "answer": "6"}])
     >>> len(ds), ds[1]["answer"]
     (2, '6')
     """
 
-    __slots__ = ("_rows", "source", "_origins", "_lines")
+    __slots__ = ("_store", "_index", "source", "_fingerprint")
 
     def __init__(self, rows: Iterable[Any], *, source: str = "list") -> None:
         """Validate ``rows`` (strings or dicts); ``source`` names them in error messages."""
         normalized = tuple(_normalize_row(row, f"{source}: row {i}") for i, row in enumerate(rows))
         if not normalized:
             raise ValueError(f"{source}: the prompt dataset is empty")
-        self._rows = normalized
-        self.source = source
-        self._origins = tuple(range(len(normalized)))
-        self._lines = False
+        self._init(_ListRows(normalized, source), None)
+
+    def _init(self, store: _ListRows | _JsonlRows, index: np.ndarray | None) -> None:
+        """``index``: int64 ``[n]``, the store's rows this dataset holds (None: all, in order)."""
+        self._store = store
+        self._index = index
+        self.source = store.source
+        self._fingerprint: str | None = None
+
+    @classmethod
+    def _over(cls, store: _ListRows | _JsonlRows, index: np.ndarray | None = None) -> PromptDataset:
+        self = cls.__new__(cls)
+        self._init(store, index)
+        return self
 
     # -- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -158,33 +308,16 @@ class PromptDataset(Sequence[dict]):
         """From a JSONL file of MiniMind ``conversations`` rows or ``{"prompt": ...}`` rows.
 
         Blank lines are skipped; a malformed or non-UTF-8 line raises ``ValueError`` naming file
-        and line.
+        and line. Holds the file's bytes plus 16 bytes a row; rows are parsed when read.
         """
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"prompt file {str(path)!r} does not exist")
-        rows, lines = [], []
-        with path.open("rb") as f:
-            for lineno, data in enumerate(f, start=1):
-                where = f"{path}:{lineno}"
-                try:
-                    line = data.decode("utf-8")
-                except UnicodeDecodeError as err:
-                    raise ValueError(f"{where}: not UTF-8 text (byte 0x{data[err.start]:02x} at column "
-                                     f"{err.start + 1}); save the file as UTF-8") from None
-                if not line.strip():
-                    continue
-                try:
-                    raw = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
-                if not isinstance(raw, dict):
-                    raise ValueError(f"{where}: expected a JSON object, got {type(raw).__name__}")
-                rows.append(_normalize_row(raw, where))
-                lines.append(lineno)
-        if not rows:
+        data = path.read_bytes()
+        starts, lines = _scan_jsonl(data, str(path))
+        if not len(starts):
             raise ValueError(f"{path}: the prompt file has no rows")
-        return cls._trusted(rows, source=str(path), origins=lines, lines=True)
+        return cls._over(_JsonlRows(data, starts, lines, str(path)))
 
     @classmethod
     def from_hf_dataset(cls, ds: Any, prompt_field: str = "prompt") -> PromptDataset:
@@ -203,32 +336,27 @@ class PromptDataset(Sequence[dict]):
             rows.append(_normalize_row(row, f"dataset column {prompt_field!r}: row {i}"))
         if not rows:
             raise ValueError("the Hugging Face dataset is empty")
-        return cls._trusted(rows, source=f"datasets.Dataset[{prompt_field}]")
-
-    @classmethod
-    def _trusted(cls, rows: list[dict[str, Any]], *, source: str, origins: Sequence[int] | None = None,
-                 lines: bool = False) -> PromptDataset:
-        """Wrap rows already normalized (and owned) by this module, without a second copy.
-        ``origins``: where each row came from, a 1-based line of the file (``lines``) or an
-        index of the source list (default: the rows' own indices)."""
-        self = cls.__new__(cls)
-        self._rows = tuple(rows)
-        self.source = source
-        self._origins = tuple(origins) if origins is not None else tuple(range(len(rows)))
-        self._lines = lines
-        return self
+        return cls._over(_ListRows(rows, f"datasets.Dataset[{prompt_field}]"))
 
     # -- sequence -------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._store) if self._index is None else len(self._index)
+
+    def _row_id(self, index: int) -> int:
+        """The store's row of position ``index`` (negative counts from the end)."""
+        i, n = operator.index(index), len(self)
+        if not -n <= i < n:
+            raise IndexError(f"PromptDataset index {i} is out of range for {n} rows")
+        i %= n
+        return i if self._index is None else int(self._index[i])
 
     def __getitem__(self, index: int) -> dict[str, Any]:  # type: ignore[override]
         if isinstance(index, slice):
             raise TypeError("PromptDataset does not slice; use select(indices)")
-        return copy.deepcopy(self._rows[index])
+        return self._store.row(self._row_id(index))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return (copy.deepcopy(row) for row in self._rows)
+        return (self[i] for i in range(len(self)))
 
     def __repr__(self) -> str:
         return f"PromptDataset({len(self)} rows from {self.source})"
@@ -237,21 +365,22 @@ class PromptDataset(Sequence[dict]):
         """How messages name row ``index``: ``FILE:LINE`` (1-based) for a prompt file, else
         ``SOURCE[i]`` (the row's 0-based index in the list or dataset it came from), also after
         :meth:`select` and :meth:`split`."""
-        origin = self._origins[index]
-        return f"{self.source}:{origin}" if self._lines else f"{self.source}[{origin}]"
+        return self._store.where(self._row_id(index))
 
     def messages(self, index: int) -> list[dict[str, str]]:
         """The chat messages of row ``index`` (a plain prompt is one user turn)."""
-        return _row_messages(self._rows[index])
+        return self._store.messages(self._row_id(index))
+
+    def _ids(self) -> np.ndarray:
+        """int64 ``[n]``: the store's rows of this dataset, in order."""
+        return np.arange(len(self._store), dtype=np.int64) if self._index is None else self._index
 
     def select(self, indices: Iterable[int]) -> PromptDataset:
-        """The rows at ``indices``, in that order."""
-        indices = list(indices)
-        rows = [copy.deepcopy(self._rows[i]) for i in indices]
-        if not rows:
+        """The rows at ``indices`` (a sequence or an integer array), in that order."""
+        ids = _row_ids(indices, len(self))
+        if not len(ids):
             raise ValueError("select: no indices given; a prompt dataset cannot be empty")
-        return PromptDataset._trusted(rows, source=self.source, origins=[self._origins[i] for i in indices],
-                                      lines=self._lines)
+        return PromptDataset._over(self._store, ids if self._index is None else self._index[ids])
 
     def split(self, eval_size: int, seed: int = 0) -> tuple[PromptDataset, PromptDataset]:
         """(train, eval): ``eval_size`` rows drawn with a seeded permutation, the rest train.
@@ -268,12 +397,22 @@ class PromptDataset(Sequence[dict]):
         perm = np.random.default_rng(seed).permutation(n)
         eval_idx = np.sort(perm[:eval_size])
         train_idx = np.sort(perm[eval_size:])
-        return self.select(train_idx.tolist()), self.select(eval_idx.tolist())
+        return self.select(train_idx), self.select(eval_idx)
 
     def fingerprint(self) -> str:
-        """A short hash of the rows, to check a resumed sampler sees the same data."""
-        blob = json.dumps(self._rows, sort_keys=True, default=str).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        """A short hash of the rows, to check a resumed sampler sees the same data: of their
+        lines' bytes for a prompt file (where in the file they are does not count), of the
+        rows' JSON otherwise."""
+        if self._fingerprint is None:
+            self._fingerprint = self._store.fingerprint(self._ids())
+        return self._fingerprint
+
+    def _has_fingerprint(self, fingerprint: str) -> bool:
+        """Whether ``fingerprint`` is this dataset's, or the hash of its rows' JSON that a
+        sampler state written before prompt files were hashed by their bytes holds."""
+        if fingerprint == self.fingerprint():
+            return True
+        return isinstance(self._store, _JsonlRows) and fingerprint == _content_hash(self)
 
 
 def load_prompts(
@@ -418,16 +557,36 @@ def template_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     return "\n".join(m["content"] for m in messages)
 
 
-def _encode_rows(dataset: PromptDataset, tokenizer: Any) -> tuple[list[str], list[list[int]]]:
-    """The templated text and token ids of every row, in one batched tokenizer call; a row that
-    tokenizes to nothing is a ``ValueError`` naming it."""
-    templated = _has_chat_template(tokenizer)
-    texts = [template_prompt(tokenizer, dataset.messages(i)) for i in range(len(dataset))]
+_CHUNK_ROWS = 1024
+"""Most rows templated and tokenized in one tokenizer call (check_prompts_fit, encode_prompts)."""
+_CACHE_ROWS = 4096
+"""Encoded rows a sampler keeps, the most recently drawn: a dataset this small is tokenized once."""
+
+
+def _template_texts(tokenizer: Any, conversations: list[list[dict[str, str]]]) -> list[str]:
+    """:func:`template_prompt` of each conversation, the chat template rendered in one call."""
+    if not conversations:
+        return []
+    if _has_chat_template(tokenizer):
+        return list(tokenizer.apply_chat_template(conversations, tokenize=False,
+                                                  add_generation_prompt=True))
+    return ["\n".join(m["content"] for m in messages) for messages in conversations]
+
+
+def _encode_rows(
+    dataset: PromptDataset, tokenizer: Any, indices: Sequence[int]
+) -> tuple[list[str], list[list[int]]]:
+    """The templated text and token ids of the rows at ``indices``, in one batched tokenizer
+    call; a row that tokenizes to nothing is a ``ValueError`` naming it."""
+    texts = _template_texts(tokenizer, [dataset.messages(i) for i in indices])
+    if not texts:
+        return [], []
     # After a template the special tokens are in the text; adding BOS again would double it.
-    ids = [list(row) for row in tokenizer(texts, add_special_tokens=not templated)["input_ids"]]
-    for i, row_ids in enumerate(ids):
+    ids = tokenizer(texts, add_special_tokens=not _has_chat_template(tokenizer))["input_ids"]
+    ids = [list(row) for row in ids]
+    for i, text, row_ids in zip(indices, texts, ids):
         if not row_ids:
-            raise ValueError(f"{dataset.where(i)}: the prompt tokenizes to no tokens: {texts[i]!r}")
+            raise ValueError(f"{dataset.where(i)}: the prompt tokenizes to no tokens: {text!r}")
     return texts, ids
 
 
@@ -445,6 +604,15 @@ def _too_long(where: str, n_tokens: int, max_prompt_length: int, tokenizer: Any)
     )
 
 
+def _truncated_message(dataset: PromptDataset, truncated: list[tuple[int, int]],
+                       max_prompt_length: int | None, scope: str = "") -> str:
+    """The warning about ``truncated`` rows, (row, tokens before truncation), the first five named."""
+    shown = ", ".join(f"{dataset.where(i)} ({n} tokens)" for i, n in truncated[:5])
+    return (f"{len(truncated)} prompt(s) of {dataset.source}{scope} are longer than "
+            f"max_prompt_length={max_prompt_length} and were left-truncated to their last "
+            f"{max_prompt_length} tokens: {shown}{' ...' if len(truncated) > 5 else ''}")
+
+
 def _check_truncate(max_prompt_length: int | None, truncate: str) -> None:
     if truncate not in _TRUNCATE_MODES:
         raise ValueError(f"truncate must be one of {_TRUNCATE_MODES}, got {truncate!r}")
@@ -452,8 +620,21 @@ def _check_truncate(max_prompt_length: int | None, truncate: str) -> None:
         raise ValueError(f"max_prompt_length must be >= 1 or None, got {max_prompt_length}")
 
 
-class _Encoded:
-    """Templated text and token ids of every row of a dataset, computed once."""
+def _left_pad(ids: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """(input_ids int64 ``[B, P]``, attention_mask bool ``[B, P]``): each row of ``ids`` (none
+    empty) right-aligned after ``pad_id``s, ``P`` the longest row."""
+    width = max(len(row) for row in ids)
+    input_ids = np.full((len(ids), width), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((len(ids), width), dtype=bool)
+    for b, row in enumerate(ids):
+        input_ids[b, width - len(row) :] = row
+        attention_mask[b, width - len(row) :] = True
+    return torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
+
+
+class _Encoder:
+    """Templated text and token ids of a dataset's rows, encoded when first batched; the
+    ``cache_rows`` rows batched last are kept, so memory does not grow with the dataset."""
 
     def __init__(
         self,
@@ -461,7 +642,9 @@ class _Encoded:
         tokenizer: Any,
         max_prompt_length: int | None,
         truncate: TruncateMode,
+        cache_rows: int | None = None,
     ) -> None:
+        """``cache_rows``: rows kept encoded (None: ``_CACHE_ROWS``, 0: none)."""
         _check_truncate(max_prompt_length, truncate)
         pad_id = tokenizer.pad_token_id
         if pad_id is None:
@@ -471,41 +654,62 @@ class _Encoded:
             )
         self.pad_id = int(pad_id)
         self.dataset = dataset
-        self.texts, ids = _encode_rows(dataset, tokenizer)
-        self.ids: list[list[int]] = []
-        truncated = []
-        for i, row_ids in enumerate(ids):
-            if max_prompt_length is not None and len(row_ids) > max_prompt_length:
-                if truncate == "error":
-                    raise _too_long(dataset.where(i), len(row_ids), max_prompt_length, tokenizer)
-                row_ids = row_ids[-max_prompt_length:]
-                truncated.append((i, len(ids[i])))
-            self.ids.append(row_ids)
-        if truncated:
-            shown = ", ".join(f"{dataset.where(i)} ({n} tokens)" for i, n in truncated[:5])
-            warnings.warn(
-                f"{len(truncated)} prompt(s) of {dataset.source} are longer than "
-                f"max_prompt_length={max_prompt_length} and were left-truncated to their last "
-                f"{max_prompt_length} tokens: {shown}{' ...' if len(truncated) > 5 else ''}",
-                stacklevel=3,
-            )
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.truncate = truncate
+        self.cache_rows = _CACHE_ROWS if cache_rows is None else cache_rows
+        self._cache: OrderedDict[int, tuple[str, list[int]]] = OrderedDict()
 
-    def batch(self, indices: Sequence[int]) -> PromptBatch:
-        """Rows at ``indices`` (repeats allowed), left-padded to the longest of them."""
-        width = max(len(self.ids[i]) for i in indices)
-        input_ids = torch.full((len(indices), width), self.pad_id, dtype=torch.long)  # [B, P]
-        attention_mask = torch.zeros((len(indices), width), dtype=torch.bool)  # [B, P]
-        for b, i in enumerate(indices):
-            row = self.ids[i]
-            input_ids[b, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-            attention_mask[b, width - len(row) :] = True
-        return PromptBatch(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            prompt_texts=[self.texts[i] for i in indices],
+    def _fit(self, i: int, ids: list[int], truncated: list[tuple[int, int]]) -> list[int]:
+        """Row ``i``'s ``ids`` within max_prompt_length: refused (``truncate='error'``) or its
+        last tokens (``'left'``, noted in ``truncated`` as (row, tokens before))."""
+        limit = self.max_prompt_length
+        if limit is None or len(ids) <= limit:
+            return ids
+        if self.truncate == "error":
+            raise _too_long(self.dataset.where(i), len(ids), limit, self.tokenizer)
+        truncated.append((i, len(ids)))
+        return ids[-limit:]
+
+    def encode(
+        self, indices: Iterable[int]
+    ) -> tuple[dict[int, tuple[str, list[int]]], list[tuple[int, int]]]:
+        """({row: (templated text, token ids)} of the distinct ``indices``, [(row, tokens
+        before truncation)] of the rows left-truncated by this call)."""
+        found: dict[int, tuple[str, list[int]]] = {}
+        missing = []
+        for i in dict.fromkeys(indices):
+            if i in self._cache:
+                self._cache.move_to_end(i)
+                found[i] = self._cache[i]
+            else:
+                missing.append(i)
+        truncated: list[tuple[int, int]] = []
+        for start in range(0, len(missing), _CHUNK_ROWS):
+            chunk = missing[start : start + _CHUNK_ROWS]
+            texts, ids = _encode_rows(self.dataset, self.tokenizer, chunk)
+            for i, text, row_ids in zip(chunk, texts, ids):
+                found[i] = (text, self._fit(i, row_ids, truncated))
+        if self.cache_rows:
+            for i in missing[-self.cache_rows :]:
+                self._cache[i] = found[i]
+            while len(self._cache) > self.cache_rows:
+                self._cache.popitem(last=False)
+        return found, truncated
+
+    def batch(self, indices: Sequence[int]) -> tuple[PromptBatch, list[tuple[int, int]]]:
+        """(rows at ``indices`` (repeats allowed) left-padded to the longest of them, the rows
+        left-truncated to build it as (row, tokens before))."""
+        encoded, truncated = self.encode(indices)
+        input_ids, attention_mask = _left_pad([encoded[i][1] for i in indices], self.pad_id)
+        batch = PromptBatch(
+            input_ids=input_ids,  # [B, P]
+            attention_mask=attention_mask,  # [B, P]
+            prompt_texts=[encoded[i][0] for i in indices],
             rows=[self.dataset[i] for i in indices],
             prompt_index=[int(i) for i in indices],
         )
+        return batch, truncated
 
 
 def encode_prompts(
@@ -518,16 +722,22 @@ def encode_prompts(
 ) -> list[PromptBatch]:
     """A fixed set (e.g. the eval split) in order, one sample per prompt, no shuffling.
 
-    Returns batches of ``batch_size`` prompts (one batch of all when None).
+    Returns batches of ``batch_size`` prompts (one batch of all when None); every row is
+    encoded (and a too-long or empty one refused) before this returns.
     """
     dataset = load_prompts(dataset)
-    encoded = _Encoded(dataset, tokenizer, max_prompt_length, truncate)
+    encoder = _Encoder(dataset, tokenizer, max_prompt_length, truncate, cache_rows=0)
     size = batch_size or len(dataset)
     if size < 1:
         raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
-    return [
-        encoded.batch(range(s, min(s + size, len(dataset)))) for s in range(0, len(dataset), size)
-    ]
+    batches, truncated = [], []
+    for start in range(0, len(dataset), size):
+        batch, cut = encoder.batch(range(start, min(start + size, len(dataset))))
+        batches.append(batch)
+        truncated += cut
+    if truncated:
+        warnings.warn(_truncated_message(dataset, truncated, max_prompt_length), stacklevel=2)
+    return batches
 
 
 def check_prompts_fit(
@@ -550,6 +760,7 @@ def check_prompts_fit(
     refuses it (``truncate='error'``, what ``textrl train`` uses: nothing is cut or dropped
     silently) or counts as its last ``max_prompt_length`` tokens (``'left'``). ``ValueError``
     names the first row that does not fit (``FILE:LINE``), its length, the limit and what to do.
+    Every row is tokenized, ``_CHUNK_ROWS`` at a time, keeping only the counts the messages need.
     """
     _check_truncate(max_prompt_length, truncate)
     if context is None:
@@ -559,30 +770,38 @@ def check_prompts_fit(
         raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in {limit}; lower "
                          f"--max-new-tokens below {context}, or choose a model with a longer context")
     dataset = load_prompts(dataset)
-    _, ids = _encode_rows(dataset, tokenizer)
-    lengths = []
-    for i, row_ids in enumerate(ids):
-        if max_prompt_length is not None and len(row_ids) > max_prompt_length:
-            if truncate == "error":
-                raise _too_long(dataset.where(i), len(row_ids), max_prompt_length, tokenizer)
-            lengths.append(max_prompt_length)
-        else:
-            lengths.append(len(row_ids))
-    over = [i for i, n in enumerate(lengths) if n + max_new_tokens > context]
-    if not over:
+    too_long = None  # (row, tokens): the first over max_prompt_length (truncate='error')
+    first = longest = None  # (row, tokens): the first and the longest that do not fit
+    n_over = 0
+    for start in range(0, len(dataset), _CHUNK_ROWS):
+        rows = range(start, min(start + _CHUNK_ROWS, len(dataset)))
+        _, ids = _encode_rows(dataset, tokenizer, rows)  # an empty prompt is refused first
+        for i, row_ids in zip(rows, ids):
+            n = len(row_ids)
+            if max_prompt_length is not None and n > max_prompt_length:
+                if truncate == "error":
+                    too_long = too_long or (i, n)
+                    continue
+                n = max_prompt_length
+            if n + max_new_tokens > context:
+                n_over += 1
+                first = first or (i, n)
+                longest = (i, n) if longest is None or n > longest[1] else longest
+    if too_long is not None:
+        raise _too_long(dataset.where(too_long[0]), too_long[1], max_prompt_length, tokenizer)
+    if first is None or longest is None:
         return
-    first, longest = over[0], max(over, key=lambda i: lengths[i])
-    n = lengths[first]
-    others = (f"; {len(over) - 1} more row(s) do not fit either, the longest {dataset.where(longest)} "
-              f"({lengths[longest]} tokens)" if len(over) > 1 else "")
+    n = first[1]
+    others = (f"; {n_over - 1} more row(s) do not fit either, the longest {dataset.where(longest[0])} "
+              f"({longest[1]} tokens)" if n_over > 1 else "")
     fixes = ["shorten or remove the prompt"]
     if truncate == "left":
         fixes.append(f"lower max_prompt_length to {context - max_new_tokens}")
-    if lengths[longest] < context:  # else the prompt alone fills the context
-        fixes.append(f"lower --max-new-tokens to {context - lengths[longest]}")
+    if longest[1] < context:  # else the prompt alone fills the context
+        fixes.append(f"lower --max-new-tokens to {context - longest[1]}")
     fixes.append("choose a model with a longer context")
     raise ValueError(
-        f"{dataset.where(first)}: the prompt is {n} tokens long{_counted(tokenizer)}; with "
+        f"{dataset.where(first[0])}: the prompt is {n} tokens long{_counted(tokenizer)}; with "
         f"max_new_tokens={max_new_tokens} its sequence reaches {n + max_new_tokens} positions, more than "
         f"{limit}{others}.\n{', '.join(fixes[:-1]).capitalize()}, or {fixes[-1]}"
     )
@@ -599,6 +818,12 @@ class PromptSampler:
     boundaries, so no prompt is dropped. Because the order of epoch ``e`` depends only on
     ``(seed, e)``, ``state_dict()`` is just ``(seed, epoch, position)`` and a sampler restored
     from it yields exactly the batches the uninterrupted one would have.
+
+    Prompts are templated and tokenized when first drawn (the last ``_CACHE_ROWS`` kept), so
+    building a sampler costs no tokenization; a prompt over ``max_prompt_length`` (with
+    ``truncate="error"``) or one that tokenizes to nothing is refused by the ``next_batch`` that
+    first draws it, the stream left where it was. Run :func:`check_prompts_fit` first to refuse
+    such prompts before training (``textrl train`` does).
 
     Args:
         dataset: a :class:`PromptDataset` or anything :func:`load_prompts` accepts.
@@ -637,8 +862,8 @@ class PromptSampler:
         self.max_prompt_length = max_prompt_length
         self.truncate = truncate
         self.shuffle = shuffle
-        self._encoded = _Encoded(self.dataset, tokenizer, max_prompt_length, truncate)
-        self._fingerprint = self.dataset.fingerprint()
+        self._encoder = _Encoder(self.dataset, tokenizer, max_prompt_length, truncate)
+        self._warned_truncation = False
         self.epoch = 0
         self.position = 0
         self._order = self._epoch_order(0)
@@ -667,10 +892,25 @@ class PromptSampler:
         return picked
 
     def next_batch(self) -> PromptBatch:
-        """The next ``prompts_per_batch`` prompts, each repeated ``n_samples_per_prompt`` times."""
+        """The next ``prompts_per_batch`` prompts, each repeated ``n_samples_per_prompt`` times.
+
+        A prompt it refuses (too long, tokenizes to nothing) raises ``ValueError`` naming it
+        (``FILE:LINE``) and leaves the stream unmoved. The first batch that left-truncates
+        prompts (``truncate="left"``) warns, naming them; later ones truncate silently."""
+        where = (self.epoch, self.position, self._order)
         indices = self._next_indices()
         n = self.n_samples_per_prompt
-        return self._encoded.batch([i for i in indices for _ in range(n)])
+        try:
+            batch, truncated = self._encoder.batch([i for i in indices for _ in range(n)])
+        except Exception:
+            self.epoch, self.position, self._order = where
+            raise
+        if truncated and not self._warned_truncation:
+            self._warned_truncation = True
+            scope = " in this batch"
+            warnings.warn(_truncated_message(self.dataset, truncated, self.max_prompt_length, scope)
+                          + "; later batches truncate without a warning", stacklevel=2)
+        return batch
 
     def __iter__(self) -> Iterator[PromptBatch]:
         while True:
@@ -696,16 +936,18 @@ class PromptSampler:
             "position": self.position,
             "shuffle": self.shuffle,
             "num_prompts": len(self.dataset),
-            "fingerprint": self._fingerprint,
+            "fingerprint": self.dataset.fingerprint(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``; the dataset must be the one the state was taken on."""
-        if state["num_prompts"] != len(self.dataset) or state["fingerprint"] != self._fingerprint:
+        same = state["num_prompts"] == len(self.dataset)
+        if not (same and self.dataset._has_fingerprint(state["fingerprint"])):
             raise ValueError(
                 f"sampler state was saved on a different prompt dataset ({state['num_prompts']} "
                 f"prompts, fingerprint {state['fingerprint']}) than this one ({len(self.dataset)} "
-                f"prompts, fingerprint {self._fingerprint}); resume with the same dataset and split"
+                f"prompts, fingerprint {self.dataset.fingerprint()}); resume with the same dataset "
+                "and split"
             )
         self.seed = int(state["seed"])
         self.shuffle = bool(state["shuffle"])

@@ -285,10 +285,10 @@ def test_truncation_error_and_left(tokenizer):
     with pytest.raises(
         ValueError, match=r"^list\[1\]: the prompt is \d+ tokens long.*max_prompt_length=30.*truncate"
     ):
-        _sampler(ds, tokenizer, max_prompt_length=30)
+        _sampler(ds, tokenizer, max_prompt_length=30).next_batch()  # refused when first drawn
+    sampler = _sampler(ds, tokenizer, max_prompt_length=30, truncate="left", shuffle=False)
     with pytest.warns(UserWarning, match="left-truncated"):
-        sampler = _sampler(ds, tokenizer, max_prompt_length=30, truncate="left", shuffle=False)
-    batch = sampler.next_batch()
+        batch = sampler.next_batch()
     assert batch.input_ids.shape[1] == 30
     full = tokenizer(batch.prompt_texts[1], add_special_tokens=False)["input_ids"]
     assert batch.input_ids[1].tolist() == full[-30:]  # the end (generation prompt) is kept
@@ -307,7 +307,7 @@ def test_a_long_prompt_is_named_by_its_file_line_even_inside_a_split(tmp_path, t
     part = train if any("far too long" in row["prompt"] for row in train) else held_out
     assert [part.where(i) for i in range(len(part))][-1].startswith(f"{path}:")
     with pytest.raises(ValueError, match=f"^{path}:8: the prompt is \\d+ tokens long.*max_prompt_length=30"):
-        _sampler(part, tokenizer, max_prompt_length=30)
+        _sampler(part, tokenizer, max_prompt_length=30, prompts_per_batch=len(part)).next_batch()
     assert PromptDataset.from_list(["a", "b", "c"]).select([2, 0]).where(0) == "list[2]"
 
 
@@ -333,19 +333,20 @@ def test_encode_eval_in_order(tokenizer, digits):
     assert len(whole) == 10
 
 
-def test_tokenizes_each_prompt_once(tokenizer, monkeypatch, digits):
-    calls = []
+def test_tokenizes_each_prompt_once_when_first_drawn(tokenizer, monkeypatch, digits):
+    texts = []
     original = type(tokenizer).__call__
 
-    def counting(self, *args, **kwargs):
-        calls.append(1)
-        return original(self, *args, **kwargs)
+    def counting(self, text, *args, **kwargs):
+        texts.extend(text)
+        return original(self, text, *args, **kwargs)
 
     monkeypatch.setattr(type(tokenizer), "__call__", counting)
     sampler = _sampler(digits, tokenizer)
-    for _ in range(5):
+    assert texts == []  # building the sampler tokenizes nothing
+    for _ in range(len(digits) // 4 + 5):  # an epoch, and five batches into the next
         sampler.next_batch()
-    assert len(calls) == 1
+    assert len(texts) == len(set(texts)) == len(digits)
 
 
 # -- digits task ------------------------------------------------------------------------------------
