@@ -192,7 +192,7 @@ class _JsonlRows:
         return len(self.starts)
 
     def _line(self, start: int) -> bytes:
-        """The line starting at byte ``start``, without its ``\n``."""
+        """The line starting at byte ``start``, without its newline."""
         end = self.data.find(b"\n", start)
         return self.data[start : end if end >= 0 else len(self.data)]
 
