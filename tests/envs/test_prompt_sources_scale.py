@@ -6,8 +6,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import tempfile
 import tracemalloc
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -176,6 +178,39 @@ def test_fingerprints(small, tmp_path):
     blob = json.dumps([{"prompt": "a"}, {"prompt": "b", "answer": 1}], sort_keys=True).encode()
     assert rows.fingerprint() == hashlib.sha256(blob).hexdigest()[:16] == "970c2f3ad202c430"
     assert prompts_module._content_hash(ds) == "cb7ca64c70e2e321"  # main's fingerprint of the file
+
+
+_TEXT = st.text(st.one_of(st.characters(blacklist_categories=("Cs",)), st.sampled_from("\u2028\x85\r\n\t ")),
+                min_size=1, max_size=12).filter(str.strip)
+
+
+@settings(max_examples=40, deadline=None)
+@given(prompts=st.lists(_TEXT, min_size=2, max_size=12), blank_every=st.integers(2, 5), data=st.data())
+def test_file_rows_select_and_split_like_the_same_rows_in_a_list(prompts, blank_every, data):
+    """Peer check: rows read from a file (blank lines between, any text, raw U+2028 / U+0085)
+    behave as the same rows given as a list, through select (negative indices too) and split."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rows.jsonl"
+        lines = []
+        for i, text in enumerate(prompts):
+            lines += [""] * (i % blank_every == 1) + [json.dumps({"prompt": text, "i": i}, ensure_ascii=False)]
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        from_file = load_prompts(path)
+        from_list = PromptDataset.from_list([{"prompt": text, "i": i} for i, text in enumerate(prompts)])
+        n = len(prompts)
+        first = data.draw(st.lists(st.integers(-n, n - 1), min_size=1, max_size=2 * n))
+        second = data.draw(st.lists(st.integers(0, len(first) - 1), min_size=1, max_size=n))
+        for ds in (from_file, from_list):
+            assert list(ds) == [{"prompt": text, "i": i} for i, text in enumerate(prompts)]
+        a, b = from_file.select(first).select(second), from_list.select(first).select(second)
+        assert list(a) == list(b) and len(a) == len(second)
+        assert [a.where(k) for k in range(len(a))] == [
+            f"{path}:{lines.index(json.dumps(row, ensure_ascii=False)) + 1}" for row in b]
+        seed = data.draw(st.integers(0, 3))
+        for part_a, part_b in zip(from_file.split(1, seed=seed), from_list.split(1, seed=seed)):
+            assert list(part_a) == list(part_b)
+            assert [part_a.messages(k) for k in range(len(part_a))] == [
+                part_b.messages(k) for k in range(len(part_b))]
 
 
 # -- errors name FILE:LINE ---------------------------------------------------------------------------
