@@ -365,12 +365,12 @@ def check_context(config: TrainConfig, agent, *prompt_sets, budget: int | None =
         found = context_length(model) if model is not None else None
         if found is not None:
             limits.append((found, source if isinstance(source, str) else name_of(model)))
-    if limits:
-        (context, field), name = min(limits, key=lambda limit: limit[0][0])
-        for prompts in prompt_sets:
-            check_prompts_fit(prompts, agent.tokenizer, context=context, context_field=field, model=name,
-                              max_new_tokens=budget or config.max_new_tokens,
-                              max_prompt_length=config.max_prompt_length)
+    # without a known context, the prompts are still held to max_prompt_length here, before
+    # training, rather than by the batch that first draws a long one
+    (context, field), name = min(limits, key=lambda limit: limit[0][0]) if limits else ((2**62, "none"), "")
+    for prompts in prompt_sets:
+        check_prompts_fit(prompts, agent.tokenizer, context=context, context_field=field, model=name,
+                          max_new_tokens=budget or config.max_new_tokens, max_prompt_length=config.max_prompt_length)
 
 
 def reward_spec(config: TrainConfig, env=None) -> str:
