@@ -39,7 +39,7 @@ from textrl.envs.fast_path import (
     score_completions,
     special_ids,
 )
-from textrl.envs.observations import turn_observation
+from textrl.envs.observations import append_observation
 from textrl.envs.rows import batch_fields, raw_prompts, row_messages
 from torch import Tensor
 
@@ -260,18 +260,9 @@ class EpisodeRunner:
         r.rewards[last] = r.rewards.get(last, 0.0) + reward
 
     def _observe(self, r: _Row, answer: Turn) -> None:
-        messages = answer.messages()
-        try:
-            obs = turn_observation(self.tokenizer, messages, self.eos_ids, r.tokens[-1], env_id=self.env.id,
-                                   row=r.episode.index)
-        except ValueError as error:
-            raise EnvError(str(error)) from error
-        if len(r.tokens) + len(obs) + 1 > self.max_episode_tokens:
+        if not append_observation(r, answer.messages(), tokenizer=self.tokenizer, eos_token_ids=self.eos_ids,
+                                  max_episode_tokens=self.max_episode_tokens, env_id=self.env.id):
             r.end = CONTEXT
-            return
-        r.tokens += obs
-        r.agent += [False] * len(obs)
-        r.episode.messages += messages
 
     # -- the rollout ---------------------------------------------------------------------------
 

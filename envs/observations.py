@@ -64,4 +64,26 @@ def turn_observation(tokenizer: Any, messages: Sequence[dict[str, str]], eos_tok
     return ids if last_token in eos_token_ids else [int(eos_token_ids[0]), *ids]
 
 
-__all__ = ["observation_ids", "turn_observation"]
+def append_observation(record: Any, messages: list[dict[str, str]], *, tokenizer: Any, eos_token_ids: Sequence[int],
+                       max_episode_tokens: int, env_id: str) -> bool:
+    """Append an observation to an episode's token record (``tokens`` / ``agent`` lists and its
+    ``episode``; the collector's rows and the token MDP's state alike): its tokens
+    (:func:`turn_observation`, not the agent's) and its messages. False, appending nothing, when
+    they would leave no room for one more agent token within ``max_episode_tokens`` (the episode
+    then ends by ``context``). ``EnvError`` when the observation cannot be tokenised."""
+    from textrl.envs.environment import EnvError
+
+    try:
+        obs = turn_observation(tokenizer, messages, eos_token_ids, record.tokens[-1], env_id=env_id,
+                               row=record.episode.index)
+    except ValueError as error:
+        raise EnvError(str(error)) from error
+    if len(record.tokens) + len(obs) + 1 > max_episode_tokens:
+        return False
+    record.tokens += obs
+    record.agent += [False] * len(obs)
+    record.episode.messages += messages
+    return True
+
+
+__all__ = ["append_observation", "observation_ids", "turn_observation"]

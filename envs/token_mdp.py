@@ -83,7 +83,7 @@ from textrl.envs.fast_path import (
     reward_component_names,
     score_completions,
 )
-from textrl.envs.observations import turn_observation
+from textrl.envs.observations import append_observation
 from textrl.envs.prompt_table import TokenMDPSetup
 from textrl.envs.registry import env_ids, gym_id, make_env
 from textrl.envs.rows import row_messages
@@ -267,19 +267,11 @@ class EpisodeDynamics:
         return float(reward)
 
     def _observe(self, s: EpisodeState, answer: Turn) -> None:
-        messages = answer.messages()
-        try:
-            obs = turn_observation(self.tokenizer, messages, self.eos_ids, s.tokens[-1], env_id=self.env.id,
-                                   row=s.episode.index)
-        except ValueError as error:
-            raise EnvError(str(error)) from error
-        if len(s.tokens) + len(obs) + 1 > self.max_episode_tokens:
+        if append_observation(s, answer.messages(), tokenizer=self.tokenizer, eos_token_ids=self.eos_ids,
+                              max_episode_tokens=self.max_episode_tokens, env_id=self.env.id):
+            s.turn = []
+        else:
             s.end = CONTEXT
-            return
-        s.tokens += obs
-        s.agent += [False] * len(obs)
-        s.episode.messages += messages
-        s.turn = []
 
     # -- rewards -------------------------------------------------------------------------------
 
