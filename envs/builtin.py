@@ -510,12 +510,12 @@ class RewardModelEnv(Environment):
 
     - Row: ``{"prompt": "Describe the moon. Use capital letters.", "style": "capital",
       "topic": "moon"}`` for ``prompts="builtin:case"`` (the 128 held-out ``case`` prompts that
-      the pipeline's SFT and reward model never see, :mod:`textrl.stages.synthetic`), or the rows
+      the pipeline's SFT and reward model never see, :mod:`textrl.envs.synthetic`), or the rows
       of any source :func:`textrl.envs.load_prompts` reads.
     - Turns: one; the answer ends the episode.
     - Reward: ``"reward_model:<path>"`` (a folder, hub id, or ``tiny``, the untrained offline tiny
       reward model: give the pipeline's ``OUT/rm/model`` for a trained one). With the ``case``
-      prompts and ``monitor=True`` the rule :func:`~textrl.stages.synthetic.case_follow_reward`
+      prompts and ``monitor=True`` the rule :func:`~textrl.envs.synthetic.case_follow_reward`
       rides along with weight 0, so the share of responses that follow the constraint is logged
       next to the score, as in the pipeline. Max reward: None (a reward model's scale is open).
     - Held-out split: none of its own; the trainer holds out ``eval_size`` rows.
@@ -541,7 +541,7 @@ class RewardModelEnv(Environment):
         self.n_warmup = _check_int("n_warmup", n_warmup, 1, self.id)
         self.reward = f"reward_model:{self.path}"
         if monitor and self.is_case:
-            from textrl.stages import synthetic
+            from textrl.envs import synthetic
 
             self.reward += f",{synthetic.__file__}:case_follow_reward:0"
         self._rows: list[dict[str, Any]] | None = None
@@ -549,7 +549,7 @@ class RewardModelEnv(Environment):
     def rows(self) -> list[dict[str, Any]]:
         if self._rows is None:
             if self.is_case:
-                from textrl.stages.synthetic import BUILTIN_PROMPTS
+                from textrl.envs.synthetic import BUILTIN_PROMPTS
 
                 self._rows = BUILTIN_PROMPTS["case"]()
             else:
@@ -562,7 +562,7 @@ class RewardModelEnv(Environment):
                         answer_accuracy: float | None = None) -> list[tuple[Any, str]] | None:
         if not self.is_case:
             return None
-        from textrl.stages.synthetic import case_sft_pairs
+        from textrl.envs.synthetic import case_sft_pairs
 
         pairs = case_sft_pairs(self.n_warmup, follow_rate=0.5, seed=seed)
         return [(r["prompt"], r["response"]) for r in pairs]

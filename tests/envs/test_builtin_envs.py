@@ -523,7 +523,7 @@ def test_parsers():
 
 
 def test_reward_model_env_is_the_pipelines_task():
-    from textrl.stages.synthetic import BUILTIN_PROMPTS, case_sft_pairs
+    from textrl.envs.synthetic import BUILTIN_PROMPTS, case_sft_pairs
 
     env = make_env("reward_model")
     assert env.rows() == BUILTIN_PROMPTS["case"]()

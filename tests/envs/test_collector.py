@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from textrl.envs import rollout_from_responses
 from textrl.envs.collector import TURN_REWARDS, EpisodeRunner
-from textrl.envs.environment import Environment, EnvError, Turn
+from textrl.envs.environment import EnvError, Environment, Turn
 from textrl.envs.observations import observation_ids
 from textrl.envs.prompts import encode_prompts
 from textrl.envs.tasks import make_digits_task

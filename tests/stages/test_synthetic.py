@@ -5,9 +5,8 @@ from __future__ import annotations
 import doctest
 
 import pytest
-
-from textrl.stages import dpo, preferences, synthetic
-from textrl.stages.synthetic import (
+from textrl.envs import synthetic
+from textrl.envs.synthetic import (
     case_follow_reward,
     case_preferences,
     case_prompts,
@@ -15,6 +14,8 @@ from textrl.stages.synthetic import (
     case_style,
     follows_case,
 )
+
+from textrl.stages import dpo, preferences
 
 
 @pytest.mark.parametrize("module", [synthetic, preferences, dpo])

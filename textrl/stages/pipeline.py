@@ -1,6 +1,6 @@
 """``textrl pipeline``: SFT -> reward model -> PPO, end to end.
 
-With no arguments it runs offline on the built-in ``case`` task (:mod:`textrl.stages.synthetic`)
+With no arguments it runs offline on the built-in ``case`` task (:mod:`textrl.envs.synthetic`)
 with the tiny model:
 
 1. ``sft``: supervised fine-tuning on instruction prompts whose responses follow the letter-case
@@ -10,7 +10,7 @@ with the tiny model:
 3. ``ppo``: :func:`textrl.trainer.train` with the reward model as the only optimised reward
    (``--reward-model``) on prompts that neither SFT nor the reward model saw; the trainer holds
    out ``eval_size`` of them and evaluates before and after. On the built-in task the rule
-   :func:`~textrl.stages.synthetic.case_follow_reward` rides along with weight 0, so the share
+   :func:`~textrl.envs.synthetic.case_follow_reward` rides along with weight 0, so the share
    of responses that really follow the constraint is logged next to the reward.
 
 ``--agent multi_adapter_ppo`` runs the MA-RLHF recipe instead: SFT as above (every weight), then
@@ -214,7 +214,7 @@ def check_resumable(config: PipelineConfig) -> None:
 
 def write_prompts(spec: str, path: Path) -> tuple[str, bool]:
     """(dataset for the trainer, whether the ``case`` rule can monitor it)."""
-    from textrl.stages.synthetic import BUILTIN_PROMPTS
+    from textrl.envs.synthetic import BUILTIN_PROMPTS
 
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
@@ -322,7 +322,7 @@ def _monitor_spec(monitor: bool) -> str:
     empty otherwise: the reward model (``--reward-model``, or multi_adapter_ppo's reward adapter)
     is then the whole reward."""
     if monitor:
-        from textrl.stages import synthetic
+        from textrl.envs import synthetic
 
         return f"{synthetic.__file__}:{MONITOR}:0"
     return ""

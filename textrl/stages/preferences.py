@@ -179,8 +179,8 @@ def load_preferences(
     >>> prefs[0].prompt, prefs[0].chosen
     ([{'role': 'user', 'content': '2+2?'}], '4')
     """
+    from textrl.envs.synthetic import BUILTIN_PREFERENCES
     from textrl.stages.common import source_rows
-    from textrl.stages.synthetic import BUILTIN_PREFERENCES
 
     return [parse_preference(row, where, format)
             for where, row in source_rows(source, BUILTIN_PREFERENCES, "preference data")]

@@ -8,7 +8,7 @@ with the trainer's warm-up). Full fine-tuning, or a LoRA adapter (optionally on 
 
 Data (``--data``):
 
-- ``builtin:case``: the built-in instruction task (:mod:`textrl.stages.synthetic`);
+- ``builtin:case``: the built-in instruction task (:mod:`textrl.envs.synthetic`);
 - a ``.jsonl`` file of ``{"prompt": str | messages, "response": str}`` rows (``completion`` is
   accepted for ``response``) or ``{"messages": [...]}`` conversations whose last turn is the
   assistant's response (``conversations`` is accepted for ``messages``).
@@ -97,8 +97,8 @@ def parse_sft_row(row: Any, where: str) -> tuple[Prompt, str]:
 
 def load_sft_pairs(source: str | os.PathLike[str] | Iterable[Mapping[str, Any]]) -> list[tuple[Prompt, str]]:
     """(prompt, response) pairs from ``builtin:NAME``, a ``.jsonl`` file, or a list of rows."""
+    from textrl.envs.synthetic import BUILTIN_SFT
     from textrl.stages.common import source_rows
-    from textrl.stages.synthetic import BUILTIN_SFT
 
     return [parse_sft_row(row, where) for where, row in source_rows(source, BUILTIN_SFT, "SFT data")]
 
