@@ -407,7 +407,7 @@ def compare_agents(
     table = (
         f"{len(seeds)} seeds per agent; each run: {c.iterations} iterations x {c.rollout_batch_size} responses "
         f"({c.prompts_per_iteration} prompts x {c.n_samples_per_prompt}) of at most {c.max_new_tokens} tokens "
-        f"= a budget of {budget} generated tokens; {_task(c)}, "
+        f"a turn = a budget of {budget} generated tokens a turn; {_task(c)}, "
         f"{c.eval_size} held-out prompts.\n\n" + markdown_table(rows, skipped)
     )
     (output_dir / "results.md").write_text(table)
