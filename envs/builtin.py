@@ -277,7 +277,7 @@ class CalculatorEnv(Environment):
     stop_strings = (_TOOL_CLOSE,)
     reward = None
 
-    INSTRUCTION = "Use <tool>EXPR</tool> to calculate, then reply <answer>N</answer>."
+    INSTRUCTION = "Use <tool>EXPR</tool>, then <answer>N</answer>."
 
     def __init__(self, *, n_rows: int = 512, n_eval: int = 64, digits: int = 3, max_turns: int = 3,
                  seed: int = 0, observation_role: str = "tool",
