@@ -75,7 +75,7 @@ def _files(folder):
     (["--seed", "1"], "seed: 0 -> 1"),
     (["--agent", "grpo"], "agent: 'gae_ppo' -> 'grpo'"),
     (["--model", "/models/another"], "model: 'tiny' -> '/models/another'"),
-    (["--dataset", "other.jsonl"], "dataset: 'builtin:digits' -> 'other.jsonl'"),
+    (["--dataset", "other.jsonl"], "dataset: None -> 'other.jsonl'"),
     (["--max-new-tokens", "12", "--lam", "0.9"], "max_new_tokens: 8 -> 12; lam: 0.95 -> 0.9"),
 ])
 def test_a_resume_that_changes_what_defines_the_run_is_refused_and_writes_nothing(

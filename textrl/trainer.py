@@ -309,19 +309,20 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
 
 
 def check_run(config: TrainConfig) -> None:
-    """Everything checkable before a model loads or a file is written: every config field, the
-    reward names, that a fresh run would not overwrite an earlier run's checkpoints, and that a
-    resume changes no setting that defines the run. ``ValueError`` says what to fix."""
+    """Everything checkable before a model loads or a file is written: every config field, that
+    no other run writes to the folder, that a fresh run would not overwrite an earlier run's
+    checkpoints, that a resume changes no setting that defines the run, the environment (its id,
+    settings and rows) and the reward names. ``ValueError`` says what to fix."""
     from textrl.rewards import check_reward_spec
 
     config.validate()
-    env = environment(config)  # an unknown --env lists the registered ids
-    spec = reward_spec(config, env)
-    if spec and not _agent_scores_alone(config, spec):
-        check_reward_spec(spec)
     refuse_busy_folder(config.output_dir)  # another run writes there now: say that first
     refuse_earlier_run(config)
     refuse_changed_settings(config)
+    env = environment(config)  # an unknown --env lists the registered ids; a dataset file loads
+    spec = reward_spec(config, env)
+    if spec and not _agent_scores_alone(config, spec):
+        check_reward_spec(spec)
 
 
 def refuse_changed_settings(config: TrainConfig) -> None:
