@@ -313,6 +313,7 @@ def check_run(config: TrainConfig) -> None:
     no other run writes to the folder, that a fresh run would not overwrite an earlier run's
     checkpoints, that a resume changes no setting that defines the run, the environment (its id,
     settings and rows) and the reward names. ``ValueError`` says what to fix."""
+    from textrl.envs import Environment
     from textrl.rewards import check_reward_spec
 
     config.validate()
@@ -321,8 +322,9 @@ def check_run(config: TrainConfig) -> None:
     refuse_changed_settings(config)
     env = environment(config)  # an unknown --env lists the registered ids; a dataset file loads
     spec = reward_spec(config, env)
-    if spec and not _agent_scores_alone(config, spec):
-        check_reward_spec(spec)
+    pays_turns = type(env).step is not Environment.step or callable(env.reward)  # rewards of its own
+    if spec.strip() or not (pays_turns or _agent_scores_alone(config, spec)):
+        check_reward_spec(spec)  # an empty spec with nothing else to score the episodes is refused
 
 
 def refuse_changed_settings(config: TrainConfig) -> None:
