@@ -18,14 +18,14 @@ edits a list.
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from textrl.envs.environment import Environment
+
+from textrl.user_files import import_file
 
 ENVS: dict[str, Callable[..., Environment]] = {}
 """Registered id -> constructor (a class or a function) of the environment."""
@@ -112,17 +112,11 @@ def _from_file(spec: str, settings: dict[str, Any]) -> Environment:
     file = Path(path).expanduser()
     if not file.is_file():
         raise ValueError(f"--env {spec!r}: no file {str(file)!r}; give PATH.py:ClassName of an existing file")
-    module_name = f"textrl_user_env_{abs(hash(str(file.resolve())))}"
-    module_spec = importlib.util.spec_from_file_location(module_name, file)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"--env {spec!r}: {str(file)!r} cannot be imported as a Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    module_spec.loader.exec_module(module)
+    module = import_file(file, "env")
     obj = getattr(module, name, None)
     if obj is None:
         found = [n for n, v in vars(module).items() if inspect.isclass(v) and issubclass(v, Environment)
-                 and v is not Environment and v.__module__ == module_name]
+                 and v is not Environment and v.__module__ == module.__name__]
         raise ValueError(f"--env {spec!r}: {str(file)!r} defines no {name!r}"
                          + (f"; its environments: {', '.join(found)}" if found else ""))
     return _build(obj, settings, spec)

@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import difflib
 import functools
-import hashlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,6 +30,9 @@ from textrl.rewards.math_verify import math_verify_reward
 from textrl.rewards.neural import load_neural_reward
 from textrl.rewards.penalties import length_penalty, missing_eos_penalty, repetition_penalty
 from textrl.rewards.rules import accuracy_reward, tag_count_reward, think_format_reward
+
+from textrl.user_files import import_file
+from textrl.user_files import module_name as user_module_name
 
 REWARDS: dict[str, Callable[..., RewardFn]] = {}
 """Registered name -> constructor: ``REWARDS[name](**settings)`` returns a reward function."""
@@ -123,17 +123,10 @@ def load_reward_from_file(path: str, function_name: str) -> RewardFn:
             f"reward file {path!r} does not exist (looked at {file.resolve()}); "
             "write path/to/file.py:function_name"
         )
-    digest = hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
-    module_name = f"_textrl_user_reward_{file.stem}_{digest}"
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"reward file {path!r} cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
+    module_name = user_module_name(file, "reward")
     try:
-        spec.loader.exec_module(module)
+        module = import_file(file, "reward")
     except Exception as err:
-        sys.modules.pop(module_name, None)
         raise ValueError(
             f"importing reward file {path!r} failed with {type(err).__name__}: {err}"
         ) from err

@@ -16,14 +16,14 @@ declarations (``validate_config``), whichever package the class comes from.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.util
 import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
+
+from textrl.user_files import import_file
 
 ENTRY_POINT_GROUP = "textrl.agents"
 """The packaging entry point group of agents from other packages."""
@@ -113,15 +113,7 @@ def _load_spec(spec: str) -> type:
         path = Path(where).expanduser().resolve()
         if not path.is_file():
             raise ValueError(f"agent={spec!r}: no such file {path}")
-        module_name = f"textrl_user_agent_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
-        sys.modules[module_name] = module
-        try:
-            module_spec.loader.exec_module(module)  # type: ignore[union-attr]
-        except Exception:
-            del sys.modules[module_name]
-            raise
+        module = import_file(path, "agent")
     else:
         try:
             module = importlib.import_module(where)

@@ -1,0 +1,44 @@
+"""Importing a user's Python file (``--agent``, ``--reward`` or ``--env`` as ``PATH.py:NAME``).
+
+The file becomes a module of its own, named by what it provides and a hash of its resolved path,
+so two files with the same name do not collide and importing the same file twice gives the same
+module. It is put in ``sys.modules`` before it runs (dataclasses and pickling look it up there)
+and taken out again if it raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+
+def module_name(path: str | os.PathLike[str], kind: str) -> str:
+    """``textrl_user_<kind>_<stem>_<hash>`` for the file at ``path``."""
+    file = Path(path).expanduser().resolve()
+    return f"textrl_user_{kind}_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:12]}"
+
+
+def import_file(path: str | os.PathLike[str], kind: str) -> ModuleType:
+    """The module of the Python file ``path`` (imported once per process); ``ValueError`` when it
+    cannot be imported as Python; whatever the file raises while it runs propagates."""
+    name = module_name(path, kind)
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(path).expanduser().resolve())
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{str(path)!r} cannot be imported as a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+__all__ = ["import_file", "module_name"]
