@@ -21,6 +21,12 @@ percentile interval of the replicates. Each agent (and each pair of agents) draw
 generator seeded with ``(seed, crc32(name))``, so results are deterministic given the seed and do
 not depend on which other agents are compared. :func:`compare` gathers everything into a
 JSON-ready report and :func:`markdown_report` states in words which differences are significant.
+
+Typical use (``raw[agent]``: final held-out rewards ``[seeds, environments]``)::
+
+    scores = {agent: normalise(raw[agent], low=start_reward, high=1.0) for agent in raw}
+    report = compare(scores, task_names=environments, seed=0)   # JSON-ready dict
+    text = markdown_report(report)
 """
 
 from __future__ import annotations
