@@ -191,8 +191,12 @@ def test_bad_inputs_raise_naming_the_argument():
         gspo_loss(x, x, torch.zeros(2), mask.float())
     with pytest.raises(ValueError, match="old_logp must have the shape"):
         cispo_loss(x, x[:, :, None], x, mask)
-    with pytest.raises(ValueError, match="num_tokens|normaliser"):
+    with pytest.raises(ValueError, match="num_tokens=0: must be None or a number > 0"):
         cispo_loss(x, x, x, mask, num_tokens=0)
+    with pytest.raises(ValueError, match="num_seqs must be a number or a 1-element tensor"):
+        gspo_loss(x, x, torch.zeros(2), mask, num_seqs=torch.ones(2))
+    with pytest.raises(ValueError, match="normaliser=-1"):
+        aggregate_loss(x, mask, normaliser=-1)
     with pytest.raises(ValueError, match="clip_eps_high"):
         clipped_policy_loss(x, x, x, mask, clip_eps_high=-0.1)
     with pytest.raises(ValueError, match="cache_len=5 must be <= max_len=4"):

@@ -49,17 +49,17 @@ def _compute_dtype(*xs: Tensor) -> torch.dtype:
     return dtype
 
 
-def _check_normaliser(normaliser: float | Tensor | None) -> None:
+def _check_normaliser(normaliser: float | Tensor | None, name: str = "normaliser") -> None:
     if normaliser is None:
         return
     value = normaliser
     if isinstance(normaliser, Tensor):
         if normaliser.numel() != 1:
-            raise ValueError(f"normaliser must be a number or a 1-element tensor, got shape {list(normaliser.shape)}")
+            raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {list(normaliser.shape)}")
         value = normaliser.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(
-            f"normaliser={normaliser!r}: must be None or a number > 0 (the minibatch's token or row count)"
+            f"{name}={normaliser!r}: must be None or a number > 0 (the minibatch's token or row count)"
         )
 
 

@@ -91,7 +91,7 @@ def gspo_loss(
     _check_seq_advantages(advantages, logp)
     check_positive("clip_eps_low", clip_eps_low)
     check_positive("clip_eps_high", clip_eps_high)
-    _check_normaliser(num_seqs)
+    _check_normaliser(num_seqs, "num_seqs")
 
     dtype = _compute_dtype(logp, old_logp, advantages)
     log_ratio = _select(logp, mask, dtype) - _select(old_logp, mask, dtype)  # (B, T)
@@ -156,7 +156,7 @@ def cispo_loss(
     if clip_eps_low is not None:
         check_positive("clip_eps_low", clip_eps_low)
     check_positive("clip_eps_high", clip_eps_high)
-    _check_normaliser(num_tokens)
+    _check_normaliser(num_tokens, "num_tokens")
 
     dtype = _compute_dtype(logp, old_logp, advantages)
     lp = _select(logp, mask, dtype)  # (B, T)
