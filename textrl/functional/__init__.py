@@ -45,8 +45,28 @@ from textrl.functional.ppo import (
     clipped_value_loss,
     explained_variance,
 )
+from textrl.functional.zoo import (
+    LOG_RATIO_CLAMP,
+    cispo_loss,
+    dr_grpo_advantage,
+    dr_grpo_aggregate,
+    dynamic_sampling_keep,
+    gspo_loss,
+    overlong_penalty,
+    reinforce_pp_advantages,
+    token_level_aggregate,
+)
 
 __all__ = [
+    "LOG_RATIO_CLAMP",
+    "cispo_loss",
+    "dr_grpo_advantage",
+    "dr_grpo_aggregate",
+    "dynamic_sampling_keep",
+    "gspo_loss",
+    "overlong_penalty",
+    "reinforce_pp_advantages",
+    "token_level_aggregate",
     "KL_KINDS",
     "LOSS_AGGREGATIONS",
     "aggregate_loss",

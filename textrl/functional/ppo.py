@@ -49,7 +49,26 @@ def _compute_dtype(*xs: Tensor) -> torch.dtype:
     return dtype
 
 
-def aggregate_loss(loss_mat: Tensor, mask: Tensor, aggregation: str = "token_mean") -> Tensor:
+def _check_normaliser(normaliser: float | Tensor | None, name: str = "normaliser") -> None:
+    if normaliser is None:
+        return
+    value = normaliser
+    if isinstance(normaliser, Tensor):
+        if normaliser.numel() != 1:
+            raise ValueError(f"{name} must be a number or a 1-element tensor, got shape {list(normaliser.shape)}")
+        value = normaliser.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"{name}={normaliser!r}: must be None or a number > 0 (the minibatch's token or row count)"
+        )
+
+
+def aggregate_loss(
+    loss_mat: Tensor,
+    mask: Tensor,
+    aggregation: str = "token_mean",
+    normaliser: float | Tensor | None = None,
+) -> Tensor:
     """Reduce a per-token loss ``[B, T]`` over the bool ``mask`` ``[B, T]`` to a scalar ``[]``.
 
     - ``"token_mean"``: mean over every valid token of the batch; long responses weigh more
@@ -61,17 +80,29 @@ def aggregate_loss(loss_mat: Tensor, mask: Tensor, aggregation: str = "token_mea
 
     The ``seq_*`` modes average over rows with at least one valid token (an empty row has no
     tokens to weigh); an all-empty mask gives 0 in every mode.
+
+    ``normaliser`` (> 0) replaces the denominator computed from this batch: the count of valid
+    tokens (``token_mean``) or of non-empty rows (``seq_*``). Pass the *minibatch's* count when
+    ``loss_mat`` is one micro-batch of it: the micro-batch losses then simply add up to the
+    minibatch loss, gradients included, however the minibatch is split (DAPO's token-level loss,
+    Yu et al. 2025, arXiv:2503.14476, eq. 8, over micro-batches). A constant such as
+    ``n_rows * max_len`` gives Dr. GRPO's aggregation (see ``dr_grpo_aggregate``).
     """
     check_2d("loss_mat", loss_mat)
     check_float("loss_mat", loss_mat)
     check_mask("mask", mask, "loss_mat", loss_mat)
     _check_aggregation(aggregation)
+    _check_normaliser(normaliser)
     if aggregation == "token_mean":
+        if normaliser is not None:
+            return masked_sum(loss_mat, mask) / normaliser
         return masked_mean(loss_mat, mask)
     if aggregation == "seq_mean":
         per_row = masked_mean(loss_mat, mask, dim=1)  # (B,)
     else:
         per_row = masked_sum(loss_mat, mask, dim=1)  # (B,)
+    if normaliser is not None:
+        return masked_sum(per_row, mask.any(dim=1)) / normaliser
     return masked_mean(per_row, mask.any(dim=1))
 
 
@@ -83,8 +114,15 @@ def clipped_policy_loss(
     clip_eps: float = 0.2,
     dual_clip: float | None = None,
     aggregation: str = "token_mean",
+    clip_eps_high: float | None = None,
+    normaliser: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7), optionally dual-clipped.
+
+    With ``clip_eps_high`` the clip range is asymmetric, ``[1 - clip_eps, 1 + clip_eps_high]``
+    (DAPO's "clip-higher", Yu et al. 2025, arXiv:2503.14476, eq. 10; the paper uses
+    ``clip_eps=0.2, clip_eps_high=0.28``); ``None`` keeps it symmetric. ``normaliser`` is passed
+    to :func:`aggregate_loss` (the minibatch's count when this is one micro-batch of it).
 
     ``ratio = exp(logp - old_logp)``, ``pg_loss1 = -A * ratio``,
     ``pg_loss2 = -A * clamp(ratio, 1 - clip_eps, 1 + clip_eps)``,
@@ -98,7 +136,9 @@ def clipped_policy_loss(
         old_logp: float ``[B, T]``, behaviour-policy log-prob (``action_log_prob``).
         advantages: float ``[B, T]``.
         mask: bool ``[B, T]``, the tokens that count.
-        clip_eps: > 0. dual_clip: ``None`` or > 1. aggregation: one of ``LOSS_AGGREGATIONS``.
+        clip_eps: > 0, the lower clip (and the upper one unless ``clip_eps_high`` is given).
+        dual_clip: ``None`` or > 1. aggregation: one of ``LOSS_AGGREGATIONS``.
+        clip_eps_high: ``None`` or > 0. normaliser: ``None`` or > 0, see ``aggregate_loss``.
 
     Returns:
         ``(loss, stats)``; ``loss`` is ``[]``. ``stats`` (detached, over valid tokens):
@@ -109,6 +149,9 @@ def clipped_policy_loss(
     """
     _check_token_inputs("logp", logp, mask, old_logp=old_logp, advantages=advantages)
     check_positive("clip_eps", clip_eps)
+    if clip_eps_high is not None:
+        check_positive("clip_eps_high", clip_eps_high)
+    _check_normaliser(normaliser)
     if dual_clip is not None and (
         isinstance(dual_clip, bool) or not isinstance(dual_clip, (int, float)) or not dual_clip > 1
     ):
@@ -123,14 +166,15 @@ def clipped_policy_loss(
     log_ratio = lp - old  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     pg_loss1 = -adv * ratio
-    pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)
     pg_loss = torch.maximum(pg_loss1, pg_loss2)  # (B, T)
     if dual_clip is not None:
         pg_loss3 = -adv * dual_clip
         dual_active = (adv < 0) & (pg_loss > pg_loss3)  # (B, T)
         pg_loss = torch.where(adv < 0, torch.minimum(pg_loss, pg_loss3), pg_loss)
 
-    loss = aggregate_loss(pg_loss, mask, aggregation)
+    loss = aggregate_loss(pg_loss, mask, aggregation, normaliser)
 
     with torch.no_grad():
         r = ratio.detach()
