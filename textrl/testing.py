@@ -20,9 +20,11 @@ Example (a user's GAE against the reference, over drawn gapped masks)::
     from hypothesis import given
     from textrl import testing as tt
 
-    @given(tt.masks().flatmap(lambda m: tt.float_tensors((2, *m.shape)).map(lambda x: (m, x))))
+    cases = tt.masks().flatmap(lambda m: tt.float_tensors((2, *m.shape)).map(lambda x: (*x, m)))
+
+    @given(cases)
     def test_my_gae(case):
-        mask, (rewards, values) = case
+        rewards, values, mask = case
         tt.check_agrees_with_reference(my_gae, tt.reference_gae, rewards, values, mask,
                                        gamma=0.9, lam=0.95, mask=mask)
 
