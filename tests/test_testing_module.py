@@ -261,7 +261,7 @@ def test_a_nonzero_output_at_masked_positions_is_caught_when_zero_is_promised():
     mask = torch.tensor([[True, False]])
     x = torch.zeros(1, 2)
     tt.check_masked_positions_ignored(lambda a: torch.where(mask, a, 1.0), x, mask=mask)
-    with pytest.raises(tt.InvariantError, match=r"is 1.0 at masked row 0, position 1"):
+    with pytest.raises(tt.InvariantError, match=r"is 1.0 off the mask at row 0, position 1 \(row mask 10\) as given"):
         tt.check_masked_positions_ignored(lambda a: torch.where(mask, a, 1.0), x, mask=mask, zero_outside=True)
 
 
@@ -312,3 +312,15 @@ def test_ppo_clipped_loss_is_finite_within_float32_exp_range():
         return clipped_policy_loss(lp, old, adv, mask, dual_clip=3.0)[0]
 
     tt.check_finite_under_extreme_log_ratios(loss, log_ratios=(-1e4, -100.0, -20.0, 0.0, 20.0, 50.0))
+
+
+def test_a_nonfinite_scalar_loss_is_traced_to_its_log_ratio():
+    """An unclipped surrogate overflows at the first log-ratio past float32's exp range (88.7)."""
+    def unclipped(lp, old, adv, mask):
+        ratio = torch.exp(torch.where(mask, lp - old, 0.0))
+        return masked_mean(-torch.where(mask, adv, 0.0) * ratio, mask)
+
+    tt.check_finite_under_extreme_log_ratios(unclipped, log_ratios=(-1e4, -20.0, 0.0, 20.0, 50.0))
+    with pytest.raises(tt.InvariantError, match=r"^output is (inf|nan); with only the position of "
+                                                r"log-ratio 100.0 and advantage -1.0 valid: output is inf$"):
+        tt.check_finite_under_extreme_log_ratios(unclipped)

@@ -490,9 +490,12 @@ def _row_mask(mask: Tensor, row: int) -> str:
 
 
 def _where(index: tuple[int, ...], mask: Tensor | None) -> str:
+    """`` at row r, position t (row mask 1101)``, `` at index [i]``, or nothing for a scalar."""
+    if not index:
+        return ""
     if mask is None or len(index) < 2:
-        return f"index {list(index)}"
-    return f"row {index[0]}, position {index[1]} (row mask {_row_mask(mask, index[0])})"
+        return f" at index {list(index)}"
+    return f" at row {index[0]}, position {index[1]} (row mask {_row_mask(mask, index[0])})"
 
 
 def _compare(name: str, got: Tensor, want: Tensor, mask: Tensor | None, rtol: float, atol: float,
@@ -509,7 +512,7 @@ def _compare(name: str, got: Tensor, want: Tensor, mask: Tensor | None, rtol: fl
     if bad.any():
         idx = tuple(int(i) for i in torch.nonzero(bad)[0])
         raise InvariantError(
-            f"{name} disagrees with {what} at {int(bad.sum())} of {bad.numel()} entries; first at "
+            f"{name} disagrees with {what} at {int(bad.sum())} of {bad.numel()} entries; first"
             f"{_where(idx, mask)}: got {g[idx].item()!r}, {what} {w[idx].item()!r} "
             f"(rtol={rtol}, atol={atol})"
         )
@@ -536,7 +539,8 @@ def check_agrees_with_reference(
     got, want = _flatten(fn(*args, **kwargs)), _flatten(ref(*args, **kwargs))
     if len(got) != len(want):
         raise InvariantError(f"fn returned {len(got)} tensors, the reference {len(want)}")
-    call = f" (called with {kwargs})" if kwargs else ""
+    shown = {k: v for k, v in kwargs.items() if not isinstance(v, Tensor)}
+    call = f" (called with {shown})" if shown else ""
     for (name, g), (_, w) in zip(got, want):
         _compare(name + call, g, w, mask, rtol, atol, "the reference")
 
@@ -589,7 +593,7 @@ def check_masked_positions_ignored(
             if not same.all():
                 idx = tuple(int(i) for i in torch.nonzero(~same)[0])
                 raise InvariantError(
-                    f"{name} changed at {_where(idx, mask)} when the masked positions of the inputs "
+                    f"{name} changed{_where(idx, mask)} when the masked positions of the inputs "
                     f"were set to {fill}: {c64[idx].item()!r} before, {d64[idx].item()!r} after; the "
                     "function reads masked positions (select with torch.where(mask, x, 0) before any "
                     "arithmetic instead of multiplying by the mask)"
@@ -607,7 +611,7 @@ def _check_zero_outside(outputs: list[tuple[str, Tensor]], mask: Tensor, when: s
             if bad.any():
                 idx = tuple(int(i) for i in torch.nonzero(bad)[0])
                 raise InvariantError(
-                    f"{name} is {x[idx].item()!r} at masked {_where(idx, mask)} {when}; "
+                    f"{name} is {x[idx].item()!r} off the mask{_where(idx, mask)} {when}; "
                     "it must be exactly 0 at masked positions"
                 )
 
@@ -629,7 +633,7 @@ def _check_grad(outputs: list[tuple[str, Tensor]], args: list[Any], mask: Tensor
         if bad.any():
             idx = tuple(int(k) for k in torch.nonzero(bad)[0])
             raise InvariantError(
-                f"the gradient of args[{i}] is {g[idx].item()!r} at {_where(idx, mask)} with masked "
+                f"the gradient of args[{i}] is {g[idx].item()!r}{_where(idx, mask)} with masked "
                 f"inputs set to {fill}; it must be finite, and 0 at masked positions (select before "
                 "exp/log: torch.where after them still back-propagates NaN)"
             )
@@ -711,7 +715,7 @@ def _nonfinite(fn: Callable[..., Any], logp: Tensor, old: Tensor, adv: Tensor, m
         bad = valid & ~torch.isfinite(x.detach())
         if bad.any():
             idx = tuple(int(i) for i in torch.nonzero(bad)[0])
-            return f"{name} is {x.detach()[idx].item()!r} at {_where(idx, mask)}"
+            return f"{name} is {x.detach()[idx].item()!r}{_where(idx, mask)}"
         if grad and x.requires_grad:
             part = torch.where(valid, x, 0.0).sum()
             total = part if total is None else total + part
@@ -719,7 +723,7 @@ def _nonfinite(fn: Callable[..., Any], logp: Tensor, old: Tensor, adv: Tensor, m
         (g,) = torch.autograd.grad(total, [lp], allow_unused=True)
         if g is not None and not torch.isfinite(g).all():
             idx = tuple(int(i) for i in torch.nonzero(~torch.isfinite(g))[0])
-            return f"the gradient wrt logp is {g[idx].item()!r} at {_where(idx, mask)}"
+            return f"the gradient wrt logp is {g[idx].item()!r}{_where(idx, mask)}"
     return None
 
 
