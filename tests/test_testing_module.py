@@ -324,3 +324,21 @@ def test_a_nonfinite_scalar_loss_is_traced_to_its_log_ratio():
     with pytest.raises(tt.InvariantError, match=r"^output is (inf|nan); with only the position of "
                                                 r"log-ratio 100.0 and advantage -1.0 valid: output is inf$"):
         tt.check_finite_under_extreme_log_ratios(unclipped)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: tt.masks(time=(0, 4)), r"time=\(0, 4\)"),
+        (lambda: tt.episode_masks(batch=(3, 2)), r"batch=\(3, 2\)"),
+        (lambda: tt.rollouts(max_turns=0), r"max_turns=0"),
+        (lambda: tt.rollouts(eos_token_id=16), r"eos_token_id=16"),
+        (lambda: tt.groups(group_size=(0, 2)), r"group_size=\(0, 2\)"),
+        (lambda: tt.reference_rloo_advantages(torch.zeros(4), 1), r"group_size=1"),
+        (lambda: tt.reference_grpo_advantages(torch.zeros(5), 2), r"5 rows.*group_size=2"),
+        (lambda: tt.check_masked_positions_ignored(torch.neg, torch.zeros(2), mask=torch.ones(2)), r"mask .*bool \[B, T\]"),
+    ],
+)
+def test_bad_arguments_are_named(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()

@@ -63,8 +63,9 @@ def _strategies() -> Any:
 # -- strategies -----------------------------------------------------------------------------------
 
 ROW_KINDS = ("one_token", "full", "any")
-"""Row shapes :func:`masks` draws: a single agent token; a row filling all ``T`` positions (a
-truncated row: no EOS, ``max_new_tokens`` or the context reached); anything that fits."""
+"""Row shapes the strategies draw: a single agent token; a row filling all ``T`` positions (the
+rows :func:`rollouts` may make truncated: no EOS, ``max_new_tokens`` or the context reached);
+anything that fits."""
 
 EXTREME_VALUES = (0.0, -0.0, 1e-30, -1e-30, 1e4, -1e4, 88.0, -88.0, 1e30, -1e30)
 """Finite values :func:`float_tensors` plants with ``extreme=True``."""
@@ -117,6 +118,13 @@ def _check_range(name: str, r: tuple[int, int], low: int) -> None:
         raise ValueError(f"{name}={r!r}: must be (min, max) with {low} <= min <= max")
 
 
+def _check_layout_args(batch: tuple[int, int], time: tuple[int, int], max_turns: int) -> None:
+    _check_range("batch", batch, 0)
+    _check_range("time", time, 1)
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+        raise ValueError(f"max_turns={max_turns!r}: must be an int >= 1")
+
+
 def episode_masks(
     batch: tuple[int, int] = (1, 6),
     time: tuple[int, int] = (1, 48),
@@ -131,8 +139,7 @@ def episode_masks(
     filling all ``T`` positions are drawn often. ``B`` and ``T`` are drawn from the inclusive
     ranges ``batch`` and ``time`` (``T > 32`` crosses the blocks of textrl's GAE scan).
     """
-    _check_range("batch", batch, 0)
-    _check_range("time", time, 1)
+    _check_layout_args(batch, time, max_turns)
     st = _strategies()
 
     @st.composite
@@ -159,11 +166,12 @@ def masks(
     one token, full rows). For functions whose contract is "any pattern of Trues",
     ``leading_gap=True`` lets a row open with Falses and ``empty_rows=True`` lets rows be all False.
     """
+    pairs = episode_masks(batch, time, multi_turn, max_turns)  # checks the arguments now
     st = _strategies()
 
     @st.composite
     def draw_mask(draw: Any) -> Tensor:
-        agent, _ = draw(episode_masks(batch, time, multi_turn, max_turns))
+        agent, _ = draw(pairs)
         rows = []
         for row in agent.tolist():
             if empty_rows and draw(st.booleans()):
@@ -280,8 +288,7 @@ def rollouts(
     ``textrl.functional.response_mask(action, eos_token_id)``; ``pad_token_id=None`` draws
     ``pad == eos`` or a distinct pad id, which then also appears as an ordinary action.
     """
-    _check_range("batch", batch, 0)
-    _check_range("time", time, 1)
+    _check_layout_args(batch, time, max_turns)
     if vocab_size < 4 or not 0 <= eos_token_id < vocab_size:
         raise ValueError(f"vocab_size={vocab_size}, eos_token_id={eos_token_id}: need vocab_size >= 4 "
                          "and 0 <= eos_token_id < vocab_size")
