@@ -26,6 +26,7 @@ from textrl.functional import (
     uncompact,
 )
 from textrl.functional.advantages import _discounted_reverse_cumsum
+from textrl.testing import reference_gae  # the loop that skips the gaps
 
 SETTINGS = settings(max_examples=40, deadline=None)
 GAMMAS = [0.0, 0.5, 0.9, 0.99, 1.0]
@@ -64,22 +65,6 @@ def gapped_masks(draw, min_true: int = 1, prefix: bool = False):
 
 def randn(shape, seed: int, dtype=torch.float64) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-def reference_gae(rewards, values, mask, gamma, lam):
-    """Plain loop: each row backwards over its positions, skipping the False ones."""
-    b, t = rewards.shape
-    adv = torch.zeros(b, t, dtype=torch.float64)
-    for i in range(b):
-        next_value, next_adv = 0.0, 0.0
-        for j in reversed(range(t)):
-            if not mask[i, j]:
-                continue
-            delta = float(rewards[i, j]) + gamma * next_value - float(values[i, j])
-            next_adv = delta + gamma * lam * next_adv
-            next_value = float(values[i, j])
-            adv[i, j] = next_adv
-    return adv, torch.where(mask, adv + values, torch.zeros((), dtype=torch.float64))
 
 
 def compacted_by_loop(x, mask):
