@@ -342,3 +342,14 @@ def test_a_nonfinite_scalar_loss_is_traced_to_its_log_ratio():
 def test_bad_arguments_are_named(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_the_clipped_policy_loss_is_finite_under_extreme_log_ratios_with_and_without_dual_clip():
+    """Found by this kit: exp of a log-ratio of 89 overflowed float32 (inf loss, NaN at advantage 0
+    and NaN gradients with dual clip); the loss clamps the log-ratio to +-20 now."""
+    from textrl.functional import clipped_policy_loss
+
+    for dual_clip in (None, 3.0):
+        tt.check_finite_under_extreme_log_ratios(
+            lambda lp, old, adv, mask, d=dual_clip: clipped_policy_loss(lp, old, adv, mask, dual_clip=d)[0],
+            log_ratios=(-1e4, -100.0, 50.0, 89.0, 100.0, 1e4))

@@ -20,6 +20,10 @@ from textrl.functional._validate import (
 )
 from textrl.functional.masking import masked_mean, masked_sum, masked_var
 
+LOG_RATIO_CLAMP = 20.0
+"""Log-ratios are clamped to ``[-20, 20]`` before ``exp`` (``exp(20)`` ~ 4.9e8: finite in float32 and
+far outside any clip range), so an extreme ratio gives a finite loss and gradient."""
+
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "seq_mean_token_sum")
 
 
@@ -163,7 +167,8 @@ def clipped_policy_loss(
     old = _select(old_logp, mask, dtype)  # (B, T)
     adv = _select(advantages, mask, dtype)  # (B, T)
 
-    log_ratio = lp - old  # (B, T)
+    # clamped before exp (as verl does): exp(89) overflows float32, and inf * 0 is NaN
+    log_ratio = (lp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     pg_loss1 = -adv * ratio
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high

@@ -34,14 +34,13 @@ from textrl.functional._validate import (
 from textrl.functional.advantages import _check_1d, _check_group_size
 from textrl.functional.masking import masked_mean, masked_sum, masked_whiten
 from textrl.functional.ppo import (
+    LOG_RATIO_CLAMP,
     _check_normaliser,
     _check_token_inputs,
     _compute_dtype,
     _select,
     aggregate_loss,
 )
-
-LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 4.9e8: finite in float32, far outside any clip range
 
 
 def _check_seq_advantages(advantages: Tensor, logp: Tensor) -> None:
