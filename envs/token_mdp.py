@@ -54,9 +54,7 @@ the current turn is decoded once per step.
 from __future__ import annotations
 
 import copy
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -65,33 +63,28 @@ import torch
 from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec, WrapperSpec
 from gymnasium.error import ResetNeeded
-from textrl.envs.collector import TURN_REWARDS, default_episode_tokens
 from textrl.envs.environment import (
-    EnvError,
     Environment,
-    Episode,
     PromptTask,
-    Turn,
-    answer_turn,
-    call_env,
+)
+from textrl.envs.episodes import (
+    DONE,
+    EpisodeDynamics,
+    EpisodeState,
+    default_episode_tokens,
+    turn_reward_row,
 )
 from textrl.envs.fast_path import (
     DEFAULT_REWARD,
     PLACEMENTS,
     RewardLike,
-    place_score,
-    reward_component_names,
-    score_completions,
 )
-from textrl.envs.observations import append_observation
 from textrl.envs.prompt_table import TokenMDPSetup
 from textrl.envs.registry import env_ids, gym_id, make_env
-from textrl.envs.rows import row_messages
 
 from textrl.keys import END_REASONS
 
 ENV_ID = "textrl/TokenMDP-v0"
-DONE, LENGTH, MAX_TURNS, CONTEXT = (END_REASONS.index(r) for r in ("done", "length", "max_turns", "context"))
 
 
 def check_action(action: Any, vocab_size: int) -> int:
@@ -133,220 +126,6 @@ def environment_and_rows(env: Environment | str | None, prompts: Any, reward: Re
         task = copy.copy(task)
         task.reward = reward
     return task, task.rows() if prompts is None else prompts
-
-
-@dataclass
-class EpisodeState:
-    """One episode's token-level state (docs/design.md, "Multi-turn episodes")."""
-
-    episode: Episode
-    """The text-level state the environment sees (its messages, turn count and scratch state)."""
-    prompt_text: str
-    """The raw prompt the final reward reads."""
-    fields: dict[str, Any]
-    """The row's reward fields (everything but ``prompt`` / ``messages``)."""
-    tokens: list[int] = field(default_factory=list)
-    """Every token after the prompt, the agent's and the observations'."""
-    agent: list[bool] = field(default_factory=list)
-    """Per token of ``tokens``: True where the agent chose it."""
-    turn: list[int] = field(default_factory=list)
-    """The current turn's agent tokens."""
-    rewards: dict[int, float] = field(default_factory=dict)
-    """Position in ``tokens`` -> the turn reward paid there (a turn's last agent token)."""
-    steps: int = 0
-    """Actions taken."""
-    end: int | None = None
-    """Index into :data:`textrl.keys.END_REASONS` once the episode is over."""
-
-    @property
-    def agent_tokens(self) -> list[int]:
-        return [t for t, a in zip(self.tokens, self.agent) if a]
-
-    @property
-    def last_agent(self) -> int:
-        """Position of the last agent token (-1 before the first action)."""
-        return max((i for i, a in enumerate(self.agent) if a), default=-1)
-
-
-class EpisodeDynamics:
-    """The token-level rules of an environment's episodes, one action at a time (module docstring).
-
-    Args:
-        env: the environment.
-        tokenizer: decodes turns and tokenises observations.
-        eos_token_ids: the ids that end a turn.
-        max_new_tokens: the cap of one agent turn.
-        max_episode_tokens: the cap of the response side (agent and observation tokens).
-        max_episode_steps: a cap on the episode's actions (``gym.make(..., max_episode_steps=)``);
-            reaching it ends the episode as a length cap does.
-    """
-
-    def __init__(self, env: Environment, *, tokenizer: Any, eos_token_ids: Sequence[int], max_new_tokens: int,
-                 max_episode_tokens: int, max_episode_steps: int | None = None) -> None:
-        if not isinstance(max_episode_tokens, int) or max_episode_tokens < 1:
-            raise ValueError(f"max_episode_tokens={max_episode_tokens!r}: must be an int >= 1")
-        self.env = env
-        self.tokenizer = tokenizer
-        self.eos_ids = tuple(int(e) for e in eos_token_ids)  # the first closes a turn cut by a stop string
-        self.eos = frozenset(self.eos_ids)
-        self.max_new_tokens = max_new_tokens
-        self.max_episode_tokens = max_episode_tokens
-        self.max_episode_steps = max_episode_steps
-        # the base step answers every turn with done and no reward: it is not called (as in the collector)
-        self.steps_env = type(env).step is not Environment.step or bool(env.stop_strings)
-        self.multi_turn = env.max_turns > 1 and self.steps_env
-
-    # -- an episode ----------------------------------------------------------------------------
-
-    def start(self, row: dict[str, Any], index: int, where: int | str) -> EpisodeState:
-        """A new episode on ``row`` (its index in the prompts, -1 for a row given directly);
-        calls ``env.start`` (an :class:`EnvError` naming the environment and row if it raises)."""
-        messages, text = row_messages(row, where)  # type: ignore[arg-type]
-        episode = Episode(row=dict(row), messages=list(messages), index=index, prompt_messages=len(messages))
-        call_env(self.env, self.env.start, episode, "start")
-        fields = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
-        return EpisodeState(episode=episode, prompt_text=text, fields=fields)
-
-    def act(self, s: EpisodeState, token: int) -> float | None:
-        """Append the agent's ``token``; end its turn where the rules say so, ask the environment
-        and append its observation. Returns the turn reward paid at this token (``None`` when no
-        turn was answered here); ``s.end`` is set when the episode is over."""
-        s.tokens.append(token)
-        s.agent.append(True)
-        s.turn.append(token)
-        s.steps += 1
-        if token in self.eos or self._stopped(s.turn):
-            return self._answer(s)
-        if len(s.turn) >= self.max_new_tokens or self._out_of_steps(s):
-            s.end = LENGTH
-        elif len(s.tokens) >= self.max_episode_tokens:
-            s.end = CONTEXT
-        if s.end is not None:
-            s.episode.turn += 1
-            if self.multi_turn:  # the cut turn is the conversation's last message (not answered)
-                s.episode.messages.append({"role": "assistant", "content": self._text(s.turn)})
-        return None
-
-    def _text(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-    def _stopped(self, turn: list[int]) -> bool:
-        stops = self.env.stop_strings
-        if not stops:
-            return False
-        return any(stop in self._text(turn) for stop in stops)
-
-    def _out_of_steps(self, s: EpisodeState) -> bool:
-        return self.max_episode_steps is not None and s.steps >= self.max_episode_steps
-
-    def _answer(self, s: EpisodeState) -> float:
-        """The environment's answer to the turn that just ended by EOS or a stop string."""
-        s.episode.turn += 1
-        if not self.steps_env:
-            s.end = DONE
-            return 0.0
-        text = self._text(s.turn)
-        s.episode.messages.append({"role": "assistant", "content": text})
-        answer = answer_turn(self.env, s.episode, text)
-        reward = self._turn_reward(s, answer.reward)
-        s.rewards[len(s.tokens) - 1] = s.rewards.get(len(s.tokens) - 1, 0.0) + reward
-        if answer.done:
-            s.end = DONE
-        elif s.episode.turn >= self.env.max_turns:
-            s.end = MAX_TURNS
-        elif self._out_of_steps(s):
-            s.end = LENGTH
-        else:
-            self._observe(s, answer)
-        return float(np.float32(reward))
-
-    def _turn_reward(self, s: EpisodeState, reward: float) -> float:
-        if not math.isfinite(reward):
-            raise EnvError(f"environment {self.env.id!r} paid a non-finite turn reward {reward} on row "
-                           f"{s.episode.index}; fix the environment")
-        return float(reward)
-
-    def _observe(self, s: EpisodeState, answer: Turn) -> None:
-        if append_observation(s, answer.messages(), tokenizer=self.tokenizer, eos_token_ids=self.eos_ids,
-                              max_episode_tokens=self.max_episode_tokens, env_id=self.env.id):
-            s.turn = []
-        else:
-            s.end = CONTEXT
-
-    # -- rewards -------------------------------------------------------------------------------
-
-    def component_names(self, reward_fn: Callable[..., Any] | None) -> list[str]:
-        """The ``reward_components`` names of a finished episode."""
-        names = [] if reward_fn is None else reward_component_names(reward_fn)
-        return [TURN_REWARDS, *names] if self.multi_turn else names
-
-    def final_scores(self, states: Sequence[EpisodeState],
-                     reward_fn: Callable[..., Any] | None) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
-        """The final reward of finished episodes on their agent tokens, by
-        :func:`textrl.envs.fast_path.score_completions` as the collector calls it: ``(total float32
-        [n], components name -> float32 [n], decoded agent tokens)``; zeros and no components
-        without a reward. Rows with ``"messages"`` and multi-turn episodes are conversational
-        (TRL's convention: the rewards get the prompt's messages, and a multi-turn episode's
-        messages after the prompt as its completion); each kind is scored in its own call, so a
-        row's score never depends on the rows beside it. Multi-turn episodes also report the sum
-        of their turn rewards (``TURN_REWARDS``)."""
-        n = len(states)
-        completions = self.tokenizer.batch_decode([s.agent_tokens for s in states], skip_special_tokens=True)
-        total, components = torch.zeros(n), {}
-        if reward_fn is not None:
-            kinds: dict[bool, list[int]] = {}
-            for i, s in enumerate(states):
-                kinds.setdefault(self.multi_turn or "messages" in s.episode.row, []).append(i)
-            for conversational, rows in kinds.items():
-                scores = self._score([states[i] for i in rows], reward_fn, conversational)
-                index = torch.tensor(rows)
-                total[index] = scores.total
-                for name, value in scores.components.items():
-                    components.setdefault(name, torch.zeros(n))[index] = value
-        if self.multi_turn:
-            turn_sums = torch.stack([turn_reward_row(s, max(1, len(s.tokens))).sum() for s in states])
-            components = {TURN_REWARDS: turn_sums, **components}
-        return total, components, completions
-
-    def _score(self, states: Sequence[EpisodeState], reward_fn: Callable[..., Any], conversational: bool) -> Any:
-        ids = [s.agent_tokens for s in states]
-        width = max(1, max(len(t) for t in ids))
-        tokens = torch.zeros((len(ids), width), dtype=torch.long)
-        mask = torch.zeros((len(ids), width), dtype=torch.bool)
-        for i, t in enumerate(ids):
-            tokens[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-            mask[i, : len(t)] = True
-        names = list(dict.fromkeys(k for s in states for k in s.fields))
-        return score_completions(
-            reward_fn, [s.prompt_text for s in states], tokens, mask, tokenizer=self.tokenizer,
-            truncated=torch.tensor([s.end != DONE for s in states]),
-            fields={k: [s.fields.get(k) for s in states] for k in names},
-            conversations=[s.episode.messages[: s.episode.prompt_messages] for s in states] if conversational else None,
-            completion_messages=[s.episode.completions for s in states] if self.multi_turn else None,
-        )
-
-    def placed(self, s: EpisodeState, final: torch.Tensor, width: int, placement: str) -> torch.Tensor:
-        """Per-token rewards float32 ``[width]`` of a finished episode (as the collector places
-        them): single turn, the score placed by :func:`textrl.envs.place_score` on the agent
-        tokens; multi-turn, ``"last"`` puts each turn reward on its turn's last agent token and the
-        final reward on the episode's, ``"uniform"`` spreads their sum over the agent tokens."""
-        turn = turn_reward_row(s, width)
-        agent = torch.zeros(width, dtype=torch.bool)
-        agent[: len(s.agent)] = torch.tensor(s.agent, dtype=torch.bool)
-        final = final.reshape(1).to(torch.float32)
-        if not self.multi_turn:
-            return place_score(turn.sum().reshape(1) + final, agent.unsqueeze(0), placement)[0]
-        if placement == "uniform":
-            return torch.where(agent, (turn.sum() + final) / agent.sum(), 0.0)
-        return turn.scatter_add(0, torch.tensor([s.last_agent]), final)
-
-
-def turn_reward_row(s: EpisodeState, width: int) -> torch.Tensor:
-    """float32 ``[width]``: each turn reward of ``s`` at its position, 0 elsewhere."""
-    row = torch.zeros(width, dtype=torch.float32)
-    for pos, value in s.rewards.items():
-        row[pos] = value
-    return row
 
 
 # --------------------------------------------------------------------------------------------
@@ -573,7 +352,7 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
     def _finish(self, s: EpisodeState) -> tuple[float, dict[str, Any]]:
         """Score the finished episode as the fast path / collector do (a one-row batch): the
         final step's reward and ``info``."""
-        final, components, completions = self.dynamics.final_scores([s], self.reward_fn)
+        final, components, completions, _ = self.dynamics.final_scores([s], self.reward_fn)
         width = self.max_episode_tokens
         per_token = self.dynamics.placed(s, final[0], width, self.reward_placement)  # [W]
         turn = turn_reward_row(s, width)
@@ -662,13 +441,10 @@ def register() -> None:
 __all__ = [
     "ENV_ID",
     "TIME_LIMIT_CAP",
-    "EpisodeDynamics",
-    "EpisodeState",
     "TimeLimitCap",
     "TokenMDPEnv",
     "check_action",
     "register",
     "register_gym_id",
     "environment_and_rows",
-    "turn_reward_row",
 ]

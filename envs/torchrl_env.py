@@ -1,7 +1,7 @@
 """``TextGenEnv``: the token MDP as a batched TorchRL environment (``batch_size=[B]``).
 
 Each of the ``B`` rows is one episode of :class:`textrl.envs.TokenMDPEnv`'s MDP, with the same
-rules (:class:`textrl.envs.token_mdp.EpisodeDynamics`): the action is the next token id
+rules (:class:`textrl.envs.episodes.EpisodeDynamics`): the action is the next token id
 (``Categorical(vocab_size)``). Without an environment a row terminates on EOS and is truncated
 after ``max_new_tokens`` actions, and its task reward (scored by the same
 :func:`textrl.envs.score_completions` as the fast path) is paid on its final step. With an
@@ -61,11 +61,11 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
-from textrl.envs.collector import default_episode_tokens
 from textrl.envs.environment import Environment
+from textrl.envs.episodes import DONE, EpisodeDynamics, EpisodeState, default_episode_tokens
 from textrl.envs.fast_path import DEFAULT_REWARD, PLACEMENTS, RewardLike, place_score
 from textrl.envs.prompt_table import TokenMDPSetup
-from textrl.envs.token_mdp import DONE, EpisodeDynamics, EpisodeState, environment_and_rows
+from textrl.envs.token_mdp import environment_and_rows
 
 from textrl.checks import check_rollout
 from textrl.keys import END_REASONS, KEYS, RolloutKeys
@@ -350,7 +350,7 @@ class TextGenEnv(TokenMDPSetup, EnvBase):
         ``[B, 1]`` in place) and return the components of every row (0 for the others)."""
         b = self.batch_size[0]
         states = [self._states[r] for r in finished]
-        total, scores, _ = self.dynamics.final_scores(states, self.reward_fn)  # type: ignore[arg-type]
+        total, scores, _, _ = self.dynamics.final_scores(states, self.reward_fn)  # type: ignore[arg-type]
         index = torch.tensor(finished, device=self.device)
         reward[index, 0] = reward[index, 0] + total.to(self.device)
         components = {}

@@ -346,7 +346,7 @@ def environment(config: TrainConfig):
 def episode_tokens(config: TrainConfig, env) -> int:
     """The cap of an episode's tokens after the prompt: ``max_episode_tokens``, else the
     environment's default (``max_new_tokens`` for a single turn)."""
-    from textrl.envs.collector import default_episode_tokens
+    from textrl.envs.episodes import default_episode_tokens
 
     if config.max_episode_tokens is not None:
         return config.max_episode_tokens
