@@ -17,6 +17,7 @@ edits a list.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import inspect
 from collections.abc import Callable
@@ -218,10 +219,31 @@ def task_environment(env: str | Environment | None = None, dataset: Any = None,
             raise ValueError(f"env_args {sorted(settings)} given with a --dataset: they are settings of an "
                              "environment; use --env")
         return PromptTask(load_prompts(dataset), DATASET_REWARD if reward is None else reward, id="dataset")
-    environment = make_env(DEFAULT_ENV if env is None else env, **settings)
+    # a run's own shallow copy: setting its reward leaves the built (or the caller's) instance alone
+    environment = copy.copy(_built(DEFAULT_ENV if env is None else env, env_args, settings))
     if reward is not None:
         environment.reward = reward
     return environment
+
+
+_BUILT: dict[tuple[str, str | None], Environment] = {}
+"""The latest environments built from a spec, their rows generated: a run resolves its environment
+several times (its checks, its set-up, the warm-up) and each gets a shallow copy, so each spec is
+built, and its rows generated, once per process."""
+_BUILT_KEPT = 4
+
+
+def _built(env: str | Environment, env_args: str | None, settings: dict[str, Any]) -> Environment:
+    if not isinstance(env, str):
+        return make_env(env, **settings)
+    key = (env, env_args)
+    if key not in _BUILT:
+        if len(_BUILT) >= _BUILT_KEPT:
+            _BUILT.pop(next(iter(_BUILT)))
+        built = make_env(env, **settings)
+        built.rows(), built.eval_rows()  # generated now, on the instance every copy shares
+        _BUILT[key] = built
+    return _BUILT[key]
 
 
 def split_rows(env: Environment, eval_size: int, seed: int) -> tuple[Any, Any]:

@@ -88,3 +88,32 @@ def test_split_uses_the_environments_own_held_out_rows_when_it_has_them():
     train, held_out = split_rows(digits, eval_size=32, seed=0)
     assert len(held_out) == 32 and len(train) == len(digits.rows()) - 32
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+
+
+def test_a_run_gets_its_own_copy_of_an_environment_built_once(tmp_path):
+    path = tmp_path / "counted_env.py"
+    path.write_text(textwrap.dedent('''
+        from textrl.envs import Environment
+
+        class Counted(Environment):
+            built = 0
+            rows_made = 0
+
+            def __init__(self):
+                type(self).built += 1
+                self._rows = None
+
+            def rows(self):
+                if self._rows is None:
+                    type(self).rows_made += 1
+                    self._rows = [{"prompt": f"p{i}"} for i in range(4)]
+                return self._rows
+    '''))
+    first = task_environment(f"{path}:Counted")
+    second = task_environment(f"{path}:Counted", reward="tag_count")
+    cls = type(first)
+    assert (cls.built, cls.rows_made) == (1, 1)  # checks, set-up and warm-up share one build and its rows
+    assert first is not second and first.reward is None and second.reward == "tag_count"
+    mine = make_env(f"{path}:Counted")
+    task_environment(mine, reward="accuracy")
+    assert mine.reward is None  # the caller's own instance is left as it is
