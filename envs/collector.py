@@ -35,6 +35,7 @@ from textrl.envs.fast_path import (
     PLACEMENTS,
     RewardLike,
     as_reward_fn,
+    flag_nonfinite,
     special_ids,
 )
 from torch import Tensor
@@ -205,15 +206,8 @@ class EpisodeRunner:
             },
             batch_size=[b],
         )
-        if self.reward_nonfinite != "raise":
-            if self.reward_nonfinite == "drop":
-                if bool(nonfinite.all()):
-                    from textrl.rewards import RewardError
-
-                    raise RewardError(f"every one of the {b} rows got a NaN/inf reward, so reward_nonfinite="
-                                      "'drop' leaves nothing to train on; fix the reward function")
-                td, nonfinite = td[~nonfinite], nonfinite[~nonfinite]
-            td.set(KEYS.reward_nonfinite, nonfinite)
+        if self.reward_nonfinite != "raise":  # NaN/inf rewards counted as 0: flagged, or dropped
+            td = flag_nonfinite(td, nonfinite, self.reward_nonfinite)
         return check_rollout(td.to(device))
 
 

@@ -405,17 +405,24 @@ def rollout_from_responses(
         device=responses.device,
     )
     if scores.nonfinite is not None:
-        bad = scores.nonfinite.to(responses.device)
-        if reward_nonfinite == "drop":
-            if bool(bad.all()):
-                raise RewardError(
-                    f"every one of the {b} rows got a NaN/inf task reward, so reward_nonfinite="
-                    "'drop' leaves nothing to train on; fix the reward function"
-                )
-            td = td[~bad]
-            bad = bad[~bad]
-        td.set(keys.reward_nonfinite, bad)
+        td = flag_nonfinite(td, scores.nonfinite.to(responses.device), reward_nonfinite, keys)
     return check_rollout(td, keys)
+
+
+def flag_nonfinite(td: TensorDict, bad: Tensor, policy: str, keys: RolloutKeys = KEYS) -> TensorDict:
+    """The rollout rows under a ``'zero'`` or ``'drop'`` NaN/inf reward policy, ``bad`` bool
+    ``[B]`` marking the rows whose reward was NaN/inf (and set to 0): ``'zero'`` keeps them,
+    ``'drop'`` leaves them out (a :class:`textrl.rewards.RewardError` when no row is left); either
+    way ``keys.reward_nonfinite`` marks the zeroed rows that remain."""
+    if policy == "drop":
+        if bool(bad.all()):
+            raise RewardError(
+                f"every one of the {bad.numel()} rows got a NaN/inf task reward, so reward_nonfinite="
+                "'drop' leaves nothing to train on; fix the reward function"
+            )
+        td, bad = td[~bad], bad[~bad]
+    td.set(keys.reward_nonfinite, bad)
+    return td
 
 
 __all__ = [
@@ -425,6 +432,7 @@ __all__ = [
     "Scores",
     "as_reward_fn",
     "default_tokenizer",
+    "flag_nonfinite",
     "place_score",
     "reward_component_names",
     "rollout_from_responses",
