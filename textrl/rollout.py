@@ -77,7 +77,7 @@ def episode_runner(
     )
 
 
-def _episodes(agent: Any, batch: Any, runner: Any, greedy: bool, timings: dict[str, float] | None) -> TensorDictBase:
+def run_episodes(agent: Any, batch: Any, runner: Any, greedy: bool, timings: dict[str, float] | None) -> TensorDictBase:
     """The runner's episodes of ``batch``, the agent generating every turn."""
     device = torch.device(agent.device)
 
@@ -124,7 +124,7 @@ def collect(
     # 1.-2. rollout and rewards: every turn generated (timed as generation), the environment's
     # answers and the final reward (timed as reward)
     runner = episode_runner(agent, batch, env, reward_placement, max_new_tokens, reward_nonfinite)
-    td = _episodes(agent, batch, runner, greedy=False, timings=timings)
+    td = run_episodes(agent, batch, runner, greedy=False, timings=timings)
     # 3. log-probs, values, advantages
     process = getattr(agent, "process_rollout", None)
     if callable(process):
@@ -158,7 +158,7 @@ def evaluate_prompts(
     runner = None
     for batch in prompt_batches:
         runner = runner or episode_runner(agent, batch, env, "last", max_new_tokens, reward_nonfinite)
-        td = _episodes(agent, batch, runner, greedy=greedy, timings=None)
+        td = run_episodes(agent, batch, runner, greedy=greedy, timings=None)
         turns.append(td.get(KEYS.turns).float().cpu())
         ends.append(td.get(KEYS.end_reason).cpu())
         scores.append(td.get(SCORE_KEY).float().cpu())
@@ -195,4 +195,4 @@ def episode_metrics(turns: torch.Tensor, ends: torch.Tensor) -> dict[str, float]
     return out
 
 
-__all__ = ["PHASES", "SCORE_KEY", "collect", "episode_metrics", "episode_runner", "evaluate_prompts"]
+__all__ = ["PHASES", "SCORE_KEY", "collect", "episode_metrics", "episode_runner", "evaluate_prompts", "run_episodes"]

@@ -428,9 +428,9 @@ def evaluate(agent, eval_batches, episodes, seed: int, reward_nonfinite: str = "
 def sample_completions(agent, batch, episodes, n: int = 4) -> list[dict[str, str]]:
     """Greedy episodes of the first ``n`` prompts of an eval batch, for ``samples.jsonl``: the
     completion is every token after the prompt (the environment's observations included)."""
-    from textrl.rollout import _episodes
+    from textrl.rollout import run_episodes
 
-    td = _episodes(agent, batch.select(slice(0, n)), episodes, greedy=True, timings=None)
+    td = run_episodes(agent, batch.select(slice(0, n)), episodes, greedy=True, timings=None)
     seen = td.get(KEYS.response_mask, td.get(KEYS.mask))
     ids = [row[m].tolist() for row, m in zip(td.get(KEYS.action).cpu(), seen.cpu())]
     texts = agent.tokenizer.batch_decode(ids, skip_special_tokens=True)
