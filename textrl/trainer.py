@@ -376,13 +376,11 @@ def check_context(config: TrainConfig, agent, *prompt_sets, budget: int | None =
                           max_new_tokens=budget or config.max_new_tokens, max_prompt_length=config.max_prompt_length)
 
 
-def reward_spec(config: TrainConfig, env=None) -> str:
-    """The reward spec of ``--reward`` (else the environment's, when it is a spec string) plus
+def reward_spec(config: TrainConfig, env) -> str:
+    """The reward spec of the run's environment (``--reward`` when given, which
+    :func:`environment` already set as its reward; '' when its reward is not a spec string) plus
     ``--reward-model`` (as 'reward_model:PATH')."""
-    spec = config.reward
-    if spec is None:
-        own = getattr(env if env is not None else environment(config), "reward", None)
-        spec = own if isinstance(own, str) else ""
+    spec = env.reward if isinstance(env.reward, str) else ""
     if config.reward_model:
         spec = f"{spec},reward_model:{config.reward_model}" if spec else f"reward_model:{config.reward_model}"
     return spec
