@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchrl.objectives.value.functional import generalized_advantage_estimate
 
+from textrl import testing
 from textrl.functional.advantages import (
     gae,
     grpo_advantage,
@@ -19,43 +20,20 @@ SETTINGS = settings(max_examples=40, deadline=None)
 
 @st.composite
 def ragged_batch(draw):
-    """rewards, values [B, T] float64, a prefix mask with per-row lengths 1..T, gamma, lam."""
-    b = draw(st.integers(1, 5))
-    t = draw(st.one_of(st.integers(1, 12), st.integers(13, 70)))  # > 32: several scan blocks
-    lengths = draw(st.lists(st.integers(1, t), min_size=b, max_size=b))
+    """rewards, values [B, T] float64, a single-turn (prefix) mask drawn by textrl.testing, gamma, lam."""
+    mask = draw(testing.masks(batch=(1, 5), time=(1, 70), multi_turn=False))  # T > 32: several scan blocks
+    rewards = draw(testing.float_tensors(mask.shape))
+    values = draw(testing.float_tensors(mask.shape))
     gamma = draw(st.sampled_from([0.0, 0.5, 0.9, 0.99, 1.0]))
     lam = draw(st.sampled_from([0.0, 0.5, 0.95, 1.0]))
-    seed = draw(st.integers(0, 2**31 - 1))
-    g = torch.Generator().manual_seed(seed)
-    rewards = torch.randn(b, t, generator=g, dtype=torch.float64)
-    values = torch.randn(b, t, generator=g, dtype=torch.float64)
-    mask = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]
     return rewards, values, mask, gamma, lam
-
-
-def reference_gae(rewards, values, mask, gamma, lam):
-    """Plain double loop: per row, backwards over its valid tokens only."""
-    b, t = rewards.shape
-    adv = torch.zeros(b, t, dtype=torch.float64)
-    for i in range(b):
-        n = int(mask[i].sum())
-        last = 0.0
-        for j in reversed(range(n)):
-            next_v = float(values[i, j + 1]) if j + 1 < n else 0.0
-            delta = float(rewards[i, j]) + gamma * next_v - float(values[i, j])
-            last = delta + gamma * lam * last
-            adv[i, j] = last
-    return adv, torch.where(mask, adv + values, torch.zeros(()).double())
 
 
 @SETTINGS
 @given(ragged_batch())
 def test_gae_matches_python_loop(batch):
     rewards, values, mask, gamma, lam = batch
-    adv, ret = gae(rewards, values, mask, gamma, lam)
-    ref_adv, ref_ret = reference_gae(rewards, values, mask, gamma, lam)
-    torch.testing.assert_close(adv, ref_adv)
-    torch.testing.assert_close(ret, ref_ret)
+    testing.check_agrees_with_reference(gae, testing.reference_gae, rewards, values, mask, gamma, lam)
 
 
 @SETTINGS
@@ -140,7 +118,7 @@ def test_gae_edge_shapes(shape):
     if shape[0] > 0 and shape[1] > 2:
         mask[0, shape[1] - 2 :] = False
     adv, ret = gae(rewards, values, mask, 0.9, 0.8)
-    ref_adv, ref_ret = reference_gae(rewards, values, mask, 0.9, 0.8)
+    ref_adv, ref_ret = testing.reference_gae(rewards, values, mask, 0.9, 0.8)
     torch.testing.assert_close(adv, ref_adv)
     torch.testing.assert_close(ret, ref_ret)
 
@@ -255,3 +233,17 @@ def test_group_advantages_reject_bad_input():
         grpo_advantage(torch.zeros(4, 1), group_size=2)
     with pytest.raises(ValueError, match="scores .*float"):
         rloo_advantage(torch.zeros(4, dtype=torch.long), group_size=2)
+
+
+@SETTINGS
+@given(testing.groups(group_size=(1, 8)))
+def test_grpo_matches_reference_loop(case):
+    scores, k = case
+    testing.check_agrees_with_reference(grpo_advantage, testing.reference_grpo_advantages, scores, k)
+
+
+@SETTINGS
+@given(testing.groups(group_size=(2, 8)))
+def test_rloo_matches_reference_loop(case):
+    scores, k = case
+    testing.check_agrees_with_reference(rloo_advantage, testing.reference_rloo_advantages, scores, k)
