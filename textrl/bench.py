@@ -59,16 +59,16 @@ from textrl.bench_runs import read_run
 from textrl.config import TrainConfig
 
 DEFAULT_BENCH: dict[str, Any] = {
-    "agents": ("gae_ppo", "grpo", "rloo", "one_step_ppo"),
-    "envs": ("digits", "guess_number"),
-    "seeds": (0, 1, 2),
-    "token_budget": 49152,
+    "agents": "gae_ppo,grpo,rloo,one_step_ppo",
+    "envs": "digits,guess_number",
+    "seeds": "0,1,2",
+    "token_budget": 81920,
     "settings": {"eval_every": 0},
 }
-"""What ``textrl bench`` with no arguments runs (sized to finish within 15 minutes on 2 CPU cores
-with ``--jobs 2 --threads 1``): agents, environments, seeds, generated tokens per run, and
-TrainConfig overrides for every run (on top of the embedded default ``TrainConfig()``)."""
-DEFAULT_SEEDS = DEFAULT_BENCH["seeds"]
+"""What ``textrl bench`` with no arguments runs, as its options would be typed (sized to finish
+within 15 minutes on 2 CPU cores with ``--jobs 2 --threads 1``): agents, environments, seeds,
+generated tokens per run, and TrainConfig overrides for every run (on top of the embedded default
+``TrainConfig()``)."""
 WARMUP_FIELDS = ("model", "tokenizer", "env", "env_args", "dataset", "reward", "seed", "eval_size",
                  "max_prompt_length", "warmup_sft_steps", "warmup_sft_lr", "warmup_sft_batch_size",
                  "warmup_answer_accuracy", "device")
@@ -145,7 +145,7 @@ def resolve_agents(names: Sequence[str] | None, settings: dict[str, Any]) -> tup
     from textrl.agents import agent_names
 
     if names is None:
-        names = list(DEFAULT_BENCH["agents"])
+        names = _names(DEFAULT_BENCH["agents"])
     every = list(names) == [ALL_AGENTS]
     ok, skipped = [], {}
     for name in agent_names() if every else names:
@@ -308,12 +308,14 @@ def compare_agents(
         log: progress messages.
         **settings: :class:`TrainConfig` fields for every run.
 
-    Returns ``{"runs", "report", "normalisation", "skipped", "markdown", "files", "wall_s", ...}``.
+    Returns ``{"agents": [{"agent", "spec"}], "tables": {env: raw table rows}, "runs": every run's
+    figures, "report": the statistics (None when none), "normalisation", "skipped", "markdown",
+    "fingerprints", "files", "wall_s"}``.
     """
     from textrl.run.lock import RunFolderLock
 
     start = time.perf_counter()
-    seeds = list(DEFAULT_BENCH["seeds"] if seeds is None else seeds)
+    seeds = _seeds(DEFAULT_BENCH["seeds"]) if seeds is None else list(seeds)
     if not seeds:
         raise ValueError("seeds is empty; give at least one seed (--seeds 0,1,2)")
     env_setting = settings.pop("env", None)
@@ -323,7 +325,7 @@ def compare_agents(
         envs = [env_setting]
     if token_budget is None and "iterations" not in settings:
         token_budget = DEFAULT_BENCH["token_budget"]
-    env_list = list(DEFAULT_BENCH["envs"] if envs is None else envs)
+    env_list = _names(DEFAULT_BENCH["envs"]) if envs is None else list(envs)
     common = run_settings(settings)
     names, skipped = resolve_agents(agents, common)
     env_info = describe_envs(env_list, common)
@@ -403,6 +405,8 @@ def _report(runs: list[dict[str, Any]], names: Sequence[str], env_list: Sequence
     (output_dir / "report.md").write_text(text)
     files = [output_dir / "report.md", *plots, output_dir / "results.json"]
     result = {
+        "agents": [{"agent": run_label(spec), "spec": spec} for spec in names],
+        "tables": {env: bench_report.aggregate([r for r in runs if r["env"] == env]) for env in env_list},
         "runs": runs, "report": report, "skipped": skipped, "markdown": text, "wall_s": wall_s,
         "normalisation": {"envs": normalised["envs"], "highs": normalised["highs"], "notes": normalised["notes"],
                           "seeds": normalised["seeds"]},
@@ -439,10 +443,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DEFAULT_BENCH
     parser.add_argument("--agents", type=_names, default=None,
                         help=f"comma-separated agents: registered names, path/to/file.py:Class, or 'all' "
-                             f"(default: {','.join(d['agents'])})")
+                             f"(default: {d['agents']})")
     parser.add_argument("--envs", type=_names, default=None,
                         help=f"comma-separated environments: registered ids or any --env spec "
-                             f"(default: {','.join(d['envs'])})")
+                             f"(default: {d['envs']})")
     parser.add_argument("--seeds", type=_seeds, default=None,
                         help=f"comma-separated seeds (default: {','.join(map(str, d['seeds']))})")
     parser.add_argument("--token-budget", type=int, default=None,

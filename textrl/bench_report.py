@@ -228,7 +228,7 @@ def plot_learning_curves(runs: Sequence[dict[str, Any]], envs: Sequence[str], pa
             x = np.linspace(low, high, 50) if high > low else np.array([low])
             ys = np.array([np.interp(x, r["tokens_so_far"], r["train_reward"]) for r in group])
             mean, std = ys.mean(0), ys.std(0)
-            (line,) = ax.plot(x, mean, label=f"{agent} ({len(group)} seeds)")
+            (line,) = ax.plot(x, mean, marker="o" if len(x) == 1 else None, label=f"{agent} ({len(group)} seeds)")
             ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
         ax.set_title(env)
         ax.set_xlabel("generated tokens")

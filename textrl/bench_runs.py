@@ -28,8 +28,9 @@ from typing import Any
 
 RECORD = "bench_run.json"
 """A finished job's record in its folder: ``{"fingerprint", "wall_s", "peak_rss_mib", ...}``."""
-JOB_FILE = "bench_job.json"
-"""The job's description, written before it starts (what the worker reads)."""
+JOB_FILE = "bench_config.json"
+"""The job's description, written before it starts (what the worker reads): ``{"kind", "config",
+"fingerprint", "threads"}``."""
 LOG_FILE = "bench_log.txt"
 
 
