@@ -220,34 +220,40 @@ def iterations_for(token_budget: int, config: TrainConfig, max_turns: int) -> in
 
 def plan(agents: Sequence[str], envs: dict[str, dict[str, Any]], seeds: Sequence[int], output_dir: Path,
          settings: dict[str, Any], token_budget: int | None, warm: bool) -> dict[str, Any]:
-    """Every job of the comparison: ``{"warmups": [...], "runs": [...], "token_budget"}``, each a dict with ``kind``,
-    ``config`` (TrainConfig), ``fingerprint``, ``folder`` (and a run's ``agent``, ``env``, ``seed``,
-    ``warmup`` folder or None)."""
+    """Every job of the comparison: ``{"warmups": [...], "runs": [...], "token_budget"}``; a job is
+    a dict with ``kind``, ``config`` (TrainConfig), ``fingerprint``, ``folder`` (and a run's
+    ``agent``, ``env``, ``seed``, ``warmup`` folder or None)."""
     base = run_settings(settings)
-    warmups, runs = {}, []
+    warmups, runs = [], []
     for env, info in envs.items():
         probe = TrainConfig(**{**base, "env": env})
         iterations = iterations_for(token_budget, probe, info["max_turns"]) if token_budget else probe.iterations
         for seed in seeds:
             config = TrainConfig(**{**base, "env": env, "seed": seed, "iterations": iterations})
-            warm_job = None
-            if warm:
-                folder = output_dir / "warmup" / env_label(env) / f"seed{seed}"
-                warm_fp = bench_runs.fingerprint({k: config.to_dict()[k] for k in WARMUP_FIELDS})
-                warm_job = {"kind": "warmup", "config": replace(config, output_dir=str(folder)),
-                            "fingerprint": warm_fp, "folder": folder}
-                warmups[(env, seed)] = warm_job
-            for agent in agents:
-                folder = output_dir / "runs" / env_label(env) / run_label(agent) / f"seed{seed}"
-                run_config = replace(config, agent=agent, output_dir=str(folder)).validate()
-                described = {k: v for k, v in run_config.to_dict().items() if k != "output_dir"}
-                print_ = bench_runs.fingerprint({**described, "warmup": warm_job and warm_job["fingerprint"]})
-                if warm_job:
-                    run_config = replace(run_config, model=str(warm_job["folder"]), warmup_sft_steps=0)
-                runs.append({"kind": "run", "config": run_config, "fingerprint": print_, "folder": folder,
-                             "agent": run_label(agent), "env": env, "seed": seed,
-                             "warmup": warm_job and warm_job["folder"]})
-    return {"warmups": list(warmups.values()), "runs": runs, "token_budget": token_budget}
+            warm_job = warmup_job(config, output_dir / "warmup" / env_label(env) / f"seed{seed}") if warm else None
+            warmups += [warm_job] if warm_job else []
+            runs += [run_job(config, agent, output_dir, warm_job) for agent in agents]
+    return {"warmups": warmups, "runs": runs, "token_budget": token_budget}
+
+
+def warmup_job(config: TrainConfig, folder: Path) -> dict[str, Any]:
+    """The shared warm-up of ``config``'s (env, seed): fingerprinted by :data:`WARMUP_FIELDS`."""
+    print_ = bench_runs.fingerprint({k: getattr(config, k) for k in WARMUP_FIELDS})
+    return {"kind": "warmup", "config": replace(config, output_dir=str(folder)), "fingerprint": print_,
+            "folder": folder}
+
+
+def run_job(config: TrainConfig, agent: str, output_dir: Path, warm_job: dict[str, Any] | None) -> dict[str, Any]:
+    """The run of ``agent`` on ``config``'s (env, seed), validated; its fingerprint covers every
+    field but the folder, and its warm-up's fingerprint; it loads the warm-up's policy."""
+    folder = output_dir / "runs" / env_label(config.env) / run_label(agent) / f"seed{config.seed}"
+    run_config = replace(config, agent=agent, output_dir=str(folder)).validate()
+    described = {k: v for k, v in run_config.to_dict().items() if k != "output_dir"}
+    print_ = bench_runs.fingerprint({**described, "warmup": warm_job["fingerprint"] if warm_job else None})
+    if warm_job:
+        run_config = replace(run_config, model=str(warm_job["folder"]), warmup_sft_steps=0)
+    return {"kind": "run", "config": run_config, "fingerprint": print_, "folder": folder, "agent": run_label(agent),
+            "env": config.env, "seed": config.seed, "warmup": warm_job["folder"] if warm_job else None}
 
 
 def pending(jobs: Sequence[dict[str, Any]], fresh: bool, threads: int | None, log: Any) -> list[Path]:
@@ -328,6 +334,8 @@ def compare_agents(
     env_list = _names(DEFAULT_BENCH["envs"]) if envs is None else list(envs)
     common = run_settings(settings)
     names, skipped = resolve_agents(agents, common)
+    for name, why in skipped.items():
+        log(f"skipping {name}: {why}")
     env_info = describe_envs(env_list, common)
     output_dir = Path(output_dir)
     with RunFolderLock(output_dir):
