@@ -77,6 +77,12 @@ def test_failed_runs_and_gapless_envs_are_left_out_with_a_note():
     assert any("`a`: seed(s) [1] left out" in n for n in out["notes"])
 
 
+def test_runs_of_one_env_and_seed_that_measured_different_starts_are_noted():
+    runs = [record("a", "e", 0, 1.0, start=0.5), record("b", "e", 0, 1.0, start=0.25), record("a", "e", 1, 1.0)]
+    (note,) = bench_report.start_disagreements(runs)
+    assert note.startswith("`e` seed 0: its runs measured different start rewards [0.25, 0.5]")
+
+
 # -- the report's verdicts -----------------------------------------------------------------------
 
 
@@ -251,7 +257,7 @@ def test_two_agents_on_a_single_and_a_multi_turn_env_end_to_end(tmp_path):
         assert len(starts) == 1 and all(math.isfinite(r["normalised"]) for r in runs if r["env"] == env)
     text = (out / "report.md").read_text()
     assert "Not significant: `gae_ppo` vs `grpo` (one seed gives no interval; run more seeds)" in text
-    assert "`digits` 4 iterations, `guess_number` 1 iterations" in text
+    assert "`digits` 4 iterations, `guess_number` 1 iterations" in text and "min of runs and warm-ups" in text
     for name in ("learning_curves.png", "intervals.png", "profiles.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = json.loads((out / "results.json").read_text())

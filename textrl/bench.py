@@ -395,7 +395,18 @@ def setup_line(jobs_plan: dict[str, Any], env_list: Sequence[str], seeds: Sequen
             f"{c.n_samples_per_prompt}) of at most {c.max_new_tokens} tokens a turn; {per_env} ("
             + (f"a budget of {token_budget} generated tokens per run at most-length episodes" if token_budget
                else "iterations as set") + f"); {c.eval_size} held-out prompts; "
-            f"wall clock {wall_s / 60:.1f} min.")
+            f"wall clock {wall_s / 60:.1f} min ({_run_minutes(jobs_plan)} of runs and warm-ups, one core each).")
+
+
+def _run_minutes(jobs_plan: dict[str, Any]) -> str:
+    """The summed wall clock of the jobs' records (reused jobs included), e.g. ``"12.3 min"``."""
+    total = 0.0
+    for job in jobs_plan["warmups"] + jobs_plan["runs"]:
+        try:
+            total += json.loads((job["folder"] / bench_runs.RECORD).read_text()).get("wall_s") or 0.0
+        except (OSError, ValueError):
+            continue
+    return f"{total / 60:.1f} min"
 
 
 def _report(runs: list[dict[str, Any]], names: Sequence[str], env_list: Sequence[str],

@@ -66,7 +66,7 @@ def normalised_scores(
     seed and agents' seeds with a failed run are left out, each with a note."""
     highs = reference_highs(runs, envs, max_rewards)
     by_key = {(r["agent"], r["env"], r["seed"]): r for r in runs}
-    notes, kept_envs = [], []
+    notes, kept_envs = start_disagreements(runs), []
     for env in envs:
         high = highs[env][0]
         starts = [r["reward_start"] for r in runs if r["env"] == env and not r["error"]]
@@ -88,6 +88,18 @@ def normalised_scores(
             scores[agent] = np.array([[by_key[(agent, e, s)]["normalised"] for e in kept_envs] for s in good])
             kept_seeds[agent] = good
     return {"scores": scores, "envs": kept_envs, "seeds": kept_seeds, "highs": highs, "notes": notes}
+
+
+def start_disagreements(runs: Sequence[dict[str, Any]], tolerance: float = 1e-9) -> list[str]:
+    """A note per (env, seed) whose finished runs measured different start rewards (they all load
+    the same warmed-up policy and held-out split, so they should agree)."""
+    starts: dict[tuple[str, int], list[float]] = {}
+    for r in runs:
+        if not r["error"]:
+            starts.setdefault((r["env"], r["seed"]), []).append(r["reward_start"])
+    return [f"`{env}` seed {seed}: its runs measured different start rewards {sorted(set(values))}; each run "
+            "is normalised by its own" for (env, seed), values in starts.items()
+            if max(values) - min(values) > tolerance]
 
 
 def compare_scores(normalised: dict[str, Any], reps: int = 2000, seed: int = 0) -> dict[str, Any] | None:
