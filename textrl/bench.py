@@ -1,31 +1,43 @@
-"""Agent comparison: several agents x seeds on one task, reward, prompt split and token budget.
+"""``textrl bench``: agents x environments x seeds at an equal token budget, with honest statistics.
 
-:func:`compare_agents` trains every (agent, seed) pair with :func:`textrl.trainer.train` (each in
-its own subprocess by default, so that its peak memory is its own), reads each run's
-``metrics.jsonl`` and ``summary.json``, and writes to ``output_dir``:
+:func:`compare_agents` trains every (agent, environment, seed) with :func:`textrl.trainer.train`,
+each run in its own process, ``--jobs`` at a time, and writes to ``output_dir``:
 
-- ``results.md``: one row per agent, mean +- std over seeds of the final held-out reward (sampled,
-  and its change from the start), held-out accuracy, KL to the reference, response length,
-  seconds per iteration, generated tokens per second and peak memory (RSS high-water);
-- ``reward_vs_iteration.png`` and ``reward_vs_time.png``: the rollout reward (task score, before
-  KL shaping) per iteration and against training wall-clock, mean over seeds with a +-1 std band;
-- ``results.json``: every run's figures and the aggregates;
-- ``runs/<agent>/seed<k>/``: each run's own outputs (``metrics.jsonl``, ``summary.json``, ...).
+- ``report.md``: the set-up line, which differences between agents are significant (in words),
+  the statistics of Agarwal et al. 2021 ("Deep RL at the Edge of the Statistical Precipice", via
+  :mod:`textrl.stats`): per environment the mean normalised score with stratified-bootstrap 95%
+  intervals; across environments the interquartile mean (IQM), mean, median and optimality gap
+  with intervals, the probability of improvement of each pair with its interval; then the raw
+  table per environment (mean ± std over seeds);
+- ``learning_curves.png`` (a panel per environment: rollout reward against generated tokens, mean
+  ± std over seeds), ``intervals.png`` (each agent's aggregates with their intervals) and
+  ``profiles.png`` (performance profiles with bootstrap bands);
+- ``results.json``: every run's figures, the statistics' report, the config fingerprints;
+- ``warmup/<env>/seed<k>/`` and ``runs/<env>/<agent>/seed<k>/``: the jobs' own folders.
 
-Fairness: for a seed, every agent starts from the same policy (one supervised format warm-up per
-seed, saved under ``warmup/seed<k>/`` and loaded by every agent's run), sees the same prompt
-split and reward, and samples the same number of responses per iteration of at most
-``max_new_tokens`` tokens for the same number of iterations: the same budget of generated tokens
-(``iterations x rollout_batch_size x max_new_tokens``; the table also gives the tokens actually
-generated, which differ with response length). An agent is a registered name (by default every
-registered agent runs) or ``path/to/file.py:Class`` (passed as given to each run's subprocess);
-agents that resolve to nothing (or are rejected by :meth:`TrainConfig.validate` with the common
-settings) are skipped with a note; a run that fails is reported in the table, and the other runs go on.
+Scores (:mod:`textrl.bench_report`): a run's normalised score is the share of the gap it closed,
+``(final held-out reward - start) / (max_reward - start)``, where start is its (env, seed)'s shared
+warmed-up policy's held-out reward: 0 = no progress, 1 = the environment's maximum. An environment
+without ``max_reward`` (or run with another ``--reward``) is normalised by the best final reward any
+agent reached on it.
+
+Fairness: every agent of an (env, seed) starts from the same policy (one supervised format
+warm-up per (env, seed), saved under ``warmup/`` and loaded by its runs), sees the same prompt
+split and reward, and runs the same number of iterations: the budget of generated tokens
+(``--token-budget``) divided by the rollout size (``prompts_per_iteration x n_samples_per_prompt``)
+and the per-episode cap (``max_new_tokens x`` the environment's ``max_turns``, at most
+``max_episode_tokens``), rounded up.
+
+Resuming: a job whose folder holds a complete record with the same config fingerprint is reused;
+one with another config, or incomplete (killed, failed), is rerun (the log says which); ``--fresh``
+reruns everything. The output folder is locked for the whole comparison: a second ``textrl bench``
+on it is refused with a message naming the holder.
 
 Command line (``textrl bench`` wires :func:`add_arguments` and :func:`run`)::
 
-    python -m textrl.bench --agents gae_ppo,one_step_ppo --seeds 0,1,2 --iterations 40
-    python -m textrl.bench --agents gae_ppo,my_agent.py:MyAgent --seeds 0
+    textrl bench                                    # DEFAULT_BENCH: within 15 min on 2 CPU cores
+    textrl bench --agents gae_ppo,grpo --envs digits,guess_number --seeds 0,1,2 --token-budget 100000
+    textrl bench --agents all --envs arithmetic --jobs 4 --threads 1 --fresh
 """
 
 from __future__ import annotations
@@ -34,10 +46,7 @@ import argparse
 import json
 import math
 import os
-import resource
-import shutil
-import statistics
-import subprocess
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -45,149 +54,36 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
+from textrl import bench_report, bench_runs
+from textrl.bench_runs import read_run
 from textrl.config import TrainConfig
 
-DEFAULT_SEEDS = (0, 1, 2)
-DEFAULT_SETTINGS: dict[str, Any] = {"iterations": 40, "eval_every": 10}
-"""Overrides of the embedded default (``TrainConfig()``) for a run that fits ~10 min on 2 CPU cores."""
-RUN_RECORD = "bench_run.json"
-"""What a run's process writes next to its outputs: wall-clock seconds and peak RSS."""
+DEFAULT_BENCH: dict[str, Any] = {
+    "agents": "gae_ppo,grpo,rloo,one_step_ppo",
+    "envs": "digits,guess_number",
+    "seeds": "0,1,2",
+    "token_budget": 81920,
+    "settings": {"eval_every": 0},
+}
+"""What ``textrl bench`` with no arguments runs, as its options would be typed (sized to finish
+within 15 minutes on 2 CPU cores with ``--jobs 2 --threads 1``): agents, environments, seeds,
+generated tokens per run, and TrainConfig overrides for every run (on top of the embedded default
+``TrainConfig()``)."""
+WARMUP_FIELDS = ("model", "tokenizer", "env", "env_args", "dataset", "reward", "seed", "eval_size",
+                 "max_prompt_length", "warmup_sft_steps", "warmup_sft_lr", "warmup_sft_batch_size",
+                 "warmup_answer_accuracy", "device")
+"""The config fields a warm-up depends on (its fingerprint)."""
+ALL_AGENTS = "all"
 
 
-# -- one run -------------------------------------------------------------------------------------
-
-
-def peak_rss_mib() -> float:
-    """This process's resident-set high-water mark in MiB (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
-
-
-def _train_and_record(config: TrainConfig, threads: int | None = None) -> dict[str, float]:
-    """Train in this process (with ``threads`` torch threads); write and return ``{"wall_s", "peak_rss_mib"}``."""
-    import torch
-
-    from textrl.trainer import train
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads or previous)
-    start = time.perf_counter()
-    try:
-        train(config)
-    finally:
-        torch.set_num_threads(previous)
-    record = {"wall_s": time.perf_counter() - start, "peak_rss_mib": peak_rss_mib()}
-    (Path(config.output_dir) / RUN_RECORD).write_text(json.dumps(record))
-    return record
-
-
-def run_training(config: TrainConfig, isolate: bool = True, threads: int | None = None) -> dict[str, Any]:
-    """Train one run; return ``{"wall_s", "peak_rss_mib", "error"}`` (error None on success).
-
-    ``isolate``: in a fresh ``python -m textrl.bench --worker`` process (peak memory is the run's
-    own); otherwise in this process (peak memory is this process's high-water mark so far).
-    The run's folder is emptied first; its console output goes to ``bench_log.txt`` there.
-    ``threads``: torch intra-op threads of the run (None: torch's default, one per core).
-    """
-    out = Path(config.output_dir)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    if not isolate:
-        try:
-            return {**_train_and_record(config, threads), "error": None}
-        except Exception as err:  # noqa: BLE001 - reported in the table, the other runs go on
-            return {"wall_s": math.nan, "peak_rss_mib": math.nan, "error": f"{type(err).__name__}: {err}"}
-    config_path = out / "bench_config.json"
-    config_path.write_text(json.dumps({"config": config.to_dict(), "threads": threads}))
-    with (out / "bench_log.txt").open("w") as log:
-        proc = subprocess.run(
-            [sys.executable, "-m", "textrl.bench", "--worker", str(config_path)],
-            stdout=log, stderr=subprocess.STDOUT, check=False,
-        )
-    record_path = out / RUN_RECORD
-    if proc.returncode != 0 or not record_path.is_file():
-        lines = (out / "bench_log.txt").read_text(errors="replace").strip().splitlines()
-        return {"wall_s": math.nan, "peak_rss_mib": math.nan,
-                "error": f"exit {proc.returncode}: {lines[-1] if lines else 'no output'} (see {out / 'bench_log.txt'})"}
-    return {**json.loads(record_path.read_text()), "error": None}
-
-
-def read_run(output_dir: str | Path) -> dict[str, Any]:
-    """A finished run's figures from its ``metrics.jsonl`` and ``summary.json``.
-
-    Scalars: ``reward`` / ``accuracy`` / ``response_length`` (held-out, sampled, at the end),
-    ``reward_start`` (held-out before training), ``kl`` (``kl/before_update`` of the last
-    iteration), ``seconds_per_iteration`` (median, evaluation time excluded), ``tokens_per_second``
-    and ``tokens`` (generated, in total). Curves: ``iterations``, ``train_reward`` (the rollout's
-    task score per iteration) and ``elapsed_s`` (cumulative training seconds, evaluations included).
-    """
-    out = Path(output_dir)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    if not rows:
-        raise ValueError(f"{out / 'metrics.jsonl'} is empty: the run logged no iteration")
-    summary = json.loads((out / "summary.json").read_text())
-    after, before = summary.get("after") or {}, summary.get("before") or {}
-    nan = math.nan
-    train_s = [r["time/iteration_s"] - r.get("time/eval_s", 0.0) for r in rows]
-    elapsed, total = [], 0.0
-    for r in rows:
-        total += r["time/iteration_s"]
-        elapsed.append(total)
-    return {
-        "reward": after.get("eval/sampled/reward/mean", nan),
-        "reward_start": before.get("eval/sampled/reward/mean", nan),
-        "accuracy": after.get("eval/sampled/accuracy", nan),
-        "response_length": after.get("eval/sampled/response_length/mean", nan),
-        "kl": rows[-1].get("kl/before_update", nan),
-        "seconds_per_iteration": statistics.median(train_s),
-        "tokens_per_second": sum(r["tokens"] for r in rows) / sum(train_s),
-        "tokens": sum(r["tokens"] for r in rows),
-        "iterations": [r["iteration"] for r in rows],
-        "train_reward": [r["reward/mean"] for r in rows],
-        "elapsed_s": elapsed,
-    }
-
-
-# -- set-up --------------------------------------------------------------------------------------
-
-
-def default_agents() -> list[str]:
-    """Agents compared by default: every registered one (:func:`textrl.agents.agent_names`)."""
-    from textrl.agents import agent_names
-
-    return agent_names()
-
-
-def available_agents(names: Sequence[str], settings: dict[str, Any] | None = None) -> tuple[list[str], dict[str, str]]:
-    """``(agents that can run, {skipped agent: why})``: each a registered name or ``file.py:Class``
-    that resolves (:func:`textrl.agents.agent_class`) and is valid (:meth:`TrainConfig.validate`)
-    with ``settings`` (TrainConfig fields). A file spec comes back with its file's absolute path, so
-    that a run's subprocess finds it."""
-    from textrl.agent_registry import absolute_spec
-
-    ok, skipped = [], {}
-    for name in names:
-        try:
-            spec = absolute_spec(name)
-            TrainConfig(**{**(settings or {}), "agent": spec}).validate()
-        except ValueError as err:
-            skipped[name] = str(err)
-            continue
-        ok.append(spec)
-    return ok, skipped
-
-
-def run_label(agent: str) -> str:
-    """An agent's name in tables, plots and folders: its registered name, or the class of a spec."""
-    return agent.rpartition(":")[2]
+# -- the worker: one job in this process ---------------------------------------------------------
 
 
 def warm_start(config: TrainConfig, folder: Path, log: Any = print, threads: int | None = None) -> str:
-    """The trainer's supervised format warm-up for ``config.seed``, saved once to ``folder``.
+    """The trainer's supervised format warm-up for ``config`` (its env and seed), saved to ``folder``.
 
-    Every agent of that seed then loads this policy (``model=folder``, ``warmup_sft_steps=0``),
-    so all start from the same weights, multi_adapter_ppo included (it skips the warm-up itself).
-    """
+    Every agent of that (env, seed) then loads this policy (``model=folder``,
+    ``warmup_sft_steps=0``), so all start from the same weights."""
     import torch
 
     from textrl.agents import PPOAgent
@@ -206,225 +102,341 @@ def warm_start(config: TrainConfig, folder: Path, log: Any = print, threads: int
     return str(folder)
 
 
-def run_configs(
-    agents: Sequence[str], seeds: Sequence[int], output_dir: Path, settings: dict[str, Any]
-) -> list[TrainConfig]:
-    """One validated config per (agent, seed): the same settings, its own output folder."""
-    base = run_settings(settings)
-    return [
-        TrainConfig(**{**base, "agent": agent, "seed": seed,
-                       "output_dir": str(output_dir / "runs" / run_label(agent) / f"seed{seed}")}).validate()
-        for agent in agents for seed in seeds
-    ]
+def _train(config: TrainConfig, threads: int | None) -> None:
+    import torch
+
+    from textrl.trainer import train
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        train(config)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def execute_job(job_file: Path) -> None:
+    """Run the job described in ``job_file`` (a warm-up or a training run) in this process, then
+    write its record (fingerprint, wall clock, peak RSS) to mark it finished."""
+    job = json.loads(Path(job_file).read_text())
+    config = TrainConfig(**job["config"])
+    start = time.perf_counter()
+    if job["kind"] == "warmup":
+        warm_start(config, Path(config.output_dir), print, job["threads"])
+    else:
+        _train(config, job["threads"])
+    bench_runs.write_record(config.output_dir, job["fingerprint"], wall_s=time.perf_counter() - start,
+                            peak_rss_mib=bench_runs.peak_rss_mib())
+
+
+def _execute_in_process(job_file: Path) -> str | None:
+    execute_job(job_file)
+    return None
+
+
+# -- set-up --------------------------------------------------------------------------------------
+
+
+def resolve_agents(names: Sequence[str] | None, settings: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """``(agent specs, {skipped: why})``. Named agents must all resolve and validate with
+    ``settings`` (else ``ValueError`` naming the culprit); ``["all"]`` is every registered agent,
+    skipping (with the reason) those that do not validate. A file spec comes back absolute."""
+    from textrl.agent_registry import absolute_spec
+    from textrl.agents import agent_names
+
+    if names is None:
+        names = _names(DEFAULT_BENCH["agents"])
+    every = list(names) == [ALL_AGENTS]
+    ok, skipped = [], {}
+    for name in agent_names() if every else names:
+        try:
+            spec = absolute_spec(name)
+            TrainConfig(**{**settings, "agent": spec}).validate()
+        except ValueError as err:
+            if not every:
+                raise ValueError(f"agent {name!r}: {err}") from None
+            skipped[name] = str(err)
+            continue
+        ok.append(spec)
+    if not ok:
+        raise ValueError(f"none of the agents {list(names)} can run with these settings: {skipped}")
+    if len({run_label(a) for a in ok}) < len(ok):
+        raise ValueError(f"agents {ok}: two share a name; give each once")
+    return ok, skipped
+
+
+def describe_envs(envs: Sequence[str], settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per environment spec ``{"max_turns", "max_reward"}`` (``max_reward`` None when unknown or
+    when ``settings`` replace its reward); ``ValueError`` naming an unknown one."""
+    from textrl.envs.registry import task_environment
+
+    if not envs:
+        raise ValueError("envs is empty; give at least one environment (textrl envs lists them)")
+    if len(set(envs)) < len(envs):
+        raise ValueError(f"envs {list(envs)}: an environment is named twice")
+    out = {}
+    for spec in envs:
+        try:
+            env = task_environment(spec, env_args=settings.get("env_args"))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"environment {spec!r}: {err}") from None
+        own_reward = settings.get("reward") is None
+        out[spec] = {"max_turns": int(env.max_turns),
+                     "max_reward": env.max_reward if own_reward else None}
+    return out
+
+
+def run_label(agent: str) -> str:
+    """An agent's name in tables, plots and folders: its registered name, or the class of a spec."""
+    return agent.rpartition(":")[2]
+
+
+def env_label(env: str) -> str:
+    """An environment spec as a folder name."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", env).strip("_") or "env"
 
 
 def run_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """The TrainConfig fields every run gets: :data:`DEFAULT_SETTINGS`, no progress bar, one
+    """The TrainConfig fields every run gets: the default bench settings, no progress bar, one
     checkpoint at the end, then ``settings``. Unknown names are an error naming them."""
     unknown = sorted(set(settings) - {f.name for f in fields(TrainConfig)})
     if unknown:
         raise ValueError(f"unknown TrainConfig field(s) {unknown}; see `textrl train --help`")
-    return {**DEFAULT_SETTINGS, "checkpoint_every": 0, "keep_checkpoints": 1, **settings, "progress": False}
+    return {**DEFAULT_BENCH["settings"], "checkpoint_every": 0, "keep_checkpoints": 1, **settings,
+            "progress": False}
 
 
-# -- report --------------------------------------------------------------------------------------
-
-COLUMNS = (
-    ("reward", "held-out reward", ".3f"),
-    ("reward_change", "change from start", "+.3f"),
-    ("accuracy", "held-out accuracy", ".3f"),
-    ("kl", "KL to reference", ".2g"),
-    ("response_length", "response length", ".1f"),
-    ("seconds_per_iteration", "s / iteration", ".3f"),
-    ("tokens_per_second", "tokens / s", ".0f"),
-    ("peak_rss_mib", "peak RSS (MiB)", ".0f"),
-)
-"""(key, column title, format of mean and std) of the table."""
+def episode_token_cap(config: TrainConfig, max_turns: int) -> int:
+    """The most tokens the agent can generate in one episode: ``max_new_tokens`` per turn for
+    ``max_turns`` turns, at most ``max_episode_tokens``."""
+    cap = config.max_new_tokens * max_turns
+    return min(cap, config.max_episode_tokens) if config.max_episode_tokens else cap
 
 
-def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample std (0 for one value) of the finite values; NaN when none is finite."""
-    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
-    if not finite:
-        return math.nan, math.nan
-    return statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else 0.0
+def iterations_for(token_budget: int, config: TrainConfig, max_turns: int) -> int:
+    """Iterations that spend ``token_budget`` generated tokens at most-length episodes (rounded up)."""
+    return max(1, math.ceil(token_budget / (config.rollout_batch_size * episode_token_cap(config, max_turns))))
 
 
-def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per agent (in run order): ``{"agent", "seeds", "failed", key: (mean, std) for COLUMNS}``."""
-    out: dict[str, dict[str, Any]] = {}
-    for run in runs:
-        row = out.setdefault(run["agent"], {"agent": run["agent"], "runs": [], "errors": []})
-        (row["errors"] if run["error"] else row["runs"]).append(run)
-    for row in out.values():
-        good = row.pop("runs")
-        row["seeds"] = len(good)
-        row["tokens"] = mean_std([r["tokens"] for r in good])
-        for key, _, _ in COLUMNS:
-            row[key] = mean_std([r.get(key, math.nan) for r in good])
-        row["errors"] = [f"seed {r['seed']}: {r['error']}" for r in row["errors"]]
-    return list(out.values())
+def plan(agents: Sequence[str], envs: dict[str, dict[str, Any]], seeds: Sequence[int], output_dir: Path,
+         settings: dict[str, Any], token_budget: int | None, warm: bool) -> dict[str, Any]:
+    """Every job of the comparison: ``{"warmups": [...], "runs": [...], "token_budget"}``; a job is
+    a dict with ``kind``, ``config`` (TrainConfig), ``fingerprint``, ``folder`` (and a run's
+    ``agent``, ``env``, ``seed``, ``warmup`` folder or None)."""
+    base = run_settings(settings)
+    warmups, runs = [], []
+    for env, info in envs.items():
+        probe = TrainConfig(**{**base, "env": env})
+        iterations = iterations_for(token_budget, probe, info["max_turns"]) if token_budget else probe.iterations
+        for seed in seeds:
+            config = TrainConfig(**{**base, "env": env, "seed": seed, "iterations": iterations})
+            warm_job = warmup_job(config, output_dir / "warmup" / env_label(env) / f"seed{seed}") if warm else None
+            warmups += [warm_job] if warm_job else []
+            runs += [run_job(config, agent, output_dir, warm_job) for agent in agents]
+    return {"warmups": warmups, "runs": runs, "token_budget": token_budget}
 
 
-def _cell(value: tuple[float, float], spec: str) -> str:
-    mean, std = value
-    return "-" if math.isnan(mean) else f"{mean:{spec}} ± {std:{spec.lstrip('+')}}"
+def warmup_job(config: TrainConfig, folder: Path) -> dict[str, Any]:
+    """The shared warm-up of ``config``'s (env, seed): fingerprinted by :data:`WARMUP_FIELDS`."""
+    print_ = bench_runs.fingerprint({k: getattr(config, k) for k in WARMUP_FIELDS})
+    return {"kind": "warmup", "config": replace(config, output_dir=str(folder)), "fingerprint": print_,
+            "folder": folder}
 
 
-def markdown_table(rows: list[dict[str, Any]], skipped: dict[str, str] | None = None) -> str:
-    """The results table (mean ± std over seeds), a row per agent; failed and skipped agents noted."""
-    head = ["agent", "seeds", *(title for _, title, _ in COLUMNS), "tokens generated"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in rows:
-        cells = [f"`{row['agent']}`", str(row["seeds"])]
-        cells += [_cell(row[key], spec) for key, _, spec in COLUMNS]
-        cells.append(_cell(row["tokens"], ".0f"))
-        lines.append("| " + " | ".join(cells) + " |")
-    notes = [f"- `{row['agent']}` failed: {err}" for row in rows for err in row["errors"]]
-    notes += [f"- `{name}` skipped: {why}" for name, why in (skipped or {}).items()]
-    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+def run_job(config: TrainConfig, agent: str, output_dir: Path, warm_job: dict[str, Any] | None) -> dict[str, Any]:
+    """The run of ``agent`` on ``config``'s (env, seed), validated; its fingerprint covers every
+    field but the folder, and its warm-up's fingerprint; it loads the warm-up's policy."""
+    folder = output_dir / "runs" / env_label(config.env) / run_label(agent) / f"seed{config.seed}"
+    run_config = replace(config, agent=agent, output_dir=str(folder)).validate()
+    described = {k: v for k, v in run_config.to_dict().items() if k != "output_dir"}
+    print_ = bench_runs.fingerprint({**described, "warmup": warm_job["fingerprint"] if warm_job else None})
+    if warm_job:
+        run_config = replace(run_config, model=str(warm_job["folder"]), warmup_sft_steps=0)
+    return {"kind": "run", "config": run_config, "fingerprint": print_, "folder": folder, "agent": run_label(agent),
+            "env": config.env, "seed": config.seed, "warmup": warm_job["folder"] if warm_job else None}
 
 
-def plot_curves(runs: list[dict[str, Any]], output_dir: Path) -> list[Path]:
-    """``reward_vs_iteration.png`` and ``reward_vs_time.png``: mean over seeds, +-1 std band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    by_agent: dict[str, list[dict[str, Any]]] = {}
-    for run in runs:
-        if not run["error"]:
-            by_agent.setdefault(run["agent"], []).append(run)
-    paths = []
-    for x_key, name, label in (("iterations", "reward_vs_iteration.png", "iteration"),
-                               ("elapsed_s", "reward_vs_time.png", "training wall-clock (s)")):
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        for agent, group in by_agent.items():
-            n = min(len(r["train_reward"]) for r in group)
-            if x_key == "iterations":
-                x = np.asarray(group[0]["iterations"][:n], dtype=float)
-                ys = np.array([r["train_reward"][:n] for r in group])
-            else:  # seeds run at different speeds: interpolate onto a common time grid
-                x = np.linspace(max(r["elapsed_s"][0] for r in group), min(r["elapsed_s"][n - 1] for r in group), 100)
-                ys = np.array([np.interp(x, r["elapsed_s"][:n], r["train_reward"][:n]) for r in group])
-            mean, std = ys.mean(0), ys.std(0)
-            (line,) = ax.plot(x, mean, label=f"{agent} ({len(group)} seeds)")
-            ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
-        ax.set_xlabel(label)
-        ax.set_ylabel("rollout reward (task score)")
-        if by_agent:
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = output_dir / name
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
-    return paths
+def pending(jobs: Sequence[dict[str, Any]], fresh: bool, threads: int | None, log: Any) -> list[Path]:
+    """Prepare the folders of the jobs to (re)run and return their job files; log each job's state."""
+    files = []
+    for job in jobs:
+        state = "fresh" if fresh else bench_runs.job_state(job["folder"], job["fingerprint"])
+        log(f"  {job['folder']}: {'--fresh, rerunning' if fresh else bench_runs.STATE_WORDS[state]}")
+        if state == "done":
+            continue
+        description = {"kind": job["kind"], "config": job["config"].to_dict(), "fingerprint": job["fingerprint"],
+                       "threads": threads}
+        files.append(bench_runs.prepare(job["folder"], description))
+    return files
 
 
 # -- the comparison ------------------------------------------------------------------------------
 
 
+def default_jobs(threads: int | None) -> int:
+    """Parallel runs the cores allow: ``cpu_count // threads`` (at least 1)."""
+    return max(1, (os.cpu_count() or 1) // (threads or os.cpu_count() or 1))
+
+
 def compare_agents(
     agents: Sequence[str] | None = None,
-    seeds: Sequence[int] = DEFAULT_SEEDS,
+    seeds: Sequence[int] | None = None,
     output_dir: str | Path = "runs/bench",
     *,
+    envs: Sequence[str] | None = None,
     token_budget: int | None = None,
+    jobs: int | None = None,
     isolate: bool = True,
     threads: int | None = 1,
     warm_start_policy: bool = True,
+    fresh: bool = False,
+    reps: int = 2000,
     log: Any = print,
     **settings: Any,
 ) -> dict[str, Any]:
-    """Train each agent with each seed on the same set-up; write the table and plots.
+    """Train each agent on each environment with each seed; write the report, plots and results.
 
     Args:
-        agents: registered agent names or ``file.py:Class`` specs (default: every registered
-            agent, keeping those that run with ``settings``).
-        seeds: seeds; each agent runs once per seed.
-        output_dir: where everything goes (see the module docstring); runs are overwritten.
-        token_budget: generated tokens per run; sets ``iterations`` to
-            ``ceil(token_budget / (rollout_batch_size * max_new_tokens))`` (default: the
-            ``iterations`` setting, 40 unless given).
-        isolate: one subprocess per run (its own peak memory); False trains in this process.
-        threads: torch threads per run (None: torch's default, one per core). 1 by default: on a
-            CPU shared with other jobs, OpenMP threads competing for busy cores slow a run down
-            many times over; on an idle 2-core machine, None is ~1.5x faster with the tiny model.
-        warm_start_policy: one shared warm-up per seed (see :func:`warm_start`); False lets each
-            run warm up itself (multi_adapter_ppo then starts unwarmed).
-        log: progress messages (``print``; ``lambda *a: None`` for silence).
-        **settings: :class:`TrainConfig` fields for every run (e.g. ``iterations=40``,
-            ``prompts_per_iteration=16``, ``reward="think_format,tag_count"``).
+        agents: registered names or ``file.py:Class`` specs, or ``["all"]`` (every registered agent
+            that validates); default ``DEFAULT_BENCH["agents"]``.
+        seeds: seeds (default ``DEFAULT_BENCH["seeds"]``); each agent runs once per env and seed.
+        output_dir: where everything goes (see the module docstring).
+        envs: environment specs (default ``DEFAULT_BENCH["envs"]``; ``env=`` in ``settings`` is
+            one environment).
+        token_budget: generated tokens per run (sets ``iterations`` per env; None: the
+            ``iterations`` setting).
+        jobs: runs at a time (default :func:`default_jobs`); ``isolate=False`` runs in this
+            process, one at a time.
+        threads: torch threads per run (None: torch's default).
+        warm_start_policy: one shared warm-up per (env, seed); False: each run warms up itself.
+        fresh: rerun every job, finished or not.
+        reps: bootstrap resamples of the statistics.
+        log: progress messages.
+        **settings: :class:`TrainConfig` fields for every run.
 
-    Returns ``{"agents": aggregates, "runs": per-run figures, "skipped": {name: why},
-    "table": markdown, "files": [paths], "wall_s": seconds}``.
+    Returns ``{"agents": [{"agent", "spec"}], "tables": {env: raw table rows}, "runs": every run's
+    figures, "report": the statistics (None when none), "normalisation", "skipped", "markdown",
+    "fingerprints", "files", "wall_s"}``.
     """
+    from textrl.run.lock import RunFolderLock
+
     start = time.perf_counter()
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    wanted = list(agents) if agents is not None else default_agents()
-    names, skipped = available_agents(wanted, run_settings(settings))
+    seeds = _seeds(DEFAULT_BENCH["seeds"]) if seeds is None else list(seeds)
+    if not seeds:
+        raise ValueError("seeds is empty; give at least one seed (--seeds 0,1,2)")
+    env_setting = settings.pop("env", None)
+    if env_setting is not None:
+        if envs is not None:
+            raise ValueError("both env and envs are given; list every environment in envs (--envs)")
+        envs = [env_setting]
+    if token_budget is None and "iterations" not in settings:
+        token_budget = DEFAULT_BENCH["token_budget"]
+    env_list = _names(DEFAULT_BENCH["envs"]) if envs is None else list(envs)
+    common = run_settings(settings)
+    names, skipped = resolve_agents(agents, common)
     for name, why in skipped.items():
         log(f"skipping {name}: {why}")
-    if not names:
-        raise ValueError(f"none of the agents {wanted} can run here: {skipped}")
-    if not seeds:
-        raise ValueError("seeds is empty; give at least one seed")
-    if token_budget is not None:
-        probe = TrainConfig(**{k: v for k, v in settings.items() if k != "iterations"})
-        settings["iterations"] = max(1, math.ceil(token_budget / (probe.rollout_batch_size * probe.max_new_tokens)))
-    configs = run_configs(names, seeds, output_dir, settings)
-    warm: dict[int, str] = {}
-    runs = []
-    for i, config in enumerate(configs, 1):
-        if warm_start_policy and config.seed not in warm:
-            log(f"warm-up for seed {config.seed}")
-            folder = output_dir / "warmup" / f"seed{config.seed}"
-            shutil.rmtree(folder, ignore_errors=True)
-            warm[config.seed] = warm_start(config, folder, log, threads)
-        if warm_start_policy:
-            config = replace(config, model=warm[config.seed], warmup_sft_steps=0)
-        log(f"[{i}/{len(configs)}] {config.agent} seed {config.seed}: {config.iterations} iterations")
-        record = run_training(config, isolate=isolate, threads=threads)
-        run = {"agent": run_label(config.agent), "seed": config.seed, "output_dir": config.output_dir, **record}
-        if not run["error"]:
-            try:
-                figures = read_run(config.output_dir)
-            except (OSError, ValueError, KeyError) as err:  # e.g. a run stopped before its first iteration
-                run["error"] = f"unreadable outputs: {type(err).__name__}: {err}"
-            else:
-                run.update(figures, reward_change=figures["reward"] - figures["reward_start"])
-        if run["error"]:
-            log(f"  failed: {run['error']}")
-        runs.append(run)
+    env_info = describe_envs(env_list, common)
+    output_dir = Path(output_dir)
+    with RunFolderLock(output_dir):
+        jobs_plan = plan(names, env_info, seeds, output_dir, settings, token_budget, warm_start_policy)
+        runs = _execute(jobs_plan, fresh, jobs, isolate, threads, log)
+        return _report(runs, names, env_list, env_info, seeds, jobs_plan, skipped, output_dir, reps,
+                       time.perf_counter() - start, log)
 
-    rows = aggregate(runs)
-    c = configs[0]
-    budget = c.iterations * c.rollout_batch_size * c.max_new_tokens
-    table = (
-        f"{len(seeds)} seeds per agent; each run: {c.iterations} iterations x {c.rollout_batch_size} responses "
-        f"({c.prompts_per_iteration} prompts x {c.n_samples_per_prompt}) of at most {c.max_new_tokens} tokens "
-        f"a turn = a budget of {budget} generated tokens a turn; {_task(c)}, "
-        f"{c.eval_size} held-out prompts.\n\n" + markdown_table(rows, skipped)
-    )
-    (output_dir / "results.md").write_text(table)
-    files = [output_dir / "results.md", *plot_curves(runs, output_dir), output_dir / "results.json"]
-    wall_s = time.perf_counter() - start
-    result = {"agents": rows, "runs": runs, "skipped": skipped, "table": table,
-              "files": [str(p) for p in files], "wall_s": wall_s}
+
+def _execute(jobs_plan: dict[str, Any], fresh: bool, jobs: int | None, isolate: bool, threads: int | None,
+             log: Any) -> list[dict[str, Any]]:
+    """Run the warm-ups, then the runs; every run's figures (or its error)."""
+    execute = bench_runs.run_worker if isolate else _execute_in_process
+    parallel = (jobs or default_jobs(threads)) if isolate else 1
+    warm_errors = {}
+    if jobs_plan["warmups"]:
+        log(f"warm-ups ({len(jobs_plan['warmups'])}):")
+        done = bench_runs.run_jobs(pending(jobs_plan["warmups"], fresh, threads, log), parallel, execute, log)
+        warm_errors = {path.parent: err for path, err in done.items() if err}
+    log(f"runs ({len(jobs_plan['runs'])}, {parallel} at a time):")
+    todo = [job for job in jobs_plan["runs"] if job["warmup"] not in warm_errors]
+    done = bench_runs.run_jobs(pending(todo, fresh, threads, log), parallel, execute, log)
+    errors = {path.parent: err for path, err in done.items() if err}
+    return [_figures(job, warm_errors, errors) for job in jobs_plan["runs"]]
+
+
+def _figures(job: dict[str, Any], warm_errors: dict[Path, str], errors: dict[Path, str]) -> dict[str, Any]:
+    """One run's record for the report: identity, fingerprint, figures or error."""
+    folder = job["folder"]
+    run: dict[str, Any] = {"agent": job["agent"], "env": job["env"], "seed": job["seed"],
+                           "output_dir": str(folder), "fingerprint": job["fingerprint"], "error": None}
+    if job["warmup"] in warm_errors:
+        run["error"] = f"its warm-up failed: {warm_errors[job['warmup']]}"
+    elif folder in errors:
+        run["error"] = errors[folder]
+    else:
+        try:
+            record = json.loads((folder / bench_runs.RECORD).read_text())
+            figures = read_run(folder)
+        except (OSError, ValueError, KeyError) as err:
+            run["error"] = f"unreadable outputs: {type(err).__name__}: {err}"
+        else:
+            run.update(wall_s=record.get("wall_s"), peak_rss_mib=record.get("peak_rss_mib"), **figures,
+                       reward_change=figures["reward"] - figures["reward_start"])
+    return run
+
+
+def setup_line(jobs_plan: dict[str, Any], env_list: Sequence[str], seeds: Sequence[int], wall_s: float) -> str:
+    """The report's set-up sentence: agents, seeds, environments with iterations, budget, wall clock."""
+    runs, token_budget = jobs_plan["runs"], jobs_plan["token_budget"]
+    c = runs[0]["config"]
+    per_env = ", ".join(f"`{env}` {next(r['config'].iterations for r in runs if r['env'] == env)} iterations"
+                        for env in env_list)
+    agents = list(dict.fromkeys(r["agent"] for r in runs))
+    return (f"{len(agents)} agents x {len(env_list)} environments x {len(seeds)} seeds (seeds {list(seeds)}); "
+            f"each iteration {c.rollout_batch_size} episodes ({c.prompts_per_iteration} prompts x "
+            f"{c.n_samples_per_prompt}) of at most {c.max_new_tokens} tokens a turn; {per_env} ("
+            + (f"a budget of {token_budget} generated tokens per run at most-length episodes" if token_budget
+               else "iterations as set") + f"); {c.eval_size} held-out prompts; "
+            f"wall clock {wall_s / 60:.1f} min ({_run_minutes(jobs_plan)} of runs and warm-ups, one core each).")
+
+
+def _run_minutes(jobs_plan: dict[str, Any]) -> str:
+    """The summed wall clock of the jobs' records (reused jobs included), e.g. ``"12.3 min"``."""
+    total = 0.0
+    for job in jobs_plan["warmups"] + jobs_plan["runs"]:
+        try:
+            total += json.loads((job["folder"] / bench_runs.RECORD).read_text()).get("wall_s") or 0.0
+        except (OSError, ValueError):
+            continue
+    return f"{total / 60:.1f} min"
+
+
+def _report(runs: list[dict[str, Any]], names: Sequence[str], env_list: Sequence[str],
+            env_info: dict[str, dict[str, Any]], seeds: Sequence[int], jobs_plan: dict[str, Any],
+            skipped: dict[str, str], output_dir: Path, reps: int, elapsed: float, log: Any) -> dict[str, Any]:
+    """Normalise, compare, write ``report.md``, the plots and ``results.json``."""
+    agents = [run_label(a) for a in names]
+    normalised = bench_report.normalised_scores(runs, agents, env_list, seeds,
+                                                {e: i["max_reward"] for e, i in env_info.items()})
+    report = bench_report.compare_scores(normalised, reps=reps)
+    plots = bench_report.write_plots(runs, env_list, report, output_dir)
+    wall_s = elapsed
+    text = bench_report.markdown(setup_line(jobs_plan, env_list, seeds, wall_s), runs, env_list, normalised,
+                                 report, skipped, [p.name for p in plots])
+    (output_dir / "report.md").write_text(text)
+    files = [output_dir / "report.md", *plots, output_dir / "results.json"]
+    result = {
+        "agents": [{"agent": run_label(spec), "spec": spec} for spec in names],
+        "tables": {env: bench_report.aggregate([r for r in runs if r["env"] == env]) for env in env_list},
+        "runs": runs, "report": report, "skipped": skipped, "markdown": text, "wall_s": wall_s,
+        "normalisation": {"envs": normalised["envs"], "highs": normalised["highs"], "notes": normalised["notes"],
+                          "seeds": normalised["seeds"]},
+        "fingerprints": {"runs": {str(j["folder"]): j["fingerprint"] for j in jobs_plan["runs"]},
+                         "warmups": {str(j["folder"]): j["fingerprint"] for j in jobs_plan["warmups"]}},
+        "files": [str(p) for p in files],
+    }
     (output_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
-    log(table)
+    log(text)
     log(f"wrote {', '.join(str(p) for p in files)} in {wall_s:.0f} s")
     return result
-
-
-def _task(config: TrainConfig) -> str:
-    """The task of the runs, for the table: the environment (or dataset) and the reward."""
-    task = f"environment {config.env}" if config.env else f"dataset {config.dataset or 'builtin:digits'}"
-    return f"{task}, reward {config.reward or 'its own'}"
 
 
 # -- command line --------------------------------------------------------------------------------
@@ -434,34 +446,49 @@ def _names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _seeds(text: str) -> list[int]:
+    try:
+        return [int(x) for x in _names(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``textrl bench`` options, plus every ``textrl train`` option (``--iterations 40``, ...)
-    applied to all runs (``--agent`` and ``--seed`` are the comparison's own: use ``--agents``,
-    ``--seeds``)."""
+    """The ``textrl bench`` options, plus every ``textrl train`` option applied to all runs
+    (``--agent``, ``--seed`` and ``--env`` are the comparison's own: use ``--agents``, ``--seeds``,
+    ``--envs``)."""
     from textrl.config import add_config_arguments
 
+    d = DEFAULT_BENCH
     parser.add_argument("--agents", type=_names, default=None,
-                        help="comma-separated agents: registered names or path/to/file.py:Class "
-                             "(default: every registered agent that runs with the given options)")
-    parser.add_argument("--seeds", type=lambda s: [int(x) for x in _names(s)], default=list(DEFAULT_SEEDS),
-                        help="comma-separated seeds (default: 0,1,2)")
+                        help=f"comma-separated agents: registered names, path/to/file.py:Class, or 'all' "
+                             f"(default: {d['agents']})")
+    parser.add_argument("--envs", type=_names, default=None,
+                        help=f"comma-separated environments: registered ids or any --env spec "
+                             f"(default: {d['envs']})")
+    parser.add_argument("--seeds", type=_seeds, default=None,
+                        help=f"comma-separated seeds (default: {','.join(map(str, d['seeds']))})")
     parser.add_argument("--token-budget", type=int, default=None,
-                        help="generated tokens per run; sets --iterations from the rollout size")
+                        help=f"generated tokens per run; sets the iterations per environment "
+                             f"(default: {d['token_budget']} for the default run, else --iterations)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="runs at a time, each its own process (default: CPU cores // --threads)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per run (default 1; 0: torch's default, one per core)")
+    parser.add_argument("--fresh", action="store_true", help="rerun every job, even finished ones")
+    parser.add_argument("--reps", type=int, default=2000, help="bootstrap resamples (default 2000)")
     parser.add_argument("--in-process", action="store_true",
-                        help="train in this process instead of one subprocess per run (peak memory is then shared)")
+                        help="train in this process, one run at a time, instead of one subprocess per run")
     parser.add_argument("--no-warm-start", action="store_true",
-                        help="let every run do its own warm-up instead of one shared warm-up per seed")
+                        help="let every run do its own warm-up instead of one shared warm-up per (env, seed)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     add_config_arguments(parser)  # --output-dir among them: the comparison's folder (default runs/bench)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the comparison (or, with ``--worker``, one run of it) from parsed arguments; exit status."""
+    """Run the comparison (or, with ``--worker``, one job of it) from parsed arguments; exit status."""
     if args.worker:
-        job = json.loads(Path(args.worker).read_text())
-        _train_and_record(TrainConfig(**job["config"]), job["threads"])
+        execute_job(Path(args.worker))
         return 0
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
     output_dir = overrides.pop("output_dir", "runs/bench")
@@ -470,9 +497,11 @@ def run(args: argparse.Namespace) -> int:
         for name in ("agent", "seed"):
             if name in overrides:
                 raise ValueError(f"--{name} is set per run by the comparison; use --{name}s")
-        compare_agents(args.agents, args.seeds, output_dir, token_budget=args.token_budget,
-                       isolate=not args.in_process, threads=args.threads or None, warm_start_policy=not args.no_warm_start,
-                       **overrides)
+        if args.jobs is not None and args.jobs < 1:
+            raise ValueError(f"--jobs {args.jobs}: give at least 1")
+        compare_agents(args.agents, args.seeds, output_dir, envs=args.envs, token_budget=args.token_budget,
+                       jobs=args.jobs, isolate=not args.in_process, threads=args.threads or None,
+                       warm_start_policy=not args.no_warm_start, fresh=args.fresh, reps=args.reps, **overrides)
     except ValueError as err:
         print(f"textrl bench: {err}", file=sys.stderr)
         return 2
@@ -485,6 +514,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
+
+# names kept for callers of the earlier single-task comparison
+aggregate = bench_report.aggregate
+markdown_table = bench_report.markdown_table
+peak_rss_mib = bench_runs.peak_rss_mib
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from textrl import bench as bench_module
 
-    bench = sub.add_parser("bench", help="compare agents on one environment over seeds (table + plots)",
+    bench = sub.add_parser("bench", help="compare agents x environments x seeds: significance report + plots",
                            description=bench_module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_module.add_arguments(bench)
     bench.set_defaults(func=bench_module.run)

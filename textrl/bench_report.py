@@ -1,0 +1,306 @@
+"""The statistics, report and plots of ``textrl bench``, from run records (no training here).
+
+A *run record* is a dict with at least ``agent``, ``env``, ``seed``, ``error`` (None for a finished
+run) and, when finished, ``reward`` (held-out sampled reward at the end), ``reward_start`` (the
+same for the shared warmed-up policy of its (env, seed)) and the curves of
+:func:`textrl.bench_runs.read_run` (``iterations``, ``train_reward``, ``tokens_so_far``).
+
+Normalisation (:func:`normalised_scores`): a run's score is the share of the gap it closed,
+``(reward - reward_start) / (high - reward_start)``: 0 = no progress over its warmed-up start,
+1 = the environment's ``max_reward``, negative = it got worse. An environment without a known
+``max_reward`` (or run with a ``--reward`` other than its own) takes as ``high`` the best final
+held-out reward any agent reached on it (so 1 = "as good as the best run seen", a relative
+score). An environment where ``high`` does not exceed some seed's start has no gap to close and is
+left out of the statistics with a note. The statistics are :func:`textrl.stats.compare` over the
+agents' ``[seeds, environments]`` arrays; an agent's seed that failed on any environment is left
+out of that agent's array (noted).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics as pystats
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from textrl import stats
+
+# -- normalisation -------------------------------------------------------------------------------
+
+
+def normalised_score(reward: float, start: float, high: float) -> float:
+    """Share of the gap ``high - start`` closed: ``(reward - start) / (high - start)``.
+
+    ``ValueError`` when ``high`` does not exceed ``start`` (no gap to close)."""
+    if not high > start:
+        raise ValueError(f"high={high!r} does not exceed start={start!r}: there is no gap to normalise by")
+    return (reward - start) / (high - start)
+
+
+def reference_highs(runs: Sequence[dict[str, Any]], envs: Sequence[str],
+                    max_rewards: Mapping[str, float | None]) -> dict[str, tuple[float, str]]:
+    """Per environment ``(high, source)``: its ``max_reward`` (source ``"max_reward"``), else the
+    best final reward of a finished run on it (``"best run"``); NaN when it has neither."""
+    highs = {}
+    for env in envs:
+        known = max_rewards.get(env)
+        if known is not None:
+            highs[env] = (float(known), "max_reward")
+            continue
+        finals = [r["reward"] for r in runs if r["env"] == env and not r["error"] and math.isfinite(r["reward"])]
+        highs[env] = (max(finals) if finals else math.nan, "best run")
+    return highs
+
+
+def normalised_scores(
+    runs: Sequence[dict[str, Any]], agents: Sequence[str], envs: Sequence[str], seeds: Sequence[int],
+    max_rewards: Mapping[str, float | None],
+) -> dict[str, Any]:
+    """The statistics' input: ``{"scores": {agent: [seeds_kept, envs_kept] array}, "envs": kept,
+    "seeds": {agent: seeds kept}, "highs": {env: (high, source)}, "notes": [str]}``.
+
+    Each finished run gets ``run["normalised"]`` (in place). Environments without a gap for some
+    seed and agents' seeds with a failed run are left out, each with a note."""
+    highs = reference_highs(runs, envs, max_rewards)
+    by_key = {(r["agent"], r["env"], r["seed"]): r for r in runs}
+    notes, kept_envs = start_disagreements(runs), []
+    for env in envs:
+        high = highs[env][0]
+        starts = [r["reward_start"] for r in runs if r["env"] == env and not r["error"]]
+        if not starts or not all(math.isfinite(s) and high > s for s in starts):
+            notes.append(f"`{env}` is left out of the statistics: no finished run, or its reference high "
+                         f"({high:.3f}, {highs[env][1]}) does not exceed a seed's start")
+            continue
+        kept_envs.append(env)
+        for r in runs:
+            if r["env"] == env and not r["error"]:
+                r["normalised"] = normalised_score(r["reward"], r["reward_start"], high)
+    scores, kept_seeds = {}, {}
+    for agent in agents:
+        good = [s for s in seeds if all((agent, e, s) in by_key and not by_key[(agent, e, s)]["error"]
+                                        for e in kept_envs)]
+        if len(good) < len(seeds):
+            notes.append(f"`{agent}`: seed(s) {sorted(set(seeds) - set(good))} left out (a run failed or is missing)")
+        if good and kept_envs:
+            scores[agent] = np.array([[by_key[(agent, e, s)]["normalised"] for e in kept_envs] for s in good])
+            kept_seeds[agent] = good
+    return {"scores": scores, "envs": kept_envs, "seeds": kept_seeds, "highs": highs, "notes": notes}
+
+
+def start_disagreements(runs: Sequence[dict[str, Any]], tolerance: float = 1e-9) -> list[str]:
+    """A note per (env, seed) whose finished runs measured different start rewards (they all load
+    the same warmed-up policy and held-out split, so they should agree)."""
+    starts: dict[tuple[str, int], list[float]] = {}
+    for r in runs:
+        if not r["error"]:
+            starts.setdefault((r["env"], r["seed"]), []).append(r["reward_start"])
+    return [f"`{env}` seed {seed}: its runs measured different start rewards {sorted(set(values))}; each run "
+            "is normalised by its own" for (env, seed), values in starts.items()
+            if max(values) - min(values) > tolerance]
+
+
+def compare_scores(normalised: dict[str, Any], reps: int = 2000, seed: int = 0) -> dict[str, Any] | None:
+    """:func:`textrl.stats.compare` of :func:`normalised_scores`'s arrays (None when no agent or
+    environment is left)."""
+    if not normalised["scores"] or not normalised["envs"]:
+        return None
+    return stats.compare(normalised["scores"], task_names=normalised["envs"], reps=reps, seed=seed)
+
+
+# -- the report's text ---------------------------------------------------------------------------
+
+
+def significance_summary(report: dict[str, Any]) -> list[str]:
+    """Plain-words lines: which pairs differ significantly, which do not (from ``report["pairs"]``)."""
+    better = [p for p in report["pairs"] if p["verdict"].endswith(" better")]
+    others = [p for p in report["pairs"] if not p["verdict"].endswith(" better")]
+    level = f"{round(100 * report['confidence'])}%"
+    lines = []
+    for p in better:
+        winner = p["verdict"].removesuffix(" better")
+        loser = p["y"] if winner == p["x"] else p["x"]
+        lines.append(f"- **Significant**: `{winner}` beats `{loser}` ({p['reason']}, {level} intervals).")
+    for p in others:
+        why = {"not distinguishable": "both intervals include no difference",
+               "conflicting": "the two criteria disagree",
+               "no interval (one run)": "one seed gives no interval; run more seeds"}.get(p["verdict"], p["verdict"])
+        lines.append(f"- Not significant: `{p['x']}` vs `{p['y']}` ({why}).")
+    if not report["pairs"]:
+        lines.append("- One agent only: nothing to compare.")
+    return lines
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample std (0 for one value) of the finite values; NaN when none is finite."""
+    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan
+    return pystats.fmean(finite), pystats.stdev(finite) if len(finite) > 1 else 0.0
+
+
+COLUMNS = (
+    ("normalised", "normalised score", "+.3f"),
+    ("reward", "held-out reward", ".3f"),
+    ("reward_change", "change from start", "+.3f"),
+    ("accuracy", "held-out accuracy", ".3f"),
+    ("kl", "KL to reference", ".2g"),
+    ("response_length", "response length", ".1f"),
+    ("seconds_per_iteration", "s / iteration", ".3f"),
+    ("tokens_per_second", "tokens / s", ".0f"),
+    ("peak_rss_mib", "peak RSS (MiB)", ".0f"),
+    ("tokens", "tokens generated", ".0f"),
+)
+"""(key, column title, format of mean and std) of the raw table."""
+
+
+def aggregate(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per agent (in run order): ``{"agent", "seeds", "errors", key: (mean, std) for COLUMNS}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        row = out.setdefault(run["agent"], {"agent": run["agent"], "runs": [], "errors": []})
+        (row["errors"] if run["error"] else row["runs"]).append(run)
+    for row in out.values():
+        good = row.pop("runs")
+        row["seeds"] = len(good)
+        for key, _, _ in COLUMNS:
+            row[key] = mean_std([r.get(key, math.nan) for r in good])
+        row["errors"] = [f"seed {r['seed']}: {r['error']}" for r in row["errors"]]
+    return list(out.values())
+
+
+def _cell(value: tuple[float, float], spec: str) -> str:
+    mean, std = value
+    return "-" if math.isnan(mean) else f"{mean:{spec}} ± {std:{spec.lstrip('+')}}"
+
+
+def markdown_table(rows: list[dict[str, Any]], skipped: Mapping[str, str] | None = None) -> str:
+    """The raw table (mean ± std over seeds), a row per agent; failed and skipped agents noted."""
+    head = ["agent", "seeds", *(title for _, title, _ in COLUMNS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [f"`{row['agent']}`", str(row["seeds"])] + [_cell(row[key], spec) for key, _, spec in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = [f"- `{row['agent']}` failed: {err}" for row in rows for err in row["errors"]]
+    notes += [f"- `{name}` skipped: {why}" for name, why in (skipped or {}).items()]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def markdown(setup: str, runs: Sequence[dict[str, Any]], envs: Sequence[str], normalised: dict[str, Any],
+             report: dict[str, Any] | None, skipped: Mapping[str, str] | None = None,
+             plots: Sequence[str] = ()) -> str:
+    """``report.md``: set-up line, verdicts in words, the statistics, notes, raw tables per env."""
+    parts = ["# textrl bench", "", setup, ""]
+    if report is not None:
+        parts += ["## Which differences are significant", "", *significance_summary(report), "",
+                  stats.markdown_report(report)]
+    else:
+        parts += ["No statistics: no environment or agent has a finished run with a gap to close.", ""]
+    highs = "; ".join(f"`{e}`: {h:.3f} ({src})" for e, (h, src) in normalised["highs"].items())
+    parts += ["Normalised score = (final held-out reward - start) / (high - start), where start is the "
+              f"(env, seed)'s shared warmed-up policy and high: {highs}.", ""]
+    parts += [f"- {note}" for note in normalised["notes"]] + ([""] if normalised["notes"] else [])
+    for env in envs:
+        env_runs = [r for r in runs if r["env"] == env]
+        parts += [f"## Raw results on `{env}` (mean ± std over seeds)", "", markdown_table(aggregate(env_runs))]
+    if skipped:
+        parts += ["Skipped agents:", ""] + [f"- `{n}`: {why}" for n, why in skipped.items()] + [""]
+    if plots:
+        parts += ["Plots: " + ", ".join(f"`{p}`" for p in plots), ""]
+    return "\n".join(parts)
+
+
+# -- plots ---------------------------------------------------------------------------------------
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_learning_curves(runs: Sequence[dict[str, Any]], envs: Sequence[str], path: Path) -> Path:
+    """One panel per env: rollout reward (task score) against generated tokens so far, the mean
+    over seeds with a ±1 std band (seeds interpolated onto a common token grid)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, max(1, len(envs)), figsize=(5 * max(1, len(envs)), 3.8), squeeze=False)
+    for ax, env in zip(axes[0], envs, strict=False):
+        by_agent: dict[str, list[dict[str, Any]]] = {}
+        for r in runs:
+            if r["env"] == env and not r["error"] and r.get("tokens_so_far"):
+                by_agent.setdefault(r["agent"], []).append(r)
+        for agent, group in by_agent.items():
+            low = max(r["tokens_so_far"][0] for r in group)
+            high = min(r["tokens_so_far"][-1] for r in group)
+            x = np.linspace(low, high, 50) if high > low else np.array([low])
+            ys = np.array([np.interp(x, r["tokens_so_far"], r["train_reward"]) for r in group])
+            mean, std = ys.mean(0), ys.std(0)
+            (line,) = ax.plot(x, mean, marker="o" if len(x) == 1 else None, label=f"{agent} ({len(group)} seeds)")
+            ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+        ax.set_title(env)
+        ax.set_xlabel("generated tokens")
+        ax.set_ylabel("rollout reward (mean ± std over seeds)")
+        if by_agent:
+            ax.legend(fontsize=7)
+    return _save(fig, plt, path)
+
+
+def plot_intervals(report: dict[str, Any], path: Path) -> Path:
+    """rliable-style interval plot: per aggregate (IQM, mean, median, optimality gap) a panel with
+    each agent's point estimate and its bootstrap interval (a dot alone with one seed)."""
+    plt = _pyplot()
+    agents = report["agents"]
+    fig, axes = plt.subplots(1, len(stats.AGGREGATES), figsize=(3.2 * len(stats.AGGREGATES), 0.5 * len(agents) + 1.5),
+                             squeeze=False)
+    for ax, key in zip(axes[0], stats.AGGREGATES, strict=True):
+        for i, agent in enumerate(agents):
+            entry = report["aggregates"][agent][key]
+            if entry["low"] is not None:
+                ax.barh(i, entry["high"] - entry["low"], left=entry["low"], height=0.6, alpha=0.4, color=f"C{i}")
+            ax.plot([entry["point"]], [i], "k|", markersize=14)
+        ax.set_yticks(range(len(agents)), agents if key == stats.AGGREGATES[0] else [""] * len(agents))
+        ax.set_title(key.replace("_", " ") + (" (lower is better)" if key == "optimality_gap" else ""), fontsize=9)
+        ax.set_xlabel("normalised score")
+    fig.suptitle(f"{round(100 * report['confidence'])}% stratified-bootstrap intervals", fontsize=9)
+    return _save(fig, plt, path)
+
+
+def plot_profiles(report: dict[str, Any], path: Path) -> Path:
+    """Performance profiles: fraction of runs with normalised score > tau, with bootstrap bands."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for agent in report["agents"]:
+        profile = report["profiles"][agent]
+        (line,) = ax.plot(profile["taus"], profile["point"], label=agent)
+        if profile["low"] is not None:
+            ax.fill_between(profile["taus"], profile["low"], profile["high"], color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("normalised score tau")
+    ax.set_ylabel("fraction of runs with score > tau")
+    ax.legend(fontsize=7)
+    return _save(fig, plt, path)
+
+
+def _save(fig: Any, plt: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_plots(runs: Sequence[dict[str, Any]], envs: Sequence[str], report: dict[str, Any] | None,
+                folder: Path) -> list[Path]:
+    """``learning_curves.png``, and with statistics ``intervals.png`` and ``profiles.png``."""
+    paths = [plot_learning_curves(runs, envs, folder / "learning_curves.png")]
+    if report is not None:
+        paths += [plot_intervals(report, folder / "intervals.png"), plot_profiles(report, folder / "profiles.png")]
+    return paths
+
+
+__all__ = ["COLUMNS", "aggregate", "compare_scores", "markdown", "markdown_table", "mean_std", "normalised_score",
+           "normalised_scores", "plot_intervals", "plot_learning_curves", "plot_profiles", "reference_highs",
+           "significance_summary", "write_plots"]
