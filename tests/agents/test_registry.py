@@ -187,11 +187,11 @@ def test_textrl_bench_passes_a_file_agent_to_its_subprocess(agent_file, tmp_path
     monkeypatch.chdir(tmp_path)  # a relative spec is made absolute for the subprocess
     tiny = dict(iterations=1, prompts_per_iteration=2, n_samples_per_prompt=2, max_new_tokens=4, eval_size=2,
                 warmup_sft_steps=0, eval_every=0, ppo_epochs=1, num_minibatches=1)
-    result = compare_agents(["my_agent.py:HalfBaseline"], [0], tmp_path / "bench", isolate=True,
+    result = compare_agents(["my_agent.py:HalfBaseline"], [0], tmp_path / "bench", envs=["digits"], isolate=True,
                             warm_start_policy=False, log=lambda *a: None, **tiny)
     assert [r["agent"] for r in result["agents"]] == ["HalfBaseline"]
     assert result["runs"][0]["error"] is None, result["runs"][0]["error"]
-    job = json.loads((tmp_path / "bench" / "runs" / "HalfBaseline" / "seed0" / "bench_config.json").read_text())
+    job = json.loads((tmp_path / "bench" / "runs" / "digits" / "HalfBaseline" / "seed0" / "bench_config.json").read_text())
     assert job["config"]["agent"] == agent_file
 
 
