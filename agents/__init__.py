@@ -4,8 +4,9 @@ Each agent class registers itself with :func:`register_agent`; ``--agent`` accep
 name, an entry point of the packaging group ``textrl.agents``, or ``path/to/file.py:Class`` (see
 :mod:`textrl.agent_registry`). The built-ins:
 
->>> sorted(AGENTS)
-['gae_ppo', 'grpo', 'multi_adapter_ppo', 'one_step_ppo', 'rloo']
+>>> sorted(AGENTS)  # doctest: +NORMALIZE_WHITESPACE
+['cispo', 'dapo', 'dr_grpo', 'gae_ppo', 'grpo', 'gspo', 'multi_adapter_ppo', 'one_step_ppo',
+ 'reinforce_pp', 'reinforce_pp_baseline', 'rloo', 'vapo']
 
 An agent of your own subclasses :class:`PPOAgent` (or one of these), declares what it needs
 (``needs_critic``, ``min_samples_per_prompt``, ``lora``) and the options it reads (``options``),
@@ -25,6 +26,7 @@ from textrl.agents.gae_ppo import GAEPPO
 from textrl.agents.group_ppo import GRPO, RLOO, GroupPPO
 from textrl.agents.multi_adapter_ppo import MultiAdapterPPO
 from textrl.agents.one_step_ppo import OneStepPPO
+from textrl.agents.zoo import CISPO, DAPO, GSPO, VAPO, DrGRPO, ReinforcePP, ReinforcePPBaseline
 
 from textrl.agent_registry import (
     AGENTS,
@@ -41,6 +43,6 @@ def make_agent(name: str, *args: Any, **kwargs: Any) -> PPOAgent:
 
 
 __all__ = [
-    "AGENTS", "ENTRY_POINT_GROUP", "GAEPPO", "GRPO", "RLOO", "GroupPPO", "MultiAdapterPPO", "OneStepPPO",
-    "PPOAgent", "agent_class", "agent_names", "make_agent", "register_agent",
+    "AGENTS", "CISPO", "DAPO", "ENTRY_POINT_GROUP", "GAEPPO", "GRPO", "GSPO", "RLOO", "VAPO", "DrGRPO",
+    "GroupPPO", "MultiAdapterPPO", "OneStepPPO", "PPOAgent", "ReinforcePP", "ReinforcePPBaseline", "agent_class", "agent_names", "make_agent", "register_agent",
 ]

@@ -62,7 +62,7 @@ SHARED_OPTIONS = frozenset({
     "kl_after_update", "ref_refresh_every", "actor_lr", "lr_schedule", "lr_warmup_steps", "max_grad_norm",
 })
 """Options :class:`PPOAgent`'s own machinery reads for every agent (update loop, KL control, optimisers)."""
-POLICY_OBJECTIVE_OPTIONS = frozenset({"entropy_coef", "loss_aggregation", "kl_in", "kl_hinge"})
+POLICY_OBJECTIVE_OPTIONS = frozenset({"entropy_coef", "loss_aggregation", "kl_in", "kl_hinge", "clip_eps_high"})
 """Options of :meth:`PPOAgent.policy_objective` (the token-level clipped surrogate)."""
 CRITIC_OPTIONS = frozenset({"critic_lr", "vf_coef", "critic_init"})
 """Options of an agent with a critic (:attr:`PPOAgent.needs_critic`)."""
@@ -208,6 +208,11 @@ class PPOAgent(nn.Module):
     not_read: dict[str, str] = {}
     """Why the agent does not read an option: the refusal names it (option -> reason)."""
     default_clip_eps = 0.2
+    default_clip_eps_high: float | None = None
+    """Upper clip when ``clip_eps_high`` is left unset (None: symmetric, ``clip_eps``)."""
+    aggregation: str | None = None
+    """The loss aggregation the algorithm fixes (None: ``config.loss_aggregation``); see
+    :attr:`loss_aggregation`."""
     reuse_rollout_forward = True
     """See :meth:`reuses_rollout_forward`; set False to always run the update's own forward."""
     _rollout_forward: RolloutForward | None = None
@@ -448,6 +453,7 @@ class PPOAgent(nn.Module):
             raise ValueError(f"{type(self).__name__} needs a critic (e.g. ValueModel.from_causal_lm)")
         self.critic = critic.eval() if critic is not None and self.needs_critic else None
         self.clip_eps = config.clip_eps if config.clip_eps is not None else self.default_clip_eps
+        self.clip_eps_high = self.option("clip_eps_high")
         self.kl_ctl = make_kl_controller(config.kl_coef, config.adaptive_kl, config.kl_target, config.kl_horizon)
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -492,6 +498,43 @@ class PPOAgent(nn.Module):
         self.backend.copy_weights(dst, src)
 
     # -- helpers --------------------------------------------------------------------------------
+    def option(self, name: str) -> Any:
+        """An agent option whose unset value (None) means "the agent's default": the config's
+        value, else the class attribute ``default_<name>`` (e.g. ``clip_eps_high``)."""
+        value = getattr(self.config, name)
+        return getattr(type(self), f"default_{name}", None) if value is None else value
+
+    @property
+    def loss_aggregation(self) -> str:
+        """How the token losses of a (micro-)batch are reduced: the class's :attr:`aggregation`
+        (an algorithm that fixes it), else ``config.loss_aggregation``."""
+        return self.aggregation or self.config.loss_aggregation
+
+    def episode_budget(self) -> int:
+        """The run's token budget of an episode after the prompt (agent and observation tokens):
+        ``max_episode_tokens``, else the environment's default (``max_new_tokens`` for a single
+        turn; :func:`textrl.envs.episodes.default_episode_tokens`). The constant of the length
+        terms (Dr. GRPO's denominator, DAPO's overlong penalty); never a batch's padded ``T``."""
+        cached = getattr(self, "_episode_budget", None)
+        if cached is None:
+            cfg = self.config
+            if cfg.max_episode_tokens is not None:
+                cached = cfg.max_episode_tokens
+            else:
+                from textrl.envs.episodes import default_episode_tokens
+                from textrl.envs.registry import task_environment
+
+                env = task_environment(cfg.env, cfg.dataset, cfg.reward, cfg.env_args)
+                cached = default_episode_tokens(env, cfg.max_new_tokens)
+            self._episode_budget = int(cached)
+        return self._episode_budget
+
+    def loss_mask(self, td: TensorDictBase) -> Tensor:
+        """The tokens the loss counts, bool ``[B, T]``: ``KEYS.loss_mask`` where the estimator
+        left rows out (DAPO's dynamic sampling), else the agent mask ``KEYS.mask``."""
+        mask = td.get(KEYS.loss_mask, None)
+        return td.get(KEYS.mask) if mask is None else mask
+
     @property
     def device(self) -> torch.device:
         return next(self.policy.parameters()).device
@@ -768,37 +811,35 @@ class PPOAgent(nn.Module):
         The policy part of every token-level agent's loss; a critic agent adds its value loss.
         """
         cfg = self.config
-        mask = mb.get(KEYS.mask)  # [B, T]
+        mask = self.loss_mask(mb)  # [B, T]
         logp, entropy = self._forward_policy(mb)  # [B, T] each
-        pg_loss, pg_stats = clipped_policy_loss(
-            logp,
-            mb.get(KEYS.action_log_prob),
-            mb.get(KEYS.advantage).squeeze(-1),
-            mask,
-            clip_eps=self.clip_eps,
-            dual_clip=cfg.dual_clip,
-            aggregation=cfg.loss_aggregation,
-        )
-        entropy_loss = aggregate_loss(entropy, mask, cfg.loss_aggregation)
+        pg_loss, stats = self.surrogate(logp, mb.get(KEYS.action_log_prob), mb.get(KEYS.advantage).squeeze(-1), mask)
+        entropy_loss = self.aggregate(entropy, mask)
         loss = pg_loss - cfg.entropy_coef * entropy_loss
-        stats = {
-            "loss/policy": pg_loss,
-            "entropy": entropy_loss,
-            "clip_fraction": pg_stats["clip_fraction"],
-            "kl/policy_old": pg_stats["approx_kl"],
-            "ratio/mean": pg_stats["ratio_mean"],
-            "ratio/max": pg_stats["ratio_max"],
-            "ratio/min": pg_stats["ratio_min"],
-        }
-        if "dual_clip_fraction" in pg_stats:
-            stats["dual_clip_fraction"] = pg_stats["dual_clip_fraction"]
+        stats = {"loss/policy": pg_loss, "entropy": entropy_loss, **stats}
         if cfg.kl_in == "loss":
-            kl_mean = masked_mean(kl_penalty(logp, mb.get(KEYS.ref_log_prob), kind=cfg.kl_kind), mask)
+            kl_mean = self.aggregate(kl_penalty(logp, mb.get(KEYS.ref_log_prob), kind=cfg.kl_kind), mask)
             if cfg.kl_hinge:  # seed 000: only the KL above the target is penalised
                 kl_mean = (kl_mean - cfg.kl_target).clamp(min=0)
             stats["loss/kl"] = self.kl_ctl.value * kl_mean
             loss = loss + stats["loss/kl"]
         return loss, stats
+
+    def surrogate(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The policy-gradient loss of a (micro-)batch, all ``[B, T]``: PPO's clipped surrogate
+        (clip-higher with ``clip_eps_high``), reduced by :attr:`loss_aggregation`. Returns
+        ``(loss [], stats)`` with the stats named as the update logs them (``clip_fraction``,
+        ``kl/policy_old``, ``ratio/mean``: the ratio threshold reads it)."""
+        pg_loss, pg_stats = clipped_policy_loss(
+            logp, old_logp, advantages, mask, clip_eps=self.clip_eps, dual_clip=self.config.dual_clip,
+            aggregation=self.loss_aggregation, clip_eps_high=self.clip_eps_high,
+        )
+        return pg_loss, ppo_stats(pg_stats)
+
+    def aggregate(self, loss_mat: Tensor, mask: Tensor) -> Tensor:
+        """A token loss ``[B, T]`` (entropy, KL in the loss) reduced as the surrogate is, so that
+        :meth:`micro_weight` makes every term of the loss add up over micro-batches. ``[]``."""
+        return aggregate_loss(loss_mat, mask, self.loss_aggregation)
 
     def _forward_policy(self, mb: TensorDictBase) -> tuple[Tensor, Tensor]:
         """Current ``(logp [B, T], entropy [B, T])`` of a minibatch's actions, with grad."""
@@ -946,7 +987,9 @@ class PPOAgent(nn.Module):
         stepped), ``{}`` when every micro-batch was over the ratio threshold (nothing to step).
         """
         cfg = self.config
-        mask = td.get(KEYS.mask)  # [B, T]
+        mask = self.loss_mask(td)  # [B, T]
+        if KEYS.loss_mask in td.keys() and not self.dist.any(bool(mask[idx].any())):
+            return {}, {}  # every row left out (dynamic sampling): no loss, nothing to step
         mb_tokens = mask[idx].sum().clamp(min=1)
         self.backend.zero_grad(self)
         micro_stats: dict[str, list[Tensor]] = defaultdict(list)
@@ -1019,7 +1062,7 @@ class PPOAgent(nn.Module):
         token_mean: valid tokens of the micro-batch / valid tokens of the minibatch (exact even with
         uneven lengths); the sequence-level aggregations: rows / minibatch rows.
         """
-        if self.config.loss_aggregation == "token_mean":
+        if self.loss_aggregation == "token_mean":
             return float(sub_mask.sum() / mb_tokens)
         return micro / mb_size
 
@@ -1116,6 +1159,20 @@ class PPOAgent(nn.Module):
         return result
 
 
+def ppo_stats(pg_stats: dict[str, Tensor]) -> dict[str, Tensor]:
+    """:func:`clipped_policy_loss`'s stats under the names the update logs."""
+    stats = {
+        "clip_fraction": pg_stats["clip_fraction"],
+        "kl/policy_old": pg_stats["approx_kl"],
+        "ratio/mean": pg_stats["ratio_mean"],
+        "ratio/max": pg_stats["ratio_max"],
+        "ratio/min": pg_stats["ratio_min"],
+    }
+    if "dual_clip_fraction" in pg_stats:
+        stats["dual_clip_fraction"] = pg_stats["dual_clip_fraction"]
+    return stats
+
+
 @dataclass
 class UpdateTally:
     """What one :meth:`PPOAgent.update` did: the stats of its good steps and how many it skipped."""
@@ -1162,5 +1219,5 @@ class UpdateTally:
 
 __all__ = [
     "CRITIC_OPTIONS", "LORA_OPTIONS", "POLICY_OBJECTIVE_OPTIONS", "SCORE", "SHARED_OPTIONS", "PPOAgent",
-    "RolloutForward", "UpdateTally", "attended_response", "position_ids_for", "sequence_inputs", "warp_logits",
+    "RolloutForward", "UpdateTally", "attended_response", "ppo_stats", "position_ids_for", "sequence_inputs", "warp_logits",
 ]

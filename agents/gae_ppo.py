@@ -5,10 +5,16 @@ Per iteration: per-token KL to the reference (k1/k2/k3/abs) goes into the reward
 ``r/T``) or into the loss; GAE(gamma, lam) over the agent's tokens (the observation tokens of a
 multi-turn episode skipped) gives ``advantage`` and ``value_target``; K epochs
 of clipped policy loss + ``vf_coef`` x clipped value loss - ``entropy_coef`` x entropy.
+
+VAPO's pieces (Yue et al. 2025, arXiv:2504.05118) are options here, off by default (``vapo``
+turns them on): a GAE lambda of the critic's own (``lam_critic``), a length-adaptive policy
+lambda (``lam_length_alpha``), critic-only warm-up iterations (``critic_warmup_iterations``) and
+clip-higher (``clip_eps_high``).
 """
 
 from __future__ import annotations
 
+import torch
 from tensordict import TensorDictBase
 from textrl.agents.base import (
     CRITIC_OPTIONS,
@@ -23,7 +29,9 @@ from textrl.agent_registry import register_agent
 from textrl.functional import (
     clipped_value_loss,
     gae,
+    gae_row_lambda,
     kl_penalty,
+    length_adaptive_lambda,
     masked_whiten,
     shaped_token_rewards,
 )
@@ -38,12 +46,33 @@ class GAEPPO(PPOAgent):
     pipeline_reward = "reward_model"
     lora = "optional"
     options = SHARED_OPTIONS | POLICY_OBJECTIVE_OPTIONS | CRITIC_OPTIONS | LORA_OPTIONS | {
-        "value_clip_eps", "gamma", "lam", "whiten_advantages", "reward_placement", "critic_type"}
+        "value_clip_eps", "gamma", "lam", "whiten_advantages", "reward_placement", "critic_type",
+        "lam_critic", "lam_length_alpha", "critic_warmup_iterations"}
     not_read = {
         "old_policy_refresh_every": "it keeps no old-policy snapshot: the behaviour policy is the policy at collection",
         "reward_adapter": "its reward comes from --reward / --reward-model",
     }
     default_clip_eps = 0.2
+    default_lam_critic: float | None = None
+    """GAE lambda of the value targets when ``lam_critic`` is unset (None: ``lam``)."""
+    default_lam_length_alpha: float | None = None
+    """``lam_length_alpha`` when unset (None or 0: the policy's lambda is ``lam``)."""
+    default_critic_warmup_iterations = 0
+    """``critic_warmup_iterations`` when unset."""
+
+    def critic_warming_up(self) -> bool:
+        """Whether this iteration only trains the critic (the first ``critic_warmup_iterations``)."""
+        return self.iteration < self.option("critic_warmup_iterations")
+
+    def lambdas(self, mask: Tensor) -> tuple[float | Tensor, float]:
+        """``(policy lambda, critic lambda)``: the policy's is ``lam``, or with ``lam_length_alpha``
+        VAPO's ``1 - 1/(alpha * l)`` per row ``[B]`` (``l`` the row's agent tokens of ``mask``
+        ``[B, T]``); the critic's is ``lam_critic``, else ``lam``."""
+        cfg = self.config
+        alpha = self.option("lam_length_alpha")
+        policy = length_adaptive_lambda(mask.sum(1), alpha) if alpha else cfg.lam
+        critic = self.option("lam_critic")
+        return policy, cfg.lam if critic is None else critic
 
     def token_kl(self, logp: Tensor, ref_logp: Tensor) -> Tensor:
         """Per-token penalty ``[B, T]``: ``KL_t`` of ``kl_kind``, or seed 000's ``max(0, KL_t - kl_target)``."""
@@ -65,7 +94,13 @@ class GAEPPO(PPOAgent):
         beta = self.kl_ctl.value if cfg.kl_in == "reward" else 0.0
         rewards = shaped_token_rewards(self.task_token_rewards(td), kl, mask, beta)  # [B, T]
         values = td.get(KEYS.state_value).squeeze(-1)  # [B, T]
-        advantages, returns = gae(rewards, values, mask, gamma=cfg.gamma, lam=cfg.lam)
+        lam_policy, lam_critic = self.lambdas(mask)
+        if isinstance(lam_policy, Tensor):
+            advantages, returns = gae_row_lambda(rewards, values, mask, gamma=cfg.gamma, lam=lam_policy)
+        else:
+            advantages, returns = gae(rewards, values, mask, gamma=cfg.gamma, lam=lam_policy)
+        if isinstance(lam_policy, Tensor) or lam_critic != lam_policy:  # VAPO's decoupled GAE
+            _, returns = gae(rewards, values, mask, gamma=cfg.gamma, lam=lam_critic)
         if cfg.whiten_advantages:
             advantages = masked_whiten(advantages, mask)
         td.set(KEYS.reward, rewards.unsqueeze(-1))
@@ -82,8 +117,11 @@ class GAEPPO(PPOAgent):
             mb.get(KEYS.value_target).squeeze(-1),
             mb.get(KEYS.mask),
             clip_eps=cfg.value_clip_eps,
-            aggregation=cfg.loss_aggregation,
+            aggregation=self.loss_aggregation,
         )
+        if self.critic_warming_up():  # VAPO's value pre-training: zero policy gradient, the policy stays
+            loss = 0.0 * loss
+            stats["critic_warmup"] = torch.ones(())
         loss = loss + cfg.vf_coef * v_loss
         stats.update({
             "loss/value": v_loss,

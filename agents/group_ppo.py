@@ -49,6 +49,8 @@ class GroupPPO(PPOAgent):
         "critic_init": "it has no critic", "critic_type": "it has no critic",
         "old_policy_refresh_every": "it keeps no old-policy snapshot",
         "reward_adapter": "its reward comes from --reward / --reward-model",
+        "lam_critic": "it has no critic", "lam_length_alpha": "it has no critic, so no GAE",
+        "critic_warmup_iterations": "it has no critic",
     }
     default_clip_eps = 0.2
 

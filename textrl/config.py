@@ -139,6 +139,9 @@ class TrainConfig:
     """Micro-batches accumulated per minibatch; the minibatch must divide into them."""
     clip_eps: float | None = None
     """PPO clip epsilon of the policy ratio (None = the agent's default: 0.2, one_step_ppo 0.1)."""
+    clip_eps_high: float | None = None
+    """Upper clip of the policy ratio, 1 + clip_eps_high (DAPO's clip-higher; None = the agent's
+    default: symmetric, dapo/cispo/vapo 0.28, gspo 4e-4)."""
     dual_clip: float | None = None
     """Dual-clip constant c > 1 for negative advantages (None = off)."""
     value_clip_eps: float | None = 0.2
@@ -151,6 +154,21 @@ class TrainConfig:
     """Discount factor."""
     lam: float = 0.95
     """GAE lambda."""
+    lam_critic: float | None = None
+    """GAE lambda of the critic's value targets (VAPO's decoupled GAE; None = the agent's default:
+    lam, vapo 1.0)."""
+    lam_length_alpha: float | None = None
+    """Length-adaptive GAE lambda of the policy, 1 - 1/(alpha x response length) (VAPO; 0 = off,
+    lam is used; None = the agent's default: off, vapo 0.05)."""
+    critic_warmup_iterations: int | None = None
+    """Train only the critic for the first N iterations, the policy does not move (VAPO's value
+    pre-training; None = the agent's default: 0, vapo 5)."""
+    dynamic_sampling: bool | None = None
+    """dapo: leave out of the loss the groups whose rewards are all equal (DAPO's dynamic sampling,
+    without re-sampling; None = the agent's default: on for dapo)."""
+    overlong_buffer: int | None = None
+    """dapo: soft overlong punishment over the last N tokens of the episode's token budget, from 0
+    down to -1 added to the score (0 = off; None = the agent's default: a quarter of the budget)."""
     whiten_advantages: bool = True
     """Normalise advantages to mean 0, std 1 over valid tokens."""
     loss_aggregation: str = "token_mean"
@@ -248,7 +266,8 @@ class TrainConfig:
         # hold full tensors: docs/parallelism.md), fault handling
         applied=frozenset({
             "device", "iterations", "generation_batch_size", "forward_batch_size", "ppo_epochs",
-            "num_minibatches", "gradient_accumulation_steps", "clip_eps", "dual_clip", "value_clip_eps",
+            "num_minibatches", "gradient_accumulation_steps", "clip_eps", "clip_eps_high", "dual_clip",
+            "value_clip_eps",
             "vf_coef", "entropy_coef", "kl_coef", "kl_target", "kl_horizon", "kl_early_stop", "ratio_threshold",
             "kl_after_update", "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr",
             "lr_schedule", "lr_warmup_steps", "max_grad_norm", "fsdp", "fsdp_reshard_after_forward", "zero_stage",
@@ -264,6 +283,7 @@ class TrainConfig:
             "warmup_answer_accuracy", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
             "temperature", "top_k", "top_p", "gamma", "lam", "whiten_advantages", "loss_aggregation",
             "kl_kind", "kl_in", "adaptive_kl", "kl_hinge", "reward_placement", "critic_init",
+            "lam_critic", "lam_length_alpha", "critic_warmup_iterations", "dynamic_sampling", "overlong_buffer",
             "reward_adapter", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
             "critic_type",
         }),
@@ -313,6 +333,19 @@ class TrainConfig:
             _positive("clip_eps", self.clip_eps)
         if self.value_clip_eps is not None:
             _positive("value_clip_eps", self.value_clip_eps)
+        if self.clip_eps_high is not None:
+            _positive("clip_eps_high", self.clip_eps_high)
+        if self.lam_critic is not None:
+            _in_range("lam_critic", self.lam_critic, 0.0, 1.0)
+        if self.lam_length_alpha is not None:
+            _at_least("lam_length_alpha", self.lam_length_alpha, 0.0)
+        for name in ("critic_warmup_iterations", "overlong_buffer"):
+            if getattr(self, name) is not None:
+                _at_least(name, getattr(self, name), 0)
+        if self.overlong_buffer is not None and self.max_episode_tokens is not None \
+                and self.overlong_buffer > self.max_episode_tokens:
+            raise ValueError(f"overlong_buffer={self.overlong_buffer}: must be <= max_episode_tokens="
+                             f"{self.max_episode_tokens} (the budget it punishes the end of); lower it")
         if self.dual_clip is not None and not self.dual_clip > 1.0:
             raise ValueError(f"dual_clip={self.dual_clip!r}: must be > 1 (or None to disable)")
         for name in ("vf_coef", "entropy_coef", "kl_coef", "kl_target", "ratio_threshold",
@@ -401,8 +434,9 @@ def _with_trl_hints(cls: type) -> type:
 _with_trl_hints(TrainConfig)
 
 AGENT_OPTIONS = frozenset({
-    "ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "clip_eps", "dual_clip",
-    "value_clip_eps", "vf_coef", "entropy_coef", "gamma", "lam", "whiten_advantages",
+    "ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "clip_eps", "clip_eps_high", "dual_clip",
+    "value_clip_eps", "lam_critic", "lam_length_alpha", "critic_warmup_iterations", "dynamic_sampling",
+    "overlong_buffer", "vf_coef", "entropy_coef", "gamma", "lam", "whiten_advantages",
     "loss_aggregation", "kl_coef", "kl_kind", "kl_in", "adaptive_kl", "kl_target", "kl_horizon",
     "kl_hinge", "kl_early_stop", "reward_placement", "ratio_threshold", "kl_after_update",
     "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr", "lr_schedule",

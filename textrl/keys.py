@@ -57,6 +57,9 @@ class RolloutKeys:
     """float ``[B, T, 1]``: written by the advantage estimator."""
     value_target: NestedKey = "value_target"
     """float ``[B, T, 1]``: return target of the value loss."""
+    loss_mask: NestedKey = "loss_mask"
+    """bool ``[B, T]``: the tokens the policy loss counts, where an estimator leaves rows out of
+    it (DAPO's dynamic sampling: groups whose rewards are all equal); absent: ``mask``."""
     reward_components: NestedKey = "reward_components"
     """sub-TensorDict: ``(reward_components, name)`` float ``[B]``, each reward's raw score."""
     score: NestedKey = "score"

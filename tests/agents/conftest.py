@@ -32,7 +32,7 @@ def make_config(**overrides) -> TrainConfig:
         prompts_per_iteration=4, n_samples_per_prompt=1, max_new_tokens=6, ppo_epochs=1,
         num_minibatches=1, forward_batch_size=4, generation_batch_size=4, iterations=5,
     )
-    if overrides.get("agent") in ("grpo", "rloo"):  # group baselines: the 4 rows are 2 groups of 2
+    if AGENTS[overrides.get("agent", "gae_ppo")].min_samples_per_prompt > 1:  # group baselines: 2 groups of 2
         base.update(prompts_per_iteration=2, n_samples_per_prompt=2)
     base.update(overrides)
     return TrainConfig(**base)

@@ -54,7 +54,9 @@ SEPARATE_REFERENCE = [n for n in NAMES if n != "multi_adapter_ppo"]
 
 @pytest.mark.parametrize("name", SEPARATE_REFERENCE)
 def test_one_update_moves_trainables_and_leaves_reference_identical(tok, name):
-    agent = build(tok, name, actor_lr=1e-2, kl_after_update=True)
+    # vapo trains only its critic in its first iterations (critic_warmup_iterations): turned off here
+    warmup = {"critic_warmup_iterations": 0} if "critic_warmup_iterations" in AGENTS[name].options else {}
+    agent = build(tok, name, actor_lr=1e-2, kl_after_update=True, **warmup)
     td = collect(agent, tok)
     ref_before, pol_before = params(agent.ref_policy), params(agent.policy)
     critic_before = params(agent.critic) if agent.critic is not None else {}
@@ -200,10 +202,12 @@ def test_ratio_threshold_skips_the_actor_step(tok):
 
 
 def test_make_agent_names_the_choices(tok):
-    with pytest.raises(ValueError, match="gae_ppo, grpo, multi_adapter_ppo, one_step_ppo, rloo"):
+    with pytest.raises(ValueError, match="cispo, dapo, dr_grpo, gae_ppo, grpo, gspo, multi_adapter_ppo, one_step_ppo, "
+                                         "reinforce_pp, reinforce_pp_baseline, rloo, vapo"):
         make_agent("nope")
     assert AGENTS["gae_ppo"] is GAEPPO and AGENTS["one_step_ppo"] is OneStepPPO
-    assert sorted(AGENTS) == ["gae_ppo", "grpo", "multi_adapter_ppo", "one_step_ppo", "rloo"]
+    assert sorted(AGENTS) == ["cispo", "dapo", "dr_grpo", "gae_ppo", "grpo", "gspo", "multi_adapter_ppo", "one_step_ppo",
+                              "reinforce_pp", "reinforce_pp_baseline", "rloo", "vapo"]
     assert make_config().validate()
 
 

@@ -29,7 +29,8 @@ NON_DEFAULT = {
     "ref_refresh_every": 2, "old_policy_refresh_every": 2, "actor_lr": 1e-3, "critic_lr": 1e-4,
     "lr_schedule": "cosine", "lr_warmup_steps": 2, "max_grad_norm": 0.5, "critic_init": "reward_model",
     "reward_adapter": "x", "load_in_4bit": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.1,
-    "lora_target_modules": "q_proj", "critic_type": "lora",
+    "lora_target_modules": "q_proj", "critic_type": "lora", "clip_eps_high": 0.3, "lam_critic": 1.0,
+    "lam_length_alpha": 0.05, "critic_warmup_iterations": 2, "dynamic_sampling": False, "overlong_buffer": 4,
 }
 """A valid value other than the default for every option an agent may read."""
 
@@ -62,13 +63,15 @@ def test_every_option_in_the_table_has_a_non_default_example():
 
 
 def test_the_registry_is_the_list_of_agent_names():
-    assert agent_names() == sorted(AGENTS) == ["gae_ppo", "grpo", "multi_adapter_ppo", "one_step_ppo", "rloo"]
+    assert agent_names() == sorted(AGENTS) == [
+        "cispo", "dapo", "dr_grpo", "gae_ppo", "grpo", "gspo", "multi_adapter_ppo", "one_step_ppo", "reinforce_pp",
+        "reinforce_pp_baseline", "rloo", "vapo"]
     assert all(agent_class(name).name == name for name in agent_names())
-    with pytest.raises(ValueError, match=r"agent='dqn': must be one of gae_ppo, grpo, .*file.py:Class"):
+    with pytest.raises(ValueError, match=r"agent='dqn': must be one of cispo, dapo, .*file.py:Class"):
         agent_class("dqn")
 
 
-@pytest.mark.parametrize("name", ["gae_ppo", "grpo", "multi_adapter_ppo", "one_step_ppo", "rloo"])
+@pytest.mark.parametrize("name", agent_names())
 def test_an_option_the_agent_does_not_read_is_refused_naming_agent_option_and_fix(name):
     cls = agent_class(name)
     ignored = sorted(AGENT_OPTIONS - cls.options)

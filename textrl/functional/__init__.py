@@ -45,6 +45,7 @@ from textrl.functional.ppo import (
     clipped_value_loss,
     explained_variance,
 )
+from textrl.functional.vapo import gae_row_lambda, length_adaptive_lambda
 from textrl.functional.zoo import (
     LOG_RATIO_CLAMP,
     cispo_loss,
@@ -58,6 +59,8 @@ from textrl.functional.zoo import (
 )
 
 __all__ = [
+    "gae_row_lambda",
+    "length_adaptive_lambda",
     "LOG_RATIO_CLAMP",
     "cispo_loss",
     "dr_grpo_advantage",
