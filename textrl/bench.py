@@ -467,7 +467,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated environments: registered ids or any --env spec "
                              f"(default: {d['envs']})")
     parser.add_argument("--seeds", type=_seeds, default=None,
-                        help=f"comma-separated seeds (default: {','.join(map(str, d['seeds']))})")
+                        help=f"comma-separated seeds (default: {d['seeds']})")
     parser.add_argument("--token-budget", type=int, default=None,
                         help=f"generated tokens per run; sets the iterations per environment "
                              f"(default: {d['token_budget']} for the default run, else --iterations)")
