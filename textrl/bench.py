@@ -59,10 +59,10 @@ from textrl.bench_runs import read_run
 from textrl.config import TrainConfig
 
 DEFAULT_BENCH: dict[str, Any] = {
-    "agents": "gae_ppo,grpo,rloo,one_step_ppo",
-    "envs": "digits,guess_number",
+    "agents": "gae_ppo,rloo,grpo,cispo",
+    "envs": "digits",
     "seeds": "0,1,2",
-    "token_budget": 81920,
+    "token_budget": 300 * 64 * 24,  # 300 iterations of 64 responses of at most 24 tokens on digits
     "settings": {"eval_every": 0},
 }
 """What ``textrl bench`` with no arguments runs, as its options would be typed (sized to finish

@@ -67,11 +67,11 @@ class TrainConfig:
     """Seed of every random generator (Python, NumPy, torch, prompt sampler)."""
     device: str = "auto"
     """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
-    iterations: int = 300
+    iterations: int = 500
     """Number of PPO iterations (rollout + update)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in output_dir."""
-    agent: str = "gae_ppo"
+    agent: str = "rloo"
     """Agent: a registered name (`textrl train --help` lists them) or path/to/file.py:Class."""
 
     # -- models and data -----------------------------------------------------------------------
