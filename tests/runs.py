@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 SMALL = [
+    "--agent", "gae_ppo",  # written against the critic agent (the default is rloo); a later --agent wins
     "--prompts-per-iteration", "4", "--n-samples-per-prompt", "2", "--max-new-tokens", "8",
     "--warmup-sft-steps", "5", "--eval-size", "8", "--eval-every", "0", "--progress", "false",
     "--ppo-epochs", "1", "--num-minibatches", "2",

@@ -24,6 +24,7 @@ from textrl.run import latest_checkpoint
 pytestmark = pytest.mark.slow
 
 SMALL = [
+    "--agent", "gae_ppo",  # the critic agent (the default is rloo); a later --agent wins
     "--prompts-per-iteration", "4", "--n-samples-per-prompt", "2", "--max-new-tokens", "6",
     "--warmup-sft-steps", "3", "--eval-size", "4", "--eval-every", "0", "--progress", "false",
     "--ppo-epochs", "1", "--num-minibatches", "2", "--device", "cpu",

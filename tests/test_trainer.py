@@ -82,8 +82,8 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, options):
 )
 def test_agent_and_reward_swap_from_the_command_line(tmp_path, agent, reward):
     out = tmp_path / agent
-    assert main(["train", "--iterations", "1", "--agent", agent, "--reward", reward,
-                 "--output-dir", str(out), *SMALL]) == 0
+    assert main(["train", *SMALL, "--iterations", "1", "--agent", agent, "--reward", reward,
+                 "--output-dir", str(out)]) == 0
     row = _metrics(out)[0]
     names = {k.split("/")[1] for k in row if k.startswith("reward_components/")}
     assert names == {part.split(":")[0] for part in reward.split(",")}

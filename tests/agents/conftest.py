@@ -29,7 +29,7 @@ def target_reward(prompts, completions, completion_ids=None, **kwargs):
 
 def make_config(**overrides) -> TrainConfig:
     base = dict(
-        prompts_per_iteration=4, n_samples_per_prompt=1, max_new_tokens=6, ppo_epochs=1,
+        agent="gae_ppo", prompts_per_iteration=4, n_samples_per_prompt=1, max_new_tokens=6, ppo_epochs=1,
         num_minibatches=1, forward_batch_size=4, generation_batch_size=4, iterations=5,
     )
     if AGENTS[overrides.get("agent", "gae_ppo")].min_samples_per_prompt > 1:  # group baselines: 2 groups of 2

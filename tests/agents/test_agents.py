@@ -11,6 +11,7 @@ from textrl.agents.base import SCORE
 from tests.agents.conftest import collect, make_config, record_loss_stats
 from tests.agents.conftest import make_agent as build
 from textrl.checks import check_rollout
+from textrl.config import TrainConfig
 from textrl.keys import KEYS
 
 NAMES = sorted(AGENTS)
@@ -209,6 +210,7 @@ def test_make_agent_names_the_choices(tok):
     assert sorted(AGENTS) == ["cispo", "dapo", "dr_grpo", "gae_ppo", "grpo", "gspo", "multi_adapter_ppo", "one_step_ppo",
                               "reinforce_pp", "reinforce_pp_baseline", "rloo", "vapo"]
     assert make_config().validate()
+    assert TrainConfig().agent == "rloo"  # the embedded default (README, "The embedded default")
 
 
 def test_sampling_without_top_k_draws_from_the_whole_vocabulary(tok):

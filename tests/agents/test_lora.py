@@ -104,7 +104,8 @@ def test_gae_ppo_with_a_critic_lora_trains_the_critic_adapter():
     ({"load_in_4bit": True}, "load_in_4bit=True freezes the base model.*add --lora-r 8"),
     ({"lora_alpha": 32}, "lora_alpha=32 is read only with a LoRA policy"),
     ({"lora_r": 4, "ref_refresh_every": 2}, "cannot be refreshed"),
-    ({"lora_r": 4, "critic_init": "reward_model", "reward_model": "tiny"}, "leave critic_init='policy'"),
+    ({"agent": "gae_ppo", "lora_r": 4, "critic_init": "reward_model", "reward_model": "tiny"},
+     "leave critic_init='policy'"),
 ])
 def test_combinations_that_make_no_sense_are_refused_by_name(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -106,6 +106,17 @@ def _prefix_of(mask: Tensor) -> Tensor:
     return positions.unsqueeze(0) < mask.sum(dim=1, keepdim=True)
 
 
+def check_gae_inputs(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float) -> None:
+    """``ValueError`` naming the argument unless rewards and values are float ``[B, T]``, mask a bool
+    ``[B, T]`` and gamma in [0, 1] (the inputs of :func:`gae` and its variants)."""
+    check_2d("rewards", rewards)
+    check_float("rewards", rewards)
+    check_same_shape("values", values, "rewards", rewards)
+    check_float("values", values)
+    check_mask("mask", mask, "rewards", rewards)
+    check_probability("gamma", gamma)
+
+
 def gae(
     rewards: Tensor,
     values: Tensor,
@@ -137,12 +148,7 @@ def gae(
         exactly 0 at masked positions. Equals TorchRL's ``generalized_advantage_estimate`` on
         the compacted ``[B, T, 1]`` tensors with ``done`` at each row's last True.
     """
-    check_2d("rewards", rewards)
-    check_float("rewards", rewards)
-    check_same_shape("values", values, "rewards", rewards)
-    check_float("values", values)
-    check_mask("mask", mask, "rewards", rewards)
-    check_probability("gamma", gamma)
+    check_gae_inputs(rewards, values, mask, gamma)
     check_probability("lam", lam)
 
     index = compaction_index(mask)  # (B, T): identity for a prefix mask

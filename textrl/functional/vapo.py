@@ -14,13 +14,9 @@ import torch
 from torch import Tensor
 
 from textrl.functional._validate import (
-    check_2d,
     check_float,
-    check_mask,
-    check_probability,
-    check_same_shape,
 )
-from textrl.functional.advantages import _check_1d, _compute_dtype, _prefix_of
+from textrl.functional.advantages import _check_1d, _compute_dtype, _prefix_of, check_gae_inputs
 from textrl.functional.masking import compact, compaction_index, uncompact
 
 
@@ -75,12 +71,7 @@ def gae_row_lambda(
         ``(advantages, returns)``, each ``[B, T]`` in float32 (float64 if the inputs are),
         exactly 0 at masked positions.
     """
-    check_2d("rewards", rewards)
-    check_float("rewards", rewards)
-    check_same_shape("values", values, "rewards", rewards)
-    check_float("values", values)
-    check_mask("mask", mask, "rewards", rewards)
-    check_probability("gamma", gamma)
+    check_gae_inputs(rewards, values, mask, gamma)
     _check_row_lambda(lam, rewards.shape[0])
 
     index = compaction_index(mask)  # (B, T): identity for a prefix mask
