@@ -219,6 +219,8 @@ def test_a_second_bench_on_the_same_folder_is_refused(tmp_path, fake_training, c
     (["--envs", ","], "envs is empty"),
     (["--seed", "1"], "--seed is set per run by the comparison; use --seeds"),
     (["--jobs", "0"], "--jobs 0: give at least 1"),
+    (["--token-budget", "-5"], "token_budget=-5: must be an int >= 1"),
+    (["--reps", "0"], "reps=0: must be an int >= 1"),
 ])
 def test_bad_input_is_one_line_naming_the_culprit(tmp_path, capsys, args, culprit):
     assert main([*args, "--output-dir", str(tmp_path / "bench")]) == 2

@@ -331,6 +331,12 @@ def compare_agents(
         envs = [env_setting]
     if token_budget is None and "iterations" not in settings:
         token_budget = DEFAULT_BENCH["token_budget"]
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"reps={reps!r}: must be an int >= 1, the bootstrap resamples (--reps 2000)")
+    if token_budget is not None and (isinstance(token_budget, bool) or not isinstance(token_budget, int)
+                                     or token_budget < 1):
+        raise ValueError(f"token_budget={token_budget!r}: must be an int >= 1, the generated tokens per run "
+                         "(--token-budget 460800), or leave it out and give --iterations")
     env_list = _names(DEFAULT_BENCH["envs"]) if envs is None else list(envs)
     common = run_settings(settings)
     names, skipped = resolve_agents(agents, common)
