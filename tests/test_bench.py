@@ -214,7 +214,7 @@ def test_a_second_bench_on_the_same_folder_is_refused(tmp_path, fake_training, c
 
 @pytest.mark.parametrize("args, culprit", [
     (["--envs", "digits,no_such_env"], "environment 'no_such_env': unknown environment"),
-    (["--agents", "gae_ppo,no_such_agent"], "agent 'no_such_agent'"),
+    (["--agents", "gae_ppo,no_such_agent"], "agent='no_such_agent': must be one of"),
     (["--seeds", ""], "seeds is empty"),
     (["--envs", ","], "envs is empty"),
     (["--seed", "1"], "--seed is set per run by the comparison; use --seeds"),

@@ -154,7 +154,7 @@ def resolve_agents(names: Sequence[str] | None, settings: dict[str, Any]) -> tup
             TrainConfig(**{**settings, "agent": spec}).validate()
         except ValueError as err:
             if not every:
-                raise ValueError(f"agent {name!r}: {err}") from None
+                raise ValueError(str(err) if name in str(err) else f"agent {name!r}: {err}") from None
             skipped[name] = str(err)
             continue
         ok.append(spec)
