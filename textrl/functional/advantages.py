@@ -56,8 +56,9 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 _SCAN_BLOCK = 32
 
 
-def _discounted_reverse_cumsum(x: Tensor, decay: float) -> Tensor:
-    """``y_t = x_t + decay * y_{t+1}`` (``y_T = 0``) along dim 1 of ``x`` ``[B, T]`` -> ``[B, T]``.
+def _discounted_reverse_cumsum(x: Tensor, decay: float | Tensor) -> Tensor:
+    """``y_t = x_t + decay * y_{t+1}`` (``y_T = 0``) along dim 1 of ``x`` ``[B, T]`` -> ``[B, T]``;
+    ``decay`` a float, or one per row ``[B]``.
 
     Blocked scan: inside each block of ``C`` steps ``y = x @ W`` with ``W[s, t] = decay^(s - t)``
     for ``s >= t``, done as a broadcast multiply-sum (exact float math, unaffected by TF32 matmul
@@ -70,13 +71,17 @@ def _discounted_reverse_cumsum(x: Tensor, decay: float) -> Tensor:
     blocks = torch.nn.functional.pad(x, (0, n_blocks * c - t)).view(b, n_blocks, c)  # (B, N, C)
     idx = torch.arange(c, device=x.device)
     lag = idx[:, None] - idx[None, :]  # (C, C): s - t
-    base = torch.full((), decay, dtype=x.dtype, device=x.device)
-    weights = torch.where(lag >= 0, base.pow(lag.clamp(min=0).to(x.dtype)), 0.0)  # (C, C)
-    local = (blocks.unsqueeze(-1) * weights).sum(dim=-2)  # (B, N, C): scan within each block
-    tail = base.pow((c - idx).to(x.dtype))  # (C,): decay^(C - t)
+    per_row = isinstance(decay, Tensor)
+    if per_row:
+        base = decay.to(x.dtype).view(b, 1, 1)  # (B, 1, 1)
+    else:
+        base = torch.full((), decay, dtype=x.dtype, device=x.device)
+    weights = torch.where(lag >= 0, base.pow(lag.clamp(min=0).to(x.dtype)), 0.0)  # (C, C) or (B, C, C)
+    local = (blocks.unsqueeze(-1) * (weights.unsqueeze(1) if per_row else weights)).sum(dim=-2)  # (B, N, C)
+    tail = base.pow((c - idx).to(x.dtype))  # decay^(C - t): (C,) or (B, 1, C)
     carry = torch.empty(b, n_blocks, dtype=x.dtype, device=x.device)  # y at the next block's start
     running = torch.zeros(b, dtype=x.dtype, device=x.device)
-    decay_c = decay**c
+    decay_c = base.view(b).pow(c) if per_row else decay**c  # (B,) or a float
     for k in range(n_blocks - 1, -1, -1):
         carry[:, k] = running
         running = local[:, k, 0] + decay_c * running
@@ -84,9 +89,10 @@ def _discounted_reverse_cumsum(x: Tensor, decay: float) -> Tensor:
 
 
 def _gae_prefix(
-    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float | Tensor
 ) -> tuple[Tensor, Tensor]:
-    """GAE over a prefix ``mask`` (inputs checked by :func:`gae`): ``(advantages, returns)`` ``[B, T]``."""
+    """GAE over a prefix ``mask`` (inputs checked by :func:`gae` or ``gae_row_lambda``), ``lam``
+    a float or one per row ``[B]``: ``(advantages, returns)`` ``[B, T]``."""
     dtype = torch.promote_types(_compute_dtype(rewards), _compute_dtype(values))
     zero = torch.zeros((), dtype=dtype, device=rewards.device)
     r = torch.where(mask, rewards.to(dtype), zero)  # (B, T)
@@ -95,7 +101,8 @@ def _gae_prefix(
     next_v = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1)  # (B, T)
     delta = torch.where(mask, r + gamma * next_v - v, zero)  # (B, T)
 
-    advantages = torch.where(mask, _discounted_reverse_cumsum(delta, gamma * lam), zero)  # (B, T)
+    decay = gamma * (lam.to(dtype) if isinstance(lam, Tensor) else lam)  # a float or (B,)
+    advantages = torch.where(mask, _discounted_reverse_cumsum(delta, decay), zero)  # (B, T)
     returns = torch.where(mask, advantages + v, zero)  # (B, T)
     return advantages, returns
 

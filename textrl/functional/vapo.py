@@ -16,7 +16,7 @@ from torch import Tensor
 from textrl.functional._validate import (
     check_float,
 )
-from textrl.functional.advantages import _check_1d, _compute_dtype, _prefix_of, check_gae_inputs
+from textrl.functional.advantages import _check_1d, _gae_prefix, _prefix_of, check_gae_inputs
 from textrl.functional.masking import compact, compaction_index, uncompact
 
 
@@ -75,21 +75,7 @@ def gae_row_lambda(
     _check_row_lambda(lam, rewards.shape[0])
 
     index = compaction_index(mask)  # (B, T): identity for a prefix mask
-    valid = _prefix_of(mask)  # (B, T): the compacted mask
-    dtype = torch.promote_types(_compute_dtype(rewards), _compute_dtype(values))
-    zero = torch.zeros((), dtype=dtype, device=rewards.device)
-    r = torch.where(valid, compact(rewards, index).to(dtype), zero)  # (B, T)
-    v = torch.where(valid, compact(values, index).to(dtype), zero)  # (B, T)
-    next_v = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1)  # (B, T); 0 past the last
-    delta = torch.where(valid, r + gamma * next_v - v, zero)  # (B, T)
-    decay = gamma * lam.to(dtype)  # (B,)
-    advantages = torch.zeros_like(delta)
-    running = torch.zeros(delta.shape[0], dtype=dtype, device=delta.device)  # (B,)
-    for t in range(delta.shape[1] - 1, -1, -1):
-        running = delta[:, t] + decay * running
-        advantages[:, t] = running
-    advantages = torch.where(valid, advantages, zero)
-    returns = torch.where(valid, advantages + v, zero)
+    advantages, returns = _gae_prefix(compact(rewards, index), compact(values, index), _prefix_of(mask), gamma, lam)
     return uncompact(advantages, index), uncompact(returns, index)
 
 
