@@ -26,7 +26,6 @@ from torch import Tensor
 
 from textrl.agent_registry import register_agent
 from textrl.functional import (
-    LOG_RATIO_CLAMP,
     aggregate_loss,
     cispo_loss,
     clipped_policy_loss,
@@ -183,17 +182,6 @@ class GSPO(GRPO):
         return aggregate_loss(loss_mat, mask, "seq_mean", max(1, mask.shape[0]))
 
 
-@torch.no_grad()
-def _ratio_range(logp: Tensor, old_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
-    """``ratio/max`` and ``ratio/min`` of the token ratios over ``mask`` (all ``[B, T]``); 1 when empty."""
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    log_ratio = torch.where(mask, logp.detach() - old_logp, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio, one = torch.exp(log_ratio), torch.ones((), dtype=logp.dtype, device=logp.device)
-    if not bool(mask.any()):
-        return {"ratio/max": one, "ratio/min": one}
-    return {"ratio/max": torch.where(mask, ratio, -torch.inf).amax(), "ratio/min": torch.where(mask, ratio, torch.inf).amin()}
-
-
 @register_agent("cispo")
 class CISPO(GRPO):
     """CISPO (MiniMax 2025, "MiniMax-M1", arXiv:2506.13585, eq. 4): GRPO's advantage, and a
@@ -213,8 +201,7 @@ class CISPO(GRPO):
         """``cispo_loss`` (token mean of this micro-batch; weighted by its token share)."""
         loss, stats = cispo_loss(logp, old_logp, advantages, mask, clip_eps_low=self.clip_eps,
                                  clip_eps_high=self.clip_eps_high)
-        return loss, {"clip_fraction": stats["clip_fraction"], "kl/policy_old": stats["approx_kl"],
-                      "ratio/mean": stats["ratio_mean"], **_ratio_range(logp, old_logp, mask)}
+        return loss, ppo_stats(stats)
 
 
 @register_agent("reinforce_pp")

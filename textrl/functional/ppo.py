@@ -110,6 +110,18 @@ def aggregate_loss(
     return masked_mean(per_row, mask.any(dim=1))
 
 
+@torch.no_grad()
+def ratio_extremes(ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """``{"ratio_max", "ratio_min"}`` of ``ratio`` ``[B, T]`` over the bool ``mask`` ``[B, T]``,
+    each ``[]``; both 1 for an empty mask (the ratio of an unchanged policy)."""
+    one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
+    any_valid = mask.any()
+    return {
+        "ratio_max": torch.where(any_valid, torch.where(mask, ratio, -torch.inf).amax(), one),
+        "ratio_min": torch.where(any_valid, torch.where(mask, ratio, torch.inf).amin(), one),
+    }
+
+
 def clipped_policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -184,13 +196,11 @@ def clipped_policy_loss(
     with torch.no_grad():
         r = ratio.detach()
         one = torch.ones((), dtype=dtype, device=r.device)
-        any_valid = mask.any()
         stats = {
             "clip_fraction": masked_mean((pg_loss2 > pg_loss1).to(dtype), mask),
             "approx_kl": masked_mean((r - 1.0) - log_ratio.detach(), mask),
-            "ratio_mean": torch.where(any_valid, masked_mean(r, mask), one),
-            "ratio_max": torch.where(any_valid, torch.where(mask, r, -torch.inf).amax(), one),
-            "ratio_min": torch.where(any_valid, torch.where(mask, r, torch.inf).amin(), one),
+            "ratio_mean": torch.where(mask.any(), masked_mean(r, mask), one),
+            **ratio_extremes(r, mask),
         }
         if dual_clip is not None:
             stats["dual_clip_fraction"] = masked_mean(dual_active.to(dtype), mask)

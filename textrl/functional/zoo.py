@@ -40,6 +40,7 @@ from textrl.functional.ppo import (
     _compute_dtype,
     _select,
     aggregate_loss,
+    ratio_extremes,
 )
 
 
@@ -149,7 +150,8 @@ def cispo_loss(
     Returns:
         ``(loss, stats)``; ``loss`` is ``[]`` (its value is a surrogate: only its gradient is
         meaningful). ``stats`` (detached, over valid tokens): ``clip_fraction`` (share of tokens
-        whose weight was clipped), ``ratio_mean``, ``approx_kl`` (k3 of KL(old || new)).
+        whose weight was clipped), ``ratio_mean``, ``ratio_max``, ``ratio_min`` (1 for an empty
+        mask), ``approx_kl`` (k3 of KL(old || new)).
     """
     _check_token_inputs("logp", logp, mask, old_logp=old_logp, advantages=advantages)
     if clip_eps_low is not None:
@@ -171,6 +173,7 @@ def cispo_loss(
         stats = {
             "clip_fraction": masked_mean((weight != ratio).to(dtype), mask),
             "ratio_mean": masked_mean(ratio, mask),
+            **ratio_extremes(ratio, mask),
             "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask),
         }
     return loss, stats
