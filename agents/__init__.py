@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from textrl.agents.base import PPOAgent
+from textrl.agents.base import CriticFreePPO, PPOAgent
 from textrl.agents.gae_ppo import GAEPPO
 from textrl.agents.group_ppo import GRPO, RLOO, GroupPPO
 from textrl.agents.multi_adapter_ppo import MultiAdapterPPO
@@ -43,6 +43,6 @@ def make_agent(name: str, *args: Any, **kwargs: Any) -> PPOAgent:
 
 
 __all__ = [
-    "AGENTS", "CISPO", "DAPO", "ENTRY_POINT_GROUP", "GAEPPO", "GRPO", "GSPO", "RLOO", "VAPO", "DrGRPO",
+    "AGENTS", "CISPO", "DAPO", "CriticFreePPO", "ENTRY_POINT_GROUP", "GAEPPO", "GRPO", "GSPO", "RLOO", "VAPO", "DrGRPO",
     "GroupPPO", "MultiAdapterPPO", "OneStepPPO", "PPOAgent", "ReinforcePP", "ReinforcePPBaseline", "agent_class", "agent_names", "make_agent", "register_agent",
 ]

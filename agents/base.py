@@ -1159,6 +1159,30 @@ class PPOAgent(nn.Module):
         return result
 
 
+class CriticFreePPO(PPOAgent):
+    """An agent without a critic whose loss is :meth:`PPOAgent.policy_objective` alone (clipped
+    surrogate - entropy_coef * H, + beta * KL with ``kl_in='loss'``); subclasses write
+    :meth:`estimate` (the group baselines, REINFORCE++)."""
+
+    needs_critic = False
+    lora = "optional"
+    not_read = {
+        "lam": "it has no critic, so no GAE", "vf_coef": "it has no critic",
+        "value_clip_eps": "it has no critic", "critic_lr": "it has no critic",
+        "critic_init": "it has no critic", "critic_type": "it has no critic",
+        "old_policy_refresh_every": "it keeps no old-policy snapshot",
+        "reward_adapter": "its reward comes from --reward / --reward-model",
+        "lam_critic": "it has no critic", "lam_length_alpha": "it has no critic, so no GAE",
+        "critic_warmup_iterations": "it has no critic",
+    }
+
+    def loss(self, mb: TensorDictBase) -> tuple[Tensor, dict[str, Tensor]]:
+        """:meth:`policy_objective`: clipped surrogate - entropy_coef * H (+ beta * KL)."""
+        loss, stats = self.policy_objective(mb)
+        stats["loss/total"] = loss
+        return loss, {k: v.detach() for k, v in stats.items()}
+
+
 def ppo_stats(pg_stats: dict[str, Tensor]) -> dict[str, Tensor]:
     """:func:`clipped_policy_loss`'s stats under the names the update logs."""
     stats = {
@@ -1218,6 +1242,6 @@ class UpdateTally:
 
 
 __all__ = [
-    "CRITIC_OPTIONS", "LORA_OPTIONS", "POLICY_OBJECTIVE_OPTIONS", "SCORE", "SHARED_OPTIONS", "PPOAgent",
+    "CRITIC_OPTIONS", "LORA_OPTIONS", "POLICY_OBJECTIVE_OPTIONS", "SCORE", "SHARED_OPTIONS", "CriticFreePPO", "PPOAgent",
     "RolloutForward", "UpdateTally", "attended_response", "ppo_stats", "position_ids_for", "sequence_inputs", "warp_logits",
 ]

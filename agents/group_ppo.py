@@ -21,7 +21,7 @@ from textrl.agents.base import (
     LORA_OPTIONS,
     POLICY_OBJECTIVE_OPTIONS,
     SHARED_OPTIONS,
-    PPOAgent,
+    CriticFreePPO,
 )
 from torch import Tensor
 
@@ -34,23 +34,16 @@ from textrl.functional.advantages import grpo_advantage, rloo_advantage
 from textrl.keys import KEYS
 
 
-class GroupPPO(PPOAgent):
+class GroupPPO(CriticFreePPO):
     """PPO with a group baseline instead of a critic; subclasses pick :meth:`group_advantage`."""
 
     name = "group_ppo"
-    needs_critic = False
     min_samples_per_prompt = 2
-    lora = "optional"
     options = SHARED_OPTIONS | POLICY_OBJECTIVE_OPTIONS | LORA_OPTIONS | {"reward_placement"}
     not_read = {
-        "gamma": "the group baseline replaces discounted returns", "lam": "it has no critic, so no GAE",
+        **CriticFreePPO.not_read,
+        "gamma": "the group baseline replaces discounted returns",
         "whiten_advantages": "the group baseline is its own normalisation",
-        "vf_coef": "it has no critic", "value_clip_eps": "it has no critic", "critic_lr": "it has no critic",
-        "critic_init": "it has no critic", "critic_type": "it has no critic",
-        "old_policy_refresh_every": "it keeps no old-policy snapshot",
-        "reward_adapter": "its reward comes from --reward / --reward-model",
-        "lam_critic": "it has no critic", "lam_length_alpha": "it has no critic, so no GAE",
-        "critic_warmup_iterations": "it has no critic",
     }
     default_clip_eps = 0.2
 
@@ -81,12 +74,6 @@ class GroupPPO(PPOAgent):
         td.set(KEYS.reward, rewards.unsqueeze(-1))
         td.set(KEYS.advantage, torch.where(mask, advantage.unsqueeze(1), zero).unsqueeze(-1))
         td.set(KEYS.value_target, torch.where(mask, sequence_reward.unsqueeze(1), zero).unsqueeze(-1))
-
-    def loss(self, mb: TensorDictBase) -> tuple[Tensor, dict[str, Tensor]]:
-        """:meth:`policy_objective` with the group advantage: clipped surrogate - entropy_coef * H (+ beta * KL)."""
-        loss, stats = self.policy_objective(mb)
-        stats["loss/total"] = loss
-        return loss, {k: v.detach() for k, v in stats.items()}
 
 
 @register_agent("grpo")

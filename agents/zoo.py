@@ -16,7 +16,7 @@ from textrl.agents.base import (
     POLICY_OBJECTIVE_OPTIONS,
     SCORE,
     SHARED_OPTIONS,
-    PPOAgent,
+    CriticFreePPO,
     attended_response,
     ppo_stats,
 )
@@ -205,22 +205,19 @@ class CISPO(GRPO):
 
 
 @register_agent("reinforce_pp")
-class ReinforcePP(PPOAgent):
+class ReinforcePP(CriticFreePPO):
     """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
     Language Models", arXiv:2501.03262): no critic; the token reward is ``-beta * KL_t`` (the
     ``kl_kind`` estimator, k1 by default, ``beta = kl_coef``) plus the score on the last agent
     token; the advantage is the undiscounted return normalised over every valid token of the
     rollout (``reinforce_pp_advantages``), optimised with the clipped PPO surrogate."""
 
-    needs_critic = False
-    lora = "optional"
     group_size_of_config = False
     """REINFORCE++-baseline: subtract each group's mean score first (groups of n_samples_per_prompt)."""
     options = SHARED_OPTIONS | (POLICY_OBJECTIVE_OPTIONS - {"kl_in", "kl_hinge"}) | LORA_OPTIONS
     not_read = {
-        **GroupPPO.not_read,
+        **CriticFreePPO.not_read,
         "gamma": "its return is undiscounted (gamma = 1)",
-        "lam": "it has no critic, so no GAE",
         "whiten_advantages": "its advantages are normalised over the whole rollout already",
         "kl_in": "its KL always goes into the reward", "kl_hinge": "its KL is never hinged",
         "reward_placement": "the score sits on the last agent token (an outcome reward)",
@@ -244,12 +241,6 @@ class ReinforcePP(PPOAgent):
         td.set(KEYS.reward, rewards.unsqueeze(-1))
         td.set(KEYS.advantage, advantages.to(rewards.dtype).unsqueeze(-1))
         td.set(KEYS.value_target, returns.to(rewards.dtype).unsqueeze(-1))
-
-    def loss(self, mb: TensorDictBase) -> tuple[Tensor, dict[str, Tensor]]:
-        """:meth:`policy_objective`: clipped surrogate - entropy_coef * H."""
-        loss, stats = self.policy_objective(mb)
-        stats["loss/total"] = loss
-        return loss, {k: v.detach() for k, v in stats.items()}
 
 
 @register_agent("reinforce_pp_baseline")
