@@ -84,35 +84,24 @@ def warm_start(config: TrainConfig, folder: Path, log: Any = print, threads: int
 
     Every agent of that (env, seed) then loads this policy (``model=folder``,
     ``warmup_sft_steps=0``), so all start from the same weights."""
-    import torch
-
     from textrl.agents import PPOAgent
-    from textrl.run import resolve_device, seed_everything
+    from textrl.run import resolve_device, seed_everything, torch_threads
 
     seed_everything(config.seed)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads or previous)
-    try:
+    with torch_threads(threads):
         tokenizer = PPOAgent.load_tokenizer(config)
         policy = PPOAgent.load_policy(config, tokenizer, resolve_device(config.device), log)
-    finally:
-        torch.set_num_threads(previous)
     policy.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
 
 
 def _train(config: TrainConfig, threads: int | None) -> None:
-    import torch
-
+    from textrl.run import torch_threads
     from textrl.trainer import train
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads or previous)
-    try:
+    with torch_threads(threads):
         train(config)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def execute_job(job_file: Path) -> None:

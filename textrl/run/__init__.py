@@ -22,7 +22,7 @@ from textrl.run.checkpoints import (
     save_checkpoint,
     verify_checkpoint,
 )
-from textrl.run.device import resolve_device
+from textrl.run.device import resolve_device, torch_threads
 from textrl.run.lock import (
     RunFolderBusy,
     RunFolderLock,
@@ -67,6 +67,7 @@ __all__ = [
     "refuse_busy_folder",
     "refuse_earlier_run",
     "resolve_device",
+    "torch_threads",
     "resume_checkpoint",
     "resume_command",
     "rng_state",

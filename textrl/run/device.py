@@ -1,6 +1,9 @@
-"""The device a run computes on."""
+"""The device a run computes on, and its torch threads."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -15,4 +18,16 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-__all__ = ["resolve_device"]
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` torch intra-op threads (None or 0: as they are), then put
+    back the number there was."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+__all__ = ["resolve_device", "torch_threads"]

@@ -36,12 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from textrl.agent_registry import is_spec
 from textrl.agents import AGENTS, agent_class
 from textrl.config import _at_least, _positive, check_bitsandbytes, save_config
-from textrl.run import holds_run_folder, take_run_folder
+from textrl.run import holds_run_folder, take_run_folder, torch_threads
 from textrl.stages.common import MODEL_DIR
 from textrl.stages.rm import RMConfig, train_rm
 from textrl.stages.sft import SFTConfig, train_sft
@@ -234,12 +232,8 @@ def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
     """Run SFT, the reward model and PPO; return the summary (also in ``summary.json``). The
     pipeline's folder is locked for the whole run, each stage's subfolder by the stage."""
     config = config.validate().resolved()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads or threads)
-    try:
+    with torch_threads(config.threads):
         return _run(config)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(config: PipelineConfig) -> dict[str, Any]:
