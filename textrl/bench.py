@@ -368,7 +368,7 @@ def _figures(job: dict[str, Any], warm_errors: dict[Path, str], errors: dict[Pat
         run["error"] = errors[folder]
     else:
         try:
-            record = json.loads((folder / bench_runs.RECORD).read_text())
+            record = bench_runs.read_record(folder)
             figures = read_run(folder)
         except (OSError, ValueError, KeyError) as err:
             run["error"] = f"unreadable outputs: {type(err).__name__}: {err}"
@@ -398,7 +398,7 @@ def _run_minutes(jobs_plan: dict[str, Any]) -> str:
     total = 0.0
     for job in jobs_plan["warmups"] + jobs_plan["runs"]:
         try:
-            total += json.loads((job["folder"] / bench_runs.RECORD).read_text()).get("wall_s") or 0.0
+            total += bench_runs.read_record(job["folder"]).get("wall_s") or 0.0
         except (OSError, ValueError):
             continue
     return f"{total / 60:.1f} min"
@@ -413,15 +413,14 @@ def _report(runs: list[dict[str, Any]], names: Sequence[str], env_list: Sequence
                                                 {e: i["max_reward"] for e, i in env_info.items()})
     report = bench_report.compare_scores(normalised, reps=reps)
     plots = bench_report.write_plots(runs, env_list, report, output_dir)
-    wall_s = elapsed
-    text = bench_report.markdown(setup_line(jobs_plan, env_list, seeds, wall_s), runs, env_list, normalised,
+    text = bench_report.markdown(setup_line(jobs_plan, env_list, seeds, elapsed), runs, env_list, normalised,
                                  report, skipped, [p.name for p in plots])
     (output_dir / "report.md").write_text(text)
     files = [output_dir / "report.md", *plots, output_dir / "results.json"]
     result = {
         "agents": [{"agent": run_label(spec), "spec": spec} for spec in names],
         "tables": {env: bench_report.aggregate([r for r in runs if r["env"] == env]) for env in env_list},
-        "runs": runs, "report": report, "skipped": skipped, "markdown": text, "wall_s": wall_s,
+        "runs": runs, "report": report, "skipped": skipped, "markdown": text, "wall_s": elapsed,
         "normalisation": {"envs": normalised["envs"], "highs": normalised["highs"], "notes": normalised["notes"],
                           "seeds": normalised["seeds"]},
         "fingerprints": {"runs": {str(j["folder"]): j["fingerprint"] for j in jobs_plan["runs"]},
@@ -430,7 +429,7 @@ def _report(runs: list[dict[str, Any]], names: Sequence[str], env_list: Sequence
     }
     (output_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
     log(text)
-    log(f"wrote {', '.join(str(p) for p in files)} in {wall_s:.0f} s")
+    log(f"wrote {', '.join(str(p) for p in files)} in {elapsed:.0f} s")
     return result
 
 

@@ -40,14 +40,19 @@ def fingerprint(config: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def read_record(folder: str | Path) -> dict[str, Any]:
+    """A finished job's :data:`RECORD` in ``folder``; ``OSError`` when there is none, ``ValueError``
+    when it does not parse."""
+    return json.loads((Path(folder) / RECORD).read_text())
+
+
 def job_state(folder: str | Path, print_: str) -> str:
     """``"done"``, ``"changed"``, ``"incomplete"`` or ``"new"`` for a job of fingerprint ``print_``
     in ``folder`` (see the module docstring)."""
     folder = Path(folder)
-    record = folder / RECORD
-    if record.is_file():
+    if (folder / RECORD).is_file():
         try:
-            found = json.loads(record.read_text()).get("fingerprint")
+            found = read_record(folder).get("fingerprint")
         except ValueError:
             return "incomplete"
         return "done" if found == print_ else "changed"
@@ -158,4 +163,4 @@ def read_run(output_dir: str | Path) -> dict[str, Any]:
 
 
 __all__ = ["JOB_FILE", "LOG_FILE", "RECORD", "STATE_WORDS", "fingerprint", "job_state", "peak_rss_mib", "prepare",
-           "read_run", "run_jobs", "run_worker", "write_record"]
+           "read_record", "read_run", "run_jobs", "run_worker", "write_record"]
