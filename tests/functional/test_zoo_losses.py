@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from textrl import testing
 from textrl.functional import (
     aggregate_loss,
     cispo_loss,
@@ -31,13 +32,11 @@ NAN = float("nan")
 
 @st.composite
 def gapped_batch(draw, allow_empty_rows=False):
-    """float64 logp/old_logp/advantages [B, T], a gapped bool mask, NaN in the masked slots."""
-    b = draw(st.integers(1, 6))
-    t = draw(st.integers(1, 9))
+    """float64 logp/old_logp/advantages [B, T], a gapped bool mask (textrl.testing.masks, any
+    pattern of Trues), NaN in the masked slots."""
+    mask = draw(testing.masks(batch=(1, 6), time=(1, 9), leading_gap=True, empty_rows=allow_empty_rows))
+    b, t = mask.shape
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    mask = torch.rand(b, t, generator=g) < draw(st.floats(0.3, 1.0))
-    if not allow_empty_rows:
-        mask[torch.arange(b), torch.randint(0, t, (b,), generator=g)] = True
     logp = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
     old = logp + 0.4 * torch.randn(b, t, generator=g, dtype=torch.float64)
     adv = torch.randn(b, t, generator=g, dtype=torch.float64)
