@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import yaml
 
 from textrl.agent_registry import agent_class
+from textrl.precision import check_precision
 from textrl.trl_names import trl_hint
 
 KL_KINDS = ("k1", "k2", "k3", "abs")
@@ -67,6 +68,15 @@ class TrainConfig:
     """Seed of every random generator (Python, NumPy, torch, prompt sampler)."""
     device: str = "auto"
     """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
+    dtype: str = "float32"
+    """The trained weights' dtype: float32 | bfloat16 (TRL's dtype / torch_dtype). bfloat16 halves
+    the weights' and AdamW's memory and trains in pure bf16."""
+    mixed_precision: str = "auto"
+    """Autocast of every forward: bf16 | no | auto (bf16 on a CUDA device that has it, else no;
+    TRL's bf16=True)."""
+    attn_implementation: str | None = None
+    """Attention kernels: sdpa | eager | flash_attention_2 (needs the flash-attn package and CUDA);
+    None: the model's default (sdpa where the architecture has it)."""
     iterations: int = 500
     """Number of PPO iterations (rollout + update)."""
     resume: bool = False
@@ -248,8 +258,13 @@ class TrainConfig:
     """Stop (with a checkpoint of the last good state) after this many consecutive skipped updates."""
     nonfinite_weights: str = "rollback"
     """An update whose steps leave NaN/inf weights: 'rollback' (restore the weights, optimiser and
-    scheduler states from before it and count one skipped update; costs a CPU copy of the trained
-    weights and optimiser state per iteration) or 'stop' (no copy: stop at once, no checkpoint)."""
+    scheduler states from before it and count one skipped update; costs a copy of the trained
+    weights and optimiser state per iteration, see rollback_copy) or 'stop' (no copy: stop at
+    once, no checkpoint)."""
+    rollback_copy: str = "auto"
+    """Where nonfinite_weights='rollback' keeps its copy: 'device' (the run's device), 'host'
+    (CPU memory; on CUDA pinned and filled asynchronously) or 'auto' (CUDA: the device when the
+    copy takes at most a tenth of its memory, else host; CPU: host)."""
 
     # -- logging, evaluation, checkpoints ------------------------------------------------------
     eval_every: int = 50
@@ -271,13 +286,15 @@ class TrainConfig:
             "vf_coef", "entropy_coef", "kl_coef", "kl_target", "kl_horizon", "kl_early_stop", "ratio_threshold",
             "kl_after_update", "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr",
             "lr_schedule", "lr_warmup_steps", "max_grad_norm", "fsdp", "fsdp_reshard_after_forward", "zero_stage",
-            "deepspeed_config", "reward_nonfinite", "max_nonfinite_updates", "nonfinite_weights", "eval_every",
+            "deepspeed_config", "reward_nonfinite", "max_nonfinite_updates", "nonfinite_weights", "rollback_copy",
+            "mixed_precision", "attn_implementation", "eval_every",
             "checkpoint_every", "keep_checkpoints",
             "load_in_4bit",  # the frozen base's quantisation: the trained LoRA weights carry over
         }),
         # the models, the data and its split, the task and the sampling distribution, the objective
         fixed=frozenset({
-            "seed", "agent", "model", "tokenizer", "reward_model", "env", "env_args", "reward", "dataset", "eval_size",
+            "seed", "agent", "model", "dtype", "tokenizer", "reward_model", "env", "env_args", "reward", "dataset",
+            "eval_size",
             "max_episode_tokens",
             "max_prompt_length", "warmup_sft_steps", "warmup_sft_lr", "warmup_sft_batch_size",
             "warmup_answer_accuracy", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
@@ -308,6 +325,8 @@ class TrainConfig:
         _choice("critic_type", self.critic_type, ("value_head", "lora"))
         _choice("reward_nonfinite", self.reward_nonfinite, ("raise", "zero", "drop"))
         _choice("nonfinite_weights", self.nonfinite_weights, ("rollback", "stop"))
+        _choice("rollback_copy", self.rollback_copy, ("auto", "device", "host"))
+        check_precision(self)
         for name in ("iterations", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
                      "generation_batch_size", "forward_batch_size", "ppo_epochs", "num_minibatches",
                      "gradient_accumulation_steps", "max_prompt_length", "warmup_sft_batch_size",

@@ -53,6 +53,7 @@ from textrl.config import (
     save_config,
 )
 from textrl.models.adapters import write_atomically
+from textrl.precision import Precision, check_precision
 from textrl.run import (
     CHECKPOINT_MARKER,
     SETTINGS_FILE,
@@ -92,6 +93,13 @@ class StageConfig:
     """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
     model: str = "tiny"
     """Starting model: a local path or hub id of a causal LM; 'tiny' is the offline tiny model."""
+    dtype: str = "float32"
+    """The trained weights' dtype: float32 | bfloat16 (TRL's dtype / torch_dtype)."""
+    mixed_precision: str = "auto"
+    """Autocast of every forward: bf16 | no | auto (bf16 on a CUDA device that has it, else no)."""
+    attn_implementation: str | None = None
+    """Attention kernels: sdpa | eager | flash_attention_2 (needs flash-attn and CUDA); None: the
+    model's default."""
     data: str = "builtin:case"
     """Training data: 'builtin:NAME' or a .jsonl file (see the stage's description)."""
     steps: int = 200
@@ -130,7 +138,8 @@ class StageConfig:
     """Show a progress bar."""
 
     RESUME_RULES: ClassVar[ResumeRules] = ResumeRules(
-        applied=frozenset({"device", "steps", "eval_every", "checkpoint_every", "keep_checkpoints"}))
+        applied=frozenset({"device", "steps", "eval_every", "checkpoint_every", "keep_checkpoints",
+                           "mixed_precision", "attn_implementation"}))
     """What ``--resume`` may change: the length and cadences; every other field (model, data, seed,
     learning rate, batch, LoRA, the stage's own) is fixed (docs/reliability.md)."""
 
@@ -143,6 +152,7 @@ class StageConfig:
             _at_least(name, getattr(self, name), 0)
         _positive("lr", self.lr)
         _in_range("lora_dropout", self.lora_dropout, 0.0, 1.0)
+        check_precision(self)
         if not self.model.strip():
             raise ValueError("model='': pass --model PATH (a causal LM folder or hub id) or 'tiny'")
         if not self.data.strip():

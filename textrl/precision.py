@@ -1,0 +1,159 @@
+"""The run's numerical precision, decided once: the weights' dtype, the autocast of every forward,
+the attention implementation and the attention kernels a forward with gradients may use.
+
+:meth:`Precision.of` reads three fields that :class:`textrl.config.TrainConfig` and the stages'
+``StageConfig`` share, ``dtype``, ``mixed_precision`` and ``attn_implementation``, for the
+run's device; the agent, the stages, the warm-up and the neural rewards enter
+:meth:`Precision.autocast` around their forwards and load their models with
+:meth:`Precision.model_kwargs` / :meth:`Precision.prepare`. Nothing else in textrl names a
+dtype for a model or opens an autocast.
+
+Attention kernels (docs/design.md, "Precision and padding"): a forward with gradients on CUDA runs
+scaled dot-product attention on the flash, memory-efficient and math kernels, never cuDNN's:
+since PyTorch 2.11 cuDNN's attention backward returns NaN query gradients when a mask is passed,
+the sequence length is 64 modulo 128 and a query row's log-sum-exp is very negative (a fully masked
+row, or a head whose every logit is large and negative). textrl's forwards also never hand a
+fully masked row to a kernel (:mod:`textrl.models.forward`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""``--dtype`` values and the weights' dtype each stands for."""
+MIXED_PRECISION = ("auto", "bf16", "no")
+"""``--mixed-precision`` values: autocast to bfloat16, none, or bf16 on a CUDA device that has it."""
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+"""``--attn-implementation`` values (transformers' names); None leaves the model's default."""
+
+
+def training_sdpa_backends() -> list[Any]:
+    """The scaled dot-product attention kernels a CUDA forward with gradients may use: flash,
+    memory-efficient and math (cuDNN's backward is off; see the module docstring)."""
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def check_precision(config: Any) -> None:
+    """``ValueError`` naming the field when ``config``'s ``dtype``, ``mixed_precision`` or
+    ``attn_implementation`` is not one textrl runs (before any model loads)."""
+    if config.dtype not in DTYPES:
+        hint = (" (float16 weights need loss scaling, which textrl does not do: use bfloat16)"
+                if str(config.dtype) in ("float16", "fp16", "half") else "")
+        raise ValueError(f"dtype={config.dtype!r}: must be one of {', '.join(DTYPES)}{hint}")
+    if config.mixed_precision not in MIXED_PRECISION:
+        hint = " (fp16 autocast needs loss scaling: use bf16)" if config.mixed_precision == "fp16" else ""
+        raise ValueError(f"mixed_precision={config.mixed_precision!r}: must be one of "
+                         f"{', '.join(MIXED_PRECISION)}{hint}")
+    impl = config.attn_implementation
+    if impl is None:
+        return
+    if impl not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation={impl!r}: must be one of {', '.join(ATTN_IMPLEMENTATIONS)} "
+                         "(or unset: the model's default)")
+    if impl == "flash_attention_2":
+        from transformers.utils import is_flash_attn_2_available
+
+        if not is_flash_attn_2_available():
+            raise ValueError("attn_implementation='flash_attention_2' needs the flash-attn package and a CUDA "
+                             "device: `pip install flash-attn --no-build-isolation`, or use --attn-implementation sdpa")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How one run computes: ``dtype`` of the weights, ``autocast_dtype`` of the forwards (None:
+    no autocast), ``attn_implementation`` (None: the model's default) on ``device``."""
+
+    device: torch.device
+    dtype: torch.dtype = torch.float32
+    autocast_dtype: torch.dtype | None = None
+    attn_implementation: str | None = None
+
+    @classmethod
+    def of(cls, config: Any, device: torch.device | str) -> Precision:
+        """The precision of ``config`` (its ``dtype``, ``mixed_precision``, ``attn_implementation``;
+        a config without them gets the defaults) on ``device``. ``mixed_precision='auto'`` is bf16
+        on a CUDA device that supports it, else none; ``flash_attention_2`` needs CUDA."""
+        device = torch.device(device)
+        dtype_name = getattr(config, "dtype", "float32")
+        mixed = getattr(config, "mixed_precision", "auto")
+        impl = getattr(config, "attn_implementation", None)
+        if mixed == "auto":
+            mixed = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "no"
+        if impl == "flash_attention_2" and device.type != "cuda":
+            raise ValueError(f"attn_implementation='flash_attention_2' runs on CUDA only, and this run's device "
+                             f"is {device}; use --attn-implementation sdpa (or eager)")
+        autocast = torch.bfloat16 if mixed == "bf16" else None
+        return cls(device=device, dtype=DTYPES[dtype_name], autocast_dtype=autocast, attn_implementation=impl)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the matrix products run in: the autocast's, else the weights'."""
+        return self.autocast_dtype or self.dtype
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The context of every forward: autocast to :attr:`autocast_dtype` (explicitly off without
+        one, so an outer autocast does not leak in) and, for a forward with gradients on CUDA,
+        :func:`training_sdpa_backends` (the backward runs on the kernel the forward chose)."""
+        stack = contextlib.ExitStack()
+        kind = self.device.type if self.device.type in ("cuda", "cpu") else "cpu"
+        if self.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(kind, dtype=self.autocast_dtype))
+        else:
+            stack.enter_context(torch.autocast(kind, enabled=False))
+        if self.device.type == "cuda" and torch.is_grad_enabled():
+            from torch.nn.attention import sdpa_kernel
+
+            stack.enter_context(sdpa_kernel(training_sdpa_backends()))
+        return stack
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """``from_pretrained`` keyword arguments: the weights' dtype and the attention implementation."""
+        kwargs: dict[str, Any] = {"dtype": self.dtype}
+        if self.attn_implementation is not None:
+            kwargs["attn_implementation"] = self.attn_implementation
+        return kwargs
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` (loaded or given as an object) on :attr:`device`, its floating-point weights
+        in :attr:`dtype`, with :attr:`attn_implementation` when one is set."""
+        model = model.to(device=self.device, dtype=self.dtype)
+        if self.attn_implementation is not None:
+            set_attn_implementation(model, self.attn_implementation)
+        return model
+
+    def __str__(self) -> str:
+        autocast = str(self.autocast_dtype).removeprefix("torch.") if self.autocast_dtype else "no"
+        attention = self.attn_implementation or "the model's default"
+        return (f"weights {str(self.dtype).removeprefix('torch.')}, autocast {autocast}, attention {attention} "
+                f"on {self.device}")
+
+    def record(self) -> dict[str, str]:
+        """What ran, for ``summary.json``: the dtype names, the attention implementation."""
+        return {"dtype": str(self.dtype).removeprefix("torch."),
+                "autocast": str(self.autocast_dtype).removeprefix("torch.") if self.autocast_dtype else "no",
+                "attn_implementation": self.attn_implementation or "default", "device": str(self.device)}
+
+
+def set_attn_implementation(model: torch.nn.Module, impl: str) -> None:
+    """Switch a loaded transformers model to attention implementation ``impl``: its
+    ``set_attn_implementation`` (transformers >= 4.56), else its config's ``_attn_implementation``."""
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter(impl)
+        return
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"attn_implementation={impl!r}: {type(model).__name__} is not a transformers model, "
+                         "so its attention cannot be switched; leave --attn-implementation unset")
+    config._attn_implementation = impl
+
+
+__all__ = ["ATTN_IMPLEMENTATIONS", "DTYPES", "MIXED_PRECISION", "Precision", "check_precision",
+           "set_attn_implementation", "training_sdpa_backends"]
