@@ -94,6 +94,10 @@ class AdapterPolicy(nn.Module):
         for name, param in self.stack.lora.get(self.adapter, []):
             yield prefix + name, param
 
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The shared base's LM head (:func:`textrl.models.forward.response_logits` gathers before it)."""
+        return self.stack.model.get_output_embeddings()
+
     def forward(self, **kwargs: Any) -> Any:
         with self.stack.use(self.adapter):
             return self.stack.model(**kwargs)

@@ -20,7 +20,6 @@ agent's backend's (:attr:`PPOAgent.backend`, :mod:`textrl.parallel`; docs/parall
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 import math
 from collections import defaultdict
@@ -49,7 +48,9 @@ from textrl.functional.ppo import explained_variance
 from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
 from textrl.models.checks import check_tokenizer_fits, name_of
+from textrl.models.forward import positions_from_mask, response_logits
 from textrl.parallel import Backend, SingleProcess
+from textrl.precision import Precision
 from textrl.sharding import local
 from textrl.timing import timed
 
@@ -87,8 +88,6 @@ def warmup_pairs(config: TrainConfig) -> list[tuple[Any, str]] | None:
     """The (prompt, completion) pairs of the run's environment's format warm-up, drawn from its
     training rows (None: it has none, as a plain ``--dataset`` has none). An environment whose
     ``warmup_examples`` takes ``answer_accuracy`` gets ``warmup_answer_accuracy``."""
-    import inspect
-
     from textrl.envs.registry import split_rows, task_environment
 
     env = task_environment(config.env, config.dataset, config.reward, config.env_args)
@@ -106,9 +105,9 @@ def tokenizer_name(config: TrainConfig) -> str:
     return config.tokenizer if isinstance(config.tokenizer, str) else name_of(config.tokenizer)
 
 
-def position_ids_for(attention_mask: Tensor) -> Tensor:
-    """Positions that skip left padding: ``cumsum(mask) - 1`` clamped at 0. ``[B, L] -> [B, L]``."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+position_ids_for = positions_from_mask
+"""Positions that skip left padding: ``cumsum(mask) - 1`` clamped at 0, ``[B, L] -> [B, L]``
+(:func:`textrl.models.forward.positions_from_mask`)."""
 
 
 def attended_response(td: TensorDictBase) -> Tensor:
@@ -152,15 +151,6 @@ def warp_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) ->
         remove = remove_sorted.scatter(-1, order, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
     return logits
-
-
-@functools.cache
-def _accepts_logits_to_keep(model_type: type) -> bool:
-    """Whether ``model_type.forward`` names HF's ``logits_to_keep`` (wrappers taking ``**kwargs`` do not count)."""
-    try:
-        return "logits_to_keep" in inspect.signature(model_type.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 @dataclass
@@ -557,10 +547,16 @@ class PPOAgent(nn.Module):
 
         return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
-    def _autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
+    @property
+    def precision(self) -> Precision:
+        """The run's precision on the agent's device (:class:`textrl.precision.Precision`: the
+        weights' dtype, the autocast every forward of the agent runs under, the attention
+        implementation), from ``config``; follows the agent when it moves (``agent.to("cuda")``)."""
+        device = self.device
+        cached = self.__dict__.get("_precision")
+        if cached is None or cached.device != device:
+            cached = self.__dict__["_precision"] = Precision.of(self.config, device)
+        return cached
 
     def _micro_batches(self, n: int, size: int) -> Iterator[slice]:
         for start in range(0, n, size):
@@ -591,7 +587,7 @@ class PPOAgent(nn.Module):
                 kwargs.update(do_sample=False)
             else:
                 kwargs.update(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
-            with self._autocast(), self.backend.gathered(self.policy):
+            with self.precision.autocast(), self.backend.gathered(self.policy):
                 try:
                     out = self.policy.generate(input_ids=ids, attention_mask=mask.long(), **kwargs)
                 except RuntimeError as err:
@@ -616,28 +612,17 @@ class PPOAgent(nn.Module):
 
     # -- 2. evaluating ----------------------------------------------------------------------------
     def _response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
-        """Logits that predict each response token: ``[B, T, V]``.
+        """Logits that predict each response token: ``[B, T, V]``, under the run's precision.
 
-        The LM head runs on the last ``T + 1`` positions only when the model takes HF's
-        ``logits_to_keep`` (the prompt's logits are never needed): ``[B, P+T, V]`` -> ``[B, T+1, V]``.
+        :func:`textrl.models.forward.response_logits`: the LM head runs on the response columns
+        only, and no attention row is fully masked (left-padded prompts are left-aligned first).
         """
-        kwargs: dict[str, Any] = {}
-        if _accepts_logits_to_keep(type(model)):
-            kwargs["logits_to_keep"] = input_ids.shape[1] - prompt_len + 1
-        with self._autocast():
-            out = model(
-                input_ids=input_ids,
-                attention_mask=attention_mask.long(),
-                position_ids=position_ids_for(attention_mask),
-                use_cache=False,
-                **kwargs,
-            )
-        logits = out.logits  # [B, P+T, V], or [B, T+1, V] with logits_to_keep
-        return logits[:, logits.shape[1] - (input_ids.shape[1] - prompt_len) - 1 : -1]
+        with self.precision.autocast():
+            return response_logits(model, input_ids, attention_mask, prompt_len)
 
     def _values(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
         """V(s_t) for each response position: ``[B, T]`` (state = prompt + tokens before t)."""
-        with self._autocast():
+        with self.precision.autocast():
             values = self.critic(input_ids=input_ids, attention_mask=attention_mask.long())
         return values[:, prompt_len - 1 : -1].float()
 

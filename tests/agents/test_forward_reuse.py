@@ -8,6 +8,7 @@ from torch import nn
 
 from tests.agents.conftest import collect, make_agent
 from textrl.keys import KEYS
+from textrl.models.forward import leading_padding, rotate_rows
 
 
 class NoLogitsToKeep(nn.Module):
@@ -28,14 +29,21 @@ def test_response_logits_skip_the_prompt_and_match_the_full_forward(tok):
     td = collect(agent, tok)
     input_ids, mask, p = sequence_inputs(td)
     t = td.get(KEYS.action).shape[1]
+    shift = leading_padding(mask)
+    assert shift.any()  # the prompts are left-padded: the forwards left-align them first
     with torch.no_grad():
-        full = agent.policy(input_ids=input_ids, attention_mask=mask.long(),
-                            position_ids=position_ids_for(mask)).logits[:, p - 1 : -1]  # [B, T, V]
+        left_padded = agent.policy(input_ids=input_ids, attention_mask=mask.long(),
+                                   position_ids=position_ids_for(mask)).logits[:, p - 1 : -1]  # [B, T, V]
+        aligned_mask = rotate_rows(mask, shift)  # each row's tokens from column 0, padding after them
+        aligned = agent.policy(input_ids=rotate_rows(input_ids, shift), attention_mask=aligned_mask.long(),
+                               position_ids=position_ids_for(aligned_mask)).logits
+        full = rotate_rows(aligned, -shift)[:, p - 1 : -1]  # the same full forward, in the caller's layout
         kept = agent._response_logits(agent.policy, input_ids, mask, p)
         wrapper = NoLogitsToKeep(agent.policy)
         fallback = agent._response_logits(wrapper, input_ids, mask, p)
     assert kept.shape == full.shape == (4, t, len(tok))
     assert torch.allclose(kept, full, atol=1e-5) and torch.equal(fallback, full)
+    assert torch.allclose(full, left_padded, atol=1e-5)  # left-aligning changes no logit beyond rounding
     assert "logits_to_keep" not in wrapper.seen[0]
 
 

@@ -190,13 +190,11 @@ def transformer_body(model: nn.Module) -> nn.Module:
 
 
 def final_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """Final hidden states ``[B, L, H]`` (after the last norm), positions counted from the mask."""
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
-    out = transformer_body(model)(
-        input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
-        use_cache=False,
-    )
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    """Final hidden states ``[B, L, H]`` (after the last norm), positions counted from the mask, no
+    attention row fully masked (:func:`textrl.models.forward.hidden_states`)."""
+    from textrl.models.forward import hidden_states
+
+    return hidden_states(transformer_body(model), input_ids, attention_mask)
 
 
 def last_token_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:

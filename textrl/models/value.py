@@ -1,8 +1,10 @@
 """A critic: a causal-LM backbone with a scalar value head, ``V(s_t)`` at every position.
 
 The backbone is the transformer body of a ``*ForCausalLM`` (its ``.model``) or of a
-``*ForSequenceClassification`` reward model; the head is ``nn.Linear(hidden, 1)``. Position ids
-are computed from the attention mask, so left-padded prompts see the positions of unpadded ones.
+``*ForSequenceClassification`` reward model; the head is ``nn.Linear(hidden, 1)``, made on the
+backbone's device and in its dtype. Position ids are computed from the attention mask, so
+left-padded prompts see the positions of unpadded ones, and no attention row is fully masked
+(:func:`textrl.models.forward.hidden_states`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,22 @@ import copy
 import torch
 from torch import Tensor, nn
 
+from textrl.models.forward import hidden_states
+
 
 def _backbone(model: nn.Module) -> nn.Module:
     """The transformer body of an HF model (``base_model`` of a head model, or itself)."""
     base = getattr(model, "base_model", None)
     return base if isinstance(base, nn.Module) and base is not model else model
+
+
+def _placement(backbone: nn.Module) -> dict[str, torch.device | torch.dtype]:
+    """``device`` and ``dtype`` of a new layer on ``backbone``: those of its first floating-point
+    weight (a 4-bit base's packed weights are not floating point); the defaults without one."""
+    for tensor in (*backbone.parameters(), *backbone.buffers()):
+        if tensor.is_floating_point():
+            return {"device": tensor.device, "dtype": tensor.dtype}
+    return {}
 
 
 def _hidden_size(backbone: nn.Module) -> int:
@@ -42,7 +55,7 @@ class ValueModel(nn.Module):
         self.backbone = backbone
         hidden = _hidden_size(backbone)
         if value_head is None:
-            value_head = nn.Linear(hidden, 1)
+            value_head = nn.Linear(hidden, 1, **_placement(backbone))
             nn.init.zeros_(value_head.weight)
             nn.init.zeros_(value_head.bias)
         if value_head.in_features != hidden or value_head.out_features != 1:
@@ -80,27 +93,19 @@ class ValueModel(nn.Module):
                 f"{type(model).__name__} has no scalar Linear score head (score/classifier with "
                 "num_labels=1): pass a sequence-classification reward model"
             )
-        value_head = nn.Linear(head.in_features, 1)
+        backbone = copy.deepcopy(_backbone(model))
+        value_head = nn.Linear(head.in_features, 1, **_placement(backbone))
         with torch.no_grad():
             value_head.weight.copy_(head.weight)
             if head.bias is not None:
                 value_head.bias.copy_(head.bias)
             else:
                 value_head.bias.zero_()
-        backbone = copy.deepcopy(_backbone(model))
-        return cls(backbone, value_head.to(next(backbone.parameters()).device))
+        return cls(backbone, value_head)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """``input_ids`` int64 ``[B, L]``, ``attention_mask`` ``[B, L]`` -> values float32 ``[B, L]``."""
-        if position_ids is None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
-        out = self.backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask.long(),
-            position_ids=position_ids,
-            use_cache=False,
-        )
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, L, H]
+        hidden = hidden_states(self.backbone, input_ids, attention_mask)  # [B, L, H]
         values = self.value_head(hidden.to(self.value_head.weight.dtype))  # [B, L, 1]
         # a new tensor rather than a view of the head's output: FSDP2 hooks the backward on it
         return values.squeeze(-1).float().clone()  # [B, L]
