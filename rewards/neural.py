@@ -52,7 +52,8 @@ import inspect
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -136,6 +137,9 @@ class NeuralReward:
             differ from the reward tokenizer's (scoring goes through text).
         output_device: where the returned scores live (default CPU).
         check_vocab: check at construction that ``tokenizer`` fits ``model``'s embedding table.
+        autocast: a context factory every forward runs under (a run's
+            :meth:`textrl.precision.Precision.autocast`); default none. :meth:`place` sets it
+            together with the model's device and dtype.
 
     Raises ``ValueError`` at construction when the tokenizer has no pad token, the model's
     vocab does not match the tokenizer (a tokenizer of another model), or the head is not
@@ -158,6 +162,7 @@ class NeuralReward:
         policy_tokenizer: PreTrainedTokenizerBase | None = None,
         output_device: torch.device | str = "cpu",
         check_vocab: bool = True,
+        autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"NeuralReward: batch_size must be a positive int, got {batch_size!r}")
@@ -196,6 +201,7 @@ class NeuralReward:
         )
         self.answer_blend = self._check_blend(answer_blend)
         self.output_device = torch.device(output_device)
+        self.autocast = autocast
         try:
             params = inspect.signature(model.forward).parameters
         except (TypeError, ValueError):
@@ -337,6 +343,13 @@ class NeuralReward:
         rows = token_lists(completion_ids, completion_mask, n, "NeuralReward.decode_completions")
         return self.policy_tokenizer.batch_decode(rows, skip_special_tokens=True)
 
+    def place(self, precision: Any) -> NeuralReward:
+        """Run on a training run's device in its precision (a :class:`textrl.precision.Precision`):
+        the model moved there in its weights' dtype, every forward under its autocast. Returns self."""
+        self.model = precision.prepare(self.model)
+        self.autocast = precision.autocast
+        return self
+
     # -- scoring ------------------------------------------------------------------------------
 
     def _device(self) -> torch.device:
@@ -367,7 +380,8 @@ class NeuralReward:
             else None
         )
         try:
-            logits = self.model(**inputs).logits  # [N, 1], pooled by HF
+            with self.autocast():
+                logits = self.model(**inputs).logits  # [N, 1], pooled by HF
         finally:
             if hook is not None:
                 hook.remove()

@@ -13,7 +13,8 @@ loss (the prompt's labels are ``-100``), as in TRL's ``completion_only_loss``.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -114,6 +115,7 @@ def sft_warmup(
     batch_size: int,
     seed: int,
     max_length: int | None = None,
+    autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> dict[str, float]:
     """Supervised warm-up of a causal LM in place; returns ``loss_first``, ``loss_last``,
     ``steps`` and ``seconds``.
@@ -121,7 +123,8 @@ def sft_warmup(
     ``steps`` AdamW steps (no weight decay, gradient norm clipped at 1) of the completion-only
     loss (see :func:`build_sft_batch`) on batches of ``batch_size`` pairs, drawn epoch by epoch
     in an order from a private ``torch.Generator`` seeded with ``seed`` (the global RNGs are
-    untouched). Batches go to the model's device. ``steps=0`` is a no-op. The model is left in
+    untouched). Batches go to the model's device; each forward runs under ``autocast()`` (the
+    run's :meth:`textrl.precision.Precision.autocast`). ``steps=0`` is a no-op. The model is left in
     eval mode.
     """
     if steps < 0 or batch_size < 1 or not lr > 0:
@@ -142,7 +145,8 @@ def sft_warmup(
         for indices in _batch_order(len(pairs), steps, batch_size, generator):
             batch = build_sft_batch(tokenizer, [pairs[i] for i in indices], max_length)
             batch = {k: v.to(device) for k, v in batch.items()}
-            loss = model(**batch, use_cache=False).loss
+            with autocast():
+                loss = model(**batch, use_cache=False).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

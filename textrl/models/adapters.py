@@ -39,6 +39,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from textrl.config import check_bitsandbytes
 from textrl.models.tiny import _resolve, load_causal_lm
+from textrl.precision import Precision
 
 if TYPE_CHECKING:  # peft (and through it bitsandbytes) is imported only when an adapter is used
     from peft import LoraConfig, PeftModel
@@ -61,30 +62,35 @@ def load_base_model(
     *,
     load_in_4bit: bool = False,
     device: str | torch.device | None = None,
+    precision: Precision | None = None,
 ) -> PreTrainedModel:
     """A causal LM from a local path, a hub id or ``"tiny"``, in eval mode, on ``device`` (CPU).
 
-    With ``load_in_4bit`` the linear layers are NF4 (bitsandbytes) with float32 compute on CPU and
-    bfloat16 on CUDA; embeddings, norms and the LM head stay in the compute dtype.
+    ``precision`` (default: float32 weights, no autocast, on ``device``) sets the weights' dtype and
+    the attention implementation. With ``load_in_4bit`` the linear layers are NF4 (bitsandbytes)
+    computing in the precision's compute dtype (bfloat16 under bf16 autocast or bf16 weights,
+    else float32); embeddings, norms and the LM head stay in that dtype.
     """
     device = torch.device(device if device is not None else "cpu")
+    precision = precision or Precision(device)
     if isinstance(name, nn.Module) and load_in_4bit and not getattr(name, "is_loaded_in_4bit", False):
         raise ValueError("load_in_4bit=True quantises a model while loading it: pass a path or hub id as model, "
                          "or a model loaded in 4-bit (BitsAndBytesConfig(load_in_4bit=True))")
-    if isinstance(name, nn.Module):
-        return name.eval() if load_in_4bit else load_causal_lm(name, device=device).eval()
+    if isinstance(name, nn.Module) and load_in_4bit:
+        return name.eval()
     if not load_in_4bit:
-        return load_causal_lm(name, device=device).eval()
+        return load_causal_lm(name, device=device, **precision.model_kwargs()).eval()
     check_bitsandbytes("load_in_4bit")
     from transformers import BitsAndBytesConfig
 
-    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    compute = precision.compute_dtype
     quant = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute
     )
+    attention = {} if precision.attn_implementation is None else {"attn_implementation": precision.attn_implementation}
     model = AutoModelForCausalLM.from_pretrained(
         _resolve(name, "causal_lm"), quantization_config=quant, dtype=compute,
-        device_map={"": str(device) if device.type != "cuda" else (device.index or 0)},
+        device_map={"": str(device) if device.type != "cuda" else (device.index or 0)}, **attention,
     )
     keep_4bit_differentiable(model)
     if device.type == "cpu":

@@ -47,6 +47,7 @@ from transformers import (
 )
 
 from textrl.models.sources import Files, check_model_folder, resolve_hub_id
+from textrl.precision import set_attn_implementation
 
 TinyKind = Literal["causal_lm", "reward_model", "gpt2"]
 
@@ -433,14 +434,24 @@ def load_causal_lm(
     *,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
+    attn_implementation: str | None = None,
 ) -> PreTrainedModel:
     """``AutoModelForCausalLM.from_pretrained``; ``"tiny"`` is the cached tiny Llama. A model
-    object (the Python API) is used as it is (cast to ``dtype`` and moved to ``device`` if given)."""
+    object (the Python API) is used as it is (cast to ``dtype``, moved to ``device`` and switched
+    to ``attn_implementation`` if given)."""
     if isinstance(name_or_path, torch.nn.Module):
         model = name_or_path.to(dtype) if dtype is not None and dtype != "auto" else name_or_path
+        if attn_implementation is not None:
+            set_attn_implementation(model, attn_implementation)
     else:
-        model = AutoModelForCausalLM.from_pretrained(_resolve(name_or_path, "causal_lm"), dtype=dtype or "auto")
+        model = AutoModelForCausalLM.from_pretrained(_resolve(name_or_path, "causal_lm"), dtype=dtype or "auto",
+                                                     **_attention(attn_implementation))
     return model.to(device) if device is not None else model
+
+
+def _attention(attn_implementation: str | None) -> dict[str, str]:
+    """``from_pretrained``'s ``attn_implementation`` argument, when one is chosen."""
+    return {} if attn_implementation is None else {"attn_implementation": attn_implementation}
 
 
 def load_reward_model(
@@ -448,6 +459,7 @@ def load_reward_model(
     *,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
+    attn_implementation: str | None = None,
 ) -> PreTrainedModel:
     """A scalar ``AutoModelForSequenceClassification`` with ``pad_token_id`` set.
 
@@ -456,7 +468,7 @@ def load_reward_model(
     """
     path = _resolve(name_or_path, "reward_model")
     model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=dtype or "auto"
+        path, num_labels=1, dtype=dtype or "auto", **_attention(attn_implementation)
     )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = load_tokenizer(path).pad_token_id

@@ -247,14 +247,16 @@ def add_lora(model: Any, config: StageConfig) -> Any:
 
 
 def load_policy(config: StageConfig, device: torch.device) -> Any:
-    """The causal LM a stage trains: every weight in float32, or a LoRA on a (4-bit) base."""
+    """The causal LM a stage trains, in the stage's precision (``dtype``, ``attn_implementation``):
+    every weight trained, or a LoRA on a (4-bit) base."""
     from textrl.models import load_causal_lm
 
+    precision = Precision.of(config, device)
     if not config.lora:
-        return load_causal_lm(config.model, device=device).float()
+        return precision.prepare(load_causal_lm(config.model, device=device, **precision.model_kwargs()))
     from textrl.models.adapters import load_base_model
 
-    base = load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device)
+    base = load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device, precision=precision)
     return add_lora(base, config)
 
 
@@ -525,7 +527,8 @@ def fit(
 
     ``loss_fn(rows)`` puts the model in train mode and returns the loss of a batch of rows and
     its detached stats; ``evaluate()`` returns held-out metrics (keys without prefix; they are
-    logged under ``eval/``); ``save(path)`` writes the model to ``path``. Batches come from a
+    logged under ``eval/``); both run under the stage's autocast (:class:`textrl.precision.Precision`
+    of ``config`` on the parameters' device). ``save(path)`` writes the model to ``path``. Batches come from a
     :class:`BatchOrder` seeded with ``config.seed``. ``resume_from`` (a verified checkpoint, see
     :func:`prepare_run`) restores the state after its step, and ``metrics.jsonl`` keeps only the
     rows up to it. SIGINT / SIGTERM finish the current step, save a checkpoint and raise
@@ -536,6 +539,8 @@ def fit(
     if not params:
         raise ValueError(f"{name}: no trainable parameters")
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    precision = Precision.of(config, params[0].device)
+    loss_fn, evaluate = under(precision.autocast, loss_fn), under(precision.autocast, evaluate)
     state, order = StageState(params, optimizer, save), BatchOrder(train_rows, config.seed)
     start = 0 if resume_from is None else restore(resume_from, state, order)
     record_run(config, resume_from, start)
@@ -551,6 +556,14 @@ def fit(
                "steps": config.steps, "seconds": time.perf_counter() - began}
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def under(context: Callable[[], Any], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run inside ``context()`` (a stage's loss and evaluation under its autocast)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return fn(*args, **kwargs)
+    return run
 
 
 class StageSteps:

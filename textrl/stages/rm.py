@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from textrl.precision import Precision
 from textrl.run import holds_run_folder
 from textrl.stages.common import (
     add_lora,
@@ -94,10 +95,12 @@ class RewardScorer(nn.Module):
 def build_scorer(config: RMConfig, device: torch.device, pad_token_id: int) -> RewardScorer:
     """Full: a sequence-classification model from ``--model`` (its ``score`` head). LoRA: the
     (4-bit) base with a LoRA adapter and a new ``Linear(H, 1)`` head."""
+    precision = Precision.of(config, device)
     if not config.lora:
         from textrl.models import load_reward_model
 
-        model = load_reward_model(resolve_model_path(config.model), device=device).float()
+        model = precision.prepare(load_reward_model(resolve_model_path(config.model), device=device,
+                                                    **precision.model_kwargs()))
         model.config.pad_token_id = pad_token_id
         head = getattr(model, "score", None)
         if not isinstance(head, nn.Linear):
@@ -108,9 +111,9 @@ def build_scorer(config: RMConfig, device: torch.device, pad_token_id: int) -> R
         return RewardScorer(model, head)
     from textrl.models.adapters import hidden_size, load_base_model
 
-    base = load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device)
+    base = load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device, precision=precision)
     model = add_lora(base, config)
-    head = nn.Linear(hidden_size(model), 1).to(device)
+    head = nn.Linear(hidden_size(model), 1, device=device)  # float32: the scorer reads float32 hidden states
     nn.init.normal_(head.weight, std=0.02)
     nn.init.zeros_(head.bias)
     return RewardScorer(model, head)
