@@ -242,12 +242,15 @@ class PPORun:
 
     def summary(self, before: dict[str, float] | None) -> dict[str, Any]:
         """``summary.json``: held-out metrics before and after, processes, sharding, peak memory
-        per process, and the check that data-parallel processes ended with the same weights."""
+        per process, the precision that ran, and the check that data-parallel processes ended
+        with the same weights."""
         rows = self.metrics.rows
         after = {k: v for k, v in (rows[-1] if rows else {}).items() if k.startswith("eval/")}
         summary: dict[str, Any] = {"before": before, "after": after, "processes": self.dist.world_size,
                                    "fsdp": self.config.fsdp, "zero_stage": self.config.zero_stage}
         summary["peak_memory_mib"] = self.dist.gather_object(peak_memory_mib(self.agent.device))  # one per process
+        if getattr(self.agent, "precision", None) is not None:
+            summary["precision"] = self.agent.precision.record()  # what ran: dtype, autocast, attention
         summary.update(self.backend.end_of_run(self.agent))  # weights held (sharded) or the replicas' checksum
         if self.main:
             self.log(format_summary(before, after))
@@ -282,6 +285,8 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     env = environment(config)
     train_rows, eval_rows = split_rows(env, config.eval_size, config.seed)
     agent = build_agent(config, device, log)  # its models, critic (if any) and optimisers (and warm-up)
+    if getattr(agent, "precision", None) is not None:
+        log(f"precision: {agent.precision}")
     budget = episode_tokens(config, env)
     check_context(config, agent, train_rows, eval_rows, budget=budget)  # every prompt + episode fits the models
     tokenizer = agent.tokenizer

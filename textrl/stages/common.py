@@ -553,7 +553,7 @@ def fit(
             checkpoint_last=False, timing="step", progress=config.progress).run(steps, start)
     save(output_dir / MODEL_DIR)
     summary = {"stage": name, "before": state.before, "after": steps.after, "model": str(output_dir / MODEL_DIR),
-               "steps": config.steps, "seconds": time.perf_counter() - began}
+               "steps": config.steps, "seconds": time.perf_counter() - began, "precision": precision.record()}
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
