@@ -14,7 +14,7 @@ TRL_OPTIONS: dict[str, tuple[str, str, str]] = {
     "learning_rate": ("PPO, GRPO", "actor_lr", "the critic has its own critic_lr"),
     "cliprange": ("PPO", "clip_eps", "None takes the agent's default (0.2; one_step_ppo 0.1)"),
     "epsilon": ("GRPO", "clip_eps", ""),
-    "epsilon_high": ("GRPO", "", "one symmetric clip_eps; dual_clip bounds the ratio of negative advantages"),
+    "epsilon_high": ("GRPO", "clip_eps_high", "DAPO's clip-higher: the upper clip 1 + clip_eps_high"),
     "cliprange_value": ("PPO", "value_clip_eps", "None = unclipped"),
     "vf_coef": ("PPO", "vf_coef", "same name"),
     "gamma": ("PPO", "gamma", "same name"),
@@ -80,6 +80,12 @@ TRL_OPTIONS: dict[str, tuple[str, str, str]] = {
     "lora_alpha": ("PPO, GRPO", "lora_alpha", "same name"),
     "load_in_4bit": ("PPO, GRPO", "load_in_4bit", "same name"),
     "ds3_gather_for_generation": ("PPO, GRPO", "zero_stage", "ZeRO-3 always gathers the policy to generate"),
+    "bf16": ("PPO, GRPO", "mixed_precision", "bf16=True is --mixed-precision bf16 (already the default on a CUDA "
+                                             "device that has bf16: auto)"),
+    "fp16": ("PPO, GRPO", "mixed_precision", "fp16 needs loss scaling, which textrl does not do: use bf16"),
+    "torch_dtype": ("ModelConfig", "dtype", "float32 or bfloat16 (the trained weights' dtype)"),
+    "dtype": ("ModelConfig", "dtype", "same name; float32 or bfloat16 ('auto' has no counterpart)"),
+    "attn_implementation": ("ModelConfig", "attn_implementation", "same name: sdpa, eager, flash_attention_2"),
 }
 """TRL option -> (the TRL config(s) that have it, our TrainConfig field or '', note)."""
 
