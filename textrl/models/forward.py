@@ -33,6 +33,8 @@ def leading_padding(attention_mask: Tensor) -> Tensor:
     """Columns before each row's first attended token, int64 ``[B]`` (0 for a row without one).
     ``attention_mask`` ``[B, L]`` (bool or 0/1)."""
     mask = attention_mask.bool()
+    if mask.shape[1] == 0:
+        return torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
     first = mask.int().argmax(dim=1)  # the first True; 0 for a row of Falses
     return torch.where(mask.any(dim=1), first, 0).long()
 
