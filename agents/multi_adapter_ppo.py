@@ -57,6 +57,7 @@ from textrl.models.adapters import (
     warn_if_merged,
 )
 from textrl.models.checks import check_tokenizer_fits
+from textrl.precision import Precision
 
 if TYPE_CHECKING:
     from textrl.parallel import Backend
@@ -123,8 +124,10 @@ class MultiAdapterPPO(GAEPPO):
 
     @classmethod
     def load_policy(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print) -> nn.Module:
-        """The plain base model (no warm-up, see :meth:`from_config`), checked against the tokenizer."""
-        base = load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device)
+        """The plain base model in the run's precision (no warm-up, see :meth:`from_config`), checked
+        against the tokenizer."""
+        base = load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device,
+                               precision=Precision.of(config, device))
         check_tokenizer_fits(tokenizer, base, tokenizer_name=tokenizer_name(config), model_name=policy_name(config))
         return base
 
