@@ -1,6 +1,6 @@
 """Peak memory of one PPO iteration: GAEPPO with four models vs MultiAdapterPPO on one base.
 
-    python benchmarks/bench_memory.py [--threads 2] [--layers 8] [--hidden 768] [--workdir DIR]
+    python benchmarks/bench_memory.py [--threads 2] [--layers 8] [--hidden 768] [--workdir DIR] [--device cuda]
 
 A Llama with the tiny 512-token vocabulary, hidden 768, 8 layers (about 57M parameters, so the
 weights dominate; about a minute in all on 2 CPU cores) is built offline once, with a same-sized sequence-classification reward model
@@ -97,7 +97,7 @@ def build_models(workdir: Path, hidden: int, layers: int) -> None:
     (workdir / "DONE").write_text(json.dumps({"base_parameters": n_params}))
 
 
-def run_variant(variant: str, workdir: Path, threads: int) -> dict[str, float]:
+def run_variant(variant: str, workdir: Path, threads: int, device: torch.device) -> dict[str, float]:
     """Load the variant's models, run two PPO iterations; memory of the first, time of the second."""
     torch.set_num_threads(threads)
     import peft  # noqa: F401 - imported before the baseline, so imports do not count
@@ -117,8 +117,7 @@ def run_variant(variant: str, workdir: Path, threads: int) -> dict[str, float]:
         packed, state = bnb.functional.quantize_4bit(torch.ones(64, 64), quant_type="nf4")
         bnb.functional.dequantize_4bit(packed, state)
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
+    cuda = device.type == "cuda"
     baseline = rss_mb()
     tok = load_tokenizer(workdir / "base")
     config = TrainConfig(
@@ -177,10 +176,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the built models here (default: a temp dir)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # the subprocess side
     args = parser.parse_args()
+    from textrl.run import resolve_device
+
+    device = resolve_device(args.device)  # an unavailable CUDA device is named before anything is built
     if args.variant:
-        print("RESULT " + json.dumps(run_variant(args.variant, args.workdir, args.threads)), flush=True)
+        print("RESULT " + json.dumps(run_variant(args.variant, args.workdir, args.threads, device)), flush=True)
         return
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -191,7 +194,7 @@ def main() -> None:
         results = {}
         for variant in VARIANTS:
             cmd = [sys.executable, __file__, "--variant", variant, "--workdir", str(workdir),
-                   "--threads", str(args.threads)]
+                   "--threads", str(args.threads), "--device", str(device)]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not lines:

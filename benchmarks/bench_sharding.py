@@ -80,7 +80,8 @@ def run(variant: str, args: argparse.Namespace, workdir: Path) -> dict:
     out = workdir / variant
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time (textrl train refuses old checkpoints)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.processes}",
-           f"--master_port={free_port()}", "-m", "textrl.cli", "train", "--model", str(workdir / "base"),
+           f"--master_port={free_port()}", "-m", "textrl.cli", "train", "--agent", "gae_ppo",
+           "--model", str(workdir / "base"),
            "--output-dir", str(out), "--iterations", str(args.iterations), "--warmup-sft-steps", "0",
            "--prompts-per-iteration", str(4 * args.processes), "--n-samples-per-prompt", "1",
            "--max-new-tokens", "16", "--ppo-epochs", "1", "--num-minibatches", "1", "--eval-every", "0",

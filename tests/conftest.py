@@ -1,15 +1,39 @@
-"""Suite-wide pytest set-up: tests marked ``cuda`` are skipped on machines without a GPU."""
+"""Suite-wide pytest set-up: tests marked ``cuda`` are skipped on machines without a GPU.
+
+``TEXTRL_CUDA_TESTS_ON=cpu`` rehearses the cuda-marked tests that take their device from the
+:func:`run_device` fixture (tests/cuda/: every one that goes through the front door) on the CPU,
+so the GPU suite's own code is checked where no GPU is lent; the others stay skipped. On a
+machine with a GPU the variable changes nothing: ``pytest -m cuda`` runs them all on CUDA.
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+REHEARSE = "TEXTRL_CUDA_TESTS_ON"
+
+
+def _rehearsing() -> bool:
+    value = os.environ.get(REHEARSE, "")
+    if value not in ("", "cpu"):
+        raise pytest.UsageError(f"{REHEARSE}={value!r}: the only value is 'cpu' (rehearse the cuda tests there)")
+    return value == "cpu" and not torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
+    rehearsing = _rehearsing()
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "cuda" in item.keywords:
+        if "cuda" in item.keywords and not (rehearsing and "run_device" in getattr(item, "fixturenames", ())):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def run_device() -> str:
+    """The device a cuda-marked test runs on: 'cuda', or 'cpu' when rehearsing (module docstring)."""
+    return "cpu" if _rehearsing() else "cuda"

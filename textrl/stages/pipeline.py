@@ -39,6 +39,7 @@ from typing import Any
 from textrl.agent_registry import is_spec
 from textrl.agents import AGENTS, agent_class
 from textrl.config import _at_least, _positive, check_bitsandbytes, save_config
+from textrl.precision import check_precision
 from textrl.run import holds_run_folder, take_run_folder, torch_threads
 from textrl.stages.common import MODEL_DIR
 from textrl.stages.rm import RMConfig, train_rm
@@ -80,6 +81,12 @@ class PipelineConfig:
     """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
     model: str = "tiny"
     """Starting causal LM: a local path or hub id; 'tiny' is the offline tiny model."""
+    dtype: str = "float32"
+    """Every stage's weights' dtype: float32 | bfloat16 (TRL's dtype / torch_dtype)."""
+    mixed_precision: str = "auto"
+    """Every stage's autocast: bf16 | no | auto (bf16 on a CUDA device that has it, else no)."""
+    attn_implementation: str | None = None
+    """Every stage's attention: sdpa | eager | flash_attention_2 (flash-attn, CUDA); None: the model's."""
     sft_data: str = "builtin:case"
     """SFT data: 'builtin:case' or a .jsonl of {prompt, response} / {messages} rows."""
     preference_data: str = "builtin:case"
@@ -136,6 +143,7 @@ class PipelineConfig:
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         _at_least("kl_coef", self.kl_coef, 0.0)
+        check_precision(self)
         cls = self.agent_class()
         if cls is None or not cls.pipeline_reward:
             hint = (f"; run {self.agent} after the pipeline: `textrl train --agent {self.agent} "
@@ -182,7 +190,7 @@ class PipelineConfig:
 
 
 STAGES = ("sft", "rm", "ppo")
-RESUME_FREE = {"resume", "progress", "threads", "device"}
+RESUME_FREE = {"resume", "progress", "threads", "device", "mixed_precision", "attn_implementation"}
 """Fields a resumed pipeline may change; every other must equal the interrupted run's."""
 
 
@@ -244,7 +252,8 @@ def _run(config: PipelineConfig) -> dict[str, Any]:
     out = Path(config.output_dir)
     take_run_folder(out)  # one pipeline per folder; each stage locks its own subfolder
     save_config(dataclasses.replace(config, resume=False), out / "config.yaml")
-    common = {"seed": config.seed, "device": config.device, "progress": config.progress}
+    common = {"seed": config.seed, "device": config.device, "progress": config.progress, "dtype": config.dtype,
+              "mixed_precision": config.mixed_precision, "attn_implementation": config.attn_implementation}
 
     print("== 1/3 sft ==", flush=True)
     sft = _stage(config, "sft", lambda resume: train_sft(SFTConfig(
