@@ -389,6 +389,10 @@ class TrainConfig:
                 f"{minibatch} rows does not divide into it; choose a divisor of {minibatch}"
             )
         _choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
+        if self.zero_stage and self.dtype != "float32":
+            raise ValueError(f"dtype={self.dtype!r} with zero_stage={self.zero_stage}: DeepSpeed's engine here keeps "
+                             "float32 weights and master copies (bf16 comes from the autocast, --mixed-precision); "
+                             "use --dtype float32")
         if self.zero_stage and self.fsdp:
             raise ValueError(f"zero_stage={self.zero_stage} and fsdp=True both shard the training state; "
                              "choose one (DeepSpeed ZeRO or FSDP)")
