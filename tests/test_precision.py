@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 
 import pytest
 import torch
@@ -162,3 +163,15 @@ def test_textrl_train_in_bfloat16_runs_and_records_the_precision(tmp_path):
                                     "device": "cpu"}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["nonfinite/skipped_updates"] == 0 for r in rows)
+
+
+def test_a_stage_trains_and_saves_in_the_run_dtype(tmp_path):
+    from textrl.stages.sft import SFTConfig, train_sft
+
+    with contextlib.redirect_stdout(None):
+        summary = train_sft(SFTConfig(output_dir=str(tmp_path / "sft"), steps=1, batch_size=4, eval_size=4,
+                                      dtype="bfloat16", mixed_precision="bf16", progress=False))
+    assert summary["precision"]["dtype"] == "bfloat16" and summary["precision"]["autocast"] == "bfloat16"
+    saved = json.loads((tmp_path / "sft" / "model" / "config.json").read_text())
+    assert saved.get("dtype", saved.get("torch_dtype")) == "bfloat16"
+    assert math.isfinite(summary["after"]["loss"])
