@@ -746,6 +746,7 @@ class PPOAgent(nn.Module):
         seconds of the prefill forwards (``forward``) and of the shaping and estimator
         (``advantages``) are added to it.
         """
+        self.backend.stage_rollback(self)  # the update's rollback copy, overlapping the forwards on CUDA
         if KEYS.task_reward not in td.keys(include_nested=True):
             td.set(KEYS.task_reward, td.get(KEYS.reward).clone())
         if SCORE not in td.keys():
@@ -906,6 +907,9 @@ class PPOAgent(nn.Module):
           with ``config.nonfinite_weights='rollback'`` (the default) the whole update is undone
           (:meth:`_guarded_epochs`) and counts as one skipped update, ``nonfinite/rolled_back`` = 1;
           with ``'stop'`` the weights stay as they are and the trainer's check stops the run.
+          ``guard/bytes`` is the size of the rollback's copy on this process (0 with ``'stop'``);
+          the host seconds its staging, copy, check and restore took are not a metric (metrics
+          are deterministic): ``Backend.rollback_seconds``.
 
         The reference refresh (:meth:`after_update`) runs last, so it copies checked weights.
         """
@@ -916,26 +920,27 @@ class PPOAgent(nn.Module):
             tally.skip_nonfinite(self)
         else:
             self._guarded_epochs(td, kept, tally)
-        metrics = {**kl_before, **self._update_metrics(td, tally)}
+        metrics = {**kl_before, **self._update_metrics(td, tally), **self.backend.rollback_metrics()}
         self.after_update()
         return metrics
 
     def _guarded_epochs(self, td: TensorDictBase, kept: RolloutForward | None, tally: UpdateTally) -> None:
         """:meth:`_epochs`, rolled back when its steps left NaN/inf weights (``nonfinite_weights='rollback'``).
 
-        Before the steps the backend copies what they change (``Backend.snapshot``: this process's
-        part of the trained weights, the optimiser and scheduler states; on the CPU); after them,
-        if a step was applied and a weight is NaN/inf on any process (a shared decision), every
-        process restores its copy in place and the update counts as one skipped update: the streak
-        is the one before it plus one, whatever its minibatches counted.
+        Before the steps the backend hands over its copy of what they change
+        (``Backend.take_rollback``: this process's part of the trained weights, the optimiser and
+        scheduler states, in buffers reused from update to update, where ``config.rollback_copy``
+        puts them; staged by :meth:`process_rollout`, made now if nothing was staged or the weights
+        changed since); after them, if a step was applied and a weight is NaN/inf on any process
+        (a shared decision), every process restores its copy in place and the update counts as one
+        skipped update: the streak is the one before it plus one, whatever its minibatches counted.
         """
         if self.config.nonfinite_weights != "rollback":
             self._epochs(td, kept, tally)
             return
-        snapshot, streak = self.backend.snapshot(self), self.nonfinite_streak
+        snapshot, streak = self.backend.take_rollback(self), self.nonfinite_streak
         self._epochs(td, kept, tally)
-        if tally.steps and not self.backend.weights_finite(self):
-            self.backend.restore(self, snapshot)
+        if tally.steps and self.backend.roll_back_nonfinite(self, snapshot):
             tally.roll_back(self, streak)
 
     def _epochs(self, td: TensorDictBase, kept: RolloutForward | None, tally: UpdateTally) -> None:
@@ -1093,6 +1098,7 @@ class PPOAgent(nn.Module):
 
     def load_agent_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`agent_state_dict`'s output."""
+        self.backend.invalidate_rollback()
         self.backend.load_optimizer_state(self, state["optimizers"])
         for sch, s in zip(self.schedulers, state["schedulers"]):
             sch.load_state_dict(s)
@@ -1108,6 +1114,7 @@ class PPOAgent(nn.Module):
         checkpoint's learning rates and KL coefficient, so set the config's (each learning rate
         where the schedule puts it at this step; the KL controller, adaptive or not, continues
         from the new ``kl_coef``). Every other setting is read from the config where it is used."""
+        self.backend.invalidate_rollback()
         if names & self.SCHEDULE_SETTINGS:
             rates = iter(group["lr"] for group in self.param_groups())  # the actor's, then the critic's
             for scheduler in self.schedulers:  # one per optimiser, or one over both groups (ZeRO)
@@ -1126,6 +1133,7 @@ class PPOAgent(nn.Module):
 
     def load_weights_state(self, state: dict[str, Tensor], strict: bool = True, assign: bool = False) -> Any:
         """Restore :meth:`weights_state`'s output (every process passes the same ``state``)."""
+        self.backend.invalidate_rollback()
         return self.backend.load_model_state(self, state, strict=strict, assign=assign)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
@@ -1136,6 +1144,7 @@ class PPOAgent(nn.Module):
         return state
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
+        self.backend.invalidate_rollback()
         state_dict = dict(state_dict)
         agent_state = state_dict.pop("agent_state", None)
         result = self.load_weights_state(state_dict, strict=strict, assign=assign)

@@ -18,10 +18,23 @@ slows both alike), is the least any PPO step has to do for the same sizes: one b
 the finished sequences, one forward/backward of the policy and the value model, and one step of
 each optimiser (AdamW). It works on its own copies of the models.
 
+The rollback guard (``nonfinite_weights='rollback'``, the default: a copy of the trained weights
+and optimiser state before every update) is measured as an A/B: a second agent, built the same
+way from the same weights but with ``nonfinite_weights='stop'`` (no copy, no check in the update),
+runs its own iterations interleaved with the first's (the order alternating), and
+``guard/update_overhead`` is the first's median update seconds over the second's, minus 1
+(``guard/iteration_overhead`` the same for whole iterations: on the CPU the copy is staged when the
+rollout is processed, in the ``forward`` phase). ``guard/bytes_per_update`` and
+``guard/seconds_per_update`` are the medians of the update's ``guard/bytes`` and of
+``Backend.rollback_seconds()`` (the host seconds of the guard's own calls in an iteration),
+``guard/placement`` where ``rollback_copy`` (``--rollback-copy``) put the copy.
+
 Prints a phase table, then one JSON line with ``seconds_per_iteration`` (median over
 ``--iterations`` after ``--warmup``), ``floor_seconds_per_iteration``, ``ratio_to_floor``,
-``tokens_per_second`` and ``phase/<name>_s`` (medians). Goal on CPU at the default sizes:
-ratio <= 1.1. A script, never imported (torchrl ships a top-level ``benchmarks`` package).
+``tokens_per_second``, ``phase/<name>_s`` (medians), ``stop/phase/update_s`` and
+``stop/seconds_per_iteration`` (the ``'stop'`` agent's) and the ``guard/*`` figures above. Goal on
+CPU at the default sizes: ratio <= 1.1; on a GPU at ~110M parameters: ``guard/update_overhead``
+<= 0.05. A script, never imported (torchrl ships a top-level ``benchmarks`` package).
 """
 
 from __future__ import annotations
@@ -54,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=10, help="measured iterations (>= 10)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rollback-copy", default="auto", choices=("auto", "device", "host"),
+                        help="where the rollback guard keeps its copy (TrainConfig.rollback_copy)")
     return parser.parse_args(argv)
 
 
@@ -63,7 +78,8 @@ def sync(device: torch.device) -> None:
 
 
 def build(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """Tokenizer, the agent (policy, reference, critic), the reward, a prompt batch, floor models."""
+    """Tokenizer, the agent (policy, reference, critic), its twin with ``nonfinite_weights='stop'``,
+    the reward, a prompt batch, floor models."""
     from textrl.agents import GAEPPO
     from textrl.envs.prompts import PromptBatch
     from textrl.rewards.neural import NeuralReward
@@ -89,7 +105,7 @@ def build(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         device=str(device), prompts_per_iteration=args.batch, n_samples_per_prompt=1,
         max_new_tokens=args.new_tokens, ppo_epochs=1, num_minibatches=1,
         generation_batch_size=args.batch, forward_batch_size=args.batch,
-        iterations=args.warmup + args.iterations, eval_every=0,
+        iterations=args.warmup + args.iterations, eval_every=0, rollback_copy=args.rollback_copy,
     )
     floor = {  # the floor's own copies, so its updates do not touch the agent
         "policy": copy.deepcopy(policy), "ref": copy.deepcopy(policy).requires_grad_(False),
@@ -97,7 +113,11 @@ def build(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     }
     floor["actor_opt"] = torch.optim.AdamW(floor["policy"].parameters(), lr=config.actor_lr, weight_decay=0.0)
     floor["critic_opt"] = torch.optim.AdamW(floor["critic"].parameters(), lr=config.critic_lr, weight_decay=0.0)
+    twin = copy.deepcopy(policy)  # before the agent trains: the same starting weights
     agent = GAEPPO(policy, tok, config, critic=ValueModel.from_causal_lm(policy))
+    stop_config = copy.deepcopy(config)
+    stop_config.nonfinite_weights = "stop"
+    unguarded = GAEPPO(twin, tok, stop_config, critic=ValueModel.from_causal_lm(twin))
     # The prompts carry no chat template, so the reward model reads prompt + completion as the policy did.
     reward_fn = NeuralReward(reward_model, tok, batch_size=args.batch, use_chat_template=False)
 
@@ -107,11 +127,13 @@ def build(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     texts = tok.batch_decode(ids.tolist())
     batch = PromptBatch(ids, torch.ones_like(ids, dtype=torch.bool), texts, [{"prompt": t} for t in texts],
                         list(range(args.batch)))
-    return {"agent": agent, "reward_fn": reward_fn, "batch": batch, "floor": floor, "tokenizer": tok}
+    return {"agent": agent, "unguarded": unguarded, "reward_fn": reward_fn, "batch": batch, "floor": floor,
+            "tokenizer": tok}
 
 
-def ppo_iteration(agent: Any, batch: Any, reward_fn: Any, iteration: int) -> tuple[float, dict[str, float]]:
-    """One trainer iteration (phases 1-5, no eval / logging to disk): seconds and per-phase seconds."""
+def ppo_iteration(agent: Any, batch: Any, reward_fn: Any, iteration: int) -> tuple[float, dict[str, float], dict[str, float]]:
+    """One trainer iteration (phases 1-5, no eval / logging to disk): seconds, per-phase seconds
+    and the update's metrics, with ``guard/seconds`` (``Backend.rollback_seconds``)."""
     from textrl.rollout import collect
     from textrl.timing import timed
     from textrl.trainer import iteration_metrics
@@ -125,7 +147,8 @@ def ppo_iteration(agent: Any, batch: Any, reward_fn: Any, iteration: int) -> tup
     with timed(timings, "bookkeeping", agent.device):
         iteration_metrics(iteration, td, metrics)
     sync(agent.device)
-    return time.perf_counter() - start, timings
+    seconds = time.perf_counter() - start
+    return seconds, timings, {**metrics, "guard/seconds": agent.backend.rollback_seconds()}
 
 
 def floor_iteration(floor: dict[str, Any], input_ids: Tensor, new_tokens: int, tok: Any) -> tuple[float, dict[str, float]]:
@@ -185,17 +208,27 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     input_ids = batch.input_ids.to(device)
     n_params = sum(p.numel() for p in agent.policy.parameters())
 
-    ppo_s, floor_s = [], []
+    ppo_s, floor_s, stop_s, stop_update_s = [], [], [], []
     phases: dict[str, list[float]] = {p: [] for p in (*PHASES, "unaccounted")}
     floor_parts: dict[str, list[float]] = {}
+    guard: dict[str, list[float]] = {"guard/bytes": [], "guard/seconds": []}
     for i in range(args.warmup + args.iterations):
-        # Interleaved, so that load from other processes on a shared machine hits both alike.
+        # Interleaved, so that load from other processes on a shared machine hits every run alike;
+        # the guarded agent and its 'stop' twin take turns going first.
         f_seconds, f_parts = floor_iteration(floor, input_ids, args.new_tokens, tok)
-        seconds, timings = ppo_iteration(agent, batch, parts["reward_fn"], i + 1)
+        if i % 2:
+            unguarded = ppo_iteration(parts["unguarded"], batch, parts["reward_fn"], i + 1)
+        seconds, timings, metrics = ppo_iteration(agent, batch, parts["reward_fn"], i + 1)
+        if not i % 2:
+            unguarded = ppo_iteration(parts["unguarded"], batch, parts["reward_fn"], i + 1)
         if i < args.warmup:
             continue
         floor_s.append(f_seconds)
         ppo_s.append(seconds)
+        stop_s.append(unguarded[0])
+        stop_update_s.append(unguarded[1]["update"])
+        for name in guard:
+            guard[name].append(metrics[name])
         for name in PHASES:
             phases[name].append(timings.get(name, 0.0))
         phases["unaccounted"].append(seconds - sum(timings.values()))  # between phases: checks, glue
@@ -217,6 +250,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     }
     figures.update({f"phase/{name}_s": med(values) for name, values in phases.items()})
     figures.update({f"floor/{name}_s": med(values) for name, values in floor_parts.items()})
+    figures.update({
+        "stop/seconds_per_iteration": med(stop_s),
+        "stop/phase/update_s": med(stop_update_s),
+        "guard/placement": agent.backend.rollback_copy.placement,
+        "guard/bytes_per_update": med(guard["guard/bytes"]),
+        "guard/seconds_per_update": med(guard["guard/seconds"]),
+        "guard/update_overhead": figures["phase/update_s"] / med(stop_update_s) - 1,
+        "guard/iteration_overhead": seconds / med(stop_s) - 1,
+    })
 
     print(f"GAEPPO iteration, {n_params / 1e6:.2f}M-parameter Llama, B={args.batch}, prompt {args.prompt_tokens} "
           f"+ {args.new_tokens} new tokens, {device}, {args.threads} threads; median of {args.iterations}")
@@ -228,6 +270,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"floor: {floor_seconds * 1e3:.1f} ms (generate {figures['floor/generate_s'] * 1e3:.1f}, forwards "
           f"{figures['floor/forwards_s'] * 1e3:.1f}, update {figures['floor/update_s'] * 1e3:.1f}); ratio to floor "
           f"{figures['ratio_to_floor']:.3f} (goal <= 1.1); {figures['tokens_per_second']:.0f} generated tokens/s")
+    print(f"rollback guard: {figures['guard/bytes_per_update'] / 2**20:.1f} MiB copied to the "
+          f"{figures['guard/placement']}, {figures['guard/seconds_per_update'] * 1e3:.1f} ms in its calls; update "
+          f"{figures['phase/update_s'] * 1e3:.1f} ms against {figures['stop/phase/update_s'] * 1e3:.1f} ms with "
+          f"nonfinite_weights='stop' ({figures['guard/update_overhead']:+.1%}; whole iteration "
+          f"{figures['guard/iteration_overhead']:+.1%})")
     print(json.dumps(figures))
     return figures
 

@@ -20,7 +20,11 @@ rest of a training step, so the agent's update loop is the same on every backend
   backend of the same kind and any number of processes;
 - :meth:`Backend.snapshot` / :meth:`Backend.restore` copy what one update changes on this
   process (its part of the trained weights, the optimiser and scheduler states) and put it back
-  in place: an update whose steps left NaN/inf weights is rolled back;
+  in place: an update whose steps left NaN/inf weights is rolled back. The agent's update copies
+  into reused buffers instead (:meth:`Backend.stage_rollback` when the rollout is processed,
+  :meth:`Backend.take_rollback` before the steps, :meth:`Backend.roll_back_nonfinite` after
+  them; :meth:`Backend.rollback_metrics`, :meth:`Backend.rollback_seconds` what it costs;
+  :mod:`textrl.parallel.rollback`);
 - :meth:`Backend.weights_finite` and :meth:`Backend.end_of_run` are the trainer's checks.
 
 Decisions that change control flow are taken on values shared by every process
@@ -37,13 +41,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from textrl.distributed import Distributed
+from textrl.parallel.rollback import OptimizerCopy, RollbackCopy, UpdateSnapshot, update_state
 from textrl.sharding import local
 
 
@@ -58,54 +62,8 @@ def trained_parameters(agent: Any) -> list[tuple[str, nn.Parameter]]:
             if model is not None for k, p in model.named_parameters() if p.requires_grad]
 
 
-@dataclass
-class OptimizerCopy:
-    """One optimiser's state as :meth:`Backend.snapshot` copies it: ``groups`` the hyperparameters
-    of each parameter group (``lr``, ...; not its parameters), ``state`` the per-parameter state in
-    the groups' parameter order (tensors: this process's local part; None: no state yet)."""
-
-    groups: list[dict[str, Any]]
-    state: list[dict[str, Any] | None]
-
-
-@dataclass
-class UpdateSnapshot:
-    """What one update changes on this process, copied by :meth:`Backend.snapshot` (opaque to callers).
-
-    ``tensors``: :meth:`Backend.updated_tensors` in order; ``optimizers``: one
-    :class:`OptimizerCopy` per optimiser; ``schedulers``: each scheduler's ``state_dict``.
-    """
-
-    tensors: list[Tensor]
-    optimizers: list[OptimizerCopy]
-    schedulers: list[dict[str, Any]]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of tensor data held (the weights and the optimiser states)."""
-        states = [v for o in self.optimizers for s in o.state if s for v in s.values()]
-        return sum(t.nbytes for t in [*self.tensors, *states] if isinstance(t, Tensor))
-
-
-def _copy(tensor: Tensor, device: torch.device | str) -> Tensor:
-    """A copy of ``tensor``'s local part on ``device``."""
-    return local(tensor).detach().to(device, copy=True)
-
-
-def copy_optimizer(optimizer: torch.optim.Optimizer, params: list[Tensor], device: torch.device | str) -> OptimizerCopy:
-    """:class:`OptimizerCopy` of ``optimizer``, whose state is keyed by ``params``, with its state
-    tensors on ``device``."""
-    groups = [copy.deepcopy({k: v for k, v in group.items() if k != "params"}) for group in optimizer.param_groups]
-    state = []
-    for param in params:
-        own = optimizer.state.get(param)
-        state.append({k: _copy(v, device) if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in own.items()}
-                     if own else None)
-    return OptimizerCopy(groups, state)
-
-
 def restore_optimizer(optimizer: torch.optim.Optimizer, params: list[Tensor], saved: OptimizerCopy) -> None:
-    """Put :func:`copy_optimizer`'s ``saved`` back into ``optimizer`` (state keyed by ``params``),
+    """Put an :class:`OptimizerCopy` ``saved`` back into ``optimizer`` (state keyed by ``params``),
     tensors in place (their local part: FSDP's states are shards); a state created since is
     dropped, as before a first step."""
     for group, hyper in zip(optimizer.param_groups, saved.groups):
@@ -125,6 +83,19 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, params: list[Tensor], sa
                 own[key] = copy.deepcopy(value)
 
 
+def all_finite(tensors: list[Tensor]) -> bool:
+    """Whether every value of ``tensors`` (on one device) is finite, with one host sync: the sum of
+    each tensor (at least float32) is NaN/inf when one of its values is. Only when a sum is not
+    finite (a NaN/inf value, or finite values so large that their sum overflows) is every value
+    looked at, with a second sync."""
+    if not tensors:
+        return True
+    sums = [t.sum(dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors]
+    if bool(torch.stack(sums).isfinite().all()):
+        return True
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
+
 class Backend:
     """One run's way of training an agent over its processes (see the module docstring).
 
@@ -142,6 +113,8 @@ class Backend:
     def __init__(self, dist: Distributed | None = None, device: torch.device | str = "cpu") -> None:
         self.dist = dist or Distributed(device)
         self.device = torch.device(device)
+        self.rollback_copy = RollbackCopy()
+        """The buffers an update's rollback copies into, reused from one update to the next."""
 
     @property
     def is_main(self) -> bool:
@@ -152,6 +125,7 @@ class Backend:
     def prepare(self, agent: Any) -> None:
         """Train ``agent`` under this backend (on every process, once, before training)."""
         agent.check_backend(self)
+        self.invalidate_rollback()
         agent.backend = self
 
     # -- one optimiser step -----------------------------------------------------------------------
@@ -239,25 +213,25 @@ class Backend:
         return [local(p) for params in self.optimizer_parameters(agent) for p in params]
 
     def snapshot(self, agent: Any, device: torch.device | str = "cpu") -> UpdateSnapshot:
-        """A copy, on ``device``, of what an update changes on this process: :meth:`updated_tensors`,
-        every optimiser's state and hyperparameters, every scheduler's state. Local: no collective.
+        """A copy, in new tensors on ``device``, of what an update changes on this process:
+        :meth:`updated_tensors`, every optimiser's state and hyperparameters, every scheduler's
+        state. Local: no collective; complete when it returns.
 
         Costs a copy of the trained weights and of the optimiser state (AdamW: two moments), this
-        process's part of them; on the CPU by default, so accelerator memory does not grow. The KL
-        controller is not in it (it moves at collection, not in the update), nor the frozen
-        reference and old-policy snapshot (refreshed after the update, from checked weights).
+        process's part of them. The KL controller is not in it (it moves at collection, not in the
+        update), nor the frozen reference and old-policy snapshot (refreshed after the update,
+        from checked weights). The agent's update does not call this: it reuses the buffers of
+        :attr:`rollback_copy` (:meth:`stage_rollback`, :meth:`take_rollback`).
         """
         with torch.no_grad():
-            return UpdateSnapshot(
-                tensors=[_copy(t, device) for t in self.updated_tensors(agent)],
-                optimizers=[copy_optimizer(optimizer, params, device)
-                            for optimizer, params in zip(agent.optimizers, self.optimizer_parameters(agent))],
-                schedulers=[copy.deepcopy(scheduler.state_dict()) for scheduler in agent.schedulers],
-            )
+            state = update_state(self, agent)
+            return state.snapshot_of([t.to(device, copy=True) for t in state.tensors])
 
     def restore(self, agent: Any, snapshot: UpdateSnapshot) -> None:
-        """Put :meth:`snapshot`'s copy back, in place: the weights, optimiser and scheduler states are
-        bit for bit those of the snapshot. Every process restores its own (the decision to is shared)."""
+        """Put :meth:`snapshot`'s (or :meth:`take_rollback`'s) copy back, in place: the weights,
+        optimiser and scheduler states are bit for bit those of the copy. Every process restores
+        its own (the decision to is shared). A copy staged for the next update is stale after it."""
+        self.rollback_copy.invalidate()
         with torch.no_grad():
             tensors = self.updated_tensors(agent)
             if [t.shape for t in tensors] != [t.shape for t in snapshot.tensors]:
@@ -270,13 +244,56 @@ class Backend:
         for scheduler, state in zip(agent.schedulers, snapshot.schedulers):
             scheduler.load_state_dict(copy.deepcopy(state))
 
+    # -- the update's rollback guard (nonfinite_weights='rollback') ---------------------------------
+    def stage_rollback(self, agent: Any) -> None:
+        """Start the rollback's copy for ``agent``'s next update (``nonfinite_weights='rollback'``;
+        nothing otherwise): the agent calls it when it processes a rollout, so that on CUDA the
+        copy overlaps the rollout's forwards (:class:`textrl.parallel.rollback.RollbackCopy`)."""
+        if agent.config.nonfinite_weights == "rollback":
+            self.rollback_copy.stage(self, agent)
+
+    def take_rollback(self, agent: Any) -> UpdateSnapshot:
+        """The copy the update about to run rolls back to: the staged one if nothing it copies
+        changed since :meth:`stage_rollback`, else one made now, in the reused buffers of
+        :attr:`rollback_copy` (valid until the next :meth:`stage_rollback`). On CUDA the current
+        stream waits for it on the device (no host sync) before anything queued after."""
+        return self.rollback_copy.take(self, agent)
+
+    def roll_back_nonfinite(self, agent: Any, snapshot: UpdateSnapshot) -> bool:
+        """After an update's steps: when a trained weight is NaN/inf on any process (a shared
+        decision), :meth:`restore` ``snapshot`` on this one and return True."""
+        with self.rollback_copy.timed():
+            if self.weights_finite(agent):
+                return False
+            self.restore(agent, snapshot)
+            return True
+
+    def invalidate_rollback(self) -> None:
+        """The weights or optimiser state were replaced or loaded: a staged copy is stale."""
+        self.rollback_copy.invalidate()
+
+    def rollback_metrics(self) -> dict[str, float]:
+        """``guard/bytes``: bytes the rollback's copy holds on this process (0 with
+        ``nonfinite_weights='stop'``). Deterministic, like every update metric; the guard's
+        seconds are :meth:`rollback_seconds`."""
+        return {"guard/bytes": float(self.rollback_copy.nbytes)}
+
+    def rollback_seconds(self) -> float:
+        """Host wall-clock seconds the rollback guard's calls took since the last call of this:
+        staging, taking the copy, the finiteness check after the steps, a restore (on CUDA that
+        check's one sync also waits for the steps still queued)."""
+        guard = self.rollback_copy
+        seconds, guard.seconds = guard.seconds, 0.0
+        return seconds
+
     # -- the trainer's checks -----------------------------------------------------------------------
     def weights_finite(self, agent: Any) -> bool:
-        """Every trained weight is finite on every process (its own shards where partitioned). The
-        frozen models need no look: the reference and old-policy snapshots only ever take copies
-        of weights checked here, so checking after each update costs one pass over the trained
-        weights, not every model's."""
-        finite = all(bool(torch.isfinite(local(p)).all()) for _, p in trained_parameters(agent))
+        """Every trained weight is finite on every process (its own shards where partitioned), read
+        back with one host sync for all of them (:func:`all_finite`). The frozen models need no
+        look: the reference and old-policy snapshots only ever take copies of weights checked
+        here, so checking after each update costs one pass over the trained weights, not every
+        model's."""
+        finite = all_finite([local(p).detach() for _, p in trained_parameters(agent)])
         return not self.dist.any(not finite)
 
     def end_of_run(self, agent: Any) -> dict[str, Any]:
@@ -287,5 +304,5 @@ class Backend:
         return f"{type(self).__name__}(processes={self.dist.world_size}, device={self.device})"
 
 
-__all__ = ["Backend", "OptimizerCopy", "UpdateSnapshot", "copy_optimizer", "restore_optimizer", "trained_models",
+__all__ = ["Backend", "OptimizerCopy", "RollbackCopy", "UpdateSnapshot", "all_finite", "restore_optimizer", "trained_models",
            "trained_parameters"]
