@@ -293,6 +293,7 @@ class PPOAgent(nn.Module):
         ``config`` is validated for this class first, before any model loads.
         """
         config.validate(cls)
+        Precision.of(config, device)  # a precision the device cannot run is refused before any model loads
         tokenizer = cls.load_tokenizer(config)
         if cls.lora_rank(config):
             return cls._from_config_lora(config, tokenizer, torch.device(device), log)
@@ -324,7 +325,8 @@ class PPOAgent(nn.Module):
         from textrl.models.adapters import load_base_model, lora_config
 
         if config.load_in_4bit:
-            base = load_base_model(config.model, load_in_4bit=True, device=device)
+            base = load_base_model(config.model, load_in_4bit=True, device=device,
+                                   precision=Precision.of(config, device))
             check_tokenizer_fits(tokenizer, base, tokenizer_name=tokenizer_name(config), model_name=policy_name(config))
         else:
             base = cls.load_policy(config, tokenizer, device, log)
@@ -357,21 +359,22 @@ class PPOAgent(nn.Module):
 
     @classmethod
     def load_policy(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print) -> nn.Module:
-        """The policy of ``config.model`` in float32, eval mode; an environment with a warm-up
-        source (the built-in tasks) gets a short supervised format warm-up first
-        (``warmup_sft_steps``, :func:`warmup_pairs`)."""
+        """The policy of ``config.model`` on ``device`` in the run's precision (``dtype``,
+        ``attn_implementation``: :class:`textrl.precision.Precision`), eval mode; an environment
+        with a warm-up source (the built-in tasks) gets a short supervised format warm-up first
+        (``warmup_sft_steps``, :func:`warmup_pairs`), under the run's autocast."""
         from textrl.models import load_causal_lm
 
-        policy = load_causal_lm(config.model, device=device)
+        precision = Precision.of(config, device)
+        policy = precision.prepare(load_causal_lm(config.model, device=device, **precision.model_kwargs()))
         check_tokenizer_fits(tokenizer, policy, tokenizer_name=tokenizer_name(config), model_name=policy_name(config))
-        policy.float()
         pairs = warmup_pairs(config) if config.warmup_sft_steps > 0 else None
         if pairs:
             from textrl.warmup import sft_warmup
 
             stats = sft_warmup(
                 policy, tokenizer, pairs, steps=config.warmup_sft_steps, lr=config.warmup_sft_lr,
-                batch_size=config.warmup_sft_batch_size, seed=config.seed,
+                batch_size=config.warmup_sft_batch_size, seed=config.seed, autocast=precision.autocast,
             )
             log(f"warm-up: {stats['steps']} SFT steps on the format, loss {stats['loss_first']:.2f} -> "
                 f"{stats['loss_last']:.2f} in {stats['seconds']:.1f}s")
@@ -395,13 +398,16 @@ class PPOAgent(nn.Module):
 
     @classmethod
     def build_critic(cls, config: TrainConfig, policy: nn.Module) -> nn.Module:
-        """``V(s_t)``: a value head on a copy of the policy, or on the reward model (``critic_init``)."""
+        """``V(s_t)``: a value head on a copy of the policy, or on the reward model (``critic_init``),
+        on the policy's device and in the run's precision."""
         from textrl.models.value import ValueModel
 
         if config.critic_init == "reward_model":
             from textrl.models import load_reward_model
 
-            return ValueModel.from_reward_model(load_reward_model(config.reward_model)).to(policy.device)
+            precision = Precision.of(config, next(policy.parameters()).device)
+            reward_model = load_reward_model(config.reward_model, device=precision.device, **precision.model_kwargs())
+            return precision.prepare(ValueModel.from_reward_model(precision.prepare(reward_model)))
         return ValueModel.from_causal_lm(policy)
 
     def task_reward(self, spec: str, default: Any = None) -> Any:
@@ -413,14 +419,27 @@ class PPOAgent(nn.Module):
 
         model = getattr(self, "reward_model", None)
         rules = parse_reward_spec(spec) if spec.strip() else (default if callable(default) else None)
+        self.place_neural_rewards(rules)
         if model is None:
             return rules
-        neural = NeuralReward(model, self.tokenizer, batch_size=self.config.forward_batch_size)
+        neural = NeuralReward(model, self.tokenizer, batch_size=self.config.forward_batch_size,
+                              autocast=self.precision.autocast)
         if isinstance(rules, CompositeReward):
             parts = {name: (fn, rules.weights[name]) for name, fn in rules.functions.items()}
         else:
             parts = {} if rules is None else {reward_name(rules): (rules, 1.0)}
         return CompositeReward({**parts, "reward_model": (neural, 1.0)})
+
+    def place_neural_rewards(self, reward: Any) -> None:
+        """Move every reward model among ``reward``'s functions (a :class:`NeuralReward`, alone or
+        in a ``CompositeReward``) to the agent's device, in the run's precision, scoring under its
+        autocast: a ``reward_model:PATH`` spec loads on the CPU."""
+        from textrl.rewards import CompositeReward, NeuralReward
+
+        functions = reward.functions.values() if isinstance(reward, CompositeReward) else [reward]
+        for fn in functions:
+            if isinstance(fn, NeuralReward):
+                fn.place(self.precision)
 
     def __init__(
         self,
