@@ -9,7 +9,8 @@ An agent owns its models and optimisers and consumes one rollout TensorDict (doc
 - :meth:`PPOAgent.process_rollout` writes the behaviour/reference log-probs, values, the shaped
   per-token reward and the advantages into the rollout (each agent's own estimator);
 - :meth:`PPOAgent.update` runs K epochs of shuffled minibatch updates and returns metrics; steps
-  that leave NaN/inf weights are rolled back (the backend's ``snapshot`` / ``restore``).
+  that leave NaN/inf weights are rolled back (the backend's rollback copy, staged while the
+  rollout is processed: ``Backend.stage_rollback`` / ``take_rollback`` / ``roll_back_nonfinite``).
 
 Subclasses implement :meth:`~PPOAgent.estimate` (advantages) and :meth:`~PPOAgent.loss`
 (the minibatch loss); the math itself lives in :mod:`textrl.functional`. How the backward, the

@@ -145,6 +145,7 @@ class PPORun:
         with timed(timings, "update", agent.device):
             update_metrics = agent.update(td)
             self.weights_poisoned = not self.backend.weights_finite(agent)
+        timings["guard"] = self.backend.rollback_seconds()  # the NaN rollback's copy and checks, within the above
         if update_metrics.get("nonfinite/rolled_back"):
             self.log(f"iteration {iteration}: its update left NaN/inf weights and was rolled back "
                      f"({self.nonfinite_streak} of at most {config.max_nonfinite_updates} consecutive "
