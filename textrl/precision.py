@@ -86,6 +86,10 @@ class Precision:
         impl = getattr(config, "attn_implementation", None)
         if mixed == "auto":
             mixed = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "no"
+        wants_bf16 = mixed == "bf16" or dtype_name == "bfloat16"
+        if wants_bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"{torch.cuda.get_device_name(device)} has no bfloat16: use --mixed-precision no and "
+                             "--dtype float32 on it")
         if impl == "flash_attention_2" and device.type != "cuda":
             raise ValueError(f"attn_implementation='flash_attention_2' runs on CUDA only, and this run's device "
                              f"is {device}; use --attn-implementation sdpa (or eager)")
