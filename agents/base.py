@@ -367,7 +367,7 @@ class PPOAgent(nn.Module):
         from textrl.models import load_causal_lm
 
         precision = Precision.of(config, device)
-        policy = precision.prepare(load_causal_lm(config.model, device=device, **precision.model_kwargs()))
+        policy = load_causal_lm(config.model, device=device, **precision.model_kwargs())
         check_tokenizer_fits(tokenizer, policy, tokenizer_name=tokenizer_name(config), model_name=policy_name(config))
         pairs = warmup_pairs(config) if config.warmup_sft_steps > 0 else None
         if pairs:
@@ -407,8 +407,8 @@ class PPOAgent(nn.Module):
             from textrl.models import load_reward_model
 
             precision = Precision.of(config, next(policy.parameters()).device)
-            reward_model = load_reward_model(config.reward_model, device=precision.device, **precision.model_kwargs())
-            return precision.prepare(ValueModel.from_reward_model(precision.prepare(reward_model)))
+            return ValueModel.from_reward_model(  # its head on the backbone's device, in its dtype
+                load_reward_model(config.reward_model, device=precision.device, **precision.model_kwargs()))
         return ValueModel.from_causal_lm(policy)
 
     def task_reward(self, spec: str, default: Any = None) -> Any:

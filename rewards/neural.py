@@ -70,6 +70,8 @@ from textrl.rewards.base import (
 )
 from torch import Tensor
 
+from textrl.models.forward import positions_from_mask
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -370,7 +372,7 @@ class NeuralReward:
                 mask[i, width - len(row) :] = 1
         inputs = {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
         if self._pass_position_ids:
-            inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0).to(device)  # [N, W]
+            inputs["position_ids"] = positions_from_mask(mask).to(device)  # [N, W]
 
         captured: list[Tensor] = []
         head = getattr(self.model, "score", None)

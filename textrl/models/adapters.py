@@ -87,10 +87,9 @@ def load_base_model(
     quant = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute
     )
-    attention = {} if precision.attn_implementation is None else {"attn_implementation": precision.attn_implementation}
     model = AutoModelForCausalLM.from_pretrained(
-        _resolve(name, "causal_lm"), quantization_config=quant, dtype=compute,
-        device_map={"": str(device) if device.type != "cuda" else (device.index or 0)}, **attention,
+        _resolve(name, "causal_lm"), quantization_config=quant, **{**precision.model_kwargs(), "dtype": compute},
+        device_map={"": str(device) if device.type != "cuda" else (device.index or 0)},
     )
     keep_4bit_differentiable(model)
     if device.type == "cpu":

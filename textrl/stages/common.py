@@ -253,7 +253,7 @@ def load_policy(config: StageConfig, device: torch.device) -> Any:
 
     precision = Precision.of(config, device)
     if not config.lora:
-        return precision.prepare(load_causal_lm(config.model, device=device, **precision.model_kwargs()))
+        return load_causal_lm(config.model, device=device, **precision.model_kwargs())
     from textrl.models.adapters import load_base_model
 
     base = load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device, precision=precision)

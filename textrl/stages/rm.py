@@ -99,8 +99,7 @@ def build_scorer(config: RMConfig, device: torch.device, pad_token_id: int) -> R
     if not config.lora:
         from textrl.models import load_reward_model
 
-        model = precision.prepare(load_reward_model(resolve_model_path(config.model), device=device,
-                                                    **precision.model_kwargs()))
+        model = load_reward_model(resolve_model_path(config.model), device=device, **precision.model_kwargs())
         model.config.pad_token_id = pad_token_id
         head = getattr(model, "score", None)
         if not isinstance(head, nn.Linear):
