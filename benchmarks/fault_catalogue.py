@@ -30,6 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# The cases of benchmarks/faults/*.py register themselves with ``import fault_catalogue`` (one module,
+# whether this file runs as a script or is imported).
+sys.modules.setdefault("fault_catalogue", sys.modules[__name__])
+
 SMALL = ["--prompts-per-iteration", "4", "--n-samples-per-prompt", "2", "--max-new-tokens", "8",
          "--warmup-sft-steps", "5", "--eval-size", "8", "--eval-every", "0", "--progress", "false",
          "--ppo-epochs", "1", "--num-minibatches", "2"]
@@ -333,7 +337,18 @@ def disk_full(trial: Trial, base: Path) -> None:
 # -- main -----------------------------------------------------------------------------------------------
 
 
+def load_case_files() -> None:
+    """Import every ``benchmarks/faults/*.py``: each registers its cases with ``@case``."""
+    import importlib.util
+
+    for path in sorted((Path(__file__).parent / "faults").glob("*.py")):
+        spec = importlib.util.spec_from_file_location(f"fault_catalogue_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
 def main() -> int:
+    load_case_files()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="run the cases whose name contains this")
     args = parser.parse_args()
