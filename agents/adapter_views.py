@@ -102,6 +102,11 @@ class AdapterPolicy(nn.Module):
         with self.stack.use(self.adapter):
             return self.stack.model(**kwargs)
 
+    def generation_modules(self) -> list[nn.Module]:
+        """The model :meth:`generate` runs (the shared base), whose ``generation_config``
+        :func:`textrl.models.sampling.sample` keeps out of rollouts."""
+        return [self.stack.model]
+
     def generate(self, **kwargs: Any) -> Tensor:
         with self.stack.use(self.adapter):
             return self.stack.model.generate(**kwargs)

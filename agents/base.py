@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
 from textrl.models.checks import check_tokenizer_fits, name_of
 from textrl.models.forward import positions_from_mask, response_logits
+from textrl.models.sampling import neutralised_notice, sample, sampling_config
 from textrl.parallel import Backend, SingleProcess
 from textrl.precision import Precision
 from textrl.sharding import local
@@ -419,7 +421,13 @@ class PPOAgent(nn.Module):
         from textrl.rewards import CompositeReward, NeuralReward, parse_reward_spec, reward_name
 
         model = getattr(self, "reward_model", None)
-        rules = parse_reward_spec(spec) if spec.strip() else (default if callable(default) else None)
+        rules = parse_reward_spec(spec) if spec.strip() else None
+        if callable(default) and rules is not None:  # the environment's own function and --reward-model's spec
+            parts = {reward_name(default): (default, 1.0)} if not isinstance(default, CompositeReward) else \
+                {name: (fn, default.weights[name]) for name, fn in default.functions.items()}
+            rules = CompositeReward({**parts, **{k: (f, rules.weights[k]) for k, f in rules.functions.items()}})
+        elif callable(default):
+            rules = default
         self.place_neural_rewards(rules)
         if model is None:
             return rules
@@ -456,6 +464,12 @@ class PPOAgent(nn.Module):
         self.config = config = (config or TrainConfig(agent=self.name)).validate(type(self))
         self.tokenizer = tokenizer
         self.policy = policy.eval()  # dropout off everywhere: PPO ratios must be exactly 1 at step 0
+        self.sampling_notice = neutralised_notice(policy, temperature=config.temperature, top_k=config.top_k,
+                                                  top_p=config.top_p)
+        """What of the model's ``generation_config`` :meth:`act` samples without (None: nothing);
+        warned once here."""
+        if self.sampling_notice:
+            warnings.warn(self.sampling_notice, stacklevel=2)
         if ref_policy is None:
             ref_policy = copy.deepcopy(policy)
         self.ref_policy = ref_policy.eval().requires_grad_(False)
@@ -588,28 +602,20 @@ class PPOAgent(nn.Module):
         """Sample responses ``[B, T]`` (T <= max_new_tokens) for left-padded prompts ``[B, P]``.
 
         Rows that end early are padded with ``pad_token_id`` after their EOS; generation stops
-        when every row has emitted EOS or after ``max_new_tokens``.
+        when every row has emitted EOS or after ``max_new_tokens``. The sampler applies exactly
+        the processors :meth:`logprobs` computes (:meth:`rollout_generation_config`); nothing of the
+        model's own ``generation_config`` (:func:`textrl.models.sampling.sample`).
         """
         cfg = self.config
+        generation_config = self.rollout_generation_config(greedy=greedy)
+        extra = {"synced_gpus": True} if self.backend.partitions_weights else {}  # each forward is a collective
         outs = []
         for sl in self._micro_batches(input_ids.shape[0], cfg.generation_batch_size):
             ids = input_ids[sl].to(self.device)
             mask = attention_mask[sl].to(self.device)
-            kwargs: dict[str, Any] = dict(
-                max_new_tokens=cfg.max_new_tokens,
-                eos_token_id=self.eos_token_id,
-                pad_token_id=self.pad_token_id,
-                use_cache=True,
-            )
-            if self.backend.partitions_weights:  # each forward is a collective: finished processes keep stepping
-                kwargs.update(synced_gpus=True)
-            if greedy:
-                kwargs.update(do_sample=False)
-            else:
-                kwargs.update(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
             with self.precision.autocast(), self.backend.gathered(self.policy):
                 try:
-                    out = self.policy.generate(input_ids=ids, attention_mask=mask.long(), **kwargs)
+                    out = sample(self.policy, ids, mask.long(), generation_config, **extra)
                 except RuntimeError as err:
                     if "probability tensor contains" not in str(err):
                         raise
@@ -619,6 +625,15 @@ class PPOAgent(nn.Module):
         return torch.cat(
             [nn.functional.pad(o, (0, width - o.shape[1]), value=self.pad_token_id) for o in outs], dim=0
         )
+
+    def rollout_generation_config(self, *, greedy: bool = False) -> Any:
+        """The whole ``GenerationConfig`` of :meth:`act`: greedy, or sampling at the config's
+        temperature, top-k and top-p (the warping :meth:`logprobs` applies), one beam, the
+        length cap, the tokenizer's EOS / pad ids (:func:`textrl.models.sampling.sampling_config`)."""
+        cfg = self.config
+        return sampling_config(greedy=greedy, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                               max_new_tokens=cfg.max_new_tokens, eos_token_id=self.eos_token_id,
+                               pad_token_id=self.pad_token_id)
 
     def _overflowed(self) -> ValueError:
         """Sampling met NaN/inf probabilities: the weights are finite (checked after every update)
