@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -209,6 +210,177 @@ def test_a_second_bench_on_the_same_folder_is_refused(tmp_path, fake_training, c
     assert not (out / "runs").exists() and not fake_training["runs"]
 
 
+def test_deleted_outputs_are_rerun_not_reused_forever(tmp_path, fake_training):
+    out = tmp_path / "bench"
+    fake_compare(out)
+    (out / "runs" / "digits" / "grpo" / "seed0" / "metrics.jsonl").unlink()  # a run's outputs deleted
+    _, log = fake_compare(out)
+    assert fake_training["runs"][8:] == [("grpo", "digits", 0)] and len(fake_training["warmups"]) == 4
+    assert "finished, but its outputs were deleted or changed, rerunning" in log
+    (out / "warmup" / "guess_number" / "seed1" / "config.json").unlink()  # a warm-up's policy deleted
+    _, log = fake_compare(out)
+    assert fake_training["warmups"][4:] == [("guess_number", 1)]  # the warm-up again, and every run on it
+    assert sorted(fake_training["runs"][9:]) == [("gae_ppo", "guess_number", 1), ("grpo", "guess_number", 1)]
+    assert "its warm-up was rerun, rerunning" in log
+    fake_compare(out)
+    assert len(fake_training["runs"]) == 11  # then reused again
+
+
+@pytest.mark.parametrize("text, what", [("[]", "is a JSON list, not a bench record"),
+                                        ('{"wall_s": 1}', "is an object without a fingerprint"),
+                                        ('{"fingerp', "is not valid JSON")])
+def test_a_malformed_record_is_one_line_naming_the_file(tmp_path, fake_training, capsys, text, what):
+    out = tmp_path / "bench"
+    args = ["--agents", "gae_ppo", "--envs", "digits", "--seeds", "0", "--in-process", "--token-budget", "64",
+            "--output-dir", str(out)] + [a for k, v in TINY.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    assert main(args) == 0
+    record_file = out / "runs" / "digits" / "gae_ppo" / "seed0" / bench_runs.RECORD
+    record_file.write_text(text)
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"textrl bench: {record_file} {what}") and err.count("\n") == 1
+    assert "delete it (or pass --fresh)" in err and record_file.read_text() == text  # nothing touched
+    assert main([*args, "--fresh"]) == 0 and bench_runs.read_record(record_file.parent)["fingerprint"]
+
+
+def test_a_failed_run_makes_the_command_exit_1_naming_the_job_and_its_log(tmp_path, fake_training, capsys):
+    out = tmp_path / "bench"
+    args = ["--agents", "gae_ppo,rloo", "--envs", "digits", "--seeds", "0,1", "--in-process", "--token-budget",
+            "64", "--output-dir", str(out)] + [a for k, v in TINY.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    assert main(args) == 1  # fake_training fails rloo on seed 1
+    err = capsys.readouterr().err
+    failed = out / "runs" / "digits" / "rloo" / "seed1"
+    assert err.startswith("textrl bench: 1 of 4 runs failed, left out of the report: ") and err.count("\n") == 1
+    assert str(failed) in err and "rerun the same command to retry only these" in err
+    assert (out / "report.md").is_file()  # the report of the others is still written
+    assert json.loads((out / "results.json").read_text())["failed"] == err.removeprefix("textrl bench: ").strip()
+
+
+def test_the_failure_summary_names_a_failed_warm_up_once_with_its_log(tmp_path):
+    warm = tmp_path / "warmup" / "digits" / "seed0"
+    warm.mkdir(parents=True)
+    (warm / bench_runs.LOG_FILE).write_text("boom\n")
+    runs = [{**record(a, "digits", 0, 0, error="its warm-up failed: exit 1: boom"), "output_dir": f"runs/{a}",
+             "failed_job": str(warm)} for a in ("gae_ppo", "rloo")]
+    line = bench.failure_summary(runs + [record("grpo", "digits", 1, 1.0)])
+    assert line.startswith("2 of 3 runs failed") and line.count(str(warm)) == 2  # the folder and its log
+    assert f"(the warm-up of 2 runs; log {warm / bench_runs.LOG_FILE})" in line
+    assert bench.failure_summary([record("grpo", "digits", 1, 1.0)]) is None
+
+
+def test_an_edited_user_file_changes_the_job_key(tmp_path):
+    reward = tmp_path / "my_rewards.py"
+    reward.write_text("def brevity(prompts, completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    described = {"agent": "rloo", "reward": f"think_format,{reward}:brevity:0.5", "env": "digits"}
+    assert bench_runs.user_code_files(described) == [reward.resolve()]
+    assert bench_runs.user_code_digest({"agent": "rloo", "reward": "think_format,tag_count:0.5"}) is None
+    key = bench.job_key(described)
+    assert bench.job_key(dict(described)) == key
+    assert bench.job_key({"agent": "rloo", "env": "digits"}) == bench_runs.fingerprint({"agent": "rloo", "env": "digits"})
+    reward.write_text(reward.read_text() + "# edited\n")
+    assert bench.job_key(described) != key
+
+
+def test_an_edited_reward_file_reruns_its_jobs(tmp_path, fake_training):
+    reward = tmp_path / "my_rewards.py"
+    reward.write_text("def brevity(prompts, completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    out = tmp_path / "bench"
+    fake_compare(out, reward=f"{reward}:brevity")
+    fake_compare(out, reward=f"{reward}:brevity")
+    assert len(fake_training["runs"]) == 8 and len(fake_training["warmups"]) == 4
+    reward.write_text(reward.read_text().replace("0.0", "1.0"))
+    _, log = fake_compare(out, reward=f"{reward}:brevity")
+    assert len(fake_training["runs"]) == 16 and len(fake_training["warmups"]) == 8
+    assert "its config changed, rerunning" in log
+
+
+# -- one writer per job folder: locks and workers that die with the bench ------------------------
+
+HOLD = """
+import sys, time
+from textrl import bench_runs
+with bench_runs.JobLock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_job_folder_held_by_a_live_worker_is_refused_naming_it(tmp_path):
+    import subprocess
+    import sys
+
+    folder = tmp_path / "runs" / "digits" / "rloo" / "seed0"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(bench_runs.JobBusy, match=rf"in use by process {holder.pid} .*kill {holder.pid}"):
+            bench_runs.refuse_busy_jobs([tmp_path / "elsewhere", folder], wait_s=0.3)
+        with pytest.raises(bench_runs.JobBusy):
+            bench_runs.prepare(folder, {"kind": "run"})  # nothing is emptied under a live writer
+    finally:
+        holder.kill()
+        holder.wait()
+    bench_runs.refuse_busy_jobs([folder], wait_s=0.3)  # its lock went with it
+    assert bench_runs.prepare(folder, {"kind": "run"}).is_file()
+
+
+PARENT = """
+import os, subprocess, sys, time
+from textrl import bench_runs
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env={**os.environ, bench_runs.PARENT_ENV: str(os.getpid())})
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+CHILD = """
+import os, time
+from textrl import bench_runs
+bench_runs.die_with_parent(int(os.environ[bench_runs.PARENT_ENV]))
+time.sleep(60)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_dies_when_its_bench_is_killed(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    time.sleep(1.0)  # the child has imported and asked to die with its parent
+    assert _alive(child)
+    try:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child)
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_worker_whose_bench_is_already_gone_exits(tmp_path):
+    import subprocess
+    import sys
+
+    code = "from textrl import bench_runs; bench_runs.die_with_parent(1); print('still here')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "still here" not in proc.stdout
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 
@@ -221,6 +393,7 @@ def test_a_second_bench_on_the_same_folder_is_refused(tmp_path, fake_training, c
     (["--jobs", "0"], "--jobs 0: give at least 1"),
     (["--token-budget", "-5"], "token_budget=-5: must be an int >= 1"),
     (["--reps", "0"], "reps=0: must be an int >= 1"),
+    (["--seeds", "0,1,0"], "seeds [0, 1, 0]: seed(s) [0] repeated; give each seed once"),
 ])
 def test_bad_input_is_one_line_naming_the_culprit(tmp_path, capsys, args, culprit):
     assert main([*args, "--output-dir", str(tmp_path / "bench")]) == 2

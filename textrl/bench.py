@@ -28,10 +28,17 @@ split and reward, and runs the same number of iterations: the budget of generate
 and the per-episode cap (``max_new_tokens x`` the environment's ``max_turns``, at most
 ``max_episode_tokens``), rounded up.
 
-Resuming: a job whose folder holds a complete record with the same config fingerprint is reused;
-one with another config, or incomplete (killed, failed), is rerun (the log says which); ``--fresh``
-reruns everything. The output folder is locked for the whole comparison: a second ``textrl bench``
-on it is refused with a message naming the holder.
+Resuming: a job whose folder holds a complete record with the same config fingerprint (which
+covers the contents of the user's ``PATH.py`` files the config names) and all its outputs is
+reused; one with another config, incomplete (killed, failed), with deleted outputs, or whose
+warm-up was rerun, is rerun (the log says which); ``--fresh`` reruns everything. A malformed record
+is an error naming its file. The output folder is locked for the whole comparison: a second
+``textrl bench`` on it is refused with a message naming the holder. Each job folder has its own
+lock, held by its worker, and a worker dies with the bench that started it (Linux), so a killed
+bench leaves no worker behind to write beside the rerun.
+
+Exit status of ``textrl bench``: 0 when every job finished, 1 when one failed (the report is still
+written, without it; a line on stderr names each failed job and its log), 2 for bad input.
 
 Command line (``textrl bench`` wires :func:`add_arguments` and :func:`run`)::
 
@@ -105,17 +112,22 @@ def _train(config: TrainConfig, threads: int | None) -> None:
 
 
 def execute_job(job_file: Path) -> None:
-    """Run the job described in ``job_file`` (a warm-up or a training run) in this process, then
-    write its record (fingerprint, wall clock, peak RSS) to mark it finished."""
+    """Run the job described in ``job_file`` (a warm-up or a training run) in this process, holding
+    its folder's :class:`~textrl.bench_runs.JobLock`, then write its record (fingerprint, wall
+    clock, peak RSS, the sizes of its outputs) to mark it finished."""
     job = json.loads(Path(job_file).read_text())
     config = TrainConfig(**job["config"])
-    start = time.perf_counter()
-    if job["kind"] == "warmup":
-        warm_start(config, Path(config.output_dir), print, job["threads"])
-    else:
-        _train(config, job["threads"])
-    bench_runs.write_record(config.output_dir, job["fingerprint"], wall_s=time.perf_counter() - start,
-                            peak_rss_mib=bench_runs.peak_rss_mib())
+    folder = Path(config.output_dir)
+    with bench_runs.JobLock(folder):
+        start = time.perf_counter()
+        if job["kind"] == "warmup":
+            warm_start(config, folder, print, job["threads"])
+            outputs = bench_runs.output_sizes(folder)
+        else:
+            _train(config, job["threads"])
+            outputs = bench_runs.output_sizes(folder, bench_runs.RUN_OUTPUTS)
+        bench_runs.write_record(folder, job["fingerprint"], wall_s=time.perf_counter() - start,
+                                peak_rss_mib=bench_runs.peak_rss_mib(), outputs=outputs)
 
 
 def _execute_in_process(job_file: Path) -> str | None:
@@ -225,9 +237,16 @@ def plan(agents: Sequence[str], envs: dict[str, dict[str, Any]], seeds: Sequence
     return {"warmups": warmups, "runs": runs, "token_budget": token_budget}
 
 
+def job_key(described: dict[str, Any]) -> str:
+    """A job's fingerprint: ``described`` plus, when it names user Python files, a digest of their
+    contents (so editing an environment, reward or agent file reruns the jobs that use it)."""
+    code = bench_runs.user_code_digest(described)
+    return bench_runs.fingerprint({**described, "user_code": code} if code else described)
+
+
 def warmup_job(config: TrainConfig, folder: Path) -> dict[str, Any]:
     """The shared warm-up of ``config``'s (env, seed): fingerprinted by :data:`WARMUP_FIELDS`."""
-    print_ = bench_runs.fingerprint({k: getattr(config, k) for k in WARMUP_FIELDS})
+    print_ = job_key({k: getattr(config, k) for k in WARMUP_FIELDS})
     return {"kind": "warmup", "config": replace(config, output_dir=str(folder)), "fingerprint": print_,
             "folder": folder}
 
@@ -238,18 +257,27 @@ def run_job(config: TrainConfig, agent: str, output_dir: Path, warm_job: dict[st
     folder = output_dir / "runs" / env_label(config.env) / run_label(agent) / f"seed{config.seed}"
     run_config = replace(config, agent=agent, output_dir=str(folder)).validate()
     described = {k: v for k, v in run_config.to_dict().items() if k != "output_dir"}
-    print_ = bench_runs.fingerprint({**described, "warmup": warm_job["fingerprint"] if warm_job else None})
+    print_ = job_key({**described, "warmup": warm_job["fingerprint"] if warm_job else None})
     if warm_job:
         run_config = replace(run_config, model=str(warm_job["folder"]), warmup_sft_steps=0)
     return {"kind": "run", "config": run_config, "fingerprint": print_, "folder": folder, "agent": run_label(agent),
             "env": config.env, "seed": config.seed, "warmup": warm_job["folder"] if warm_job else None}
 
 
-def pending(jobs: Sequence[dict[str, Any]], fresh: bool, threads: int | None, log: Any) -> list[Path]:
+def job_state(job: dict[str, Any], rerun_warmups: set[Path] = frozenset()) -> str:
+    """The state of ``job`` (:func:`textrl.bench_runs.job_state`), ``"warmup_rerun"`` for a finished
+    run whose warm-up (in ``rerun_warmups``) was just rerun."""
+    required = bench_runs.RUN_OUTPUTS if job["kind"] == "run" else ("config.json",)
+    state = bench_runs.job_state(job["folder"], job["fingerprint"], required)
+    return "warmup_rerun" if state == "done" and job.get("warmup") in rerun_warmups else state
+
+
+def pending(jobs: Sequence[dict[str, Any]], fresh: bool, threads: int | None, log: Any,
+            rerun_warmups: set[Path] = frozenset()) -> list[Path]:
     """Prepare the folders of the jobs to (re)run and return their job files; log each job's state."""
     files = []
     for job in jobs:
-        state = "fresh" if fresh else bench_runs.job_state(job["folder"], job["fingerprint"])
+        state = "fresh" if fresh else job_state(job, rerun_warmups)
         log(f"  {job['folder']}: {'--fresh, rerunning' if fresh else bench_runs.STATE_WORDS[state]}")
         if state == "done":
             continue
@@ -313,6 +341,10 @@ def compare_agents(
     seeds = _seeds(DEFAULT_BENCH["seeds"]) if seeds is None else list(seeds)
     if not seeds:
         raise ValueError("seeds is empty; give at least one seed (--seeds 0,1,2)")
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        raise ValueError(f"seeds {seeds}: seed(s) {repeated} repeated; give each seed once (--seeds 0,1,2): "
+                         "a seed run twice is the same run, and would count twice in the statistics")
     env_setting = settings.pop("env", None)
     if env_setting is not None:
         if envs is not None:
@@ -342,17 +374,21 @@ def compare_agents(
 
 def _execute(jobs_plan: dict[str, Any], fresh: bool, jobs: int | None, isolate: bool, threads: int | None,
              log: Any) -> list[dict[str, Any]]:
-    """Run the warm-ups, then the runs; every run's figures (or its error)."""
+    """Run the warm-ups, then the runs; every run's figures (or its error). First, a job folder a
+    live process still writes in (a worker of a killed bench) is refused, naming it."""
     execute = bench_runs.run_worker if isolate else _execute_in_process
     parallel = (jobs or default_jobs(threads)) if isolate else 1
-    warm_errors = {}
+    everything = jobs_plan["warmups"] + jobs_plan["runs"]
+    bench_runs.refuse_busy_jobs([job["folder"] for job in everything if fresh or job_state(job) != "done"])
+    warm_errors, rerun_warmups = {}, set()
     if jobs_plan["warmups"]:
         log(f"warm-ups ({len(jobs_plan['warmups'])}):")
         done = bench_runs.run_jobs(pending(jobs_plan["warmups"], fresh, threads, log), parallel, execute, log)
         warm_errors = {path.parent: err for path, err in done.items() if err}
+        rerun_warmups = {path.parent for path in done}
     log(f"runs ({len(jobs_plan['runs'])}, {parallel} at a time):")
     todo = [job for job in jobs_plan["runs"] if job["warmup"] not in warm_errors]
-    done = bench_runs.run_jobs(pending(todo, fresh, threads, log), parallel, execute, log)
+    done = bench_runs.run_jobs(pending(todo, fresh, threads, log, rerun_warmups), parallel, execute, log)
     errors = {path.parent: err for path, err in done.items() if err}
     return [_figures(job, warm_errors, errors) for job in jobs_plan["runs"]]
 
@@ -364,18 +400,40 @@ def _figures(job: dict[str, Any], warm_errors: dict[Path, str], errors: dict[Pat
                            "output_dir": str(folder), "fingerprint": job["fingerprint"], "error": None}
     if job["warmup"] in warm_errors:
         run["error"] = f"its warm-up failed: {warm_errors[job['warmup']]}"
+        run["failed_job"] = str(job["warmup"])
     elif folder in errors:
         run["error"] = errors[folder]
+        run["failed_job"] = str(folder)
     else:
         try:
             record = bench_runs.read_record(folder)
             figures = read_run(folder)
         except (OSError, ValueError, KeyError) as err:
             run["error"] = f"unreadable outputs: {type(err).__name__}: {err}"
+            run["failed_job"] = str(folder)
         else:
             run.update(wall_s=record.get("wall_s"), peak_rss_mib=record.get("peak_rss_mib"), **figures,
                        reward_change=figures["reward"] - figures["reward_start"])
     return run
+
+
+def failure_summary(runs: Sequence[dict[str, Any]]) -> str | None:
+    """One line naming every failed job (a run, or the warm-up its runs needed) and its log, or
+    None when every run finished."""
+    failed = [r for r in runs if r["error"]]
+    if not failed:
+        return None
+    jobs: dict[str, list[dict[str, Any]]] = {}
+    for r in failed:
+        jobs.setdefault(r.get("failed_job") or r["output_dir"], []).append(r)
+    parts = []
+    for job, group in jobs.items():
+        log = Path(job) / bench_runs.LOG_FILE
+        where = f"log {log}" if log.is_file() else "no log: it ran in this process, see the output above"
+        warmup = group[0]["error"].startswith("its warm-up failed")
+        parts.append(f"{job} ({f'the warm-up of {len(group)} runs; ' if warmup else ''}{where})")
+    return (f"{len(failed)} of {len(runs)} runs failed, left out of the report: {'; '.join(parts)}; "
+            "rerun the same command to retry only these")
 
 
 def setup_line(jobs_plan: dict[str, Any], env_list: Sequence[str], seeds: Sequence[int], wall_s: float) -> str:
@@ -425,7 +483,7 @@ def _report(runs: list[dict[str, Any]], names: Sequence[str], env_list: Sequence
                           "seeds": normalised["seeds"]},
         "fingerprints": {"runs": {str(j["folder"]): j["fingerprint"] for j in jobs_plan["runs"]},
                          "warmups": {str(j["folder"]): j["fingerprint"] for j in jobs_plan["warmups"]}},
-        "files": [str(p) for p in files],
+        "files": [str(p) for p in files], "failed": failure_summary(runs),
     }
     (output_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
     log(text)
@@ -482,6 +540,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the comparison (or, with ``--worker``, one job of it) from parsed arguments; exit status."""
     if args.worker:
+        parent = os.environ.get(bench_runs.PARENT_ENV)
+        if parent:
+            bench_runs.die_with_parent(int(parent))
         execute_job(Path(args.worker))
         return 0
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
@@ -493,12 +554,16 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{name} is set per run by the comparison; use --{name}s")
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs {args.jobs}: give at least 1")
-        compare_agents(args.agents, args.seeds, output_dir, envs=args.envs, token_budget=args.token_budget,
-                       jobs=args.jobs, isolate=not args.in_process, threads=args.threads or None,
-                       warm_start_policy=not args.no_warm_start, fresh=args.fresh, reps=args.reps, **overrides)
+        result = compare_agents(args.agents, args.seeds, output_dir, envs=args.envs,
+                                token_budget=args.token_budget, jobs=args.jobs, isolate=not args.in_process,
+                                threads=args.threads or None, warm_start_policy=not args.no_warm_start,
+                                fresh=args.fresh, reps=args.reps, **overrides)
     except ValueError as err:
         print(f"textrl bench: {err}", file=sys.stderr)
         return 2
+    if result["failed"]:
+        print(f"textrl bench: {result['failed']}", file=sys.stderr)
+        return 1
     return 0
 
 

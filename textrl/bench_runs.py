@@ -2,26 +2,41 @@
 
 A job (a warm-up or a training run) owns a folder. It is described by a JSON-ready dict (its
 config), whose :func:`fingerprint` is stored in the folder's :data:`RECORD` by the worker when, and
-only when, the job has finished. :func:`job_state` reads the folder: ``"done"`` (a complete record
-for the same fingerprint: reused), ``"changed"`` (a record of another config), ``"incomplete"``
-(a folder without a record: killed, or failed) or ``"new"``. :func:`run_jobs` runs the jobs that
-are not done, ``jobs`` at a time, each as ``python -m textrl.bench --worker JOB.json`` in its own
-process (its console output in ``bench_log.txt``), and reports each failure without stopping the
-others. This module trains nothing and imports no environment or agent.
+only when, the job has finished, with the size of each output file the bench reads back.
+:func:`job_state` reads the folder: ``"done"`` (a complete record for the same fingerprint whose
+outputs are all there: reused), ``"changed"`` (a record of another config), ``"outputs_gone"`` (a
+record whose outputs were deleted or changed size), ``"incomplete"`` (a folder without a record:
+killed, or failed) or ``"new"``. A record that is not a JSON object with a fingerprint is an
+error naming the file (:func:`read_record`). :func:`run_jobs` runs the jobs that are not done,
+``jobs`` at a time, each as ``python -m textrl.bench --worker JOB.json`` in its own process (its
+console output in ``bench_log.txt``), and reports each failure without stopping the others.
+
+One writer per job folder: a worker holds the folder's :class:`JobLock` for its whole life, and on
+Linux dies with the bench that started it (:func:`die_with_parent`), so a ``kill -9`` of
+``textrl bench`` leaves no worker training on; a rerun that still finds a live holder waits a
+little, then refuses naming it (:func:`refuse_busy_jobs`). A job's key also covers the contents of
+the user's Python files its config names (:func:`user_code_digest`), so an edited environment,
+reward or agent file reruns the jobs that use it. This module trains nothing and imports no
+environment or agent.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import hashlib
 import json
 import math
 import os
+import re
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,6 +47,12 @@ JOB_FILE = "bench_config.json"
 """The job's description, written before it starts (what the worker reads): ``{"kind", "config",
 "fingerprint", "threads"}``."""
 LOG_FILE = "bench_log.txt"
+LOCK_FILE = ".bench_job.lock"
+"""The job folder's lock (kept when the folder is emptied for a rerun)."""
+PARENT_ENV = "TEXTRL_BENCH_PARENT"
+"""Environment variable with the process id of the bench that started a worker."""
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json")
+"""The files of a training run that the bench reads back (:func:`read_run`)."""
 
 
 def fingerprint(config: dict[str, Any]) -> str:
@@ -40,26 +61,93 @@ def fingerprint(config: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+USER_FILE = re.compile(r"(?:^|[,\s])([^,\s]+?\.py):")
+"""A ``PATH.py:NAME`` spec inside a config value (``--agent``, ``--env``, each ``--reward`` entry)."""
+
+
+def user_code_files(config: dict[str, Any]) -> list[Path]:
+    """The existing Python files that ``config``'s string values name as ``PATH.py:NAME`` (resolved
+    from the current folder, as the loaders resolve them), sorted."""
+    found = set()
+    for value in config.values():
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str):
+                for match in USER_FILE.finditer(text):
+                    path = Path(match.group(1)).expanduser().resolve()
+                    if path.is_file():
+                        found.add(path)
+    return sorted(found)
+
+
+def user_code_digest(config: dict[str, Any]) -> str | None:
+    """A hash of the contents of the user's Python files ``config`` names (:func:`user_code_files`),
+    so editing one changes a job's key; None when it names none (the key is then what it was
+    before files were digested)."""
+    files = user_code_files(config)
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(str(path).encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()[:16]
+
+
 def read_record(folder: str | Path) -> dict[str, Any]:
     """A finished job's :data:`RECORD` in ``folder``; ``OSError`` when there is none, ``ValueError``
-    when it does not parse."""
-    return json.loads((Path(folder) / RECORD).read_text())
+    naming the file and the fix when it is not a JSON object with a string ``fingerprint``."""
+    path = Path(folder) / RECORD
+    text = path.read_text()
+    try:
+        record = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); delete it (or pass --fresh) to rerun that job") from None
+    if not isinstance(record, dict) or not isinstance(record.get("fingerprint"), str):
+        what = f"a JSON {type(record).__name__}" if not isinstance(record, dict) else "an object without a fingerprint"
+        raise ValueError(f"{path} is {what}, not a bench record (an object with a fingerprint); delete it "
+                         "(or pass --fresh) to rerun that job")
+    return record
 
 
-def job_state(folder: str | Path, print_: str) -> str:
-    """``"done"``, ``"changed"``, ``"incomplete"`` or ``"new"`` for a job of fingerprint ``print_``
-    in ``folder`` (see the module docstring)."""
+def job_state(folder: str | Path, print_: str, required: Iterable[str] = ()) -> str:
+    """``"done"``, ``"changed"``, ``"outputs_gone"``, ``"incomplete"`` or ``"new"`` for a job of
+    fingerprint ``print_`` in ``folder`` (see the module docstring). ``required``: output files
+    that must exist besides those the record lists (for records that list none). ``ValueError``
+    for a malformed record (:func:`read_record`)."""
     folder = Path(folder)
     if (folder / RECORD).is_file():
-        try:
-            found = read_record(folder).get("fingerprint")
-        except ValueError:
-            return "incomplete"
-        return "done" if found == print_ else "changed"
+        record = read_record(folder)
+        if record["fingerprint"] != print_:
+            return "changed"
+        return "done" if not missing_outputs(folder, record, required) else "outputs_gone"
     return "incomplete" if folder.exists() else "new"
 
 
+def missing_outputs(folder: Path, record: dict[str, Any], required: Iterable[str] = ()) -> list[str]:
+    """The output files of a finished job that are gone or changed size: those its record lists
+    (``{"outputs": {name: size}}``) and ``required``."""
+    listed = record.get("outputs") if isinstance(record.get("outputs"), dict) else {}
+    expected = {**{name: None for name in required}, **listed}
+    gone = []
+    for name, size in expected.items():
+        path = folder / name
+        if not path.is_file() or (isinstance(size, int) and path.stat().st_size != size):
+            gone.append(name)
+    return gone
+
+
+def output_sizes(folder: str | Path, names: Iterable[str] | None = None) -> dict[str, int]:
+    """``{name: size in bytes}`` of ``names`` in ``folder`` (default: every file of the folder,
+    in sub-folders too, but the bench's own files): what a record lists as the job's outputs."""
+    folder = Path(folder)
+    if names is None:
+        own = {RECORD, JOB_FILE, LOG_FILE, LOCK_FILE, Path(RECORD).with_suffix(".tmp").name}
+        names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name not in own)
+    return {name: (folder / name).stat().st_size for name in names if (folder / name).is_file()}
+
+
 STATE_WORDS = {"changed": "its config changed, rerunning", "incomplete": "incomplete (killed or failed), rerunning",
+               "outputs_gone": "finished, but its outputs were deleted or changed, rerunning",
+               "warmup_rerun": "its warm-up was rerun, rerunning",
                "new": "new", "done": "done with the same config, reused"}
 
 
@@ -80,20 +168,105 @@ def write_record(folder: str | Path, print_: str, **figures: Any) -> dict[str, A
 
 
 def prepare(folder: str | Path, job: dict[str, Any]) -> Path:
-    """Empty ``folder`` and write the job's description into it; the job file's path."""
+    """Empty ``folder`` (but its lock file) under its :class:`JobLock` and write the job's
+    description into it; the job file's path. :class:`JobBusy` when a live process holds it."""
     folder = Path(folder)
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    path = folder / JOB_FILE
-    path.write_text(json.dumps(job, default=str))
+    with JobLock(folder):
+        for entry in folder.iterdir():
+            if entry.name == LOCK_FILE:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        path = folder / JOB_FILE
+        path.write_text(json.dumps(job, default=str))
     return path
 
 
+# -- one writer per job folder -------------------------------------------------------------------
+
+
+class JobBusy(ValueError):
+    """A live process (a worker of an earlier bench) still writes in a job folder."""
+
+
+class JobLock:
+    """``with JobLock(folder):`` an exclusive ``flock`` on ``folder/.bench_job.lock`` for the
+    block, naming the holder in the file; :class:`JobBusy` when another live process holds it
+    (after waiting up to ``wait_s`` seconds for it to end). The kernel drops it when the holder
+    dies, however it dies."""
+
+    def __init__(self, folder: str | Path, wait_s: float = 0.0) -> None:
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_FILE
+        self.wait_s = wait_s
+        self._fd: int | None = None
+
+    def __enter__(self) -> JobLock:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise JobBusy(self.busy_message()) from None
+                time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "command": " ".join(sys.argv)}).encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def busy_message(self) -> str:
+        try:
+            pid = json.loads(self.path.read_text())["pid"]
+            who, fix = f"process {pid}", f"stop it (kill {pid}) or wait for it to end"
+        except (OSError, ValueError, KeyError, TypeError):
+            who, fix = "another process", "stop it or wait for it to end"
+        return (f"job folder {str(self.folder)!r} is in use by {who} (a worker of an earlier textrl bench "
+                f"still running there); {fix}, then rerun")
+
+
+def refuse_busy_jobs(folders: Iterable[str | Path], wait_s: float = 10.0) -> None:
+    """:class:`JobBusy` naming the first of ``folders`` (existing ones) that a live process still
+    holds after ``wait_s`` seconds (a worker of a killed bench dies with it, within moments)."""
+    deadline = time.monotonic() + wait_s
+    for folder in folders:
+        if (Path(folder) / LOCK_FILE).is_file():
+            with JobLock(folder, wait_s=max(0.0, deadline - time.monotonic())):
+                pass
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when the process (thread) that started it ends
+    (``prctl(PR_SET_PDEATHSIG)``), and exit at once when that parent is already gone; a no-op
+    elsewhere (the :class:`JobLock` still keeps a second writer out)."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:  # the bench died before the request took effect
+        os._exit(1)
+
+
 def run_worker(job_file: Path) -> str | None:
-    """Run one job in a fresh ``python -m textrl.bench --worker`` process; None on success, else
-    the error (exit status and the log's last line)."""
+    """Run one job in a fresh ``python -m textrl.bench --worker`` process that dies with this one
+    (:func:`die_with_parent`); None on success, else the error (exit status and the log's last
+    line)."""
     folder = job_file.parent
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", PARENT_ENV: str(os.getpid())}
     with (folder / LOG_FILE).open("w") as log:
         proc = subprocess.run([sys.executable, "-m", "textrl.bench", "--worker", str(job_file)],
                               stdout=log, stderr=subprocess.STDOUT, check=False, env=env)
@@ -162,5 +335,7 @@ def read_run(output_dir: str | Path) -> dict[str, Any]:
     }
 
 
-__all__ = ["JOB_FILE", "LOG_FILE", "RECORD", "STATE_WORDS", "fingerprint", "job_state", "peak_rss_mib", "prepare",
-           "read_record", "read_run", "run_jobs", "run_worker", "write_record"]
+__all__ = ["JOB_FILE", "LOCK_FILE", "LOG_FILE", "PARENT_ENV", "RECORD", "RUN_OUTPUTS", "STATE_WORDS", "JobBusy",
+           "JobLock", "die_with_parent", "fingerprint", "job_state", "missing_outputs", "output_sizes", "peak_rss_mib",
+           "prepare", "read_record", "read_run", "refuse_busy_jobs", "run_jobs", "run_worker", "user_code_digest",
+           "user_code_files", "write_record"]
