@@ -453,6 +453,29 @@ def load_prompts(
     )
 
 
+def check_reward_columns(rows: Any, reward: Any) -> None:
+    """Refuse, before any model loads, rows that lack a column ``reward`` reads (the ``needs`` of
+    its functions, :func:`textrl.rewards.options.reward_columns`; a None value counts as missing):
+    ``ValueError`` naming the first such row (``FILE:LINE`` for a prompt file), the column, the
+    reward and how many rows lack it. ``rows``: anything :func:`load_prompts` accepts."""
+    from textrl.rewards.options import reward_columns
+
+    required = reward_columns(reward)
+    if not required:
+        return
+    dataset = load_prompts(rows)
+    for column, names in required.items():
+        missing = [i for i in range(len(dataset)) if dataset[i].get(column) is None]
+        if missing:
+            first = dataset[missing[0]]
+            what = f"has {column!r} null" if column in first else f"has no {column!r}"
+            count = (f" ({len(missing)} of {len(dataset)} rows lack it)" if len(missing) > 1 else "")
+            raise ValueError(
+                f"{dataset.where(missing[0])}: row {what}, which reward {names[0]!r} reads{count}; "
+                f"add it or choose another reward"
+            )
+
+
 # -- tokenization ----------------------------------------------------------------------------------
 
 
@@ -962,6 +985,7 @@ __all__ = [
     "PromptSampler",
     "batch_fields",
     "check_prompts_fit",
+    "check_reward_columns",
     "encode_prompts",
     "load_prompts",
     "raw_prompts",

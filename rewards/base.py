@@ -30,7 +30,11 @@ position. The fields the built-in rewards read are
 - ``truncated``: bool ``[B]``, the completion hit the length cap without EOS.
 
 A reward function has a ``name`` attribute (set with :func:`named`); :func:`reward_name` falls
-back to ``__name__`` for user callables. Rewards are scores, not losses: they are detached.
+back to ``__name__`` for user callables. A function that reads dataset columns declares them with
+:func:`needs` (``fn.needs``, e.g. ``("answer",)`` for ``accuracy``): a run checks every row for
+them before any model loads (:func:`required_columns`). Rewards are scores, not losses: they are
+detached. A reward that calls ``sys.exit`` raises a :class:`RewardError` naming it instead of
+ending the process.
 """
 
 from __future__ import annotations
@@ -75,6 +79,44 @@ def named(name: str) -> Callable[[F], F]:
         return fn
 
     return set_name
+
+
+def needs(*columns: str) -> Callable[[F], F]:
+    """Decorator: set ``fn.needs``, the dataset columns the reward reads from every row (a run
+    refuses, naming file and line, a row that lacks one or holds None there)."""
+
+    def set_needs(fn: F) -> F:
+        fn.needs = tuple(columns)  # type: ignore[attr-defined]
+        return fn
+
+    return set_needs
+
+
+def required_columns(fn: Callable[..., Any] | None) -> dict[str, list[str]]:
+    """Column -> the names of the rewards of ``fn`` that read it: ``fn.needs`` of a function
+    (through ``functools.partial``), of each component of a composite (``fn.functions``).
+
+    >>> @needs("answer")
+    ... def exact(prompts, completions, *, answer=None, **kwargs): ...
+    >>> required_columns(exact)
+    {'answer': ['exact']}
+    """
+    if fn is None:
+        return {}
+    functions = getattr(fn, "functions", None)
+    if isinstance(functions, Mapping) and not callable(functions):
+        out: dict[str, list[str]] = {}
+        for name, part in functions.items():
+            for column in required_columns(part):
+                out.setdefault(column, []).append(name)
+        return out
+    columns = getattr(fn, "needs", None)
+    inner = getattr(fn, "func", None)  # functools.partial
+    if columns is None and inner is not None and inner is not fn:
+        columns = getattr(inner, "needs", None)
+    if isinstance(columns, str):
+        columns = (columns,)
+    return {column: [reward_name(fn)] for column in columns or ()}
 
 
 def reward_name(fn: Callable[..., Any]) -> str:
@@ -253,14 +295,18 @@ def _rows_that_raise(fn: RewardFn, prompts, completions, kwargs) -> list[int] | 
     for i in range(n):
         try:
             invoke(fn, prompts[i : i + 1], completions[i : i + 1], _slice_kwargs(kwargs, i, n))
-        except Exception:
+        except (Exception, SystemExit):
             bad.append(i)
     return bad
 
 
-def _raised(fn: RewardFn, name: str, err: Exception, prompts, completions, kwargs) -> RewardError:
+def _raised(fn: RewardFn, name: str, err: BaseException, prompts, completions, kwargs) -> RewardError:
     hint = "fix the function or the batch field it needs"
-    if isinstance(err, TypeError) and "unexpected keyword argument" in str(err):
+    if isinstance(err, SystemExit):
+        hint = ("a reward function must return scores, not end the process: remove the sys.exit / exit() "
+                "call (raise an exception, or return None for a row it does not apply to)")
+        err = SystemExit(f"sys.exit({err.code!r}) was called")
+    elif isinstance(err, TypeError) and "unexpected keyword argument" in str(err):
         hint = "reward functions must accept **kwargs (the trainer passes every batch field)"
     rows = _rows_that_raise(fn, prompts, completions, kwargs)
     if rows is None:
@@ -351,7 +397,7 @@ def evaluate_reward(
     name = reward_name(fn)
     try:
         out = invoke(fn, list(prompts), list(completions), kwargs)
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # a reward's sys.exit must not end the run half written
         raise _raised(fn, name, err, list(prompts), list(completions), kwargs) from err
     scores, applies = _as_scores(out, name, n)
     if not allow_nonfinite:
@@ -417,6 +463,8 @@ __all__ = [
     "last_assistant",
     "message_text",
     "named",
+    "needs",
+    "required_columns",
     "reward_name",
     "token_lists",
 ]

@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from textrl.rewards.base import batch_field, named
+from textrl.rewards.base import batch_field, named, needs
 from textrl.rewards.rules import extract_answer
 from torch import Tensor
 
@@ -36,6 +36,7 @@ def parse_math(mv: ModuleType, text: str, timeout: int | None) -> list[Any]:
     return parsed if parsed else mv.parse(text, parsing_timeout=timeout)
 
 
+@needs("answer")
 @named("math_verify")
 def math_verify_reward(
     prompts: list[str],

@@ -68,6 +68,7 @@ from textrl.rewards.base import (
     last_assistant,
     token_lists,
 )
+from textrl.rewards.rules import tag_content
 from torch import Tensor
 
 from textrl.models.forward import positions_from_mask
@@ -75,7 +76,6 @@ from textrl.models.forward import positions_from_mask
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _CHATML_TURN = re.compile(r"<\|im_start\|>(system|user|assistant)\s+(.*?)<\|im_end\|>", re.DOTALL)
 _UNSET_MAX_LENGTH = 10**8  # HF uses a huge sentinel when model_max_length is unknown
 
@@ -432,11 +432,11 @@ class NeuralReward:
         answer_rows: list[int] = []
         if self.answer_blend is not None:
             for i, completion in enumerate(completions):
-                match = _ANSWER.search(completion_text(completion))
-                if match:
+                found = tag_content(completion_text(completion), "<answer>", "</answer>")  # linear
+                if found is not None:
                     answer_rows.append(i)
                     rows_p.append(prompts[i])
-                    rows_c.append(_with_answer(completion, match.group(1).strip()))
+                    rows_c.append(_with_answer(completion, found.strip()))
         s = self._post(self.score_raw(rows_p, rows_c))  # [B + n_answers], one batched pass
         score = s[:n].clone()
         if answer_rows:

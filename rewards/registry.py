@@ -6,6 +6,8 @@
   target_tokens=128)``;
 - a callable, returned as it is (or with the keyword arguments bound);
 - ``"path/to/file.py:function_name"``: that function, loaded from the file;
+- ``"package.module.function"``: that function, imported by its import path (TRL's scripts take
+  ``reward_funcs`` this way too);
 - ``"<scheme>:<argument>"`` for a scheme in :data:`REWARD_LOADERS`: ``"reward_model:/path"``
   (a local directory, a hub id, or ``tiny``) loads a :class:`~textrl.rewards.neural.NeuralReward`,
   with ``settings`` as its constructor options (``batch_size``, ``clip``, ``device``, ...).
@@ -19,7 +21,11 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib
+import importlib.machinery
 import inspect
+import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -126,6 +132,11 @@ def load_reward_from_file(path: str, function_name: str) -> RewardFn:
     module_name = user_module_name(file, "reward")
     try:
         module = import_file(file, "reward")
+    except SystemExit as err:  # the file's own sys.exit: say so rather than end the process quietly
+        raise ValueError(
+            f"reward file {path!r} called sys.exit({err.code!r}) while it was imported; a reward file "
+            "must only define functions (move the exit under `if __name__ == '__main__':`)"
+        ) from None
     except Exception as err:
         raise ValueError(
             f"importing reward file {path!r} failed with {type(err).__name__}: {err}"
@@ -144,6 +155,58 @@ def load_reward_from_file(path: str, function_name: str) -> RewardFn:
             f"{function_name!r} {what} in reward file {path!r}; callables defined there: {found}"
         )
     return fn
+
+
+_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+"""``package.module.function``: a reward named by its import path."""
+
+
+def load_reward_from_import_path(path: str) -> RewardFn:
+    """The callable at the import path ``package.module.qualname`` (the longest importable module
+    prefix, then attributes); ``ValueError`` says what could not be found."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name is not None and not module_name.startswith(err.name):
+                raise ValueError(f"reward {path!r}: importing {module_name} failed: {err}") from None
+            continue
+        except SystemExit as err:
+            raise ValueError(f"reward {path!r}: module {module_name} called sys.exit({err.code!r}) while "
+                             "it was imported") from None
+        except Exception as err:
+            raise ValueError(f"reward {path!r}: importing {module_name} failed with "
+                             f"{type(err).__name__}: {err}") from err
+        obj: Any = module
+        for attribute in parts[cut:]:
+            obj = getattr(obj, attribute, None)
+        if not callable(obj):
+            raise ValueError(f"reward {path!r}: module {module_name} has no callable "
+                             f"{'.'.join(parts[cut:])!r}")
+        return obj
+    raise ValueError(f"reward {path!r}: no module {parts[0]!r} can be imported (is it on sys.path / "
+                     "PYTHONPATH?); give a registered name, 'path/to/file.py:function' or "
+                     "'package.module.function'")
+
+
+def import_path(fn: Any) -> str | None:
+    """``module.qualname`` under which a fresh Python process imports ``fn`` again, None when it
+    cannot (a lambda, a function defined inside another, in ``__main__`` or in a file loaded as a
+    ``file.py:function`` reward, a callable object)."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
+        return None
+    if module == "__main__" or module.startswith("textrl_user_"):
+        return None
+    top = module.split(".")[0]
+    if top not in sys.builtin_module_names and importlib.machinery.PathFinder.find_spec(top) is None:
+        return None  # a module that exists only in this process
+    obj: Any = sys.modules.get(module)
+    for attribute in qualname.split("."):
+        obj = getattr(obj, attribute, None)
+    return f"{module}.{qualname}" if obj is fn else None
 
 
 def get_reward(spec: str | RewardFn, **settings: Any) -> RewardFn:
@@ -170,6 +233,8 @@ def get_reward(spec: str | RewardFn, **settings: Any) -> RewardFn:
         return bind(load_reward_from_file(path, function_name), None, **settings)
     if key.endswith(".py"):
         raise ValueError(f"reward {key!r} is a file: name the function too, as {key}:function_name")
+    if _IMPORT_PATH.match(key):
+        return bind(load_reward_from_import_path(key), None, **settings)
     known = sorted(REWARDS)
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
     hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
@@ -177,6 +242,11 @@ def get_reward(spec: str | RewardFn, **settings: Any) -> RewardFn:
         f"unknown reward {key!r}{hint}. Known rewards: {', '.join(known)}; or pass a callable, "
         "'path/to/file.py:function_name', or register one with @register_reward(name)"
     )
+
+
+_EMPTY_SPEC = ("empty reward spec {spec!r} (--reward / TrainConfig(reward=...)): name at least one reward, "
+               "e.g. --reward think_format:0.5,tag_count,accuracy:2, or leave --reward out for the "
+               "environment's own reward")
 
 
 def _split_weight(token: str) -> tuple[str, float]:
@@ -208,9 +278,7 @@ def parse_reward_spec(spec: str) -> CompositeReward:
     CompositeReward(think_format:0.5, tag_count:1, accuracy:2)
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(
-            f"empty reward spec {spec!r}; e.g. 'think_format:0.5,tag_count,accuracy:2'"
-        )
+        raise ValueError(_EMPTY_SPEC.format(spec=spec))
     components: dict[str, tuple[RewardFn, float]] = {}
     for i, raw in enumerate(spec.split(",")):
         token = raw.strip()
@@ -242,9 +310,7 @@ def check_reward_spec(spec: str) -> None:
     ValueError: unknown reward 'think_fromat' (did you mean 'think_format'?)...
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(
-            f"empty reward spec {spec!r}; e.g. 'think_format:0.5,tag_count,accuracy:2'"
-        )
+        raise ValueError(_EMPTY_SPEC.format(spec=spec))
     for i, raw in enumerate(spec.split(",")):
         token = raw.strip()
         if not token:
@@ -264,6 +330,8 @@ def check_reward_spec(spec: str) -> None:
         elif file.endswith(".py"):
             if not Path(file).expanduser().is_file():
                 raise ValueError(f"reward file {file!r} does not exist (in reward spec entry {token!r})")
+        elif _IMPORT_PATH.match(key):
+            load_reward_from_import_path(key)  # importing a module is cheap; a missing one is named now
         else:
             get_reward(key)  # an unknown name: raises with suggestions
 

@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 import torch
-from textrl.rewards.base import Completion, Prompt, batch_field, completion_texts, named
+from textrl.rewards.base import Completion, Prompt, batch_field, completion_texts, named, needs
 from torch import Tensor
 
 # One regex for MiniMind's two patterns: ``\n\n?`` allows the blank line between the blocks.
@@ -25,7 +25,6 @@ THINK_FORMAT_PATTERN = re.compile(
     r"^<think>\n.*?\n</think>\n\n?<answer>\n.*?\n</answer>$", re.DOTALL
 )
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 @named("think_format")
@@ -72,16 +71,34 @@ def tag_count_reward(prompts: list[Prompt], completions: list[Completion], **kwa
     return torch.tensor(scores, dtype=torch.float32)
 
 
+def tag_content(text: str, open_tag: str, close_tag: str) -> str | None:
+    """The text between the first ``open_tag`` and the first ``close_tag`` after it (what the
+    regex ``OPEN(.*?)CLOSE`` with DOTALL finds), None without such a pair. Two ``str.find``
+    calls: linear in ``len(text)`` however many unclosed open tags it holds (the lazy regex
+    rescans the rest of the text from each of them, quadratic).
+
+    >>> tag_content("a<t>x</t><t>y</t>", "<t>", "</t>"), tag_content("<t><t>x", "<t>", "</t>")
+    ('x', None)
+    """
+    start = text.find(open_tag)
+    if start < 0:
+        return None
+    start += len(open_tag)
+    end = text.find(close_tag, start)
+    return None if end < 0 else text[start:end]
+
+
 def extract_answer(completion: str) -> str | None:
-    """Content of the first ``<answer>...</answer>`` block, stripped; None without one.
+    """Content of the first ``<answer>...</answer>`` block, stripped; None without one
+    (:func:`tag_content`: linear time).
 
     >>> extract_answer("<think>\\nx\\n</think>\\n<answer>\\n 42 \\n</answer>")
     '42'
     >>> extract_answer("42") is None
     True
     """
-    m = _ANSWER.search(completion)
-    return m.group(1).strip() if m else None
+    content = tag_content(completion, "<answer>", "</answer>")
+    return None if content is None else content.strip()
 
 
 def normalize_answer(text: Any) -> str:
@@ -93,6 +110,7 @@ def normalize_answer(text: Any) -> str:
     return " ".join(str(text).split())
 
 
+@needs("answer")
 @named("accuracy")
 def accuracy_reward(
     prompts: list[Prompt],
@@ -145,6 +163,7 @@ __all__ = [
     "accuracy_reward",
     "extract_answer",
     "normalize_answer",
+    "tag_content",
     "tag_count_reward",
     "think_format_reward",
 ]

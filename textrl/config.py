@@ -99,10 +99,14 @@ class TrainConfig:
     env_args: str | None = None
     """Settings of the environment's constructor, KEY=VALUE,... (values read as YAML scalars:
     'max_n=16,turn_cost=0.1'); `textrl envs` names each environment's settings."""
-    reward: str | None = None
-    """Reward spec: NAME[:weight],... from the registry, or file.py:function. None: the
-    environment's own (think_format,tag_count,accuracy for a --dataset); with --env it replaces the
-    environment's final reward."""
+    reward: str | list | None = None
+    """Reward spec: NAME[:weight],... from the registry, file.py:function or package.module.function.
+    None: the environment's own (think_format,tag_count,accuracy for a --dataset); with --env it
+    replaces the environment's final reward. Python API and YAML: also a reward function or a list of
+    functions and names (TRL's reward_funcs)."""
+    reward_weights: list | None = None
+    """One weight per reward (TRL's reward_weights): per comma entry of --reward (1.0,0.5) or per
+    list entry; None: 1 each, or the spec's own NAME:weight."""
     dataset: str | None = None
     """Prompts of a single-turn task (instead of --env): 'builtin:NAME', a .jsonl file (MiniMind
     'conversations' or {'prompt': ...}); Python API: also a datasets.Dataset or a list of rows."""
@@ -293,7 +297,7 @@ class TrainConfig:
         }),
         # the models, the data and its split, the task and the sampling distribution, the objective
         fixed=frozenset({
-            "seed", "agent", "model", "dtype", "tokenizer", "reward_model", "env", "env_args", "reward", "dataset",
+            "seed", "agent", "model", "dtype", "tokenizer", "reward_model", "env", "env_args", "reward", "reward_weights", "dataset",
             "eval_size",
             "max_episode_tokens",
             "max_prompt_length", "warmup_sft_steps", "warmup_sft_lr", "warmup_sft_batch_size",
@@ -327,6 +331,9 @@ class TrainConfig:
         _choice("nonfinite_weights", self.nonfinite_weights, ("rollback", "stop"))
         _choice("rollback_copy", self.rollback_copy, ("auto", "device", "host"))
         check_precision(self)
+        from textrl.rewards.options import check_reward_option
+
+        check_reward_option(self.reward, self.reward_weights)
         for name in ("iterations", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
                      "generation_batch_size", "forward_batch_size", "ppo_epochs", "num_minibatches",
                      "gradient_accumulation_steps", "max_prompt_length", "warmup_sft_batch_size",
@@ -560,6 +567,11 @@ def parse_value(tp: type, optional: bool, value: Any) -> Any:
         if optional:
             return None
         raise ValueError(f"must be {kind}, not null")
+    if tp is list and isinstance(value, str):  # reward_weights: 1.0,0.5 (or [1.0, 0.5])
+        try:
+            return [float(item) for item in value.strip().strip("[]").split(",") if item.strip()]
+        except ValueError:
+            raise ValueError("must be a comma-separated list of numbers") from None
     if isinstance(value, str) and tp is not str:
         try:
             return _parse_bool(value) if tp is bool else tp(value)
@@ -713,9 +725,9 @@ def build_config(namespace: argparse.Namespace, cls: type = TrainConfig) -> Any:
         raise ValueError(str(err)) from err
 
 
-OBJECT_FIELDS = ("model", "tokenizer", "dataset", "env")
+OBJECT_FIELDS = ("model", "tokenizer", "dataset", "env", "reward")
 """Fields the Python API may set to an object (a model, a tokenizer, a dataset or list of rows, an
-environment)."""
+environment, a reward function or list of them)."""
 
 
 def describe_object(value: Any) -> dict[str, Any]:
@@ -740,6 +752,11 @@ def yaml_value(value: Any) -> Any:
 
 def _refuse_saved_object(name: str, value: Any) -> None:
     """A field read back from a config.yaml that recorded an object: say to pass the object again."""
+    if name == "reward" and isinstance(value, (dict, list)):  # a recorded function: re-imported or refused
+        from textrl.rewards.options import refuse_recorded_callable
+
+        refuse_recorded_callable(value)
+        return
     if isinstance(value, dict) and "object" in value:
         what = value["object"] + (f" ({value['name_or_path']})" if value.get("name_or_path") else "")
         raise ValueError(
@@ -756,7 +773,10 @@ def save_config(config: Any, path: str | Path) -> None:
 
 def config_values(config: Any) -> dict[str, Any]:
     """Each field of a config dataclass as ``config.yaml`` holds it (:func:`yaml_value`)."""
-    return {f.name: yaml_value(getattr(config, f.name)) for f in fields(config)}
+    from textrl.rewards.options import reward_record
+
+    recorded = {"reward": reward_record, "reward_weights": lambda w: None if w is None else [float(x) for x in w]}
+    return {f.name: recorded.get(f.name, yaml_value)(getattr(config, f.name)) for f in fields(config)}
 
 
 def config_yaml(config: Any) -> str:
