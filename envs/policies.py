@@ -1,12 +1,13 @@
 """Policies for :class:`textrl.envs.TextGenEnv`.
 
-:class:`KVCachePolicy` keeps a Hugging Face causal LM's ``past_key_values`` on the module
-across the steps of one ``env.rollout(...)``, so each step is one single-token forward
+:class:`KVCachePolicy` keeps a Hugging Face causal LM's KV cache (a ``DynamicCache``) on the
+module across the steps of one ``env.rollout(...)``, so each step is one single-token forward
 instead of re-encoding ``prompt + response``.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -56,8 +57,8 @@ class KVCachePolicy(TensorDictModuleBase):
 
     Args:
         model: a Hugging Face causal LM (``model(input_ids, attention_mask, position_ids,
-            past_key_values, use_cache=True)`` returning ``.logits`` and
-            ``.past_key_values``), on the env's device.
+            cache, use_cache=True)`` returning ``.logits`` and filling the ``DynamicCache`` it is
+            given; ``past_key_values`` on transformers releases before ``cache``), on the env's device.
         temperature: ``None``/``0`` for greedy, else the sampling temperature.
         seed: seed of the private generator (default: fresh entropy).
         pad_token_id: token fed to rows that did not advance (masked out; default: the
@@ -115,6 +116,25 @@ class KVCachePolicy(TensorDictModuleBase):
                 self._generator.manual_seed(self._seed)
         return self._generator
 
+    def _cache_argument(self) -> str:
+        """The forward's name for the KV cache: ``cache`` (transformers 5), else ``past_key_values``
+        (older releases, where ``cache`` is not an argument)."""
+        name = self.__dict__.get("_cache_name")
+        if name is None:
+            parameters = inspect.signature(self.model.forward).parameters
+            name = self.__dict__["_cache_name"] = "cache" if "cache" in parameters else "past_key_values"
+        return name
+
+    def _new_cache(self) -> Any:
+        """An empty ``DynamicCache`` for the model (its layer types from its config); the forwards
+        fill it in place."""
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # a release whose DynamicCache takes no config
+            return DynamicCache()
+
     # ------------------------------------------------------------------ forward
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         prompt_ids = tensordict.get("prompt_ids")
@@ -167,12 +187,14 @@ class KVCachePolicy(TensorDictModuleBase):
         input_ids = torch.cat([prompt_ids, response_ids[:, :t]], 1)
         attn = torch.cat([prompt_mask, resp_mask], 1)
         position_ids = (attn.long().cumsum(1) - 1).clamp(min=0)
+        cache = self._new_cache()
         out = self.model(
             input_ids=input_ids,
             attention_mask=attn.long(),
             position_ids=position_ids,
             use_cache=True,
             logits_to_keep=1 if t == 0 else 0,
+            **{self._cache_argument(): cache},
         )
         logits = out.logits
         if t == 0:
@@ -180,7 +202,7 @@ class KVCachePolicy(TensorDictModuleBase):
         else:  # row b's next token is predicted at its last valid position p + length[b] - 1
             last = (p + length - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
             next_logits = logits.gather(1, last).squeeze(1)
-        self._cache = out.past_key_values
+        self._cache = cache  # the forward filled it in place
         self._attn = attn
         self._prompt_ids, self._prompt_mask = prompt_ids.clone(), prompt_mask.clone()
         self._response = response_ids.clone()
@@ -201,12 +223,11 @@ class KVCachePolicy(TensorDictModuleBase):
             input_ids=token,
             attention_mask=attn.long(),
             position_ids=position_ids,
-            past_key_values=self._cache,
             use_cache=True,
             logits_to_keep=1,
+            **{self._cache_argument(): self._cache},  # grown in place by the forward
         )
         new = out.logits[:, -1].float()
-        self._cache = out.past_key_values
         self._attn = attn
         self._response = response_ids.clone()
         self._length = length.clone()
