@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
-from textrl.envs.environment import Environment, PromptTask
+from textrl.envs.environment import Environment, PromptTask, check_environment
 from textrl.envs.episodes import (
     DONE,
     TURN_REWARDS,
@@ -38,6 +38,7 @@ from textrl.envs.fast_path import (
     flag_nonfinite,
     special_ids,
 )
+from textrl.envs.watchdog import NOTICE_AFTER, CallWatch
 from torch import Tensor
 
 from textrl.checks import check_rollout
@@ -70,6 +71,9 @@ class EpisodeRunner:
         reward_placement: ``"last"`` (each turn's reward on its last agent token, the final reward on
             the episode's) or ``"uniform"`` (the episode's score spread over its agent tokens).
         reward_nonfinite: ``"raise"``, ``"zero"`` or ``"drop"`` for a NaN/inf reward.
+        env_timeout: seconds after which an environment's ``start`` / ``step`` / final reward call
+            is stopped with :class:`textrl.envs.watchdog.EnvTimeout` (None: never); a call is named
+            on stderr after ``env_notice_s`` seconds either way (:class:`textrl.envs.watchdog.CallWatch`).
     """
 
     def __init__(
@@ -83,14 +87,14 @@ class EpisodeRunner:
         max_episode_tokens: int | None = None,
         reward_placement: str = "last",
         reward_nonfinite: str = "raise",
+        env_timeout: float | None = None,
+        env_notice_s: float = NOTICE_AFTER,
     ) -> None:
         if reward_placement not in PLACEMENTS:
             raise ValueError(f"reward_placement={reward_placement!r}: must be one of {PLACEMENTS}")
         if reward_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"reward_nonfinite={reward_nonfinite!r}: must be one of {NONFINITE_POLICIES}")
-        self.env = as_environment(env)
-        if not isinstance(self.env.max_turns, int) or self.env.max_turns < 1:
-            raise ValueError(f"environment {self.env.id!r}: max_turns={self.env.max_turns!r} must be an int >= 1")
+        self.env = check_environment(as_environment(env))  # max_turns, stop_strings, ... named if wrong
         self.tokenizer = tokenizer
         self.eos_ids, self.pad_id = special_ids(tokenizer, eos_token_id, pad_token_id)
         self.max_new_tokens = int(max_new_tokens)
@@ -103,7 +107,8 @@ class EpisodeRunner:
         self.reward_fn = None if self.env.reward is None else as_reward_fn(self.env.reward)
         self.dynamics = EpisodeDynamics(self.env, tokenizer=tokenizer, eos_token_ids=self.eos_ids,
                                         max_new_tokens=self.max_new_tokens, max_episode_tokens=self.max_episode_tokens,
-                                        reward_nonfinite=reward_nonfinite)
+                                        reward_nonfinite=reward_nonfinite,
+                                        watch=CallWatch(env_timeout, notice_after=env_notice_s))
 
     # -- the episodes --------------------------------------------------------------------------
 
@@ -211,6 +216,29 @@ class EpisodeRunner:
         return check_rollout(td.to(device))
 
 
+def episode_turns(td: TensorDict, tokenizer: Any) -> list[list[dict[str, str]]]:
+    """Each row's episode after the prompt as turns apart: ``[{"role": "agent" | "environment",
+    "text": ...}, ...]``, one entry per stretch of the agent's tokens (``KEYS.mask``) or of the
+    environment's (seen, ``KEYS.response_mask``, but not the agent's), decoded with special tokens
+    skipped. The joined texts are the episode's completion; the roles are the loss mask's."""
+    action = td.get(KEYS.action).cpu()
+    agent = td.get(KEYS.mask).cpu().bool()
+    seen = td.get(KEYS.response_mask, td.get(KEYS.mask)).cpu().bool()
+    rows = []
+    for ids, mine, shown in zip(action.tolist(), agent.tolist(), seen.tolist()):
+        stretches: list[tuple[bool, list[int]]] = []
+        for token, is_agent, is_seen in zip(ids, mine, shown):
+            if not is_seen:
+                continue
+            if stretches and stretches[-1][0] == is_agent:
+                stretches[-1][1].append(token)
+            else:
+                stretches.append((is_agent, [token]))
+        rows.append([{"role": "agent" if is_agent else "environment",
+                      "text": tokenizer.decode(tokens, skip_special_tokens=True)} for is_agent, tokens in stretches])
+    return rows
+
+
 def collect_episodes(
     env: Environment | RewardLike,
     generate: Generate,
@@ -226,5 +254,5 @@ def collect_episodes(
     return runner.run(generate, batch, timings=timings)
 
 
-__all__ = ["TURN_REWARDS", "EpisodeRunner", "Generate", "as_environment", "collect_episodes",
+__all__ = ["TURN_REWARDS", "EpisodeRunner", "Generate", "as_environment", "collect_episodes", "episode_turns",
            "default_episode_tokens"]

@@ -35,9 +35,12 @@ Nothing here imports torch models or the agents; the batched collector that runs
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+import numpy as np
 
 Message = dict[str, str]
 """``{"role": ..., "content": ...}``, as in a chat template."""
@@ -86,6 +89,10 @@ class Episode:
     """The row's index in the environment's rows (-1: a row given directly)."""
     prompt_messages: int = 0
     """How many of ``messages`` are the prompt's."""
+    truncated: bool = False
+    """Inside :meth:`Environment.step`: whether the turn being answered was cut by the per-turn
+    length cap (``max_new_tokens``) before its EOS. Such a turn still reaches the environment,
+    which decides what to answer (an invalid move, a nudge, or ``done``)."""
 
     @property
     def completions(self) -> list[Message]:
@@ -104,22 +111,123 @@ def call_env(env: Any, method: Callable[..., Any], episode: Episode, what: str, 
         return method(episode, *args)
     except Exception as error:
         turn = f" (turn {episode.turn})" if what == "step" else ""
-        raise EnvError(f"environment {env.id!r} raised in {what}() on row {episode.index}{turn}: "
+        raise EnvError(f"environment {env_name(env)!r} raised in {what}() on row {episode.index}{turn}: "
                        f"{type(error).__name__}: {error}") from error
 
 
 def answer_turn(env: Any, episode: Episode, completion: str) -> Turn:
-    """``env.step(episode, completion)``, checked: a :class:`Turn` whose reward is a real number
-    (:class:`EnvError` naming the environment and row otherwise; a NaN/inf reward is the caller's
-    to judge)."""
+    """``env.step(episode, completion)``, checked (:func:`check_turn`): a :class:`Turn` whose fields
+    have the types they must, its reward a number float32 holds (a NaN/inf reward is the caller's
+    to judge); :class:`EnvError` naming the environment, the row and the field otherwise."""
     answer = call_env(env, env.step, episode, "step", completion)
+    return check_turn(env, episode, answer)
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest finite float32: a reward beyond it would become inf in the rollout's tensors."""
+
+
+def _turn_error(env: Any, episode: Episode, message: str) -> EnvError:
+    return EnvError(f"environment {env_name(env)!r}: step() on row {episode.index} (turn {episode.turn}) {message}")
+
+
+def check_turn(env: Any, episode: Episode, answer: Any) -> Turn:
+    """``answer`` when it is a valid :class:`Turn`, its reward made a ``float``: ``reward`` a real
+    number (bool refused) that float32 holds, or NaN/inf (the caller's ``reward_nonfinite``);
+    ``done`` a bool (``"no"`` would end the episode silently); ``observation`` None, a str or a list
+    of ``{"role": str, "content": str}`` messages, its text valid Unicode (no lone surrogate);
+    ``info`` a dict. :class:`EnvError` naming the environment, the row and the field otherwise."""
     if not isinstance(answer, Turn):
-        raise EnvError(f"environment {env.id!r}: step() returned {type(answer).__name__} on row "
-                       f"{episode.index}; return a textrl.envs.Turn")
-    if isinstance(answer.reward, bool) or not isinstance(answer.reward, (int, float)):
-        raise EnvError(f"environment {env.id!r}: a turn reward must be a float, got {answer.reward!r} on row "
-                       f"{episode.index}")
+        raise _turn_error(env, episode, f"returned {type(answer).__name__}; return a textrl.envs.Turn")
+    reward = answer.reward
+    if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, (int, float, np.integer, np.floating)):
+        raise _turn_error(env, episode, f"gave Turn.reward={_short(reward)}: a turn reward must be a float")
+    try:
+        value = float(reward)
+    except OverflowError:
+        value = None
+    if value is None or (math.isfinite(value) and abs(value) > FLOAT32_MAX):
+        raise _turn_error(env, episode, f"gave Turn.reward={_short(reward)}, too large for the rollout's float32 "
+                          f"rewards (|reward| <= {FLOAT32_MAX:.4g}); scale the environment's rewards")
+    answer.reward = value
+    if not isinstance(answer.done, (bool, np.bool_)):
+        raise _turn_error(env, episode, f"gave Turn.done={_short(answer.done)}: done must be True or False")
+    answer.done = bool(answer.done)
+    observation = answer.observation
+    if isinstance(observation, str):
+        _check_text(env, episode, observation, "Turn.observation")
+    elif isinstance(observation, list):
+        for i, m in enumerate(observation):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise _turn_error(env, episode, f"gave Turn.observation[{i}]={_short(m)}: each message must be "
+                                  "{'role': str, 'content': str}")
+            _check_text(env, episode, m["content"], f"Turn.observation[{i}]['content']")
+    elif observation is not None:
+        raise _turn_error(env, episode, f"gave Turn.observation={_short(observation)}: an observation is None, a "
+                          "str, or a list of {'role', 'content'} messages")
+    if not isinstance(answer.info, dict):
+        raise _turn_error(env, episode, f"gave Turn.info={_short(answer.info)}: info must be a dict")
     return answer
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to 60 characters (an int of 400 digits, say), with its type."""
+    try:
+        text = repr(value)
+    except Exception:  # an object whose repr raises (an int too long to print, say)
+        text = f"<{type(value).__name__}>"
+    return (text if len(text) <= 60 else text[:57] + "...") + f" ({type(value).__name__})"
+
+
+def _check_text(env: Any, episode: Episode, text: str, name: str) -> None:
+    bad = text_problem(text)
+    if bad:
+        raise _turn_error(env, episode, f"gave {name} with {bad}; give valid Unicode text")
+
+
+def text_problem(text: str) -> str | None:
+    """What makes ``text`` unfit for a tokenizer (a lone surrogate such as ``"\\ud800"``, which has
+    no UTF-8 encoding), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"a lone surrogate {text[error.start]!r} at character {error.start} (not valid Unicode text)"
+    return None
+
+
+def env_name(env: Any) -> str:
+    """How messages name an environment: its ``id``, else its class name."""
+    return getattr(env, "id", "") or type(env).__name__
+
+
+def check_environment(env: Any) -> Any:
+    """``env`` when its attributes have the types the episodes need: ``max_turns`` an int >= 1,
+    ``stop_strings`` a tuple or list of non-empty str, ``max_reward`` None or a number, ``reward``
+    None, a spec str or a callable, ``max_observation_tokens`` (if set) an int >= 1; ``ValueError``
+    naming the environment and the attribute otherwise."""
+    name = env_name(env)
+
+    def refuse(attr: str, what: str) -> ValueError:
+        return ValueError(f"environment {name!r}: {attr}={_short(getattr(env, attr, None))} must be {what}; "
+                          f"fix the attribute of {type(env).__name__}")
+
+    turns = getattr(env, "max_turns", None)
+    if isinstance(turns, (bool, np.bool_)) or not isinstance(turns, (int, np.integer)) or turns < 1:
+        raise refuse("max_turns", "an int >= 1")
+    stops = getattr(env, "stop_strings", ())
+    if isinstance(stops, str) or not isinstance(stops, (tuple, list)) or \
+            not all(isinstance(x, str) and x for x in stops):
+        raise refuse("stop_strings", "a tuple of non-empty strings (e.g. ('</tool>',))")
+    best = getattr(env, "max_reward", None)
+    if best is not None and (isinstance(best, bool) or not isinstance(best, (int, float))):
+        raise refuse("max_reward", "None or a number")
+    reward = getattr(env, "reward", None)
+    if reward is not None and not isinstance(reward, str) and not callable(reward):
+        raise refuse("reward", "None, a reward spec such as 'accuracy', or a callable")
+    obs = getattr(env, "max_observation_tokens", None)
+    if obs is not None and (isinstance(obs, bool) or not isinstance(obs, (int, np.integer)) or obs < 1):
+        raise refuse("max_observation_tokens", "an int >= 1")
+    return env
 
 
 class Environment:
@@ -202,4 +310,5 @@ class PromptTask(Environment):
         return self._rows
 
 
-__all__ = ["EnvError", "Environment", "Episode", "answer_turn", "call_env", "Message", "PromptTask", "Turn"]
+__all__ = ["EnvError", "Environment", "Episode", "answer_turn", "call_env", "check_environment", "check_turn",
+           "env_name", "Message", "PromptTask", "text_problem", "Turn"]

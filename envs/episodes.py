@@ -19,7 +19,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from textrl.envs.environment import EnvError, Environment, Episode, Turn, answer_turn, call_env
+from textrl.envs.environment import (
+    EnvError,
+    Environment,
+    Episode,
+    Turn,
+    answer_turn,
+    call_env,
+    check_environment,
+    env_name,
+)
 from textrl.envs.fast_path import (
     NONFINITE_POLICIES,
     place_score,
@@ -28,6 +37,7 @@ from textrl.envs.fast_path import (
 )
 from textrl.envs.observations import append_observation
 from textrl.envs.rows import row_messages
+from textrl.envs.watchdog import CallWatch
 
 from textrl.keys import END_REASONS
 
@@ -94,17 +104,25 @@ class EpisodeDynamics:
         reward_nonfinite: what a NaN/inf turn or final reward does: ``"raise"`` (an
             :class:`EnvError` / ``RewardError``), or ``"zero"`` / ``"drop"`` (counted as 0 and
             flagged, for the caller to keep or drop the episode).
+        watch: the :class:`textrl.envs.watchdog.CallWatch` around the environment's ``start``,
+            ``step`` and final reward (default: named after a minute, never cut).
+
+    A multi-turn environment's turn cut by ``max_new_tokens`` before its EOS is answered like any
+    other, with ``episode.truncated`` True during that ``step()``: the environment decides (an
+    invalid move, a nudge, ``done``). Set ``answers_truncated_turns = False`` on the environment
+    to end such episodes by ``length`` instead, unanswered.
     """
 
     def __init__(self, env: Environment, *, tokenizer: Any, eos_token_ids: Sequence[int], max_new_tokens: int,
                  max_episode_tokens: int, max_episode_steps: int | None = None,
-                 reward_nonfinite: str = "raise") -> None:
+                 reward_nonfinite: str = "raise", watch: CallWatch | None = None) -> None:
         if not isinstance(max_episode_tokens, int) or max_episode_tokens < 1:
             raise ValueError(f"max_episode_tokens={max_episode_tokens!r}: must be an int >= 1")
         if reward_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"reward_nonfinite={reward_nonfinite!r}: must be one of {NONFINITE_POLICIES}")
         self.reward_nonfinite = reward_nonfinite
-        self.env = env
+        self.env = check_environment(env)
+        self.watch = watch or CallWatch()
         self.tokenizer = tokenizer
         self.eos_ids = tuple(int(e) for e in eos_token_ids)  # the first closes a turn cut by a stop string
         self.eos = frozenset(self.eos_ids)
@@ -114,6 +132,7 @@ class EpisodeDynamics:
         # the base step answers every turn with done and no reward: it is not called (as in the collector)
         self.steps_env = type(env).step is not Environment.step or bool(env.stop_strings)
         self.multi_turn = env.max_turns > 1 and self.steps_env
+        self.answers_cut_turns = self.multi_turn and bool(getattr(env, "answers_truncated_turns", True))
 
     # -- an episode ----------------------------------------------------------------------------
 
@@ -122,7 +141,8 @@ class EpisodeDynamics:
         calls ``env.start`` (an :class:`EnvError` naming the environment and row if it raises)."""
         messages, text = row_messages(row, where)  # type: ignore[arg-type]
         episode = Episode(row=dict(row), messages=list(messages), index=index, prompt_messages=len(messages))
-        call_env(self.env, self.env.start, episode, "start")
+        with self.watch(f"environment {env_name(self.env)!r} start() on row {index}"):
+            call_env(self.env, self.env.start, episode, "start")
         fields = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
         return EpisodeState(episode=episode, prompt_text=text, fields=fields)
 
@@ -136,6 +156,8 @@ class EpisodeDynamics:
         s.steps += 1
         if token in self.eos or self._stopped(s.turn):
             return self._answer(s)
+        if len(s.turn) >= self.max_new_tokens and self.answers_cut_turns and not self._out_of_steps(s):
+            return self._answer(s, truncated=True)  # the environment answers the cut turn too
         if len(s.turn) >= self.max_new_tokens or self._out_of_steps(s):
             s.end = LENGTH
         elif len(s.tokens) >= self.max_episode_tokens:
@@ -158,15 +180,22 @@ class EpisodeDynamics:
     def _out_of_steps(self, s: EpisodeState) -> bool:
         return self.max_episode_steps is not None and s.steps >= self.max_episode_steps
 
-    def _answer(self, s: EpisodeState) -> float:
-        """The environment's answer to the turn that just ended by EOS or a stop string."""
+    def _answer(self, s: EpisodeState, truncated: bool = False) -> float:
+        """The environment's answer to the turn that just ended by EOS or a stop string, or was
+        cut by ``max_new_tokens`` (``truncated``: ``episode.truncated`` is True during its step)."""
         s.episode.turn += 1
         if not self.steps_env:
             s.end = DONE
             return 0.0
         text = self._text(s.turn)
         s.episode.messages.append({"role": "assistant", "content": text})
-        answer = answer_turn(self.env, s.episode, text)
+        s.episode.truncated = truncated
+        label = f"environment {env_name(self.env)!r} step() on row {s.episode.index} (turn {s.episode.turn})"
+        try:
+            with self.watch(label):
+                answer = answer_turn(self.env, s.episode, text)
+        finally:
+            s.episode.truncated = False
         reward = self._turn_reward(s, answer.reward)
         s.rewards[len(s.tokens) - 1] = s.rewards.get(len(s.tokens) - 1, 0.0) + reward
         if answer.done:
@@ -183,14 +212,14 @@ class EpisodeDynamics:
         if math.isfinite(reward):
             return float(reward)
         if self.reward_nonfinite == "raise":
-            raise EnvError(f"environment {self.env.id!r} paid a non-finite turn reward {reward} on row "
+            raise EnvError(f"environment {env_name(self.env)!r} paid a non-finite turn reward {reward} on row "
                            f"{s.episode.index}; fix the environment (or set reward_nonfinite)")
         s.bad_reward = True
         return 0.0
 
     def _observe(self, s: EpisodeState, answer: Turn) -> None:
         if append_observation(s, answer.messages(), tokenizer=self.tokenizer, eos_token_ids=self.eos_ids,
-                              max_episode_tokens=self.max_episode_tokens, env_id=self.env.id):
+                              max_episode_tokens=self.max_episode_tokens, env_id=env_name(self.env)):
             s.turn = []
         else:
             s.end = CONTEXT
@@ -221,7 +250,10 @@ class EpisodeDynamics:
             for i, s in enumerate(states):
                 kinds.setdefault(self.multi_turn or "messages" in s.episode.row, []).append(i)
             for conversational, rows in kinds.items():
-                scores = self._score([states[i] for i in rows], reward_fn, conversational)
+                where = sorted({states[i].episode.index for i in rows})
+                shown = ", ".join(map(str, where[:8])) + (" ..." if len(where) > 8 else "")
+                with self.watch(f"environment {env_name(self.env)!r} reward on row(s) {shown}"):
+                    scores = self._score([states[i] for i in rows], reward_fn, conversational)
                 index = torch.tensor(rows)
                 total[index] = scores.total
                 if scores.nonfinite is not None:

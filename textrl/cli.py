@@ -93,6 +93,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.model)
         model = load_causal_lm(args.model, device=args.device)
     prompts = args.prompt or ["What is 2+3?"]
+    _check_generate_fits(model, tokenizer, prompts, args)
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
         if tokenizer.chat_template
@@ -113,6 +114,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     for prompt, completion in zip(prompts, completions):
         print(f"### prompt\n{prompt}\n### completion\n{completion}\n")
     return 0
+
+
+def _check_generate_fits(model, tokenizer, prompts: list[str], args: argparse.Namespace) -> None:
+    """``textrl train``'s context check for ``textrl generate``: each prompt (templated) plus
+    ``--max-new-tokens`` fits the model's context; ``SystemExit`` naming the prompt and the lever."""
+    import re
+
+    from textrl.envs import check_prompts_fit
+    from textrl.models.checks import context_length
+
+    found = context_length(model)
+    if found is None:
+        return
+    context, field = found
+    try:
+        check_prompts_fit([{"prompt": p} for p in prompts], tokenizer, context=context, context_field=field,
+                          model=str(args.model), max_new_tokens=args.max_new_tokens)
+    except ValueError as error:
+        message = re.sub(r"list\[(\d+)\]", lambda m: f"--prompt {int(m.group(1)) + 1}", str(error))
+        raise SystemExit(f"textrl generate: {message.replace(chr(10), ' ')}") from None
 
 
 def _stage_command(name: str, config_cls: type, run, describe):

@@ -112,8 +112,11 @@ class TrainConfig:
     'conversations' or {'prompt': ...}); Python API: also a datasets.Dataset or a list of rows."""
     eval_size: int = 32
     """Held-out prompts for evaluation."""
-    max_prompt_length: int = 64
-    """Longest prompt in tokens (after the chat template)."""
+    max_prompt_length: int | None = None
+    """Longest prompt in tokens (after the chat template); a longer one is refused, naming it. None:
+    what the environment's prompts need, the longest of its rows (a seeded sample of a source over
+    20000 rows, plus a quarter), bounded by the model's context minus max_new_tokens (prompts over
+    the bound keep their last tokens; the run says so in one line)."""
     warmup_sft_steps: int = 200
     """Supervised warm-up steps on the built-in task's format before PPO (0 = none)."""
     warmup_sft_lr: float = 3e-3
@@ -132,7 +135,9 @@ class TrainConfig:
     """Length cap of a response (of each agent turn); a response that hits it is truncated."""
     max_episode_tokens: int | None = None
     """Cap of a multi-turn episode's tokens after the prompt, the agent's and the environment's
-    (None: max_new_tokens per turn plus the environment's max_observation_tokens per observation)."""
+    (None: max_new_tokens per turn plus the environment's max_observation_tokens per observation,
+    bounded so that the longest prompt plus the episode fits the model's context, said in one line).
+    A multi-turn turn cut by max_new_tokens is still answered by the environment, flagged truncated."""
     temperature: float = 1.0
     """Sampling temperature (log-probs are computed at the same temperature)."""
     top_k: int = 0
@@ -258,6 +263,10 @@ class TrainConfig:
     # -- numerical faults ----------------------------------------------------------------------
     reward_nonfinite: str = "raise"
     """A NaN/inf task reward: 'raise' (default), 'zero' (score 0) or 'drop' (row left out); counted."""
+    env_timeout: float | None = None
+    """Seconds an environment's start(), step() or final reward call may run before it is stopped
+    with an error naming the environment and the row (None: no limit). Either way a call running
+    for a minute is named on stderr."""
     max_nonfinite_updates: int = 3
     """Stop (with a checkpoint of the last good state) after this many consecutive skipped updates."""
     nonfinite_weights: str = "rollback"
@@ -290,7 +299,7 @@ class TrainConfig:
             "vf_coef", "entropy_coef", "kl_coef", "kl_target", "kl_horizon", "kl_early_stop", "ratio_threshold",
             "kl_after_update", "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr",
             "lr_schedule", "lr_warmup_steps", "max_grad_norm", "fsdp", "fsdp_reshard_after_forward", "zero_stage",
-            "deepspeed_config", "reward_nonfinite", "max_nonfinite_updates", "nonfinite_weights", "rollback_copy",
+            "deepspeed_config", "reward_nonfinite", "env_timeout", "max_nonfinite_updates", "nonfinite_weights", "rollback_copy",
             "mixed_precision", "attn_implementation", "eval_every",
             "checkpoint_every", "keep_checkpoints",
             "load_in_4bit",  # the frozen base's quantisation: the trained LoRA weights carry over
@@ -328,6 +337,8 @@ class TrainConfig:
         _choice("critic_init", self.critic_init, ("policy", "reward_model"))
         _choice("critic_type", self.critic_type, ("value_head", "lora"))
         _choice("reward_nonfinite", self.reward_nonfinite, ("raise", "zero", "drop"))
+        if self.env_timeout is not None:
+            _positive("env_timeout", self.env_timeout)
         _choice("nonfinite_weights", self.nonfinite_weights, ("rollback", "stop"))
         _choice("rollback_copy", self.rollback_copy, ("auto", "device", "host"))
         check_precision(self)
@@ -336,7 +347,7 @@ class TrainConfig:
         check_reward_option(self.reward, self.reward_weights)
         for name in ("iterations", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
                      "generation_batch_size", "forward_batch_size", "ppo_epochs", "num_minibatches",
-                     "gradient_accumulation_steps", "max_prompt_length", "warmup_sft_batch_size",
+                     "gradient_accumulation_steps", "warmup_sft_batch_size",
                      "kl_horizon", "keep_checkpoints", "lora_alpha", "max_nonfinite_updates"):
             _at_least(name, getattr(self, name), 1)
         for name in ("eval_size", "warmup_sft_steps", "eval_every", "checkpoint_every",
@@ -344,6 +355,8 @@ class TrainConfig:
             _at_least(name, getattr(self, name), 0)
         if self.lora_r is not None:
             _at_least("lora_r", self.lora_r, 1)
+        if self.max_prompt_length is not None:
+            _at_least("max_prompt_length", self.max_prompt_length, 1)
         if self.max_episode_tokens is not None:
             _at_least("max_episode_tokens", self.max_episode_tokens, self.max_new_tokens)
         if self.env is not None and self.dataset is not None:

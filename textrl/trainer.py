@@ -250,6 +250,7 @@ class PPORun:
         summary: dict[str, Any] = {"before": before, "after": after, "processes": self.dist.world_size,
                                    "fsdp": self.config.fsdp, "zero_stage": self.config.zero_stage}
         summary["peak_memory_mib"] = self.dist.gather_object(peak_memory_mib(self.agent.device))  # one per process
+        summary.update(run_records(self))  # the lengths and the warm-up that ran
         if getattr(self.agent, "precision", None) is not None:
             summary["precision"] = self.agent.precision.record()  # what ran: dtype, autocast, attention
         summary.update(self.backend.end_of_run(self.agent))  # weights held (sharded) or the replicas' checksum
@@ -288,19 +289,26 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     agent = build_agent(config, device, log)  # its models, critic (if any) and optimisers (and warm-up)
     if getattr(agent, "precision", None) is not None:
         log(f"precision: {agent.precision}")
-    budget = episode_tokens(config, env)
-    check_context(config, agent, train_rows, eval_rows, budget=budget)  # every prompt + episode fits the models
+    warmup = warmup_record(config, agent, env)
+    if warmup["ran_steps"] == 0 and warmup["asked_steps"] > 0:
+        log(f"warm-up: none ({warmup['reason']}; warmup_sft_steps={warmup['asked_steps']} asked, 0 steps ran)")
+    # the prompts' cap and the episode's budget, fitted to the models' context: every prompt + episode fits
+    lengths = check_context(config, agent, train_rows, eval_rows, env=env, log=log)
+    budget = lengths.max_episode_tokens
+    if hasattr(agent, "episode_budget"):
+        agent._episode_budget = budget  # the length terms (Dr. GRPO, DAPO) count the budget that runs
     tokenizer = agent.tokenizer
     env.reward = agent.task_reward(reward_spec(config, env), env.reward)  # plus the agent's own reward model
     episodes = EpisodeRunner(
         env, tokenizer=tokenizer, eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id,
         max_new_tokens=config.max_new_tokens, max_episode_tokens=budget,
         reward_placement=config.reward_placement, reward_nonfinite=config.reward_nonfinite,
+        env_timeout=config.env_timeout,
     )
     sampler = PromptSampler(
         train_rows, tokenizer, prompts_per_batch=config.prompts_per_iteration,
         n_samples_per_prompt=config.n_samples_per_prompt, seed=config.seed,
-        max_prompt_length=config.max_prompt_length,
+        max_prompt_length=lengths.max_prompt_length, truncate=lengths.truncate,
     )
     eval_batches = sampler.encode_eval(eval_rows, batch_size=config.generation_batch_size)
     backend.prepare(agent)  # identical weights everywhere, this process's seed, models sharded
@@ -372,13 +380,17 @@ def episode_tokens(config: TrainConfig, env) -> int:
     return default_episode_tokens(env, config.max_new_tokens)
 
 
-def check_context(config: TrainConfig, agent, *prompt_sets, budget: int | None = None) -> None:
-    """Right after the models load, before any training: every prompt of ``prompt_sets`` (the
-    ``PromptDataset`` s set-up loaded) plus ``budget`` tokens of the episode (default
-    ``max_new_tokens``) fits the context of the models that read the policy's sequences, the policy
+def check_context(config: TrainConfig, agent, *prompt_sets, env=None, log=print):
+    """Right after the models load, before any training: the run's lengths
+    (:func:`textrl.envs.lengths.resolve_lengths`: ``max_prompt_length`` and the episode budget, set
+    or fitted to the environment's prompts and the context; a bounded one said in a line through
+    ``log``), then every prompt of ``prompt_sets`` (the ``PromptDataset`` s set-up loaded) plus the
+    episode budget fits the context of the models that read the policy's sequences, the policy
     and its critic (a reward model's body with ``critic_init='reward_model'``); the smallest
-    context counts (:func:`textrl.envs.check_prompts_fit` names the row, its length and the limit)."""
+    context counts (:func:`textrl.envs.check_prompts_fit` names the row, its length and the limit).
+    Returns the :class:`textrl.envs.lengths.Lengths`."""
     from textrl.envs import check_prompts_fit
+    from textrl.envs.lengths import resolve_lengths
     from textrl.models.checks import context_length, name_of
 
     critic_source = config.reward_model if config.critic_init == "reward_model" else config.model
@@ -389,10 +401,49 @@ def check_context(config: TrainConfig, agent, *prompt_sets, budget: int | None =
             limits.append((found, source if isinstance(source, str) else name_of(model)))
     # without a known context, the prompts are still held to max_prompt_length here, before
     # training, rather than by the batch that first draws a long one
-    (context, field), name = min(limits, key=lambda limit: limit[0][0]) if limits else ((2**62, "none"), "")
+    (context, field), name = min(limits, key=lambda limit: limit[0][0]) if limits else ((None, "none"), "")
+    lengths = resolve_lengths(environment(config) if env is None else env, prompt_sets, agent.tokenizer,
+                              max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length,
+                              max_episode_tokens=config.max_episode_tokens, context=context, model=name,
+                              context_field=field, seed=config.seed)
+    for note in lengths.notes:
+        log(note)
     for prompts in prompt_sets:
-        check_prompts_fit(prompts, agent.tokenizer, context=context, context_field=field, model=name,
-                          max_new_tokens=budget or config.max_new_tokens, max_prompt_length=config.max_prompt_length)
+        check_prompts_fit(prompts, agent.tokenizer, context=2**62 if context is None else context,
+                          context_field=field, model=name, max_new_tokens=lengths.max_episode_tokens,
+                          max_prompt_length=lengths.max_prompt_length, truncate=lengths.truncate)
+    return lengths
+
+
+def run_records(run: PPORun) -> dict[str, Any]:
+    """``summary.json``'s record of what ran where config.yaml keeps what was asked: ``lengths``
+    (the prompts' cap and the episode budget in use, each ``set`` or ``auto``) and ``warmup``
+    (:func:`warmup_record`)."""
+    config = run.config
+    lengths = {"max_prompt_length": run.sampler.max_prompt_length, "prompt_truncate": run.sampler.truncate,
+               "max_episode_tokens": run.episodes.max_episode_tokens,
+               "source": {name: "auto" if getattr(config, name) is None else "set"
+                          for name in ("max_prompt_length", "max_episode_tokens")}}
+    return {"lengths": lengths, "warmup": warmup_record(config, run.agent, run.episodes.env)}
+
+
+def warmup_record(config: TrainConfig, agent, env) -> dict[str, Any]:
+    """What the supervised format warm-up did, for ``summary.json``: ``asked_steps``
+    (``warmup_sft_steps``, as config.yaml records it), ``ran_steps`` and, when none ran, the
+    ``reason`` (no steps asked, an environment without warm-up examples, an agent that loads its
+    policy without the warm-up, such as multi_adapter_ppo)."""
+    from textrl.agents.base import PPOAgent, warmup_pairs
+
+    asked = int(config.warmup_sft_steps)
+    if asked == 0:
+        return {"asked_steps": 0, "ran_steps": 0, "reason": "warmup_sft_steps=0"}
+    if not warmup_pairs(config):
+        return {"asked_steps": asked, "ran_steps": 0,
+                "reason": f"environment {env.id!r} has no warm-up examples (its warmup_examples() gives none)"}
+    if getattr(type(agent).load_policy, "__func__", None) is not PPOAgent.load_policy.__func__:
+        return {"asked_steps": asked, "ran_steps": 0,
+                "reason": f"agent {config.agent!r} loads its policy without the warm-up"}
+    return {"asked_steps": asked, "ran_steps": asked, "reason": None}
 
 
 def reward_spec(config: TrainConfig, env) -> str:
@@ -442,16 +493,21 @@ def evaluate(agent, eval_batches, episodes, seed: int, reward_nonfinite: str = "
     return out
 
 
-def sample_completions(agent, batch, episodes, n: int = 4) -> list[dict[str, str]]:
+def sample_completions(agent, batch, episodes, n: int = 4) -> list[dict[str, Any]]:
     """Greedy episodes of the first ``n`` prompts of an eval batch, for ``samples.jsonl``: the
-    completion is every token after the prompt (the environment's observations included)."""
+    completion is every token after the prompt (the environment's observations included), and
+    ``turns`` the same text apart, ``{"role": "agent" | "environment", "text": ...}`` per stretch
+    (:func:`textrl.envs.collector.episode_turns`)."""
     from textrl.rollout import run_episodes
+
+    from textrl.envs.collector import episode_turns
 
     td = run_episodes(agent, batch.select(slice(0, n)), episodes, greedy=True, timings=None)
     seen = td.get(KEYS.response_mask, td.get(KEYS.mask))
     ids = [row[m].tolist() for row, m in zip(td.get(KEYS.action).cpu(), seen.cpu())]
     texts = agent.tokenizer.batch_decode(ids, skip_special_tokens=True)
-    return [{"prompt": p, "completion": c} for p, c in zip(batch.prompt_texts[:n], texts)]
+    turns = episode_turns(td, agent.tokenizer)  # the agent's and the environment's text apart (the mask)
+    return [{"prompt": p, "completion": c, "turns": t} for p, c, t in zip(batch.prompt_texts[:n], texts, turns)]
 
 
 def iteration_metrics(

@@ -144,6 +144,7 @@ def test_rows_end_at_different_turns_and_wait_for_nothing(tok):
 
 def test_length_and_context_ends(tok):
     env = Echo(max_turns=3)
+    env.answers_truncated_turns = False  # the opt-out: a cut turn ends the episode, unanswered
     batch = batch_of(tok, env.rows())
     # row 0's second turn has no EOS and runs to the cap: "length"
     long = "cat " * 10

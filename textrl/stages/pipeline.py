@@ -117,6 +117,17 @@ class PipelineConfig:
     """PPO KL coefficient (beta)."""
     max_new_tokens: int = 24
     """Length cap of a PPO response."""
+    max_prompt_length: int | None = None
+    """PPO's longest prompt in tokens (chat template included; a longer one is refused). None: the
+    longest of the PPO prompts, bounded by the SFT model's context minus max_new_tokens (as
+    `textrl train`)."""
+    max_episode_tokens: int | None = None
+    """PPO's cap of an episode's tokens after the prompt (None: max_new_tokens for single-turn
+    prompts, bounded to the context; as `textrl train`)."""
+    sft_max_length: int = 256
+    """SFT's longest training sequence in tokens (prompt + response; `textrl sft --max-length`)."""
+    rm_max_length: int = 256
+    """The reward model's longest sequence in tokens (`textrl rm --max-length`)."""
     eval_size: int = 32
     """PPO held-out prompts."""
     load_in_4bit: bool = False
@@ -133,8 +144,13 @@ class PipelineConfig:
 
     def validate(self) -> PipelineConfig:
         """Check every field; raise ``ValueError`` naming the field, its value and what is allowed."""
-        for name in ("sft_steps", "rm_steps", "batch_size", "ppo_iterations", "max_new_tokens"):
+        for name in ("sft_steps", "rm_steps", "batch_size", "ppo_iterations", "max_new_tokens",
+                     "sft_max_length", "rm_max_length"):
             _at_least(name, getattr(self, name), 1)
+        if self.max_prompt_length is not None:
+            _at_least("max_prompt_length", self.max_prompt_length, 1)
+        if self.max_episode_tokens is not None:
+            _at_least("max_episode_tokens", self.max_episode_tokens, self.max_new_tokens)
         for name in ("rm_eval_size", "threads"):
             _at_least(name, getattr(self, name), 0)
         _at_least("eval_size", self.eval_size, 1)
@@ -258,13 +274,15 @@ def _run(config: PipelineConfig) -> dict[str, Any]:
     print("== 1/3 sft ==", flush=True)
     sft = _stage(config, "sft", lambda resume: train_sft(SFTConfig(
         output_dir=str(out / "sft"), model=config.model, data=config.sft_data, steps=config.sft_steps,
-        lr=config.sft_lr, batch_size=config.batch_size, resume=resume, **common)))
+        lr=config.sft_lr, batch_size=config.batch_size, max_length=config.sft_max_length, resume=resume,
+        **common)))
     sft_model = str(out / "sft" / MODEL_DIR)
 
     print(f"== 2/3 reward model{' (LoRA adapter on the SFT model)' if config.lora else ''} ==", flush=True)
     rm = _stage(config, "rm", lambda resume: train_rm(RMConfig(
         output_dir=str(out / "rm"), model=sft_model, data=config.preference_data, steps=config.rm_steps,
         lr=config.rm_lr, batch_size=config.batch_size, eval_size=config.rm_eval_size, lora=config.lora,
+        max_length=config.rm_max_length,
         load_in_4bit=config.load_in_4bit, resume=resume, **common)))
     rm_model = str(out / "rm" / MODEL_DIR)
 
@@ -282,6 +300,7 @@ def _run(config: PipelineConfig) -> dict[str, Any]:
         dataset=dataset, iterations=config.ppo_iterations, eval_size=config.eval_size,
         eval_every=every, checkpoint_every=every, keep_checkpoints=1, warmup_sft_steps=0,
         actor_lr=config.actor_lr, kl_coef=config.kl_coef, max_new_tokens=config.max_new_tokens,
+        max_prompt_length=config.max_prompt_length, max_episode_tokens=config.max_episode_tokens,
         resume=resume, **common,
     )))
 
