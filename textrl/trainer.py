@@ -61,6 +61,10 @@ from textrl.run import (
     signal_message,
     take_run_folder,
 )
+from textrl.run.records import set_aside_earlier_records
+from textrl.run.resume import checkpoint_iteration, refuse_shorter_run
+from textrl.run.signals import Stoppable, StopRequested, stop_before_loop, stop_phase
+from textrl.run.user_code import USER_CODE_FILE, user_code_digest, user_code_json
 from textrl.timing import timed
 
 BEFORE_FILE = "eval_before.json"
@@ -77,10 +81,16 @@ def train(config: TrainConfig) -> dict[str, Any]:
     :class:`TrainingStopped` (its message says how to resume); so does a run of
     ``config.max_nonfinite_updates`` consecutive NaN/inf updates (skipped or rolled back). With
     ``nonfinite_weights='stop'`` an update that leaves NaN/inf weights raises it at once, without
-    a checkpoint.
+    a checkpoint. A signal before the first iteration (while models load, in the supervised
+    warm-up, in the held-out evaluation before it) stops at the next warm-up step or evaluation
+    batch, with nothing new saved: the same command starts over (or resumes).
     """
-    with StopSignals() as signals:
-        return _train(config, signals)
+    with StopSignals("the set-up (loading the models)", "stopping before the first iteration") as signals:
+        try:
+            return _train(config, signals)
+        except StopRequested as err:
+            newest = latest_checkpoint(config.output_dir) if config.resume else None
+            raise stop_before_loop("train", err, checkpoint_iteration(newest) if newest else 0, newest) from None
 
 
 @holds_run_folder  # the run folder's lock, taken in _set_up, is given back at the end
@@ -128,6 +138,9 @@ class PPORun:
     does not roll back): no evaluation, no checkpoint, the run stops."""
     metrics: MetricsLog | None = None
     samples: SamplesLog | None = None
+    user_code: dict[str, str | None] | None = None
+    """sha256 of the user's files the run imported (:func:`textrl.run.user_code.user_code_digest`),
+    read at set-up: each checkpoint records these, not a later edit."""
 
     # -- the PPO iteration ---------------------------------------------------------------------
 
@@ -159,10 +172,18 @@ class PPORun:
         if self.weights_poisoned:
             return {}
         with timed(timings, "eval", self.agent.device):
-            row = evaluate(self.agent, self.eval_batches, self.episodes, self.config.seed + iteration,
+            row = evaluate(self.agent, self.stoppable_batches(), self.episodes, self.config.seed + iteration,
                            reward_nonfinite=self.config.reward_nonfinite)
             self.samples.write(iteration, sample_completions(self.agent, self.eval_batches[0], self.episodes))
         return row
+
+    def stoppable_batches(self) -> Any:
+        """The held-out batches, in one process ended between two by a stop signal
+        (:func:`textrl.run.signals.until_stopped`); under several processes all of them (the
+        evaluation's forwards may be collectives every process must join)."""
+        if self.dist.enabled:
+            return self.eval_batches
+        return Stoppable(self.eval_batches, "the held-out evaluation", unit="batch")
 
     def checkpoint(self, iteration: int, stopping: bool) -> Path | None:
         """Every process's RNGs and (FSDP, ZeRO) the gathered state; the main process saves.
@@ -176,7 +197,11 @@ class PPORun:
             return None
         return save_checkpoint(self.output_dir, iteration, agent, self.sampler, self.config.keep_checkpoints,
                                rng_per_process=rng_per_process, agent_state=state,
-                               files={SETTINGS_FILE: config_yaml(self.config)})
+                               files=self.record_files())
+
+    def record_files(self) -> dict[str, str]:
+        """The run's record in each checkpoint: ``config.yaml`` and ``user_code.json``."""
+        return {SETTINGS_FILE: config_yaml(self.config), USER_CODE_FILE: user_code_json(self.user_code or {})}
 
     def faulted(self) -> bool:
         """``max_nonfinite_updates`` consecutive updates were skipped (or rolled back) for NaN/inf,
@@ -217,8 +242,14 @@ class PPORun:
             start = load_checkpoint(self.resume_from, self.agent, self.sampler, verify=False, dist=self.dist)
             self.agent.take_changed_settings(set(self.resumed_changes))
             self.log(f"resumed from {self.resume_from} (iteration {start})")
+            if start >= self.config.iterations:
+                self.log(f"--resume: the run is complete (iteration {start} of {self.config.iterations}): "
+                         f"nothing to train; pass --iterations above {start} to continue it")
         if self.main:  # the record of what runs from here on
+            if self.resume_from is None:  # a fresh run: an earlier run's records are set aside, not mixed in
+                set_aside_earlier_records(self.output_dir, self.log)
             save_config(self.config, self.output_dir / SETTINGS_FILE)
+            (self.output_dir / USER_CODE_FILE).write_text(user_code_json(self.user_code or {}))
             if self.resume_from is not None:
                 record_resume(self.output_dir, start, self.resume_from, self.resumed_changes)
         resume_after = start if self.resume_from is not None else None
@@ -234,8 +265,10 @@ class PPORun:
             return json.loads(path.read_text()) if path.is_file() else None
         if not self.evaluates:
             return None
-        before = evaluate(self.agent, self.eval_batches, self.episodes, self.config.seed,
-                          reward_nonfinite=self.config.reward_nonfinite)
+        with stop_phase("the current batch of the held-out evaluation before iteration 1",
+                        "stopping (nothing is saved before iteration 1)"):
+            before = evaluate(self.agent, self.stoppable_batches(), self.episodes, self.config.seed,
+                              reward_nonfinite=self.config.reward_nonfinite)
         if self.main:
             path.write_text(json.dumps(before, indent=2) + "\n")
         self.samples.write(0, sample_completions(self.agent, self.eval_batches[0], self.episodes))
@@ -282,6 +315,7 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     checkpoint = resume_checkpoint(config, log)  # verified before any model loads
     changes = {} if checkpoint is None else check_resume_settings(config, config_values(config), checkpoint,
                                                                     "train", log)
+    user_code = user_code_digest(config)  # the files as this run imports them (compared above)
 
     # the environment and its rows before any model loads: a bad file or row is named in seconds
     env = environment(config)
@@ -316,7 +350,7 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     evaluates = main or backend.partitions_weights
     return PPORun(config=config, agent=agent, sampler=sampler, episodes=episodes, eval_batches=eval_batches,
                   backend=backend, dist=dist, main=main, evaluates=evaluates, output_dir=output_dir,
-                  resume_from=checkpoint, resumed_changes=changes, log=log)
+                  resume_from=checkpoint, resumed_changes=changes, log=log, user_code=user_code)
 
 
 # -- set-up --------------------------------------------------------------------------------------
@@ -335,39 +369,28 @@ def check_run(config: TrainConfig) -> None:
     refuse_earlier_run(config)
     refuse_changed_settings(config)
     env = environment(config)  # an unknown --env lists the registered ids; a dataset file loads
-    check_env_reward_columns(env)  # every row holds the columns its rewards read (FILE:LINE of one that does not)
     spec = reward_spec(config, env)
     pays_turns = type(env).step is not Environment.step or callable(env.reward)  # rewards of its own
     if spec.strip() or not (pays_turns or _agent_scores_alone(config, spec)):
         check_reward_spec(spec)  # an empty spec with nothing else to score the episodes is refused
 
 
-def check_env_reward_columns(env) -> None:
-    """Every training and held-out row of ``env`` holds the columns its reward reads
-    (:func:`textrl.envs.prompts.check_reward_columns`), checked before any model loads."""
-    from textrl.envs.prompts import check_reward_columns
-
-    for rows in (env.rows(), env.eval_rows()):
-        if rows is not None:
-            check_reward_columns(rows, env.reward)
-
-
 def refuse_changed_settings(config: TrainConfig) -> None:
-    """:class:`ResumeRefused` when ``--resume`` changes a fixed setting of the newest checkpoint
-    (compared again, on the verified checkpoint, under the run folder's lock in set-up)."""
+    """:class:`ResumeRefused` when ``--resume`` changes a fixed setting or a user code file of the
+    newest checkpoint (compared again, on the verified checkpoint, under the run folder's lock in
+    set-up), or asks for fewer ``--iterations`` than it already ran."""
     newest = complete_checkpoints(Path(config.output_dir) / "checkpoints") if config.resume else []
     if newest:
         check_resume_settings(config, config_values(config), newest[-1], "train", log=lambda *a, **k: None)
+        refuse_shorter_run(newest[-1], config.iterations)
 
 
 def environment(config: TrainConfig):
     """The run's environment (:func:`textrl.envs.registry.task_environment`): ``--env``, else a
     ``--dataset`` scored by ``--reward``, else the built-in digits task."""
     from textrl.envs.registry import task_environment
-    from textrl.rewards.options import resolve_reward
 
-    reward = resolve_reward(config.reward, config.reward_weights)  # a spec string, or functions (TRL's reward_funcs)
-    return task_environment(config.env, config.dataset, reward, config.env_args)
+    return task_environment(config.env, config.dataset, config.reward, config.env_args)
 
 
 def episode_tokens(config: TrainConfig, env) -> int:

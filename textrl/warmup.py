@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from textrl.run.signals import stop_phase, until_stopped
+
 IGNORE_INDEX = -100
 """Label of tokens left out of the loss (``torch.nn.CrossEntropyLoss``'s ``ignore_index``)."""
 
@@ -137,21 +139,17 @@ def sft_warmup(
     start = time.perf_counter()
     losses: list[float] = []
     if steps:
-        device = next(model.parameters()).device
         generator = torch.Generator().manual_seed(int(seed))
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
         model.train()
-        for indices in _batch_order(len(pairs), steps, batch_size, generator):
-            batch = build_sft_batch(tokenizer, [pairs[i] for i in indices], max_length)
-            batch = {k: v.to(device) for k, v in batch.items()}
-            with autocast():
-                loss = model(**batch, use_cache=False).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            losses.append(loss.item())
+        batches = _batch_order(len(pairs), steps, batch_size, generator)
+        # in a run, a stop signal ends the warm-up between two steps (StopRequested): nothing of it
+        # is saved, and the command run again starts it over
+        with stop_phase("the current warm-up step", "stopping before the first iteration (nothing is saved "
+                        "before it; the same command starts the warm-up over)", stoppable=True):
+            losses = _train_steps(model, tokenizer, pairs, until_stopped(batches, "the supervised warm-up"),
+                                  optimizer, params, max_length, autocast)
     model.eval()
     nan = float("nan")
     return {
@@ -160,6 +158,25 @@ def sft_warmup(
         "steps": float(len(losses)),
         "seconds": time.perf_counter() - start,
     }
+
+
+def _train_steps(model: torch.nn.Module, tokenizer: Any, pairs: Sequence[tuple[str, str]], batches: Any,
+                 optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_length: int | None,
+                 autocast: Callable[[], AbstractContextManager[Any]]) -> list[float]:
+    """One AdamW step (gradient norm clipped at 1) per batch of indices; the losses."""
+    device = next(model.parameters()).device
+    losses: list[float] = []
+    for indices in batches:
+        batch = build_sft_batch(tokenizer, [pairs[i] for i in indices], max_length)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast():
+            loss = model(**batch, use_cache=False).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
 
 
 __all__ = ["IGNORE_INDEX", "build_sft_batch", "encode_sft_example", "sft_warmup"]

@@ -7,6 +7,8 @@
 - :mod:`~textrl.run.resume`: which checkpoint ``--resume`` continues from, and what it may change;
 - :mod:`~textrl.run.metrics`: ``metrics.jsonl`` / TensorBoard / ``curves.png`` and ``samples.jsonl``;
 - :mod:`~textrl.run.signals`: SIGINT / SIGTERM and :class:`TrainingStopped`;
+- :mod:`~textrl.run.user_code`: the sha256 of the user's files a run imports (``user_code_digest``);
+- :mod:`~textrl.run.records`: a fresh run sets an earlier run's records aside (``earlier_runs/``);
 - :mod:`~textrl.run.rng`: seeding, and every RNG captured and restored for exact resume;
 - :mod:`~textrl.run.progress`, :mod:`~textrl.run.device`: the progress bar, the device.
 
@@ -33,6 +35,7 @@ from textrl.run.lock import (
 from textrl.run.loop import LoopBody, RunLoop
 from textrl.run.metrics import MetricsLog, SamplesLog
 from textrl.run.progress import Progress
+from textrl.run.records import set_aside_earlier_records
 from textrl.run.resume import (
     SETTINGS_FILE,
     ResumeRefused,
@@ -43,6 +46,7 @@ from textrl.run.resume import (
 )
 from textrl.run.rng import rng_state, seed_everything, set_rng_state
 from textrl.run.signals import StopSignals, TrainingStopped, resume_command, signal_message
+from textrl.run.user_code import USER_CODE_FILE, user_code_digest
 
 __all__ = [
     "CHECKPOINT_MARKER",
@@ -52,6 +56,7 @@ __all__ = [
     "Progress",
     "ResumeRefused",
     "SETTINGS_FILE",
+    "USER_CODE_FILE",
     "RunFolderBusy",
     "RunFolderLock",
     "RunLoop",
@@ -73,8 +78,10 @@ __all__ = [
     "rng_state",
     "save_checkpoint",
     "seed_everything",
+    "set_aside_earlier_records",
     "set_rng_state",
     "take_run_folder",
+    "user_code_digest",
     "signal_message",
     "verify_checkpoint",
 ]

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from textrl.distributed import Distributed
 from textrl.run.metrics import MetricsLog
 from textrl.run.progress import Progress
-from textrl.run.signals import StopSignals, TrainingStopped
+from textrl.run.signals import StopRequested, StopSignals, TrainingStopped, stop_phase
 
 
 class LoopBody(Protocol):
@@ -83,6 +83,8 @@ class RunLoop:
     plot: Path | None = None
     main: bool = True
     dist: Distributed = field(default_factory=Distributed)
+    evaluation_cut: str | None = None
+    """How far the evaluation of the current iteration got when a signal cut it (None: it ran whole)."""
 
     def run(self, body: LoopBody, start: int, signals: StopSignals | None = None) -> None:
         """Iterations ``start + 1 .. iterations`` of ``body``; :class:`TrainingStopped` on a stop.
@@ -93,8 +95,11 @@ class RunLoop:
         progress = Progress(self.progress, self.iterations, start, self.name)
         with nullcontext(signals) if signals is not None else StopSignals() as signals:
             for iteration in range(start + 1, self.iterations + 1):
-                row = self.iteration(body, iteration)
-                self.metrics.write(row)
+                last = iteration == self.iterations
+                with stop_phase(f"the last {self.timing}" if last else f"the current {self.timing}",
+                                "ending the run" if last else "saving a checkpoint", stoppable=not last):
+                    row = self.iteration(body, iteration)
+                    self.metrics.write(row)
                 progress.advance(body.postfix(row))
                 self.stop_or_save(body, iteration, signals, progress)
         progress.close()
@@ -107,8 +112,13 @@ class RunLoop:
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
         row = body.step(iteration, timings)
+        self.evaluation_cut = None
         if self.evaluates and self.due(iteration, self.eval_every):
-            row.update(body.evaluate(iteration, timings))
+            try:
+                with stop_phase("the current evaluation batch"):
+                    row.update(body.evaluate(iteration, timings))
+            except StopRequested as err:  # a signal: the evaluation ends between batches, unlogged
+                self.evaluation_cut = err.where
         row.update({f"time/{phase}_s": seconds for phase, seconds in timings.items()})
         row[f"time/{self.timing}_s"] = time.perf_counter() - t0
         if self.throughput is not None:
@@ -133,6 +143,8 @@ class RunLoop:
         progress.close()
         self.metrics.close()
         message = body.stop_message(iteration, signals.received, saved)
+        if self.evaluation_cut is not None:
+            message += f" ({self.evaluation_cut} was cut short: the row of {self.timing} {iteration} has no eval/ metrics)"
         if self.main:
             print(message, file=sys.stderr, flush=True)
         raise TrainingStopped(message, 1 if faulted else 128 + (signals.received or signal.SIGTERM))

@@ -26,7 +26,18 @@ from typing import Any
 
 import yaml
 
-from textrl.run.checkpoints import CheckpointError, complete_checkpoints, latest_checkpoint
+from textrl.run.checkpoints import (
+    CHECKPOINT_MARKER,
+    CheckpointError,
+    complete_checkpoints,
+    latest_checkpoint,
+)
+from textrl.run.user_code import (
+    describe_code_changes,
+    saved_user_code,
+    user_code_changes,
+    user_code_digest,
+)
 
 SETTINGS_FILE = "config.yaml"
 """The settings a checkpoint was trained with (inside the checkpoint folder), and the run's own."""
@@ -104,9 +115,45 @@ def check_resume_settings(config: Any, given: dict[str, Any], checkpoint: Path, 
             f"--resume cannot change what defines the run ({listed}): {checkpoint} was trained with "
             f"the settings in {source}; resume with `textrl {command} --config {source} --resume`, "
             "or start a new run in another --output-dir")
+    check_user_code(config, checkpoint, command)
     for name, (old, new) in changes.applied.items():
         log(f"--resume: {name} {old!r} -> {new!r} (applied from the next iteration on)")
     return changes.applied
+
+
+def check_user_code(config: Any, checkpoint: Path, command: str) -> None:
+    """:class:`ResumeRefused` when a user file the run imported (``--reward file.py:fn``, ``--env
+    file.py:Class``, ``--agent file.py:Name``: :mod:`textrl.run.user_code`) was edited or removed
+    since ``checkpoint`` was written: the code defines the run, as the ``reward`` / ``env`` /
+    ``agent`` settings do. A checkpoint that recorded no digests is not compared."""
+    saved = saved_user_code(checkpoint)
+    if saved is None:
+        return
+    changed = user_code_changes(saved, user_code_digest(config))
+    if changed:
+        raise ResumeRefused(
+            f"--resume cannot run other code than the run's ({describe_code_changes(changed)}): {checkpoint} "
+            "was trained with the file as it was then; restore it (e.g. from version control) and resume "
+            f"with `textrl {command} --config {Path(config.output_dir) / SETTINGS_FILE} --resume`, or start "
+            "a new run in another --output-dir")
+
+
+def checkpoint_iteration(checkpoint: Path) -> int:
+    """The iteration (a stage's step) ``checkpoint`` was saved after, from its marker."""
+    return int(json.loads((Path(checkpoint) / CHECKPOINT_MARKER).read_text())["iteration"])
+
+
+def refuse_shorter_run(checkpoint: Path, length: int, name: str = "iterations", unit: str = "iteration") -> None:
+    """:class:`ResumeRefused` when ``--resume`` asks for ``length`` (``--iterations``) below the
+    iteration ``checkpoint`` already reached: the run cannot be cut back, and ``config.yaml`` would
+    say a length that did not run."""
+    done = checkpoint_iteration(checkpoint)
+    if length < done:
+        flag = "--" + name.replace("_", "-")
+        raise ResumeRefused(
+            f"--resume: {checkpoint} is at {unit} {done}, past {name}={length}; the run already trained "
+            f"{done} {unit}s: pass {flag} {done} (nothing more to train) or more to continue it, or start "
+            "a new run in another --output-dir for a shorter one")
 
 
 def record_resume(output_dir: str | Path, iteration: int, checkpoint: Path,
@@ -159,8 +206,11 @@ __all__ = [
     "ResumeRefused",
     "SettingsChanges",
     "check_resume_settings",
+    "check_user_code",
+    "checkpoint_iteration",
     "record_resume",
     "refuse_earlier_run",
+    "refuse_shorter_run",
     "resume_checkpoint",
     "saved_settings",
     "settings_changes",

@@ -73,6 +73,9 @@ from textrl.run import (
     signal_message,
     take_run_folder,
 )
+from textrl.run.records import set_aside_earlier_records
+from textrl.run.signals import StopRequested, StopSignals, stop_before_loop, stop_phase
+from textrl.run.user_code import USER_CODE_FILE, user_code_digest, user_code_json
 
 ADAPTER_META = "textrl_adapter.json"
 """Written next to a policy LoRA adapter: ``{"format": "textrl-lora", "version": 1, "base_model",
@@ -401,7 +404,10 @@ def record_run(config: StageConfig, resume_from: Path | None, start: int) -> Non
         changes = check_resume_settings(config, config_values(config), resume_from, _command(config),
                                         log=lambda *a, **k: None)  # printed by prepare_run already
         record_resume(output_dir, start, resume_from, changes)
+    else:  # a fresh run: an earlier run's records (metrics, tb/, model/, ...) are set aside, not mixed in
+        set_aside_earlier_records(output_dir)
     save_config(config, output_dir / SETTINGS_FILE)
+    (output_dir / USER_CODE_FILE).write_text(user_code_json(user_code_digest(config)))
 
 
 def _command(config: StageConfig) -> str:
@@ -546,16 +552,29 @@ def fit(
     record_run(config, resume_from, start)
     log = MetricsLog(output_dir, enabled=True, resume_after=None if resume_from is None else start)
     began = time.perf_counter()
-    if resume_from is None:
-        state.before = evaluate()
-    steps = StageSteps(config, name, train_rows, loss_fn, evaluate, state, order)
-    RunLoop(name, config.steps, log, eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
-            checkpoint_last=False, timing="step", progress=config.progress).run(steps, start)
+    with StopSignals("the current step", "saving a checkpoint") as signals:  # the evaluation before too
+        if resume_from is None:
+            state.before = evaluate_before(name, evaluate, log)
+        steps = StageSteps(config, name, train_rows, loss_fn, evaluate, state, order)
+        RunLoop(name, config.steps, log, eval_every=config.eval_every, checkpoint_every=config.checkpoint_every,
+                checkpoint_last=False, timing="step", progress=config.progress).run(steps, start, signals)
     save(output_dir / MODEL_DIR)
     summary = {"stage": name, "before": state.before, "after": steps.after, "model": str(output_dir / MODEL_DIR),
                "steps": config.steps, "seconds": time.perf_counter() - began, "precision": precision.record()}
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def evaluate_before(name: str, evaluate: Callable[[], dict[str, float]], log: MetricsLog) -> dict[str, float]:
+    """The held-out evaluation before step 1 of a fresh run; a stop signal ends it between two
+    batches (:class:`~textrl.run.signals.StopRequested`) and the stage with nothing saved."""
+    try:
+        with stop_phase("the current batch of the held-out evaluation before step 1",
+                        "stopping (nothing is saved before step 1)"):
+            return evaluate()
+    except StopRequested as err:
+        log.close()
+        raise stop_before_loop(name, err, 0, None) from None
 
 
 def under(context: Callable[[], Any], fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -577,6 +596,7 @@ class StageSteps:
         self.config, self.name, self.train_rows = config, name, train_rows
         self.loss_fn, self._evaluate, self.state, self.order = loss_fn, evaluate, state, order
         self.after = state.before
+        self.user_code = user_code_digest(config)  # as the run started: each checkpoint records these
 
     def step(self, step: int, timings: dict[str, float]) -> dict[str, Any]:
         """One AdamW step on the next batch of rows; the metrics row."""
@@ -592,7 +612,9 @@ class StageSteps:
     def checkpoint(self, step: int, stopping: bool) -> Path:
         """``checkpoints/iter_NNNNNN`` after ``step``."""
         return save_stage_checkpoint(Path(self.config.output_dir), step, self.state, self.order,
-                                     self.config.keep_checkpoints, files={SETTINGS_FILE: config_yaml(self.config)})
+                                     self.config.keep_checkpoints,
+                                     files={SETTINGS_FILE: config_yaml(self.config),
+                                            USER_CODE_FILE: user_code_json(self.user_code)})
 
     def faulted(self) -> bool:
         """A stage stops on a signal only."""

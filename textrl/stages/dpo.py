@@ -25,6 +25,7 @@ from torch import Tensor
 
 from textrl.functional import logprobs_from_logits
 from textrl.run import holds_run_folder
+from textrl.run.signals import until_stopped
 from textrl.stages.common import (
     fit,
     format_summary,
@@ -129,7 +130,8 @@ def train_dpo(config: DPOConfig) -> dict[str, Any]:
         policy.eval()
         parts: list[tuple[Tensor, ...]] = []
         with torch.no_grad():
-            for start in range(0, len(eval_prefs), config.batch_size):
+            batches = range(0, len(eval_prefs), config.batch_size)
+            for start in until_stopped(batches, "the held-out evaluation", "batch"):  # a signal: cut between batches
                 parts.append(logps(eval_prefs[start:start + config.batch_size]))
         _, stats = dpo_loss(*(torch.cat(p) for p in zip(*parts)), beta=config.beta)
         return stats

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from textrl.precision import Precision
 from textrl.run import holds_run_folder
+from textrl.run.signals import until_stopped
 from textrl.stages.common import (
     add_lora,
     fit,
@@ -159,7 +160,8 @@ def train_rm(config: RMConfig) -> dict[str, Any]:
         scorer.eval()
         chosen, rejected = [], []
         with torch.no_grad():
-            for start in range(0, len(eval_prefs), config.batch_size):
+            batches = range(0, len(eval_prefs), config.batch_size)
+            for start in until_stopped(batches, "the held-out evaluation", "batch"):  # a signal: cut between batches
                 c, r = scores(eval_prefs[start:start + config.batch_size])
                 chosen.append(c)
                 rejected.append(r)

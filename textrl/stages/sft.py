@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from textrl.run import holds_run_folder
+from textrl.run.signals import until_stopped
 from textrl.stages.common import (
     StageConfig,
     fit,
@@ -140,7 +141,8 @@ def train_sft(config: SFTConfig) -> dict[str, Any]:
         model.eval()
         total, count = 0.0, 0
         with torch.no_grad():
-            for start in range(0, len(eval_pairs), config.batch_size):
+            batches = range(0, len(eval_pairs), config.batch_size)
+            for start in until_stopped(batches, "the held-out evaluation", "batch"):  # a signal: cut between batches
                 loss, n = completion_loss(model, to_device(eval_pairs[start:start + config.batch_size]))
                 total, count = total + loss.item() * n, count + n
         return {"loss": total / max(count, 1)}
