@@ -68,7 +68,8 @@ TRL_OPTIONS: dict[str, tuple[str, str, str]] = {
     "loss_type": ("GRPO", "loss_aggregation", "grpo -> seq_mean, bnpo and dapo -> token_mean, dr_grpo -> "
                                               "seq_mean_token_sum (up to the constant 1 / max_completion_length)"),
     "scale_rewards": ("GRPO", "agent", "--agent grpo divides by the group std, --agent rloo does not"),
-    "reward_weights": ("GRPO", "reward", "weights in the spec: name:weight,..."),
+    "reward_funcs": ("GRPO", "reward", "a function, a list of functions and names, or a spec string name:weight,..."),
+    "reward_weights": ("GRPO", "reward_weights", "same name: one weight per reward (or name:weight in the spec)"),
     "missing_eos_penalty": ("PPO", "reward", "a reward of the spec: --reward ...,missing_eos_penalty:WEIGHT"),
     "stop_token": ("PPO", "", "generation stops at the tokenizer's EOS"),
     "stop_token_id": ("PPO", "", "generation stops at the tokenizer's EOS"),
@@ -86,6 +87,9 @@ TRL_OPTIONS: dict[str, tuple[str, str, str]] = {
     "torch_dtype": ("ModelConfig", "dtype", "float32 or bfloat16 (the trained weights' dtype)"),
     "dtype": ("ModelConfig", "dtype", "same name; float32 or bfloat16 ('auto' has no counterpart)"),
     "attn_implementation": ("ModelConfig", "attn_implementation", "same name: sdpa, eager, flash_attention_2"),
+    "gradient_checkpointing": ("PPO, GRPO", "", "no gradient checkpointing yet (activations are kept for the backward pass)"),
+    "use_vllm": ("GRPO", "", "no vLLM generation yet (the policy generates with transformers' generate)"),
+    "vllm_mode": ("GRPO", "", "no vLLM generation yet (the policy generates with transformers' generate)"),
 }
 """TRL option -> (the TRL config(s) that have it, our TrainConfig field or '', note)."""
 
@@ -97,7 +101,7 @@ def trl_hint(name: str) -> str | None:
         return None
     _, ours, note = entry
     if not ours:
-        return f"{name} is TRL's option; textrl has no counterpart ({note})"
+        return f"{name} is TRL's option; textrl has no counterpart: {note}"
     return f"{name} is TRL's name: textrl calls it {ours}" + (f" ({note})" if note else "")
 
 
