@@ -333,7 +333,8 @@ class PPOAgent(nn.Module):
             check_tokenizer_fits(tokenizer, base, tokenizer_name=tokenizer_name(config), model_name=policy_name(config))
         else:
             base = cls.load_policy(config, tokenizer, device, log)
-        lora = lora_config(cls.lora_rank(config), config.lora_alpha, config.lora_dropout, config.lora_target_modules)
+        lora = lora_config(cls.lora_rank(config), config.lora_alpha, config.lora_dropout, config.lora_target_modules,
+                           model=base)
         lora_critic = cls.needs_critic and config.critic_type == "lora"
         stack, _ = build_adapter_stack(base, lora, critic_adapter=lora_critic)
         policy = _own_lora_weights(AdapterPolicy(stack, POLICY), stack.lora[POLICY])

@@ -156,7 +156,8 @@ class MultiAdapterPPO(GAEPPO):
             )
         warn_if_merged(policy, merged)
         keep_4bit_differentiable(policy)
-        lora = lora_config(self.lora_rank(config), config.lora_alpha, config.lora_dropout, config.lora_target_modules)
+        lora = lora_config(self.lora_rank(config), config.lora_alpha, config.lora_dropout, config.lora_target_modules,
+                           model=policy)
         lora_critic = config.critic_type == "lora"
         stack, score_head = build_adapter_stack(
             policy, lora, critic_adapter=lora_critic,

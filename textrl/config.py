@@ -243,8 +243,10 @@ class TrainConfig:
     """LoRA scaling numerator (the update is scaled by lora_alpha / lora_r)."""
     lora_dropout: float = 0.0
     """Dropout inside LoRA layers (kept at 0 so PPO ratios are exactly 1 before the first step)."""
-    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"
-    """Comma-separated module names LoRA wraps, or 'all-linear'."""
+    lora_target_modules: str = "auto"
+    """Modules LoRA wraps: 'auto' (peft's choice for the architecture: c_attn on GPT-2, q_proj,v_proj
+    on Llama / Qwen2; every linear layer but the head where peft has none), 'all-linear', or a
+    comma list of module names (a list that matches no module is refused, naming the model's)."""
     critic_type: str = "value_head"
     """multi_adapter_ppo critic: 'value_head' on the policy's hidden states, or a separate 'lora' adapter."""
 
@@ -392,7 +394,7 @@ class TrainConfig:
             _at_least(name, getattr(self, name), 0.0)
         _in_range("lora_dropout", self.lora_dropout, 0.0, 1.0)
         if not self.lora_target_modules.strip():
-            raise ValueError("lora_target_modules='': name at least one module (e.g. q_proj,v_proj) or 'all-linear'")
+            raise ValueError("lora_target_modules='': name at least one module (e.g. q_proj,v_proj), 'auto' or 'all-linear'")
         if self.load_in_4bit:
             check_bitsandbytes("load_in_4bit")
         rollout = self.rollout_batch_size
@@ -436,8 +438,10 @@ class TrainConfig:
         return None
 
     def is_default(self, name: str) -> bool:
-        """Whether field ``name`` holds its default value (an option left unset)."""
-        return getattr(self, name) == _DEFAULTS[name]
+        """Whether field ``name`` holds its default value (an option left unset), or a former
+        default that a config.yaml of an earlier textrl holds (:data:`FORMER_DEFAULTS`)."""
+        value = getattr(self, name)
+        return value == _DEFAULTS[name] or value in FORMER_DEFAULTS.get(name, ())
 
     @property
     def rollout_batch_size(self) -> int:
@@ -450,6 +454,9 @@ class TrainConfig:
 
 
 _DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
+FORMER_DEFAULTS: dict[str, tuple[Any, ...]] = {"lora_target_modules": ("q_proj,k_proj,v_proj,o_proj",)}
+"""Defaults of earlier releases, still an option left unset where an agent does not read it (a
+LoRA run that holds one still means exactly that list)."""
 
 
 def _unknown_options(names: typing.Iterable[str]) -> str:

@@ -151,31 +151,79 @@ def is_quantized(model: nn.Module) -> bool:
     return bool(getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False))
 
 
+AUTO_TARGETS = "auto"
+"""``lora_target_modules`` default: peft's choice for the architecture, else every linear layer."""
+LEGACY_LLAMA_TARGETS = "q_proj,k_proj,v_proj,o_proj"
+"""The default of textrl before ``auto``: a config that holds it still means exactly that list."""
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """The distinct last names of ``model``'s linear layers (``nn.Linear``, GPT-2's ``Conv1D``,
+    bitsandbytes' 4-bit linears), output head included, in order of appearance."""
+    names: dict[str, None] = {}
+    for full, module in model.named_modules():
+        kind = type(module).__name__
+        if full and (isinstance(module, nn.Linear) or kind in ("Conv1D", "Linear4bit", "Linear8bitLt")):
+            names.setdefault(full.rsplit(".", 1)[-1], None)
+    return list(names)
+
+
+def auto_target_modules(model: nn.Module) -> list[str] | str:
+    """peft's LoRA targets for ``model``'s architecture (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``,
+    what ``target_modules=None`` picks: GPT-2 ``c_attn``, Llama / Qwen2 ``q_proj, v_proj``), else
+    ``"all-linear"`` (every linear layer but the output head) for an architecture peft does not know."""
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as BY_ARCHITECTURE
+
+    base = model.get_base_model() if is_peft(model) else model
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    targets = BY_ARCHITECTURE.get(model_type)
+    return list(targets) if targets else "all-linear"
+
+
+def target_modules_for(spec: str | Sequence[str], model: nn.Module | None = None) -> list[str] | str | None:
+    """The ``target_modules`` a LoRA on ``model`` gets from ``spec``: ``"auto"`` ->
+    :func:`auto_target_modules` (None without a model: peft chooses when the adapter is added);
+    ``"all-linear"`` as it is; a comma list or a sequence of names, checked against ``model``:
+    one that matches no module is refused, naming the model's linear modules."""
+    if isinstance(spec, str):
+        text = spec.strip()
+        if text in (AUTO_TARGETS, "all-linear"):
+            return (auto_target_modules(model) if model is not None else None) if text == AUTO_TARGETS else text
+        modules = [m.strip() for m in text.split(",") if m.strip()]
+    else:
+        modules = [str(m) for m in spec]
+    if not modules:
+        raise ValueError("lora target_modules is empty: name modules (e.g. 'q_proj,v_proj'), 'auto' or 'all-linear'")
+    if model is not None:
+        present = {full.rsplit(".", 1)[-1] for full, _ in model.named_modules() if full}
+        if not present & set(modules):
+            model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+            raise ValueError(
+                f"lora_target_modules={','.join(modules)!r} matches no module of this {model_type} model; its "
+                f"linear modules are {', '.join(linear_module_names(model))}: name some of them, or leave the "
+                "default 'auto' (peft's choice for the architecture) or pass 'all-linear'")
+    return modules
+
+
 def lora_config(
     r: int = 8,
     alpha: int = 16,
     dropout: float = 0.0,
-    target_modules: str | Sequence[str] = "q_proj,k_proj,v_proj,o_proj",
+    target_modules: str | Sequence[str] = AUTO_TARGETS,
+    model: nn.Module | None = None,
 ) -> LoraConfig:
     """The LoRA recipe of every stage: causal-LM task, no bias, B zero-initialised.
 
-    ``target_modules`` is a comma list (``"q_proj,v_proj"``), a sequence of names, or
-    ``"all-linear"`` (every linear layer but the output head).
+    ``target_modules`` is ``"auto"`` (peft's per-architecture choice, else ``"all-linear"``), a comma
+    list (``"q_proj,v_proj"``), a sequence of names, or ``"all-linear"`` (every linear layer but
+    the output head); with ``model`` it is resolved and checked against it
+    (:func:`target_modules_for`).
     """
     from peft import LoraConfig
 
-    if isinstance(target_modules, str):
-        spec = target_modules.strip()
-        modules: str | list[str] = spec if spec == "all-linear" else [
-            m.strip() for m in spec.split(",") if m.strip()
-        ]
-    else:
-        modules = [str(m) for m in target_modules]
-    if not modules:
-        raise ValueError("lora target_modules is empty: name modules (e.g. 'q_proj,v_proj') or 'all-linear'")
     return LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules, bias="none",
-        task_type="CAUSAL_LM",
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules_for(target_modules, model),
+        bias="none", task_type="CAUSAL_LM",
     )
 
 
@@ -473,7 +521,12 @@ def warn_if_merged(model: nn.Module, merged: bool | None = None) -> dict[str, An
 
 
 __all__ = [
+    "AUTO_TARGETS",
+    "LEGACY_LLAMA_TARGETS",
     "REWARD_FORMAT",
+    "auto_target_modules",
+    "linear_module_names",
+    "target_modules_for",
     "final_hidden",
     "hidden_size",
     "is_peft",

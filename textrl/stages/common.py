@@ -133,8 +133,10 @@ class StageConfig:
     """LoRA scaling numerator (the update is scaled by lora_alpha / lora_r)."""
     lora_dropout: float = 0.0
     """Dropout inside LoRA layers."""
-    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"
-    """Comma-separated module names LoRA wraps, or 'all-linear'."""
+    lora_target_modules: str = "auto"
+    """Modules LoRA wraps: 'auto' (peft's choice for the architecture: c_attn on GPT-2, q_proj,v_proj
+    on Llama / Qwen2; every linear layer but the head where peft has none), 'all-linear', or a
+    comma list of module names (a list that matches no module is refused, naming the model's)."""
     load_in_4bit: bool = False
     """Quantise the frozen base to 4-bit NF4 with bitsandbytes (needs lora=true)."""
     progress: bool = True
@@ -168,7 +170,7 @@ class StageConfig:
         if self.load_in_4bit:
             check_bitsandbytes("load_in_4bit")
         if self.lora and not self.lora_target_modules.strip():
-            raise ValueError("lora_target_modules='': name modules (e.g. q_proj,v_proj) or 'all-linear'")
+            raise ValueError("lora_target_modules='': name modules (e.g. q_proj,v_proj), 'auto' or 'all-linear'")
         if is_adapter_dir(self.model):
             raise ValueError(
                 f"model={self.model!r} is a LoRA adapter folder; merge it into its base first "
@@ -245,7 +247,7 @@ def add_lora(model: Any, config: StageConfig) -> Any:
     from textrl.models.adapters import lora_config
 
     lora = lora_config(r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,
-                       target_modules=config.lora_target_modules)
+                       target_modules=config.lora_target_modules, model=model)
     return get_peft_model(model, lora)
 
 
