@@ -124,6 +124,77 @@ def test_plots_are_written(tmp_path):
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
 
 
+def _report_of(levels, seeds=3, envs=("digits",)):
+    """The statistics of fabricated runs: agent -> the normalised score it reaches (noise 0.05)."""
+    rng = np.random.default_rng(1)
+    runs = [record(agent, env, seed, 0.5 + 0.5 * (level + rng.normal(0, 0.05)))
+            for agent, level in levels.items() for env in envs for seed in range(seeds)]
+    normalised = bench_report.normalised_scores(runs, list(levels), list(envs), range(seeds), {e: 1.0 for e in envs})
+    return bench_report.compare_scores(normalised, reps=100), normalised
+
+
+def test_profiles_show_the_drop_when_every_score_is_below_zero():
+    report, normalised = _report_of({"gae_ppo": -0.6, "rloo": -0.3})
+    scores = np.concatenate([a.ravel() for a in normalised["scores"].values()])
+    assert scores.max() < 0
+    fig = bench_report.profile_figure(report)
+    (ax,) = fig.axes
+    low, high = ax.get_xlim()
+    assert low < scores.min() and high >= 1.0  # every score, and the 0..1 range, in view
+    lines = [line for line in ax.get_lines() if line.get_label() in report["agents"]]
+    assert len(lines) == 2
+    for line in lines:
+        x, y = np.asarray(line.get_xdata()), np.asarray(line.get_ydata())
+        assert low <= x.min() and x.max() <= high
+        assert y[0] == 1.0 and y[-1] == 0.0  # the whole fall of the profile is drawn, below tau = 0
+        assert x[np.argmax(y < 1.0)] < 0
+    assert len(ax.collections) == 2  # the bootstrap bands
+
+
+def test_profile_taus_span_every_score():
+    from textrl.stats import DEFAULT_TAUS
+
+    assert bench_report.profile_taus({"a": np.array([[0.2], [0.7]])}) == list(DEFAULT_TAUS)  # 0..1 as before
+    assert bench_report.profile_taus({"a": np.array([[0.0], [0.7]])})[:2] == [-0.05, 0.0]  # 0 itself is counted
+    taus = bench_report.profile_taus({"a": np.array([[-2.3]]), "b": np.array([[1.6]])})
+    assert taus[0] < -2.3 and taus[-1] >= 1.6 and len(taus) <= 201
+    assert all(b > a for a, b in zip(taus, taus[1:]))
+
+
+def _text_boxes(fig):
+    """Every visible, non-empty text of ``fig`` (tick labels, titles, axis labels) and its box."""
+    renderer = fig.canvas.get_renderer()
+
+    def shown(ax, labels, axis):  # tick labels whose tick lies within the view (those are drawn)
+        low, high = sorted(ax.get_xlim() if axis == 0 else ax.get_ylim())
+        return [t for t in labels if low - 1e-9 <= t.get_position()[axis] <= high + 1e-9]
+
+    texts = [t for ax in fig.axes for t in (*shown(ax, ax.get_xticklabels(), 0), *shown(ax, ax.get_yticklabels(), 1),
+                                            ax.title, ax.xaxis.label, ax.yaxis.label)]
+    texts += [fig._suptitle] if fig._suptitle is not None else []
+    return [(t.get_text(), t.get_window_extent(renderer)) for t in texts if t.get_visible() and t.get_text()]
+
+
+@pytest.mark.parametrize("agents", [["gae_ppo", "rloo"],
+                                    ["gae_ppo", "one_step_ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "remax",
+                                     "cispo", "gspo", "dapo", "vapo", "multi_adapter_ppo", "MyVeryLongAgentClassName",
+                                     "prime", "opo", "sapo"]])
+def test_interval_labels_neither_overlap_nor_leave_the_figure(agents):
+    report, _ = _report_of({a: 0.1 * (i % 7) - 0.2 for i, a in enumerate(agents)}, envs=("digits", "arithmetic"))
+    fig = bench_report.interval_figure(report)
+    fig.canvas.draw()
+    boxes = _text_boxes(fig)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == agents
+    whole = fig.bbox
+    for text, box in boxes:
+        assert whole.x0 <= box.x0 and box.x1 <= whole.x1 and whole.y0 <= box.y0 and box.y1 <= whole.y1, text
+    for i, (a, box_a) in enumerate(boxes):
+        for b, box_b in boxes[i + 1:]:
+            assert not box_a.overlaps(box_b), (a, b)
+    for ax in fig.axes:  # every agent drawn in every panel
+        assert len(ax.patches) == len(agents) and len(ax.get_lines()) == len(agents)
+
+
 # -- resumability, failures and the lock (a fake trainer: no training) ---------------------------
 
 

@@ -56,3 +56,31 @@ def test_tensorboard_shows_each_iteration_once_after_a_resume(tmp_path):
     events.Reload()
     scalars = events.Scalars("reward/mean")
     assert [(s.step, s.value) for s in scalars] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def test_curves_label_the_kl_estimator_and_draw_a_negative_k1_curve():
+    """curves.png's KL panel says which estimator ``kl/collection`` is (k1 is the mean log-ratio,
+    which goes below 0) and draws the values, negative ones in view."""
+    from textrl.run.metrics import curves_figure, kl_axis_label
+
+    kl = [0.02, -0.03, -0.05, 0.01]
+    rows = [{"iteration": i + 1, "reward/mean": 0.1 * i, "kl/collection": v} for i, v in enumerate(kl)]
+    fig = curves_figure(rows, "k1")
+    reward_ax, kl_ax = fig.axes
+    assert kl_ax.get_ylabel() == "k1 estimate of KL(policy || ref) at collection\n(mean log-ratio; can be negative)"
+    (curve, zero) = kl_ax.get_lines()
+    assert list(curve.get_ydata()) == kl and list(zero.get_ydata()) == [0.0, 0.0]
+    low, high = kl_ax.get_ylim()
+    assert low <= min(kl) and high >= max(kl)
+    assert reward_ax.get_lines()[0].get_ydata()[-1] == pytest.approx(0.3)
+    assert kl_axis_label("k3").startswith("k3 estimate of KL(policy || ref) at collection\n(") and ">= 0" in kl_axis_label("k3")
+    assert "KL(policy || ref)" in kl_axis_label(None)
+
+
+def test_a_run_passes_its_kl_kind_to_the_curves(tmp_path):
+    """MetricsLog keeps the estimator it is given for the label of the curves it plots."""
+    log = MetricsLog(tmp_path, enabled=True, resume_after=None, kl_kind="k3")
+    log.write({"iteration": 1, "reward/mean": 0.5, "kl/collection": 0.01})
+    log.plot(tmp_path / "curves.png")
+    log.close()
+    assert log.kl_kind == "k3" and (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"

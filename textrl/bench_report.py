@@ -102,12 +102,25 @@ def start_disagreements(runs: Sequence[dict[str, Any]], tolerance: float = 1e-9)
             if max(values) - min(values) > tolerance]
 
 
+def profile_taus(scores: Mapping[str, Any], step: float = 0.05, most: int = 201) -> list[float]:
+    """Thresholds of the performance profiles that span every score: from a step below the lowest
+    (at most 0) to the highest (at least 1), ``step`` apart (wider when that would exceed ``most``
+    points). With scores all below 0, the profiles still fall from 1 to 0 where they can be seen."""
+    values = np.concatenate([np.asarray(a, dtype=float).ravel() for a in scores.values()]) if scores else np.zeros(1)
+    values = values[np.isfinite(values)]
+    low = min(0.0, math.floor(values.min() / step) * step - step) if values.size else 0.0
+    high = max(1.0, math.ceil(values.max() / step) * step) if values.size else 1.0
+    count = min(most, round((high - low) / step) + 1)
+    return np.round(np.linspace(low, high, count), 4).tolist()
+
+
 def compare_scores(normalised: dict[str, Any], reps: int = 2000, seed: int = 0) -> dict[str, Any] | None:
-    """:func:`textrl.stats.compare` of :func:`normalised_scores`'s arrays (None when no agent or
-    environment is left)."""
+    """:func:`textrl.stats.compare` of :func:`normalised_scores`'s arrays, its profiles at
+    :func:`profile_taus` (None when no agent or environment is left)."""
     if not normalised["scores"] or not normalised["envs"]:
         return None
-    return stats.compare(normalised["scores"], task_names=normalised["envs"], reps=reps, seed=seed)
+    return stats.compare(normalised["scores"], task_names=normalised["envs"], reps=reps, seed=seed,
+                         taus=profile_taus(normalised["scores"]))
 
 
 # -- the report's text ---------------------------------------------------------------------------
@@ -250,43 +263,89 @@ def plot_learning_curves(runs: Sequence[dict[str, Any]], envs: Sequence[str], pa
     return _save(fig, plt, path)
 
 
+AGGREGATE_TITLES = {"iqm": "IQM", "mean": "mean", "median": "median", "optimality_gap": "optimality gap\n(lower is better)"}
+"""Panel titles of :func:`plot_intervals`."""
+
+
+def interval_layout(agents: Sequence[str]) -> dict[str, float]:
+    """Sizes of :func:`plot_intervals` by the number and length of the agents' names: ``width``
+    and ``height`` (inches) and ``label_size`` (points), so the panels keep their width beside
+    long names and the names keep their line each."""
+    label_size = 9.0 if len(agents) <= 12 else 7.0
+    longest = max((len(a) for a in agents), default=1)
+    names_in = 0.3 + longest * label_size * 0.6 / 72  # ~0.6 em per character
+    width = names_in + 2.8 * len(stats.AGGREGATES)
+    height = 1.8 + 0.32 * len(agents) * label_size / 9
+    return {"width": width, "height": max(2.8, height), "label_size": label_size}
+
+
 def plot_intervals(report: dict[str, Any], path: Path) -> Path:
+    """``intervals.png``: :func:`interval_figure`."""
+    return _save(interval_figure(report), _pyplot(), path, tight=False)
+
+
+def interval_figure(report: dict[str, Any]) -> Any:
     """rliable-style interval plot: per aggregate (IQM, mean, median, optimality gap) a panel with
-    each agent's point estimate and its bootstrap interval (a dot alone with one seed)."""
+    each agent's point estimate and its bootstrap interval (a tick alone with one seed); the
+    agents' names once, on the left, the figure sized by their number and length, at most four
+    slanted ticks per axis."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = _pyplot()
     agents = report["agents"]
-    fig, axes = plt.subplots(1, len(stats.AGGREGATES), figsize=(3.2 * len(stats.AGGREGATES), 0.5 * len(agents) + 1.5),
-                             squeeze=False)
+    size = interval_layout(agents)
+    fig, axes = plt.subplots(1, len(stats.AGGREGATES), figsize=(size["width"], size["height"]), squeeze=False,
+                             sharey=True, layout="constrained")  # room for every label, computed when drawn
     for ax, key in zip(axes[0], stats.AGGREGATES, strict=True):
         for i, agent in enumerate(agents):
             entry = report["aggregates"][agent][key]
             if entry["low"] is not None:
-                ax.barh(i, entry["high"] - entry["low"], left=entry["low"], height=0.6, alpha=0.4, color=f"C{i}")
-            ax.plot([entry["point"]], [i], "k|", markersize=14)
-        ax.set_yticks(range(len(agents)), agents if key == stats.AGGREGATES[0] else [""] * len(agents))
-        ax.set_title(key.replace("_", " ") + (" (lower is better)" if key == "optimality_gap" else ""), fontsize=9)
-        ax.set_xlabel("normalised score")
+                ax.barh(i, entry["high"] - entry["low"], left=entry["low"], height=0.6, alpha=0.4, color=f"C{i % 10}")
+            ax.plot([entry["point"]], [i], "k|", markersize=12)
+        ax.set_yticks(range(len(agents)), agents, fontsize=size["label_size"])
+        ax.set_ylim(len(agents) - 0.4, -0.6)  # the first agent on top
+        ax.set_title(AGGREGATE_TITLES.get(key, key), fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(4))
+        ax.tick_params(axis="x", labelsize=8, labelrotation=30)
+        ax.set_xlabel("1 - normalised score" if key == "optimality_gap" else "normalised score", fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+        ax.margins(x=0.08)
     fig.suptitle(f"{round(100 * report['confidence'])}% stratified-bootstrap intervals", fontsize=9)
-    return _save(fig, plt, path)
+    return fig
 
 
 def plot_profiles(report: dict[str, Any], path: Path) -> Path:
-    """Performance profiles: fraction of runs with normalised score > tau, with bootstrap bands."""
+    """``profiles.png``: :func:`profile_figure`."""
+    return _save(profile_figure(report), _pyplot(), path)
+
+
+def profile_figure(report: dict[str, Any]) -> Any:
+    """Performance profiles: fraction of runs with normalised score > tau, with bootstrap bands,
+    over the taus of the report (:func:`profile_taus` spans every score, negative ones too); the
+    x axis covers them all, a dotted line marks tau = 0 (no progress)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    taus: list[float] = []
     for agent in report["agents"]:
         profile = report["profiles"][agent]
-        (line,) = ax.plot(profile["taus"], profile["point"], label=agent)
+        taus += profile["taus"]
+        (line,) = ax.plot(profile["taus"], profile["point"], label=agent, drawstyle="steps-post")
         if profile["low"] is not None:
-            ax.fill_between(profile["taus"], profile["low"], profile["high"], color=line.get_color(), alpha=0.2)
-    ax.set_xlabel("normalised score tau")
+            ax.fill_between(profile["taus"], profile["low"], profile["high"], color=line.get_color(), alpha=0.2,
+                            step="post")
+    if taus:
+        ax.set_xlim(min(taus), max(taus))
+    ax.set_ylim(-0.03, 1.03)
+    ax.axvline(0.0, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("normalised score tau (0: no progress, 1: the reference high)")
     ax.set_ylabel("fraction of runs with score > tau")
     ax.legend(fontsize=7)
-    return _save(fig, plt, path)
+    return fig
 
 
-def _save(fig: Any, plt: Any, path: Path) -> Path:
-    fig.tight_layout()
+def _save(fig: Any, plt: Any, path: Path, tight: bool = True) -> Path:
+    if tight:
+        fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -301,6 +360,7 @@ def write_plots(runs: Sequence[dict[str, Any]], envs: Sequence[str], report: dic
     return paths
 
 
-__all__ = ["COLUMNS", "aggregate", "compare_scores", "markdown", "markdown_table", "mean_std", "normalised_score",
-           "normalised_scores", "plot_intervals", "plot_learning_curves", "plot_profiles", "reference_highs",
+__all__ = ["AGGREGATE_TITLES", "COLUMNS", "aggregate", "compare_scores", "interval_figure", "interval_layout",
+           "markdown", "markdown_table", "mean_std", "normalised_score", "normalised_scores", "plot_intervals",
+           "plot_learning_curves", "plot_profiles", "profile_figure", "profile_taus", "reference_highs",
            "significance_summary", "write_plots"]

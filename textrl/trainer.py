@@ -253,7 +253,8 @@ class PPORun:
             if self.resume_from is not None:
                 record_resume(self.output_dir, start, self.resume_from, self.resumed_changes)
         resume_after = start if self.resume_from is not None else None
-        self.metrics = MetricsLog(self.output_dir, self.main, resume_after=resume_after)
+        self.metrics = MetricsLog(self.output_dir, self.main, resume_after=resume_after,
+                                  kl_kind=self.config.kl_kind)
         self.samples = SamplesLog(self.output_dir, self.main, resume_after=resume_after)
         return start
 

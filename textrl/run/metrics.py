@@ -58,9 +58,10 @@ class MetricsLog:
     rows up to ``resume_after`` (in ``rows`` too). Only an ``enabled`` log writes files.
     """
 
-    def __init__(self, output_dir: Path, enabled: bool, resume_after: int | None) -> None:
+    def __init__(self, output_dir: Path, enabled: bool, resume_after: int | None, kl_kind: str | None = None) -> None:
         self.path = output_dir / "metrics.jsonl"
         self.enabled = enabled
+        self.kl_kind = kl_kind  # the estimator behind kl/collection, for curves.png's label
         self.rows: list[dict[str, float]] = []
         self.writer = None
         if not enabled:
@@ -90,28 +91,12 @@ class MetricsLog:
                 self.writer.add_scalar(key, value, row["iteration"])
 
     def plot(self, path: Path) -> None:
-        """``curves.png``: rollout and held-out reward, and KL at collection, per iteration."""
+        """``curves.png`` (:func:`curves_figure`) of the rows so far."""
         if not self.enabled or not self.rows:
             return
-        import matplotlib
-
-        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        its = [r["iteration"] for r in self.rows]
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-        ax1.plot(its, [r.get("reward/mean", float("nan")) for r in self.rows], label="rollout reward")
-        evals = [r for r in self.rows if "eval/sampled/reward/mean" in r]
-        if evals:
-            ax1.plot([r["iteration"] for r in evals], [r["eval/sampled/reward/mean"] for r in evals],
-                     "o-", label="held-out (sampled)")
-        ax1.set_xlabel("iteration")
-        ax1.set_ylabel("reward")
-        ax1.legend()
-        ax2.plot(its, [r.get("kl/collection", float("nan")) for r in self.rows])
-        ax2.set_xlabel("iteration")
-        ax2.set_ylabel("KL(policy || ref) at collection")
-        fig.tight_layout()
+        fig = curves_figure(self.rows, self.kl_kind)
         fig.savefig(path, dpi=100)
         plt.close(fig)
 
@@ -119,6 +104,48 @@ class MetricsLog:
         """Flush and close the TensorBoard writer."""
         if self.writer is not None:
             self.writer.close()
+
+
+KL_ESTIMATES = {
+    "k1": ("k1 estimate of KL(policy || ref)", "mean log-ratio; can be negative"),
+    "k2": ("k2 estimate of KL(policy || ref)", "half the squared log-ratio; >= 0, biased"),
+    "k3": ("k3 estimate of KL(policy || ref)", "r - 1 - log r, r = ref / policy; >= 0"),
+    "abs": ("abs estimate of KL(policy || ref)", "|log-ratio|; >= 0, biased"),
+}
+"""``--kl-kind`` -> (what ``kl/collection`` is, how it is computed per token; Schulman's estimators)."""
+
+
+def kl_axis_label(kind: str | None) -> str:
+    """The KL axis label of ``curves.png`` for the run's ``--kl-kind`` (None: not known), two lines."""
+    name, how = KL_ESTIMATES.get(kind, ("estimate of KL(policy || ref)", "the run's --kl-kind; k1 can be negative"))
+    return f"{name} at collection\n({how})"
+
+
+def curves_figure(rows: list[dict[str, Any]], kl_kind: str | None = None) -> Any:
+    """The figure of ``curves.png``: rollout and held-out reward, and ``kl/collection`` per
+    iteration, labelled with its estimator (:func:`kl_axis_label`; a dotted line marks 0, below
+    which a k1 curve can dip)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    its = [r["iteration"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax1.plot(its, [r.get("reward/mean", float("nan")) for r in rows], label="rollout reward")
+    evals = [r for r in rows if "eval/sampled/reward/mean" in r]
+    if evals:
+        ax1.plot([r["iteration"] for r in evals], [r["eval/sampled/reward/mean"] for r in evals],
+                 "o-", label="held-out (sampled)")
+    ax1.set_xlabel("iteration")
+    ax1.set_ylabel("reward")
+    ax1.legend()
+    ax2.plot(its, [r.get("kl/collection", float("nan")) for r in rows])
+    ax2.axhline(0.0, color="grey", linestyle=":", linewidth=1)
+    ax2.set_xlabel("iteration")
+    ax2.set_ylabel(kl_axis_label(kl_kind), fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 class SamplesLog:
@@ -147,4 +174,4 @@ class SamplesLog:
                 f.write(json.dumps({"iteration": iteration, **sample}) + "\n")
 
 
-__all__ = ["MetricsLog", "SamplesLog", "rewrite_rows", "rows_up_to"]
+__all__ = ["KL_ESTIMATES", "MetricsLog", "curves_figure", "SamplesLog", "kl_axis_label", "rewrite_rows", "rows_up_to"]
