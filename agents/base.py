@@ -228,6 +228,9 @@ class PPOAgent(nn.Module):
                 raise ValueError(cls._ignored_option(agent, option, getattr(config, option)))
         if "critic_init" in cls.options and config.critic_init == "reward_model" and not config.reward_model:
             raise ValueError("critic_init='reward_model' needs --reward-model PATH")
+        if config.ref_refresh_every and not cls.needs_reference(config):
+            raise ValueError(f"ref_refresh_every={config.ref_refresh_every} refreshes the reference model, which "
+                             "kl_coef=0 does not build (nothing reads it): drop --ref-refresh-every, or set --kl-coef > 0")
         cls._validate_lora(config)
         sharded = config.sharding()
         if sharded and not cls.shardable:
@@ -236,6 +239,14 @@ class PPOAgent(nn.Module):
                 f"{setting} shards full-precision models; {agent} keeps one (4-bit) base per process "
                 f"instead: drop {flag}, or use another agent without --load-in-4bit"
             )
+
+    @classmethod
+    def needs_reference(cls, config: TrainConfig) -> bool:
+        """Whether the agent keeps a reference model: something reads it, the KL penalty
+        (``kl_coef > 0``, in the reward or the loss), the adaptive KL controller (fed the measured
+        KL) or the ``kl/after_update`` monitor. At ``kl_coef=0`` without those none is built or
+        loaded, no reference forward runs, and the KL monitors are absent from the metrics."""
+        return config.kl_coef > 0 or config.adaptive_kl or config.kl_after_update
 
     @classmethod
     def lora_rank(cls, config: TrainConfig) -> int | None:
@@ -308,7 +319,8 @@ class PPOAgent(nn.Module):
         if critic_from_reward_model:
             check_tokenizer_fits(tokenizer, critic, tokenizer_name=tokenizer_name(config),
                                  model_name=str(config.reward_model))
-        return cls(policy, tokenizer, config, ref_policy=copy.deepcopy(policy), critic=critic)
+        reference = copy.deepcopy(policy) if cls.needs_reference(config) else None
+        return cls(policy, tokenizer, config, ref_policy=reference, critic=critic)
 
     @classmethod
     def _from_config_lora(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any) -> PPOAgent:
@@ -341,7 +353,8 @@ class PPOAgent(nn.Module):
         critic = None
         if cls.needs_critic:
             critic = _own_lora_weights(value_critic(stack, lora_critic), stack.lora[CRITIC] if lora_critic else [])
-        agent = cls(policy, tokenizer, config, ref_policy=AdapterPolicy(stack, None), critic=critic)
+        reference = AdapterPolicy(stack, None) if cls.needs_reference(config) else None
+        agent = cls(policy, tokenizer, config, ref_policy=reference, critic=critic)
         agent.stack = stack
         return agent
 
@@ -471,9 +484,12 @@ class PPOAgent(nn.Module):
         warned once here."""
         if self.sampling_notice:
             warnings.warn(self.sampling_notice, stacklevel=2)
-        if ref_policy is None:
+        if not self.needs_reference(config):
+            ref_policy = None  # kl_coef=0: nothing reads a reference (needs_reference)
+        elif ref_policy is None:
             ref_policy = copy.deepcopy(policy)
-        self.ref_policy = ref_policy.eval().requires_grad_(False)
+        self.ref_policy: nn.Module | None = ref_policy.eval().requires_grad_(False) if ref_policy is not None else None
+        """The frozen reference of the KL penalty; None when nothing reads it (:meth:`needs_reference`)."""
         if self.needs_critic and critic is None:
             raise ValueError(f"{type(self).__name__} needs a critic (e.g. ValueModel.from_causal_lm)")
         self.critic = critic.eval() if critic is not None and self.needs_critic else None
@@ -677,7 +693,8 @@ class PPOAgent(nn.Module):
 
     @torch.no_grad()
     def evaluate(self, td: TensorDictBase, *, keep_graph: bool = False) -> TensorDict:
-        """Recompute ``action_log_prob``, ``ref_log_prob`` (and ``state_value``) for a rollout.
+        """Recompute ``action_log_prob``, ``ref_log_prob`` (when the agent keeps a reference) and
+        ``state_value`` (with a critic) for a rollout.
 
         One prefill forward per micro-batch over the finished sequences, never token by token.
         Returns a TensorDict with those keys (``[B, T]`` log-probs, ``[B, T, 1]`` values).
@@ -703,12 +720,12 @@ class PPOAgent(nn.Module):
                 out["logp"].append(self.behaviour_logprobs(*args, action[sl]))
                 if self.critic is not None:
                     out["value"].append(self._values(*args))
-            out["ref"].append(self.logprobs(self.ref_policy, *args, action[sl]))
+            if self.ref_policy is not None:
+                out["ref"].append(self.logprobs(self.ref_policy, *args, action[sl]))
         logp = torch.cat(out["logp"])
-        result = TensorDict(
-            {KEYS.action_log_prob: logp, KEYS.ref_log_prob: torch.cat(out["ref"])},
-            batch_size=td.batch_size,
-        )
+        result = TensorDict({KEYS.action_log_prob: logp}, batch_size=td.batch_size)
+        if self.ref_policy is not None:
+            result.set(KEYS.ref_log_prob, torch.cat(out["ref"]))
         if self.critic is not None:
             result.set(KEYS.state_value, torch.cat(out["value"]).unsqueeze(-1))
         if type(self).behaviour_logprobs is PPOAgent.behaviour_logprobs:  # the policy's own log-probs
@@ -797,9 +814,10 @@ class PPOAgent(nn.Module):
                 td.set(KEYS.state_value, values.unsqueeze(-1))
                 td.set(KEYS.next_state_value, next_values.unsqueeze(-1))
             self.estimate(td)
-            kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind="k1")
-            seq_kl = self.dist.mean({"kl": masked_sum(kl, mask, dim=1).mean().item()})["kl"]
-            self.kl_ctl.update(seq_kl, td.shape[0] * self.dist.world_size)
+            if self.ref_policy is not None:  # without one the coefficient is a fixed 0
+                kl = self.reference_kl(td.get(KEYS.action_log_prob), td, kind="k1")
+                seq_kl = self.dist.mean({"kl": masked_sum(kl, mask, dim=1).mean().item()})["kl"]
+                self.kl_ctl.update(seq_kl, td.shape[0] * self.dist.world_size)
         return td
 
     def task_token_rewards(self, td: TensorDictBase) -> Tensor:
@@ -839,13 +857,22 @@ class PPOAgent(nn.Module):
         entropy_loss = self.aggregate(entropy, mask)
         loss = pg_loss - cfg.entropy_coef * entropy_loss
         stats = {"loss/policy": pg_loss, "entropy": entropy_loss, **stats}
-        if cfg.kl_in == "loss":
-            kl_mean = self.aggregate(kl_penalty(logp, mb.get(KEYS.ref_log_prob), kind=cfg.kl_kind), mask)
+        if cfg.kl_in == "loss" and self.ref_policy is not None:
+            kl_mean = self.aggregate(self.reference_kl(logp, mb), mask)
             if cfg.kl_hinge:  # seed 000: only the KL above the target is penalised
                 kl_mean = (kl_mean - cfg.kl_target).clamp(min=0)
             stats["loss/kl"] = self.kl_ctl.value * kl_mean
             loss = loss + stats["loss/kl"]
         return loss, stats
+
+    def reference_kl(self, logp: Tensor, td: TensorDictBase, kind: str | None = None) -> Tensor:
+        """Per-token KL(policy || reference) ``[B, T]`` of ``logp`` against the rollout's
+        ``ref_log_prob`` (estimator ``kind``, default ``config.kl_kind``); zeros when the rollout
+        has none (the agent keeps no reference: :meth:`needs_reference`, so ``kl_coef`` is 0)."""
+        ref = td.get(KEYS.ref_log_prob, None)
+        if ref is None:
+            return torch.zeros_like(logp)
+        return kl_penalty(logp, ref, kind=kind or self.config.kl_kind)
 
     def surrogate(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """The policy-gradient loss of a (micro-)batch, all ``[B, T]``: PPO's clipped surrogate
@@ -1064,7 +1091,10 @@ class PPOAgent(nn.Module):
         return shared["nonfinite"] == 0 and shared["ratio"] > threshold
 
     def _kl_monitors(self, td: TensorDictBase) -> dict[str, float]:
-        """``kl/collection`` (the rollout's behaviour log-probs) and ``kl/before_update`` (the policy now)."""
+        """``kl/collection`` (the rollout's behaviour log-probs) and ``kl/before_update`` (the policy
+        now); none without a reference (:meth:`needs_reference`)."""
+        if self.ref_policy is None or KEYS.ref_log_prob not in td.keys():
+            return {}
         kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind=self.config.kl_kind)
         return {"kl/collection": masked_mean(kl, td.get(KEYS.mask)).item(), "kl/before_update": self.policy_ref_kl(td)}
 
@@ -1118,7 +1148,7 @@ class PPOAgent(nn.Module):
         rollback, so a refresh copies the restored weights, never NaN/inf ones."""
         self.iteration += 1
         every = self.config.ref_refresh_every
-        if every and self.iteration % every == 0:
+        if every and self.ref_policy is not None and self.iteration % every == 0:
             self._copy_weights(self.ref_policy, self.policy)
 
     # -- resume ---------------------------------------------------------------------------------
@@ -1168,8 +1198,23 @@ class PPOAgent(nn.Module):
         return self.backend.model_state(self)
 
     def load_weights_state(self, state: dict[str, Tensor], strict: bool = True, assign: bool = False) -> Any:
-        """Restore :meth:`weights_state`'s output (every process passes the same ``state``)."""
+        """Restore :meth:`weights_state`'s output (every process passes the same ``state``).
+
+        The reference follows this run's settings (:meth:`needs_reference`): a checkpoint's
+        reference is left out when the agent keeps none (resumed with ``kl_coef`` 0), and an agent
+        that keeps one keeps the one it built, the starting policy, when the checkpoint holds none
+        (its run had ``kl_coef`` 0 and kept no reference)."""
         self.backend.invalidate_rollback()
+        prefix = "ref_policy."
+        if self.ref_policy is None:
+            state = {k: v for k, v in state.items() if not k.startswith(prefix)}
+        elif state and not any(k.startswith(prefix) for k in state):
+            own = [k for k in nn.Module.state_dict(self) if k.startswith(prefix)]
+            if own and self.backend.gathers_state:
+                raise ValueError("the checkpoint holds no reference model (its run had kl_coef=0) and this "
+                                 f"{self.backend.name} run cannot rebuild one from sharded weights: resume with "
+                                 "--kl-coef 0, or without sharding")
+            state = {**state, **{k: v for k, v in nn.Module.state_dict(self).items() if k.startswith(prefix)}}
         return self.backend.load_model_state(self, state, strict=strict, assign=assign)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]

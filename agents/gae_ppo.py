@@ -30,7 +30,6 @@ from textrl.functional import (
     clipped_value_loss,
     gae,
     gae_row_lambda,
-    kl_penalty,
     length_adaptive_lambda,
     masked_whiten,
     shaped_token_rewards,
@@ -74,9 +73,10 @@ class GAEPPO(PPOAgent):
         critic = self.option("lam_critic")
         return policy, cfg.lam if critic is None else critic
 
-    def token_kl(self, logp: Tensor, ref_logp: Tensor) -> Tensor:
-        """Per-token penalty ``[B, T]``: ``KL_t`` of ``kl_kind``, or seed 000's ``max(0, KL_t - kl_target)``."""
-        kl = kl_penalty(logp, ref_logp, kind=self.config.kl_kind)
+    def token_kl(self, logp: Tensor, td: TensorDictBase) -> Tensor:
+        """Per-token penalty ``[B, T]`` against ``td``'s reference log-probs: ``KL_t`` of ``kl_kind``,
+        or seed 000's ``max(0, KL_t - kl_target)``; zeros without a reference (``kl_coef`` 0)."""
+        kl = self.reference_kl(logp, td)
         if self.config.kl_hinge:
             kl = (kl - self.config.kl_target).clamp(min=0)
         return kl
@@ -90,7 +90,7 @@ class GAEPPO(PPOAgent):
         """
         cfg = self.config
         mask = td.get(KEYS.mask)  # [B, T]
-        kl = self.token_kl(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob))  # [B, T]
+        kl = self.token_kl(td.get(KEYS.action_log_prob), td)  # [B, T]
         beta = self.kl_ctl.value if cfg.kl_in == "reward" else 0.0
         rewards = shaped_token_rewards(self.task_token_rewards(td), kl, mask, beta)  # [B, T]
         values = td.get(KEYS.state_value).squeeze(-1)  # [B, T]

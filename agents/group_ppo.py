@@ -27,7 +27,6 @@ from torch import Tensor
 
 from textrl.agent_registry import register_agent
 from textrl.functional import (
-    kl_penalty,
     shaped_token_rewards,
 )
 from textrl.functional.advantages import grpo_advantage, rloo_advantage
@@ -65,7 +64,7 @@ class GroupPPO(CriticFreePPO):
                 f"{type(self).__name__} compares the {n} responses of a prompt, but the rollout has "
                 f"{td.shape[0]} rows (not whole groups: did reward_nonfinite='drop' remove rows? use 'zero')"
             )
-        kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind=cfg.kl_kind)  # [B, T]
+        kl = self.reference_kl(td.get(KEYS.action_log_prob), td)  # [B, T]
         beta = self.kl_ctl.value if cfg.kl_in == "reward" else 0.0
         rewards = shaped_token_rewards(self.task_token_rewards(td), kl, mask, beta)  # [B, T]
         sequence_reward = torch.where(mask, rewards, 0.0).sum(1)  # [B]: score - beta * sum_t KL_t

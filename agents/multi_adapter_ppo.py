@@ -192,7 +192,7 @@ class MultiAdapterPPO(GAEPPO):
         ids = torch.tensor([self.tokenizer("textrl probe: 2+3=5")["input_ids"]], device=self.device)
         mask = torch.ones_like(ids)
         policy = self.policy(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        reference = self.ref_policy(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        reference = AdapterPolicy(self.stack, None)(input_ids=ids, attention_mask=mask, use_cache=False).logits
         if not torch.equal(policy, reference):
             raise RuntimeError(
                 "KL(policy || reference) is not 0 before the first update: the policy adapter "

@@ -20,7 +20,6 @@ from textrl.agent_registry import register_agent
 from textrl.config import TrainConfig
 from textrl.functional import (
     clipped_policy_loss,
-    kl_penalty,
     masked_mean,
     masked_sum,
     one_step_advantage,
@@ -97,7 +96,7 @@ class OneStepPPO(PPOAgent):
         )
         value_last = last_valid(self._forward_values(mb), mask)  # [B]
         v_loss = torch.nn.functional.mse_loss(value_last, mb.get(SCORE).to(value_last.dtype))
-        seq_kl = masked_sum(kl_penalty(logp, mb.get(KEYS.ref_log_prob), kind=cfg.kl_kind), mask, dim=1)  # [B]
+        seq_kl = masked_sum(self.reference_kl(logp, mb), mask, dim=1)  # [B]
         kl_loss = self.kl_ctl.value * seq_kl.mean()
         loss = pg_loss + cfg.vf_coef * v_loss + kl_loss
         stats = {

@@ -33,7 +33,6 @@ from textrl.functional import (
     dr_grpo_aggregate,
     dynamic_sampling_keep,
     gspo_loss,
-    kl_penalty,
     kl_shaped_rewards,
     last_true_index,
     overlong_penalty,
@@ -233,7 +232,7 @@ class ReinforcePP(CriticFreePPO):
             raise ValueError(f"{type(self).__name__} subtracts the mean of the {group} responses of a prompt, but "
                              f"the rollout has {td.shape[0]} rows (not whole groups: did reward_nonfinite='drop' "
                              "remove rows? use 'zero')")
-        kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind=cfg.kl_kind)  # [B, T]
+        kl = self.reference_kl(td.get(KEYS.action_log_prob), td)  # [B, T]
         beta = self.kl_ctl.value
         score = td.get(SCORE).to(kl.dtype)  # [B]
         advantages, returns = reinforce_pp_advantages(score, mask, kl, kl_coef=beta, group_size=group)

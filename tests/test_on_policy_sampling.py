@@ -12,9 +12,9 @@ import warnings
 
 import pytest
 import torch
+from textrl.agents import GAEPPO, MultiAdapterPPO
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from textrl.agents import GAEPPO, MultiAdapterPPO
 from textrl.config import TrainConfig
 from textrl.models import ValueModel, build_tiny_causal_lm, build_tiny_tokenizer
 from textrl.models.sampling import off_policy_settings
