@@ -34,7 +34,7 @@ from textrl.envs.tasks import (
     make_digits_task,
 )
 from textrl.envs.tasks import warmup_examples as digits_warmup_examples
-from textrl.rewards.rules import extract_answer
+from textrl.rewards.rules import extract_answer, tag_content
 
 FORMAT_REWARD = "think_format,tag_count,accuracy"
 """The reasoning-format reward of the single-turn built-ins (as the embedded default's)."""
@@ -43,7 +43,8 @@ FORMAT_MAX_REWARD = 0.5 + 1.0 + 1.0
 WARMUP_ACCURACY = 0.3
 """Default share of right answers in a warm-up (the embedded default's ``warmup_answer_accuracy``)."""
 
-_INTEGER = re.compile(r"[-+]?\d{1,18}")
+_INTEGER = re.compile(r"[-+]?[0-9]{1,18}")
+"""An integer as the tasks write answers: ASCII digits only (``\\d`` also takes '٣'), no separators."""
 
 
 # -- shared helpers ----------------------------------------------------------------------------
@@ -77,14 +78,17 @@ def _distinct_indices(total: int, n_eval: int, n_rows: int, seed: int, env: str)
 
 
 def parse_integer(text: str | None) -> int | None:
-    """An integer written alone (sign, digits, optional ``,`` thousands separators), else None.
+    """An integer written alone (an optional sign and ASCII digits), else None: thousands
+    separators and other scripts' digits are not the answer's format.
 
-    >>> parse_integer(" 287,663 "), parse_integer("-4"), parse_integer("4 apples")
+    >>> parse_integer(" 287663 "), parse_integer("-4"), parse_integer("4 apples")
     (287663, -4, None)
+    >>> parse_integer("287,663"), parse_integer("\u0663")  # a comma; ARABIC-INDIC DIGIT THREE
+    (None, None)
     """
     if text is None:
         return None
-    text = text.strip().replace(",", "")
+    text = text.strip()
     return int(text) if _INTEGER.fullmatch(text) else None
 
 
@@ -216,7 +220,6 @@ class ArithmeticEnv(Environment):
 # -- calculator (tool use) ---------------------------------------------------------------------
 
 _TOOL_OPEN, _TOOL_CLOSE = "<tool>", "</tool>"
-_TOOL_CALL = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
 
 
 def parse_tool_call(completion: str) -> tuple[str | None, str | None]:
@@ -226,9 +229,9 @@ def parse_tool_call(completion: str) -> tuple[str | None, str | None]:
     >>> parse_tool_call("<tool>3*4</tool>"), parse_tool_call("<tool>3*4"), parse_tool_call("12")
     (('3*4', None), (None, 'error: unclosed <tool> (write <tool>EXPR</tool>)'), (None, None))
     """
-    match = _TOOL_CALL.search(completion)
-    if match is not None:
-        expression = match.group(1).strip()
+    found = tag_content(completion, _TOOL_OPEN, _TOOL_CLOSE)  # linear in the completion's length
+    if found is not None:
+        expression = found.strip()
         return (expression, None) if expression else (None, "error: empty <tool></tool> call")
     if _TOOL_OPEN in completion:
         return None, "error: unclosed <tool> (write <tool>EXPR</tool>)"

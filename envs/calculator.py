@@ -45,7 +45,8 @@ MAX_BITS = 512
 Number = int | Fraction
 """What :func:`evaluate` returns: an int, or a Fraction when the value is not whole."""
 
-_TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d*)?|\.\d+)|(\*\*|//|[-+*/%()]))")
+_TOKEN = re.compile(r"\s*(?:([0-9]+(?:\.[0-9]*)?|\.[0-9]+)|(\*\*|//|[-+*/%()]))")
+"""A number (ASCII digits only: ``\\d`` would take '٣' and int() would read it as 3) or an operator."""
 _OPERATORS = "+ - * / // % ** ( )"
 
 
@@ -214,7 +215,7 @@ class _Parser:
                 raise CalculatorError("unbalanced parentheses: missing ')'")
             self.take()
             return value
-        if token[0].isdigit() or token[0] == ".":
+        if token[0] in "0123456789.":
             return _literal(self.take())
         raise CalculatorError(f"unexpected {token!r} where a number was expected")
 

@@ -436,7 +436,7 @@ def test_calculator_tool_loop():
 
 @pytest.mark.parametrize(
     ("completion", "reward"),
-    [("<answer>56088</answer>", 1.0), ("<answer>56,088</answer>", 1.0), ("<answer> 56088 </answer>", 1.0),
+    [("<answer>56088</answer>", 1.0), ("<answer>56,088</answer>", 0.0), ("<answer> 56088 </answer>", 1.0),
      ("<answer>56089</answer>", 0.0), ("<answer>123*456</answer>", 0.0), ("<answer></answer>", 0.0)],
 )
 def test_calculator_answers(completion, reward):

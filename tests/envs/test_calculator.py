@@ -271,3 +271,61 @@ def test_limits_are_the_documented_ones():
 def test_non_text_is_refused():
     with pytest.raises(CalculatorError, match="must be text"):
         evaluate(12)  # type: ignore[arg-type]
+
+
+# -- the calculator environment's answer and tool-call parsing ---------------------------------
+
+
+def _calculator_turn(completion: str, turn: int = 1):
+    from textrl.envs.environment import Episode
+    from textrl.envs.registry import make_env
+
+    env = make_env("calculator", n_rows=4, n_eval=0)
+    row = env.rows()[0]
+    episode = Episode(row=row, messages=[{"role": "user", "content": row["prompt"]}], prompt_messages=1, turn=turn)
+    env.start(episode)
+    return row, env.step(episode, completion)
+
+
+_ARABIC_INDIC = str.maketrans("0123456789", "\u0660\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668\u0669")
+_FULLWIDTH = str.maketrans("0123456789", "\uff10\uff11\uff12\uff13\uff14\uff15\uff16\uff17\uff18\uff19")
+
+
+@pytest.mark.parametrize("written", [
+    lambda n: f"{n:,}",                          # thousands commas: 287,663
+    lambda n: str(n).translate(_ARABIC_INDIC),  # another script's digits, which int() reads
+    lambda n: str(n).translate(_FULLWIDTH),
+], ids=["commas", "arabic-indic", "fullwidth"])
+def test_only_ascii_digits_without_separators_answer(written):
+    from textrl.envs.builtin import parse_integer
+
+    row, _ = _calculator_turn("")
+    answer = int(row["answer"])
+    text = written(answer)
+    assert int(text.replace(",", "")) == answer  # what the old parser accepted as right
+    assert parse_integer(text) is None
+    _, turn = _calculator_turn(f"<answer>{text}</answer>")
+    assert turn.reward == 0.0 and turn.done
+    _, right = _calculator_turn(f"<answer>{answer}</answer>")
+    assert right.reward == 1.0
+
+
+def test_the_tool_takes_only_ascii_digits():
+    with pytest.raises(CalculatorError, match="unexpected character"):
+        evaluate("\u0663 * 2")
+    assert evaluate("3 * 2") == 6
+
+
+def test_adversarial_long_completions_parse_correctly():
+    """120k characters of unclosed tags: what the lazy regexes scanned quadratically (11-16 s);
+    the answer and the tool call are found by str.find (rewards.rules.tag_content)."""
+    from textrl.envs.builtin import parse_tool_call
+    from textrl.rewards.rules import extract_answer, tag_content
+
+    n = 120_000
+    assert extract_answer("<answer>" * (n // 8)) is None
+    assert parse_tool_call("<tool>" * (n // 6)) == (None, "error: unclosed <tool> (write <tool>EXPR</tool>)")
+    assert extract_answer("<answer>" * (n // 8) + "</answer>") == "<answer>" * (n // 8 - 1)
+    assert tag_content("x" * n + "<tool>1+1</tool>", "<tool>", "</tool>") == "1+1"
+    row, turn = _calculator_turn("<tool>" * (n // 6))
+    assert not turn.done and "unclosed <tool>" in turn.observation[0]["content"]
