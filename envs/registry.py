@@ -124,19 +124,29 @@ def _from_file(spec: str, settings: dict[str, Any]) -> Environment:
 
 
 def _build(factory: Callable[..., Any], settings: dict[str, Any], label: str) -> Environment:
+    """``factory(**settings)``, checked: an Environment whose attributes have the right types
+    (:func:`textrl.envs.environment.check_environment`); its constructor raising is a
+    ``ValueError`` naming the environment (an ``ImportError`` naming a missing extra stays one)."""
+    from textrl.envs.environment import check_environment
+
     try:
         env = factory(**settings)
     except TypeError as error:
         if settings and "argument" in str(error):
             raise ValueError(f"--env {label!r} does not take the settings {sorted(settings)}: {error}; its "
                              f"settings: {', '.join(env_settings(factory)) or 'none'}") from error
+        raise ValueError(f"--env {label!r}: its constructor raised TypeError: {error}") from error
+    except (ValueError, ImportError):
         raise
+    except Exception as error:
+        raise ValueError(f"--env {label!r}: its constructor raised {type(error).__name__}: {error}; fix the "
+                         "environment's __init__ (or its --env-args)") from error
     if not isinstance(env, Environment):
         raise TypeError(f"--env {label!r} built a {type(env).__name__}, not a textrl.envs.Environment; "
                         "subclass textrl.envs.Environment (rows() and step())")
     if not env.id:  # a user's class without an id is named by its spec in messages
         env.id = label  # type: ignore[misc]
-    return env
+    return check_environment(env)
 
 
 def env_settings(factory: Callable[..., Any]) -> list[str]:
@@ -246,16 +256,41 @@ def _built(env: str | Environment, env_args: str | None, settings: dict[str, Any
     return _BUILT[key]
 
 
+CHECKED_ROWS = 20_000
+"""Rows of a source whose texts :func:`check_row_texts` reads (a larger file: its first ones)."""
+
+
+def check_row_texts(env: Environment, rows: Any, method: str) -> None:
+    """Every prompt text of ``rows`` (the first :data:`CHECKED_ROWS`) is valid Unicode: a lone
+    surrogate (``"\\ud800"``) has no UTF-8 form and no tokenizer takes it. ``ValueError`` naming
+    the environment, the row and the field."""
+    from textrl.envs.environment import text_problem
+
+    for i in range(min(len(rows), CHECKED_ROWS)):
+        for name, text in _row_texts(rows.messages(i)):
+            bad = text_problem(text)
+            if bad:
+                raise ValueError(f"environment {env.id!r}: {method} row {rows.where(i)}: its {name} has {bad}; "
+                                 "give valid Unicode text")
+
+
+def _row_texts(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(f"message {k} ({m.get('role')}) content", m["content"]) for k, m in enumerate(messages)
+            if isinstance(m.get("content"), str)]
+
+
 def split_rows(env: Environment, eval_size: int, seed: int) -> tuple[Any, Any]:
     """``(train, held-out)`` :class:`textrl.envs.PromptDataset` of ``env``: its own held-out rows
     when it has them, else ``eval_size`` of its rows held out (seeded, as ``PromptDataset.split``)."""
     from textrl.envs.prompts import load_prompts
 
     rows = load_prompts(env.rows())
+    check_row_texts(env, rows, "rows()")
     held_out = env.eval_rows()
     if held_out is None:
         return rows.split(eval_size, seed=seed)
     held_out = load_prompts(held_out)
+    check_row_texts(env, held_out, "eval_rows()")
     if eval_size < len(held_out):  # the first eval_size of its own held-out rows
         held_out = held_out.select(list(range(eval_size)))
     return rows, held_out
