@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -182,8 +183,29 @@ def load_preferences(
     from textrl.envs.synthetic import BUILTIN_PREFERENCES
     from textrl.stages.common import source_rows
 
-    return [parse_preference(row, where, format)
-            for where, row in source_rows(source, BUILTIN_PREFERENCES, "preference data")]
+    parsed = [(where, parse_preference(row, where, format))
+              for where, row in source_rows(source, BUILTIN_PREFERENCES, "preference data")]
+    return _without_ties(parsed)
+
+
+_TIES_NAMED = 5
+
+
+def _without_ties(parsed: list[tuple[str, Preference]]) -> list[Preference]:
+    """The pairs whose chosen and rejected answers differ; the others (same text, whitespace
+    aside: their loss has no gradient, they only dilute the mean) are left out with one warning
+    naming them, and a file of nothing but such pairs is refused."""
+    ties = [where for where, p in parsed if " ".join(p.chosen.split()) == " ".join(p.rejected.split())]
+    if not ties:
+        return [p for _, p in parsed]
+    named = ", ".join(ties[:_TIES_NAMED]) + (f" and {len(ties) - _TIES_NAMED} more" if len(ties) > _TIES_NAMED else "")
+    if len(ties) == len(parsed):
+        raise ValueError(f"every preference pair has chosen == rejected ({named}): nothing to learn from; "
+                         "give each pair two different answers")
+    warnings.warn(f"{len(ties)} of {len(parsed)} preference pairs have chosen == rejected ({named}): they "
+                  "teach nothing and are left out; fix or drop them", stacklevel=3)
+    tied = set(ties)
+    return [p for where, p in parsed if where not in tied]
 
 
 @dataclass
