@@ -389,15 +389,32 @@ class PromptDataset(Sequence[dict]):
         RNGs are untouched. Don't call it to skip evaluation (``eval_size`` must be >= 1).
         """
         n = len(self)
+        if n < 2:
+            raise ValueError(
+                f"{self.source}: the dataset has {n} row, and a run holds out eval_size rows for its "
+                "evaluation and trains on the rest, so it needs at least 2 rows; add prompts"
+            )
         if not 1 <= eval_size < n:
             raise ValueError(
-                f"split: eval_size={eval_size} must be in [1, {n - 1}] for a dataset of {n} rows "
-                "(both parts must be non-empty); lower eval_size or add prompts"
+                f"eval_size={eval_size} (--eval-size): must be in [1, {n - 1}] for the {n} rows of "
+                f"{self.source} (both the held-out and the training part must be non-empty); lower "
+                "--eval-size or add prompts"
             )
         perm = np.random.default_rng(seed).permutation(n)
         eval_idx = np.sort(perm[:eval_size])
         train_idx = np.sort(perm[eval_size:])
-        return self.select(train_idx), self.select(eval_idx)
+        train, held_out = self.select(train_idx), self.select(eval_idx)
+        _warn_shared_rows(train, held_out)
+        return train, held_out
+
+    def row_keys(self) -> list[str]:
+        """A key per row, equal for rows with the same content (a prompt file's line bytes, else
+        the row's JSON): what duplicate detection compares."""
+        store = self._store
+        if isinstance(store, _JsonlRows):
+            return [hashlib.sha1(store._line(int(store.starts[k]))).hexdigest() for k in self._ids().tolist()]
+        return [hashlib.sha1(json.dumps(store.rows[k], sort_keys=True, default=str).encode()).hexdigest()
+                for k in self._ids().tolist()]
 
     def fingerprint(self) -> str:
         """A short hash of the rows, to check a resumed sampler sees the same data: of their
@@ -413,6 +430,25 @@ class PromptDataset(Sequence[dict]):
         if fingerprint == self.fingerprint():
             return True
         return isinstance(self._store, _JsonlRows) and fingerprint == _content_hash(self)
+
+
+_SHARED_NAMED = 5
+
+
+def _warn_shared_rows(train: PromptDataset, held_out: PromptDataset) -> None:
+    """Warn, naming them, when held-out rows are duplicates of training rows (the same line or
+    row twice in the source): the held-out evaluation would then measure prompts it trains on."""
+    seen: dict[str, int] = {}
+    for i, key in enumerate(train.row_keys()):
+        seen.setdefault(key, i)
+    shared = [(held_out.where(j), train.where(seen[key])) for j, key in enumerate(held_out.row_keys()) if key in seen]
+    if not shared:
+        return
+    named = ", ".join(f"{a} = {b}" for a, b in shared[:_SHARED_NAMED])
+    more = f" and {len(shared) - _SHARED_NAMED} more" if len(shared) > _SHARED_NAMED else ""
+    warnings.warn(
+        f"{len(shared)} of {len(held_out)} held-out rows are duplicates of training rows ({named}{more}): the "
+        "held-out evaluation measures prompts the run trains on; remove the duplicate rows", stacklevel=3)
 
 
 def load_prompts(
@@ -572,11 +608,35 @@ def _has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+_FLATTENED_WARNED: set[str] = set()
+"""Tokenizers already warned about by :func:`_warn_flattened` (one warning per tokenizer a process)."""
+
+
+def _warn_flattened(tokenizer: Any, conversations: Iterable[list[dict[str, str]]]) -> None:
+    """Warn once per tokenizer when a tokenizer without a chat template is given conversations:
+    their contents are joined by newlines, so the roles (and what marks the system prompt and each
+    turn) are dropped."""
+    name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+    if name in _FLATTENED_WARNED:
+        return
+    for messages in conversations:
+        roles = [m.get("role") for m in messages]
+        if len(messages) > 1 or roles != ["user"]:
+            _FLATTENED_WARNED.add(name)
+            what = "the system prompt and the roles" if "system" in roles else "the roles of the turns"
+            warnings.warn(f"tokenizer {name!r} has no chat template, so conversations (roles {roles}, ...) are "
+                          f"flattened to their contents joined by newlines: {what} are dropped; give a tokenizer "
+                          "with a chat template (--tokenizer) or plain 'prompt' rows", stacklevel=3)
+            return
+
+
 def template_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     """The text the policy continues: the chat template with a generation prompt, or, for a
-    tokenizer without a template, the messages' contents joined by newlines."""
+    tokenizer without a template, the messages' contents joined by newlines (with a warning, once
+    per tokenizer, when that drops roles: :func:`_warn_flattened`)."""
     if _has_chat_template(tokenizer):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    _warn_flattened(tokenizer, [messages])
     return "\n".join(m["content"] for m in messages)
 
 
@@ -593,6 +653,7 @@ def _template_texts(tokenizer: Any, conversations: list[list[dict[str, str]]]) -
     if _has_chat_template(tokenizer):
         return list(tokenizer.apply_chat_template(conversations, tokenize=False,
                                                   add_generation_prompt=True))
+    _warn_flattened(tokenizer, conversations)
     return ["\n".join(m["content"] for m in messages) for messages in conversations]
 
 

@@ -409,3 +409,41 @@ def test_warmup_answer_accuracy_zero_keeps_the_random_answers():
     assert warmup_examples(rows, seed=1) == warmup_examples(rows, seed=1, answer_accuracy=0.0)
     with pytest.raises(ValueError, match="answer_accuracy"):
         warmup_examples(rows, answer_accuracy=1.5)
+
+
+# -- data faults named: one-row data, duplicates across the split, conversations flattened ----------
+
+
+def test_a_one_row_dataset_says_it_needs_two_rows():
+    with pytest.raises(ValueError, match=r"list: the dataset has 1 row, .* needs at least 2 rows; add prompts"):
+        load_prompts(["only one"]).split(32)
+    with pytest.raises(ValueError, match=r"eval_size=32 \(--eval-size\): must be in \[1, 2\] for the 3 rows of list"):
+        load_prompts(["a", "b", "c"]).split(32)
+
+
+def test_held_out_duplicates_of_training_rows_are_named(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["a", "a", "b", "a", "a", "a"]))
+    # five copies of one row in six: any held-out pair holds a copy that the training part holds too
+    with pytest.warns(UserWarning, match=r"of 2 held-out rows are duplicates of training rows \(.*data.jsonl:[12456] = "
+                                         r".*data.jsonl:[12456].*remove the duplicate rows"):
+        load_prompts(str(data)).split(2, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_prompts(["a", "b", "c", "d"]).split(2)  # no duplicates: no warning
+
+
+def test_conversations_on_a_tokenizer_without_a_chat_template_warn_once():
+    from textrl.envs import prompts
+
+    tok = build_tiny_tokenizer()
+    tok.chat_template = None
+    tok.name_or_path = "no-template-tokenizer"
+    prompts._FLATTENED_WARNED.discard("no-template-tokenizer")
+    rows = [{"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}]}] * 2
+    with pytest.warns(UserWarning, match=r"tokenizer 'no-template-tokenizer' has no chat template.*the system "
+                                         r"prompt and the roles are dropped"):
+        encode_prompts(rows, tok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        encode_prompts(rows, tok)  # once per tokenizer
