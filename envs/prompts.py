@@ -311,6 +311,8 @@ class PromptDataset(Sequence[dict]):
         and line. Holds the file's bytes plus 16 bytes a row; rows are parsed when read.
         """
         path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"prompt file {str(path)!r} is a folder, not a file; give the .jsonl file's path")
         if not path.is_file():
             raise ValueError(f"prompt file {str(path)!r} does not exist")
         data = path.read_bytes()
@@ -474,6 +476,8 @@ def load_prompts(
         return PromptDataset.from_list(BUILTIN_TASKS[name](), source=spec)
     if isinstance(spec, (str, os.PathLike)):
         path = Path(spec)
+        if path.is_dir():
+            raise ValueError(f"dataset {str(spec)!r} is a folder, not a file; give the .jsonl file's path")
         if path.suffix != ".jsonl" and not path.is_file():
             raise ValueError(
                 f"dataset {str(spec)!r} is neither 'builtin:NAME' nor an existing .jsonl file"

@@ -15,7 +15,8 @@ Subcommands available in this version:
 - ``textrl pipeline``: SFT -> reward model -> PPO; with no arguments, the offline demo.
 
 Each stage accepts ``--config file.yaml`` and one flag per config field (``--help`` lists them).
-A user's error ends the command with one line naming the culprit and the fix; ``--debug`` (or
+Any error ends the command with one line naming the culprit and the fix (two for an error
+raised outside textrl's checks: its type, then how to see the traceback); ``--debug`` (or
 ``TEXTRL_DEBUG=1``) shows the traceback instead (:mod:`textrl.errors`).
 """
 
@@ -239,17 +240,18 @@ def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run a subcommand; a user's error (:func:`textrl.errors.user_errors`) exits with status 1
-    and one line naming the culprit and the fix (``--debug``: the traceback); a second Ctrl-C
-    exits with 130."""
-    from textrl.errors import debug_requested, user_error_message, user_errors
+    """Run a subcommand; any error exits with status 1 and one line (textrl's own checks: the
+    culprit and the fix) or two (another error: its type and message, then how to see the
+    traceback: :func:`textrl.errors.user_error_message`); ``--debug``: the traceback. A second
+    Ctrl-C exits with 130; a ``SystemExit`` (a stopped run's status) passes as it is."""
+    from textrl.errors import debug_requested, user_error_message
 
     parser = build_parser()
     _add_debug_flag(parser)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except user_errors() as err:
+    except Exception as err:  # every error: one line (two: its type and the --debug hint), no traceback
         if debug_requested(getattr(args, "debug", False)):
             raise
         raise SystemExit(user_error_message(args.command, err)) from None

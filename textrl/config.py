@@ -329,6 +329,7 @@ class TrainConfig:
         for name in OBJECT_FIELDS:
             _refuse_saved_object(name, getattr(self, name))
         check_values(self, skip=OBJECT_FIELDS)
+        check_output_dir(self.output_dir)
         agent = agent if agent is not None else agent_class(self.agent)
         _choice("kl_kind", self.kl_kind, KL_KINDS)
         _choice("kl_in", self.kl_in, ("reward", "loss"))
@@ -687,17 +688,56 @@ def add_trl_names(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> N
                                 help=argparse.SUPPRESS)
 
 
-def load_yaml(path: str | Path, cls: type = TrainConfig) -> dict[str, Any]:
-    """Read a YAML mapping of field -> value; unknown keys are an error naming them."""
-    path = Path(path)
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key given twice in one mapping is an error naming the key and
+    both lines (PyYAML would keep the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise ValueError(f"the key {key!r} is given twice (lines {seen[key]} and {line}); keep one")
+            if isinstance(key, typing.Hashable):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def check_input_file(path: Path, what: str) -> None:
+    """``ValueError`` naming ``path`` (``what``: "--config") when it is a folder or does not exist."""
+    if path.is_dir():
+        raise ValueError(f"{what} {path}: is a folder, not a file; give the file's path")
     if not path.is_file():
-        raise ValueError(f"--config {path}: no such file")
+        raise ValueError(f"{what} {path}: no such file")
+
+
+def check_output_dir(value: Any) -> None:
+    """``ValueError`` for an ``output_dir`` that cannot be a run folder: empty (it would write into
+    the working folder), or a path that is, or runs through, a file."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"output_dir={value!r}: an empty folder name would write the run into the working "
+                         "folder; give a folder, e.g. --output-dir runs/x (or '.' to mean this folder)")
+    path = Path(value).expanduser()
+    for part in (path, *path.parents):
+        if part.exists() and not part.is_dir():
+            what = "is a file" if part == path else f"runs through the file {str(part)!r}"
+            raise ValueError(f"output_dir={value!r} {what}, not a folder; give a folder path (or move the file)")
+
+
+def load_yaml(path: str | Path, cls: type = TrainConfig) -> dict[str, Any]:
+    """Read a YAML mapping of field -> value; unknown keys, and a key given twice, are an error
+    naming them."""
+    path = Path(path)
+    check_input_file(path, "--config")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as err:
         raise ValueError(f"--config {path}: not valid YAML: {_yaml_problem(err)}") from None
     except UnicodeDecodeError as err:
         raise ValueError(f"--config {path}: not UTF-8 text (byte {err.start}); save it as UTF-8") from None
+    except ValueError as err:  # a key given twice
+        raise ValueError(f"--config {path}: {err}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
     known = {f.name for f in fields(cls)}

@@ -3,14 +3,17 @@
 textrl's own checks raise ``ValueError`` (a bad option, file, row, model, a refused resume, a
 busy run folder), :class:`~textrl.run.CheckpointError` (a corrupt checkpoint) or ``OSError`` (a
 file that cannot be read or written, a full disk) with a message that already says what to do.
-The command prints that message after ``textrl COMMAND:``, no traceback. An error raised
-outside textrl (a library, a user's reward or agent file) gets its type too, and a second line
-saying how to see the traceback: ``--debug`` on any subcommand, or ``TEXTRL_DEBUG=1``, lets
-every error propagate with its traceback.
+The command prints that message after ``textrl COMMAND:``, no traceback. Any other error
+(a library's, a user's reward or agent file's, a bug's: every ``Exception``) gets its type too,
+its message cut to its first line, and a second line saying how to see the traceback: ``--debug``
+on any subcommand, or ``TEXTRL_DEBUG=1``, lets every error propagate with its traceback. A few
+are named with their lever (:func:`remedy`): out of memory, a full disk, a model cache that is
+corrupt.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -53,14 +56,81 @@ def raised_by_textrl(err: BaseException) -> bool:
     return filename.startswith(_our_folders())
 
 
+MEMORY_LEVERS = {
+    "train": "lower --generation-batch-size and --forward-batch-size, raise --num-minibatches or "
+             "--gradient-accumulation-steps (smaller micro-batches), or shorten --max-new-tokens",
+    "bench": "lower the batch sizes of its runs (--generation-batch-size, --forward-batch-size) or run "
+             "fewer jobs at once",
+}
+"""Per command, what lowers its memory (the stages, the pipeline: ``--batch-size``)."""
+
+
+def cache_roots() -> list[Path]:
+    """Where models are cached: ``$TEXTRL_CACHE`` (textrl's tiny models) and Hugging Face's hub
+    cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub``, ``~/.cache/huggingface/hub``)."""
+    home = Path("~").expanduser()
+    roots = [Path(os.environ.get("TEXTRL_CACHE") or home / ".cache" / "textrl")]
+    hf_home = Path(os.environ.get("HF_HOME") or home / ".cache" / "huggingface")
+    roots.append(Path(os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or hf_home / "hub"))
+    return roots
+
+
+def _in_cache(err: BaseException) -> Path | None:
+    """The cache root (:func:`cache_roots`) a path in ``err``'s message or ``filename`` lies under."""
+    text = f"{err} {getattr(err, 'filename', '') or ''}"
+    for root in cache_roots():
+        for form in {str(root), str(root.resolve())}:
+            if form and form in text:
+                return root
+    return None
+
+
+def remedy(command: str, err: BaseException) -> str:
+    """The lever for a few errors whatever raised them ('' for the rest): out of memory (the
+    command's batch sizes), a full disk (free space, then ``--resume``), a model cache with a
+    broken file (delete that model's folder to rebuild or download it again)."""
+    name = type(err).__name__
+    if isinstance(err, MemoryError) or name == "OutOfMemoryError":
+        levers = MEMORY_LEVERS.get(command, "lower --batch-size (and --max-length)")
+        return f"out of memory: {levers}"
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" holding {err.filename}" if err.filename else ""
+        cache = _in_cache(err)
+        moved = (f"; or point {'TEXTRL_CACHE' if cache == cache_roots()[0] else 'HF_HOME'} at a disk with room"
+                 if cache is not None else "")
+        return f"the disk{where} is full: free space there{moved}, then run again (a run: add --resume)"
+    cache = _in_cache(err)
+    if cache is None and (name in ("SafetensorError", "UnpicklingError") or "deserializing header" in str(err)):
+        roots = " or ".join(str(root) for root in cache_roots())
+        return ("a model's weights file is damaged or cut short (an interrupted download or build, a full disk): "
+                f"if the model is in a cache ({roots}), delete its folder there and run again to rebuild or "
+                "download it")
+    if cache is not None:
+        return (f"a file in the model cache {cache} is damaged or cut short (an interrupted download or "
+                f"build, a full disk): delete that model's folder under {cache} and run again to rebuild "
+                "or download it")
+    return ""
+
+
+def _first_line(text: str, limit: int = 400) -> str:
+    """The first non-empty line of ``text``, at most ``limit`` characters."""
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 def user_error_message(command: str, err: BaseException) -> str:
-    """``textrl COMMAND: message``; an error from outside textrl adds its type and
+    """``textrl COMMAND: message`` for textrl's own checks (:func:`user_errors` raised in
+    textrl's code: their message names the culprit and the fix); any other error:
+    ``textrl COMMAND: TypeName: first line of its message`` (and :func:`remedy`'s lever), with
     :data:`TRACEBACK_HINT` on a second line."""
-    text = str(err).strip() or type(err).__name__
-    if raised_by_textrl(err):
-        return f"textrl {command}: {text}"
-    return f"textrl {command}: {type(err).__name__}: {text}\n{TRACEBACK_HINT}"
+    whole = str(err).strip()
+    if isinstance(err, user_errors()) and raised_by_textrl(err) and whole and not whole.startswith("[Errno") \
+            and whole.count("\n") <= 1:
+        return f"textrl {command}: {whole}"
+    text = _first_line(whole) or type(err).__name__
+    lever = remedy(command, err)
+    return f"textrl {command}: {type(err).__name__}: {text}{'; ' + lever if lever else ''}\n{TRACEBACK_HINT}"
 
 
-__all__ = ["DEBUG_VARIABLE", "TRACEBACK_HINT", "debug_requested", "raised_by_textrl", "user_error_message",
-           "user_errors"]
+__all__ = ["DEBUG_VARIABLE", "MEMORY_LEVERS", "TRACEBACK_HINT", "cache_roots", "debug_requested", "raised_by_textrl",
+           "remedy", "user_error_message", "user_errors"]

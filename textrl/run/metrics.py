@@ -8,6 +8,7 @@ atomically. TensorBoard purges the events after the resumed iteration, so each s
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import warnings
@@ -38,6 +39,22 @@ def rows_up_to(path: Path, iteration: int) -> list[dict[str, Any]]:
                              "repair or delete that line, then resume again") from None
         rows.append(row)
     return [row for row in rows if row["iteration"] <= iteration]
+
+
+def append_line(path: Path, text: str, what: str) -> None:
+    """Append ``text`` to ``path`` and flush; a full disk (or any write error) is an ``OSError``
+    naming the file, ``what`` was written and the fix. A torn line it leaves is dropped on resume
+    (:func:`rows_up_to`), and the resumed run writes the rows after its checkpoint again."""
+    try:
+        with path.open("a") as f:
+            f.write(text)
+            f.flush()
+    except OSError as err:
+        reason = "the disk is full" if err.errno in (errno.ENOSPC, errno.EDQUOT) else (err.strerror or str(err))
+        failure = OSError(f"cannot append {what} to {path}: {reason}; free space (or fix the folder), then "
+                          "resume with --resume: the rows after the last checkpoint are written again")
+        failure.errno = err.errno  # the message alone: str() without the "[Errno N]" prefix
+        raise failure from err
 
 
 def rewrite_rows(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -83,9 +100,7 @@ class MetricsLog:
         self.rows.append(row)
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
+        append_line(self.path, json.dumps(row) + "\n", f"iteration {row['iteration']}'s row")
         for key, value in row.items():
             if key != "iteration" and isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, row["iteration"])
@@ -169,9 +184,8 @@ class SamplesLog:
     def write(self, iteration: int, samples: list[dict[str, str]]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            for sample in samples:
-                f.write(json.dumps({"iteration": iteration, **sample}) + "\n")
+        lines = "".join(json.dumps({"iteration": iteration, **sample}) + "\n" for sample in samples)
+        append_line(self.path, lines, f"iteration {iteration}'s samples")
 
 
 __all__ = ["KL_ESTIMATES", "MetricsLog", "curves_figure", "SamplesLog", "kl_axis_label", "rewrite_rows", "rows_up_to"]

@@ -46,6 +46,7 @@ from textrl.config import (
     _positive,
     add_config_arguments,
     check_bitsandbytes,
+    check_output_dir,
     check_values,
     config_values,
     config_yaml,
@@ -151,6 +152,7 @@ class StageConfig:
     def validate(self) -> StageConfig:
         """Check every field; raise ``ValueError`` naming the field, its value and what is allowed."""
         check_values(self, skip=("model", "dataset"))
+        check_output_dir(self.output_dir)
         for name in ("steps", "batch_size", "max_length", "keep_checkpoints", "lora_r", "lora_alpha"):
             _at_least(name, getattr(self, name), 1)
         for name in ("eval_size", "eval_every", "checkpoint_every", "max_grad_norm"):
@@ -335,6 +337,9 @@ def source_rows(source: Any, builtins: dict[str, Callable[[], list]], what: str)
         rows = [(f"{source}: row {i}", r) for i, r in enumerate(builtins[name]())]
     elif isinstance(source, (str, os.PathLike)):
         path = Path(source)
+        if path.is_dir():
+            raise ValueError(f"{what} {str(source)!r}: is a folder, not a file; pass a .jsonl / .json file in it "
+                             "or 'builtin:case'")
         if not path.is_file():
             raise ValueError(f"{what} {str(source)!r}: no such file; pass a .jsonl / .json file or 'builtin:case'")
         if path.suffix == ".json":

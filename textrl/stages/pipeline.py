@@ -38,7 +38,7 @@ from typing import Any
 
 from textrl.agent_registry import is_spec
 from textrl.agents import AGENTS, agent_class
-from textrl.config import _at_least, _positive, check_bitsandbytes, save_config
+from textrl.config import _at_least, _positive, check_bitsandbytes, check_output_dir, save_config
 from textrl.precision import check_precision
 from textrl.run import holds_run_folder, take_run_folder, torch_threads
 from textrl.stages.common import MODEL_DIR
@@ -144,6 +144,7 @@ class PipelineConfig:
 
     def validate(self) -> PipelineConfig:
         """Check every field; raise ``ValueError`` naming the field, its value and what is allowed."""
+        check_output_dir(self.output_dir)
         for name in ("sft_steps", "rm_steps", "batch_size", "ppo_iterations", "max_new_tokens",
                      "sft_max_length", "rm_max_length"):
             _at_least(name, getattr(self, name), 1)
