@@ -119,13 +119,17 @@ def test_max_turns_ends_without_an_observation():
     assert info["reward_components"] == {"turn_rewards": 2.0}  # no final reward: turns alone
 
 
-def test_length_cap_ends_the_episode_unanswered_and_scored_truncated():
+def test_length_cap_ends_the_episode_unanswered_and_scored_truncated_with_the_opt_out():
     echo = Echo(reward=truncated_flag)
+    echo.answers_truncated_turns = False  # else the cut turn is answered (tests/envs/test_truncated_turns.py)
     env = TokenMDPEnv(env=echo, max_new_tokens=3)
     steps = feed(env, [A, EOS, Z, Z, Z])
     obs, reward, term, trunc, info = steps[-1]
     assert (term, trunc, info["end_reason"], info["turns"]) == (False, True, "length", 2)
     assert echo.calls == [(0, 1, "a")]  # the cut turn is not passed to step
+    answered = Echo(reward=truncated_flag)  # by default it is: the echo's second answer ends the episode
+    steps = feed(TokenMDPEnv(env=answered, max_new_tokens=3), [A, EOS, Z, Z, Z])
+    assert steps[-1][2:4] == (True, False) and answered.calls == [(0, 1, "a"), (0, 2, "zzz")]
     assert reward == 1.0 and info["reward_components"]["truncated_flag"] == 1.0
     assert info["per_token_rewards"][obs["response_length"] - 1] == 1.0  # final reward on the last token
 
@@ -208,7 +212,7 @@ def test_an_environment_that_raises_is_named_with_its_row():
         TokenMDPEnv(env=Broken("start")).reset(options={"prompt_index": 0})
     env = TokenMDPEnv(env=Broken("reward"))
     env.reset(options={"prompt_index": 0})
-    with pytest.raises(EnvError, match="a turn reward must be a float, got 'high' on row 0"):
+    with pytest.raises(EnvError, match=r"step\(\) on row 0 \(turn 1\) gave Turn.reward='high' \(str\): a turn reward must be a float"):
         env.step(EOS)
 
 
