@@ -370,10 +370,21 @@ def check_run(config: TrainConfig) -> None:
     refuse_earlier_run(config)
     refuse_changed_settings(config)
     env = environment(config)  # an unknown --env lists the registered ids; a dataset file loads
+    check_env_reward_columns(env)  # every row holds the columns its rewards read (FILE:LINE of one that does not)
     spec = reward_spec(config, env)
     pays_turns = type(env).step is not Environment.step or callable(env.reward)  # rewards of its own
     if spec.strip() or not (pays_turns or _agent_scores_alone(config, spec)):
         check_reward_spec(spec)  # an empty spec with nothing else to score the episodes is refused
+
+
+def check_env_reward_columns(env) -> None:
+    """Every training and held-out row of ``env`` holds the columns its reward reads
+    (:func:`textrl.envs.prompts.check_reward_columns`), checked before any model loads."""
+    from textrl.envs.prompts import check_reward_columns
+
+    for rows in (env.rows(), env.eval_rows()):
+        if rows is not None:
+            check_reward_columns(rows, env.reward)
 
 
 def refuse_changed_settings(config: TrainConfig) -> None:
@@ -390,8 +401,10 @@ def environment(config: TrainConfig):
     """The run's environment (:func:`textrl.envs.registry.task_environment`): ``--env``, else a
     ``--dataset`` scored by ``--reward``, else the built-in digits task."""
     from textrl.envs.registry import task_environment
+    from textrl.rewards.options import resolve_reward
 
-    return task_environment(config.env, config.dataset, config.reward, config.env_args)
+    reward = resolve_reward(config.reward, config.reward_weights)  # a spec string, or functions (TRL's reward_funcs)
+    return task_environment(config.env, config.dataset, reward, config.env_args)
 
 
 def episode_tokens(config: TrainConfig, env) -> int:
