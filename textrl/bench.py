@@ -81,6 +81,8 @@ WARMUP_FIELDS = ("model", "tokenizer", "env", "env_args", "dataset", "reward", "
                  "warmup_answer_accuracy", "device")
 """The config fields a warm-up depends on (its fingerprint)."""
 ALL_AGENTS = "all"
+BENCH_OUTPUT_DIR = "runs/bench"
+"""Where ``textrl bench`` writes when ``--output-dir`` is not given."""
 
 
 # -- the worker: one job in this process ---------------------------------------------------------
@@ -298,7 +300,7 @@ def default_jobs(threads: int | None) -> int:
 def compare_agents(
     agents: Sequence[str] | None = None,
     seeds: Sequence[int] | None = None,
-    output_dir: str | Path = "runs/bench",
+    output_dir: str | Path = BENCH_OUTPUT_DIR,
     *,
     envs: Sequence[str] | None = None,
     token_budget: int | None = None,
@@ -522,7 +524,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated seeds (default: {d['seeds']})")
     parser.add_argument("--token-budget", type=int, default=None,
                         help=f"generated tokens per run; sets the iterations per environment "
-                             f"(default: {d['token_budget']} for the default run, else --iterations)")
+                             f"(default: {d['token_budget']} unless --iterations is given)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="runs at a time, each its own process (default: CPU cores // --threads)")
     parser.add_argument("--threads", type=int, default=1,
@@ -534,7 +536,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-warm-start", action="store_true",
                         help="let every run do its own warm-up instead of one shared warm-up per (env, seed)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    add_config_arguments(parser)  # --output-dir among them: the comparison's folder (default runs/bench)
+    add_config_arguments(parser)
+    _bench_defaults_in_help(parser)
+
+
+def _bench_defaults_in_help(parser: argparse.ArgumentParser) -> None:
+    """The ``textrl train`` options whose default differs in the comparison say so in their help:
+    ``--output-dir`` (the comparison's folder), the settings :func:`run_settings` gives every run,
+    ``--iterations`` (set by the token budget), and ``--agent`` / ``--seed`` (per run)."""
+    bench_values = run_settings({})
+    for action in parser._actions:
+        if action.help is None or "(default: " not in action.help:
+            continue
+        text = action.help.rsplit(" (default: ", 1)[0]
+        if action.dest == "output_dir":
+            action.help = f"the comparison's folder (default: {BENCH_OUTPUT_DIR!r})"
+        elif action.dest == "progress":
+            action.help = f"not used: the comparison's runs show no progress bar (default: {bench_values['progress']!r})"
+        elif action.dest in bench_values:
+            action.help = f"{text} (default: {bench_values[action.dest]!r} in the comparison's runs)"
+        elif action.dest == "iterations":
+            action.help = (f"{text} Given (and --token-budget not), every run does this many (default: "
+                           "set per environment by --token-budget)")
+        elif action.dest in ("agent", "seed"):
+            action.help = f"set per run by the comparison: use --{action.dest}s"
+        elif action.dest == "env":
+            action.help = f"one environment to compare on, the same as --envs ENV (default: {DEFAULT_BENCH['envs']})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -546,7 +573,7 @@ def run(args: argparse.Namespace) -> int:
         execute_job(Path(args.worker))
         return 0
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
-    output_dir = overrides.pop("output_dir", "runs/bench")
+    output_dir = overrides.pop("output_dir", BENCH_OUTPUT_DIR)
     overrides.pop("progress", None)
     try:
         for name in ("agent", "seed"):

@@ -3,7 +3,7 @@
 Subcommands available in this version:
 
 - ``textrl train``: PPO on a prompt set with pluggable rewards; with no arguments, the embedded
-  CPU default (tiny offline model, a short format warm-up, GAEPPO on the built-in digits task).
+  CPU default (tiny offline model, a short format warm-up, RLOO on the built-in digits task).
 - ``textrl envs``: list the environments ``textrl train --env ID`` takes, a line each.
 - ``textrl tiny``: build (or find in the cache) the offline tiny models and print where they are.
 - ``textrl generate``: generate from a causal LM (a local path, a hub id, ``tiny``, or a LoRA
@@ -13,6 +13,8 @@ Subcommands available in this version:
 - ``textrl dpo``: DPO with the sigmoid loss against the starting model.
 - ``textrl merge``: merge a LoRA adapter into its base and save a full model.
 - ``textrl pipeline``: SFT -> reward model -> PPO; with no arguments, the offline demo.
+- ``textrl bench``: agents x environments x seeds at an equal token budget, with a significance
+  report and plots.
 
 Each stage accepts ``--config file.yaml`` and one flag per config field (``--help`` lists them).
 Any error ends the command with one line naming the culprit and the fix (two for an error
@@ -176,13 +178,15 @@ def _add_stages(sub) -> None:
 
 
 def _list_agents_in_help(parser: argparse.ArgumentParser) -> None:
-    """``--agent``'s help names every registered agent (the registry is the only list)."""
+    """``--agent``'s help names every registered agent (the registry is the only list) and the
+    default agent (``TrainConfig.agent``, the only place it is written)."""
     from textrl.agents import agent_names
+    from textrl.config import TrainConfig
 
     for action in parser._actions:
         if action.dest == "agent":
             action.help = (f"Agent: one of {', '.join(agent_names())} (registered names), or "
-                           "path/to/file.py:Class for an agent of your own (default: 'gae_ppo')")
+                           f"path/to/file.py:Class for an agent of your own (default: {TrainConfig.agent!r})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     gen.add_argument("--temperature", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    gen.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: 'cpu')")
     gen.set_defaults(func=_cmd_generate)
 
     _add_stages(sub)

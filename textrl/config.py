@@ -157,7 +157,8 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     """Micro-batches accumulated per minibatch; the minibatch must divide into them."""
     clip_eps: float | None = None
-    """PPO clip epsilon of the policy ratio (None = the agent's default: 0.2, one_step_ppo 0.1)."""
+    """PPO clip epsilon of the policy ratio (None = the agent's default: 0.2, one_step_ppo 0.1, gspo 3e-4,
+    cispo none: no lower clip)."""
     clip_eps_high: float | None = None
     """Upper clip of the policy ratio, 1 + clip_eps_high (DAPO's clip-higher; None = the agent's
     default: symmetric, dapo/cispo/vapo 0.28, gspo 4e-4)."""
