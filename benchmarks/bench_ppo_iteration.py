@@ -7,10 +7,12 @@
 The iteration is the trainer's (``textrl.trainer.train``): ``collect(..., timings=)`` (phases
 ``generation``, ``reward``, ``forward``, ``advantages``), ``agent.update`` (``update``) and
 ``iteration_metrics`` (``bookkeeping``), with a neural reward model (``NeuralReward``, the same
-architecture as the policy) as the task reward. Every row is generated to full length: ``generation_config.suppress_tokens`` keeps the
-special tokens (EOS) and the lone UTF-8 byte tokens (whose text would re-encode to more reward
-tokens) from being sampled, in the iteration and in the floor alike; the reward model reads
-``prompt + completion`` without a chat template, as the policy did.
+architecture as the policy) as the task reward. Every row is generated to full length: a bias of
+-1e4 on the policy's LM head keeps the special tokens (EOS) and the lone UTF-8 byte tokens (whose
+text would re-encode to more reward tokens) from being sampled, in the iteration and in the floor
+alike. It is part of the model, so the agent's log-probs include it (a ``generation_config``
+setting would not be: the agent samples without the folder's processors, to stay on-policy); the
+reward model reads ``prompt + completion`` without a chat template, as the policy did.
 
 The floor, timed in the same process and interleaved with the iterations (so a loaded machine
 slows both alike), is the least any PPO step has to do for the same sizes: one batched
@@ -99,7 +101,10 @@ def build(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     # Never sampled, in the iteration and the floor alike: special tokens (so no row ends early) and
     # the lone UTF-8 bytes, which decode to U+FFFD and would re-encode to ~1.5x as many reward tokens.
     suppressed = [t for t in range(len(tok)) if t in tok.all_special_ids or "\ufffd" in tok.decode([t])]
-    policy.generation_config.suppress_tokens = suppressed
+    head = policy.get_output_embeddings()
+    bias = torch.zeros(head.out_features, device=device, dtype=head.weight.dtype)
+    bias[suppressed] = -1e4
+    head.bias = torch.nn.Parameter(bias)
     reward_model = build_tiny_reward_model(tok, seed=args.seed + 1, **sizes).to(device)
     config = TrainConfig(
         device=str(device), prompts_per_iteration=args.batch, n_samples_per_prompt=1,
