@@ -213,8 +213,11 @@ class PPORun:
         return stop_message(self.config, iteration, signum, self.nonfinite_streak, saved, self.weights_poisoned)
 
     def postfix(self, row: dict[str, Any]) -> dict[str, str]:
-        """The progress bar's rollout reward and KL at collection."""
-        return {"reward": f"{row['reward/mean']:.3f}", "kl": f"{row.get('kl/collection', 0.0):.3f}"}
+        """The progress bar's rollout reward and KL at collection (left out where no reference is kept)."""
+        shown = {"reward": f"{row['reward/mean']:.3f}"}
+        if "kl/collection" in row:
+            shown["kl"] = f"{row['kl/collection']:.3f}"
+        return shown
 
     @property
     def nonfinite_streak(self) -> int:
