@@ -344,8 +344,6 @@ def test_an_edited_user_file_changes_the_job_key(tmp_path):
     reward = tmp_path / "my_rewards.py"
     reward.write_text("def brevity(prompts, completions, **kwargs):\n    return [0.0] * len(completions)\n")
     described = {"agent": "rloo", "reward": f"think_format,{reward}:brevity:0.5", "env": "digits"}
-    assert bench_runs.user_code_files(described) == [reward.resolve()]
-    assert bench_runs.user_code_digest({"agent": "rloo", "reward": "think_format,tag_count:0.5"}) is None
     key = bench.job_key(described)
     assert bench.job_key(dict(described)) == key
     assert bench.job_key({"agent": "rloo", "env": "digits"}) == bench_runs.fingerprint({"agent": "rloo", "env": "digits"})

@@ -240,9 +240,12 @@ def plan(agents: Sequence[str], envs: dict[str, dict[str, Any]], seeds: Sequence
 
 
 def job_key(described: dict[str, Any]) -> str:
-    """A job's fingerprint: ``described`` plus, when it names user Python files, a digest of their
-    contents (so editing an environment, reward or agent file reruns the jobs that use it)."""
-    code = bench_runs.user_code_digest(described)
+    """A job's fingerprint: ``described`` plus, when it names user Python files, the sha256 of each
+    (:func:`textrl.run.user_code.user_code_digest`), so editing an environment, reward or agent
+    file reruns the jobs that use it; a job naming none keeps the key it had before."""
+    from textrl.run.user_code import user_code_digest
+
+    code = user_code_digest(described)
     return bench_runs.fingerprint({**described, "user_code": code} if code else described)
 
 

@@ -14,10 +14,8 @@ console output in ``bench_log.txt``), and reports each failure without stopping 
 One writer per job folder: a worker holds the folder's :class:`JobLock` for its whole life, and on
 Linux dies with the bench that started it (:func:`die_with_parent`), so a ``kill -9`` of
 ``textrl bench`` leaves no worker training on; a rerun that still finds a live holder waits a
-little, then refuses naming it (:func:`refuse_busy_jobs`). A job's key also covers the contents of
-the user's Python files its config names (:func:`user_code_digest`), so an edited environment,
-reward or agent file reruns the jobs that use it. This module trains nothing and imports no
-environment or agent.
+little, then refuses naming it (:func:`refuse_busy_jobs`). This module trains nothing and imports
+no environment or agent.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import resource
 import shutil
 import signal
@@ -59,37 +56,6 @@ def fingerprint(config: dict[str, Any]) -> str:
     """A short stable hash of a JSON-ready config (key order does not matter)."""
     text = json.dumps(config, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-USER_FILE = re.compile(r"(?:^|[,\s])([^,\s]+?\.py):")
-"""A ``PATH.py:NAME`` spec inside a config value (``--agent``, ``--env``, each ``--reward`` entry)."""
-
-
-def user_code_files(config: dict[str, Any]) -> list[Path]:
-    """The existing Python files that ``config``'s string values name as ``PATH.py:NAME`` (resolved
-    from the current folder, as the loaders resolve them), sorted."""
-    found = set()
-    for value in config.values():
-        for text in value if isinstance(value, list) else [value]:
-            if isinstance(text, str):
-                for match in USER_FILE.finditer(text):
-                    path = Path(match.group(1)).expanduser().resolve()
-                    if path.is_file():
-                        found.add(path)
-    return sorted(found)
-
-
-def user_code_digest(config: dict[str, Any]) -> str | None:
-    """A hash of the contents of the user's Python files ``config`` names (:func:`user_code_files`),
-    so editing one changes a job's key; None when it names none (the key is then what it was
-    before files were digested)."""
-    files = user_code_files(config)
-    if not files:
-        return None
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(str(path).encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
-    return digest.hexdigest()[:16]
 
 
 def read_record(folder: str | Path) -> dict[str, Any]:
@@ -337,5 +303,4 @@ def read_run(output_dir: str | Path) -> dict[str, Any]:
 
 __all__ = ["JOB_FILE", "LOCK_FILE", "LOG_FILE", "PARENT_ENV", "RECORD", "RUN_OUTPUTS", "STATE_WORDS", "JobBusy",
            "JobLock", "die_with_parent", "fingerprint", "job_state", "missing_outputs", "output_sizes", "peak_rss_mib",
-           "prepare", "read_record", "read_run", "refuse_busy_jobs", "run_jobs", "run_worker", "user_code_digest",
-           "user_code_files", "write_record"]
+           "prepare", "read_record", "read_run", "refuse_busy_jobs", "run_jobs", "run_worker", "write_record"]
