@@ -145,3 +145,14 @@ def test_the_notice_names_the_folders_sampling_settings_textrl_replaces(tmp_path
     assert agent.sampling_notice == ("the model's generation_config.json top_k=20, top_p=0.8 are replaced by "
                                      "textrl's --top-k 40 --top-p 0.9")
     assert off_policy_settings(GenerationConfig()) == {}
+
+
+def test_textrl_generate_says_it_samples_with_the_folders_settings(tmp_path, tok, capsys):
+    """Inference keeps the folder's processors (that is what the model's authors chose), and says so."""
+    from textrl.cli import main
+
+    _folder(tmp_path, tok, {"repetition_penalty": 1.05})
+    tok.save_pretrained(tmp_path / "with")
+    assert main(["generate", "--model", str(tmp_path / "with"), "--max-new-tokens", "2", "--greedy"]) == 0
+    err = capsys.readouterr().err
+    assert "textrl generate: sampling with the model's generation_config.json: repetition_penalty=1.05" in err

@@ -97,6 +97,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         model = load_causal_lm(args.model, device=args.device)
     prompts = args.prompt or ["What is 2+3?"]
     _check_generate_fits(model, tokenizer, prompts, args)
+    from textrl.models.sampling import inference_notice
+
+    notice = inference_notice(model)  # inference keeps the folder's processors; training does not
+    if notice:
+        print(f"textrl generate: {notice}", file=sys.stderr)
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
         if tokenizer.chat_template
