@@ -23,7 +23,6 @@ Python function, so the run is never resumed on another one silently.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,85 +34,24 @@ from textrl.rewards.registry import (
     _split_weight,
     check_reward_spec,
     get_reward,
-    import_path,
     parse_reward_spec,
 )
 
-_EXAMPLE = "e.g. reward='think_format,accuracy', reward=my_fn or reward=[my_fn, 'accuracy']"
-
-
-def _entries(reward: Any) -> list[Any]:
-    """The entries of ``reward``: a list's items, a spec string's comma entries, or the function."""
-    if isinstance(reward, str):
-        return [token.strip() for token in reward.split(",")]
-    if isinstance(reward, (list, tuple)):
-        return list(reward)
-    return [reward]
-
-
-def _has_weight(entry: str) -> bool:
-    """Whether a spec entry ends in ``:NUMBER`` (``accuracy:2``, ``a.py:f:0.5``)."""
-    head, sep, tail = entry.rpartition(":")
-    if not sep or not head:
-        return False
-    try:
-        float(tail)
-    except ValueError:
-        return False
-    return True
+from textrl.reward_option import (
+    _entries,
+    check_reward_shape,
+    refuse_recorded_callable,
+    reward_record,
+)
 
 
 def check_reward_option(reward: Any, weights: Any) -> None:
-    """``ValueError`` naming the option when ``reward`` / ``reward_weights`` are not usable
-    together: an empty spec or list, an entry that is neither a callable nor a non-empty string,
-    a weight that is not a finite number, a count of weights that is not the count of rewards, a
-    weight given twice. Spec strings are checked by :func:`check_reward_spec` (no file imported)."""
-    if reward is None:
-        if weights is not None:
-            raise ValueError(f"reward_weights={weights!r} given without reward: give reward=[...] with one "
-                             "weight per reward function, or drop reward_weights")
-        return
-    if isinstance(reward, (list, tuple)) and not reward:
-        raise ValueError(f"reward=[]: name at least one reward function ({_EXAMPLE}), or leave reward out for "
-                         "the environment's own reward")
-    if not isinstance(reward, (str, list, tuple)) and not callable(reward):
-        raise ValueError(f"reward={reward!r}: must be a spec string, a callable or a list of them ({_EXAMPLE})")
-    if isinstance(reward, str) and not reward.strip():
-        raise ValueError(f"reward={reward!r} (--reward): an empty reward spec; name at least one reward "
-                         "(--reward think_format:0.5,tag_count,accuracy:2), or leave --reward out for the "
-                         "environment's own reward")
-    entries = _entries(reward)
-    for i, entry in enumerate(entries):
-        if isinstance(entry, str):
-            if not entry.strip() or (isinstance(reward, (list, tuple)) and "," in entry):
-                raise ValueError(f"reward entry {i} is {entry!r}: a list holds one reward per entry, a "
-                                 f"non-empty name or spec entry without ',' ({_EXAMPLE})")
-        elif not callable(entry):
-            raise ValueError(f"reward entry {i} is {entry!r}: each entry is a callable or a reward name")
-    if weights is not None:
-        _check_weights(entries, weights)
-    for entry in entries:
+    """:func:`textrl.reward_option.check_reward_shape`, then each spec entry's names, weights and
+    files by :func:`check_reward_spec` (no file imported, no model loaded)."""
+    check_reward_shape(reward, weights)
+    for entry in _entries(reward) if reward is not None else []:
         if isinstance(entry, str):
             check_reward_spec(entry)
-
-
-def _check_weights(entries: list[Any], weights: Any) -> None:
-    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
-        raise ValueError(f"reward_weights={weights!r}: give a list of numbers, one per reward")
-    for w in weights:
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-            raise ValueError(f"reward_weights={list(weights)!r}: {w!r} is not a finite number")
-    if len(weights) != len(entries):
-        raise ValueError(f"reward_weights has {len(weights)} weights for {len(entries)} rewards "
-                         f"({_described(entries)}): give one weight per reward")
-    twice = [e for e in entries if isinstance(e, str) and _has_weight(e)]
-    if twice:
-        raise ValueError(f"reward entry {twice[0]!r} carries a weight and reward_weights gives another: give "
-                         "each weight once (drop ':WEIGHT' from the entry, or drop reward_weights)")
-
-
-def _described(entries: list[Any]) -> str:
-    return ", ".join(e if isinstance(e, str) else reward_name(e) for e in entries)
 
 
 def resolve_reward(reward: Any, weights: Sequence[float] | None = None) -> str | RewardFn | None:
@@ -180,39 +118,6 @@ def reward_columns(reward: Any) -> dict[str, list[str]]:
         for column, names in found.items():
             out.setdefault(column, []).extend(names)
     return out
-
-
-def reward_record(reward: Any) -> Any:
-    """``reward`` as ``config.yaml`` holds it: a string as it is; a function by its import path
-    (``package.module.f``, which ``--config`` imports again), else as ``{"callable":
-    "module.qualname", "restorable": False}``; a list entry by entry."""
-    if reward is None or isinstance(reward, str):
-        return reward
-    if isinstance(reward, (list, tuple)):
-        return [reward_record(entry) for entry in reward]
-    path = import_path(reward)
-    if path is not None:
-        return path
-    module = getattr(reward, "__module__", None) or type(reward).__module__
-    qualname = getattr(reward, "__qualname__", None) or type(reward).__qualname__
-    return {"callable": f"{module}.{qualname}", "restorable": False}
-
-
-def refuse_recorded_callable(value: Any) -> None:
-    """``ValueError`` when a ``reward`` read back from a YAML file holds a function that could not
-    be recorded by its import path (:func:`reward_record`), saying how to pass it again."""
-    entries = value if isinstance(value, list) else [value]
-    for entry in entries:
-        if isinstance(entry, dict) and "callable" in entry:
-            raise ValueError(
-                f"reward: this config was saved from a run given the Python function {entry['callable']}, "
-                "which a YAML file cannot hold and which cannot be imported again (a lambda, or defined in "
-                "__main__ or inside a function); pass it again in Python (TrainConfig(reward=...), "
-                "resume=True), move it to an importable module (reward: package.module.function), or "
-                "use --reward path/to/file.py:function"
-            )
-        if isinstance(entry, dict):
-            raise ValueError(f"reward: {entry!r} is neither a reward name nor a recorded function")
 
 
 __all__ = ["check_reward_option", "refuse_recorded_callable", "resolve_reward", "reward_columns", "reward_record"]

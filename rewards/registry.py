@@ -25,7 +25,6 @@ import importlib
 import importlib.machinery
 import inspect
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -189,24 +188,6 @@ def load_reward_from_import_path(path: str) -> RewardFn:
     raise ValueError(f"reward {path!r}: no module {parts[0]!r} can be imported (is it on sys.path / "
                      "PYTHONPATH?); give a registered name, 'path/to/file.py:function' or "
                      "'package.module.function'")
-
-
-def import_path(fn: Any) -> str | None:
-    """``module.qualname`` under which a fresh Python process imports ``fn`` again, None when it
-    cannot (a lambda, a function defined inside another, in ``__main__`` or in a file loaded as a
-    ``file.py:function`` reward, a callable object)."""
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
-    if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
-        return None
-    if module == "__main__" or module.startswith("textrl_user_"):
-        return None
-    top = module.split(".")[0]
-    if top not in sys.builtin_module_names and importlib.machinery.PathFinder.find_spec(top) is None:
-        return None  # a module that exists only in this process
-    obj: Any = sys.modules.get(module)
-    for attribute in qualname.split("."):
-        obj = getattr(obj, attribute, None)
-    return f"{module}.{qualname}" if obj is fn else None
 
 
 def get_reward(spec: str | RewardFn, **settings: Any) -> RewardFn:

@@ -26,6 +26,7 @@ import yaml
 
 from textrl.agent_registry import agent_class
 from textrl.precision import check_precision
+from textrl.reward_option import check_reward_shape, refuse_recorded_callable, reward_record
 from textrl.trl_names import trl_hint
 
 KL_KINDS = ("k1", "k2", "k3", "abs")
@@ -346,9 +347,7 @@ class TrainConfig:
         _choice("nonfinite_weights", self.nonfinite_weights, ("rollback", "stop"))
         _choice("rollback_copy", self.rollback_copy, ("auto", "device", "host"))
         check_precision(self)
-        from textrl.rewards.options import check_reward_option
-
-        check_reward_option(self.reward, self.reward_weights)
+        check_reward_shape(self.reward, self.reward_weights)  # the names in a spec: when the run builds its env
         for name in ("iterations", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
                      "generation_batch_size", "forward_batch_size", "ppo_epochs", "num_minibatches",
                      "gradient_accumulation_steps", "warmup_sft_batch_size",
@@ -814,8 +813,6 @@ def yaml_value(value: Any) -> Any:
 def _refuse_saved_object(name: str, value: Any) -> None:
     """A field read back from a config.yaml that recorded an object: say to pass the object again."""
     if name == "reward" and isinstance(value, (dict, list)):  # a recorded function: re-imported or refused
-        from textrl.rewards.options import refuse_recorded_callable
-
         refuse_recorded_callable(value)
         return
     if isinstance(value, dict) and "object" in value:
@@ -834,8 +831,6 @@ def save_config(config: Any, path: str | Path) -> None:
 
 def config_values(config: Any) -> dict[str, Any]:
     """Each field of a config dataclass as ``config.yaml`` holds it (:func:`yaml_value`)."""
-    from textrl.rewards.options import reward_record
-
     recorded = {"reward": reward_record, "reward_weights": lambda w: None if w is None else [float(x) for x in w]}
     return {f.name: recorded.get(f.name, yaml_value)(getattr(config, f.name)) for f in fields(config)}
 

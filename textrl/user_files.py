@@ -9,11 +9,13 @@ and taken out again if it raises.
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
 import importlib.util
 import os
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 
 def module_name(path: str | os.PathLike[str], kind: str) -> str:
@@ -41,4 +43,22 @@ def import_file(path: str | os.PathLike[str], kind: str) -> ModuleType:
     return module
 
 
-__all__ = ["import_file", "module_name"]
+def import_path(fn: Any) -> str | None:
+    """``module.qualname`` under which a fresh Python process imports ``fn`` again, None when it
+    cannot (a lambda, a function defined inside another, in ``__main__`` or in a file loaded as a
+    ``file.py:function`` reward, a callable object)."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
+        return None
+    if module == "__main__" or module.startswith("textrl_user_"):
+        return None
+    top = module.split(".")[0]
+    if top not in sys.builtin_module_names and importlib.machinery.PathFinder.find_spec(top) is None:
+        return None  # a module that exists only in this process
+    obj: Any = sys.modules.get(module)
+    for attribute in qualname.split("."):
+        obj = getattr(obj, attribute, None)
+    return f"{module}.{qualname}" if obj is fn else None
+
+
+__all__ = ["import_file", "import_path", "module_name"]

@@ -14,7 +14,8 @@ from textrl.envs.prompts import check_reward_columns
 from textrl.rewards import CompositeReward, RewardError, evaluate_reward, named
 from textrl.rewards.base import needs, required_columns
 from textrl.rewards.options import check_reward_option, resolve_reward, reward_columns, reward_record
-from textrl.rewards.registry import get_reward, import_path
+from textrl.rewards.registry import get_reward
+from textrl.user_files import import_path
 
 from textrl.config import TrainConfig, load_yaml
 from textrl.trainer import train
