@@ -34,7 +34,8 @@ import os
 import warnings
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -44,6 +45,7 @@ import torch
 from tensordict import TensorDict
 from textrl.envs.collector import EpisodeRunner
 from textrl.envs.fast_path import rollout_from_responses
+from textrl.rewards import RewardError
 from textrl.envs.rows import batch_fields, raw_prompts
 from textrl.envs.tasks import BUILTIN_TASKS, DATA_DIR
 from torch import Tensor
@@ -177,6 +179,10 @@ class _ListRows:
         """The content hash of the rows at ``index`` (int64 ``[n]``)."""
         return _content_hash(self.rows[k] for k in index.tolist())
 
+    def row_bytes(self, k: int) -> bytes:
+        """What row ``k``'s content is compared by: its JSON (keys sorted)."""
+        return json.dumps(self.rows[k], sort_keys=True, default=str).encode()
+
 
 class _JsonlRows:
     """The rows of a JSONL file, kept as the file's bytes plus, per non-blank line, ``starts``
@@ -206,6 +212,10 @@ class _JsonlRows:
 
     def where(self, k: int) -> str:
         return f"{self.source}:{int(self.lines[k])}"
+
+    def row_bytes(self, k: int) -> bytes:
+        """What row ``k``'s content is compared by: its line's bytes."""
+        return self._line(int(self.starts[k]))
 
     def fingerprint(self, index: np.ndarray) -> str:
         """A hash of the lines (bytes) of the rows at ``index`` (int64 ``[n]``), in order."""
@@ -273,7 +283,7 @@ class PromptDataset(Sequence[dict]):
     (2, '6')
     """
 
-    __slots__ = ("_store", "_index", "source", "_fingerprint")
+    __slots__ = ("_store", "_index", "source", "_fingerprint", "_digests")
 
     def __init__(self, rows: Iterable[Any], *, source: str = "list") -> None:
         """Validate ``rows`` (strings or dicts); ``source`` names them in error messages."""
@@ -288,6 +298,7 @@ class PromptDataset(Sequence[dict]):
         self._index = index
         self.source = store.source
         self._fingerprint: str | None = None
+        self._digests: str | None = None
 
     @classmethod
     def _over(cls, store: _ListRows | _JsonlRows, index: np.ndarray | None = None) -> PromptDataset:
@@ -412,11 +423,16 @@ class PromptDataset(Sequence[dict]):
     def row_keys(self) -> list[str]:
         """A key per row, equal for rows with the same content (a prompt file's line bytes, else
         the row's JSON): what duplicate detection compares."""
-        store = self._store
-        if isinstance(store, _JsonlRows):
-            return [hashlib.sha1(store._line(int(store.starts[k]))).hexdigest() for k in self._ids().tolist()]
-        return [hashlib.sha1(json.dumps(store.rows[k], sort_keys=True, default=str).encode()).hexdigest()
-                for k in self._ids().tolist()]
+        return [hashlib.sha1(self._store.row_bytes(k)).hexdigest() for k in self._ids().tolist()]
+
+    def row_digests(self) -> str:
+        """Each row's digest, in order, joined: the first :data:`DIGEST_HEX` hex digits of the
+        sha256 of its content (a prompt file's line bytes, else the row's JSON). A sampler's state
+        keeps them so that a resume can tell which rows' contents changed (:func:`edited_rows`)."""
+        if self._digests is None:
+            self._digests = "".join(hashlib.sha256(self._store.row_bytes(k)).hexdigest()[:DIGEST_HEX]
+                                    for k in self._ids().tolist())
+        return self._digests
 
     def fingerprint(self) -> str:
         """A short hash of the rows, to check a resumed sampler sees the same data: of their
@@ -451,6 +467,69 @@ def _warn_shared_rows(train: PromptDataset, held_out: PromptDataset) -> None:
     warnings.warn(
         f"{len(shared)} of {len(held_out)} held-out rows are duplicates of training rows ({named}{more}): the "
         "held-out evaluation measures prompts the run trains on; remove the duplicate rows", stacklevel=3)
+
+
+# -- rows edited between a checkpoint and its resume -------------------------------------------------
+
+DIGEST_HEX = 16
+"""Hex digits of a row's sha256 that a sampler state keeps (8 bytes a row)."""
+EDITED_SHARE = 10
+"""A resume accepts edited rows up to one in this many of a set (and always one): more is another dataset."""
+_NAMED = 5
+"""Rows named in a message before '... and N more'."""
+
+_START_OVER = ("a resume may change what rows hold, not how many there are or their order (the batches "
+               "drawn depend on both): restore the file as it was, or start a new run in another --output-dir")
+
+
+def _named(places: Sequence[str]) -> str:
+    """The first :data:`_NAMED` of ``places``, and how many more."""
+    more = f" and {len(places) - _NAMED} more" if len(places) > _NAMED else ""
+    return ", ".join(places[:_NAMED]) + more
+
+
+def _digest_list(digests: str) -> list[str]:
+    """``digests`` (:meth:`PromptDataset.row_digests`) split into one digest a row."""
+    return [digests[k:k + DIGEST_HEX] for k in range(0, len(digests), DIGEST_HEX)]
+
+
+def edited_rows(*sets: tuple[int, str, PromptDataset, str]) -> list[dict[str, Any]]:
+    """The rows whose content differs from a checkpoint's, each ``{"row": FILE:LINE, "sha256":
+    {"from", "to"}}`` (``[]`` when none did), over ``sets`` of ``(saved_count, saved_digests,
+    rows, what)``: the checkpoint's row count and digests (:meth:`PromptDataset.row_digests`) of
+    a set of rows, the set now, and its name in messages ("training prompts").
+
+    ``ValueError`` naming the rows and the fix when a set's rows were added or removed, when a row
+    moved (a changed row now holds what a changed row of any set held: the rows were reordered),
+    or when more than one in :data:`EDITED_SHARE` of a set changed (another dataset)."""
+    changed = []  # (rows, position, digest then, digest now) of every changed row
+    for saved_count, saved, rows, what in sets:
+        if saved_count != len(rows):
+            change = "added" if len(rows) > saved_count else "removed"
+            raise ValueError(f"the checkpoint was taken on {saved_count} {what} and {rows.source} now gives "
+                             f"{len(rows)}: rows were {change}; {_START_OVER}")
+        then, now = _digest_list(saved), _digest_list(rows.row_digests())
+        mine = [(rows, i, then[i], now[i]) for i in range(len(rows)) if then[i] != now[i]]
+        if len(mine) > max(1, len(rows) // EDITED_SHARE):
+            raise ValueError(f"{len(mine)} of the {len(rows)} {what} changed since the checkpoint "
+                             f"({_named([rows.where(i) for _, i, _, _ in mine])}): more than one in "
+                             f"{EDITED_SHARE}, so this is another dataset; {_START_OVER}")
+        changed += mine
+    held = {old: (rows, i) for rows, i, old, _ in changed}
+    moved = [(rows, i, held[new]) for rows, i, _, new in changed if new in held]
+    if moved:
+        rows, i, (other, j) = moved[0]
+        raise ValueError(f"{rows.where(i)} now holds the row that was at {other.where(j)} ({len(moved)} "
+                         f"rows moved: the rows were reordered); {_START_OVER}")
+    return [{"row": rows.where(i), "sha256": {"from": old, "to": new}} for rows, i, old, new in changed]
+
+
+def describe_edited(edited: Sequence[Mapping[str, Any]], checkpoint: str | os.PathLike[str]) -> str:
+    """The one line a resume prints about the rows :func:`edited_rows` accepted."""
+    places = [change["row"] for change in edited]
+    return (f"--resume: {len(places)} row(s) changed since {Path(checkpoint).name}: {_named(places)}; the "
+            "number and order of the rows are the same, so the batches are drawn as before (recorded in "
+            "resumes.jsonl)")
 
 
 def load_prompts(
@@ -800,6 +879,54 @@ class _Encoder:
         return batch, truncated
 
 
+def batch_rows(batch: PromptBatch, dataset: PromptDataset, most: int = 8) -> str:
+    """Where the rows of ``batch`` (drawn from ``dataset``) come from, by their positions in it:
+    ``"rows 0-1 data.jsonl:5, rows 2-3 data.jsonl:9"``, the first ``most`` prompts named."""
+    spans: list[list[int]] = []  # [first, last, dataset row] of each run of one prompt
+    for b, i in enumerate(batch.prompt_index):
+        if spans and spans[-1][2] == i and spans[-1][1] == b - 1:
+            spans[-1][1] = b
+        else:
+            spans.append([b, b, i])
+    named = [f"row {a} {dataset.where(i)}" if a == z else f"rows {a}-{z} {dataset.where(i)}"
+             for a, z, i in spans[:most]]
+    return ", ".join(named) + (f" and {len(spans) - most} more prompts" if len(spans) > most else "")
+
+
+class TrackedBatches:
+    """Prompt batches of ``dataset``, iterated any number of times, the one handed out last kept
+    (``current``) so that a fault in it can be placed in the data (:meth:`rows`)."""
+
+    def __init__(self, batches: Any, dataset: PromptDataset | None) -> None:
+        self.batches, self.dataset = batches, dataset
+        self.current: PromptBatch | None = None
+
+    def __iter__(self) -> Iterator[PromptBatch]:
+        for batch in self.batches:
+            self.current = batch
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def rows(self) -> str:
+        """:func:`batch_rows` of the batch handed out last ('unknown' before any, or without a dataset)."""
+        if self.current is None or self.dataset is None:
+            return "unknown"
+        return batch_rows(self.current, self.dataset)
+
+
+@contextmanager
+def placing_rows(what: str, rows: Callable[[], str]) -> Iterator[None]:
+    """A :class:`textrl.rewards.RewardError` raised inside is raised again (one line) saying ``what``
+    ran (``"iteration 14"``) and where its batch's rows are in the data (``rows()``, e.g.
+    :func:`batch_rows`): the row numbers a reward's error gives are positions in that batch."""
+    try:
+        yield
+    except RewardError as err:
+        raise RewardError(f"{what}: {err}; the batch: {rows()}") from err
+
+
 def encode_prompts(
     dataset: PromptDataset | Sequence[Any],
     tokenizer: Any,
@@ -924,6 +1051,13 @@ class PromptSampler:
         truncate: ``"error"`` (raise, naming the prompt) or ``"left"`` (keep the last tokens,
             with a warning) for prompts over ``max_prompt_length``.
         shuffle: False visits the prompts in dataset order every epoch.
+        held_out: the rows the run evaluates on (a :class:`PromptDataset`), or None; its rows'
+            digests go into the state with the sampler's own, so a resume names an edit of them too.
+
+    A resume on a prompt file whose rows' contents were edited since the checkpoint (a bad row
+    fixed), with as many rows in the same places, continues with the same batches; the state's
+    per-row digests tell which rows changed (:attr:`edited`, :func:`edited_rows`). Rows added,
+    removed or reordered are refused.
     """
 
     def __init__(
@@ -937,6 +1071,7 @@ class PromptSampler:
         max_prompt_length: int | None = None,
         truncate: TruncateMode = "error",
         shuffle: bool = True,
+        held_out: PromptDataset | None = None,
     ) -> None:
         if prompts_per_batch < 1:
             raise ValueError(f"prompts_per_batch must be >= 1, got {prompts_per_batch}")
@@ -950,6 +1085,9 @@ class PromptSampler:
         self.max_prompt_length = max_prompt_length
         self.truncate = truncate
         self.shuffle = shuffle
+        self.held_out = held_out
+        self.edited: list[dict[str, Any]] = []
+        """The rows whose contents the last :meth:`load_state_dict` found changed (:func:`edited_rows`)."""
         self._encoder = _Encoder(self.dataset, tokenizer, max_prompt_length, truncate)
         self._warned_truncation = False
         self.epoch = 0
@@ -1004,6 +1142,10 @@ class PromptSampler:
         while True:
             yield self.next_batch()
 
+    def batch_rows(self, batch: PromptBatch) -> str:
+        """Where the rows of ``batch`` (one of this sampler's) come from: :func:`batch_rows`."""
+        return batch_rows(batch, self.dataset)
+
     def encode_eval(
         self, dataset: PromptDataset | Sequence[Any], batch_size: int | None = None
     ) -> list[PromptBatch]:
@@ -1017,42 +1159,69 @@ class PromptSampler:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Position in the stream; enough to resume it exactly (JSON-serialisable)."""
-        return {
+        """Position in the stream; enough to resume it exactly (JSON-serialisable). With each
+        row's digest (``row_digests``: :meth:`PromptDataset.row_digests`; ``held_out``: the
+        held-out rows' count and digests) so that a resume can accept edited rows, naming them."""
+        state = {
             "seed": self.seed,
             "epoch": self.epoch,
             "position": self.position,
             "shuffle": self.shuffle,
             "num_prompts": len(self.dataset),
             "fingerprint": self.dataset.fingerprint(),
+            "row_digests": self.dataset.row_digests(),
         }
+        if self.held_out is not None:
+            state["held_out"] = {"num_prompts": len(self.held_out), "row_digests": self.held_out.row_digests()}
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state``; the dataset must be the one the state was taken on."""
-        same = state["num_prompts"] == len(self.dataset)
-        if not (same and self.dataset._has_fingerprint(state["fingerprint"])):
-            raise ValueError(
-                f"sampler state was saved on a different prompt dataset ({state['num_prompts']} "
-                f"prompts, fingerprint {state['fingerprint']}) than this one ({len(self.dataset)} "
-                f"prompts, fingerprint {self.dataset.fingerprint()}); resume with the same dataset "
-                "and split"
-            )
+        """Continue from ``state``: the dataset must be the one the state was taken on, or that
+        dataset with some rows' contents edited (as many rows, in the same order: the batches
+        are drawn as before), which :attr:`edited` then names. A state without per-row digests
+        (an older checkpoint) needs the very same rows. ``ValueError`` says what changed; the
+        sampler is left as it was."""
+        edited = self._edited_since(state)
+        self.edited = edited
         self.seed = int(state["seed"])
         self.shuffle = bool(state["shuffle"])
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self._order = self._epoch_order(self.epoch)
 
+    def _edited_since(self, state: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The rows (training, then held-out) edited since ``state`` was taken (:func:`edited_rows`)."""
+        if "row_digests" not in state:  # saved before per-row digests: the same rows or nothing
+            same = state["num_prompts"] == len(self.dataset)
+            if not (same and self.dataset._has_fingerprint(state["fingerprint"])):
+                raise ValueError(
+                    f"sampler state was saved on a different prompt dataset ({state['num_prompts']} "
+                    f"prompts, fingerprint {state['fingerprint']}) than this one ({len(self.dataset)} "
+                    f"prompts, fingerprint {self.dataset.fingerprint()}); resume with the same dataset "
+                    "and split"
+                )
+            return []
+        sets = [(state["num_prompts"], state["row_digests"], self.dataset, "training prompts")]
+        held = state.get("held_out")
+        if held is not None and self.held_out is not None:
+            sets.append((held["num_prompts"], held["row_digests"], self.held_out, "held-out prompts"))
+        return edited_rows(*sets)
+
 
 __all__ = [
     "PromptBatch",
     "PromptDataset",
     "PromptSampler",
+    "TrackedBatches",
     "batch_fields",
+    "batch_rows",
     "check_prompts_fit",
     "check_reward_columns",
+    "describe_edited",
+    "edited_rows",
     "encode_prompts",
     "load_prompts",
+    "placing_rows",
     "raw_prompts",
     "template_prompt",
 ]

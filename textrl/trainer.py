@@ -146,13 +146,16 @@ class PPORun:
 
     def step(self, iteration: int, timings: dict[str, float]) -> dict[str, Any]:
         """One PPO iteration: collect, estimate, update, log; its metrics row."""
+        from textrl.envs.prompts import placing_rows
+
         config, agent = self.config, self.agent
         # collect: the same global batch in every process, of which each takes whole prompt
         # groups; generate and score, then estimate (agent.process_rollout: log-probs, values,
         # KL shaping, advantages); timed inside as generation, reward, forward, advantages
         batch = self.sampler.next_batch()
         batch = batch.select(self.dist.shard(len(batch)))
-        td = collect(agent, batch, self.episodes, timings=timings, check_finite=False)  # update() skips NaN
+        with placing_rows(f"iteration {iteration}", lambda: self.sampler.batch_rows(batch)):  # a reward's error: FILE:LINE
+            td = collect(agent, batch, self.episodes, timings=timings, check_finite=False)  # update() skips NaN
         # update: K epochs of minibatch steps; one that left NaN/inf weights is rolled back inside
         # it (before the reference refresh), or with nonfinite_weights='stop' stops the run here
         with timed(timings, "update", agent.device):
@@ -171,19 +174,27 @@ class PPORun:
         """Held-out rewards (``eval/*``) and greedy samples (``samples.jsonl``); none from NaN/inf weights."""
         if self.weights_poisoned:
             return {}
+        from textrl.envs.prompts import placing_rows
+
         with timed(timings, "eval", self.agent.device):
-            row = evaluate(self.agent, self.stoppable_batches(), self.episodes, self.config.seed + iteration,
-                           reward_nonfinite=self.config.reward_nonfinite)
+            batches = self.stoppable_batches()
+            with placing_rows(f"the held-out evaluation of iteration {iteration}", batches.rows):
+                row = evaluate(self.agent, batches, self.episodes, self.config.seed + iteration,
+                               reward_nonfinite=self.config.reward_nonfinite)
             self.samples.write(iteration, sample_completions(self.agent, self.eval_batches[0], self.episodes))
         return row
 
     def stoppable_batches(self) -> Any:
         """The held-out batches, in one process ended between two by a stop signal
         (:func:`textrl.run.signals.until_stopped`); under several processes all of them (the
-        evaluation's forwards may be collectives every process must join)."""
-        if self.dist.enabled:
-            return self.eval_batches
-        return Stoppable(self.eval_batches, "the held-out evaluation", unit="batch")
+        evaluation's forwards may be collectives every process must join); a
+        :class:`~textrl.envs.prompts.TrackedBatches`, which names the rows of a batch a reward fails on."""
+        from textrl.envs.prompts import TrackedBatches
+
+        batches = self.eval_batches
+        if not self.dist.enabled:
+            batches = Stoppable(self.eval_batches, "the held-out evaluation", unit="batch")
+        return TrackedBatches(batches, getattr(self.sampler, "held_out", None))
 
     def checkpoint(self, iteration: int, stopping: bool) -> Path | None:
         """Every process's RNGs and (FSDP, ZeRO) the gathered state; the main process saves.
@@ -244,6 +255,10 @@ class PPORun:
         if self.resume_from is not None:
             start = load_checkpoint(self.resume_from, self.agent, self.sampler, verify=False, dist=self.dist)
             self.agent.take_changed_settings(set(self.resumed_changes))
+            if self.edited_rows():  # rows fixed since the checkpoint (as many, in the same order)
+                from textrl.envs.prompts import describe_edited
+
+                self.log(describe_edited(self.edited_rows(), self.resume_from))
             self.log(f"resumed from {self.resume_from} (iteration {start})")
             if start >= self.config.iterations:
                 self.log(f"--resume: the run is complete (iteration {start} of {self.config.iterations}): "
@@ -254,16 +269,23 @@ class PPORun:
             save_config(self.config, self.output_dir / SETTINGS_FILE)
             (self.output_dir / USER_CODE_FILE).write_text(user_code_json(self.user_code or {}))
             if self.resume_from is not None:
-                record_resume(self.output_dir, start, self.resume_from, self.resumed_changes)
+                record_resume(self.output_dir, start, self.resume_from, self.resumed_changes, rows=self.edited_rows())
         resume_after = start if self.resume_from is not None else None
         self.metrics = MetricsLog(self.output_dir, self.main, resume_after=resume_after,
                                   kl_kind=self.config.kl_kind)
         self.samples = SamplesLog(self.output_dir, self.main, resume_after=resume_after)
         return start
 
+    def edited_rows(self) -> list[dict[str, Any]]:
+        """The data rows whose contents changed since the resumed checkpoint (the sampler's
+        :attr:`~textrl.envs.PromptSampler.edited`; none for a sampler without per-row digests)."""
+        return getattr(self.sampler, "edited", [])
+
     def evaluate_before(self, start: int) -> dict[str, float] | None:
         """The held-out evaluation before the first iteration (and its samples, as iteration 0);
         a resumed run reads it back from ``eval_before.json``."""
+        from textrl.envs.prompts import placing_rows
+
         path = self.output_dir / BEFORE_FILE
         if start > 0:
             return json.loads(path.read_text()) if path.is_file() else None
@@ -271,8 +293,10 @@ class PPORun:
             return None
         with stop_phase("the current batch of the held-out evaluation before iteration 1",
                         "stopping (nothing is saved before iteration 1)"):
-            before = evaluate(self.agent, self.stoppable_batches(), self.episodes, self.config.seed,
-                              reward_nonfinite=self.config.reward_nonfinite)
+            batches = self.stoppable_batches()
+            with placing_rows("the held-out evaluation before iteration 1", batches.rows):
+                before = evaluate(self.agent, batches, self.episodes, self.config.seed,
+                                  reward_nonfinite=self.config.reward_nonfinite)
         if self.main:
             path.write_text(json.dumps(before, indent=2) + "\n")
         self.samples.write(0, sample_completions(self.agent, self.eval_batches[0], self.episodes))
@@ -346,7 +370,7 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     sampler = PromptSampler(
         train_rows, tokenizer, prompts_per_batch=config.prompts_per_iteration,
         n_samples_per_prompt=config.n_samples_per_prompt, seed=config.seed,
-        max_prompt_length=lengths.max_prompt_length, truncate=lengths.truncate,
+        max_prompt_length=lengths.max_prompt_length, truncate=lengths.truncate, held_out=eval_rows,
     )
     eval_batches = sampler.encode_eval(eval_rows, batch_size=config.generation_batch_size)
     backend.prepare(agent)  # identical weights everywhere, this process's seed, models sharded

@@ -276,7 +276,7 @@ def test_resume_from_state_dict(tokenizer, digits):
         assert torch.equal(got.input_ids, want.input_ids)
         assert torch.equal(got.attention_mask, want.attention_mask)
     other = _sampler(["a", "b"], tokenizer, prompts_per_batch=1)
-    with pytest.raises(ValueError, match="different prompt dataset"):
+    with pytest.raises(ValueError, match="taken on 512 training prompts and list now gives 2: rows were removed"):
         other.load_state_dict(state)
 
 
@@ -447,3 +447,113 @@ def test_conversations_on_a_tokenizer_without_a_chat_template_warn_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         encode_prompts(rows, tok)  # once per tokenizer
+
+
+# -- a resume after rows were edited (issue 24: no run is lost to a data fault) ------------------------
+
+
+def _rows_file(path, answers):
+    return _write(path, [json.dumps({"prompt": f"What is {i} + {i}?", "answer": a}) for i, a in enumerate(answers)])
+
+
+def _answers(n=20):
+    return [str(2 * i) for i in range(n)]
+
+
+def _stream(sampler, batches=6):
+    return [i for _ in range(batches) for i in sampler.next_batch().prompt_index]
+
+
+def test_a_resume_accepts_edited_rows_names_them_and_draws_the_same_batches(tmp_path, tokenizer):
+    path = _rows_file(tmp_path / "rows.jsonl", [*_answers()[:4], "bad", *_answers()[5:]])
+    train, held_out = load_prompts(path).split(4, seed=1)
+    first = _sampler(train, tokenizer, seed=3, held_out=held_out)
+    first.next_batch()
+    state = json.loads(json.dumps(first.state_dict()))  # survives a JSON checkpoint
+    expected = _stream(first)
+    _rows_file(path, _answers())  # line 5 fixed: 'bad' -> '8'
+    train, held_out = load_prompts(path).split(4, seed=1)
+    resumed = _sampler(train, tokenizer, seed=3, held_out=held_out)
+    resumed.load_state_dict(state)
+    assert [change["row"] for change in resumed.edited] == [f"{path}:5"]
+    assert resumed.edited[0]["sha256"]["from"] != resumed.edited[0]["sha256"]["to"]
+    assert _stream(resumed) == expected  # the order is the rows' number's and the seed's, not their contents'
+    resumed.load_state_dict(resumed.state_dict())  # nothing changed since: nothing named
+    assert resumed.edited == []
+
+
+def test_an_edited_held_out_row_is_named_too(tmp_path, tokenizer):
+    path = _rows_file(tmp_path / "rows.jsonl", _answers())
+    train, held_out = load_prompts(path).split(4, seed=1)
+    state = _sampler(train, tokenizer, held_out=held_out).state_dict()
+    line = int(held_out.where(0).rsplit(":", 1)[1])
+    answers = _answers()
+    answers[line - 1] = "a fixed answer"
+    _rows_file(path, answers)
+    train, held_out = load_prompts(path).split(4, seed=1)
+    resumed = _sampler(train, tokenizer, held_out=held_out)
+    resumed.load_state_dict(state)
+    assert [change["row"] for change in resumed.edited] == [f"{path}:{line}"]
+
+
+@pytest.mark.parametrize(("edit", "refusal"), [
+    (lambda rows: [rows[1], rows[0], *rows[2:]], r"rows.jsonl:\d+ now holds the row that was at \S+rows.jsonl:\d+ "
+                                                  r"\(2 rows moved: the rows were reordered\)"),
+    (lambda rows: [*rows, rows[0].replace("0 + 0", "20 + 20")], r"taken on 16 training prompts and \S+ now gives 17: "
+                                                                 "rows were added"),
+    (lambda rows: rows[1:], r"taken on 16 training prompts and \S+ now gives 15: rows were removed"),
+    (lambda rows: [row.replace("?", "?!") for row in rows[:3]] + rows[3:],
+     r"2 of the 16 training prompts changed since the checkpoint \(\S+:1, \S+:3\): more than one "
+     "in 10, so this is another dataset"),
+])
+def test_rows_added_removed_reordered_or_mostly_changed_are_refused(tmp_path, tokenizer, edit, refusal):
+    path = _rows_file(tmp_path / "rows.jsonl", _answers())
+    train, held_out = load_prompts(path).split(4, seed=1)
+    sampler = _sampler(train, tokenizer, held_out=held_out)
+    sampler.next_batch()
+    state = sampler.state_dict()
+    lines = path.read_text().splitlines()
+    _write(path, edit(lines))
+    train, held_out = load_prompts(path).split(4, seed=1)
+    resumed = _sampler(train, tokenizer, held_out=held_out)
+    with pytest.raises(ValueError, match=refusal) as err:
+        resumed.load_state_dict(state)
+    assert "a resume may change what rows hold, not how many there are or their order" in str(err.value)
+    assert "start a new run in another --output-dir" in str(err.value)
+    assert (resumed.epoch, resumed.position, resumed.edited) == (0, 0, [])  # left as it was
+
+
+def test_a_state_without_row_digests_still_needs_the_same_rows(tmp_path, tokenizer):
+    """A checkpoint written before per-row digests: any edit is refused, as it was then."""
+    path = _rows_file(tmp_path / "rows.jsonl", _answers())
+    state = _sampler(load_prompts(path), tokenizer).state_dict()
+    old = {k: v for k, v in state.items() if k not in ("row_digests", "held_out")}
+    _sampler(load_prompts(path), tokenizer).load_state_dict(old)  # the same rows: accepted
+    answers = _answers()
+    answers[4] = "8!"
+    _rows_file(path, answers)
+    with pytest.raises(ValueError, match="sampler state was saved on a different prompt dataset"):
+        _sampler(load_prompts(path), tokenizer).load_state_dict(old)
+    _sampler(load_prompts(path), tokenizer).load_state_dict(state)  # with digests: accepted
+
+
+def test_a_reward_error_is_placed_in_the_data_by_file_line(tmp_path, tokenizer):
+    from textrl.envs.prompts import TrackedBatches, placing_rows
+    from textrl.rewards import RewardError
+
+    path = _rows_file(tmp_path / "rows.jsonl", _answers())
+    sampler = _sampler(load_prompts(path), tokenizer, prompts_per_batch=2, n_samples_per_prompt=2, shuffle=False)
+    batch = sampler.next_batch()
+    assert sampler.batch_rows(batch) == f"rows 0-1 {path}:1, rows 2-3 {path}:2"
+    with pytest.raises(RewardError, match=rf"^iteration 3: reward 'r' raised ValueError: x; the batch: rows 0-1 "
+                                          rf"{path}:1, rows 2-3 {path}:2$"):
+        with placing_rows("iteration 3", lambda: sampler.batch_rows(batch)):
+            raise RewardError("reward 'r' raised ValueError: x")
+    tracked = TrackedBatches(encode_prompts(load_prompts(path), tokenizer, batch_size=8), load_prompts(path))
+    assert tracked.rows() == "unknown" and len(tracked) == 3
+    for _ in tracked:
+        pass
+    assert tracked.rows() == ", ".join(f"row {b} {path}:{17 + b}" for b in range(4))
+    with pytest.raises(ValueError, match="not a reward's"):  # other errors pass through unchanged
+        with placing_rows("iteration 3", tracked.rows):
+            raise ValueError("not a reward's")

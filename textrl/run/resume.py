@@ -43,8 +43,8 @@ SETTINGS_FILE = "config.yaml"
 """The settings a checkpoint was trained with (inside the checkpoint folder), and the run's own."""
 
 RESUMES_FILE = "resumes.jsonl"
-"""One line per resume that changed a setting: the iteration, the checkpoint, each field's old and
-new value."""
+"""One line per resume that changed a setting or a data row: the iteration, the checkpoint, each
+field's old and new value, each edited row's place and digests."""
 
 
 class ResumeRefused(ValueError):
@@ -157,13 +157,17 @@ def refuse_shorter_run(checkpoint: Path, length: int, name: str = "iterations", 
 
 
 def record_resume(output_dir: str | Path, iteration: int, checkpoint: Path,
-                  applied: dict[str, tuple[Any, Any]]) -> None:
-    """Append the resume's changed settings to ``resumes.jsonl`` (one line, written whole)."""
-    if not applied:
+                  applied: dict[str, tuple[Any, Any]], rows: list[dict[str, Any]] | None = None) -> None:
+    """Append the resume's changed settings to ``resumes.jsonl`` (one line, written whole), and
+    (``changed_rows``) the data rows whose contents changed since the checkpoint, each ``{"row":
+    FILE:LINE, "sha256": {"from", "to"}}`` (:func:`textrl.envs.prompts.edited_rows`)."""
+    if not applied and not rows:
         return
-    line = json.dumps({"resumed_after": iteration, "checkpoint": checkpoint.name,
-                       "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                       "changed": {name: {"from": old, "to": new} for name, (old, new) in applied.items()}})
+    record = {"resumed_after": iteration, "checkpoint": checkpoint.name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "changed": {name: {"from": old, "to": new} for name, (old, new) in applied.items()}}
+    if rows:
+        record["changed_rows"] = rows
+    line = json.dumps(record)
     with (Path(output_dir) / RESUMES_FILE).open("a") as f:
         f.write(line + "\n")
         f.flush()
