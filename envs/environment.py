@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
 
 Message = dict[str, str]
 """``{"role": ..., "content": ...}``, as in a chat template."""
@@ -139,7 +140,7 @@ def check_turn(env: Any, episode: Episode, answer: Any) -> Turn:
     ``info`` a dict. :class:`EnvError` naming the environment, the row and the field otherwise."""
     if not isinstance(answer, Turn):
         raise _turn_error(env, episode, f"returned {type(answer).__name__}; return a textrl.envs.Turn")
-    reward = answer.reward
+    reward = _tensor_reward(env, episode, answer.reward)
     if isinstance(reward, (bool, np.bool_)) or not isinstance(reward, (int, float, np.integer, np.floating)):
         raise _turn_error(env, episode, f"gave Turn.reward={_short(reward)}: a turn reward must be a float")
     try:
@@ -168,6 +169,21 @@ def check_turn(env: Any, episode: Episode, answer: Any) -> Turn:
     if not isinstance(answer.info, dict):
         raise _turn_error(env, episode, f"gave Turn.info={_short(answer.info)}: info must be a dict")
     return answer
+
+
+def _tensor_reward(env: Any, episode: Episode, reward: Any) -> Any:
+    """A turn reward given as a one-number real tensor, on any device that holds values (cuda for
+    a cpu run, ...), as a Python number; anything else as it is. A tensor on the 'meta' device
+    (no values), of several numbers or of bools is refused naming the environment and the row."""
+    if not isinstance(reward, torch.Tensor):
+        return reward
+    if reward.is_meta:
+        raise _turn_error(env, episode, "gave Turn.reward as a tensor on device 'meta', which holds no value; "
+                          "give a float (or a tensor with a value, on any real device)")
+    if reward.numel() != 1 or reward.dtype == torch.bool or reward.is_complex():
+        raise _turn_error(env, episode, f"gave Turn.reward as a {reward.dtype} tensor of shape {tuple(reward.shape)} "
+                          f"on {reward.device}: a turn reward must be one real number")
+    return reward.detach().reshape(()).item()
 
 
 def _short(value: Any) -> str:

@@ -354,6 +354,9 @@ def _as_scores(out: Any, name: str, n: int) -> tuple[Tensor, Tensor]:
             )
     if out.is_complex() or not (out.is_floating_point() or out.dtype in _REAL_DTYPES):
         raise RewardError(f"reward {name!r} returned dtype {out.dtype}; return float scores")
+    if out.is_meta:  # scores on a real device (cuda for a cpu run, ...) are moved by the callers
+        raise RewardError(f"reward {name!r} returned a tensor on device 'meta', which holds no values; "
+                          "return real scores (a tensor on cpu or the run's device, or a list of floats)")
     if tuple(out.shape) != (n,):
         hint = (
             " (a [B, 1] tensor: use .squeeze(-1))"
