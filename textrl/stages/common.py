@@ -402,15 +402,17 @@ def prepare_run(config: Any) -> tuple[torch.device, Path, Path | None]:
     return device, output_dir, checkpoint
 
 
-def record_run(config: StageConfig, resume_from: Path | None, start: int) -> None:
+def record_run(config: StageConfig, resume_from: Path | None, start: int,
+               edited: list[dict[str, Any]] | None = None) -> None:
     """``config.yaml`` (the settings that run from here on) and, after a resume that changed
-    some, a line of ``resumes.jsonl``: written once the data, the model and the checkpoint have
-    loaded, so a run refused on the way leaves no record of settings that never ran."""
+    some settings or found ``edited`` rows (:attr:`BatchOrder.edited`), a line of
+    ``resumes.jsonl``: written once the data, the model and the checkpoint have loaded, so a run
+    refused on the way leaves no record of settings that never ran."""
     output_dir = Path(config.output_dir)
     if resume_from is not None:
         changes = check_resume_settings(config, config_values(config), resume_from, _command(config),
                                         log=lambda *a, **k: None)  # printed by prepare_run already
-        record_resume(output_dir, start, resume_from, changes)
+        record_resume(output_dir, start, resume_from, changes, rows=edited)
     else:  # a fresh run: an earlier run's records (metrics, tb/, model/, ...) are set aside, not mixed in
         set_aside_earlier_records(output_dir)
     save_config(config, output_dir / SETTINGS_FILE)
@@ -453,18 +455,41 @@ class BatchOrder:
     """Batches of row indices drawn step by step: shuffled epochs from a private generator seeded
     with ``seed``, run on across epoch boundaries (the order of :func:`textrl.warmup._batch_order`).
 
-    ``state_dict`` (the generator and the rest of the current epoch) lets a resumed run draw the
-    batches an uninterrupted one would; ``load_state_dict`` refuses other training rows.
+    ``state_dict`` (the generator, the rest of the current epoch and each row's digest) lets a
+    resumed run draw the batches an uninterrupted one would. ``load_state_dict`` accepts rows
+    whose contents were edited since (a bad row fixed: as many rows in the same order draw the
+    same batches), naming them in :attr:`edited` by ``names`` (each row's place, ``FILE: row N
+    (line L)``; else its position among the training rows), and refuses rows added, removed,
+    reordered or mostly changed (:func:`textrl.envs.prompts.edited_rows`); a state without
+    digests (an older checkpoint) needs the very same rows.
     """
 
-    def __init__(self, rows: Sequence[Any], seed: int) -> None:
+    source = "the training data"
+
+    def __init__(self, rows: Sequence[Any], seed: int, names: Sequence[str] | None = None) -> None:
+        from textrl.envs.prompts import DIGEST_HEX
+
         self.num_rows = len(rows)
         digest = hashlib.sha256()
         for row in rows:
             digest.update(repr(row).encode())
         self.fingerprint = digest.hexdigest()[:16]
+        self.digests = "".join(hashlib.sha256(repr(row).encode()).hexdigest()[:DIGEST_HEX] for row in rows)
+        self.names = list(names) if names is not None else None
+        self.edited: list[dict[str, Any]] = []
         self.generator = torch.Generator().manual_seed(seed)
         self.pending: list[int] = []
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def where(self, i: int) -> str:
+        """How messages name training row ``i``."""
+        return self.names[i] if self.names is not None else f"training row {i}"
+
+    def row_digests(self) -> str:
+        """Each row's digest (16 hex digits of the sha256 of its ``repr``), joined."""
+        return self.digests
 
     def next_batch(self, batch_size: int) -> list[int]:
         while len(self.pending) < batch_size:
@@ -474,11 +499,18 @@ class BatchOrder:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"num_rows": self.num_rows, "fingerprint": self.fingerprint,
+        return {"num_rows": self.num_rows, "fingerprint": self.fingerprint, "row_digests": self.digests,
                 "generator": self.generator.get_state(), "pending": list(self.pending)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (state["num_rows"], state["fingerprint"]) != (self.num_rows, self.fingerprint):
+        from textrl.envs.prompts import edited_rows
+
+        if "row_digests" in state:
+            try:
+                self.edited = edited_rows((state["num_rows"], state["row_digests"], self, "training rows"))
+            except ValueError as err:
+                raise ValueError(f"it was taken on other training rows: {err}") from None
+        elif (state["num_rows"], state["fingerprint"]) != (self.num_rows, self.fingerprint):
             raise ValueError(
                 f"it was taken on other training rows ({state['num_rows']} rows, fingerprint "
                 f"{state['fingerprint']}) than this run's ({self.num_rows} rows, fingerprint "
@@ -535,6 +567,7 @@ def fit(
     *,
     name: str,
     resume_from: Path | None = None,
+    row_names: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Train ``params`` for ``config.steps`` AdamW steps; return ``{"before", "after", ...}``.
 
@@ -545,7 +578,8 @@ def fit(
     :class:`BatchOrder` seeded with ``config.seed``. ``resume_from`` (a verified checkpoint, see
     :func:`prepare_run`) restores the state after its step, and ``metrics.jsonl`` keeps only the
     rows up to it. SIGINT / SIGTERM finish the current step, save a checkpoint and raise
-    :class:`~textrl.run.TrainingStopped`, whose message says how to resume.
+    :class:`~textrl.run.TrainingStopped`, whose message says how to resume. ``row_names``: each
+    training row's place in the data, naming the rows a resume finds edited (:class:`BatchOrder`).
     """
     output_dir = Path(config.output_dir)
     params = [p for p in params if p.requires_grad]
@@ -554,9 +588,9 @@ def fit(
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     precision = Precision.of(config, params[0].device)
     loss_fn, evaluate = under(precision.autocast, loss_fn), under(precision.autocast, evaluate)
-    state, order = StageState(params, optimizer, save), BatchOrder(train_rows, config.seed)
+    state, order = StageState(params, optimizer, save), BatchOrder(train_rows, config.seed, row_names)
     start = 0 if resume_from is None else restore(resume_from, state, order)
-    record_run(config, resume_from, start)
+    record_run(config, resume_from, start, order.edited)
     log = MetricsLog(output_dir, enabled=True, resume_after=None if resume_from is None else start)
     began = time.perf_counter()
     with StopSignals("the current step", "saving a checkpoint") as signals:  # the evaluation before too
@@ -661,6 +695,10 @@ def restore(checkpoint: Path, state: StageState, order: BatchOrder) -> int:
         step = load_checkpoint(checkpoint, state, order, verify=False)
     except ValueError as err:
         raise ValueError(f"--resume: cannot continue from {checkpoint}: {err}") from None
+    if order.edited:  # rows fixed since the checkpoint (as many, in the same order)
+        from textrl.envs.prompts import describe_edited
+
+        print(describe_edited(order.edited, checkpoint), flush=True)
     print(f"resumed from {checkpoint} (step {step})", flush=True)
     return step
 

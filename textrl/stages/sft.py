@@ -17,7 +17,8 @@ Data (``--data``):
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ from textrl.stages.common import (
     save_policy,
     split_rows,
 )
-from textrl.warmup import IGNORE_INDEX, Prompt, build_sft_batch
+from textrl.warmup import IGNORE_INDEX, Prompt, build_sft_batch, encode_sft_example
 
 
 @dataclass
@@ -96,12 +97,41 @@ def parse_sft_row(row: Any, where: str) -> tuple[Prompt, str]:
     return prompt, response
 
 
-def load_sft_pairs(source: str | os.PathLike[str] | Iterable[Mapping[str, Any]]) -> list[tuple[Prompt, str]]:
-    """(prompt, response) pairs from ``builtin:NAME``, a ``.jsonl`` file, or a list of rows."""
+def load_sft_examples(source: str | os.PathLike[str] | Iterable[Mapping[str, Any]]) -> list[tuple[str, tuple[Prompt, str]]]:
+    """``(where, (prompt, response))`` of each row of ``builtin:NAME``, a ``.jsonl`` file, or a
+    list of rows; ``where`` names the row in messages (``FILE: row N (line L)``)."""
     from textrl.envs.synthetic import BUILTIN_SFT
     from textrl.stages.common import source_rows
 
-    return [parse_sft_row(row, where) for where, row in source_rows(source, BUILTIN_SFT, "SFT data")]
+    return [(where, parse_sft_row(row, where)) for where, row in source_rows(source, BUILTIN_SFT, "SFT data")]
+
+
+def load_sft_pairs(source: str | os.PathLike[str] | Iterable[Mapping[str, Any]]) -> list[tuple[Prompt, str]]:
+    """(prompt, response) pairs from ``builtin:NAME``, a ``.jsonl`` file, or a list of rows."""
+    return [pair for _, pair in load_sft_examples(source)]
+
+
+def check_lengths(tokenizer: Any, examples: Sequence[tuple[str, tuple[Prompt, str]]], max_length: int) -> None:
+    """Before training, every example as ``textrl sft`` tokenizes it against ``max_length``
+    (``--max-length``): ``ValueError`` naming the first whose templated prompt alone fills it
+    (nothing would be left to learn), and one warning counting those longer than it, which lose
+    the end of their response and its EOS, naming the longest and the ``--max-length`` that keeps
+    them whole. ``examples``: ``(where, (prompt, response))`` (:func:`load_sft_examples`)."""
+    longer = []  # (tokens, where) of each example over max_length
+    for where, (prompt, response) in examples:
+        ids, n_prompt = encode_sft_example(tokenizer, prompt, response)
+        if n_prompt >= max_length:
+            raise ValueError(f"{where}: the templated prompt is {n_prompt} tokens, not shorter than "
+                             f"max_length={max_length}, so no response token is left to learn; raise "
+                             f"--max-length above {n_prompt} or shorten the prompt")
+        if len(ids) > max_length:
+            longer.append((len(ids), where))
+    if longer:
+        tokens, where = max(longer)
+        warnings.warn(f"sft: {len(longer)} of {len(examples)} rows are longer than max_length={max_length} tokens "
+                      f"(prompt + response + EOS) and are truncated, losing the end of their response and its EOS; "
+                      f"the longest: {where} ({tokens} tokens); raise --max-length to {tokens} to keep every row "
+                      "whole", stacklevel=2)
 
 
 def completion_loss(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -121,9 +151,11 @@ def train_sft(config: SFTConfig) -> dict[str, Any]:
     from textrl.models import load_tokenizer
 
     device, _, checkpoint = prepare_run(config)
-    pairs = load_sft_pairs(config.data)
-    train_pairs, eval_pairs = split_rows(pairs, config.eval_size, config.seed, "SFT data")
+    examples = load_sft_examples(config.data)
+    train_examples, eval_examples = split_rows(examples, config.eval_size, config.seed, "SFT data")
+    train_pairs, eval_pairs = [pair for _, pair in train_examples], [pair for _, pair in eval_examples]
     tokenizer = load_tokenizer(config.model)
+    check_lengths(tokenizer, examples, config.max_length)  # before the model loads
     model = load_policy(config, device)
 
     def to_device(rows: list[tuple[Prompt, str]]) -> dict[str, torch.Tensor]:
@@ -149,7 +181,7 @@ def train_sft(config: SFTConfig) -> dict[str, Any]:
 
     summary = fit(config, list(model.parameters()), train_pairs, loss_fn, evaluate,
                   lambda path: save_policy(model, tokenizer, path, config=config, stage="sft"),
-                  name="sft", resume_from=checkpoint)
+                  name="sft", resume_from=checkpoint, row_names=[where for where, _ in train_examples])
     model.eval()
     return summary
 
@@ -158,5 +190,5 @@ def format_sft_summary(summary: dict[str, Any]) -> str:
     return format_summary(summary, ["loss"])
 
 
-__all__ = ["SFTConfig", "completion_loss", "format_sft_summary", "load_sft_pairs", "parse_sft_row",
-           "train_sft"]
+__all__ = ["SFTConfig", "check_lengths", "completion_loss", "format_sft_summary", "load_sft_examples",
+           "load_sft_pairs", "parse_sft_row", "train_sft"]
