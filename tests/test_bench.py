@@ -195,6 +195,15 @@ def test_interval_labels_neither_overlap_nor_leave_the_figure(agents):
         assert len(ax.patches) == len(agents) and len(ax.get_lines()) == len(agents)
 
 
+def test_intervals_of_one_seed_say_they_are_points():
+    report, _ = _report_of({"gae_ppo": 0.3, "rloo": 0.4}, seeds=1)
+    fig = bench_report.interval_figure(report)
+    assert fig._suptitle.get_text() == "point estimates (one run per agent: no interval)"
+    assert all(len(ax.patches) == 0 and len(ax.get_lines()) == 2 for ax in fig.axes)
+    many, _ = _report_of({"gae_ppo": 0.3, "rloo": 0.4}, seeds=3)
+    assert bench_report.interval_figure(many)._suptitle.get_text() == "95% stratified-bootstrap intervals"
+
+
 # -- resumability, failures and the lock (a fake trainer: no training) ---------------------------
 
 

@@ -310,7 +310,9 @@ def interval_figure(report: dict[str, Any]) -> Any:
         ax.set_xlabel("1 - normalised score" if key == "optimality_gap" else "normalised score", fontsize=8)
         ax.grid(axis="x", alpha=0.3)
         ax.margins(x=0.08)
-    fig.suptitle(f"{round(100 * report['confidence'])}% stratified-bootstrap intervals", fontsize=9)
+    bands = any(report["aggregates"][a][k]["low"] is not None for a in agents for k in stats.AGGREGATES)
+    fig.suptitle(f"{round(100 * report['confidence'])}% stratified-bootstrap intervals" if bands
+                 else "point estimates (one run per agent: no interval)", fontsize=9)
     return fig
 
 
