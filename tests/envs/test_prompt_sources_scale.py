@@ -158,9 +158,11 @@ def test_a_state_saved_before_files_were_hashed_by_bytes_still_resumes(small, to
         PromptSampler(same_train, tokenizer, prompts_per_batch=4).load_state_dict(saved)
     small.write_text(small.read_text().replace("hello in French", "hello in Italian"))  # trained on
     changed, _ = load_prompts(small).split(2, seed=1)
-    for saved in (old, state):
-        with pytest.raises(ValueError, match="different prompt dataset"):
-            PromptSampler(changed, tokenizer, prompts_per_batch=4).load_state_dict(saved)
+    with pytest.raises(ValueError, match="different prompt dataset"):  # no per-row digests: the same rows only
+        PromptSampler(changed, tokenizer, prompts_per_batch=4).load_state_dict(old)
+    edited = PromptSampler(changed, tokenizer, prompts_per_batch=4)  # per-row digests: an edited row is named
+    edited.load_state_dict(state)
+    assert len(edited.edited) == 1 and edited.edited[0]["row"].startswith(str(small))
 
 
 def test_fingerprints(small, tmp_path):
