@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -137,9 +138,15 @@ def last_line(text: str) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
+def run_folder(env: str) -> str:
+    """The name of an environment's run folder: ``reasoning_gym:ab`` -> ``reasoning_gym_ab``."""
+    return re.sub(r"[^\w.-]", "_", env)
+
+
 def run_one(env: str, workdir: Path, timeout: float) -> Outcome:
     """``textrl train --env ENV --iterations 1`` in a subprocess, under nice, one thread."""
-    out = workdir / re.sub(r"[^\w.-]", "_", env)
+    out = workdir / run_folder(env)
+    shutil.rmtree(out, ignore_errors=True)  # an earlier, unfinished run of the same environment
     command = ["nice", "-n", "10", sys.executable, "-m", "textrl.cli", "train", "--env", env,
                "--iterations", "1", "--output-dir", str(out)]
     environ = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -176,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take (default 900)")
     parser.add_argument("--list", action="store_true", help="print the environments and stop")
     parser.add_argument("--keep", default=None, help="folder for the runs' outputs (default: a temporary one)")
+    parser.add_argument("--skip-done", action="store_true",
+                        help="with --keep: leave out the environments whose folder there has a summary.json")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs} must be >= 1")
@@ -184,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         envs = [e for e in envs if args.only.lower() in e.lower()]
         if not envs:
             parser.error(f"--only {args.only!r} matches no environment; --list names them")
+    if args.skip_done:
+        if not args.keep:
+            parser.error("--skip-done needs --keep (the folder of the earlier runs)")
+        done = [e for e in envs if (Path(args.keep) / run_folder(e) / "summary.json").is_file()]
+        print(f"left out, done in {args.keep} before: {', '.join(done) or 'none'}")
+        envs = [e for e in envs if e not in done]
     if args.list:
         print("\n".join(envs))
         return 0
