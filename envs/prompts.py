@@ -881,15 +881,14 @@ class _Encoder:
 
 def batch_rows(batch: PromptBatch, dataset: PromptDataset, most: int = 8) -> str:
     """Where the rows of ``batch`` (drawn from ``dataset``) come from, by their positions in it:
-    ``"rows 0-1 data.jsonl:5, rows 2-3 data.jsonl:9"``, the first ``most`` prompts named."""
+    ``"0-1 = data.jsonl:5, 2-3 = data.jsonl:9"``, the first ``most`` prompts named."""
     spans: list[list[int]] = []  # [first, last, dataset row] of each run of one prompt
     for b, i in enumerate(batch.prompt_index):
         if spans and spans[-1][2] == i and spans[-1][1] == b - 1:
             spans[-1][1] = b
         else:
             spans.append([b, b, i])
-    named = [f"row {a} {dataset.where(i)}" if a == z else f"rows {a}-{z} {dataset.where(i)}"
-             for a, z, i in spans[:most]]
+    named = [f"{a} = {dataset.where(i)}" if a == z else f"{a}-{z} = {dataset.where(i)}" for a, z, i in spans[:most]]
     return ", ".join(named) + (f" and {len(spans) - most} more prompts" if len(spans) > most else "")
 
 
@@ -918,13 +917,14 @@ class TrackedBatches:
 
 @contextmanager
 def placing_rows(what: str, rows: Callable[[], str]) -> Iterator[None]:
-    """A :class:`textrl.rewards.RewardError` raised inside is raised again (one line) saying ``what``
-    ran (``"iteration 14"``) and where its batch's rows are in the data (``rows()``, e.g.
-    :func:`batch_rows`): the row numbers a reward's error gives are positions in that batch."""
+    """A :class:`textrl.rewards.RewardError` raised inside is raised again (one line), its message
+    followed by what ran (``"iteration 14"``) and where its batch's rows are in the data
+    (``rows()``, e.g. :func:`batch_rows`): the rows a reward's error names are positions in that
+    batch. ``...; in iteration 14, batch rows 0-1 = data.jsonl:12, 2-3 = data.jsonl:5``."""
     try:
         yield
     except RewardError as err:
-        raise RewardError(f"{what}: {err}; the batch: {rows()}") from err
+        raise RewardError(f"{err}; in {what}, batch rows {rows()}") from err
 
 
 def encode_prompts(

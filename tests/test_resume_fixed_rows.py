@@ -43,9 +43,9 @@ def test_a_run_stopped_by_a_bad_row_resumes_once_the_row_is_fixed(tmp_path, caps
     with pytest.raises(SystemExit) as stopped:
         main(args)
     assert str(stopped.value.code).startswith(
-        "textrl train: iteration 6: reward 'strict' raised ValueError: answer 'bad' is not a number; rows that raise "
-        "on their own: [2, 3]")
-    assert str(stopped.value.code).endswith(f"the batch: rows 0-1 {data}:12, rows 2-3 {data}:5")
+        "textrl train: reward 'strict' raised ValueError: answer 'bad' is not a number; rows that raise on their own: "
+        "[2, 3]; ")
+    assert str(stopped.value.code).endswith(f"; in iteration 6, batch rows 0-1 = {data}:12, 2-3 = {data}:5")
     assert [row["iteration"] for row in metrics(out)] == [1, 2, 3, 4, 5]
 
     # a row added, or two rows swapped, is another dataset: refused, the folder left as it was

@@ -44,8 +44,8 @@ def bad_row_then_fixed(trial: Trial, base: Path) -> None:
     args = ["train", "--dataset", str(data), "--reward", f"{reward}:strict", *RUN, "--output-dir", str(out)]
     proc = trial.textrl(*args)
     judge(trial, "data resume: a reward raises on a bad row (iteration 6)", proc, refused=True,
-          kept=run_folder_sound(out, 5), expect=f"iteration 6: reward 'strict' raised ValueError")
-    if f"rows 2-3 {data}:5" not in proc.stderr:
+          kept=run_folder_sound(out, 5), expect="reward 'strict' raised ValueError: answer 'bad' is not a number")
+    if f"in iteration 6, batch rows 0-1 = {data}:12, 2-3 = {data}:5" not in proc.stderr:
         trial.outcomes[-1].clear = False
         trial.outcomes[-1].note = "row unnamed"
     fixed = _rows([*ANSWERS[:4], "8", *ANSWERS[5:]]).splitlines(keepends=True)

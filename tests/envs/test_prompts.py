@@ -544,16 +544,16 @@ def test_a_reward_error_is_placed_in_the_data_by_file_line(tmp_path, tokenizer):
     path = _rows_file(tmp_path / "rows.jsonl", _answers())
     sampler = _sampler(load_prompts(path), tokenizer, prompts_per_batch=2, n_samples_per_prompt=2, shuffle=False)
     batch = sampler.next_batch()
-    assert sampler.batch_rows(batch) == f"rows 0-1 {path}:1, rows 2-3 {path}:2"
-    with pytest.raises(RewardError, match=rf"^iteration 3: reward 'r' raised ValueError: x; the batch: rows 0-1 "
-                                          rf"{path}:1, rows 2-3 {path}:2$"):
+    assert sampler.batch_rows(batch) == f"0-1 = {path}:1, 2-3 = {path}:2"
+    with pytest.raises(RewardError, match=rf"^reward 'r' raised ValueError: x; in iteration 3, batch rows 0-1 = "
+                                          rf"{path}:1, 2-3 = {path}:2$"):
         with placing_rows("iteration 3", lambda: sampler.batch_rows(batch)):
             raise RewardError("reward 'r' raised ValueError: x")
     tracked = TrackedBatches(encode_prompts(load_prompts(path), tokenizer, batch_size=8), load_prompts(path))
     assert tracked.rows() == "unknown" and len(tracked) == 3
     for _ in tracked:
         pass
-    assert tracked.rows() == ", ".join(f"row {b} {path}:{17 + b}" for b in range(4))
+    assert tracked.rows() == ", ".join(f"{b} = {path}:{17 + b}" for b in range(4))
     with pytest.raises(ValueError, match="not a reward's"):  # other errors pass through unchanged
         with placing_rows("iteration 3", tracked.rows):
             raise ValueError("not a reward's")
