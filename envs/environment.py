@@ -219,8 +219,8 @@ def env_name(env: Any) -> str:
 def check_environment(env: Any) -> Any:
     """``env`` when its attributes have the types the episodes need: ``max_turns`` an int >= 1,
     ``stop_strings`` a tuple or list of non-empty str, ``max_reward`` None or a number, ``reward``
-    None, a spec str or a callable, ``max_observation_tokens`` (if set) an int >= 1; ``ValueError``
-    naming the environment and the attribute otherwise."""
+    None, a spec str or a callable, ``answers_truncated_turns`` a bool, ``max_observation_tokens``
+    (if set) an int >= 1; ``ValueError`` naming the environment and the attribute otherwise."""
     name = env_name(env)
 
     def refuse(attr: str, what: str) -> ValueError:
@@ -240,6 +240,9 @@ def check_environment(env: Any) -> Any:
     reward = getattr(env, "reward", None)
     if reward is not None and not isinstance(reward, str) and not callable(reward):
         raise refuse("reward", "None, a reward spec such as 'accuracy', or a callable")
+    answers = getattr(env, "answers_truncated_turns", True)
+    if not isinstance(answers, (bool, np.bool_)):
+        raise refuse("answers_truncated_turns", "True or False")
     obs = getattr(env, "max_observation_tokens", None)
     if obs is not None and (isinstance(obs, bool) or not isinstance(obs, (int, np.integer)) or obs < 1):
         raise refuse("max_observation_tokens", "an int >= 1")
@@ -261,6 +264,9 @@ class Environment:
     - ``reward``: the final reward (a reward spec such as ``"accuracy"`` or a callable in the
       reward convention of :mod:`textrl.rewards`), scored once per finished episode over the
       batch and added to the last turn's reward; None: the turns' rewards alone.
+    - ``answers_truncated_turns``: whether a turn cut by ``max_new_tokens`` before its EOS reaches
+      :meth:`step` (with ``episode.truncated`` True) in a multi-turn episode (default True); False
+      ends such an episode by ``length``, unanswered.
     """
 
     id: ClassVar[str] = ""
@@ -269,6 +275,7 @@ class Environment:
     max_reward: float | None = None
     stop_strings: tuple[str, ...] = ()
     reward: str | Callable[..., Any] | None = None
+    answers_truncated_turns: bool = True
 
     # -- task instances ------------------------------------------------------------------------
 

@@ -78,6 +78,7 @@ def test_a_numpy_bool_done_and_an_int_reward_are_taken(tok):
     ("stop_strings", "</tool>", r"stop_strings='</tool>' \(str\) must be a tuple of non-empty strings"),
     ("reward", 3, r"reward=3 \(int\) must be None, a reward spec"),
     ("max_observation_tokens", "32", r"max_observation_tokens='32' \(str\) must be an int >= 1"),
+    ("answers_truncated_turns", "no", r"answers_truncated_turns='no' \(str\) must be True or False"),
 ])
 def test_bad_environment_attributes_are_named(tok, attr, value, message):
     env = Answers(Turn(done=True))
