@@ -164,8 +164,12 @@ def curves_figure(rows: list[dict[str, Any]], kl_kind: str | None = None) -> Any
 
 
 class SamplesLog:
-    """``samples.jsonl``: held-out completions at each evaluation, one JSON object per line
-    (``{"iteration", "prompt", "completion"}``).
+    """``samples.jsonl``: greedy held-out completions at each evaluation, one JSON object per line,
+    ``{"iteration", "prompt", "completion", "turns"}``: ``completion`` is every token after the
+    prompt decoded (a multi-turn episode's observations included), ``turns`` the same text apart as
+    a list of ``{"role": "agent" | "environment", "text"}``, one per stretch of the agent's or the
+    environment's tokens, as the loss mask sees them (a single-turn completion: one agent entry;
+    :func:`textrl.envs.collector.episode_turns`).
 
     A fresh run (``resume_after`` None) starts the file anew; a resumed one keeps the lines up to
     ``resume_after``. Nothing is written when ``enabled`` is false (processes other than the main).
