@@ -81,7 +81,8 @@ class TrainConfig:
     iterations: int = 500
     """Number of PPO iterations (rollout + update)."""
     resume: bool = False
-    """Continue from the newest complete checkpoint in output_dir."""
+    """Continue from the newest complete checkpoint in output_dir (the data's rows may have been
+    edited since, e.g. a bad row fixed, not added, removed or reordered)."""
     agent: str = "rloo"
     """Agent: a registered name (`textrl train --help` lists them) or path/to/file.py:Class."""
 
