@@ -45,9 +45,9 @@ import torch
 from tensordict import TensorDict
 from textrl.envs.collector import EpisodeRunner
 from textrl.envs.fast_path import rollout_from_responses
-from textrl.rewards import RewardError
 from textrl.envs.rows import batch_fields, raw_prompts
 from textrl.envs.tasks import BUILTIN_TASKS, DATA_DIR
+from textrl.rewards import RewardError
 from torch import Tensor
 
 from textrl.keys import KEYS

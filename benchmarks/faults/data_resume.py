@@ -84,7 +84,7 @@ def sft_truncates(trial: Trial, base: Path) -> None:
     proc = trial.textrl(*SFT, "--data", str(data), "--output-dir", str(out))
     judge(trial, "data resume: sft responses longer than --max-length", proc, refused=False,
           kept=(out / "model").is_dir(),
-          expect=f"sft: 2 of 16 rows are longer than max_length=32 tokens (prompt + response + EOS) and are truncated")
+          expect="sft: 2 of 16 rows are longer than max_length=32 tokens (prompt + response + EOS) and are truncated")
     if f"the longest: {data}: row 9 (line 10)" not in proc.stderr:
         trial.outcomes[-1].clear = False
         trial.outcomes[-1].note = "row unnamed"
