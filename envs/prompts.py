@@ -502,25 +502,26 @@ def edited_rows(*sets: tuple[int, str, PromptDataset, str]) -> list[dict[str, An
     ``ValueError`` naming the rows and the fix when a set's rows were added or removed, when a row
     moved (a changed row now holds what a changed row of any set held: the rows were reordered),
     or when more than one in :data:`EDITED_SHARE` of a set changed (another dataset)."""
-    changed = []  # (rows, position, digest then, digest now) of every changed row
+    per_set = []  # (rows, what, [(position, digest then, digest now) of each changed row])
     for saved_count, saved, rows, what in sets:
         if saved_count != len(rows):
             change = "added" if len(rows) > saved_count else "removed"
             raise ValueError(f"the checkpoint was taken on {saved_count} {what} and {rows.source} now gives "
                              f"{len(rows)}: rows were {change}; {_START_OVER}")
         then, now = _digest_list(saved), _digest_list(rows.row_digests())
-        mine = [(rows, i, then[i], now[i]) for i in range(len(rows)) if then[i] != now[i]]
-        if len(mine) > max(1, len(rows) // EDITED_SHARE):
-            raise ValueError(f"{len(mine)} of the {len(rows)} {what} changed since the checkpoint "
-                             f"({_named([rows.where(i) for _, i, _, _ in mine])}): more than one in "
-                             f"{EDITED_SHARE}, so this is another dataset; {_START_OVER}")
-        changed += mine
+        per_set.append((rows, what, [(i, then[i], now[i]) for i in range(len(rows)) if then[i] != now[i]]))
+    changed = [(rows, i, old, new) for rows, _, mine in per_set for i, old, new in mine]
     held = {old: (rows, i) for rows, i, old, _ in changed}
     moved = [(rows, i, held[new]) for rows, i, _, new in changed if new in held]
     if moved:
         rows, i, (other, j) = moved[0]
         raise ValueError(f"{rows.where(i)} now holds the row that was at {other.where(j)} ({len(moved)} "
                          f"rows moved: the rows were reordered); {_START_OVER}")
+    for rows, what, mine in per_set:
+        if len(mine) > max(1, len(rows) // EDITED_SHARE):
+            raise ValueError(f"{len(mine)} of the {len(rows)} {what} changed since the checkpoint "
+                             f"({_named([rows.where(i) for i, _, _ in mine])}): more than one in "
+                             f"{EDITED_SHARE}, so this is another dataset; {_START_OVER}")
     return [{"row": rows.where(i), "sha256": {"from": old, "to": new}} for rows, i, old, new in changed]
 
 

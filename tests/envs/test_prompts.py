@@ -499,6 +499,8 @@ def test_an_edited_held_out_row_is_named_too(tmp_path, tokenizer):
 @pytest.mark.parametrize(("edit", "refusal"), [
     (lambda rows: [rows[1], rows[0], *rows[2:]], r"rows.jsonl:\d+ now holds the row that was at \S+rows.jsonl:\d+ "
                                                   r"\(2 rows moved: the rows were reordered\)"),
+    (lambda rows: [*rows[:2], rows[3], rows[2], *rows[4:]],  # two training rows: a move, not 'another dataset'
+     r"rows.jsonl:3 now holds the row that was at \S+rows.jsonl:4 \(2 rows moved: the rows were reordered\)"),
     (lambda rows: [*rows, rows[0].replace("0 + 0", "20 + 20")], r"taken on 16 training prompts and \S+ now gives 17: "
                                                                  "rows were added"),
     (lambda rows: rows[1:], r"taken on 16 training prompts and \S+ now gives 15: rows were removed"),
