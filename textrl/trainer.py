@@ -562,9 +562,8 @@ def sample_completions(agent, batch, episodes, n: int = 4) -> list[dict[str, Any
     completion is every token after the prompt (the environment's observations included), and
     ``turns`` the same text apart, ``{"role": "agent" | "environment", "text": ...}`` per stretch
     (:func:`textrl.envs.collector.episode_turns`)."""
-    from textrl.rollout import run_episodes
-
     from textrl.envs.collector import episode_turns
+    from textrl.rollout import run_episodes
 
     td = run_episodes(agent, batch.select(slice(0, n)), episodes, greedy=True, timings=None)
     seen = td.get(KEYS.response_mask, td.get(KEYS.mask))

@@ -9,7 +9,17 @@ import sys
 import time
 from pathlib import Path
 
-from fault_catalogue import RESUME, SMALL, Trial, _refusal, _write, case, judge, run_folder_sound, snapshot
+from fault_catalogue import (
+    RESUME,
+    SMALL,
+    Trial,
+    _refusal,
+    _write,
+    case,
+    judge,
+    run_folder_sound,
+    snapshot,
+)
 
 _refusal("runs: --resume --iterations 1 after 2", [*RESUME, "--iterations", "1"], "past iterations=1", on_base=True)
 _refusal("runs: --config is a folder", ["train", "--config", "{root}"], "is a folder, not a file")

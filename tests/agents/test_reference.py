@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from textrl.agents import agent_class
 
 from tests.agents.conftest import collect, make_agent
-from textrl.agents import agent_class
 from textrl.config import TrainConfig
 from textrl.keys import KEYS
 

@@ -13,12 +13,17 @@ import yaml
 from textrl.envs.prompts import check_reward_columns
 from textrl.rewards import CompositeReward, RewardError, evaluate_reward, named
 from textrl.rewards.base import needs, required_columns
-from textrl.rewards.options import check_reward_option, resolve_reward, reward_columns, reward_record
+from textrl.rewards.options import (
+    check_reward_option,
+    resolve_reward,
+    reward_columns,
+    reward_record,
+)
 from textrl.rewards.registry import get_reward
-from textrl.user_files import import_path
 
 from textrl.config import TrainConfig, load_yaml
 from textrl.trainer import train
+from textrl.user_files import import_path
 
 SMALL = dict(iterations=1, warmup_sft_steps=0, prompts_per_iteration=2, n_samples_per_prompt=2, max_new_tokens=4,
              eval_size=2, eval_every=0, progress=False, ppo_epochs=1, num_minibatches=1, checkpoint_every=1)
