@@ -20,6 +20,7 @@ built, and a missing one raises an ``ImportError`` naming the extra to install. 
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 import importlib
 import io
@@ -342,8 +343,8 @@ class TextArenaEnv(Environment):
     resets one game per seed ``seed .. seed+size-1`` to read its first observation (so the prompt
     is known before the episode starts), :meth:`eval_rows` the seeds after those (disjoint seeds;
     a game with few instances, such as GuessTheNumber's 20 secrets, repeats instances across the
-    splits). :meth:`start` resets a fresh game with the row's seed and checks that it shows the
-    row's prompt. Each agent turn is passed as the action to the game's ``step`` (through the
+    splits). :meth:`start` plays a copy of the game the row was built with (a row made elsewhere:
+    a game reset with the row's seed) and checks that it shows the row's prompt. Each agent turn is passed as the action to the game's ``step`` (through the
     game's default wrappers, which put an action without brackets in brackets); the game's new
     messages are the observation (:func:`observation_text`). When the game says done, the turn
     pays TextArena's reward for the player, as the game gives it (1 a win, 0 a loss, partial
@@ -376,6 +377,9 @@ class TextArenaEnv(Environment):
         self.max_turns = game_max_turns(state) if max_turns is None else max_turns
         self._rows: list[dict[str, Any]] | None = None
         self._eval_rows: list[dict[str, Any]] | None = None
+        self._games: dict[int, tuple[Any, dict[str, Any]]] = {}
+        """Seed -> (the game just reset with it, its ``state``): :meth:`start` copies it rather
+        than generate the game again (RushHour or Sudoku-v0-hard take seconds a reset)."""
 
     def _reset(self, seed: int, state: dict[str, Any]) -> Any:
         """A new game reset with ``seed``; its first observation goes to ``state["first"]``."""
@@ -395,8 +399,22 @@ class TextArenaEnv(Environment):
 
     def _row(self, seed: int) -> dict[str, Any]:
         state: dict[str, Any] = {}
-        self._reset(seed, state)
+        self._games[seed] = (self._reset(seed, state), state)
         return {"prompt": state["first"], "seed": seed, "game": self.game}
+
+    def _fresh_game(self, seed: int, state: dict[str, Any]) -> Any:
+        """A game as ``_reset(seed, state)`` makes it: a copy of the one the row was built with
+        (its ``random`` state and first observation copied into ``state`` too), else a new reset."""
+        kept = self._games.get(seed)
+        if kept is not None:
+            try:
+                game = copy.deepcopy(kept[0])
+            except Exception:  # a game holding something that cannot be copied: set it up again
+                pass
+            else:
+                state.update(random=kept[1]["random"], first=kept[1]["first"])
+                return game
+        return self._reset(seed, state)
 
     def rows(self) -> list[dict[str, Any]]:
         """One game per seed ``seed .. seed+size-1`` (built once)."""
@@ -418,7 +436,7 @@ class TextArenaEnv(Environment):
         seed = episode.row.get("seed")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"{self.id}: the row has no int 'seed' (got {seed!r}); use the rows of this environment")
-        episode.state["game"] = self._reset(seed, episode.state)
+        episode.state["game"] = self._fresh_game(seed, episode.state)
         prompt = episode.row.get("prompt")
         if isinstance(prompt, str) and prompt != episode.state["first"]:
             raise ValueError(f"{self.id}: the game of seed {seed} opens with another observation than the "

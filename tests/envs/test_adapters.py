@@ -391,6 +391,32 @@ def test_each_game_keeps_its_own_random_state_when_episodes_interleave():
 
 
 @needs_ta
+@pytest.mark.parametrize("game", ["2048-v0", "RushHour-v0", "Blackjack-v0"])
+def test_an_episode_plays_a_copy_of_the_rows_game_as_a_fresh_reset_would(game):
+    """start() copies the game each row was built with (a RushHour reset takes up to a second):
+    the episode plays as on a game reset with the row's seed, the kept game stays unplayed."""
+    moves = ["[up]", "[A+1]", "[hit]", "[left]", "[stand]", "[down]"]
+
+    def play(env, row):
+        episode = _episode(env, row)
+        seen = []
+        for m in moves:
+            turn = _play(env, episode, m)
+            seen.append((turn.observation, turn.reward, turn.done))
+            if turn.done:
+                break
+        return seen
+
+    kept = TextArenaEnv(game, size=2, seed=7, eval_size=0)
+    fresh = TextArenaEnv(game, size=2, seed=7, eval_size=0)  # never builds rows: each start resets the game
+    rows = kept.rows()
+    assert set(kept._games) == {7, 8}
+    copied = [play(kept, row) for row in rows] + [play(kept, row) for row in rows]  # twice: the kept game is unplayed
+    reset = [play(fresh, row) for row in rows]
+    assert not fresh._games and copied == reset + reset
+
+
+@needs_ta
 def test_guess_the_number_through_the_collector_matches_the_text_level_episodes(tok):
     env = TextArenaEnv("GuessTheNumber-v0", size=3, seed=5, eval_size=0)
     rows = env.rows()
