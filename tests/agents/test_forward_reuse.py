@@ -60,7 +60,7 @@ def count_policy_forwards(agent) -> list[int]:
 
 
 def test_kl_before_update_reuses_the_rollout_log_probs_while_they_are_current(tok):
-    agent = make_agent(tok, kl_coef=0.0)
+    agent = make_agent(tok, kl_coef=0.0, kl_after_update=True)  # the monitor keeps a reference
     td = collect(agent, tok)
     calls = count_policy_forwards(agent)
     cached = agent.policy_ref_kl(td)

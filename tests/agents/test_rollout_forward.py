@@ -54,7 +54,7 @@ def test_reused_forward_gives_the_same_update(tok, name, entropy_coef):
     start = weights(make_agent(tok, name))
     moved = [k for k in w_plain if not torch.equal(w_plain[k], start[k])]
     assert moved, "the update moved nothing: the comparison would be vacuous"
-    assert g_fused.keys() == g_plain.keys() and len(g_plain) > 10
+    assert g_fused.keys() == g_plain.keys() and len(g_plain) >= 8  # LoRA agents: q_proj, v_proj adapters of 2 layers
     for key in g_plain:
         torch.testing.assert_close(g_fused[key], g_plain[key], rtol=1e-4, atol=1e-7, msg=key)
     # Adam's first step is ~lr * sign(grad): float noise on near-zero gradients moves a weight by
