@@ -95,6 +95,12 @@ as their reward after an invalid move (Countdown, Cryptarithm, Slitherlink, Thre
 that fail to import on Python 3.11 or time out at reset (Sokoban-v0-medium), and every game
 for two or more players."""
 
+TEXTARENA_SLOW_SETUP: dict[str, tuple[int, int]] = {"Sudoku-v0-hard": (48, 16)}
+"""Default ``(size, eval_size)`` of the games whose set-up is slow (else 256 and 32): a
+Sudoku-v0-hard reset takes 0.1 to 10 s by seed (2.8 s on average on a busy 2-core CPU), so 288
+rows kept ``textrl train --env textarena:Sudoku-v0-hard`` setting up for over 15 minutes
+(benchmarks/env_sweep.py); 64 take about 3."""
+
 TEXTARENA_DEFAULT_MAX_TURNS = 50
 """``max_turns`` of a TextArena game that sets no turn limit of its own (2048, Blackjack, ...)."""
 
@@ -350,20 +356,24 @@ class TextArenaEnv(Environment):
     pays TextArena's reward for the player, as the game gives it (1 a win, 0 a loss, partial
     credit in some games, -1 for an invalid move in Bandit and Secretary); ``max_reward`` is 1.
 
-    Settings: ``size``, ``seed``, ``eval_size`` (0: the trainer holds out some of :meth:`rows`),
+    Settings: ``size`` (default 256), ``seed``, ``eval_size`` (default 32; 0: the trainer holds
+    out some of :meth:`rows`; both smaller for a game of :data:`TEXTARENA_SLOW_SETUP`),
     ``max_turns`` (default :func:`game_max_turns`, so the game ends the episode itself).
     """
 
     description = "a single-player TextArena game: several turns, the game's reward at its end"
     max_reward = 1.0
 
-    def __init__(self, game: str, *, size: int = 256, seed: int = 0, eval_size: int = 32,
+    def __init__(self, game: str, *, size: int | None = None, seed: int = 0, eval_size: int | None = None,
                  max_turns: int | None = None) -> None:
         self.id = f"textarena:{game}"  # type: ignore[misc]
         ta = require("textarena", self.id)
         known = sorted(ta.envs.registration.ENV_REGISTRY)
         if game not in known:
             raise _unknown("textarena", game, known, TEXTARENA_GAMES)
+        default_size, default_eval = TEXTARENA_SLOW_SETUP.get(game, (256, 32))
+        size = default_size if size is None else size
+        eval_size = default_eval if eval_size is None else eval_size
         _check_sizes(self.id, size, eval_size, seed)
         if max_turns is not None and (isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1):
             raise ValueError(f"{self.id}: max_turns={max_turns!r} must be an int >= 1 or None")
@@ -474,6 +484,7 @@ __all__ = [
     "REASONING_GYM_VERIFIER_TASKS",
     "TEXTARENA_DEFAULT_MAX_TURNS",
     "TEXTARENA_GAMES",
+    "TEXTARENA_SLOW_SETUP",
     "ReasoningGymEnv",
     "ReasoningGymScorer",
     "TextArenaEnv",

@@ -28,6 +28,7 @@ from textrl.envs.adapters import (
     REASONING_GYM_VERIFIER_TASKS,
     TEXTARENA_DEFAULT_MAX_TURNS,
     TEXTARENA_GAMES,
+    TEXTARENA_SLOW_SETUP,
     ReasoningGymEnv,
     TextArenaEnv,
     game_max_turns,
@@ -388,6 +389,15 @@ def test_each_game_keeps_its_own_random_state_when_episodes_interleave():
             mixed[b].append(_play(env, episodes[b], m).observation)
             random.random()
     assert mixed == solo and solo[0] != solo[1]
+
+
+@needs_ta
+def test_a_game_slow_to_set_up_defaults_to_fewer_rows(monkeypatch):
+    monkeypatch.setitem(TEXTARENA_SLOW_SETUP, "GuessTheNumber-v0", (3, 2))
+    env = TextArenaEnv("GuessTheNumber-v0")
+    assert (env.size, env.eval_size) == (3, 2) and len(env.rows()) == 3 and len(env.eval_rows()) == 2
+    assert (TextArenaEnv("GuessTheNumber-v0", size=5, eval_size=0).size, TextArenaEnv("Blackjack-v0").size) == (5, 256)
+    assert set(TEXTARENA_SLOW_SETUP) <= set(TEXTARENA_GAMES)
 
 
 @needs_ta
