@@ -65,6 +65,10 @@ sokoban ~0.35 s, futoshiki ~0.3 s, zebra_puzzles ~0.2 s. Left out: ``composite``
 of tasks as its settings), ``game_of_life_halting`` (its scorer gives any non-empty answer 1.0),
 ``list_functions`` (its items differ between two datasets of the same seed)."""
 
+REASONING_GYM_EVAL_SIZE = 50
+"""Held-out rows of a reasoning-gym task when ``eval_size`` is not given: at most this many (a
+task with few distinct questions, such as coin_flip, has fewer that are not training questions)."""
+
 REASONING_GYM_VERIFIER_TASKS: tuple[str, ...] = (
     "boxnet", "graph_color", "propositional_logic", "rubiks_cube", "rush_hour",
 )
@@ -195,9 +199,9 @@ class ReasoningGymEnv(Environment):
     """``reasoning_gym:<task>``: a reasoning-gym task as a single-turn environment.
 
     Settings: ``size`` training rows (items ``0..size-1`` of the dataset made with ``seed``);
-    ``eval_size`` held-out rows, drawn from the dataset made with seed ``seed + size`` and kept
-    only when their question is not one of the training questions (0: no held-out rows of its
-    own, the trainer holds out some of :meth:`rows`); ``system_prompt`` (optional) puts a system
+    ``eval_size`` held-out rows (default: up to :data:`REASONING_GYM_EVAL_SIZE`), drawn from the
+    dataset made with seed ``seed + size`` and kept only when their question is not one of the
+    training questions (0: no held-out rows of its own, the trainer holds out some of :meth:`rows`); ``system_prompt`` (optional) puts a system
     message before each question; any other setting is the task's own configuration
     (``basic_arithmetic``: ``min_terms``, ``max_digits``, ...). Rows: ``prompt`` (the question)
     or ``messages``, ``answer`` (None for :data:`REASONING_GYM_VERIFIER_TASKS`), ``metadata``.
@@ -208,13 +212,15 @@ class ReasoningGymEnv(Environment):
     max_turns = 1
     max_reward = 1.0
 
-    def __init__(self, task: str, *, size: int = 500, seed: int = 0, eval_size: int = 50,
+    def __init__(self, task: str, *, size: int = 500, seed: int = 0, eval_size: int | None = None,
                  system_prompt: str | None = None, **config: Any) -> None:
         self.id = f"reasoning_gym:{task}"  # type: ignore[misc]
         rg = require("reasoning_gym", self.id)
         known = sorted(rg.factory.DATASETS)
         if task not in known:
             raise _unknown("reasoning_gym", task, known, REASONING_GYM_TASKS)
+        self.eval_size_given = eval_size is not None
+        eval_size = REASONING_GYM_EVAL_SIZE if eval_size is None else eval_size
         _check_sizes(self.id, size, eval_size, seed)
         if system_prompt is not None and (not isinstance(system_prompt, str) or not system_prompt.strip()):
             raise ValueError(f"{self.id}: system_prompt={system_prompt!r} must be a non-empty str or None")
@@ -256,7 +262,9 @@ class ReasoningGymEnv(Environment):
 
     def eval_rows(self) -> list[dict[str, Any]] | None:
         """``eval_size`` rows whose questions are not training questions (built once); None when
-        ``eval_size`` is 0. Raises when the task has too few distinct questions for both."""
+        ``eval_size`` is 0. When the task has too few distinct questions for both: the ones found
+        with the default eval_size (coin_flip: 25), else (an eval_size given, or none found) a
+        ``ValueError`` naming the settings to lower."""
         if self.eval_size == 0:
             return None
         if self._eval_rows is None:
@@ -272,7 +280,7 @@ class ReasoningGymEnv(Environment):
                     rows.append(self._row(item))
                     if len(rows) == self.eval_size:
                         break
-            if len(rows) < self.eval_size:
+            if len(rows) < self.eval_size and (self.eval_size_given or not rows):
                 raise ValueError(f"{self.id}: only {len(rows)} of {tries} held-out items have a question "
                                  f"that is not a training question; lower eval_size={self.eval_size} or "
                                  f"size={self.size}, or widen the task's settings")
@@ -480,6 +488,7 @@ def load_textarena(game: str, **settings: Any) -> TextArenaEnv:
 
 __all__ = [
     "EMPTY_OBSERVATION",
+    "REASONING_GYM_EVAL_SIZE",
     "REASONING_GYM_TASKS",
     "REASONING_GYM_VERIFIER_TASKS",
     "TEXTARENA_DEFAULT_MAX_TURNS",

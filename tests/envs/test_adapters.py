@@ -195,6 +195,15 @@ def test_every_listed_task_works_offline_and_scores_its_own_answer_one():
 
 
 @needs_rg
+def test_a_task_with_few_distinct_questions_keeps_the_held_out_ones_it_has_by_default():
+    env = make_env("reasoning_gym:coin_flip")  # textrl train --env reasoning_gym:coin_flip failed here
+    held = env.eval_rows()
+    assert 0 < len(held) < 50 and not {r["prompt"] for r in held} & {r["prompt"] for r in env.rows()}
+    with pytest.raises(ValueError, match=r"only \d+ of 264 held-out items .* lower eval_size=50"):
+        make_env("reasoning_gym:coin_flip", eval_size=50).eval_rows()
+
+
+@needs_rg
 def test_reasoning_gym_settings_errors_name_the_culprit():
     with pytest.raises(ValueError, match="did you mean 'basic_arithmetic'"):
         make_env("reasoning_gym:basic_arithmetik")
