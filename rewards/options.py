@@ -49,7 +49,9 @@ def check_reward_option(reward: Any, weights: Any) -> None:
     """:func:`textrl.reward_option.check_reward_shape`, then each spec entry's names, weights and
     files by :func:`check_reward_spec` (no file imported, no model loaded)."""
     check_reward_shape(reward, weights)
-    for entry in _entries(reward) if reward is not None else []:
+    if reward is None or (isinstance(reward, str) and not reward.strip()):
+        return  # '': whether something else scores the episodes is the run's check
+    for entry in _entries(reward):
         if isinstance(entry, str):
             check_reward_spec(entry)
 
@@ -66,8 +68,8 @@ def resolve_reward(reward: Any, weights: Sequence[float] | None = None) -> str |
     CompositeReward(f:0.5, accuracy:1)
     """
     check_reward_option(reward, weights)
-    if reward is None:
-        return None
+    if reward is None or (isinstance(reward, str) and not reward.strip()):
+        return reward  # None: the environment's own; '': no rule reward (a reward model or the turns score)
     entries = _entries(reward)
     listed = [float(w) for w in weights] if weights is not None else [None] * len(entries)
     if all(isinstance(e, str) for e in entries):

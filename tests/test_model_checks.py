@@ -102,16 +102,18 @@ def prompt_file(folder: Path, long_at: int, words: int = 14) -> Path:
 
 
 @pytest.mark.parametrize(("kind", "field"), [("gpt2", "n_positions"), ("causal_lm", "max_position_embeddings")])
-def test_a_prompt_past_the_context_is_refused_naming_the_file_line_and_limit(tmp_path, kind, field):
+def test_a_prompt_past_the_context_is_refused_naming_the_levers(tmp_path, kind, field):
     model = tiny_model_path(kind, max_position_embeddings=64)
     prompts = prompt_file(tmp_path, long_at=7)
     out = tmp_path / "run"
+    # an explicit --max-prompt-length that, with max_new_tokens, passes the context is refused naming
+    # both levers (left unset, it is fitted to the context and the long prompt keeps its last tokens:
+    # tests/envs/test_lengths.py)
     message = refusal(["train", "--model", str(model), "--dataset", str(prompts), "--iterations", "1",
-                       "--output-dir", str(out), *RUN])
-    assert f"{prompts}:7: the prompt is 62 tokens long" in message
-    assert "reaches 70 positions, more than the 64 positions of model" in message and str(model) in message
-    assert f"({field} in its config)" in message
-    assert "lower --max-new-tokens to 2" in message and "longer context" in message
+                       "--max-prompt-length", "64", "--output-dir", str(out), *RUN])
+    assert "max_prompt_length=64: prompts of 62 tokens leave 2 of the 64 positions of model" in message
+    assert str(model) in message
+    assert "lower --max-prompt-length to 56 or --max-new-tokens to 2" in message and "longer context" in message
     assert not (out / "metrics.jsonl").exists()  # no iteration ran
 
 

@@ -64,9 +64,12 @@ def check_reward_shape(reward: Any, weights: Any) -> None:
     if not isinstance(reward, (str, list, tuple)) and not callable(reward):
         raise ValueError(f"reward={reward!r}: must be a spec string, a callable or a list of them ({_EXAMPLE})")
     if isinstance(reward, str) and not reward.strip():
-        raise ValueError(f"reward={reward!r} (--reward): an empty reward spec; name at least one reward "
-                         "(--reward think_format:0.5,tag_count,accuracy:2), or leave --reward out for the "
-                         "environment's own reward")
+        # no rule reward: valid beside --reward-model or an environment that pays its own turns; the
+        # run refuses it when nothing else scores the episodes (textrl.trainer.check_run)
+        if weights is not None:
+            raise ValueError(f"reward_weights={weights!r} given with an empty reward spec {reward!r}: name the "
+                             "rewards they weigh (--reward think_format,accuracy), or drop reward_weights")
+        return
     entries = _entries(reward)
     for i, entry in enumerate(entries):
         if isinstance(entry, str):

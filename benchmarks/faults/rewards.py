@@ -56,7 +56,7 @@ def empty_reward(trial: Trial, base: Path) -> None:
     out = trial.folder("empty_reward")
     proc = trial.textrl("train", *ONE, "--reward", "", "--output-dir", str(out))
     judge(trial, "rewards: --reward ''", proc, refused=True, kept=not out.exists() or not any(out.iterdir()),
-          expect="reward='' (--reward): an empty reward spec")
+          expect="empty reward spec '' (--reward")
 
 
 @case("rewards: a reward function that calls sys.exit")

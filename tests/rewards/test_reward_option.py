@@ -60,8 +60,8 @@ def test_resolve_reward_forms():
 
 
 @pytest.mark.parametrize("reward, weights, message", [
-    ("", None, r"reward='' \(--reward\): an empty reward spec"),
-    ("  ", None, r"an empty reward spec"),
+    ("", [1.0], r"reward_weights=\[1.0\] given with an empty reward spec ''"),
+    ("  ", [1.0], r"given with an empty reward spec"),
     ([], None, r"reward=\[\]: name at least one reward"),
     ([brevity, ""], None, r"reward entry 1 is ''"),
     ([brevity, "a,b"], None, r"reward entry 1 is 'a,b'"),
@@ -80,8 +80,9 @@ def test_bad_reward_options_name_the_option(reward, weights, message):
 def test_trainconfig_takes_callables_and_lists():
     TrainConfig(reward=brevity).validate()
     TrainConfig(reward=[brevity, "think_format"], reward_weights=[1.0, 0.5]).validate()
-    with pytest.raises(ValueError, match="an empty reward spec"):
-        TrainConfig(reward="").validate()
+    TrainConfig(reward="").validate()  # no rule reward: the run refuses it if nothing else scores
+    with pytest.raises(ValueError, match="given with an empty reward spec"):
+        TrainConfig(reward="", reward_weights=[1.0]).validate()
 
 
 def test_config_yaml_records_import_paths_and_refuses_what_cannot_be_imported(tmp_path):
