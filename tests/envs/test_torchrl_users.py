@@ -133,10 +133,11 @@ SCRIPTS = [  # per row: three turns
 
 
 @pytest.mark.parametrize("placement", ["last", "uniform"])
-@pytest.mark.parametrize("settings, ends", [
-    (dict(max_turns=3, done_after=2), ["done", "length", "done", "done"]),
-    (dict(max_turns=2, done_after=9), ["max_turns", "length", "max_turns", "max_turns"]),
-    (dict(max_turns=3, done_after=3, budget=30), ["done", "length", "context", "context"]),
+@pytest.mark.parametrize("settings, ends", [  # row 1's second turn is cut by max_new_tokens: the
+    # environment answers it (episode.truncated) and the episode goes on to its own end
+    (dict(max_turns=3, done_after=2), ["done", "done", "done", "done"]),
+    (dict(max_turns=2, done_after=9), ["max_turns", "max_turns", "max_turns", "max_turns"]),
+    (dict(max_turns=3, done_after=3, budget=30), ["done", "context", "context", "context"]),
 ])
 def test_multi_turn_to_rollout_equals_the_batched_collector(gapped, placement, settings, ends):
     settings = dict(settings)
