@@ -360,7 +360,7 @@ def test_single_turn_estimates_are_bit_for_bit_the_old_formulas(tok, name, place
     agent = agent_with_values(tok, name, kl_coef=0.1, reward_placement=placement)
     td = single_turn_rollout(agent, tok, placement)
     mask = td.get(KEYS.mask)
-    kl = agent.token_kl(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob)) if name == "gae_ppo" else \
+    kl = agent.token_kl(td.get(KEYS.action_log_prob), td) if name == "gae_ppo" else \
         td.get(KEYS.action_log_prob) - td.get(KEYS.ref_log_prob)
     rewards = kl_shaped_rewards(td.get(SCORE), kl, mask, 0.1, placement)  # the pre-multi-turn shaping
     assert torch.equal(flat(td, KEYS.reward), rewards)
