@@ -163,3 +163,16 @@ def test_pipeline_resume_refuses_other_settings_or_no_run(tmp_path):
     PipelineConfig(output_dir=str(tmp_path), resume=True, threads=2, progress=False).validate()
     with pytest.raises(ValueError, match=r"sft_steps=10 \(run: 300\) differ from the run"):
         PipelineConfig(output_dir=str(tmp_path), resume=True, sft_steps=10).validate()
+
+
+def test_the_lora_stages_adapt_the_four_attention_projections_of_a_llama_like_model(tmp_path):
+    """MA-RLHF's targets where the model has them (peft's Llama default, q_proj and v_proj, did not
+    raise the rule share in 60 iterations); peft's choice ('auto') for other architectures."""
+    from textrl.stages.pipeline import ma_rlhf_targets
+
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert ma_rlhf_targets(str(tmp_path / "llama")) == "q_proj,k_proj,v_proj,o_proj"
+    assert ma_rlhf_targets(str(tmp_path / "gpt2")) == "auto"

@@ -61,6 +61,18 @@ def lora_agents() -> list[str]:
     """Pipeline agents whose reward model is a LoRA adapter on the SFT model (their policy is a LoRA too)."""
     return [name for name, cls in AGENTS.items() if cls.pipeline_reward == "reward_adapter"]
 
+def ma_rlhf_targets(model: str) -> str:
+    """The LoRA stages' target modules: the four attention projections where the model has them (as
+    MA-RLHF adapts them, and as docs/stages.md's figures were measured: peft's Llama default,
+    q_proj and v_proj only, did not raise the rule share in 60 iterations), else ``auto``."""
+    import json
+
+    config = Path(model) / "config.json"
+    kind = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    llama_like = {"llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3"}
+    return "q_proj,k_proj,v_proj,o_proj" if kind in llama_like else "auto"
+
+
 LR_DEFAULTS = {"full": {"rm_lr": 1e-3, "actor_lr": 3e-4}, "lora": {"rm_lr": 3e-3, "actor_lr": 3e-3}}
 """Learning rates used when ``rm_lr`` / ``actor_lr`` are left unset: 'full' fine-tunes every
 weight (gae_ppo, one_step_ppo), 'lora' trains adapters (multi_adapter_ppo). Measured on the
@@ -283,7 +295,7 @@ def _run(config: PipelineConfig) -> dict[str, Any]:
     rm = _stage(config, "rm", lambda resume: train_rm(RMConfig(
         output_dir=str(out / "rm"), model=sft_model, data=config.preference_data, steps=config.rm_steps,
         lr=config.rm_lr, batch_size=config.batch_size, eval_size=config.rm_eval_size, lora=config.lora,
-        max_length=config.rm_max_length,
+        max_length=config.rm_max_length, lora_target_modules=ma_rlhf_targets(sft_model),
         load_in_4bit=config.load_in_4bit, resume=resume, **common)))
     rm_model = str(out / "rm" / MODEL_DIR)
 
@@ -294,6 +306,7 @@ def _run(config: PipelineConfig) -> dict[str, Any]:
     reward_models = {config.agent_class().pipeline_reward: rm_model}
     if config.lora:
         reward_models["load_in_4bit"] = config.load_in_4bit
+        reward_models["lora_target_modules"] = ma_rlhf_targets(sft_model)
     every = max(1, config.ppo_iterations // 4)
     ppo = _stage(config, "ppo", lambda resume: train(TrainConfig(
         output_dir=str(out / "ppo"), model=sft_model, agent=config.agent,
