@@ -48,6 +48,7 @@ class _Flight:
     def __init__(self) -> None:
         self.calls: dict[int, list[Any]] = {}  # thread id -> [label, started, notice_after, noticed, emit]
         self.lock = threading.Lock()
+        self.entered = threading.Condition(self.lock)  # wakes the watcher when a call starts
         self.thread: threading.Thread | None = None
 
     def enter(self, label: str, notice_after: float, emit: Callable[[str], None]) -> None:
@@ -56,6 +57,7 @@ class _Flight:
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._watch, name="textrl-env-watchdog", daemon=True)
                 self.thread.start()
+            self.entered.notify()
 
     def leave(self) -> None:
         with self.lock:
@@ -63,21 +65,27 @@ class _Flight:
 
     def _watch(self) -> None:
         while True:
+            due = []
             with self.lock:
-                calls = list(self.calls.values())
-            now = time.monotonic()
-            wait = 1.0
-            for call in calls:
-                label, started, after, noticed, emit = call
-                if noticed:
-                    continue
-                if now - started >= after:
-                    call[3] = True
-                    emit(f"{label} has run for {now - started:.0f} s (a stop signal waits for it; "
-                         "--env-timeout SECONDS cuts such a call)")
-                else:
-                    wait = min(wait, after - (now - started))
-            time.sleep(max(0.01, wait))
+                now = time.monotonic()
+                wait: float | None = None  # until the next call comes due; None: until a call starts
+                for call in self.calls.values():
+                    label, started, after, noticed, emit = call
+                    if noticed:
+                        continue
+                    if now - started >= after:
+                        call[3] = True
+                        due.append((emit, f"{label} has run for {now - started:.0f} s (a stop signal waits "
+                                          "for it; --env-timeout SECONDS cuts such a call)"))
+                    else:
+                        left = after - (now - started)
+                        wait = left if wait is None else min(wait, left)
+                if not due:
+                    # Looked at and waited on under one hold of the lock: a call that starts meanwhile
+                    # wakes this wait (it may come due sooner), none is missed.
+                    self.entered.wait(wait)
+            for emit, line in due:  # outside the lock: an emit may be slow
+                emit(line)
 
 
 _FLIGHT = _Flight()

@@ -43,7 +43,13 @@ def test_samples_keep_the_lines_up_to_the_resumed_iteration_and_drop_a_torn_one(
 
 def test_tensorboard_shows_each_iteration_once_after_a_resume(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.summary.writer import event_file_writer
 
+    # The first run's event file ends in ...9 and the resumed one's in ...10 (the process's file
+    # counter): in one second, name order alone would read the resumed file first.
+    counter = event_file_writer._global_uid
+    while counter.get() % 10 != 8:
+        pass
     first = MetricsLog(tmp_path, enabled=True, resume_after=None)
     for i in (1, 2, 3):  # the run stopped after iteration 3, its newest checkpoint is iteration 2
         first.write({"iteration": i, "reward/mean": float(i)})

@@ -119,6 +119,18 @@ def test_a_slow_step_is_named_once_and_cut_by_the_timeout(tok):
         play(tok, Answers(Turn(done=True), delay=5.0), env_timeout=0.3)
 
 
+def test_an_idle_watchdog_wakes_for_each_new_call():
+    """The watcher thread sleeps until a call comes due or a new one starts: short calls made while
+    it is idle are each named (it once slept a whole second between looks and missed them)."""
+    lines = []
+    watch = CallWatch(None, notice_after=0.1, emit=lines.append)
+    for i in range(5):
+        with watch(f"call {i}"):
+            time.sleep(0.35)
+        time.sleep(0.05 * i)  # the watcher idles between calls
+    assert [line.split(" has run")[0] for line in lines] == [f"call {i}" for i in range(5)]
+
+
 def test_the_timeout_is_not_swallowed_by_the_environments_own_except():
     def swallowing():
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,25 @@ def rewrite_rows(path: Path, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
+def wait_past_event_files(tb_dir: Path) -> None:
+    """Wait, if need be, until the clock's second is past that of every event file in ``tb_dir``.
+
+    TensorBoard reads a folder's event files in name order, and a name is
+    ``events.out.tfevents.<second>.<host>.<pid>.<counter>``: two files opened in the same second
+    compare by process id and counter as text (``...9`` after ``...10``), so a resumed run's file,
+    whose first event tells TensorBoard to purge the iterations after the resume, could be read
+    before the file it purges. At most a second's wait, only when a run resumes within the second
+    its previous event file was opened.
+    """
+    newest = -1
+    for path in tb_dir.glob("events.out.tfevents.*"):
+        second = path.name.split(".")[3]
+        if second.isdigit():
+            newest = max(newest, int(second))
+    while int(time.time()) <= newest:
+        time.sleep(newest + 1 - time.time() + 0.01)
+
+
 class MetricsLog:
     """``metrics.jsonl`` (one flushed line per iteration), TensorBoard, and the curve plot.
 
@@ -93,6 +113,7 @@ class MetricsLog:
         # resumed: TensorBoard hides the events of iterations after resume_after (written before
         # the stop), so each iteration shows once
         purge = resume_after + 1 if resume_after is not None else None
+        wait_past_event_files(output_dir / "tb")
         self.writer = SummaryWriter(str(output_dir / "tb"), purge_step=purge)
 
     def write(self, row: dict[str, float]) -> None:
