@@ -44,7 +44,6 @@ from textrl.rewards import call_reward
 from textrl.rewards.math_verify import math_verify_reward
 
 from textrl.keys import END_REASONS, KEYS
-from textrl.models import build_tiny_tokenizer
 
 needs_rg = pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,
                               reason="reasoning-gym is not installed (pip install 'textrl[reasoning-gym]')")
@@ -52,11 +51,6 @@ needs_ta = pytest.mark.skipif(importlib.util.find_spec("textarena") is None,
                               reason="textarena is not installed (pip install 'textrl[textarena]')")
 needs_mv = pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
                               reason="math-verify is not installed (pip install 'textrl[math]')")
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 def scripted(tok, turns_per_row):

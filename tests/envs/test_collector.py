@@ -16,12 +16,7 @@ from textrl.envs.prompts import encode_prompts
 from textrl.envs.tasks import make_digits_task
 
 from textrl.keys import END_REASONS, KEYS
-from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
+from textrl.models import build_tiny_causal_lm
 
 
 def scripted(tok, turns_per_row: list[list[str]], eos: bool | list[list[bool]] = True, width: int | None = None):

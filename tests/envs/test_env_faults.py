@@ -15,12 +15,6 @@ from textrl.envs.registry import make_env, split_rows
 from textrl.envs.watchdog import CallWatch, EnvTimeout
 
 from tests.envs.test_collector import scripted
-from textrl.models import build_tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 class Answers(Environment):

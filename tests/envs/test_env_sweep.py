@@ -19,7 +19,6 @@ from textrl.envs.adapters import REASONING_GYM_TASKS, TEXTARENA_GAMES
 from textrl.envs.lengths import resolve_lengths
 
 from textrl.config import TrainConfig
-from textrl.models import build_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = 512
@@ -36,11 +35,6 @@ def _sweep():
 
 sweep = _sweep()
 README = (ROOT / "README.md").read_text()
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 def test_the_sweep_runs_the_builtin_environments_and_every_adapter_environment_the_readme_lists():

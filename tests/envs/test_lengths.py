@@ -15,12 +15,6 @@ from textrl.envs.prompts import _encode_rows, load_prompts
 
 from tests.runs import SMALL
 from textrl.cli import main
-from textrl.models import build_tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 class Words(Environment):

@@ -26,12 +26,6 @@ from textrl.envs.prompts import encode_prompts
 from textrl.rewards import length_penalty, named
 
 from textrl.keys import KEYS
-from textrl.models import build_tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
 
 
 def play(tok, turns: list[str], eos: int | None = None):
