@@ -65,6 +65,22 @@ sokoban ~0.35 s, futoshiki ~0.3 s, zebra_puzzles ~0.2 s. Left out: ``composite``
 of tasks as its settings), ``game_of_life_halting`` (its scorer gives any non-empty answer 1.0),
 ``list_functions`` (its items differ between two datasets of the same seed)."""
 
+REASONING_GYM_SLOW_SETUP: dict[str, tuple[int, int]] = {
+    "knight_swap": (32, 8),
+    "futoshiki": (64, 16),
+    "zebra_puzzles": (96, 16),
+    "sokoban": (96, 16),
+    "puzzle24": (128, 16),
+    "intermediate_integration": (160, 32),
+    "quantum_lock": (256, 32),
+}
+"""Default ``(size, eval_size)`` of the tasks whose questions are slow to make (else 500 and
+:data:`REASONING_GYM_EVAL_SIZE`). Seconds a question on a busy 2-core CPU: knight_swap 2.6,
+futoshiki 0.83, zebra_puzzles 0.64, sokoban 0.60, puzzle24 0.48, intermediate_integration 0.33,
+quantum_lock 0.21 (every other listed task 0.14 or less), so 550 of them kept ``textrl train --env
+reasoning_gym:knight_swap`` setting up for over 20 minutes; these sizes keep each set-up near a
+minute there. ``--env-args size=N,eval_size=M`` chooses."""
+
 REASONING_GYM_EVAL_SIZE = 50
 """Held-out rows of a reasoning-gym task when ``eval_size`` is not given: at most this many (a
 task with few distinct questions, such as coin_flip, has fewer that are not training questions)."""
@@ -198,7 +214,8 @@ class ReasoningGymScorer:
 class ReasoningGymEnv(Environment):
     """``reasoning_gym:<task>``: a reasoning-gym task as a single-turn environment.
 
-    Settings: ``size`` training rows (items ``0..size-1`` of the dataset made with ``seed``);
+    Settings: ``size`` training rows (items ``0..size-1`` of the dataset made with ``seed``; default
+    500, fewer for a task of :data:`REASONING_GYM_SLOW_SETUP`);
     ``eval_size`` held-out rows (default: up to :data:`REASONING_GYM_EVAL_SIZE`), drawn from the
     dataset made with seed ``seed + size`` and kept only when their question is not one of the
     training questions (0: no held-out rows of its own, the trainer holds out some of :meth:`rows`); ``system_prompt`` (optional) puts a system
@@ -212,7 +229,7 @@ class ReasoningGymEnv(Environment):
     max_turns = 1
     max_reward = 1.0
 
-    def __init__(self, task: str, *, size: int = 500, seed: int = 0, eval_size: int | None = None,
+    def __init__(self, task: str, *, size: int | None = None, seed: int = 0, eval_size: int | None = None,
                  system_prompt: str | None = None, **config: Any) -> None:
         self.id = f"reasoning_gym:{task}"  # type: ignore[misc]
         rg = require("reasoning_gym", self.id)
@@ -220,7 +237,9 @@ class ReasoningGymEnv(Environment):
         if task not in known:
             raise _unknown("reasoning_gym", task, known, REASONING_GYM_TASKS)
         self.eval_size_given = eval_size is not None
-        eval_size = REASONING_GYM_EVAL_SIZE if eval_size is None else eval_size
+        default_size, default_eval = REASONING_GYM_SLOW_SETUP.get(task, (500, REASONING_GYM_EVAL_SIZE))
+        size = default_size if size is None else size
+        eval_size = default_eval if eval_size is None else eval_size
         _check_sizes(self.id, size, eval_size, seed)
         if system_prompt is not None and (not isinstance(system_prompt, str) or not system_prompt.strip()):
             raise ValueError(f"{self.id}: system_prompt={system_prompt!r} must be a non-empty str or None")
@@ -489,6 +508,7 @@ def load_textarena(game: str, **settings: Any) -> TextArenaEnv:
 __all__ = [
     "EMPTY_OBSERVATION",
     "REASONING_GYM_EVAL_SIZE",
+    "REASONING_GYM_SLOW_SETUP",
     "REASONING_GYM_TASKS",
     "REASONING_GYM_VERIFIER_TASKS",
     "TEXTARENA_DEFAULT_MAX_TURNS",

@@ -12,10 +12,12 @@ from __future__ import annotations
 import doctest
 import importlib.util
 import random
+import re
 import subprocess
 import sys
 import threading
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import textrl.envs.adapters as adapters
@@ -24,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from textrl.envs.adapters import (
     EMPTY_OBSERVATION,
+    REASONING_GYM_SLOW_SETUP,
     REASONING_GYM_TASKS,
     REASONING_GYM_VERIFIER_TASKS,
     TEXTARENA_DEFAULT_MAX_TURNS,
@@ -392,6 +395,22 @@ def test_each_game_keeps_its_own_random_state_when_episodes_interleave():
             mixed[b].append(_play(env, episodes[b], m).observation)
             random.random()
     assert mixed == solo and solo[0] != solo[1]
+
+
+@needs_rg
+def test_a_task_slow_to_set_up_defaults_to_fewer_rows(monkeypatch):
+    monkeypatch.setitem(REASONING_GYM_SLOW_SETUP, "leg_counting", (7, 3))
+    env = ReasoningGymEnv("leg_counting")
+    assert (env.size, env.eval_size) == (7, 3) and len(env.rows()) == 7 and len(env.eval_rows()) == 3
+    given = ReasoningGymEnv("leg_counting", size=5, eval_size=0)
+    assert (given.size, given.eval_size, ReasoningGymEnv("basic_arithmetic").size) == (5, 0, 500)
+    assert set(REASONING_GYM_SLOW_SETUP) <= set(REASONING_GYM_TASKS)
+
+
+def test_the_readme_states_the_slow_tasks_sizes():
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    for task, (size, eval_size) in REASONING_GYM_SLOW_SETUP.items():
+        assert re.search(rf"{task}( and \w+)* {size} and {eval_size}\b", readme), task
 
 
 @needs_ta
