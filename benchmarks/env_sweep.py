@@ -1,6 +1,6 @@
 """Every listed environment runs with nothing else: one ``textrl train`` iteration of each.
 
-    python benchmarks/env_sweep.py [--jobs 2] [--only WORD] [--timeout 900] [--list]
+    python benchmarks/env_sweep.py [--jobs 2] [--only WORD[,WORD...]] [--timeout 900] [--list]
 
 The environments are every built-in one (textrl's registry, ``textrl envs``), every reasoning-gym
 task and every TextArena game the README lists (:func:`readme_environments` reads them from
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command line: run the sweep and print the counts."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2)")
-    parser.add_argument("--only", default=None, help="run the environments whose id contains this word")
+    parser.add_argument("--only", default=None, help="run the environments whose id contains this word (or one of these, comma-separated)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take (default 900)")
     parser.add_argument("--list", action="store_true", help="print the environments and stop")
     parser.add_argument("--keep", default=None, help="folder for the runs' outputs (default: a temporary one)")
@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs {args.jobs} must be >= 1")
     envs = readme_environments()
     if args.only:
-        envs = [e for e in envs if args.only.lower() in e.lower()]
+        words = [w.strip().lower() for w in args.only.split(",") if w.strip()]
+        envs = [e for e in envs if any(w in e.lower() for w in words)]
         if not envs:
             parser.error(f"--only {args.only!r} matches no environment; --list names them")
     if args.skip_done:
