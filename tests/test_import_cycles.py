@@ -11,9 +11,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"textrl": ROOT / "textrl", "textrl.agents": ROOT / "agents", "textrl.envs": ROOT / "envs",
-           "textrl.rewards": ROOT / "rewards"}
-"""Import prefix -> folder (pyproject.toml's package-dir mapping)."""
+FOLDERS = {"textrl": ROOT / "textrl"}
+"""Import prefix -> folder (a file's path is its import name)."""
 
 
 def modules() -> dict[str, Path]:

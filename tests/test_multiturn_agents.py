@@ -15,11 +15,11 @@ import math
 import pytest
 import torch
 from tensordict import TensorDict
-from textrl.agents.base import SCORE, sequence_inputs
-from textrl.envs import rollout_from_responses
 
 from tests.agents.conftest import PROMPTS, make_agent
+from textrl.agents.base import SCORE, sequence_inputs
 from textrl.checks import RolloutError, check_rollout
+from textrl.envs import rollout_from_responses
 from textrl.functional import gae, kl_shaped_rewards, masked_whiten, next_valid
 from textrl.keys import END_REASONS, KEYS
 from textrl.models import build_tiny_tokenizer
@@ -413,10 +413,9 @@ def test_pad_equal_to_eos_keeps_each_turns_eos_multi_turn(eos_pad_tok):
 # -- with the collector ----------------------------------------------------------------------
 @pytest.mark.parametrize("name", AGENT_NAMES)
 def test_a_collected_multiturn_rollout_is_processed_and_trained(tok, name):
-    """envs/collector.py's rollout of a two-turn environment (scripted turns), through each agent."""
-    from textrl.envs.collector import EpisodeRunner
-
+    """textrl/envs/collector.py's rollout of a two-turn environment (scripted turns), through each agent."""
     from tests.envs.test_collector import Echo, batch_of, scripted
+    from textrl.envs.collector import EpisodeRunner
 
     env = Echo(max_turns=2)
     rows = [env.rows()[0], env.rows()[0], env.rows()[1], env.rows()[1]]  # grpo: two groups of two

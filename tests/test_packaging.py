@@ -1,7 +1,6 @@
 """What the package installs: one top-level import name, ``textrl``, with every subpackage of the
-tree (``envs/``, ``rewards/``, ``agents/`` as ``textrl.envs``, ``textrl.rewards``,
-``textrl.agents``), and nothing a user's own ``envs/`` (or ``agents/``, ``rewards/``) folder can
-shadow."""
+tree (``textrl/envs/``, ``textrl/rewards/``, ``textrl/agents/`` as ``textrl.envs``, ...), and nothing
+a user's own ``envs/`` (or ``agents/``, ``rewards/``) folder can shadow."""
 
 from __future__ import annotations
 
@@ -26,8 +25,8 @@ def _setuptools_config() -> dict:
 
 
 def _package_roots() -> dict[str, Path]:
-    """Each installed top package and the source folder it comes from: ``textrl`` itself and
-    the folders ``[tool.setuptools.package-dir]`` maps under it."""
+    """Each installed top package and the source folder it comes from: ``textrl`` itself and any
+    folder ``[tool.setuptools.package-dir]`` maps under it (none: a file's path is its import name)."""
     mapped = _setuptools_config().get("package-dir", {})
     return {"textrl": ROOT / "textrl", **{name: ROOT / folder for name, folder in mapped.items()}}
 
@@ -46,9 +45,8 @@ def _source_packages() -> dict[str, Path]:
 
 
 def test_pyproject_lists_exactly_the_packages_of_the_tree():
-    """``[tool.setuptools] packages`` is written by hand (automatic discovery cannot rename
-    ``envs/`` to ``textrl.envs``): a subpackage folder missing from it is left out of a built
-    wheel, which only a non-editable install shows (``ModuleNotFoundError``)."""
+    """``[tool.setuptools] packages`` is written by hand: a subpackage folder missing from it is
+    left out of a built wheel, which only a non-editable install shows (``ModuleNotFoundError``)."""
     listed = set(_setuptools_config()["packages"])
     tree = set(_source_packages())
     assert not tree - listed, (

@@ -1,4 +1,4 @@
-"""The adapters (envs/adapters.py) and the math_verify reward (rewards/math_verify.py).
+"""The adapters (textrl/envs/adapters.py) and the math_verify reward (textrl/rewards/math_verify.py).
 
 Offline: reasoning-gym and TextArena generate their tasks locally. A suite that is not installed
 skips its tests with the reason; the missing-package messages are tested by hiding the package.
@@ -20,10 +20,11 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
-import textrl.envs.adapters as adapters
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import textrl.envs.adapters as adapters
 from textrl.envs.adapters import (
     EMPTY_OBSERVATION,
     REASONING_GYM_SLOW_SETUP,
@@ -43,10 +44,9 @@ from textrl.envs.environment import Episode
 from textrl.envs.prompts import encode_prompts
 from textrl.envs.registry import make_env, split_rows
 from textrl.envs.rows import batch_fields, raw_prompts
+from textrl.keys import END_REASONS, KEYS
 from textrl.rewards import call_reward
 from textrl.rewards.math_verify import math_verify_reward
-
-from textrl.keys import END_REASONS, KEYS
 
 needs_rg = pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,
                               reason="reasoning-gym is not installed (pip install 'textrl[reasoning-gym]')")
@@ -284,7 +284,7 @@ def test_math_verify_is_registered_by_name():
     from textrl.rewards import REWARDS, get_reward
 
     if "math_verify" not in REWARDS:
-        pytest.skip("rewards/registry.py does not register math_verify yet (an import and one tuple entry)")
+        pytest.skip("textrl/rewards/registry.py does not register math_verify yet (an import and one tuple entry)")
     assert get_reward("math_verify")(["q"], ["<answer>0.5</answer>"], answer=["1/2"]).tolist() == [1.0]
 
 

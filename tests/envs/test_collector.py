@@ -1,4 +1,4 @@
-"""The batched collector (envs/collector.py): one path for single- and multi-turn episodes.
+"""The batched collector (textrl/envs/collector.py): one path for single- and multi-turn episodes.
 
 A scripted ``generate`` plays given turns, so every token, mask, reward and end reason is known;
 single-turn episodes are held equal to the fast path (``rollout_from_responses``) on the same
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from textrl.envs.collector import TURN_REWARDS, EpisodeRunner
 from textrl.envs.environment import EnvError, Environment, Turn
 from textrl.envs.observations import observation_ids
 from textrl.envs.prompts import encode_prompts
 from textrl.envs.tasks import make_digits_task
-
 from textrl.keys import END_REASONS, KEYS
 from textrl.models import build_tiny_causal_lm
 

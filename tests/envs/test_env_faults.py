@@ -8,13 +8,13 @@ from __future__ import annotations
 import time
 
 import pytest
+
+from tests.envs.test_collector import scripted
 from textrl.envs.collector import EpisodeRunner
 from textrl.envs.environment import EnvError, Environment, Turn
 from textrl.envs.prompts import encode_prompts
 from textrl.envs.registry import make_env, split_rows
 from textrl.envs.watchdog import CallWatch, EnvTimeout
-
-from tests.envs.test_collector import scripted
 
 
 class Answers(Environment):

@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+
+from textrl.config import TrainConfig
 from textrl.envs import env_ids, make_env
 from textrl.envs.adapters import REASONING_GYM_TASKS, TEXTARENA_GAMES
 from textrl.envs.lengths import resolve_lengths
-
-from textrl.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = 512

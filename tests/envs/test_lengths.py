@@ -1,4 +1,4 @@
-"""The run's lengths (envs/lengths.py): max_prompt_length left unset is the longest prompt of the
+"""The run's lengths (textrl/envs/lengths.py): max_prompt_length left unset is the longest prompt of the
 environment, bounded by the context minus max_new_tokens; the episode budget is bounded to the
 context; explicit values work as before, an explicit budget past the context names
 --max-episode-tokens; and `textrl train` records what ran (lengths, warm-up) and writes the turns
@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from textrl.envs.environment import Environment, Turn
-from textrl.envs.lengths import longest_prompt, resolve_lengths
-from textrl.envs.prompts import _encode_rows, load_prompts
 
 from tests.runs import SMALL
 from textrl.cli import main
+from textrl.envs.environment import Environment, Turn
+from textrl.envs.lengths import longest_prompt, resolve_lengths
+from textrl.envs.prompts import _encode_rows, load_prompts
 
 
 class Words(Environment):

@@ -20,12 +20,12 @@ import copy
 
 import pytest
 import torch
+
 from textrl.envs.collector import EpisodeRunner
 from textrl.envs.environment import Environment, Turn
 from textrl.envs.prompts import encode_prompts
-from textrl.rewards import length_penalty, named
-
 from textrl.keys import KEYS
+from textrl.rewards import length_penalty, named
 
 
 def play(tok, turns: list[str], eos: int | None = None):

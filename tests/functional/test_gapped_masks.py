@@ -226,7 +226,7 @@ def test_next_valid_is_the_value_at_the_next_true_position(mask, seed):
 def test_next_valid_on_a_prefix_mask_is_the_old_shift(mask, seed):
     values = torch.where(mask, randn(mask.shape, seed, torch.float32), 0.0)
     next_mask = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
-    old = torch.where(next_mask, values.roll(-1, dims=1), 0.0)  # agents/base.py before gaps
+    old = torch.where(next_mask, values.roll(-1, dims=1), 0.0)  # textrl/agents/base.py before gaps
     assert torch.equal(bits(next_valid(values, mask)), bits(old))
 
 

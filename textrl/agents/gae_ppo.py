@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import torch
 from tensordict import TensorDictBase
+from torch import Tensor
+
+from textrl.agent_registry import register_agent
 from textrl.agents.base import (
     CRITIC_OPTIONS,
     LORA_OPTIONS,
@@ -23,9 +26,6 @@ from textrl.agents.base import (
     SHARED_OPTIONS,
     PPOAgent,
 )
-from torch import Tensor
-
-from textrl.agent_registry import register_agent
 from textrl.functional import (
     clipped_value_loss,
     gae,

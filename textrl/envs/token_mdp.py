@@ -63,6 +63,7 @@ import torch
 from gymnasium import spaces
 from gymnasium.envs.registration import EnvSpec, WrapperSpec
 from gymnasium.error import ResetNeeded
+
 from textrl.envs.environment import (
     Environment,
     PromptTask,
@@ -81,7 +82,6 @@ from textrl.envs.fast_path import (
 )
 from textrl.envs.prompt_table import TokenMDPSetup
 from textrl.envs.registry import env_ids, gym_id, make_env
-
 from textrl.keys import END_REASONS
 
 ENV_ID = "textrl/TokenMDP-v0"

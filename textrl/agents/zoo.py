@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import torch
 from tensordict import TensorDictBase
+from torch import Tensor
+
+from textrl.agent_registry import register_agent
 from textrl.agents.base import (
     LORA_OPTIONS,
     POLICY_OBJECTIVE_OPTIONS,
@@ -22,9 +25,6 @@ from textrl.agents.base import (
 )
 from textrl.agents.gae_ppo import GAEPPO
 from textrl.agents.group_ppo import GRPO, GroupPPO
-from torch import Tensor
-
-from textrl.agent_registry import register_agent
 from textrl.functional import (
     aggregate_loss,
     cispo_loss,

@@ -43,14 +43,14 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from tensordict import TensorDict
+from torch import Tensor
+
 from textrl.envs.collector import EpisodeRunner
 from textrl.envs.fast_path import rollout_from_responses
 from textrl.envs.rows import batch_fields, raw_prompts
 from textrl.envs.tasks import BUILTIN_TASKS, DATA_DIR
-from textrl.rewards import RewardError
-from torch import Tensor
-
 from textrl.keys import KEYS
+from textrl.rewards import RewardError
 
 TruncateMode = Literal["error", "left"]
 _TRUNCATE_MODES = ("error", "left")

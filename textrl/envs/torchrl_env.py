@@ -41,7 +41,7 @@ prompts instead.
 
 A policy reads the observation and writes ``"action"`` ``[B]``. A policy that recomputes the
 model on ``prompt + response`` every step costs O(T^2) per episode; :class:`textrl.envs.KVCachePolicy`
-(``envs/policies.py``) keeps the KV cache on the module and feeds one token per row per step,
+(``textrl/envs/policies.py``) keeps the KV cache on the module and feeds one token per row per step,
 re-encoding ``prompt + response`` only when the observation does not continue its cache (after a
 partial reset, or an environment's observation). The env never re-tokenises the agent's tokens.
 
@@ -61,13 +61,13 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
+
+from textrl.checks import check_rollout
 from textrl.envs.environment import Environment
 from textrl.envs.episodes import DONE, EpisodeDynamics, EpisodeState, default_episode_tokens
 from textrl.envs.fast_path import DEFAULT_REWARD, PLACEMENTS, RewardLike, place_score
 from textrl.envs.prompt_table import TokenMDPSetup
 from textrl.envs.token_mdp import environment_and_rows
-
-from textrl.checks import check_rollout
 from textrl.keys import END_REASONS, KEYS, RolloutKeys
 
 

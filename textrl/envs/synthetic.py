@@ -22,7 +22,7 @@ and PPO moved the policy towards the real constraint and not an artefact.
 
 Everything is deterministic in ``seed`` (private NumPy generators; the global RNGs are
 untouched). The file imports nothing from ``textrl`` so that it also loads as a reward file
-(``envs/synthetic.py:case_follow_reward``).
+(``textrl/envs/synthetic.py:case_follow_reward``).
 """
 
 from __future__ import annotations

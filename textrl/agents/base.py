@@ -336,7 +336,6 @@ class PPOAgent(nn.Module):
             build_adapter_stack,
             value_critic,
         )
-
         from textrl.models.adapters import load_base_model, lora_config
 
         if config.load_in_4bit:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
 from textrl.envs.fast_path import (
     TRUNCATE_MODES,
     RewardLike,

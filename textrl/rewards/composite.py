@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
+
 from textrl.rewards.base import (
     Completion,
     Prompt,
@@ -22,7 +24,6 @@ from textrl.rewards.base import (
     check_finite_weight,
     evaluate_reward,
 )
-from torch import Tensor
 
 _MAX_ROWS_SHOWN = 10
 

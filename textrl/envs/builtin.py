@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from textrl.envs.calculator import CalculatorError, evaluate, format_number
 from textrl.envs.environment import Environment, Episode, Message, Turn
 from textrl.envs.registry import register_env

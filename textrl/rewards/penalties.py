@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from textrl.rewards.base import Completion, Prompt, bool_rows, completion_texts, named, token_lists
 from torch import Tensor
+
+from textrl.rewards.base import Completion, Prompt, bool_rows, completion_texts, named, token_lists
 
 
 def _check_nonnegative(fn_name: str, **values: float | None) -> None:

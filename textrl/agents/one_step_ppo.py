@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 from tensordict import TensorDictBase
-from textrl.agents.base import CRITIC_OPTIONS, SCORE, SHARED_OPTIONS, PPOAgent
 from torch import Tensor, nn
 
 from textrl.agent_registry import register_agent
+from textrl.agents.base import CRITIC_OPTIONS, SCORE, SHARED_OPTIONS, PPOAgent
 from textrl.config import TrainConfig
 from textrl.functional import (
     clipped_policy_loss,

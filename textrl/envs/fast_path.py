@@ -30,6 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict
+from torch import Tensor
+
+from textrl.checks import check_rollout
+from textrl.functional import kl_shaped_rewards, response_mask
+from textrl.keys import KEYS, RolloutKeys
 from textrl.rewards import (
     CompositeReward,
     RewardError,
@@ -38,11 +43,6 @@ from textrl.rewards import (
     parse_reward_spec,
     reward_name,
 )
-from torch import Tensor
-
-from textrl.checks import check_rollout
-from textrl.functional import kl_shaped_rewards, response_mask
-from textrl.keys import KEYS, RolloutKeys
 
 PLACEMENTS = ("last", "uniform")
 NONFINITE_POLICIES = ("raise", "zero", "drop")

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from textrl.envs.environment import Environment
-
 from textrl.user_files import import_file
 
 ENVS: dict[str, Callable[..., Environment]] = {}

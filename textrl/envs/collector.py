@@ -22,6 +22,9 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
+from torch import Tensor
+
+from textrl.checks import check_rollout
 from textrl.envs.environment import Environment, PromptTask, check_environment
 from textrl.envs.episodes import (
     DONE,
@@ -39,9 +42,6 @@ from textrl.envs.fast_path import (
     special_ids,
 )
 from textrl.envs.watchdog import NOTICE_AFTER, CallWatch
-from torch import Tensor
-
-from textrl.checks import check_rollout
 from textrl.keys import KEYS
 
 Generate = Callable[[Tensor, Tensor], Tensor]

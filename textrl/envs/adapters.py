@@ -31,11 +31,12 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch import Tensor
+
 from textrl.envs.environment import Environment, Episode, Turn
 from textrl.envs.registry import register_env_loader
 from textrl.rewards.base import batch_field
 from textrl.rewards.rules import extract_answer
-from torch import Tensor
 
 REASONING_GYM_TASKS: tuple[str, ...] = (
     "ab", "acre", "advanced_geometry", "aiw", "arc_1d", "arc_agi", "base_conversion",

@@ -13,8 +13,9 @@ import re
 from typing import Any
 
 import torch
-from textrl.rewards.base import Completion, Prompt, batch_field, completion_texts, named, needs
 from torch import Tensor
+
+from textrl.rewards.base import Completion, Prompt, batch_field, completion_texts, named, needs
 
 # One regex for MiniMind's two patterns: ``\n\n?`` allows the blank line between the blocks.
 # ``re.match`` anchors the start; ``$`` (no MULTILINE) matches at the end of the string or just

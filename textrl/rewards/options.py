@@ -26,6 +26,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from textrl.reward_option import (
+    _entries,
+    check_reward_shape,
+    refuse_recorded_callable,
+    reward_record,
+)
 from textrl.rewards.base import RewardFn, required_columns, reward_name
 from textrl.rewards.composite import CompositeReward
 from textrl.rewards.registry import (
@@ -35,13 +41,6 @@ from textrl.rewards.registry import (
     check_reward_spec,
     get_reward,
     parse_reward_spec,
-)
-
-from textrl.reward_option import (
-    _entries,
-    check_reward_shape,
-    refuse_recorded_callable,
-    reward_record,
 )
 
 

@@ -26,7 +26,7 @@ random answers, PPO left accuracy at chance within the 5-minute budget (it has t
 copy from about one correct sample in ten); with 0.3, 200 warm-up steps still leave sampled
 accuracy near chance (about 0.1) but plant a weak prompt-answer link that PPO then amplifies.
 
-``envs/data/digits.jsonl`` is ``make_digits_task(512, seed=0)`` written with
+``textrl/envs/data/digits.jsonl`` is ``make_digits_task(512, seed=0)`` written with
 :func:`write_jsonl`; ``builtin:digits`` reads that file, and a test checks it regenerates
 byte for byte, so the shipped data and the generator cannot drift apart.
 """

@@ -35,7 +35,6 @@ from textrl.rewards.math_verify import math_verify_reward
 from textrl.rewards.neural import load_neural_reward
 from textrl.rewards.penalties import length_penalty, missing_eos_penalty, repetition_penalty
 from textrl.rewards.rules import accuracy_reward, tag_count_reward, think_format_reward
-
 from textrl.user_files import import_file
 from textrl.user_files import module_name as user_module_name
 

@@ -21,13 +21,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from textrl.agents.base import CriticFreePPO, PPOAgent
-from textrl.agents.gae_ppo import GAEPPO
-from textrl.agents.group_ppo import GRPO, RLOO, GroupPPO
-from textrl.agents.multi_adapter_ppo import MultiAdapterPPO
-from textrl.agents.one_step_ppo import OneStepPPO
-from textrl.agents.zoo import CISPO, DAPO, GSPO, VAPO, DrGRPO, ReinforcePP, ReinforcePPBaseline
-
 from textrl.agent_registry import (
     AGENTS,
     ENTRY_POINT_GROUP,
@@ -35,6 +28,12 @@ from textrl.agent_registry import (
     agent_names,
     register_agent,
 )
+from textrl.agents.base import CriticFreePPO, PPOAgent
+from textrl.agents.gae_ppo import GAEPPO
+from textrl.agents.group_ppo import GRPO, RLOO, GroupPPO
+from textrl.agents.multi_adapter_ppo import MultiAdapterPPO
+from textrl.agents.one_step_ppo import OneStepPPO
+from textrl.agents.zoo import CISPO, DAPO, GSPO, VAPO, DrGRPO, ReinforcePP, ReinforcePPBaseline
 
 
 def make_agent(name: str, *args: Any, **kwargs: Any) -> PPOAgent:

@@ -57,6 +57,9 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
+
+from textrl.models.forward import positions_from_mask
 from textrl.rewards.base import (
     Completion,
     Message,
@@ -69,9 +72,6 @@ from textrl.rewards.base import (
     token_lists,
 )
 from textrl.rewards.rules import tag_content
-from torch import Tensor
-
-from textrl.models.forward import positions_from_mask
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from textrl.envs.environment import (
     EnvError,
     Environment,
@@ -38,7 +39,6 @@ from textrl.envs.fast_path import (
 from textrl.envs.observations import append_observation
 from textrl.envs.rows import row_messages
 from textrl.envs.watchdog import CallWatch
-
 from textrl.keys import END_REASONS
 
 DONE, LENGTH, MAX_TURNS, CONTEXT = (END_REASONS.index(r) for r in ("done", "length", "max_turns", "context"))

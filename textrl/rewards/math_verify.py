@@ -14,9 +14,10 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch import Tensor
+
 from textrl.rewards.base import batch_field, named, needs
 from textrl.rewards.rules import extract_answer
-from torch import Tensor
 
 
 def _math_verify() -> ModuleType:

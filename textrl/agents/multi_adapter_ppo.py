@@ -31,6 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDictBase
+from torch import Tensor, nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from textrl.agent_registry import register_agent
 from textrl.agents.adapter_views import (
     POLICY,
     REWARD,
@@ -43,10 +47,6 @@ from textrl.agents.adapter_views import (
 )
 from textrl.agents.base import LORA_OPTIONS, policy_name, tokenizer_name, warmup_pairs
 from textrl.agents.gae_ppo import GAEPPO
-from torch import Tensor, nn
-from torch.nn.modules.module import _IncompatibleKeys
-
-from textrl.agent_registry import register_agent
 from textrl.config import TrainConfig
 from textrl.models.adapters import (
     is_peft,

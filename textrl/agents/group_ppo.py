@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import torch
 from tensordict import TensorDictBase
+from torch import Tensor
+
+from textrl.agent_registry import register_agent
 from textrl.agents.base import (
     LORA_OPTIONS,
     POLICY_OBJECTIVE_OPTIONS,
     SHARED_OPTIONS,
     CriticFreePPO,
 )
-from torch import Tensor
-
-from textrl.agent_registry import register_agent
 from textrl.functional import (
     shaped_token_rewards,
 )
