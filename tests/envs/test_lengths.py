@@ -14,7 +14,8 @@ from tests.runs import SMALL
 from textrl.cli import main
 from textrl.envs.environment import Environment, Turn
 from textrl.envs.lengths import longest_prompt, resolve_lengths
-from textrl.envs.prompts import _encode_rows, load_prompts
+from textrl.envs.prompt_encoding import _encode_rows
+from textrl.envs.prompts import load_prompts
 
 
 class Words(Environment):

@@ -16,7 +16,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from textrl.envs import prompts as prompts_module
+
+from textrl.envs import prompt_encoding, row_stores
 from textrl.envs.prompt_table import PromptTable
 from textrl.envs.prompts import (
     PromptDataset,
@@ -26,7 +27,6 @@ from textrl.envs.prompts import (
     load_prompts,
     template_prompt,
 )
-
 from textrl.models import build_tiny_tokenizer
 
 # A small file: blank line 2, every row shape (plain, MiniMind conversation, messages, TRL prompt
@@ -179,7 +179,7 @@ def test_fingerprints(small, tmp_path):
     rows = PromptDataset.from_list(["a", {"prompt": "b", "answer": 1}])
     blob = json.dumps([{"prompt": "a"}, {"prompt": "b", "answer": 1}], sort_keys=True).encode()
     assert rows.fingerprint() == hashlib.sha256(blob).hexdigest()[:16] == "970c2f3ad202c430"
-    assert prompts_module._content_hash(ds) == "cb7ca64c70e2e321"  # main's fingerprint of the file
+    assert row_stores._content_hash(ds) == "cb7ca64c70e2e321"  # main's fingerprint of the file
 
 
 _TEXT = st.text(st.one_of(st.characters(blacklist_categories=("Cs",)), st.sampled_from("\u2028\x85\r\n\t ")),
@@ -291,7 +291,7 @@ def test_the_sampler_tokenizes_what_it_draws_and_a_small_dataset_once(tokenizer,
 
 
 def test_a_large_dataset_keeps_a_bounded_cache_and_the_same_batches(small, tokenizer, monkeypatch):
-    monkeypatch.setattr(prompts_module, "_CACHE_ROWS", 3)
+    monkeypatch.setattr(prompt_encoding, "_CACHE_ROWS", 3)
     ds = load_prompts(small)
     sampler = PromptSampler(ds, tokenizer, prompts_per_batch=2, seed=5)
     stream = _reference_stream(5, len(ds), 2 * 9)
@@ -347,7 +347,7 @@ def test_a_row_that_tokenizes_to_nothing_is_named(tmp_path):
 
 
 def test_encode_prompts_matches_the_reference_in_chunks(small, tokenizer, monkeypatch):
-    monkeypatch.setattr(prompts_module, "_CHUNK_ROWS", 2)
+    monkeypatch.setattr(prompt_encoding, "_CHUNK_ROWS", 2)
     ds = load_prompts(small)
     calls = _counting(monkeypatch, tokenizer)
     batches = encode_prompts(ds, tokenizer, batch_size=5)
@@ -393,7 +393,7 @@ def test_check_prompts_fit_streams_to_the_eager_verdict(lengths, context, max_ne
     rows = ["VANISH" if n == 0 else "x" * n for n in lengths]
     tokenizer = CharTokenizer()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(prompts_module, "_CHUNK_ROWS", chunk)
+        patch.setattr(prompt_encoding, "_CHUNK_ROWS", chunk)
         verdict = _reference_verdict(lengths, context, max_new, max_len, truncate)
         call = lambda: check_prompts_fit(rows, tokenizer, context=context, max_new_tokens=max_new,  # noqa: E731
                                          max_prompt_length=max_len, truncate=truncate, model="m")

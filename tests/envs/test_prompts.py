@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
+
 from textrl.envs.prompts import PromptDataset, PromptSampler, encode_prompts, load_prompts
 from textrl.envs.tasks import (
     DATA_DIR,
@@ -18,7 +19,6 @@ from textrl.envs.tasks import (
     warmup_examples,
     write_jsonl,
 )
-
 from textrl.models import build_tiny_tokenizer
 
 FORMAT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL)
@@ -434,12 +434,12 @@ def test_held_out_duplicates_of_training_rows_are_named(tmp_path):
 
 
 def test_conversations_on_a_tokenizer_without_a_chat_template_warn_once():
-    from textrl.envs import prompts
+    from textrl.envs import prompt_encoding
 
     tok = build_tiny_tokenizer()
     tok.chat_template = None
     tok.name_or_path = "no-template-tokenizer"
-    prompts._FLATTENED_WARNED.discard("no-template-tokenizer")
+    prompt_encoding._FLATTENED_WARNED.discard("no-template-tokenizer")
     rows = [{"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}]}] * 2
     with pytest.warns(UserWarning, match=r"tokenizer 'no-template-tokenizer' has no chat template.*the system "
                                          r"prompt and the roles are dropped"):
