@@ -3,8 +3,8 @@
     python benchmarks/env_sweep.py [--jobs 2] [--only WORD[,WORD...]] [--timeout 900] [--list]
 
 The environments are every built-in one (textrl's registry, ``textrl envs``), every reasoning-gym
-task and every TextArena game the README lists (:func:`readme_environments` reads them from
-README.md, so the sweep follows the README; tests/envs/test_env_sweep.py checks that list against
+task and every TextArena game docs/environments.md lists (:func:`listed_environments` reads them
+from that page, so the sweep follows the docs; tests/envs/test_env_sweep.py checks that list against
 ``textrl.envs.adapters``). Each runs as ``textrl train --env ID --iterations 1 --output-dir TMP``
 and nothing else: the default tiny model, the defaults' warm-up, the lengths fitted by
 ``textrl.envs.lengths``. Subprocesses run under ``nice -n 10`` with ``OMP_NUM_THREADS=1``, at most
@@ -28,13 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+ENVIRONMENTS_DOC = ROOT / "docs" / "environments.md"
+"""The page that lists the adapters' environments (docs/environments.md, "Environments")."""
 
 _RG_LIST = re.compile(r"These (\d+) tasks work without downloads\s*\(`textrl\.envs\.adapters\.REASONING_GYM_TASKS`\):"
                       r"(?P<names>[^.]*)\.")
-"""The README's reasoning-gym list: a count, then the task names, comma-separated, up to a period."""
+"""The reasoning-gym list of docs/environments.md: a count, then the task names, comma-separated, up to a period."""
 _TA_LIST = re.compile(r"These work offline \(`TEXTARENA_GAMES`\):(?P<names>[^;]*);")
-"""The README's TextArena list: game names (with their variants) up to a semicolon."""
+"""The TextArena list of docs/environments.md: game names (with their variants) up to a semicolon."""
 _TA_NAME = re.compile(r"^(?P<name>[A-Za-z0-9][\w-]*)(?:\s*\((?:(?P<count>\d+) variants|and their variants)\))?$")
 
 
@@ -54,35 +55,35 @@ class Outcome:
 
 
 def _names(block: str) -> list[str]:
-    """Comma-separated names of a README list, the line breaks and the final 'and' ignored."""
+    """Comma-separated names of a list of docs/environments.md, the line breaks and the final 'and' ignored."""
     return [n.strip() for n in " ".join(block.split()).split(",") if n.strip()]
 
 
-def readme_reasoning_gym_tasks(text: str) -> list[str]:
-    """The reasoning-gym tasks the README lists; ``ValueError`` when the list is missing or its
+def listed_reasoning_gym_tasks(text: str) -> list[str]:
+    """The reasoning-gym tasks docs/environments.md lists; ``ValueError`` when the list is missing or its
     stated count is not the number of names."""
     found = _RG_LIST.search(" ".join(text.split()))
     if found is None:
-        raise ValueError("README.md has no 'These N tasks work without downloads "
+        raise ValueError("docs/environments.md has no 'These N tasks work without downloads "
                          "(`textrl.envs.adapters.REASONING_GYM_TASKS`): ...' list")
     names = _names(found["names"])
     if len(names) != int(found.group(1)):
-        raise ValueError(f"README.md says {found.group(1)} reasoning-gym tasks and lists {len(names)}")
+        raise ValueError(f"docs/environments.md says {found.group(1)} reasoning-gym tasks and lists {len(names)}")
     return names
 
 
-def readme_textarena_names(text: str) -> list[tuple[str, str]]:
-    """The README's TextArena entries as ``(name, variants)``: variants ``""`` (that id alone, or
+def listed_textarena_names(text: str) -> list[tuple[str, str]]:
+    """The TextArena entries of docs/environments.md as ``(name, variants)``: variants ``""`` (that id alone, or
     that game without variants), a count (``"14"``) or ``"all"`` (``and their variants``, said of
     every entry of the list when it ends the list)."""
     found = _TA_LIST.search(" ".join(text.split()))
     if found is None:
-        raise ValueError("README.md has no 'These work offline (`TEXTARENA_GAMES`): ...;' list")
+        raise ValueError("docs/environments.md has no 'These work offline (`TEXTARENA_GAMES`): ...;' list")
     entries: list[tuple[str, str]] = []
     for raw in _names(found["names"]):
         match = _TA_NAME.match(raw)
         if match is None:
-            raise ValueError(f"README.md's TextArena list has an entry that is not a game name: {raw!r}")
+            raise ValueError(f"docs/environments.md's TextArena list has an entry that is not a game name: {raw!r}")
         variants = match["count"] or ("all" if "their variants" in raw else "")
         entries.append((match["name"], variants))
     if entries and entries[-1][1] == "all":  # "..., TowerOfHanoi (and their variants)": every entry's
@@ -95,20 +96,20 @@ def textarena_base(game: str) -> str:
     return game.split("-v", 1)[0]
 
 
-def readme_textarena_games(text: str, known: list[str]) -> list[str]:
-    """The TextArena ids the README lists, in ``known``'s order: a name with a ``-v`` is that id
+def listed_textarena_games(text: str, known: list[str]) -> list[str]:
+    """The TextArena ids docs/environments.md lists, in ``known``'s order: a name with a ``-v`` is that id
     alone, another name every id of ``known`` of that game. ``ValueError`` when a name matches no
     id or a stated variant count is wrong."""
     games: list[str] = []
-    for name, variants in readme_textarena_names(text):
+    for name, variants in listed_textarena_names(text):
         if "-v" in name:
             ids = [g for g in known if g == name]
         else:
             ids = [g for g in known if textarena_base(g) == name]
         if not ids:
-            raise ValueError(f"README.md lists the TextArena game {name!r}, which no id of TEXTARENA_GAMES has")
+            raise ValueError(f"docs/environments.md lists the TextArena game {name!r}, which no id of TEXTARENA_GAMES has")
         if variants.isdigit() and int(variants) != len(ids):
-            raise ValueError(f"README.md says {name} has {variants} variants; TEXTARENA_GAMES has {len(ids)}")
+            raise ValueError(f"docs/environments.md says {name} has {variants} variants; TEXTARENA_GAMES has {len(ids)}")
         games.extend(g for g in ids if g not in games)
     return [g for g in known if g in games]
 
@@ -120,15 +121,15 @@ def builtin_environments() -> list[str]:
     return env_ids()
 
 
-def readme_environments(text: str | None = None) -> list[str]:
+def listed_environments(text: str | None = None) -> list[str]:
     """Every environment the sweep runs: the built-in ids, ``reasoning_gym:TASK`` for each task
-    and ``textarena:ID`` for each game the README lists."""
+    and ``textarena:ID`` for each game docs/environments.md lists."""
     from textrl.envs.adapters import TEXTARENA_GAMES
 
-    text = README.read_text() if text is None else text
+    text = ENVIRONMENTS_DOC.read_text() if text is None else text
     return (builtin_environments()
-            + [f"reasoning_gym:{t}" for t in readme_reasoning_gym_tasks(text)]
-            + [f"textarena:{g}" for g in readme_textarena_games(text, list(TEXTARENA_GAMES))])
+            + [f"reasoning_gym:{t}" for t in listed_reasoning_gym_tasks(text)]
+            + [f"textarena:{g}" for g in listed_textarena_games(text, list(TEXTARENA_GAMES))])
 
 
 def last_line(text: str) -> str:
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs} must be >= 1")
-    envs = readme_environments()
+    envs = listed_environments()
     if args.only:
         words = [w.strip().lower() for w in args.only.split(",") if w.strip()]
         envs = [e for e in envs if any(w in e.lower() for w in words)]

@@ -210,7 +210,7 @@ def test_make_agent_names_the_choices(tok):
     assert sorted(AGENTS) == ["cispo", "dapo", "dr_grpo", "gae_ppo", "grpo", "gspo", "multi_adapter_ppo", "one_step_ppo",
                               "reinforce_pp", "reinforce_pp_baseline", "rloo", "vapo"]
     assert make_config().validate()
-    assert TrainConfig().agent == "rloo"  # the embedded default (README, "The embedded default")
+    assert TrainConfig().agent == "rloo"  # the embedded default (docs/training.md, "The embedded default")
 
 
 def test_sampling_without_top_k_draws_from_the_whole_vocabulary(tok):

@@ -407,10 +407,10 @@ def test_a_task_slow_to_set_up_defaults_to_fewer_rows(monkeypatch):
     assert set(REASONING_GYM_SLOW_SETUP) <= set(REASONING_GYM_TASKS)
 
 
-def test_the_readme_states_the_slow_tasks_sizes():
-    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+def test_the_environments_doc_states_the_slow_tasks_sizes():
+    doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "environments.md").read_text().split())
     for task, (size, eval_size) in REASONING_GYM_SLOW_SETUP.items():
-        assert re.search(rf"{task}( and \w+)* {size} and {eval_size}\b", readme), task
+        assert re.search(rf"{task}( and \w+)* {size} and {eval_size}\b", doc), task
 
 
 @needs_ta

@@ -1,5 +1,5 @@
-"""benchmarks/env_sweep.py runs every environment the README lists: its list is the registry's
-built-in ids plus the README's reasoning-gym tasks and TextArena games, and those README lists are
+"""benchmarks/env_sweep.py runs every environment docs/environments.md lists: its list is the
+registry's built-in ids plus that page's reasoning-gym tasks and TextArena games, and those lists are
 exactly the adapters' lists (``REASONING_GYM_TASKS``, ``TEXTARENA_GAMES``). Each listed environment
 builds, and its prompts and episode budget, fitted as ``textrl train`` fits them
 (:func:`textrl.envs.lengths.resolve_lengths`), fit the default tiny model's context with
@@ -34,36 +34,36 @@ def _sweep():
 
 
 sweep = _sweep()
-README = (ROOT / "README.md").read_text()
+DOC = (ROOT / "docs" / "environments.md").read_text()
 
 
-def test_the_sweep_runs_the_builtin_environments_and_every_adapter_environment_the_readme_lists():
-    envs = sweep.readme_environments()
+def test_the_sweep_runs_the_builtin_environments_and_every_adapter_environment_the_docs_list():
+    envs = sweep.listed_environments()
     assert envs == (env_ids() + [f"reasoning_gym:{t}" for t in REASONING_GYM_TASKS]
                     + [f"textarena:{g}" for g in TEXTARENA_GAMES])
     assert len(envs) == len(set(envs))
-    assert tuple(sweep.readme_reasoning_gym_tasks(README)) == REASONING_GYM_TASKS
-    assert tuple(sweep.readme_textarena_games(README, list(TEXTARENA_GAMES))) == TEXTARENA_GAMES
+    assert tuple(sweep.listed_reasoning_gym_tasks(DOC)) == REASONING_GYM_TASKS
+    assert tuple(sweep.listed_textarena_games(DOC, list(TEXTARENA_GAMES))) == TEXTARENA_GAMES
 
 
-def test_every_textarena_game_name_of_the_readme_has_its_ids_and_the_2048_count_is_true():
-    entries = dict(sweep.readme_textarena_names(README))
+def test_every_textarena_game_name_of_the_docs_has_its_ids_and_the_2048_count_is_true():
+    entries = dict(sweep.listed_textarena_names(DOC))
     assert entries["2048"] == "14" and entries["Sokoban-v0"] == "all"
     bases = {sweep.textarena_base(g) for g in TEXTARENA_GAMES}
     assert {sweep.textarena_base(name) for name in entries} == bases
 
 
 @pytest.mark.parametrize("old, new, message", [
-    ("These 98 tasks", "These 97 tasks", r"README.md says 97 reasoning-gym tasks and lists 98"),
-    ("2048 (14 variants)", "2048 (13 variants)", r"README.md says 2048 has 13 variants; TEXTARENA_GAMES has 14"),
+    ("These 98 tasks", "These 97 tasks", r"docs/environments.md says 97 reasoning-gym tasks and lists 98"),
+    ("2048 (14 variants)", "2048 (13 variants)", r"docs/environments.md says 2048 has 13 variants; TEXTARENA_GAMES has 14"),
     ("Bandit, Blackjack", "Bandit, Chess, Blackjack", r"lists the TextArena game 'Chess', which no id"),
-    ("(`TEXTARENA_GAMES`)", "(TEXTARENA_GAMES)", r"README.md has no 'These work offline"),
+    ("(`TEXTARENA_GAMES`)", "(TEXTARENA_GAMES)", r"docs/environments.md has no 'These work offline"),
 ])
-def test_a_readme_list_that_is_not_true_stops_the_sweep_naming_it(old, new, message):
-    assert old in " ".join(README.split())
-    text = " ".join(README.split()).replace(old, new)
+def test_a_docs_list_that_is_not_true_stops_the_sweep_naming_it(old, new, message):
+    assert old in " ".join(DOC.split())
+    text = " ".join(DOC.split()).replace(old, new)
     with pytest.raises(ValueError, match=message):
-        sweep.readme_environments(text)
+        sweep.listed_environments(text)
 
 
 def test_a_run_line_says_ok_or_the_error_and_the_seconds():
@@ -114,6 +114,6 @@ def test_a_subset_of_the_adapter_environments_builds_and_fits_the_default_contex
 @pytest.mark.slow
 def test_every_listed_environment_builds_and_fits_the_default_context(tok):
     start = time.perf_counter()
-    for env_id in sweep.readme_environments():
+    for env_id in sweep.listed_environments():
         check_fits(env_id, tok)
     assert time.perf_counter() - start < 600  # ~60 s on an idle 2-core CPU
