@@ -13,8 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from textrl import bench, bench_report, bench_runs
+from textrl import bench
+from textrl.bench import compare as bench_compare
 from textrl.bench import compare_agents, main
+from textrl.bench import jobs as bench_runs
+from textrl.bench import report as bench_report
 
 TINY = dict(
     prompts_per_iteration=2, n_samples_per_prompt=2, max_new_tokens=8, eval_size=4,
@@ -152,7 +155,7 @@ def test_profiles_show_the_drop_when_every_score_is_below_zero():
 
 
 def test_profile_taus_span_every_score():
-    from textrl.stats import DEFAULT_TAUS
+    from textrl.bench.stats import DEFAULT_TAUS
 
     assert bench_report.profile_taus({"a": np.array([[0.2], [0.7]])}) == list(DEFAULT_TAUS)  # 0..1 as before
     assert bench_report.profile_taus({"a": np.array([[0.0], [0.7]])})[:2] == [-0.05, 0.0]  # 0 itself is counted
@@ -230,8 +233,8 @@ def fake_training(monkeypatch):
         (Path(folder) / "config.json").write_text("{}")
         return str(folder)
 
-    monkeypatch.setattr(bench, "_train", train)
-    monkeypatch.setattr(bench, "warm_start", warm)
+    monkeypatch.setattr(bench_compare, "_train", train)
+    monkeypatch.setattr(bench_compare, "warm_start", warm)
     monkeypatch.setattr(bench_report, "write_plots", lambda *a: [])  # tested on their own above
     return calls
 
@@ -377,7 +380,7 @@ def test_an_edited_reward_file_reruns_its_jobs(tmp_path, fake_training):
 
 HOLD = """
 import sys, time
-from textrl import bench_runs
+from textrl.bench import jobs as bench_runs
 with bench_runs.JobLock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(60)
@@ -405,14 +408,14 @@ def test_a_job_folder_held_by_a_live_worker_is_refused_naming_it(tmp_path):
 
 PARENT = """
 import os, subprocess, sys, time
-from textrl import bench_runs
+from textrl.bench import jobs as bench_runs
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env={**os.environ, bench_runs.PARENT_ENV: str(os.getpid())})
 print(child.pid, flush=True)
 time.sleep(60)
 """
 CHILD = """
 import os, time
-from textrl import bench_runs
+from textrl.bench import jobs as bench_runs
 bench_runs.die_with_parent(int(os.environ[bench_runs.PARENT_ENV]))
 time.sleep(60)
 """
@@ -454,7 +457,7 @@ def test_a_worker_whose_bench_is_already_gone_exits(tmp_path):
     import subprocess
     import sys
 
-    code = "from textrl import bench_runs; bench_runs.die_with_parent(1); print('still here')"
+    code = "from textrl.bench import jobs as bench_runs; bench_runs.die_with_parent(1); print('still here')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "still here" not in proc.stdout
 

@@ -110,7 +110,7 @@ class _Planned(Exception):
 def bench_plan(parser: argparse.ArgumentParser, tmp_path: Path, monkeypatch) -> dict[str, Any]:
     """What ``textrl bench`` with no flags plans: ``{"plan", "jobs", "threads", "output_dir",
     "reps"}``, captured in ``_execute`` (before any job runs), from a scratch folder."""
-    from textrl import bench
+    from textrl.bench import compare as bench
 
     seen: dict[str, Any] = {}
 

@@ -1,4 +1,4 @@
-"""textrl.stats: closed forms, agreement with scipy and plain loops, the stratified bootstrap."""
+"""textrl.bench.stats: closed forms, agreement with scipy and plain loops, the stratified bootstrap."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from textrl import stats
+from textrl.bench import stats
 
 SCORES = arrays(np.float64, st.tuples(st.integers(1, 6), st.integers(1, 5)),
                 elements=st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0, 1.5, -0.5]))

@@ -1,89 +1,38 @@
-"""``textrl bench``: agents x environments x seeds at an equal token budget, with honest statistics.
-
-:func:`compare_agents` trains every (agent, environment, seed) with :func:`textrl.trainer.train`,
-each run in its own process, ``--jobs`` at a time, and writes to ``output_dir``:
-
-- ``report.md``: the set-up line, which differences between agents are significant (in words),
-  the statistics of Agarwal et al. 2021 ("Deep RL at the Edge of the Statistical Precipice", via
-  :mod:`textrl.stats`): per environment the mean normalised score with stratified-bootstrap 95%
-  intervals; across environments the interquartile mean (IQM), mean, median and optimality gap
-  with intervals, the probability of improvement of each pair with its interval; then the raw
-  table per environment (mean ± std over seeds);
-- ``learning_curves.png`` (a panel per environment: rollout reward against generated tokens, mean
-  ± std over seeds), ``intervals.png`` (each agent's aggregates with their intervals) and
-  ``profiles.png`` (performance profiles with bootstrap bands);
-- ``results.json``: every run's figures, the statistics' report, the config fingerprints;
-- ``warmup/<env>/seed<k>/`` and ``runs/<env>/<agent>/seed<k>/``: the jobs' own folders.
-
-Scores (:mod:`textrl.bench_report`): a run's normalised score is the share of the gap it closed,
-``(final held-out reward - start) / (max_reward - start)``, where start is its (env, seed)'s shared
-warmed-up policy's held-out reward: 0 = no progress, 1 = the environment's maximum. An environment
-without ``max_reward`` (or run with another ``--reward``) is normalised by the best final reward any
-agent reached on it.
-
-Fairness: every agent of an (env, seed) starts from the same policy (one supervised format
-warm-up per (env, seed), saved under ``warmup/`` and loaded by its runs), sees the same prompt
-split and reward, and runs the same number of iterations: the budget of generated tokens
-(``--token-budget``) divided by the rollout size (``prompts_per_iteration x n_samples_per_prompt``)
-and the per-episode cap (``max_new_tokens x`` the environment's ``max_turns``, at most
-``max_episode_tokens``), rounded up.
-
-Resuming: a job whose folder holds a complete record with the same config fingerprint (which
-covers the contents of the user's ``PATH.py`` files the config names) and all its outputs is
-reused; one with another config, incomplete (killed, failed), with deleted outputs, or whose
-warm-up was rerun, is rerun (the log says which); ``--fresh`` reruns everything. A malformed record
-is an error naming its file. The output folder is locked for the whole comparison: a second
-``textrl bench`` on it is refused with a message naming the holder. Each job folder has its own
-lock, held by its worker, and a worker dies with the bench that started it (Linux), so a killed
-bench leaves no worker behind to write beside the rerun.
-
-Exit status of ``textrl bench``: 0 when every job finished, 1 when one failed (the report is still
-written, without it; a line on stderr names each failed job and its log), 2 for bad input.
-
-Command line (``textrl bench`` wires :func:`add_arguments` and :func:`run`)::
-
-    textrl bench                                    # DEFAULT_BENCH: within 15 min on 2 CPU cores
-    textrl bench --agents gae_ppo,grpo --envs digits,guess_number --seeds 0,1,2 --token-budget 100000
-    textrl bench --agents all --envs arithmetic --jobs 4 --threads 1 --fresh
+"""The comparison of ``textrl bench`` (its description for users is :mod:`textrl.bench`'s
+docstring): :func:`compare_agents` runs the plan's jobs (:mod:`textrl.bench.plan`), each in a
+worker process (:mod:`textrl.bench.jobs`) or in this one, reads their figures back and writes the
+report (:mod:`textrl.bench.report`); :func:`execute_job` is the worker's side; :func:`main` /
+:func:`run` are the command line. Orchestration (docs/design.md, "Layers"): the worker trains.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import fields, replace
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from textrl import bench_report, bench_runs
-from textrl.bench_runs import read_run
+from textrl.bench import jobs as bench_jobs
+from textrl.bench import report as bench_report
+from textrl.bench.jobs import read_run
+from textrl.bench.plan import (
+    BENCH_OUTPUT_DIR,
+    DEFAULT_BENCH,
+    comma_list,
+    describe_envs,
+    job_state,
+    pending,
+    plan,
+    resolve_agents,
+    run_label,
+    run_settings,
+)
 from textrl.config import TrainConfig
-
-DEFAULT_BENCH: dict[str, Any] = {
-    "agents": "gae_ppo,rloo,grpo,cispo",
-    "envs": "digits",
-    "seeds": "0,1,2",
-    "token_budget": 300 * 64 * 24,  # 300 iterations of 64 responses of at most 24 tokens on digits
-    "settings": {"eval_every": 0},
-}
-"""What ``textrl bench`` with no arguments runs, as its options would be typed (sized to finish
-within 15 minutes on 2 CPU cores with ``--jobs 2 --threads 1``): agents, environments, seeds,
-generated tokens per run, and TrainConfig overrides for every run (on top of the embedded default
-``TrainConfig()``)."""
-WARMUP_FIELDS = ("model", "tokenizer", "env", "env_args", "dataset", "reward", "seed", "eval_size",
-                 "max_prompt_length", "warmup_sft_steps", "warmup_sft_lr", "warmup_sft_batch_size",
-                 "warmup_answer_accuracy", "device")
-"""The config fields a warm-up depends on (its fingerprint)."""
-ALL_AGENTS = "all"
-BENCH_OUTPUT_DIR = "runs/bench"
-"""Where ``textrl bench`` writes when ``--output-dir`` is not given."""
-
 
 # -- the worker: one job in this process ---------------------------------------------------------
 
@@ -115,181 +64,26 @@ def _train(config: TrainConfig, threads: int | None) -> None:
 
 def execute_job(job_file: Path) -> None:
     """Run the job described in ``job_file`` (a warm-up or a training run) in this process, holding
-    its folder's :class:`~textrl.bench_runs.JobLock`, then write its record (fingerprint, wall
+    its folder's :class:`~textrl.bench_jobs.JobLock`, then write its record (fingerprint, wall
     clock, peak RSS, the sizes of its outputs) to mark it finished."""
     job = json.loads(Path(job_file).read_text())
     config = TrainConfig(**job["config"])
     folder = Path(config.output_dir)
-    with bench_runs.JobLock(folder):
+    with bench_jobs.JobLock(folder):
         start = time.perf_counter()
         if job["kind"] == "warmup":
             warm_start(config, folder, print, job["threads"])
-            outputs = bench_runs.output_sizes(folder)
+            outputs = bench_jobs.output_sizes(folder)
         else:
             _train(config, job["threads"])
-            outputs = bench_runs.output_sizes(folder, bench_runs.RUN_OUTPUTS)
-        bench_runs.write_record(folder, job["fingerprint"], wall_s=time.perf_counter() - start,
-                                peak_rss_mib=bench_runs.peak_rss_mib(), outputs=outputs)
+            outputs = bench_jobs.output_sizes(folder, bench_jobs.RUN_OUTPUTS)
+        bench_jobs.write_record(folder, job["fingerprint"], wall_s=time.perf_counter() - start,
+                                peak_rss_mib=bench_jobs.peak_rss_mib(), outputs=outputs)
 
 
 def _execute_in_process(job_file: Path) -> str | None:
     execute_job(job_file)
     return None
-
-
-# -- set-up --------------------------------------------------------------------------------------
-
-
-def resolve_agents(names: Sequence[str] | None, settings: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
-    """``(agent specs, {skipped: why})``. Named agents must all resolve and validate with
-    ``settings`` (else ``ValueError`` naming the culprit); ``["all"]`` is every registered agent,
-    skipping (with the reason) those that do not validate. A file spec comes back absolute."""
-    from textrl.agent_registry import absolute_spec
-    from textrl.agents import agent_names
-
-    if names is None:
-        names = _names(DEFAULT_BENCH["agents"])
-    every = list(names) == [ALL_AGENTS]
-    ok, skipped = [], {}
-    for name in agent_names() if every else names:
-        try:
-            spec = absolute_spec(name)
-            TrainConfig(**{**settings, "agent": spec}).validate()
-        except ValueError as err:
-            if not every:
-                raise ValueError(str(err) if name in str(err) else f"agent {name!r}: {err}") from None
-            skipped[name] = str(err)
-            continue
-        ok.append(spec)
-    if not ok:
-        raise ValueError(f"none of the agents {list(names)} can run with these settings: {skipped}")
-    if len({run_label(a) for a in ok}) < len(ok):
-        raise ValueError(f"agents {ok}: two share a name; give each once")
-    return ok, skipped
-
-
-def describe_envs(envs: Sequence[str], settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per environment spec ``{"max_turns", "max_reward"}`` (``max_reward`` None when unknown or
-    when ``settings`` replace its reward); ``ValueError`` naming an unknown one."""
-    from textrl.envs.registry import task_environment
-
-    if not envs:
-        raise ValueError("envs is empty; give at least one environment (textrl envs lists them)")
-    if len(set(envs)) < len(envs):
-        raise ValueError(f"envs {list(envs)}: an environment is named twice")
-    out = {}
-    for spec in envs:
-        try:
-            env = task_environment(spec, env_args=settings.get("env_args"))
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"environment {spec!r}: {err}") from None
-        own_reward = settings.get("reward") is None
-        out[spec] = {"max_turns": int(env.max_turns),
-                     "max_reward": env.max_reward if own_reward else None}
-    return out
-
-
-def run_label(agent: str) -> str:
-    """An agent's name in tables, plots and folders: its registered name, or the class of a spec."""
-    return agent.rpartition(":")[2]
-
-
-def env_label(env: str) -> str:
-    """An environment spec as a folder name."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", env).strip("_") or "env"
-
-
-def run_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """The TrainConfig fields every run gets: the default bench settings, no progress bar, one
-    checkpoint at the end, then ``settings``. Unknown names are an error naming them."""
-    unknown = sorted(set(settings) - {f.name for f in fields(TrainConfig)})
-    if unknown:
-        raise ValueError(f"unknown TrainConfig field(s) {unknown}; see `textrl train --help`")
-    return {**DEFAULT_BENCH["settings"], "checkpoint_every": 0, "keep_checkpoints": 1, **settings,
-            "progress": False}
-
-
-def episode_token_cap(config: TrainConfig, max_turns: int) -> int:
-    """The most tokens the agent can generate in one episode: ``max_new_tokens`` per turn for
-    ``max_turns`` turns, at most ``max_episode_tokens``."""
-    cap = config.max_new_tokens * max_turns
-    return min(cap, config.max_episode_tokens) if config.max_episode_tokens else cap
-
-
-def iterations_for(token_budget: int, config: TrainConfig, max_turns: int) -> int:
-    """Iterations that spend ``token_budget`` generated tokens at most-length episodes (rounded up)."""
-    return max(1, math.ceil(token_budget / (config.rollout_batch_size * episode_token_cap(config, max_turns))))
-
-
-def plan(agents: Sequence[str], envs: dict[str, dict[str, Any]], seeds: Sequence[int], output_dir: Path,
-         settings: dict[str, Any], token_budget: int | None, warm: bool) -> dict[str, Any]:
-    """Every job of the comparison: ``{"warmups": [...], "runs": [...], "token_budget"}``; a job is
-    a dict with ``kind``, ``config`` (TrainConfig), ``fingerprint``, ``folder`` (and a run's
-    ``agent``, ``env``, ``seed``, ``warmup`` folder or None)."""
-    base = run_settings(settings)
-    warmups, runs = [], []
-    for env, info in envs.items():
-        probe = TrainConfig(**{**base, "env": env})
-        iterations = iterations_for(token_budget, probe, info["max_turns"]) if token_budget else probe.iterations
-        for seed in seeds:
-            config = TrainConfig(**{**base, "env": env, "seed": seed, "iterations": iterations})
-            warm_job = warmup_job(config, output_dir / "warmup" / env_label(env) / f"seed{seed}") if warm else None
-            warmups += [warm_job] if warm_job else []
-            runs += [run_job(config, agent, output_dir, warm_job) for agent in agents]
-    return {"warmups": warmups, "runs": runs, "token_budget": token_budget}
-
-
-def job_key(described: dict[str, Any]) -> str:
-    """A job's fingerprint: ``described`` plus, when it names user Python files, the sha256 of each
-    (:func:`textrl.run.user_code.user_code_digest`), so editing an environment, reward or agent
-    file reruns the jobs that use it; a job naming none keeps the key it had before."""
-    from textrl.run.user_code import user_code_digest
-
-    code = user_code_digest(described)
-    return bench_runs.fingerprint({**described, "user_code": code} if code else described)
-
-
-def warmup_job(config: TrainConfig, folder: Path) -> dict[str, Any]:
-    """The shared warm-up of ``config``'s (env, seed): fingerprinted by :data:`WARMUP_FIELDS`."""
-    print_ = job_key({k: getattr(config, k) for k in WARMUP_FIELDS})
-    return {"kind": "warmup", "config": replace(config, output_dir=str(folder)), "fingerprint": print_,
-            "folder": folder}
-
-
-def run_job(config: TrainConfig, agent: str, output_dir: Path, warm_job: dict[str, Any] | None) -> dict[str, Any]:
-    """The run of ``agent`` on ``config``'s (env, seed), validated; its fingerprint covers every
-    field but the folder, and its warm-up's fingerprint; it loads the warm-up's policy."""
-    folder = output_dir / "runs" / env_label(config.env) / run_label(agent) / f"seed{config.seed}"
-    run_config = replace(config, agent=agent, output_dir=str(folder)).validate()
-    described = {k: v for k, v in run_config.to_dict().items() if k != "output_dir"}
-    print_ = job_key({**described, "warmup": warm_job["fingerprint"] if warm_job else None})
-    if warm_job:
-        run_config = replace(run_config, model=str(warm_job["folder"]), warmup_sft_steps=0)
-    return {"kind": "run", "config": run_config, "fingerprint": print_, "folder": folder, "agent": run_label(agent),
-            "env": config.env, "seed": config.seed, "warmup": warm_job["folder"] if warm_job else None}
-
-
-def job_state(job: dict[str, Any], rerun_warmups: set[Path] = frozenset()) -> str:
-    """The state of ``job`` (:func:`textrl.bench_runs.job_state`), ``"warmup_rerun"`` for a finished
-    run whose warm-up (in ``rerun_warmups``) was just rerun."""
-    required = bench_runs.RUN_OUTPUTS if job["kind"] == "run" else ("config.json",)
-    state = bench_runs.job_state(job["folder"], job["fingerprint"], required)
-    return "warmup_rerun" if state == "done" and job.get("warmup") in rerun_warmups else state
-
-
-def pending(jobs: Sequence[dict[str, Any]], fresh: bool, threads: int | None, log: Any,
-            rerun_warmups: set[Path] = frozenset()) -> list[Path]:
-    """Prepare the folders of the jobs to (re)run and return their job files; log each job's state."""
-    files = []
-    for job in jobs:
-        state = "fresh" if fresh else job_state(job, rerun_warmups)
-        log(f"  {job['folder']}: {'--fresh, rerunning' if fresh else bench_runs.STATE_WORDS[state]}")
-        if state == "done":
-            continue
-        description = {"kind": job["kind"], "config": job["config"].to_dict(), "fingerprint": job["fingerprint"],
-                       "threads": threads}
-        files.append(bench_runs.prepare(job["folder"], description))
-    return files
 
 
 # -- the comparison ------------------------------------------------------------------------------
@@ -363,7 +157,7 @@ def compare_agents(
                                      or token_budget < 1):
         raise ValueError(f"token_budget={token_budget!r}: must be an int >= 1, the generated tokens per run "
                          "(--token-budget 460800), or leave it out and give --iterations")
-    env_list = _names(DEFAULT_BENCH["envs"]) if envs is None else list(envs)
+    env_list = comma_list(DEFAULT_BENCH["envs"]) if envs is None else list(envs)
     common = run_settings(settings)
     names, skipped = resolve_agents(agents, common)
     for name, why in skipped.items():
@@ -381,19 +175,19 @@ def _execute(jobs_plan: dict[str, Any], fresh: bool, jobs: int | None, isolate: 
              log: Any) -> list[dict[str, Any]]:
     """Run the warm-ups, then the runs; every run's figures (or its error). First, a job folder a
     live process still writes in (a worker of a killed bench) is refused, naming it."""
-    execute = bench_runs.run_worker if isolate else _execute_in_process
+    execute = bench_jobs.run_worker if isolate else _execute_in_process
     parallel = (jobs or default_jobs(threads)) if isolate else 1
     everything = jobs_plan["warmups"] + jobs_plan["runs"]
-    bench_runs.refuse_busy_jobs([job["folder"] for job in everything if fresh or job_state(job) != "done"])
+    bench_jobs.refuse_busy_jobs([job["folder"] for job in everything if fresh or job_state(job) != "done"])
     warm_errors, rerun_warmups = {}, set()
     if jobs_plan["warmups"]:
         log(f"warm-ups ({len(jobs_plan['warmups'])}):")
-        done = bench_runs.run_jobs(pending(jobs_plan["warmups"], fresh, threads, log), parallel, execute, log)
+        done = bench_jobs.run_jobs(pending(jobs_plan["warmups"], fresh, threads, log), parallel, execute, log)
         warm_errors = {path.parent: err for path, err in done.items() if err}
         rerun_warmups = {path.parent for path in done}
     log(f"runs ({len(jobs_plan['runs'])}, {parallel} at a time):")
     todo = [job for job in jobs_plan["runs"] if job["warmup"] not in warm_errors]
-    done = bench_runs.run_jobs(pending(todo, fresh, threads, log, rerun_warmups), parallel, execute, log)
+    done = bench_jobs.run_jobs(pending(todo, fresh, threads, log, rerun_warmups), parallel, execute, log)
     errors = {path.parent: err for path, err in done.items() if err}
     return [_figures(job, warm_errors, errors) for job in jobs_plan["runs"]]
 
@@ -411,7 +205,7 @@ def _figures(job: dict[str, Any], warm_errors: dict[Path, str], errors: dict[Pat
         run["failed_job"] = str(folder)
     else:
         try:
-            record = bench_runs.read_record(folder)
+            record = bench_jobs.read_record(folder)
             figures = read_run(folder)
         except (OSError, ValueError, KeyError) as err:
             run["error"] = f"unreadable outputs: {type(err).__name__}: {err}"
@@ -433,7 +227,7 @@ def failure_summary(runs: Sequence[dict[str, Any]]) -> str | None:
         jobs.setdefault(r.get("failed_job") or r["output_dir"], []).append(r)
     parts = []
     for job, group in jobs.items():
-        log = Path(job) / bench_runs.LOG_FILE
+        log = Path(job) / bench_jobs.LOG_FILE
         where = f"log {log}" if log.is_file() else "no log: it ran in this process, see the output above"
         warmup = group[0]["error"].startswith("its warm-up failed")
         parts.append(f"{job} ({f'the warm-up of {len(group)} runs; ' if warmup else ''}{where})")
@@ -461,7 +255,7 @@ def _run_minutes(jobs_plan: dict[str, Any]) -> str:
     total = 0.0
     for job in jobs_plan["warmups"] + jobs_plan["runs"]:
         try:
-            total += bench_runs.read_record(job["folder"]).get("wall_s") or 0.0
+            total += bench_jobs.read_record(job["folder"]).get("wall_s") or 0.0
         except (OSError, ValueError):
             continue
     return f"{total / 60:.1f} min"
@@ -499,13 +293,9 @@ def _report(runs: list[dict[str, Any]], names: Sequence[str], env_list: Sequence
 # -- command line --------------------------------------------------------------------------------
 
 
-def _names(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
 def _seeds(text: str) -> list[int]:
     try:
-        return [int(x) for x in _names(text)]
+        return [int(x) for x in comma_list(text)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
@@ -517,10 +307,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from textrl.config import add_config_arguments
 
     d = DEFAULT_BENCH
-    parser.add_argument("--agents", type=_names, default=None,
+    parser.add_argument("--agents", type=comma_list, default=None,
                         help=f"comma-separated agents: registered names, path/to/file.py:Class, or 'all' "
                              f"(default: {d['agents']})")
-    parser.add_argument("--envs", type=_names, default=None,
+    parser.add_argument("--envs", type=comma_list, default=None,
                         help=f"comma-separated environments: registered ids or any --env spec "
                              f"(default: {d['envs']})")
     parser.add_argument("--seeds", type=_seeds, default=None,
@@ -570,9 +360,9 @@ def _bench_defaults_in_help(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the comparison (or, with ``--worker``, one job of it) from parsed arguments; exit status."""
     if args.worker:
-        parent = os.environ.get(bench_runs.PARENT_ENV)
+        parent = os.environ.get(bench_jobs.PARENT_ENV)
         if parent:
-            bench_runs.die_with_parent(int(parent))
+            bench_jobs.die_with_parent(int(parent))
         execute_job(Path(args.worker))
         return 0
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
@@ -598,17 +388,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="textrl bench", description=__doc__,
+    import textrl.bench  # the package: its docstring is the command's description
+
+    parser = argparse.ArgumentParser(prog="textrl bench", description=textrl.bench.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
-
-
-# names kept for callers of the earlier single-task comparison
-aggregate = bench_report.aggregate
-markdown_table = bench_report.markdown_table
-peak_rss_mib = bench_runs.peak_rss_mib
-
-if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    raise SystemExit(main())

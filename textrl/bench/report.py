@@ -3,7 +3,7 @@
 A *run record* is a dict with at least ``agent``, ``env``, ``seed``, ``error`` (None for a finished
 run) and, when finished, ``reward`` (held-out sampled reward at the end), ``reward_start`` (the
 same for the shared warmed-up policy of its (env, seed)) and the curves of
-:func:`textrl.bench_runs.read_run` (``iterations``, ``train_reward``, ``tokens_so_far``).
+:func:`textrl.bench.jobs.read_run` (``iterations``, ``train_reward``, ``tokens_so_far``).
 
 Normalisation (:func:`normalised_scores`): a run's score is the share of the gap it closed,
 ``(reward - reward_start) / (high - reward_start)``: 0 = no progress over its warmed-up start,
@@ -11,7 +11,7 @@ Normalisation (:func:`normalised_scores`): a run's score is the share of the gap
 ``max_reward`` (or run with a ``--reward`` other than its own) takes as ``high`` the best final
 held-out reward any agent reached on it (so 1 = "as good as the best run seen", a relative
 score). An environment where ``high`` does not exceed some seed's start has no gap to close and is
-left out of the statistics with a note. The statistics are :func:`textrl.stats.compare` over the
+left out of the statistics with a note. The statistics are :func:`textrl.bench.stats.compare` over the
 agents' ``[seeds, environments]`` arrays; an agent's seed that failed on any environment is left
 out of that agent's array (noted).
 """
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from textrl import stats
+from textrl.bench import stats
 
 # -- normalisation -------------------------------------------------------------------------------
 
@@ -115,7 +115,7 @@ def profile_taus(scores: Mapping[str, Any], step: float = 0.05, most: int = 201)
 
 
 def compare_scores(normalised: dict[str, Any], reps: int = 2000, seed: int = 0) -> dict[str, Any] | None:
-    """:func:`textrl.stats.compare` of :func:`normalised_scores`'s arrays, its profiles at
+    """:func:`textrl.bench.stats.compare` of :func:`normalised_scores`'s arrays, its profiles at
     :func:`profile_taus` (None when no agent or environment is left)."""
     if not normalised["scores"] or not normalised["envs"]:
         return None
