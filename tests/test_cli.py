@@ -90,7 +90,7 @@ def test_a_reward_function_that_raises_is_named_by_textrl(tmp_path):
     assert "\n" not in str(err.value.code)
 
 
-# -- every error in one or two lines (issue 24, part 4) ----------------------------------------------
+# -- every error in one or two lines -----------------------------------------------------------------
 
 
 def _raises(err):

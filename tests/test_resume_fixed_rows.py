@@ -1,4 +1,4 @@
-"""No run is lost to a data fault (issue 24, part 6): a run stopped by a bad row of its prompt file
+"""No run is lost to a data fault: a run stopped by a bad row of its prompt file
 resumes once the row is fixed (the row named, the change recorded, every iteration logged once);
 rows added, removed or reordered are still refused, and the run folder is left as it was."""
 

@@ -1,4 +1,4 @@
-"""Records stay true (issue 24, part 4): the user's code files in the resume check, an earlier
+"""Records stay true: the user's code files in the resume check, an earlier
 run's records set aside by a fresh run, no shorter ``--iterations`` on resume; and stop signals
 that stop within one step of the warm-up, an evaluation batch or a stage."""
 

@@ -449,7 +449,7 @@ def test_conversations_on_a_tokenizer_without_a_chat_template_warn_once():
         encode_prompts(rows, tok)  # once per tokenizer
 
 
-# -- a resume after rows were edited (issue 24: no run is lost to a data fault) ------------------------
+# -- a resume after rows were edited (no run is lost to a data fault) ----------------------------------
 
 
 def _rows_file(path, answers):

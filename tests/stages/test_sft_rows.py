@@ -1,6 +1,6 @@
-"""The stages' data (issue 24, part 6): a resume after a row's contents were edited names the row
-and records it; rows added are refused; ``textrl sft`` warns about the rows ``--max-length``
-truncates, and refuses before training a prompt that fills it."""
+"""The stages' data: a resume after a row's contents were edited names the row and records it;
+rows added are refused; ``textrl sft`` warns about the rows ``--max-length`` truncates, and
+refuses before training a prompt that fills it."""
 
 from __future__ import annotations
 
