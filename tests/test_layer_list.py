@@ -1,0 +1,95 @@
+"""docs/design.md, "Layers": the list of folders and files is the import order of ``textrl/``.
+
+The list's code block names each entry's folders and files (``textrl/functional/``, then paths
+relative to ``textrl/``: ``checks.py``, ``bench/``, ``testing`` for a file or a folder), bottom
+first. Every module of ``textrl/`` must belong to an entry, and every ``textrl`` import it makes,
+inside functions too, must name a module of its own entry or of an entry above it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DESIGN = ROOT / "docs" / "design.md"
+
+
+def layer_entries() -> list[list[str]]:
+    """The entries of the list, bottom first, each as the module names it covers."""
+    section = DESIGN.read_text().split("\n## Layers\n", 1)[1]
+    block = re.search(r"```\n(.*?)```", section, flags=re.S)[1]
+    entries: list[list[str]] = []
+    continued = False
+    for line in block.splitlines():
+        if not line or line.startswith(" "):
+            continued = False
+            continue
+        names_part = re.split(r"\s{2,}", line)[0]
+        names = [n.strip() for n in names_part.split(",") if n.strip()]
+        modules = []
+        for name in names:
+            path = name.removeprefix("textrl/").rstrip("/")
+            if path == "__init__.py":
+                modules.append("textrl")
+            else:
+                modules.append("textrl." + path.removesuffix(".py").replace("/", "."))
+        if continued:
+            entries[-1].extend(modules)
+        else:
+            entries.append(modules)
+        continued = names_part.rstrip().endswith(",")
+    return entries
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def textrl_imports(path: Path) -> set[str]:
+    """Every ``textrl`` module a file imports, relative imports resolved."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # from textrl import zero
+    return {m for m in found if m == "textrl" or m.startswith("textrl.")}
+
+
+def layer_of(module: str, entries: list[list[str]]) -> int | None:
+    """The index of the entry whose name is the longest prefix of ``module``."""
+    best, best_len = None, -1
+    for index, names in enumerate(entries):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best_len:
+                best, best_len = index, len(name)
+    return best
+
+
+def test_every_module_is_in_the_list_and_imports_only_its_entry_and_those_above():
+    entries = layer_entries()
+    assert len(entries) >= 10, entries
+    unlisted, upward = [], []
+    for path in sorted((ROOT / "textrl").rglob("*.py")):
+        module = module_name(path)
+        layer = layer_of(module, entries)
+        if layer is None:
+            unlisted.append(module)
+            continue
+        for imported in textrl_imports(path):
+            target = layer_of(imported, entries)
+            if target is not None and target > layer:
+                upward.append(f"{module} imports {imported}")
+    assert not unlisted, f"modules not in docs/design.md's layer list (add them to an entry): {unlisted}"
+    assert not upward, f"imports of an entry below it in docs/design.md's layer list: {upward}"
