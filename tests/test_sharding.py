@@ -9,7 +9,7 @@ import torch
 from textrl.config import TrainConfig
 from textrl.models import ValueModel, build_tiny_causal_lm, build_tiny_tokenizer
 from textrl.parallel import check_sharding
-from textrl.sharding import is_sharded, local, to_float, unit_classes
+from textrl.parallel.fsdp_sharding import is_sharded, local, to_float, unit_classes
 from textrl.trainer import train
 
 

@@ -56,10 +56,10 @@ class Distributed:
         """
         if not self.enabled:
             return
-        from textrl.sharding import is_sharded
+        from torch.distributed.tensor import DTensor
 
         # FSDP shards (DTensors) were reduce-scattered in the backward already
-        params = [p for p in parameters if p.requires_grad and not is_sharded(p)]
+        params = [p for p in parameters if p.requires_grad and not isinstance(p, DTensor)]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -11,7 +11,7 @@ from textrl.envs import rollout_from_responses
 
 from textrl.config import TrainConfig
 from textrl.models import ValueModel, build_tiny_causal_lm, build_tiny_tokenizer
-from textrl.sharding import local
+from textrl.parallel.fsdp_sharding import local
 
 PROMPTS = ["What is 1+2?", "hi", "Count to 3", "<think>"]
 LOW_IDS = 128

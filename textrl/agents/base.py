@@ -54,7 +54,7 @@ from textrl.models.forward import positions_from_mask, response_logits
 from textrl.models.sampling import neutralised_notice, sample, sampling_config
 from textrl.parallel import Backend, SingleProcess
 from textrl.precision import Precision
-from textrl.sharding import local
+from textrl.parallel.fsdp_sharding import local
 from textrl.timing import timed
 
 SCORE = KEYS.score

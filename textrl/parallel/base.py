@@ -47,8 +47,8 @@ import torch
 from torch import Tensor, nn
 
 from textrl.distributed import Distributed
+from textrl.parallel.fsdp_sharding import local
 from textrl.parallel.rollback import OptimizerCopy, RollbackCopy, UpdateSnapshot, update_state
-from textrl.sharding import local
 
 
 def trained_models(agent: Any) -> list[tuple[str, nn.Module]]:

@@ -1,4 +1,4 @@
-"""FSDP2: every model of the agent split over the processes (:mod:`textrl.sharding` does the work).
+"""FSDP2: every model of the agent split over the processes (:mod:`textrl.parallel.fsdp_sharding` does the work).
 
 Each decoder layer is one ``fully_shard`` unit: its weights are all-gathered for its forward and
 backward and freed after, and gradients are reduce-scattered (averaged) inside the backward, so
@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from textrl import sharding
+from textrl.parallel import fsdp_sharding
 from textrl.parallel.base import trained_models
 from textrl.parallel.replicated import Replicated
 
@@ -37,42 +37,42 @@ class FSDP(Replicated):
         if agent.backend.gathers_state:
             raise RuntimeError(f"{type(agent).__name__} is already sharded or under DeepSpeed")
         super().prepare(agent)
-        mesh = sharding.device_mesh(self.device, self.dist.world_size)
+        mesh = fsdp_sharding.device_mesh(self.device, self.dist.world_size)
         for _, model in agent.named_children():
-            sharding.shard_model(model, mesh, self.reshard_after_forward)
+            fsdp_sharding.shard_model(model, mesh, self.reshard_after_forward)
         agent._build_optimizers()
 
     def norm_value(self, norm: Tensor) -> float:
         """The global norm of sharded gradients (a ``DTensor``) as a float."""
-        return sharding.to_float(norm)
+        return fsdp_sharding.to_float(norm)
 
     def gathered(self, model: nn.Module):
-        return sharding.gathered(model, self.reshard_after_forward)
+        return fsdp_sharding.gathered(model, self.reshard_after_forward)
 
     def model_state(self, agent: Any) -> dict[str, Tensor]:
         """Full CPU tensors on the main process (``{}`` elsewhere); every process must call."""
         return {f"{name}.{k}": v for name, model in agent.named_children()
-                for k, v in sharding.full_model_state(model).items()}
+                for k, v in fsdp_sharding.full_model_state(model).items()}
 
     def load_model_state(self, agent: Any, state: dict[str, Tensor], strict: bool = True,
                          assign: bool = False) -> None:
         for name, model in agent.named_children():
-            sharding.load_full_model_state(model, _prefixed(state, name))
+            fsdp_sharding.load_full_model_state(model, _prefixed(state, name))
 
     def optimizer_state(self, agent: Any) -> list[dict[str, Any]]:
         """Full CPU tensors keyed by parameter name, on the main process (a collective)."""
-        return [sharding.full_optimizer_state(model, optimizer)
+        return [fsdp_sharding.full_optimizer_state(model, optimizer)
                 for (_, model), optimizer in zip(trained_models(agent), agent.optimizers)]
 
     def load_optimizer_state(self, agent: Any, states: list[dict[str, Any]]) -> None:
         for ((_, model), optimizer), state in zip(zip(trained_models(agent), agent.optimizers), states):
-            sharding.load_full_optimizer_state(model, optimizer, state)
+            fsdp_sharding.load_full_optimizer_state(model, optimizer, state)
 
     def restore(self, agent: Any, snapshot: Any) -> None:
         """:meth:`Backend.restore` into this process's shards (the optimisers hold the shards), after
         freeing every gathered unit, whose full copy would still hold the rolled-back weights."""
         for _, model in agent.named_children():
-            sharding.reshard(model)
+            fsdp_sharding.reshard(model)
         super().restore(agent, snapshot)
 
     def end_of_run(self, agent: Any) -> dict[str, Any]:
@@ -87,7 +87,7 @@ def _prefixed(state: dict[str, Tensor], name: str) -> dict[str, Tensor]:
 def weights_held(agent: Any) -> float:
     """The share of the agent's weights this process holds (1 / processes, up to rounding)."""
     params = list(agent.parameters())
-    return sum(map(sharding.held_numel, params)) / sum(map(sharding.full_numel, params))
+    return sum(map(fsdp_sharding.held_numel, params)) / sum(map(fsdp_sharding.full_numel, params))
 
 
 __all__ = ["FSDP", "weights_held"]

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from textrl.sharding import local
+from textrl.parallel.fsdp_sharding import local
 
 DEVICE_SHARE = 0.1
 """``rollback_copy='auto'`` keeps the copy on a CUDA device when it takes at most this share of

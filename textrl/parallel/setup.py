@@ -26,16 +26,16 @@ def check_sharding(config: TrainConfig) -> dict[str, Any] | None:
     ``ValueError`` for what cannot run: offload, an unreadable DeepSpeed config, DeepSpeed not
     installed, FSDP and DeepSpeed together.
     """
-    from textrl import zero
-    from textrl.sharding import accelerate_fsdp_options, accelerate_wants_fsdp
+    from textrl.parallel import deepspeed_engine
+    from textrl.parallel.fsdp_sharding import accelerate_fsdp_options, accelerate_wants_fsdp
 
-    if zero.accelerate_wants_deepspeed():
-        for name, value in zero.accelerate_deepspeed_options().items():
+    if deepspeed_engine.accelerate_wants_deepspeed():
+        for name, value in deepspeed_engine.accelerate_deepspeed_options().items():
             setattr(config, name, value)
     if accelerate_wants_fsdp():
         for name, value in {"fsdp": True, **accelerate_fsdp_options()}.items():
             setattr(config, name, value)
-    section = zero.read_zero_section(config.deepspeed_config) if config.deepspeed_config else {}
+    section = deepspeed_engine.read_zero_section(config.deepspeed_config) if config.deepspeed_config else {}
     if not config.zero_stage and "stage" in section:  # --deepspeed-config alone: its stage
         config.zero_stage = section["stage"]
     if config.deepspeed_config and not config.zero_stage:
@@ -44,7 +44,7 @@ def check_sharding(config: TrainConfig) -> dict[str, Any] | None:
     config.validate()
     if not config.zero_stage:
         return None
-    zero.require_deepspeed()
+    deepspeed_engine.require_deepspeed()
     return section
 
 

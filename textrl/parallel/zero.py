@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO stages 1-3: one engine over every model of the agent (:mod:`textrl.zero` does the work).
+"""DeepSpeed ZeRO stages 1-3: one engine over every model of the agent (:mod:`textrl.parallel.deepspeed_engine` does the work).
 
 The engine owns one AdamW with a parameter group per trained model (actor, then critic, each
 with its learning rate), the way TRL wraps policy and value model together. Stage 1 partitions
@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from textrl import zero
+from textrl.parallel import deepspeed_engine
 from textrl.parallel.base import trained_parameters
 from textrl.parallel.fsdp import _prefixed, weights_held
+from textrl.parallel.fsdp_sharding import local
 from textrl.parallel.replicated import Replicated
-from textrl.sharding import local
 
 
 class DeepSpeedZero(Replicated):
@@ -50,14 +50,14 @@ class DeepSpeedZero(Replicated):
         agent.zero_grad(set_to_none=True)  # DeepSpeed would add leftover gradients (e.g. of a warm-up) to the first step
         models = nn.ModuleDict(dict(agent.named_children()))  # the same modules, in one engine
         hidden = getattr(getattr(agent.policy, "config", None), "hidden_size", None)
-        config = zero.deepspeed_config(self.stage, agent.config.max_grad_norm, self.zero_section, hidden_size=hidden)
-        self.engine = zero.initialize(models, optimizer, config)
+        config = deepspeed_engine.deepspeed_config(self.stage, agent.config.max_grad_norm, self.zero_section, hidden_size=hidden)
+        self.engine = deepspeed_engine.initialize(models, optimizer, config)
         agent.actor_optimizer, agent.critic_optimizer = optimizer, None  # both groups; DeepSpeed steps it
         agent.schedulers = [agent._scheduler(optimizer, agent.total_updates)]
 
     def backward(self, loss: Tensor) -> None:
         """``engine.backward`` (stages 2, 3 reduce inside it: every process runs the same backwards)."""
-        zero.backward(self.engine, loss)
+        deepspeed_engine.backward(self.engine, loss)
         self._backwards_pending += 1
 
     def step(self, agent: Any) -> dict[str, float] | None:
@@ -80,36 +80,36 @@ class DeepSpeedZero(Replicated):
         return rates
 
     def gathered(self, model: nn.Module):
-        return zero.gathered(model)
+        return deepspeed_engine.gathered(model)
 
     def copy_weights(self, dst: nn.Module, src: nn.Module) -> None:
         if self.stage == 3:
-            zero.copy_weights(dst, src)
+            deepspeed_engine.copy_weights(dst, src)
         else:
             super().copy_weights(dst, src)
 
     def model_state(self, agent: Any) -> dict[str, Tensor]:
         """Full CPU tensors on the main process (``{}`` elsewhere); a collective under stage 3."""
         return {f"{name}.{k}": v for name, model in agent.named_children()
-                for k, v in zero.full_model_state(model, self.is_main).items()}
+                for k, v in deepspeed_engine.full_model_state(model, self.is_main).items()}
 
     def load_model_state(self, agent: Any, state: dict[str, Tensor], strict: bool = True,
                          assign: bool = False) -> None:
         """Weights and DeepSpeed's float32 master copies of the trained ones."""
         for name, model in agent.named_children():
-            zero.load_full_model_state(model, _prefixed(state, name))
+            deepspeed_engine.load_full_model_state(model, _prefixed(state, name))
 
     def optimizer_state(self, agent: Any) -> list[dict[str, Any]]:
         """The AdamW state as full CPU tensors keyed by parameter name (a collective)."""
-        return [zero.full_optimizer_state(trained_parameters(agent), self.engine, self.is_main)]
+        return [deepspeed_engine.full_optimizer_state(trained_parameters(agent), self.engine, self.is_main)]
 
     def load_optimizer_state(self, agent: Any, states: list[dict[str, Any]]) -> None:
-        zero.load_full_optimizer_state(trained_parameters(agent), self.engine, states[0])
+        deepspeed_engine.load_full_optimizer_state(trained_parameters(agent), self.engine, states[0])
 
     def optimizer_parameters(self, agent: Any) -> list[list[Tensor]]:
         """The engine's AdamW steps this process's float32 master partitions, one per parameter group
-        (stage 3: per sub-group; :func:`textrl.zero.flat_partitions`), and keys its state by them."""
-        return [zero.flat_partitions(self.engine)]
+        (stage 3: per sub-group; :func:`textrl.parallel.deepspeed_engine.flat_partitions`), and keys its state by them."""
+        return [deepspeed_engine.flat_partitions(self.engine)]
 
     def updated_tensors(self, agent: Any) -> list[Tensor]:
         """The float32 master partitions, then the weights DeepSpeed copies them into: each full

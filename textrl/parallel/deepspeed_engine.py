@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from textrl.sharding import _env_flag
+from textrl.parallel.fsdp_sharding import _env_flag
 
 STAGES = (1, 2, 3)
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq")
