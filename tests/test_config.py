@@ -24,6 +24,24 @@ def test_every_field_has_a_docstring():
     assert missing == []
 
 
+def test_shared_fields_are_declared_once_with_one_default_and_help():
+    """``textrl train`` and the stages take the fields they declare alike from SharedFields."""
+    from dataclasses import fields
+
+    from textrl.config import SharedFields
+    from textrl.stages.common import StageConfig
+    from textrl.stages.sft import SFTConfig
+
+    shared = {f.name: f.default for f in fields(SharedFields)}
+    for cls in (TrainConfig, StageConfig, SFTConfig):
+        own = {f.name: f for f in fields(cls)}
+        docs = field_docs(cls)
+        for name, default in shared.items():
+            assert own[name].metadata.get("shared") == name, (cls, name)
+            assert own[name].default == default
+            assert docs[name] == field_docs(SharedFields)[name]
+
+
 def test_command_line_overrides_yaml_overrides_defaults(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("seed: 3\nkl_coef: 0.2\nmax-new-tokens: 7\n")

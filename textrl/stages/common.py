@@ -1,20 +1,21 @@
-"""What the supervised stages (``textrl sft``, ``rm``, ``dpo``) share.
+"""What the supervised stages (``textrl sft``, ``rm``, ``dpo``) share: the loop they train with.
 
-- :class:`StageConfig`: the fields every stage has (run, model, LoRA / 4-bit, optimisation,
-  evaluation), documented where declared and exposed on the command line by
-  :func:`add_stage_arguments` (the trainer's config machinery; help text for inherited fields too).
-- :func:`load_policy` / :func:`save_policy`: a causal LM, fully trainable or with a LoRA adapter
-  (optionally on a 4-bit NF4 base), saved atomically as a full model or an adapter folder.
 - :func:`fit`: what every stage trains with: AdamW steps over shuffled batches
   (:class:`StageSteps`), driven by :class:`textrl.run.RunLoop` as ``textrl train``'s PPO
   iterations are: evaluation before, every ``eval_every`` steps and at the end,
   ``metrics.jsonl`` / TensorBoard (:class:`textrl.run.MetricsLog`), optional checkpoints, the
-  final model.
+  final model. The stage's loss and evaluation run under the run's precision context
+  (:meth:`textrl.precision.Precision.autocast`), as the agents' forwards do.
 - Resume (``--resume``) with the run package's checkpoints: ``checkpoints/iter_NNNNNN/`` written
   atomically by :func:`textrl.run.save_checkpoint` (a manifest of sha256 sums marks it complete)
   holding the model as ``model/`` will be (``policy/``) and ``trainer_state.pt``: the trainable
   tensors, the AdamW state, the :class:`BatchOrder` and every RNG. SIGINT / SIGTERM finish the
   current step, save a checkpoint and raise :class:`textrl.run.TrainingStopped`.
+
+The rest lives beside it, and is importable from here too: :class:`StageConfig` and its command
+line (:mod:`textrl.stages.stage_config`), the model a stage trains and saves
+(:mod:`textrl.stages.policy`: :func:`load_policy` / :func:`save_policy`), its rows
+(:mod:`textrl.stages.data`).
 
 Every stage writes to ``output_dir``: ``config.yaml`` (resolved config), ``metrics.jsonl``,
 ``tb/``, ``summary.json`` (held-out metrics before and after) and ``model/`` (the result).
@@ -22,39 +23,21 @@ Every stage writes to ``output_dir``: ``config.yaml`` (resolved config), ``metri
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import hashlib
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from textrl.config import (
-    ResumeRules,
-    _at_least,
-    _in_range,
-    _positive,
-    add_config_arguments,
-    check_bitsandbytes,
-    check_output_dir,
-    check_values,
-    config_values,
-    config_yaml,
-    field_docs,
-    save_config,
-)
+from textrl.config_io import config_values, config_yaml, save_config
 from textrl.models.adapters import write_atomically
-from textrl.precision import Precision, check_precision
+from textrl.precision import Precision
 from textrl.run import (
     CHECKPOINT_MARKER,
     SETTINGS_FILE,
@@ -77,309 +60,22 @@ from textrl.run import (
 from textrl.run.records import set_aside_earlier_records
 from textrl.run.signals import StopRequested, StopSignals, stop_before_loop, stop_phase
 from textrl.run.user_code import USER_CODE_FILE, user_code_digest, user_code_json
+from textrl.stages.data import pad_left, read_jsonl, source_rows, split_rows
+from textrl.stages.policy import (
+    ADAPTER_META,
+    adapter_base,
+    add_lora,
+    is_adapter_dir,
+    load_adapter_model,
+    load_policy,
+    model_record,
+    resolve_model_path,
+    save_policy,
+)
+from textrl.stages.stage_config import StageConfig, add_stage_arguments, all_field_docs
 
-ADAPTER_META = "textrl_adapter.json"
-"""Written next to a policy LoRA adapter: ``{"format": "textrl-lora", "version": 1, "base_model",
-"load_in_4bit", "stage"}`` (the base by the name the user gave, e.g. ``tiny``)."""
 MODEL_DIR = "model"
 """Subfolder of ``output_dir`` holding a stage's result."""
-
-
-@dataclass
-class StageConfig:
-    """Fields shared by ``textrl sft``, ``rm`` and ``dpo``. Defaults run the built-in demo."""
-
-    output_dir: str = "runs/stage"
-    """Where config.yaml, metrics.jsonl, tb/, summary.json, checkpoints/ and model/ go."""
-    seed: int = 0
-    """Seed of every random generator (initialisation, batch order, held-out split)."""
-    device: str = "auto"
-    """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
-    model: str = "tiny"
-    """Starting model: a local path or hub id of a causal LM; 'tiny' is the offline tiny model."""
-    dtype: str = "float32"
-    """The trained weights' dtype: float32 | bfloat16 (TRL's dtype / torch_dtype)."""
-    mixed_precision: str = "auto"
-    """Autocast of every forward: bf16 | no | auto (bf16 on a CUDA device that has it, else no)."""
-    attn_implementation: str | None = None
-    """Attention kernels: sdpa | eager | flash_attention_2 (needs flash-attn and CUDA); None: the
-    model's default."""
-    data: str = "builtin:case"
-    """Training data: 'builtin:NAME' or a .jsonl file (see the stage's description)."""
-    steps: int = 200
-    """Optimiser steps."""
-    batch_size: int = 32
-    """Examples (or preference pairs) per step."""
-    lr: float = 1e-3
-    """AdamW learning rate (constant, no weight decay)."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm (0 = off)."""
-    max_length: int = 256
-    """Longest sequence in tokens (prompt + response)."""
-    eval_size: int = 32
-    """Held-out rows, split off the data with the seed; evaluated before, during and after."""
-    eval_every: int = 50
-    """Held-out evaluation every N steps (0 = only before and after)."""
-    checkpoint_every: int = 0
-    """Save a resumable checkpoints/iter_NNNNNN every N steps (0 = only on SIGINT/SIGTERM)."""
-    keep_checkpoints: int = 2
-    """Checkpoints kept on disk."""
-    resume: bool = False
-    """Continue from the newest verified checkpoint in output_dir (same model, LoRA and data)."""
-    lora: bool = False
-    """Train a LoRA adapter on a frozen base instead of every weight."""
-    lora_r: int = 8
-    """LoRA rank."""
-    lora_alpha: int = 16
-    """LoRA scaling numerator (the update is scaled by lora_alpha / lora_r)."""
-    lora_dropout: float = 0.0
-    """Dropout inside LoRA layers."""
-    lora_target_modules: str = "auto"
-    """Modules LoRA wraps: 'auto' (peft's choice for the architecture: c_attn on GPT-2, q_proj,v_proj
-    on Llama / Qwen2; every linear layer but the head where peft has none), 'all-linear', or a
-    comma list of module names (a list that matches no module is refused, naming the model's)."""
-    load_in_4bit: bool = False
-    """Quantise the frozen base to 4-bit NF4 with bitsandbytes (needs lora=true)."""
-    progress: bool = True
-    """Show a progress bar."""
-
-    RESUME_RULES: ClassVar[ResumeRules] = ResumeRules(
-        applied=frozenset({"device", "steps", "eval_every", "checkpoint_every", "keep_checkpoints",
-                           "mixed_precision", "attn_implementation"}))
-    """What ``--resume`` may change: the length and cadences; every other field (model, data, seed,
-    learning rate, batch, LoRA, the stage's own) is fixed (docs/reliability.md)."""
-
-    def validate(self) -> StageConfig:
-        """Check every field; raise ``ValueError`` naming the field, its value and what is allowed."""
-        check_values(self, skip=("model", "dataset"))
-        check_output_dir(self.output_dir)
-        for name in ("steps", "batch_size", "max_length", "keep_checkpoints", "lora_r", "lora_alpha"):
-            _at_least(name, getattr(self, name), 1)
-        for name in ("eval_size", "eval_every", "checkpoint_every", "max_grad_norm"):
-            _at_least(name, getattr(self, name), 0)
-        _positive("lr", self.lr)
-        _in_range("lora_dropout", self.lora_dropout, 0.0, 1.0)
-        check_precision(self)
-        if not self.model.strip():
-            raise ValueError("model='': pass --model PATH (a causal LM folder or hub id) or 'tiny'")
-        if not self.data.strip():
-            raise ValueError("data='': pass --data FILE.jsonl or 'builtin:case'")
-        if self.load_in_4bit and not self.lora:
-            raise ValueError(
-                "load_in_4bit=True needs lora=True: a 4-bit base is frozen, only a LoRA adapter "
-                "on it can be trained (add --lora, or drop --load-in-4bit)"
-            )
-        if self.load_in_4bit:
-            check_bitsandbytes("load_in_4bit")
-        if self.lora and not self.lora_target_modules.strip():
-            raise ValueError("lora_target_modules='': name modules (e.g. q_proj,v_proj), 'auto' or 'all-linear'")
-        if is_adapter_dir(self.model):
-            raise ValueError(
-                f"model={self.model!r} is a LoRA adapter folder; merge it into its base first "
-                f"(`textrl merge --adapter {self.model} --output-dir MERGED`) and pass MERGED"
-            )
-        return self
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-# -- command line -----------------------------------------------------------------------------------
-
-
-def all_field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of a dataclass and of its dataclass bases (a subclass's win)."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if dataclasses.is_dataclass(klass):
-            docs.update(field_docs(klass))
-    return docs
-
-
-def add_stage_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """``--config`` plus one option per field (``add_config_arguments``), with inherited help."""
-    parser.add_argument("--config", default=None, help="YAML file of options (flags override it)")
-    add_config_arguments(parser, cls)
-    docs = all_field_docs(cls)
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    for action in parser._actions:
-        if action.dest in docs:
-            action.help = f"{docs[action.dest]} (default: {defaults[action.dest]!r})"
-
-
-# -- models -----------------------------------------------------------------------------------------
-
-
-def is_adapter_dir(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a folder holding a peft adapter (``adapter_config.json``)."""
-    return (Path(path) / "adapter_config.json").is_file()
-
-
-def resolve_model_path(name: str) -> str:
-    """A local folder or hub id for ``name``; ``'tiny'`` is the cached tiny causal LM."""
-    from textrl.models.tiny import _resolve
-
-    return _resolve(name, "causal_lm")
-
-
-def model_record(name: str) -> str:
-    """How an output names the model it was trained from: an existing local folder as an
-    absolute path (so it resolves from any directory), anything else (``tiny``, a hub id) as is."""
-    return str(Path(name).resolve()) if Path(name).exists() else name
-
-
-def adapter_base(path: str | os.PathLike[str]) -> str:
-    """The base model of a LoRA adapter folder as ``textrl_adapter.json`` / ``textrl_reward.json``
-    record it (``tiny``, a hub id or an absolute path), else peft's ``base_model_name_or_path``."""
-    path = Path(path)
-    for meta in (ADAPTER_META, "textrl_reward.json"):
-        if (path / meta).is_file():
-            return json.loads((path / meta).read_text())["base_model"]
-    config = json.loads((path / "adapter_config.json").read_text())
-    base = config.get("base_model_name_or_path")
-    if not base:
-        raise ValueError(f"{path / 'adapter_config.json'} names no base model; pass the base explicitly")
-    return base
-
-
-def add_lora(model: Any, config: StageConfig) -> Any:
-    """``model`` wrapped in a peft model with one trainable LoRA adapter ``"default"``."""
-    from peft import get_peft_model
-
-    from textrl.models.adapters import lora_config
-
-    lora = lora_config(r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,
-                       target_modules=config.lora_target_modules, model=model)
-    return get_peft_model(model, lora)
-
-
-def load_policy(config: StageConfig, device: torch.device) -> Any:
-    """The causal LM a stage trains, in the stage's precision (``dtype``, ``attn_implementation``):
-    every weight trained, or a LoRA on a (4-bit) base."""
-    from textrl.models import load_causal_lm
-
-    precision = Precision.of(config, device)
-    if not config.lora:
-        return load_causal_lm(config.model, device=device, **precision.model_kwargs())
-    from textrl.models.adapters import load_base_model
-
-    base = load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device, precision=precision)
-    return add_lora(base, config)
-
-
-def load_adapter_model(path: str | os.PathLike[str], *, device: Any = None,
-                       load_in_4bit: bool | None = None) -> Any:
-    """A policy LoRA adapter folder on its base (``PeftModel``, adapter ``"default"``, eval mode).
-
-    ``load_in_4bit=None`` loads the base as it was trained (``textrl_adapter.json``; else full).
-    """
-    from peft import PeftModel
-
-    from textrl.models.adapters import load_base_model
-
-    if (Path(path) / "textrl_reward.json").is_file():
-        raise ValueError(
-            f"{path} is a LoRA reward adapter (textrl rm --lora), not a policy; score with it "
-            "through --agent multi_adapter_ppo --reward-adapter, or train a full reward model"
-        )
-    if load_in_4bit is None:
-        meta = Path(path) / ADAPTER_META
-        load_in_4bit = meta.is_file() and bool(json.loads(meta.read_text()).get("load_in_4bit"))
-    base = load_base_model(adapter_base(path), load_in_4bit=load_in_4bit, device=device)
-    return PeftModel.from_pretrained(base, str(path)).eval()
-
-
-def save_policy(model: Any, tokenizer: Any, path: Path, *, config: StageConfig, stage: str) -> Path:
-    """A full model (``save_pretrained``) or a LoRA adapter folder (+ ``textrl_adapter.json``),
-    with the tokenizer, written atomically."""
-    from textrl.models.adapters import is_peft, save_adapter
-
-    def write(tmp: Path) -> None:
-        if is_peft(model):
-            save_adapter(model, "default", tmp)
-            meta = {"format": "textrl-lora", "version": 1, "base_model": model_record(config.model),
-                    "load_in_4bit": config.load_in_4bit, "stage": stage}
-            (tmp / ADAPTER_META).write_text(json.dumps(meta, indent=2) + "\n")
-        else:
-            model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-
-    return write_atomically(path, write)
-
-
-# -- data -------------------------------------------------------------------------------------------
-
-
-def read_jsonl(path: Path) -> list[tuple[str, Any]]:
-    """``(where, row)`` per non-blank line; ``where`` = ``"<path>: row N (line L)"`` for errors."""
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}: row {len(rows)} (line {lineno})"
-            try:
-                rows.append((where, json.loads(line)))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
-    return rows
-
-
-def source_rows(source: Any, builtins: dict[str, Callable[[], list]], what: str) -> list[tuple[str, Any]]:
-    """``(where, row)`` pairs of a stage's data: ``builtin:NAME`` (one of ``builtins``), a ``.jsonl``
-    file (or a ``.json`` list of rows), or rows already in memory (a list of dicts, a
-    ``datasets.Dataset``). ``what`` names the data in errors (``"SFT data"``)."""
-    if isinstance(source, str) and source.startswith("builtin:"):
-        name = source.removeprefix("builtin:")
-        if name not in builtins:
-            known = ", ".join(f"builtin:{k}" for k in builtins)
-            raise ValueError(f"{what} {source!r}: unknown built-in set; available: {known}")
-        rows = [(f"{source}: row {i}", r) for i, r in enumerate(builtins[name]())]
-    elif isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if path.is_dir():
-            raise ValueError(f"{what} {str(source)!r}: is a folder, not a file; pass a .jsonl / .json file in it "
-                             "or 'builtin:case'")
-        if not path.is_file():
-            raise ValueError(f"{what} {str(source)!r}: no such file; pass a .jsonl / .json file or 'builtin:case'")
-        if path.suffix == ".json":
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(data, list):
-                raise ValueError(f"{path}: a .json data file must hold a list of rows")
-            rows = [(f"{path}: row {i}", r) for i, r in enumerate(data)]
-        else:
-            rows = read_jsonl(path)
-    else:
-        rows = [(f"row {i}", r) for i, r in enumerate(source)]
-    if not rows:
-        raise ValueError(f"{what} {source!r} has no rows")
-    return rows
-
-
-def split_rows(rows: Sequence[Any], eval_size: int, seed: int, what: str) -> tuple[list, list]:
-    """(train, held-out) with ``eval_size`` rows held out, chosen by ``seed``."""
-    n = len(rows)
-    if eval_size >= n:
-        raise ValueError(
-            f"eval_size={eval_size}: the {what} has only {n} rows and training needs at least "
-            f"one; lower --eval-size (0 = no held-out evaluation) or add data"
-        )
-    perm = np.random.default_rng([seed, 0x5B17]).permutation(n)
-    held = sorted(perm[:eval_size].tolist())
-    train = sorted(perm[eval_size:].tolist())
-    return [rows[i] for i in train], [rows[i] for i in held]
-
-
-def pad_left(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Left-padded ``input_ids`` int64 ``[B, L]`` and ``attention_mask`` int64 ``[B, L]``."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, width - len(row):] = torch.tensor(list(row), dtype=torch.long)
-            mask[i, width - len(row):] = 1
-    return ids, mask
 
 
 # -- the loop ---------------------------------------------------------------------------------------

@@ -38,7 +38,14 @@ from typing import Any
 
 from textrl.agent_registry import is_spec
 from textrl.agents import AGENTS, agent_class
-from textrl.config import _at_least, _positive, check_bitsandbytes, check_output_dir, save_config
+from textrl.config import shared
+from textrl.config_io import (
+    check_at_least,
+    check_bitsandbytes,
+    check_output_dir,
+    check_positive,
+    save_config,
+)
 from textrl.precision import check_precision
 from textrl.run import holds_run_folder, take_run_folder, torch_threads
 from textrl.stages.common import MODEL_DIR
@@ -89,8 +96,7 @@ class PipelineConfig:
     """Where sft/, rm/, ppo/, data/, config.yaml and summary.json go."""
     seed: int = 0
     """Seed of every stage."""
-    device: str = "auto"
-    """'auto' (CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
+    device: str = shared("device")
     model: str = "tiny"
     """Starting causal LM: a local path or hub id; 'tiny' is the offline tiny model."""
     dtype: str = "float32"
@@ -159,19 +165,19 @@ class PipelineConfig:
         check_output_dir(self.output_dir)
         for name in ("sft_steps", "rm_steps", "batch_size", "ppo_iterations", "max_new_tokens",
                      "sft_max_length", "rm_max_length"):
-            _at_least(name, getattr(self, name), 1)
+            check_at_least(name, getattr(self, name), 1)
         if self.max_prompt_length is not None:
-            _at_least("max_prompt_length", self.max_prompt_length, 1)
+            check_at_least("max_prompt_length", self.max_prompt_length, 1)
         if self.max_episode_tokens is not None:
-            _at_least("max_episode_tokens", self.max_episode_tokens, self.max_new_tokens)
+            check_at_least("max_episode_tokens", self.max_episode_tokens, self.max_new_tokens)
         for name in ("rm_eval_size", "threads"):
-            _at_least(name, getattr(self, name), 0)
-        _at_least("eval_size", self.eval_size, 1)
-        _positive("sft_lr", self.sft_lr)
+            check_at_least(name, getattr(self, name), 0)
+        check_at_least("eval_size", self.eval_size, 1)
+        check_positive("sft_lr", self.sft_lr)
         for name in ("rm_lr", "actor_lr"):
             if getattr(self, name) is not None:
-                _positive(name, getattr(self, name))
-        _at_least("kl_coef", self.kl_coef, 0.0)
+                check_positive(name, getattr(self, name))
+        check_at_least("kl_coef", self.kl_coef, 0.0)
         check_precision(self)
         cls = self.agent_class()
         if cls is None or not cls.pipeline_reward:
