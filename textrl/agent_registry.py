@@ -4,9 +4,10 @@ An agent is found by its spec, in this order:
 
 - ``path/to/file.py:Class``: the class ``Class`` of a user's file (loaded once per file);
 - ``package.module:Class``: an importable class;
-- a registered name: a class decorated with :func:`register_agent`, or an entry point of the
-  packaging group ``textrl.agents`` (``[project.entry-points."textrl.agents"]`` in a
-  ``pyproject.toml``: ``my_agent = "my_package.agents:MyAgent"``).
+- a registered name (:data:`REGISTRY`, a :class:`textrl.registry.Registry`): a class decorated
+  with :func:`register_agent`, or an entry point of the packaging group ``textrl.agents``
+  (``[project.entry-points."textrl.agents"]`` in a ``pyproject.toml``:
+  ``my_agent = "my_package.agents:MyAgent"``).
 
 The built-in agents register themselves when :mod:`textrl.agents` is imported; :func:`agent_class`
 imports that package, as it loads an entry point, the first time a name is looked up. This module
@@ -17,20 +18,40 @@ declarations (``validate_config``), whichever package the class comes from.
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Callable
-from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
 
-from textrl.user_files import import_file
+from textrl.registry import Messages, Registry
 
 ENTRY_POINT_GROUP = "textrl.agents"
 """The packaging entry point group of agents from other packages."""
 BUILTIN_PACKAGE = "textrl.agents"
 """The package whose import registers the built-in agents."""
 
-AGENTS: dict[str, type] = {}
+
+def _same_class(old: type, new: type) -> bool:
+    return (old.__module__, old.__qualname__) == (new.__module__, new.__qualname__)
+
+
+def _is_agent_class(obj: object) -> bool:
+    return isinstance(obj, type) and hasattr(obj, "from_config") and hasattr(obj, "validate_config")
+
+
+_NO_CLASS = ("agent={spec!r}: {where} has no agent class {attr!r} (a subclass of textrl.agents.PPOAgent, "
+             "with from_config and validate_config)")
+
+REGISTRY: Registry[type] = Registry(
+    "agent", group=ENTRY_POINT_GROUP, builtins=(BUILTIN_PACKAGE,), same=_same_class, accepts=_is_agent_class,
+    valid_name=lambda name: isinstance(name, str) and bool(name) and ":" not in name,
+    register_loaded=lambda name, cls: register_agent(name)(cls), suggestions=1,
+    messages=Messages(
+        bad_name="agent name {name!r} must be a non-empty str without ':'",
+        taken="agent name {name!r} is taken by {old}; register {new} under another name",
+        unknown="agent={name!r}: must be one of {names}, or path/to/file.py:Class for an agent of your own{hint}",
+        no_file="agent={spec!r}: no such file {path}", no_name=_NO_CLASS))
+"""The agents' :class:`textrl.registry.Registry`."""
+
+AGENTS: dict[str, type] = REGISTRY.entries
 """Registered name -> agent class (the built-ins, :func:`register_agent` calls, loaded entry points)."""
 _FROM_SPECS: dict[str, type] = {}
 
@@ -43,30 +64,16 @@ def register_agent(name: str) -> Callable[[type], type]:
     """
 
     def register(cls: type) -> type:
-        taken = AGENTS.get(name)
-        if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise ValueError(f"agent name {name!r} is taken by {taken.__module__}.{taken.__qualname__}; "
-                             f"register {cls.__qualname__} under another name")
+        REGISTRY.register(name, cls)
         cls.name = name
-        AGENTS[name] = cls
         return cls
 
     return register
 
 
-def _entry_points() -> dict[str, Any]:
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-
-
-def _load_builtins() -> None:
-    if BUILTIN_PACKAGE not in sys.modules:
-        importlib.import_module(BUILTIN_PACKAGE)
-
-
 def agent_names() -> list[str]:
     """Every agent name ``--agent`` accepts, sorted: registered classes and entry points."""
-    _load_builtins()
-    return sorted(set(AGENTS) | set(_entry_points()))
+    return REGISTRY.names()
 
 
 def is_spec(name: str) -> bool:
@@ -87,7 +94,8 @@ def absolute_spec(spec: str) -> str:
 def agent_class(spec: str) -> type:
     """The agent class of ``spec`` (a registered name, ``file.py:Class`` or ``module:Class``).
 
-    ``ValueError`` naming ``agent``, the spec and what is accepted when it resolves to nothing.
+    ``ValueError`` naming ``agent``, the spec and what is accepted (and the closest name) when it
+    resolves to nothing.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"agent={spec!r}: must be one of {', '.join(agent_names())}, or path/to/file.py:Class")
@@ -95,35 +103,22 @@ def agent_class(spec: str) -> type:
         if spec not in _FROM_SPECS:
             _FROM_SPECS[spec] = _load_spec(spec)
         return _FROM_SPECS[spec]
-    _load_builtins()
-    if spec not in AGENTS:
-        found = _entry_points().get(spec)
-        if found is None:
-            raise ValueError(f"agent={spec!r}: must be one of {', '.join(agent_names())}, "
-                             "or path/to/file.py:Class for an agent of your own")
-        cls = found.load()
-        register_agent(spec)(cls)
-    return AGENTS[spec]
+    return REGISTRY.lookup(spec)
 
 
 def _load_spec(spec: str) -> type:
     """Import ``Class`` of ``file.py:Class`` (the file as a module of its own) or ``module:Class``."""
+    if REGISTRY.file_spec(spec) is not None:
+        return REGISTRY.load_file(spec)
     where, _, attr = spec.rpartition(":")
-    if where.endswith(".py"):
-        path = Path(where).expanduser().resolve()
-        if not path.is_file():
-            raise ValueError(f"agent={spec!r}: no such file {path}")
-        module = import_file(path, "agent")
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as err:
-            raise ValueError(f"agent={spec!r}: cannot import {where!r} ({err})") from err
+    try:
+        module = importlib.import_module(where)
+    except ImportError as err:
+        raise ValueError(f"agent={spec!r}: cannot import {where!r} ({err})") from err
     cls = getattr(module, attr, None)
-    if not isinstance(cls, type) or not hasattr(cls, "from_config") or not hasattr(cls, "validate_config"):
-        raise ValueError(f"agent={spec!r}: {where} has no agent class {attr!r} (a subclass of "
-                         "textrl.agents.PPOAgent, with from_config and validate_config)")
+    if not _is_agent_class(cls):
+        raise ValueError(_NO_CLASS.format(spec=spec, where=where, attr=attr))
     return cls
 
 
-__all__ = ["AGENTS", "ENTRY_POINT_GROUP", "absolute_spec", "agent_class", "agent_names", "is_spec", "register_agent"]
+__all__ = ["AGENTS", "ENTRY_POINT_GROUP", "REGISTRY", "absolute_spec", "agent_class", "agent_names", "is_spec", "register_agent"]

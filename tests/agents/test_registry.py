@@ -11,10 +11,10 @@ from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
-from textrl.agents import AGENTS, GRPO, GroupPPO, PPOAgent, agent_class, agent_names, register_agent
 
 from tests.agents.conftest import collect, make_config
-from textrl import agent_registry
+from textrl import registry
+from textrl.agents import AGENTS, GRPO, GroupPPO, PPOAgent, agent_class, agent_names, register_agent
 from textrl.config import AGENT_OPTIONS, TrainConfig
 from textrl.models import build_tiny_causal_lm
 
@@ -128,7 +128,7 @@ def test_a_name_registered_twice_for_another_class_is_refused(registered):
 
 def test_an_entry_point_agent_is_found_by_name(monkeypatch, registered):
     point = EntryPoint(name="ep_mean", value="tests.agents.test_registry:MeanBaseline", group="textrl.agents")
-    monkeypatch.setattr(agent_registry, "entry_points", lambda group: [point] if group == "textrl.agents" else [])
+    monkeypatch.setattr(registry, "entry_points", lambda group: [point] if group == "textrl.agents" else [])
     assert "ep_mean" in agent_names()
     try:
         assert agent_class("ep_mean") is MeanBaseline

@@ -12,29 +12,48 @@
 
 Every registered id is also a Gymnasium id, ``textrl/<Id>-v0`` (``gym.make`` builds the token MDP
 of that environment, :class:`textrl.envs.TokenMDPEnv`); registration extends this table, nobody
-edits a list.
+edits a list. The table is a :class:`textrl.registry.Registry` (:data:`REGISTRY`): another package
+adds ids through the entry-point group ``textrl.envs`` (``[project.entry-points."textrl.envs"]``
+in its ``pyproject.toml``: ``my_game = "my_package.games:MyGame"``), loaded when the id is first
+asked for.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
 import inspect
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 from textrl.envs.environment import Environment
-from textrl.user_files import import_file
+from textrl.registry import Messages, Registry
 
-ENVS: dict[str, Callable[..., Environment]] = {}
+
+def _env_classes(module: Any) -> str:
+    """``; its environments: A, B`` of a user's file (its Environment subclasses), "" without."""
+    found = [n for n, v in vars(module).items() if inspect.isclass(v) and issubclass(v, Environment)
+             and v is not Environment and v.__module__ == module.__name__]
+    return f"; its environments: {', '.join(found)}" if found else ""
+
+
+REGISTRY: Registry[Callable[..., Environment]] = Registry(
+    "env", noun="environment", group="textrl.envs", builtins=("textrl.envs.builtin", "textrl.envs.adapters"),
+    valid_name=lambda env_id: isinstance(env_id, str) and bool(env_id) and not {":", ",", "/"} & set(env_id),
+    same=lambda old, new: False, candidates=_env_classes,
+    register_loaded=lambda env_id, obj: register_env(env_id)(obj),
+    messages=Messages(
+        bad_name="environment id {name!r} must be a non-empty str without ':', ',' or '/'",
+        taken="an environment with id {name!r} is already registered; pick another id or pass overwrite=True",
+        unknown="unknown environment {name!r}{hint}; registered: {names}",
+        no_file="--env {spec!r}: no file {file!r}; give PATH.py:ClassName of an existing file",
+        no_name="--env {spec!r}: {file!r} defines no {attr!r}{found}"))
+"""The environments' :class:`textrl.registry.Registry` (entry-point group ``textrl.envs``)."""
+
+ENVS: dict[str, Callable[..., Environment]] = REGISTRY.entries
 """Registered id -> constructor (a class or a function) of the environment."""
 
 ENV_LOADERS: dict[str, Callable[..., Environment]] = {}
 """Scheme -> loader: ``make_env("scheme:arg", **kw)`` returns ``ENV_LOADERS[scheme](arg, **kw)``."""
-
-_ADAPTER_MODULES = ("textrl.envs.builtin", "textrl.envs.adapters")
-"""Modules imported on the first lookup that misses, so their schemes and ids register lazily."""
 
 T = TypeVar("T")
 
@@ -43,16 +62,12 @@ def register_env(env_id: str, *, overwrite: bool = False) -> Callable[[T], T]:
     """Decorator: make ``make_env(env_id)`` (and ``textrl train --env env_id``) build the decorated
     class or function. Ids are lower-case words with ``_``, ``-`` or ``.``; ``:`` is reserved for
     schemes and files."""
-    if not isinstance(env_id, str) or not env_id or ":" in env_id or "," in env_id or "/" in env_id:
-        raise ValueError(f"environment id {env_id!r} must be a non-empty str without ':', ',' or '/'")
+    REGISTRY.check_name(env_id)
 
     def register(obj: T) -> T:
-        if env_id in ENVS and not overwrite:
-            raise ValueError(f"an environment with id {env_id!r} is already registered; pick another id "
-                             "or pass overwrite=True")
-        if not callable(obj):
+        if not callable(obj) and (overwrite or env_id not in ENVS):
             raise ValueError(f"register_env({env_id!r}) decorates a class or function, got {obj!r}")
-        ENVS[env_id] = obj  # type: ignore[assignment]
+        REGISTRY.register(env_id, obj, replace=overwrite)  # a taken id without overwrite: ValueError
         _register_gym_id(env_id)
         return obj
 
@@ -90,36 +105,13 @@ def _register_gym_id(env_id: str) -> None:
                      additional_wrappers=(cap,))
 
 
-def _load_builtins() -> None:
-    import importlib
-
-    for module in _ADAPTER_MODULES:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as error:  # the adapters module itself missing is a bug
-            if error.name == module:
-                raise
-
-
 def env_ids() -> list[str]:
-    """The registered ids, sorted."""
-    _load_builtins()
-    return sorted(ENVS)
+    """The registered ids (and ``textrl.envs`` entry points), sorted."""
+    return REGISTRY.names()
 
 
 def _from_file(spec: str, settings: dict[str, Any]) -> Environment:
-    path, _, name = spec.rpartition(":")
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ValueError(f"--env {spec!r}: no file {str(file)!r}; give PATH.py:ClassName of an existing file")
-    module = import_file(file, "env")
-    obj = getattr(module, name, None)
-    if obj is None:
-        found = [n for n, v in vars(module).items() if inspect.isclass(v) and issubclass(v, Environment)
-                 and v is not Environment and v.__module__ == module.__name__]
-        raise ValueError(f"--env {spec!r}: {str(file)!r} defines no {name!r}"
-                         + (f"; its environments: {', '.join(found)}" if found else ""))
-    return _build(obj, settings, spec)
+    return _build(REGISTRY.load_file(spec), settings, spec)
 
 
 def _build(factory: Callable[..., Any], settings: dict[str, Any], label: str) -> Environment:
@@ -169,21 +161,16 @@ def make_env(spec: str | Environment, **settings: Any) -> Environment:
         raise ValueError(f"--env {spec!r}: give a registered id (textrl envs lists them), "
                          "PATH.py:ClassName, or an Environment")
     spec = spec.strip()
-    if spec not in ENVS:
-        _load_builtins()
-    if spec in ENVS:
-        return _build(ENVS[spec], settings, spec)
+    factory = REGISTRY.find(spec)
+    if factory is not None:
+        return _build(factory, settings, spec)
     scheme, sep, arg = spec.partition(":")
-    if sep and (spec.rpartition(":")[0].endswith(".py")):
+    if REGISTRY.file_spec(spec) is not None:
         return _from_file(spec, settings)
     if sep and scheme in ENV_LOADERS:
         return _build(lambda **kw: ENV_LOADERS[scheme](arg, **kw), settings, spec)
-    known = sorted(ENVS)
-    close = difflib.get_close_matches(spec, known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
     schemes = ", ".join(f"{s}:NAME" for s in sorted(ENV_LOADERS))
-    raise ValueError(f"unknown environment {spec!r}{hint}; registered: {', '.join(known)}"
-                     + (f"; adapters: {schemes}" if schemes else "") + "; or PATH.py:ClassName")
+    raise ValueError(REGISTRY.unknown(spec) + (f"; adapters: {schemes}" if schemes else "") + "; or PATH.py:ClassName")
 
 
 DEFAULT_ENV = "digits"
@@ -295,5 +282,5 @@ def split_rows(env: Environment, eval_size: int, seed: int) -> tuple[Any, Any]:
     return rows, held_out
 
 
-__all__ = ["DATASET_REWARD", "DEFAULT_ENV", "ENVS", "ENV_LOADERS", "env_ids", "gym_id", "make_env", "register_env", "env_settings", "parse_env_args", "register_env_loader", "split_rows",
+__all__ = ["DATASET_REWARD", "DEFAULT_ENV", "ENVS", "ENV_LOADERS", "REGISTRY", "env_ids", "gym_id", "make_env", "register_env", "env_settings", "parse_env_args", "register_env_loader", "split_rows",
            "task_environment"]

@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import importlib.machinery
@@ -29,16 +28,40 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from textrl.registry import Messages, Registry, first_line
 from textrl.rewards.base import RewardFn, check_finite_weight, reward_name
 from textrl.rewards.composite import CompositeReward
 from textrl.rewards.math_verify import math_verify_reward
 from textrl.rewards.neural import load_neural_reward
 from textrl.rewards.penalties import length_penalty, missing_eos_penalty, repetition_penalty
 from textrl.rewards.rules import accuracy_reward, tag_count_reward, think_format_reward
-from textrl.user_files import import_file
-from textrl.user_files import module_name as user_module_name
 
-REWARDS: dict[str, Callable[..., RewardFn]] = {}
+
+def _callables(module: Any) -> str:
+    """The public callables a reward file defines, as a list's repr."""
+    return repr(sorted(k for k, v in vars(module).items()
+                       if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module.__name__))
+
+
+REGISTRY: Registry[Callable[..., RewardFn]] = Registry(
+    "reward", group="textrl.rewards", same=lambda old, new: False, accepts=callable, candidates=_callables,
+    register_loaded=lambda name, fn: register_reward(name)(fn), suggestions=3, cutoff=0.5,
+    messages=Messages(
+        bad_name="reward name {name!r} must be a non-empty str without ':' or ','",
+        taken="a reward named {name!r} is already registered; pick another name or pass overwrite=True",
+        unknown="unknown reward {name!r}{hint}. Known rewards: {names}; or pass a callable, "
+                "'path/to/file.py:function_name', or register one with @register_reward(name)",
+        no_file="reward file {where!r} does not exist (looked at {path}); write path/to/file.py:function_name",
+        no_name="{attr!r} {what} in reward file {where!r}; callables defined there: {found}",
+        not_accepted="is not callable",
+        import_failed="importing reward file {where!r} failed with {error_type}: {error}",
+        import_exited="reward file {where!r} called sys.exit({code!r}) while it was imported; a reward file "
+                      "must only define functions (move the exit under `if __name__ == '__main__':`)"))
+"""The rewards' :class:`textrl.registry.Registry` (entry-point group ``textrl.rewards``: a
+``[project.entry-points."textrl.rewards"]`` entry names a reward function, registered as
+:func:`register_reward` would)."""
+
+REWARDS: dict[str, Callable[..., RewardFn]] = REGISTRY.entries
 """Registered name -> constructor: ``REWARDS[name](**settings)`` returns a reward function."""
 
 REWARD_LOADERS: dict[str, Callable[..., RewardFn]] = {}
@@ -97,23 +120,18 @@ def register_reward(
     [1.0, 0.0]
     >>> del REWARDS["shout"]
     """
-    if not isinstance(name, str) or not name or ":" in name or "," in name:
-        raise ValueError(f"reward name {name!r} must be a non-empty str without ':' or ','")
+    REGISTRY.check_name(name)
 
     def register(obj: F) -> F:
-        if name in REWARDS and not overwrite:
-            raise ValueError(
-                f"a reward named {name!r} is already registered; pick another name or pass "
-                "overwrite=True"
-            )
-        if not callable(obj):
+        if not callable(obj) and (overwrite or name not in REWARDS):
             raise ValueError(f"register_reward({name!r}) decorates a callable, got {obj!r}")
         if factory:
-            REWARDS[name] = obj
+            REGISTRY.register(name, obj, replace=overwrite)
         else:
+            REGISTRY.register(name, functools.partial(bind, obj, name), replace=overwrite,
+                              description=first_line(obj.__doc__))
             if not isinstance(getattr(obj, "name", None), str):
                 obj.name = name  # type: ignore[attr-defined]
-            REWARDS[name] = functools.partial(bind, obj, name)
         return obj
 
     return register
@@ -121,38 +139,7 @@ def register_reward(
 
 def load_reward_from_file(path: str, function_name: str) -> RewardFn:
     """The callable ``function_name`` defined in the Python file ``path``."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ValueError(
-            f"reward file {path!r} does not exist (looked at {file.resolve()}); "
-            "write path/to/file.py:function_name"
-        )
-    module_name = user_module_name(file, "reward")
-    try:
-        module = import_file(file, "reward")
-    except SystemExit as err:  # the file's own sys.exit: say so rather than end the process quietly
-        raise ValueError(
-            f"reward file {path!r} called sys.exit({err.code!r}) while it was imported; a reward file "
-            "must only define functions (move the exit under `if __name__ == '__main__':`)"
-        ) from None
-    except Exception as err:
-        raise ValueError(
-            f"importing reward file {path!r} failed with {type(err).__name__}: {err}"
-        ) from err
-    fn = getattr(module, function_name, None)
-    if not callable(fn):
-        found = sorted(
-            k
-            for k, v in vars(module).items()
-            if callable(v)
-            and not k.startswith("_")
-            and getattr(v, "__module__", None) == module_name
-        )
-        what = "is not callable" if fn is not None else "is not defined"
-        raise ValueError(
-            f"{function_name!r} {what} in reward file {path!r}; callables defined there: {found}"
-        )
-    return fn
+    return REGISTRY.load_file(path, function_name)
 
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
@@ -203,8 +190,9 @@ def get_reward(spec: str | RewardFn, **settings: Any) -> RewardFn:
     if not isinstance(spec, str):
         raise ValueError(f"get_reward takes a name, a callable or 'file.py:function', got {spec!r}")
     key = spec.strip()
-    if key in REWARDS:
-        return REWARDS[key](**settings)
+    constructor = REGISTRY.find(key)
+    if constructor is not None:
+        return constructor(**settings)
     scheme, sep, argument = key.partition(":")
     if sep and scheme in REWARD_LOADERS:
         return REWARD_LOADERS[scheme](argument, **settings)
@@ -215,13 +203,7 @@ def get_reward(spec: str | RewardFn, **settings: Any) -> RewardFn:
         raise ValueError(f"reward {key!r} is a file: name the function too, as {key}:function_name")
     if _IMPORT_PATH.match(key):
         return bind(load_reward_from_import_path(key), None, **settings)
-    known = sorted(REWARDS)
-    close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
-    hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
-    raise ValueError(
-        f"unknown reward {key!r}{hint}. Known rewards: {', '.join(known)}; or pass a callable, "
-        "'path/to/file.py:function_name', or register one with @register_reward(name)"
-    )
+    raise ValueError(REGISTRY.unknown(key))
 
 
 _EMPTY_SPEC = ("empty reward spec {spec!r} (--reward / TrainConfig(reward=...)): name at least one reward, "
@@ -299,7 +281,7 @@ def check_reward_spec(spec: str) -> None:
         scheme, sep, argument = key.partition(":")
         argument = argument.strip()
         file = key.rpartition(":")[0]
-        if key in REWARDS:
+        if key in REWARDS or key in REGISTRY.entry_points():  # an entry point is not loaded here
             continue
         if sep and scheme in REWARD_LOADERS:
             if not argument:
@@ -328,6 +310,7 @@ for _fn in (
     register_reward(_fn.name)(_fn)
 
 __all__ = [
+    "REGISTRY",
     "REWARDS",
     "REWARD_LOADERS",
     "bind",
