@@ -38,6 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from textrl.run import atomic
+
 RECORD = "bench_run.json"
 """A finished job's record in its folder: ``{"fingerprint", "wall_s", "peak_rss_mib", ...}``."""
 JOB_FILE = "bench_config.json"
@@ -107,7 +109,8 @@ def output_sizes(folder: str | Path, names: Iterable[str] | None = None) -> dict
     folder = Path(folder)
     if names is None:
         own = {RECORD, JOB_FILE, LOG_FILE, LOCK_FILE, Path(RECORD).with_suffix(".tmp").name}
-        names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name not in own)
+        names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                       if p.is_file() and p.name not in own and not atomic.is_temporary(p.name, RECORD))
     return {name: (folder / name).stat().st_size for name in names if (folder / name).is_file()}
 
 
@@ -126,10 +129,7 @@ def peak_rss_mib() -> float:
 def write_record(folder: str | Path, print_: str, **figures: Any) -> dict[str, Any]:
     """Mark a job finished: its fingerprint and ``figures``, written atomically to :data:`RECORD`."""
     record = {"fingerprint": print_, **figures}
-    path = Path(folder) / RECORD
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    atomic.write_json(Path(folder) / RECORD, record)
     return record
 
 

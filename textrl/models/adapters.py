@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from textrl.config import check_bitsandbytes
 from textrl.models.tiny import _resolve, load_causal_lm
 from textrl.precision import Precision
+from textrl.run import atomic
 
 if TYPE_CHECKING:  # peft (and through it bitsandbytes) is imported only when an adapter is used
     from peft import LoraConfig, PeftModel
@@ -276,24 +276,9 @@ def hidden_size(model: nn.Module) -> int:
 
 def write_atomically(path: Path, write: Callable[[Path], None]) -> Path:
     """Fill a temporary sibling folder with ``write(tmp)``, then rename it to ``path``: the folder
-    is complete or absent (an older one is replaced only once the new one is whole)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    aside = path.with_name(f".{path.name}.old-{os.getpid()}")
-    try:
-        write(tmp)
-        if path.exists():
-            os.replace(path, aside)  # a non-empty folder cannot be replaced in one rename
-        try:
-            os.replace(tmp, path)
-        except OSError:
-            if aside.exists():
-                os.replace(aside, path)
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(aside, ignore_errors=True)
-    return path
+    is complete or absent (an older one is replaced only once the new one is whole;
+    :func:`textrl.run.atomic.write_folder`)."""
+    return atomic.write_folder(path, write)
 
 
 def save_adapter(model: PeftModel, adapter_name: str, path: str | os.PathLike[str]) -> None:

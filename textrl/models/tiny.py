@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -48,6 +47,7 @@ from transformers import (
 
 from textrl.models.sources import Files, check_model_folder, resolve_hub_id
 from textrl.precision import set_attn_implementation
+from textrl.run import atomic
 
 TinyKind = Literal["causal_lm", "reward_model", "gpt2"]
 
@@ -322,27 +322,23 @@ def tiny_model_path(
     if _distributed_rank() > 0:  # transformers' save_pretrained writes only on rank 0: it builds
         return _wait_for_marker(final)
 
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-    try:
+    def write(tmp: Path) -> None:
         tokenizer = build_tiny_tokenizer()
         model = _BUILDERS[kind](tokenizer, seed=seed, **sizes)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if not (tmp / "config.json").is_file():
             raise RuntimeError(f"save_pretrained wrote no config.json into {tmp}; cannot cache the tiny model")
-        key |= {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
-        (tmp / COMPLETE_MARKER).write_text(json.dumps(key, indent=2) + "\n")
+        marker = key | {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+        (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         if final.exists() and not _is_complete(final):
             _discard(final)  # half-written, or written by an older version without the model files
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            if not _is_complete(final):  # not a lost race: a real failure
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    try:
+        atomic.write_folder(final, write, replace=False)  # a complete folder of another process stays
+    except OSError:
+        if not _is_complete(final):  # not a lost race: a real failure
+            raise
     return final
 
 

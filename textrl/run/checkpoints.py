@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from textrl.distributed import Distributed
+from textrl.run import atomic
 from textrl.run.rng import rng_state, set_rng_state
 
 CHECKPOINT_MARKER = "manifest.json"
@@ -132,24 +133,18 @@ def save_checkpoint(
     for stale in root.glob(".tmp_iter_*"):  # left by a killed run; only the main process saves
         shutil.rmtree(stale, ignore_errors=True)
     final = root / f"iter_{iteration:06d}"
-    tmp = root / f".tmp_iter_{iteration:06d}_{os.getpid()}"
-    try:
-        tmp.mkdir()
+
+    def write(tmp: Path) -> None:
         for name, text in (files or {}).items():
             (tmp / name).write_text(text)
         _write_checkpoint(tmp, iteration, agent, sampler, rng_per_process, agent_state)
-        if final.exists():  # this iteration saved before (e.g. by an earlier run into this folder)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync(root)
+
+    try:  # the temporary folder is removed on any error; a save of this iteration is replaced
+        atomic.write_folder(final, write, tmp=root / f".tmp_iter_{iteration:06d}_{os.getpid()}")
     except (OSError, *LIBRARY_WRITE_ERRORS) as err:  # a full disk, whichever library was writing
-        shutil.rmtree(tmp, ignore_errors=True)
         if not _is_write_error(err):
             raise
         raise _save_failed(err, final) from err
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for old in complete_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

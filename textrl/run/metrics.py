@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import time
 import warnings
 from pathlib import Path
 from typing import Any
+
+from textrl.run import atomic
 
 
 def rows_up_to(path: Path, iteration: int) -> list[dict[str, Any]]:
@@ -61,12 +62,7 @@ def append_line(path: Path, text: str, what: str) -> None:
 def rewrite_rows(path: Path, rows: list[dict[str, Any]]) -> None:
     """Replace ``path`` by ``rows`` (one JSON object a line) atomically: a crash leaves the old
     file or the new one, never a half-written one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write("".join(json.dumps(row) + "\n" for row in rows))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic.write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def wait_past_event_files(tb_dir: Path) -> None:
