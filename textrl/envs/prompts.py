@@ -22,8 +22,8 @@ them (keeping the last few thousand), so start-up costs about one read of the fi
 :func:`check_prompts_fit` (``textrl train`` does) to refuse a too-long or empty prompt before
 training; the sampler refuses it, with the same message, when it first draws it.
 
-The parts live in their own modules; this one gathers them (import from here or from
-:mod:`textrl.envs`):
+The parts live in their own modules; this one gathers their public names, so import them from
+here (the most used are also in :mod:`textrl.envs`):
 
 * :mod:`textrl.envs.row_stores`: a row checked and brought to its shape; the stores that hold
   rows (dicts, or a JSONL file's bytes) and hash them.
