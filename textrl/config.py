@@ -228,13 +228,13 @@ class TrainConfig:
     kl_early_stop: str = "none"
     """Stop an iteration's updates when mean KL exceeds: none | target (1.5x) | beta_target (2x)."""
     reward_placement: str = "last"
-    """Task score on the last valid token ('last') or spread as r/T ('uniform', seed 000)."""
+    """Task score on the last valid token ('last') or spread as r/T ('uniform')."""
     ratio_threshold: float = 10.0
     """Zero a minibatch's policy loss when its mean ratio exceeds this (MA-RLHF; 0 = off)."""
     kl_after_update: bool = False
     """Log kl/after_update: KL(policy || ref) on the rollout re-evaluated after the update (one more policy forward per iteration)."""
     ref_refresh_every: int = 0
-    """Copy the policy into the reference every N iterations (seed 000; 0 = never)."""
+    """Copy the policy into the reference every N iterations (0 = never)."""
     old_policy_refresh_every: int = 1
     """one_step_ppo: refresh the old-policy snapshot every N iterations (MiniMind)."""
     actor_lr: float = 3e-4

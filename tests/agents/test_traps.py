@@ -1,4 +1,4 @@
-"""PPO-for-LM correctness traps and numerical faults, each with a test (issue 7).
+"""PPO-for-LM correctness traps and numerical faults, each with a test (docs/reliability.md, "PPO correctness traps").
 
 Covered elsewhere and not repeated here: ratio exactly 1 and clip fraction 0 on the first
 minibatch, and bit-identical parameters with learning rate 0 (``test_agents.py``); gradient
@@ -16,14 +16,14 @@ import math
 
 import pytest
 import torch
-from textrl.envs import rollout_from_responses
-from textrl.rewards import NeuralReward
 
 from tests.agents.conftest import PROMPTS, collect, make_agent
 from tests.rewards.test_neural import char_tokenizer
+from textrl.envs import rollout_from_responses
 from textrl.functional import clipped_policy_loss, grpo_advantage, rloo_advantage
 from textrl.keys import KEYS
 from textrl.models import ValueModel, build_tiny_causal_lm, build_tiny_gpt2, build_tiny_reward_model
+from textrl.rewards import NeuralReward
 
 NAMES = ["gae_ppo", "one_step_ppo"]
 

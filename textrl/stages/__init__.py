@@ -11,5 +11,4 @@ on use, so that importing this package stays cheap.
 
 from __future__ import annotations
 
-__all__ = ["common", "data", "dpo", "merge", "pipeline", "policy", "preferences", "rm", "sft", "stage_config",
-           "synthetic"]
+__all__ = ["common", "data", "dpo", "merge", "pipeline", "policy", "preferences", "rm", "sft", "stage_config"]
