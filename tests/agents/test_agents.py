@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict
-from textrl.agents import AGENTS, GAEPPO, OneStepPPO, make_agent
-from textrl.agents.base import SCORE
 
 from tests.agents.conftest import collect, make_config, record_loss_stats
 from tests.agents.conftest import make_agent as build
+from textrl.agents import AGENTS, GAEPPO, OneStepPPO, make_agent
+from textrl.agents.base import SCORE
+from textrl.agents.update import total_loss
 from textrl.checks import check_rollout
 from textrl.config import TrainConfig
 from textrl.keys import KEYS
@@ -121,7 +122,8 @@ def test_gae_ppo_loss_matches_hand_computation(tok):
     with torch.no_grad():
         agent.critic.value_head.bias.fill_(0.25)
     mb = two_token_batch(tok)
-    loss, stats = agent.loss(mb)
+    terms, stats = agent.loss(mb)
+    loss = total_loss(terms)
     with torch.no_grad():
         logp, entropy = agent._forward_policy(mb)
         v = agent._forward_values(mb)[0]
@@ -144,7 +146,8 @@ def test_one_step_ppo_loss_matches_hand_computation(tok):
     with torch.no_grad():
         agent.critic.value_head.bias.fill_(0.25)
     mb = two_token_batch(tok)
-    loss, stats = agent.loss(mb)
+    terms, stats = agent.loss(mb)
+    loss = total_loss(terms)
     with torch.no_grad():
         logp, _ = agent._forward_policy(mb)
     lp, old, ref = logp[0], mb[KEYS.action_log_prob][0], mb[KEYS.ref_log_prob][0]

@@ -6,9 +6,10 @@ import math
 
 import pytest
 import torch
-from textrl.agents.base import SCORE
 
 from tests.agents.conftest import collect, make_agent
+from textrl.agents.base import SCORE
+from textrl.agents.update import total_loss
 from textrl.keys import KEYS
 
 
@@ -23,7 +24,8 @@ def test_constant_reward_group_gives_zero_advantages_and_a_finite_loss(tok, name
     td = collect(agent, tok, reward_fn=constant_reward)
     adv = td.get(KEYS.advantage).squeeze(-1)
     assert torch.equal(adv, torch.zeros_like(adv))
-    loss, stats = agent.loss(td)
+    terms, stats = agent.loss(td)
+    loss = total_loss(terms)
     assert math.isfinite(loss.item()) and loss.item() == 0.0
     assert stats["ratio/mean"].item() == 1.0
 

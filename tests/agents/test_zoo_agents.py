@@ -5,19 +5,21 @@ of the micro-batch split, every agent on every registered environment, option va
 from __future__ import annotations
 
 import math
+import unittest.mock
 
 import pytest
 import torch
+
+from tests.agents.conftest import make_agent, target_reward
 from textrl.agents import AGENTS, agent_names
 from textrl.agents.base import SCORE, UpdateTally
+from textrl.agents.update import run_epochs
+from textrl.config import TrainConfig
 from textrl.envs import env_ids, rollout_from_responses
 from textrl.envs.collector import EpisodeRunner
 from textrl.envs.episodes import default_episode_tokens
 from textrl.envs.prompts import PromptSampler
 from textrl.envs.registry import split_rows, task_environment
-
-from tests.agents.conftest import make_agent, target_reward
-from textrl.config import TrainConfig
 from textrl.functional import (
     dr_grpo_advantage,
     dynamic_sampling_keep,
@@ -217,7 +219,8 @@ def minibatch_gradient(tok, name: str, steps: int, overrides: dict) -> dict[str,
     td = agent.process_rollout(hand_rollout(tok, uneven_responses(tok.eos_token_id)))
     _perturb(agent.policy, seed=4, scale=0.02)  # ratios != 1 once the behaviour log-probs are stored
     agent.backend.step = lambda agent: {}  # record, do not step
-    agent._minibatch_step(td, torch.arange(6), None, UpdateTally())
+    with unittest.mock.patch("torch.randperm", lambda n, device=None: torch.arange(n, device=device)):
+        run_epochs(agent, td, None, UpdateTally())  # one epoch, one minibatch: rows 0..5 in order
     return {n: p.grad.clone() for n, p in agent.named_parameters() if p.grad is not None}
 
 

@@ -24,38 +24,31 @@ import copy
 import inspect
 import math
 import warnings
-from collections import defaultdict
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor, nn
 
+from textrl.agents import forwards
+from textrl.agents import update as update_loop
+from textrl.agents.forwards import (
+    RolloutForward,
+    attended_response,
+    position_ids_for,
+    sequence_inputs,
+    warp_logits,
+)
+from textrl.agents.update import LossTerms, UpdateTally, total_loss
 from textrl.config import AGENT_OPTIONS, TrainConfig
 from textrl.distributed import Distributed
-from textrl.functional import (
-    aggregate_loss,
-    clipped_policy_loss,
-    entropy_from_logits,
-    kl_penalty,
-    kl_shaped_rewards,
-    logprobs_from_logits,
-    masked_mean,
-    masked_sum,
-    next_valid,
-)
-from textrl.functional.ppo import explained_variance
+from textrl.functional import aggregate_loss, clipped_policy_loss, kl_penalty, kl_shaped_rewards
 from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
 from textrl.models.checks import check_tokenizer_fits, name_of
-from textrl.models.forward import positions_from_mask, response_logits
-from textrl.models.sampling import neutralised_notice, sample, sampling_config
+from textrl.models.sampling import neutralised_notice
 from textrl.parallel import Backend, SingleProcess
 from textrl.precision import Precision
-from textrl.parallel.fsdp_sharding import local
-from textrl.timing import timed
 
 SCORE = KEYS.score
 """Key of the task score per row ``[B]`` (float), before any KL shaping."""
@@ -106,74 +99,6 @@ def tokenizer_name(config: TrainConfig) -> str:
     if config.tokenizer is None:
         return policy_name(config)
     return config.tokenizer if isinstance(config.tokenizer, str) else name_of(config.tokenizer)
-
-
-position_ids_for = positions_from_mask
-"""Positions that skip left padding: ``cumsum(mask) - 1`` clamped at 0, ``[B, L] -> [B, L]``
-(:func:`textrl.models.forward.positions_from_mask`)."""
-
-
-def attended_response(td: TensorDictBase) -> Tensor:
-    """The response tokens a forward attends to, bool ``[B, T]``: ``KEYS.response_mask`` (every
-    token of the episode, the environment's observations included), else ``KEYS.mask`` (a
-    single-turn rollout, where the two are equal)."""
-    response = td.get(KEYS.response_mask, None)
-    return td.get(KEYS.mask) if response is None else response
-
-
-def sequence_inputs(td: TensorDictBase) -> tuple[Tensor, Tensor, int]:
-    """``(input_ids [B, P+T], attention_mask [B, P+T], P)`` of prompt + response.
-
-    The attention mask covers the prompt and :func:`attended_response`: in a multi-turn episode the
-    agent's later tokens attend to the observations before them (docs/design.md, "Multi-turn
-    episodes"); losses and counts still use the agent mask ``KEYS.mask``.
-    """
-    prompt = td.get(KEYS.prompt_tokens)
-    input_ids = torch.cat([prompt, td.get(KEYS.action)], dim=1)
-    attention_mask = torch.cat([td.get(KEYS.prompt_mask), attended_response(td)], dim=1)
-    return input_ids, attention_mask, prompt.shape[1]
-
-
-def warp_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
-    """The sampling distribution's logits: temperature, then top-k, then top-p (as HF generate).
-
-    ``[..., V] -> [..., V]``. Filtered entries become ``-inf``; with top_k=0 and top_p=1 only the
-    temperature is applied (and that is left to :func:`logprobs_from_logits` to avoid a copy).
-    """
-    if top_k <= 0 and top_p >= 1.0:
-        return logits
-    logits = logits.float() / temperature
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        remove_sorted = cum <= (1 - top_p)
-        remove_sorted[..., -1:] = False
-        remove = remove_sorted.scatter(-1, order, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
-    return logits
-
-
-@dataclass
-class RolloutForward:
-    """The policy (and critic) forward of :meth:`PPOAgent.evaluate`, kept with its graph.
-
-    ``logp``, ``entropy``, ``values`` ``[B, T]`` with grad; ``stored`` the detached log-probs
-    written into the rollout (identifies it); ``version`` the weights' versions at the forward.
-    """
-
-    logp: Tensor
-    entropy: Tensor
-    values: Tensor | None
-    stored: Tensor
-    version: tuple[tuple[int, int], ...]
-
-    def rows(self, idx: Tensor) -> RolloutForward:
-        """The same forward for rows ``idx`` (a minibatch), graph kept."""
-        values = self.values[idx] if self.values is not None else None
-        return RolloutForward(self.logp[idx], self.entropy[idx], values, self.stored[idx], self.version)
 
 
 class PPOAgent(nn.Module):
@@ -608,89 +533,26 @@ class PPOAgent(nn.Module):
             cached = self.__dict__["_precision"] = Precision.of(self.config, device)
         return cached
 
-    def _micro_batches(self, n: int, size: int) -> Iterator[slice]:
-        for start in range(0, n, size):
-            yield slice(start, min(n, start + size))
-
-    # -- 1. acting --------------------------------------------------------------------------------
-    @torch.no_grad()
+    # -- acting and forwards (textrl/agents/forwards.py) ---------------------------------------
     def act(self, input_ids: Tensor, attention_mask: Tensor, *, greedy: bool = False) -> Tensor:
         """Sample responses ``[B, T]`` (T <= max_new_tokens) for left-padded prompts ``[B, P]``.
 
         Rows that end early are padded with ``pad_token_id`` after their EOS; generation stops
         when every row has emitted EOS or after ``max_new_tokens``. The sampler applies exactly
-        the processors :meth:`logprobs` computes (:meth:`rollout_generation_config`); nothing of the
-        model's own ``generation_config`` (:func:`textrl.models.sampling.sample`).
+        the processors :meth:`logprobs` computes (:func:`~textrl.agents.forwards.rollout_generation_config`);
+        nothing of the model's own ``generation_config`` (:func:`textrl.models.sampling.sample`).
         """
-        cfg = self.config
-        generation_config = self.rollout_generation_config(greedy=greedy)
-        extra = {"synced_gpus": True} if self.backend.partitions_weights else {}  # each forward is a collective
-        outs = []
-        for sl in self._micro_batches(input_ids.shape[0], cfg.generation_batch_size):
-            ids = input_ids[sl].to(self.device)
-            mask = attention_mask[sl].to(self.device)
-            with self.precision.autocast(), self.backend.gathered(self.policy):
-                try:
-                    out = sample(self.policy, ids, mask.long(), generation_config, **extra)
-                except RuntimeError as err:
-                    if "probability tensor contains" not in str(err):
-                        raise
-                    raise self._overflowed() from err
-            outs.append(out[:, ids.shape[1] :])
-        width = max(o.shape[1] for o in outs)
-        return torch.cat(
-            [nn.functional.pad(o, (0, width - o.shape[1]), value=self.pad_token_id) for o in outs], dim=0
-        )
+        return forwards.act(self, input_ids, attention_mask, greedy=greedy)
 
-    def rollout_generation_config(self, *, greedy: bool = False) -> Any:
-        """The whole ``GenerationConfig`` of :meth:`act`: greedy, or sampling at the config's
-        temperature, top-k and top-p (the warping :meth:`logprobs` applies), one beam, the
-        length cap, the tokenizer's EOS / pad ids (:func:`textrl.models.sampling.sampling_config`)."""
-        cfg = self.config
-        return sampling_config(greedy=greedy, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                               max_new_tokens=cfg.max_new_tokens, eos_token_id=self.eos_token_id,
-                               pad_token_id=self.pad_token_id)
-
-    def _overflowed(self) -> ValueError:
-        """Sampling met NaN/inf probabilities: the weights are finite (checked after every update)
-        but so large that the forward overflows. A ``ValueError`` naming the largest weight and
-        the learning rate, for a one-line stop (the checkpoints on disk are intact)."""
-        largest = max((float(p.detach().abs().max()) for p in self.policy.parameters() if p.numel()), default=0.0)
-        return ValueError(
-            f"generation drew from NaN/inf probabilities: the policy's forward overflows (its largest weight "
-            f"is {largest:.3g}, actor_lr={self.config.actor_lr:g}); lower --actor-lr (or set --max-grad-norm), "
-            "then resume from a checkpoint taken before the weights grew (--resume takes the newest)")
-
-    # -- 2. evaluating ----------------------------------------------------------------------------
     def _response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
-        """Logits that predict each response token: ``[B, T, V]``, under the run's precision.
-
-        :func:`textrl.models.forward.response_logits`: the LM head runs on the response columns
-        only, and no attention row is fully masked (left-padded prompts are left-aligned first).
-        """
-        with self.precision.autocast():
-            return response_logits(model, input_ids, attention_mask, prompt_len)
-
-    def _values(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
-        """V(s_t) for each response position: ``[B, T]`` (state = prompt + tokens before t)."""
-        with self.precision.autocast():
-            values = self.critic(input_ids=input_ids, attention_mask=attention_mask.long())
-        return values[:, prompt_len - 1 : -1].float()
-
-    def _logprobs_and_logits(self, logits: Tensor, action: Tensor) -> Tensor:
-        """Log-probs ``[B, T]`` of ``action`` under the sampling distribution (temperature, top-k, top-p)."""
-        cfg = self.config
-        warped = warp_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
-        # warp_logits already divided by the temperature when it filtered; otherwise do it here.
-        temperature = cfg.temperature if warped is logits else 1.0
-        return logprobs_from_logits(warped, action, temperature=temperature)
+        """Logits that predict each response token, ``[B, T, V]``, under the run's precision
+        (:func:`~textrl.agents.forwards.precise_response_logits`)."""
+        return forwards.precise_response_logits(self, model, input_ids, attention_mask, prompt_len)
 
     def logprobs(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
         """Log-probs of the response tokens under the sampling distribution of ``model``: ``[B, T]``."""
-        logits = self._response_logits(model, input_ids, attention_mask, prompt_len)
-        return self._logprobs_and_logits(logits, action)
+        return forwards.logprobs(self, model, input_ids, attention_mask, prompt_len, action)
 
-    @torch.no_grad()
     def evaluate(self, td: TensorDictBase, *, keep_graph: bool = False) -> TensorDict:
         """Recompute ``action_log_prob``, ``ref_log_prob`` (when the agent keeps a reference) and
         ``state_value`` (with a critic) for a rollout.
@@ -700,46 +562,7 @@ class PPOAgent(nn.Module):
         With ``keep_graph`` the policy and critic forwards run with grad and their graphs are
         kept (:class:`RolloutForward`) for the one optimiser step of :meth:`update` to reuse.
         """
-        cfg = self.config
-        input_ids, attention_mask, p = sequence_inputs(td)
-        action = td.get(KEYS.action)
-        out = defaultdict(list)
-        for sl in self._micro_batches(input_ids.shape[0], cfg.forward_batch_size):
-            args = (input_ids[sl], attention_mask[sl], p)
-            if keep_graph:
-                with torch.enable_grad():
-                    logp, entropy = self._logprobs_and_entropy(*args, action[sl])
-                    out["graph_logp"].append(logp)
-                    out["graph_entropy"].append(entropy)
-                    out["logp"].append(logp.detach())
-                    if self.critic is not None:
-                        out["graph_value"].append(self._values(*args))
-                        out["value"].append(out["graph_value"][-1].detach())
-            else:
-                out["logp"].append(self.behaviour_logprobs(*args, action[sl]))
-                if self.critic is not None:
-                    out["value"].append(self._values(*args))
-            if self.ref_policy is not None:
-                out["ref"].append(self.logprobs(self.ref_policy, *args, action[sl]))
-        logp = torch.cat(out["logp"])
-        result = TensorDict({KEYS.action_log_prob: logp}, batch_size=td.batch_size)
-        if self.ref_policy is not None:
-            result.set(KEYS.ref_log_prob, torch.cat(out["ref"]))
-        if self.critic is not None:
-            result.set(KEYS.state_value, torch.cat(out["value"]).unsqueeze(-1))
-        if type(self).behaviour_logprobs is PPOAgent.behaviour_logprobs:  # the policy's own log-probs
-            self._policy_logp = (logp, logp._version, self._policy_version())
-        self._rollout_forward = None
-        if keep_graph:
-            with torch.enable_grad():  # a concatenation under no_grad would cut the graph
-                self._rollout_forward = RolloutForward(
-                    logp=torch.cat(out["graph_logp"]),
-                    entropy=torch.cat(out["graph_entropy"]),
-                    values=torch.cat(out["graph_value"]) if self.critic is not None else None,
-                    stored=logp,
-                    version=self._weights_version(),
-                )
-        return result
+        return forwards.evaluate(self, td, keep_graph=keep_graph)
 
     def reuses_rollout_forward(self) -> bool:
         """Whether :meth:`update` is one optimiser step over the whole rollout from the behaviour
@@ -751,40 +574,24 @@ class PPOAgent(nn.Module):
         each fewer per iteration; the graph is held from the prefill to the step, as the step's
         own forward would hold it). ``reuse_rollout_forward = False`` on an agent turns it off.
         """
-        cfg = self.config
-        return (
-            self.reuse_rollout_forward
-            and cfg.ppo_epochs == 1
-            and cfg.num_minibatches == 1
-            and cfg.gradient_accumulation_steps == 1
-            and type(self).behaviour_logprobs is PPOAgent.behaviour_logprobs
-        )
-
-    def _take_rollout_forward(self, td: TensorDictBase) -> RolloutForward | None:
-        """The kept forward of :meth:`evaluate` if it belongs to ``td`` and no weight changed since."""
-        kept, self._rollout_forward = self._rollout_forward, None
-        if kept is None or not self.reuses_rollout_forward():
-            return None
-        logp = td.get(KEYS.action_log_prob, None)
-        if logp is not kept.stored or kept.version != self._weights_version():
-            return None
-        return kept
-
-    def _weights_version(self) -> tuple[tuple[int, int], ...]:
-        """:meth:`_policy_version` of the policy and the critic together."""
-        critic = () if self.critic is None else tuple((q.data_ptr(), q._version) for q in map(local, self.critic.parameters()))
-        return self._policy_version() + critic
-
-    def _policy_version(self) -> tuple[tuple[int, int], ...]:
-        """Changes whenever a policy weight is replaced or modified in place (optimiser step, load)."""
-        return tuple((q.data_ptr(), q._version) for q in map(local, self.policy.parameters()))
+        return forwards.reuses_rollout_forward(self)
 
     def behaviour_logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
         """Log-probs the ratio's denominator uses; the policy itself unless a snapshot is kept."""
         return self.logprobs(self.policy, input_ids, attention_mask, prompt_len, action)
 
-    # -- 3. advantages --------------------------------------------------------------------------
-    @torch.no_grad()
+    behaviour_logprobs.policy_own = True  # an override is an old-policy snapshot (forwards.own_behaviour_logprobs)
+
+    def _forward_policy(self, mb: TensorDictBase) -> tuple[Tensor, Tensor]:
+        """Current ``(logp [B, T], entropy [B, T])`` of a minibatch's actions, with grad (the kept
+        behaviour forward when the update put one in ``mb``: :func:`~textrl.agents.forwards.forward_policy`)."""
+        return forwards.forward_policy(self, mb)
+
+    def _forward_values(self, mb: TensorDictBase) -> Tensor:
+        """Current ``V(s_t)`` ``[B, T]`` of a minibatch, with grad (:func:`~textrl.agents.forwards.forward_values`)."""
+        return forwards.forward_values(self, mb)
+
+    # -- the estimator ----------------------------------------------------------------------------
     def process_rollout(self, td: TensorDictBase, *, timings: dict[str, float] | None = None) -> TensorDictBase:
         """Fill log-probs, values, the per-token reward, ``advantage`` and ``value_target``; in place.
 
@@ -798,26 +605,7 @@ class PPOAgent(nn.Module):
         seconds of the prefill forwards (``forward``) and of the shaping and estimator
         (``advantages``) are added to it.
         """
-        self.backend.stage_rollback(self)  # the update's rollback copy, overlapping the forwards on CUDA
-        if KEYS.task_reward not in td.keys(include_nested=True):
-            td.set(KEYS.task_reward, td.get(KEYS.reward).clone())
-        if SCORE not in td.keys():
-            td.set(SCORE, td.get(KEYS.reward).squeeze(-1).sum(1).float())
-        with timed(timings, "forward", self.device):
-            td.update(self.evaluate(td, keep_graph=self.reuses_rollout_forward()))
-        with timed(timings, "advantages", self.device):
-            mask = td.get(KEYS.mask)
-            if self.critic is not None:
-                values = torch.where(mask, td.get(KEYS.state_value).squeeze(-1), 0.0)  # [B, T]
-                next_values = next_valid(values, mask)  # V(s_t+1): at the next agent token, 0 after the last
-                td.set(KEYS.state_value, values.unsqueeze(-1))
-                td.set(KEYS.next_state_value, next_values.unsqueeze(-1))
-            self.estimate(td)
-            if self.ref_policy is not None:  # without one the coefficient is a fixed 0
-                kl = self.reference_kl(td.get(KEYS.action_log_prob), td, kind="k1")
-                seq_kl = self.dist.mean({"kl": masked_sum(kl, mask, dim=1).mean().item()})["kl"]
-                self.kl_ctl.update(seq_kl, td.shape[0] * self.dist.world_size)
-        return td
+        return forwards.process_rollout(self, td, timings=timings)
 
     def task_token_rewards(self, td: TensorDictBase) -> Tensor:
         """The task reward per token before any shaping, ``[B, T]`` (0 off the agent mask).
@@ -839,13 +627,23 @@ class PPOAgent(nn.Module):
         raise NotImplementedError
 
     # -- 4. updating ----------------------------------------------------------------------------
-    def loss(self, mb: TensorDictBase) -> tuple[Tensor, dict[str, Tensor]]:  # pragma: no cover - abstract
-        """``(loss [], detached stats)`` of a (micro-)batch; ``update`` weighs it by ``micro_weight``."""
+    def loss(self, mb: TensorDictBase) -> tuple[dict[str, Tensor], dict[str, Tensor]]:  # pragma: no cover - abstract
+        """``(terms, stats)`` of a (micro-)batch, as TorchRL's ``ClipPPOLoss`` returns
+        ``loss_objective`` / ``loss_critic`` / ``loss_entropy``: ``terms`` the named, weighted
+        scalar terms of the loss (``policy``, ``entropy``, ``kl``, ``value``, ...), which
+        :meth:`update` sums in the order they were added (:func:`textrl.agents.update.total_loss`),
+        weighs by :meth:`micro_weight`, back-propagates and logs as ``loss/total``; ``stats`` the
+        numbers it logs (``loss/policy``, ``loss/value``, ``entropy``, ``ratio/mean``, ...).
+
+        A loss that returns ``(loss [], stats)``, one tensor as before the named terms, keeps
+        working: that tensor is the loss (and ``loss/total`` is logged only if ``stats`` has it).
+        """
         raise NotImplementedError
 
-    def policy_objective(self, mb: TensorDictBase) -> tuple[Tensor, dict[str, Tensor]]:
+    def policy_objective(self, mb: TensorDictBase) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """Token-level clipped surrogate - entropy_coef * H (+ beta * KL to the reference when
-        ``kl_in='loss'``, hinged at ``kl_target`` with ``kl_hinge``): ``(loss [], stats)``.
+        ``kl_in='loss'``, hinged at ``kl_target`` with ``kl_hinge``): ``(terms, stats)``, the
+        terms ``policy``, ``entropy`` (``-entropy_coef * H``) and, in the loss, ``kl``.
 
         The policy part of every token-level agent's loss; a critic agent adds its value loss.
         """
@@ -854,15 +652,14 @@ class PPOAgent(nn.Module):
         logp, entropy = self._forward_policy(mb)  # [B, T] each
         pg_loss, stats = self.surrogate(logp, mb.get(KEYS.action_log_prob), mb.get(KEYS.advantage).squeeze(-1), mask)
         entropy_loss = self.aggregate(entropy, mask)
-        loss = pg_loss - cfg.entropy_coef * entropy_loss
+        terms = LossTerms(policy=pg_loss, entropy=-cfg.entropy_coef * entropy_loss)
         stats = {"loss/policy": pg_loss, "entropy": entropy_loss, **stats}
         if cfg.kl_in == "loss" and self.ref_policy is not None:
             kl_mean = self.aggregate(self.reference_kl(logp, mb), mask)
             if cfg.kl_hinge:  # seed 000: only the KL above the target is penalised
                 kl_mean = (kl_mean - cfg.kl_target).clamp(min=0)
-            stats["loss/kl"] = self.kl_ctl.value * kl_mean
-            loss = loss + stats["loss/kl"]
-        return loss, stats
+            stats["loss/kl"] = terms["kl"] = self.kl_ctl.value * kl_mean
+        return terms, stats
 
     def reference_kl(self, logp: Tensor, td: TensorDictBase, kind: str | None = None) -> Tensor:
         """Per-token KL(policy || reference) ``[B, T]`` of ``logp`` against the rollout's
@@ -888,53 +685,6 @@ class PPOAgent(nn.Module):
         """A token loss ``[B, T]`` (entropy, KL in the loss) reduced as the surrogate is, so that
         :meth:`micro_weight` makes every term of the loss add up over micro-batches. ``[]``."""
         return aggregate_loss(loss_mat, mask, self.loss_aggregation)
-
-    def _forward_policy(self, mb: TensorDictBase) -> tuple[Tensor, Tensor]:
-        """Current ``(logp [B, T], entropy [B, T])`` of a minibatch's actions, with grad."""
-        if self._reused is not None:
-            return self._reused.logp, self._reused.entropy
-        input_ids, attention_mask, p = sequence_inputs(mb)
-        return self._logprobs_and_entropy(input_ids, attention_mask, p, mb.get(KEYS.action))
-
-    def _logprobs_and_entropy(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> tuple[Tensor, Tensor]:
-        """``(logp [B, T], entropy [B, T])`` of ``action`` under the policy (grad as the caller's mode).
-
-        The entropy carries grad only when ``entropy_coef > 0`` (otherwise it is only logged).
-        """
-        cfg = self.config
-        logits = self._response_logits(self.policy, input_ids, attention_mask, prompt_len)  # [B, T, V]
-        logp = self._logprobs_and_logits(logits, action)
-        source = logits if cfg.entropy_coef > 0 else logits.detach()
-        entropy = entropy_from_logits(source, temperature=cfg.temperature)
-        return logp, entropy
-
-    def _forward_values(self, mb: TensorDictBase) -> Tensor:
-        """Current ``V(s_t)`` ``[B, T]`` of a minibatch, with grad."""
-        if self._reused is not None and self._reused.values is not None:
-            return self._reused.values
-        input_ids, attention_mask, p = sequence_inputs(mb)
-        return self._values(input_ids, attention_mask, p)
-
-    @torch.no_grad()
-    def policy_ref_kl(self, td: TensorDictBase) -> float:
-        """Mean per-token KL(policy || ref) (``config.kl_kind``) of the rollout's actions, now.
-
-        When the rollout's ``action_log_prob`` are the policy's own (computed by :meth:`evaluate`,
-        neither they nor a policy weight changed since), they are reused instead of recomputed:
-        the forward would give the same numbers. This makes ``kl/before_update`` free.
-        """
-        input_ids, attention_mask, p = sequence_inputs(td)
-        action, mask = td.get(KEYS.action), td.get(KEYS.mask)
-        cached, cached_version, policy_version = getattr(self, "_policy_logp", None) or (None, None, None)
-        logp = td.get(KEYS.action_log_prob, None)
-        if not (logp is not None and logp is cached and logp._version == cached_version
-                and policy_version == self._policy_version()):
-            logp = torch.cat([
-                self.logprobs(self.policy, input_ids[sl], attention_mask[sl], p, action[sl])
-                for sl in self._micro_batches(td.shape[0], self.config.forward_batch_size)
-            ])
-        kl = kl_penalty(logp, td.get(KEYS.ref_log_prob), kind=self.config.kl_kind)
-        return masked_mean(kl, mask).item()
 
     def update(self, td: TensorDictBase) -> dict[str, float]:
         """K epochs of shuffled minibatch updates with gradient accumulation; returns metrics.
@@ -975,141 +725,7 @@ class PPOAgent(nn.Module):
 
         The reference refresh (:meth:`after_update`) runs last, so it copies checked weights.
         """
-        kl_before = self._kl_monitors(td)
-        tally = UpdateTally()
-        kept = self._take_rollout_forward(td)
-        if self.dist.any(not self._rollout_is_finite(td)):  # every minibatch would be poisoned: skip all
-            tally.skip_nonfinite(self)
-        else:
-            self._guarded_epochs(td, kept, tally)
-        metrics = {**kl_before, **self._update_metrics(td, tally), **self.backend.rollback_metrics()}
-        self.after_update()
-        return metrics
-
-    def _guarded_epochs(self, td: TensorDictBase, kept: RolloutForward | None, tally: UpdateTally) -> None:
-        """:meth:`_epochs`, rolled back when its steps left NaN/inf weights (``nonfinite_weights='rollback'``).
-
-        Before the steps the backend hands over its copy of what they change
-        (``Backend.take_rollback``: this process's part of the trained weights, the optimiser and
-        scheduler states, in buffers reused from update to update, where ``config.rollback_copy``
-        puts them; staged by :meth:`process_rollout`, made now if nothing was staged or the weights
-        changed since); after them, if a step was applied and a weight is NaN/inf on any process
-        (a shared decision), every process restores its copy in place and the update counts as one
-        skipped update: the streak is the one before it plus one, whatever its minibatches counted.
-        """
-        if self.config.nonfinite_weights != "rollback":
-            self._epochs(td, kept, tally)
-            return
-        snapshot, streak = self.backend.take_rollback(self), self.nonfinite_streak
-        self._epochs(td, kept, tally)
-        if tally.steps and self.backend.roll_back_nonfinite(self, snapshot):
-            tally.roll_back(self, streak)
-
-    def _epochs(self, td: TensorDictBase, kept: RolloutForward | None, tally: UpdateTally) -> None:
-        """``ppo_epochs`` passes of shuffled minibatch steps; stops early on the KL early stop or
-        at ``max_nonfinite_updates`` consecutive skipped steps."""
-        cfg = self.config
-        for _ in range(cfg.ppo_epochs):
-            tally.epochs_run += 1
-            order = torch.randperm(td.shape[0], device=td.device)
-            for idx in order.tensor_split(cfg.num_minibatches):  # [b] rows of one minibatch
-                if idx.numel() == 0:
-                    continue
-                stats, norms = self._minibatch_step(td, idx, kept, tally)
-                kept = None
-                if norms is None:
-                    tally.skip_nonfinite(self)
-                    if self.nonfinite_streak >= cfg.max_nonfinite_updates:
-                        return
-                    continue
-                self.nonfinite_streak = 0
-                tally.steps += bool(norms)  # {}: every micro-batch was left out, nothing stepped
-                tally.add({**stats, **norms})
-                if self._should_stop_early(tally.stats):
-                    tally.early_stopped = True
-                    return
-
-    def _minibatch_step(self, td: TensorDictBase, idx: Tensor, kept: RolloutForward | None,
-                        tally: UpdateTally) -> tuple[dict[str, float], dict[str, float] | None]:
-        """One optimiser step over the rows ``idx`` ``[b]``: each micro-batch's weighted loss is
-        back-propagated (gradients accumulate), then the backend steps.
-
-        Returns the loss stats (averaged over micro-batches and processes) and the step's
-        gradient norms: None when a loss or gradient was NaN/inf on any process (nothing
-        stepped), ``{}`` when every micro-batch was over the ratio threshold (nothing to step).
-        """
-        cfg = self.config
-        mask = self.loss_mask(td)  # [B, T]
-        if KEYS.loss_mask in td.keys() and not self.dist.any(bool(mask[idx].any())):
-            return {}, {}  # every row left out (dynamic sampling): no loss, nothing to step
-        mb_tokens = mask[idx].sum().clamp(min=1)
-        self.backend.zero_grad(self)
-        micro_stats: dict[str, list[Tensor]] = defaultdict(list)
-        backwards = dropped = 0
-        for sub_idx in idx.tensor_split(min(cfg.gradient_accumulation_steps, idx.numel())):
-            sub = td[sub_idx]
-            weight = self.micro_weight(sub, mask[sub_idx], mb_tokens, sub_idx.numel(), idx.numel())
-            # the one step of reuses_rollout_forward(): the behaviour forward's graph, rows in order
-            loss, stats = self._micro_batch_loss(sub, kept.rows(sub_idx) if kept is not None else None)
-            kept = None
-            for k, v in stats.items():
-                micro_stats[k].append(v.detach().float())
-            if self._over_ratio_threshold(loss, stats):
-                dropped += 1
-                continue
-            self.backend.backward(weight * loss)
-            backwards += 1
-        means = self.dist.mean({k: torch.stack(v).mean().item() for k, v in micro_stats.items()})
-        tally.ratio_threshold_skips += dropped > 0
-        return means, (self.backend.step(self) if backwards else {})
-
-    def _micro_batch_loss(self, sub: TensorDictBase, reused: RolloutForward | None) -> tuple[Tensor, dict[str, Tensor]]:
-        """:meth:`loss` of a micro-batch, on the kept behaviour forward when given; a NaN/inf loss
-        is made to give NaN gradients too, so the backend's step skips it whatever caused it."""
-        self._reused = reused
-        try:
-            loss, stats = self.loss(sub)
-        finally:
-            self._reused = None
-        if not bool(torch.isfinite(loss)):
-            loss = loss * math.nan
-        return loss, stats
-
-    def _over_ratio_threshold(self, loss: Tensor, stats: dict[str, Tensor]) -> bool:
-        """Whether a micro-batch stays out of the step: its mean ratio, averaged over processes,
-        exceeds ``ratio_threshold`` (MA-RLHF: stale or broken samples) and no process has a
-        NaN/inf loss (that one is back-propagated, so that every process skips the step).
-
-        Decided before the backward and alike on every process: DeepSpeed ZeRO-2/3 and FSDP
-        reduce inside the backward, so every process must run the same backwards.
-        """
-        threshold = self.config.ratio_threshold
-        if threshold <= 0 or "ratio/mean" not in stats:
-            return False
-        shared = self.dist.mean({"ratio": float(stats["ratio/mean"]), "nonfinite": float(not torch.isfinite(loss))})
-        return shared["nonfinite"] == 0 and shared["ratio"] > threshold
-
-    def _kl_monitors(self, td: TensorDictBase) -> dict[str, float]:
-        """``kl/collection`` (the rollout's behaviour log-probs) and ``kl/before_update`` (the policy
-        now); none without a reference (:meth:`needs_reference`)."""
-        if self.ref_policy is None or KEYS.ref_log_prob not in td.keys():
-            return {}
-        kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind=self.config.kl_kind)
-        return {"kl/collection": masked_mean(kl, td.get(KEYS.mask)).item(), "kl/before_update": self.policy_ref_kl(td)}
-
-    def _update_metrics(self, td: TensorDictBase, tally: UpdateTally) -> dict[str, float]:
-        """The update's metrics: stats averaged over its steps, skip counts, learning rates, KL."""
-        metrics: dict[str, float] = {}
-        if self.config.kl_after_update:
-            metrics["kl/after_update"] = self.policy_ref_kl(td)
-        if KEYS.value_target in td.keys(include_nested=True) and self.critic is not None:
-            metrics["explained_variance"] = explained_variance(
-                td.get(KEYS.state_value).squeeze(-1), td.get(KEYS.value_target).squeeze(-1), td.get(KEYS.mask)
-            ).item()
-        metrics.update(tally.metrics(self.nonfinite_streak))
-        metrics.update(self.backend.learning_rates(self))
-        metrics["kl/coef"] = self.kl_ctl.value
-        return metrics
+        return update_loop.update(self, td)
 
     def micro_weight(self, sub: TensorDictBase, sub_mask: Tensor, mb_tokens: Tensor, micro: int, mb_size: int) -> float:
         """Share of a micro-batch in its minibatch's loss, so that accumulation equals the full batch.
@@ -1120,27 +736,6 @@ class PPOAgent(nn.Module):
         if self.loss_aggregation == "token_mean":
             return float(sub_mask.sum() / mb_tokens)
         return micro / mb_size
-
-    def _rollout_is_finite(self, td: TensorDictBase) -> bool:
-        """The rollout's log-probs, values, rewards and advantages are finite on valid tokens."""
-        mask = td.get(KEYS.mask)  # [B, T]
-        present = set(td.keys(include_nested=True))
-        for key in (KEYS.action_log_prob, KEYS.ref_log_prob, KEYS.state_value, KEYS.reward,
-                    KEYS.advantage, KEYS.value_target):
-            if key in present:
-                x = td.get(key)
-                x = x.squeeze(-1) if x.dim() == 3 else x  # [B, T]
-                if not bool(torch.isfinite(x[mask]).all()):
-                    return False
-        return True
-
-    def _should_stop_early(self, stats: dict[str, list[float]]) -> bool:
-        """KL early stop on the approximate KL to the behaviour policy of the last minibatch."""
-        cfg = self.config
-        if cfg.kl_early_stop == "none" or not stats.get("kl/policy_old"):
-            return False
-        factor = 1.5 if cfg.kl_early_stop == "target" else 2.0
-        return stats["kl/policy_old"][-1] > factor * cfg.kl_target
 
     def after_update(self) -> None:
         """End of an iteration's updates: reference refresh (seed 000) and counters. Runs after a
@@ -1250,11 +845,9 @@ class CriticFreePPO(PPOAgent):
         "critic_warmup_iterations": "it has no critic",
     }
 
-    def loss(self, mb: TensorDictBase) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(self, mb: TensorDictBase) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """:meth:`policy_objective`: clipped surrogate - entropy_coef * H (+ beta * KL)."""
-        loss, stats = self.policy_objective(mb)
-        stats["loss/total"] = loss
-        return loss, {k: v.detach() for k, v in stats.items()}
+        return self.policy_objective(mb)
 
 
 def ppo_stats(pg_stats: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -1271,51 +864,7 @@ def ppo_stats(pg_stats: dict[str, Tensor]) -> dict[str, Tensor]:
     return stats
 
 
-@dataclass
-class UpdateTally:
-    """What one :meth:`PPOAgent.update` did: the stats of its good steps and how many it skipped."""
-
-    stats: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    ratio_threshold_skips: int = 0
-    nonfinite_skips: int = 0
-    steps: int = 0
-    """Optimiser steps applied (a step that left every micro-batch out is not one)."""
-    epochs_run: int = 0
-    early_stopped: bool = False
-    rolled_back: bool = False
-    """The update's steps left NaN/inf weights and were undone."""
-
-    def add(self, step_stats: dict[str, float]) -> None:
-        """One good step's stats (losses, ratios, gradient norms)."""
-        for k, v in step_stats.items():
-            self.stats[k].append(v)
-
-    def skip_nonfinite(self, agent: PPOAgent) -> None:
-        """One update skipped for NaN/inf: counted here and in the agent's streak."""
-        self.nonfinite_skips += 1
-        agent.nonfinite_streak += 1
-
-    def roll_back(self, agent: PPOAgent, streak: int) -> None:
-        """The update's steps were undone (they left NaN/inf weights): the whole update counts as one
-        skipped update, and the agent's streak is ``streak`` (the one before the update) plus one."""
-        self.rolled_back = True
-        self.nonfinite_skips = 1
-        agent.nonfinite_streak = streak + 1
-
-    def metrics(self, streak: int) -> dict[str, float]:
-        """Stats averaged over the good steps (undone ones too: the losses and norms of the steps
-        that were rolled back), and the counters."""
-        out = {k: float(sum(v) / len(v)) for k, v in self.stats.items() if v}
-        out["ppo/ratio_threshold_skips"] = float(self.ratio_threshold_skips)
-        out["nonfinite/skipped_updates"] = float(self.nonfinite_skips)
-        out["nonfinite/consecutive"] = float(streak)
-        out["nonfinite/rolled_back"] = float(self.rolled_back)
-        out["ppo/early_stopped"] = float(self.early_stopped)
-        out["ppo/epochs_run"] = float(self.epochs_run)
-        return out
-
-
 __all__ = [
     "CRITIC_OPTIONS", "LORA_OPTIONS", "POLICY_OBJECTIVE_OPTIONS", "SCORE", "SHARED_OPTIONS", "CriticFreePPO", "PPOAgent",
-    "RolloutForward", "UpdateTally", "attended_response", "ppo_stats", "position_ids_for", "sequence_inputs", "warp_logits",
+    "LossTerms", "RolloutForward", "UpdateTally", "attended_response", "ppo_stats", "position_ids_for", "sequence_inputs", "total_loss", "warp_logits",
 ]

@@ -26,6 +26,7 @@ from textrl.agents.base import (
     SHARED_OPTIONS,
     PPOAgent,
 )
+from textrl.agents.update import LossTerms, total_loss
 from textrl.functional import (
     clipped_value_loss,
     gae,
@@ -107,10 +108,11 @@ class GAEPPO(PPOAgent):
         td.set(KEYS.advantage, advantages.unsqueeze(-1))
         td.set(KEYS.value_target, returns.unsqueeze(-1))
 
-    def loss(self, mb: TensorDictBase) -> tuple[Tensor, dict[str, Tensor]]:
-        """:meth:`policy_objective` (clipped policy loss - entropy bonus [+ beta * KL]) + vf_coef * clipped value loss."""
+    def loss(self, mb: TensorDictBase) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """:meth:`policy_objective`'s terms (clipped policy loss, - entropy bonus [, + beta * KL])
+        and ``value``: vf_coef * clipped value loss."""
         cfg = self.config
-        loss, stats = self.policy_objective(mb)
+        terms, stats = self.policy_objective(mb)
         v_loss, v_stats = clipped_value_loss(
             self._forward_values(mb),  # [B, T]
             mb.get(KEYS.state_value).squeeze(-1),
@@ -120,17 +122,16 @@ class GAEPPO(PPOAgent):
             aggregation=self.loss_aggregation,
         )
         if self.critic_warming_up():  # VAPO's value pre-training: zero policy gradient, the policy stays
-            loss = 0.0 * loss
+            terms = LossTerms(critic_warmup=0.0 * total_loss(terms))
             stats["critic_warmup"] = torch.ones(())
-        loss = loss + cfg.vf_coef * v_loss
+        terms["value"] = cfg.vf_coef * v_loss
         stats.update({
             "loss/value": v_loss,
             "value_clip_fraction": v_stats["value_clip_fraction"],
             "value/mean": v_stats["value_mean"],
             "value/return_mean": v_stats["return_mean"],
-            "loss/total": loss,
         })
-        return loss, {k: v.detach() for k, v in stats.items()}
+        return terms, stats
 
 
 __all__ = ["GAEPPO"]

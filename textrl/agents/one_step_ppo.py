@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from textrl.agent_registry import register_agent
 from textrl.agents.base import CRITIC_OPTIONS, SCORE, SHARED_OPTIONS, PPOAgent
+from textrl.agents.update import LossTerms
 from textrl.config import TrainConfig
 from textrl.functional import (
     clipped_policy_loss,
@@ -76,8 +77,9 @@ class OneStepPPO(PPOAgent):
         """Every loss term is a mean over rows, so a micro-batch weighs its share of rows."""
         return micro / mb_size
 
-    def loss(self, mb: TensorDictBase) -> tuple[Tensor, dict[str, Tensor]]:
-        """Clipped surrogate on sequence ratios + vf_coef * MSE(V_last, R) + beta * sequence KL."""
+    def loss(self, mb: TensorDictBase) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Terms ``policy`` (clipped surrogate on sequence ratios), ``value`` (vf_coef * MSE(V_last, R))
+        and ``kl`` (beta * sequence KL)."""
         cfg = self.config
         mask = mb.get(KEYS.mask)  # [B, T]
         logp, entropy = self._forward_policy(mb)  # [B, T]
@@ -98,12 +100,11 @@ class OneStepPPO(PPOAgent):
         v_loss = torch.nn.functional.mse_loss(value_last, mb.get(SCORE).to(value_last.dtype))
         seq_kl = masked_sum(self.reference_kl(logp, mb), mask, dim=1)  # [B]
         kl_loss = self.kl_ctl.value * seq_kl.mean()
-        loss = pg_loss + cfg.vf_coef * v_loss + kl_loss
+        terms = LossTerms(policy=pg_loss, value=cfg.vf_coef * v_loss, kl=kl_loss)
         stats = {
             "loss/policy": pg_loss,
             "loss/value": v_loss,
             "loss/kl": kl_loss,
-            "loss/total": loss,
             "entropy": masked_mean(entropy, mask),
             "clip_fraction": pg_stats["clip_fraction"],
             "kl/policy_old": pg_stats["approx_kl"],
@@ -113,7 +114,7 @@ class OneStepPPO(PPOAgent):
             "ratio/min": pg_stats["ratio_min"],
             "value/mean": value_last.mean(),
         }
-        return loss, {k: v.detach() for k, v in stats.items()}
+        return terms, stats
 
     def after_update(self) -> None:
         """Reference refresh and counters (base), then the old-policy snapshot every N iterations."""

@@ -143,6 +143,9 @@ def gae(
     (:func:`~textrl.functional.masking.compact`), scattered back. For a prefix mask the
     compaction is the identity and ``t' = t + 1``.
 
+    The plain loop this vectorises, row by row and position by position, is
+    :func:`textrl.testing.reference_gae` (the property tests compare the two).
+
     Args:
         rewards: float ``[B, T]``, per-token reward.
         values: float ``[B, T]``, V(s_t) of the old value head.

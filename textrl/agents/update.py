@@ -1,0 +1,288 @@
+"""The PPO update: K epochs of shuffled minibatches, each one optimiser step over its micro-batches.
+
+The loop of CleanRL's ``ppo.py`` (:func:`run_epochs`, on one screen); the backend
+(:mod:`textrl.parallel`) does the backward and the step, so it is the same loop on one process,
+replicated, FSDP and DeepSpeed. Around it, two named calls: :func:`skip_nonfinite_step` (a step
+whose loss or gradient was NaN/inf is skipped and counted) and :func:`rolled_back_if_nonfinite`
+(steps that left NaN/inf weights are undone).
+
+An agent's ``loss(mb)`` returns its **named terms** and the stats it logs, ``(terms, stats)``, as
+TorchRL's ``ClipPPOLoss`` returns ``loss_objective`` / ``loss_critic`` / ``loss_entropy``:
+``terms`` maps a name (``policy``, ``entropy``, ``kl``, ``value``, ...) to a weighted scalar, and
+the loss is their sum in the order they were added (:func:`total_loss`), logged as
+``loss/total``. A loss that returns the older ``(loss, stats)`` (one tensor) keeps working: that
+tensor is the loss. The stats keep the names the metrics have always had (``loss/policy``,
+``loss/value``, ``loss/kl``, ``entropy``, ``clip_fraction``, ``ratio/mean``, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tensordict import TensorDictBase
+from torch import Tensor
+
+from textrl.agents.forwards import RolloutForward, take_rollout_forward, with_forward
+from textrl.functional import kl_penalty, masked_mean
+from textrl.functional.ppo import explained_variance
+from textrl.keys import KEYS
+
+if TYPE_CHECKING:
+    from textrl.agents.base import PPOAgent
+
+
+def update(agent: PPOAgent, td: TensorDictBase) -> dict[str, float]:
+    """:meth:`PPOAgent.update <textrl.agents.base.PPOAgent.update>`: the epochs, under the
+    rollback guard, unless the rollout itself is not finite; then the metrics and
+    ``agent.after_update()`` (the reference refresh copies checked weights)."""
+    kl_before = kl_monitors(agent, td)
+    tally = UpdateTally()
+    forward = take_rollout_forward(agent, td)  # the behaviour forward with its graph, or None
+    if agent.dist.any(not rollout_is_finite(td)):  # every minibatch would be poisoned: skip all
+        tally.skip_nonfinite(agent)
+    else:
+        with rolled_back_if_nonfinite(agent, tally):
+            run_epochs(agent, td, forward, tally)
+    metrics = {**kl_before, **update_metrics(agent, td, tally), **agent.backend.rollback_metrics()}
+    agent.after_update()
+    return metrics
+
+
+def run_epochs(agent: PPOAgent, td: TensorDictBase, forward: RolloutForward | None, tally: UpdateTally) -> None:
+    """``ppo_epochs`` passes of shuffled minibatches; each minibatch is one optimiser step over
+    its ``gradient_accumulation_steps`` micro-batches, each weighed by ``agent.micro_weight`` so
+    that they add up to the minibatch's loss. Stops early on the KL early stop or at
+    ``max_nonfinite_updates`` consecutive skipped steps. ``forward`` (the kept behaviour forward)
+    serves the first micro-batch only: the update is then one step over the whole rollout."""
+    cfg, backend = agent.config, agent.backend
+    mask = agent.loss_mask(td)  # [B, T]
+    for _ in range(cfg.ppo_epochs):
+        tally.epochs_run += 1
+        order = torch.randperm(td.shape[0], device=td.device)
+        for idx in order.tensor_split(cfg.num_minibatches):  # [b] rows of one minibatch
+            if idx.numel() == 0:
+                continue
+            if KEYS.loss_mask in td.keys() and not agent.dist.any(bool(mask[idx].any())):
+                stats, norms = {}, {}  # every row left out (dynamic sampling): no loss, nothing to step
+            else:
+                mb_tokens = mask[idx].sum().clamp(min=1)
+                backend.zero_grad(agent)
+                micro_stats: dict[str, list[Tensor]] = defaultdict(list)
+                backwards = dropped = 0
+                for sub_idx in idx.tensor_split(min(cfg.gradient_accumulation_steps, idx.numel())):
+                    sub = td[sub_idx]
+                    weight = agent.micro_weight(sub, mask[sub_idx], mb_tokens, sub_idx.numel(), idx.numel())
+                    loss, sub_stats = micro_batch_loss(agent, sub, forward.rows(sub_idx) if forward else None)
+                    forward = None
+                    for k, v in sub_stats.items():
+                        micro_stats[k].append(v.detach().float())
+                    if over_ratio_threshold(agent, loss, sub_stats):
+                        dropped += 1
+                        continue
+                    backend.backward(weight * loss)
+                    backwards += 1
+                stats = agent.dist.mean({k: torch.stack(v).mean().item() for k, v in micro_stats.items()})
+                tally.ratio_threshold_skips += dropped > 0
+                norms = backend.step(agent) if backwards else {}  # None: a NaN/inf loss or gradient
+            forward = None
+            if norms is None:
+                if skip_nonfinite_step(agent, tally):
+                    return
+                continue
+            agent.nonfinite_streak = 0
+            tally.steps += bool(norms)  # {}: every micro-batch was left out, nothing stepped
+            tally.add({**stats, **norms})
+            if should_stop_early(cfg, tally.stats):
+                tally.early_stopped = True
+                return
+
+
+class LossTerms(dict):
+    """The named terms of a loss, ``name -> []`` tensor (``policy``, ``entropy``, ``kl``,
+    ``value``, ...): the loss is their sum in the order they were added (:func:`total_loss`).
+    Scaling the terms (``terms * x``, as a wrapper of ``loss`` may do to a loss tensor) scales
+    each term."""
+
+    def __mul__(self, scale: Any) -> LossTerms:
+        return LossTerms({name: term * scale for name, term in self.items()})
+
+    __rmul__ = __mul__
+
+
+def total_loss(terms: dict[str, Tensor]) -> Tensor:
+    """The sum of a loss's named terms, in the order they were added (``[]``)."""
+    values = iter(terms.values())
+    total = next(values)
+    for term in values:
+        total = total + term
+    return total
+
+
+def micro_batch_loss(agent: PPOAgent, sub: TensorDictBase,
+                     forward: RolloutForward | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """``(loss [], stats)`` of a micro-batch: ``agent.loss`` on it (with the kept behaviour
+    forward ``forward`` in it when given), its named terms summed (:func:`total_loss`, logged as
+    ``loss/total``) or, for a loss that returns one tensor, that tensor. A NaN/inf loss is made to
+    give NaN gradients too, so that the backend's step skips it whatever caused it."""
+    if forward is not None:
+        sub = with_forward(sub, forward)
+    terms, stats = agent.loss(sub)
+    if isinstance(terms, Tensor):  # a loss written before the named terms: (loss, stats)
+        loss = terms
+    else:
+        loss = total_loss(terms)
+        stats = {**stats, "loss/total": loss.detach()}
+    if not bool(torch.isfinite(loss)):
+        loss = loss * math.nan
+    return loss, stats
+
+
+def over_ratio_threshold(agent: PPOAgent, loss: Tensor, stats: dict[str, Tensor]) -> bool:
+    """Whether a micro-batch stays out of the step: its mean ratio, averaged over processes,
+    exceeds ``ratio_threshold`` (MA-RLHF: stale or broken samples) and no process has a
+    NaN/inf loss (that one is back-propagated, so that every process skips the step).
+
+    Decided before the backward and alike on every process: DeepSpeed ZeRO-2/3 and FSDP
+    reduce inside the backward, so every process must run the same backwards.
+    """
+    threshold = agent.config.ratio_threshold
+    if threshold <= 0 or "ratio/mean" not in stats:
+        return False
+    shared = agent.dist.mean({"ratio": float(stats["ratio/mean"]), "nonfinite": float(not torch.isfinite(loss))})
+    return shared["nonfinite"] == 0 and shared["ratio"] > threshold
+
+
+def skip_nonfinite_step(agent: PPOAgent, tally: UpdateTally) -> bool:
+    """A step skipped for a NaN/inf loss or gradient (on any process; nothing stepped): counted
+    in the tally and the agent's streak. True when the streak reached ``max_nonfinite_updates``:
+    the update stops there (and the trainer stops the run)."""
+    tally.skip_nonfinite(agent)
+    return agent.nonfinite_streak >= agent.config.max_nonfinite_updates
+
+
+@contextmanager
+def rolled_back_if_nonfinite(agent: PPOAgent, tally: UpdateTally) -> Iterator[None]:
+    """The steps inside, rolled back when they left NaN/inf weights (``nonfinite_weights='rollback'``).
+
+    Before the steps the backend hands over its copy of what they change
+    (``Backend.take_rollback``: this process's part of the trained weights, the optimiser and
+    scheduler states, in buffers reused from update to update, where ``config.rollback_copy``
+    puts them; staged by ``process_rollout``, made now if nothing was staged or the weights
+    changed since); after them, if a step was applied and a weight is NaN/inf on any process
+    (a shared decision), every process restores its copy in place and the update counts as one
+    skipped update: the streak is the one before it plus one, whatever its minibatches counted.
+    With ``nonfinite_weights='stop'`` nothing is copied and the trainer's check stops the run.
+    """
+    if agent.config.nonfinite_weights != "rollback":
+        yield
+        return
+    snapshot, streak = agent.backend.take_rollback(agent), agent.nonfinite_streak
+    yield
+    if tally.steps and agent.backend.roll_back_nonfinite(agent, snapshot):
+        tally.roll_back(agent, streak)
+
+
+def rollout_is_finite(td: TensorDictBase) -> bool:
+    """The rollout's log-probs, values, rewards and advantages are finite on valid tokens."""
+    mask = td.get(KEYS.mask)  # [B, T]
+    present = set(td.keys(include_nested=True))
+    for key in (KEYS.action_log_prob, KEYS.ref_log_prob, KEYS.state_value, KEYS.reward,
+                KEYS.advantage, KEYS.value_target):
+        if key in present:
+            x = td.get(key)
+            x = x.squeeze(-1) if x.dim() == 3 else x  # [B, T]
+            if not bool(torch.isfinite(x[mask]).all()):
+                return False
+    return True
+
+
+def should_stop_early(cfg: Any, stats: dict[str, list[float]]) -> bool:
+    """KL early stop on the approximate KL to the behaviour policy of the last minibatch."""
+    if cfg.kl_early_stop == "none" or not stats.get("kl/policy_old"):
+        return False
+    factor = 1.5 if cfg.kl_early_stop == "target" else 2.0
+    return stats["kl/policy_old"][-1] > factor * cfg.kl_target
+
+
+def kl_monitors(agent: PPOAgent, td: TensorDictBase) -> dict[str, float]:
+    """``kl/collection`` (the rollout's behaviour log-probs) and ``kl/before_update`` (the policy
+    now); none without a reference (``needs_reference``)."""
+    from textrl.agents.forwards import policy_ref_kl
+
+    if agent.ref_policy is None or KEYS.ref_log_prob not in td.keys():
+        return {}
+    kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind=agent.config.kl_kind)
+    return {"kl/collection": masked_mean(kl, td.get(KEYS.mask)).item(), "kl/before_update": policy_ref_kl(agent, td)}
+
+
+def update_metrics(agent: PPOAgent, td: TensorDictBase, tally: UpdateTally) -> dict[str, float]:
+    """The update's metrics: stats averaged over its steps, skip counts, learning rates, KL."""
+    from textrl.agents.forwards import policy_ref_kl
+
+    metrics: dict[str, float] = {}
+    if agent.config.kl_after_update:
+        metrics["kl/after_update"] = policy_ref_kl(agent, td)
+    if KEYS.value_target in td.keys(include_nested=True) and agent.critic is not None:
+        metrics["explained_variance"] = explained_variance(
+            td.get(KEYS.state_value).squeeze(-1), td.get(KEYS.value_target).squeeze(-1), td.get(KEYS.mask)
+        ).item()
+    metrics.update(tally.metrics(agent.nonfinite_streak))
+    metrics.update(agent.backend.learning_rates(agent))
+    metrics["kl/coef"] = agent.kl_ctl.value
+    return metrics
+
+
+@dataclass
+class UpdateTally:
+    """What one update did: the stats of its good steps and how many it skipped."""
+
+    stats: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    ratio_threshold_skips: int = 0
+    nonfinite_skips: int = 0
+    steps: int = 0
+    """Optimiser steps applied (a step that left every micro-batch out is not one)."""
+    epochs_run: int = 0
+    early_stopped: bool = False
+    rolled_back: bool = False
+    """The update's steps left NaN/inf weights and were undone."""
+
+    def add(self, step_stats: dict[str, float]) -> None:
+        """One good step's stats (losses, ratios, gradient norms)."""
+        for k, v in step_stats.items():
+            self.stats[k].append(v)
+
+    def skip_nonfinite(self, agent: PPOAgent) -> None:
+        """One update skipped for NaN/inf: counted here and in the agent's streak."""
+        self.nonfinite_skips += 1
+        agent.nonfinite_streak += 1
+
+    def roll_back(self, agent: PPOAgent, streak: int) -> None:
+        """The update's steps were undone (they left NaN/inf weights): the whole update counts as one
+        skipped update, and the agent's streak is ``streak`` (the one before the update) plus one."""
+        self.rolled_back = True
+        self.nonfinite_skips = 1
+        agent.nonfinite_streak = streak + 1
+
+    def metrics(self, streak: int) -> dict[str, float]:
+        """Stats averaged over the good steps (undone ones too: the losses and norms of the steps
+        that were rolled back), and the counters."""
+        out = {k: float(sum(v) / len(v)) for k, v in self.stats.items() if v}
+        out["ppo/ratio_threshold_skips"] = float(self.ratio_threshold_skips)
+        out["nonfinite/skipped_updates"] = float(self.nonfinite_skips)
+        out["nonfinite/consecutive"] = float(streak)
+        out["nonfinite/rolled_back"] = float(self.rolled_back)
+        out["ppo/early_stopped"] = float(self.early_stopped)
+        out["ppo/epochs_run"] = float(self.epochs_run)
+        return out
+
+
+__all__ = [
+    "LossTerms", "UpdateTally", "micro_batch_loss", "over_ratio_threshold", "rolled_back_if_nonfinite", "rollout_is_finite",
+    "run_epochs", "skip_nonfinite_step", "total_loss", "update",
+]
