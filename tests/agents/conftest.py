@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from textrl.agents import AGENTS
-from textrl.envs import rollout_from_responses
 
+from textrl.agents import AGENTS
 from textrl.config import TrainConfig
+from textrl.envs import rollout_from_responses
 from textrl.models import ValueModel, build_tiny_causal_lm, build_tiny_tokenizer
 from textrl.parallel.fsdp_sharding import local
 
