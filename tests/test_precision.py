@@ -14,8 +14,9 @@ import math
 
 import pytest
 import torch
-from textrl.agents import AGENTS
 
+from textrl.agents import AGENTS
+from textrl.agents.build import task_reward
 from textrl.config import TrainConfig
 from textrl.models import (
     ValueModel,
@@ -135,7 +136,7 @@ def test_a_critic_from_a_reward_model_and_a_reward_model_of_the_spec_run_in_the_
     config = small(agent="gae_ppo", dtype="bfloat16", critic_init="reward_model", reward_model="tiny")
     agent = AGENTS["gae_ppo"].from_config(config, "cpu", **QUIET)
     assert {p.dtype for p in agent.critic.parameters()} == {torch.bfloat16}
-    reward = agent.task_reward("think_format,reward_model:tiny")
+    reward = task_reward(agent, "think_format,reward_model:tiny")
     neural = reward.functions["reward_model"]
     assert {p.dtype for p in neural.model.parameters()} == {torch.bfloat16}
     assert neural.autocast == agent.precision.autocast

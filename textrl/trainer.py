@@ -24,7 +24,7 @@ Only the main process writes files, holding the run folder's lock (:mod:`textrl.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from textrl.config import TrainConfig, config_values, config_yaml, save_config
 from textrl.distributed import Distributed
 from textrl.keys import KEYS
 from textrl.parallel import Backend, setup_backend
-from textrl.rollout import collect, episode_metrics
+from textrl.rollout import collect
 from textrl.run import (
     SETTINGS_FILE,
     CheckpointError,
@@ -54,11 +54,9 @@ from textrl.run import (
     refuse_earlier_run,
     resolve_device,
     resume_checkpoint,
-    resume_command,
     rng_state,
     save_checkpoint,
     seed_everything,
-    signal_message,
     take_run_folder,
 )
 from textrl.run.records import set_aside_earlier_records
@@ -66,6 +64,15 @@ from textrl.run.resume import checkpoint_iteration, refuse_shorter_run
 from textrl.run.signals import Stoppable, StopRequested, stop_before_loop, stop_phase
 from textrl.run.user_code import USER_CODE_FILE, user_code_digest, user_code_json
 from textrl.timing import timed
+from textrl.train_records import (  # noqa: F401 - also importable from here, as before
+    format_summary,
+    iteration_metrics,
+    nonfinite_rows,
+    peak_memory_mib,
+    run_records,
+    stop_message,
+    warmup_record,
+)
 
 BEFORE_FILE = "eval_before.json"
 """The held-out evaluation before the first iteration (kept so a resumed run's summary has it)."""
@@ -251,10 +258,12 @@ class PPORun:
         the changed settings, then write the run's record (``config.yaml``, ``resumes.jsonl``) and
         open the logs, cut back to it; the iteration the run continues after (0 for a fresh
         run). Nothing is written before the checkpoint loaded: a refused resume changes nothing."""
+        from textrl.agents.state import take_changed_settings
+
         start = 0
         if self.resume_from is not None:
             start = load_checkpoint(self.resume_from, self.agent, self.sampler, verify=False, dist=self.dist)
-            self.agent.take_changed_settings(set(self.resumed_changes))
+            take_changed_settings(self.agent, set(self.resumed_changes))
             if self.edited_rows():  # rows fixed since the checkpoint (as many, in the same order)
                 from textrl.envs.prompts import describe_edited
 
@@ -329,9 +338,10 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     then the agent prepared for the backend, in this order
     (every process holds the same weights before FSDP / ZeRO partition them). ``config.yaml`` is
     written by :meth:`PPORun.resume`, once the checkpoint has loaded."""
+    from textrl.agents.build import task_reward
     from textrl.envs import PromptSampler
     from textrl.envs.collector import EpisodeRunner
-    from textrl.envs.registry import split_rows
+    from textrl.envs.registry import env_facts, split_rows
 
     backend = setup_backend(config, device)  # single, replicated, FSDP or ZeRO
     dist, device, main = backend.dist, backend.device, backend.is_main
@@ -348,7 +358,8 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     # the environment and its rows before any model loads: a bad file or row is named in seconds
     env = environment(config)
     train_rows, eval_rows = split_rows(env, config.eval_size, config.seed)
-    agent = build_agent(config, device, log)  # its models, critic (if any) and optimisers (and warm-up)
+    facts = env_facts(config, env, train_rows=train_rows)  # the warm-up pairs and the episode budget
+    agent = build_agent(config, device, log, facts)  # its models, critic (if any) and optimisers (and warm-up)
     if getattr(agent, "precision", None) is not None:
         log(f"precision: {agent.precision}")
     warmup = warmup_record(config, agent, env)
@@ -357,10 +368,10 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     # the prompts' cap and the episode's budget, fitted to the models' context: every prompt + episode fits
     lengths = check_context(config, agent, train_rows, eval_rows, env=env, log=log)
     budget = lengths.max_episode_tokens
-    if hasattr(agent, "episode_budget"):
-        agent._episode_budget = budget  # the length terms (Dr. GRPO, DAPO) count the budget that runs
+    if hasattr(agent, "episode_budget"):  # the length terms (Dr. GRPO, DAPO) count the budget that runs
+        agent.env_facts = replace(facts, episode_budget=budget)
     tokenizer = agent.tokenizer
-    env.reward = agent.task_reward(reward_spec(config, env), env.reward)  # plus the agent's own reward model
+    env.reward = task_reward(agent, reward_spec(config, env), env.reward)  # plus the agent's own reward model
     episodes = EpisodeRunner(
         env, tokenizer=tokenizer, eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id,
         max_new_tokens=config.max_new_tokens, max_episode_tokens=budget,
@@ -479,37 +490,6 @@ def check_context(config: TrainConfig, agent, *prompt_sets, env=None, log=print)
     return lengths
 
 
-def run_records(run: PPORun) -> dict[str, Any]:
-    """``summary.json``'s record of what ran where config.yaml keeps what was asked: ``lengths``
-    (the prompts' cap and the episode budget in use, each ``set`` or ``auto``) and ``warmup``
-    (:func:`warmup_record`)."""
-    config = run.config
-    lengths = {"max_prompt_length": run.sampler.max_prompt_length, "prompt_truncate": run.sampler.truncate,
-               "max_episode_tokens": run.episodes.max_episode_tokens,
-               "source": {name: "auto" if getattr(config, name) is None else "set"
-                          for name in ("max_prompt_length", "max_episode_tokens")}}
-    return {"lengths": lengths, "warmup": warmup_record(config, run.agent, run.episodes.env)}
-
-
-def warmup_record(config: TrainConfig, agent, env) -> dict[str, Any]:
-    """What the supervised format warm-up did, for ``summary.json``: ``asked_steps``
-    (``warmup_sft_steps``, as config.yaml records it), ``ran_steps`` and, when none ran, the
-    ``reason`` (no steps asked, an environment without warm-up examples, an agent that loads its
-    policy without the warm-up, such as multi_adapter_ppo)."""
-    from textrl.agents.base import PPOAgent, warmup_pairs
-
-    asked = int(config.warmup_sft_steps)
-    if asked == 0:
-        return {"asked_steps": 0, "ran_steps": 0, "reason": "warmup_sft_steps=0"}
-    if not warmup_pairs(config):
-        return {"asked_steps": asked, "ran_steps": 0,
-                "reason": f"environment {env.id!r} has no warm-up examples (its warmup_examples() gives none)"}
-    if getattr(type(agent).load_policy, "__func__", None) is not PPOAgent.load_policy.__func__:
-        return {"asked_steps": asked, "ran_steps": 0,
-                "reason": f"agent {config.agent!r} loads its policy without the warm-up"}
-    return {"asked_steps": asked, "ran_steps": asked, "reason": None}
-
-
 def reward_spec(config: TrainConfig, env) -> str:
     """The reward spec of the run's environment (``--reward`` when given, which
     :func:`environment` already set as its reward; '' when its reward is not a spec string) plus
@@ -527,11 +507,12 @@ def _agent_scores_alone(config: TrainConfig, spec: str) -> bool:
     return not spec.strip() and agent_class(config.agent).brings_reward(config)
 
 
-def build_agent(config: TrainConfig, device: torch.device, log):
-    """The agent of ``config.agent``, built by its class: models, critic (if any), optimisers."""
+def build_agent(config: TrainConfig, device: torch.device, log, facts=None):
+    """The agent of ``config.agent``, built by its class: models, critic (if any), optimisers;
+    ``facts`` (:class:`textrl.env_facts.EnvFacts`) is what it reads of the environment."""
     from textrl.agents import agent_class
 
-    return agent_class(config.agent).from_config(config, device, log)
+    return agent_class(config.agent).from_config(config, device, log, env_facts=facts)
 
 
 # -- the iteration's parts -----------------------------------------------------------------------
@@ -571,94 +552,6 @@ def sample_completions(agent, batch, episodes, n: int = 4) -> list[dict[str, Any
     texts = agent.tokenizer.batch_decode(ids, skip_special_tokens=True)
     turns = episode_turns(td, agent.tokenizer)  # the agent's and the environment's text apart (the mask)
     return [{"prompt": p, "completion": c, "turns": t} for p, c, t in zip(batch.prompt_texts[:n], texts, turns)]
-
-
-def iteration_metrics(
-    iteration: int, td, update_metrics: dict[str, float], dist: Distributed | None = None
-) -> dict[str, float]:
-    """The flat metrics row of one iteration: rollout reward (total and per component), the
-    episodes' turns and end reasons (``episode/*``), response length (the agent's tokens), rows
-    (``samples``) and generated tokens over every process's share of the rollout,
-    then the agent's update metrics (losses, KL monitors, ...) averaged over processes."""
-    dist = dist or Distributed()
-    lengths = dist.gather(td.get(KEYS.mask).sum(1))  # [B_global]
-    score = dist.gather(td.get(KEYS.score).float())  # [B_global]
-    row: dict[str, float] = {"iteration": iteration}
-    row["reward/mean"] = score.mean().item()
-    row["reward/std"] = score.std().item() if score.numel() > 1 else 0.0
-    for name, value in td.get(KEYS.reward_components).items():
-        value = dist.gather(value.float())
-        # NaN where the function does not apply to a row (it returned None): over the rows it applies to
-        applies = value[~value.isnan()]
-        row[f"reward_components/{name}/mean"] = applies.mean().item() if applies.numel() else float("nan")
-        row[f"reward_components/{name}/std"] = applies.std().item() if applies.numel() > 1 else 0.0
-    if KEYS.turns in td.keys(include_nested=True):  # turns and why the episodes ended (length, context, ...)
-        row.update(episode_metrics(dist.gather(td.get(KEYS.turns)), dist.gather(td.get(KEYS.end_reason))))
-    row["response_length/mean"] = lengths.float().mean().item()
-    row["samples"] = float(lengths.numel())
-    row["tokens"] = float(lengths.sum().item())
-    row.update(dist.mean(update_metrics))
-    return row
-
-
-def peak_memory_mib(device: torch.device) -> float:
-    """This process's peak memory so far, in MiB: ``torch.cuda.max_memory_allocated`` on CUDA,
-    else the resident-set high-water mark (``ru_maxrss``; everything the process touched)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def nonfinite_rows(td, n_rows: int) -> float:
-    """Rows of a rollout of ``n_rows`` whose task reward was NaN/inf: dropped plus zeroed."""
-    flagged = td.get(KEYS.reward_nonfinite).sum().item() if KEYS.reward_nonfinite in td.keys() else 0
-    return float(n_rows - td.shape[0] + flagged)
-
-
-def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak: int,
-                 saved: Path | None, weights_poisoned: bool = False) -> str:
-    """What the user reads when the run stops early: why, where the checkpoint is, how to resume."""
-    config_path = Path(config.output_dir) / SETTINGS_FILE
-    if weights_poisoned:
-        rollback = ("With nonfinite_weights='rollback' (the default) the update is undone and the run "
-                    "goes on. " if config.nonfinite_weights == "stop" else "")
-        return (f"textrl train: stopped after iteration {iteration}: its update left NaN/inf weights, so "
-                f"no checkpoint was written; {_newest_good(config.output_dir)}. "
-                f"{rollback}Usual causes: a learning rate too high, max_grad_norm=0, a reward model that "
-                f"overflows. Lower them, then resume with: {resume_command('train', config_path)}")
-    if streak >= config.max_nonfinite_updates:
-        kept = (f"the weights of the last good update are saved in {saved}" if saved else
-                "the weights themselves are NaN/inf, so no checkpoint was written; "
-                f"{_newest_good(config.output_dir)}")
-        return (f"textrl train: stopped after iteration {iteration}: {streak} consecutive updates "
-                "were skipped for NaN/inf (loss, gradients, log-probs, values or advantages, or "
-                "steps that left NaN/inf weights, rolled back; see nonfinite/skipped_updates and "
-                f"nonfinite/rolled_back in metrics.jsonl); {kept}. Usual causes: a learning rate "
-                f"too high, max_grad_norm=0, a reward model that overflows. Resume with: "
-                f"{resume_command('train', config_path)}")
-    return signal_message("train", "iteration", iteration, config.iterations, signum, saved, config_path)
-
-
-def _newest_good(output_dir: str) -> str:
-    """For a stop that wrote no checkpoint: the newest good one (not "None" when there is none)."""
-    newest = latest_checkpoint(output_dir)
-    return f"the newest good one is {newest}" if newest else "none was written before either"
-
-
-def format_summary(before: dict[str, float] | None, after: dict[str, float]) -> str:
-    """A small before/after table of the held-out metrics."""
-    keys = [k for k in ("reward/mean", "format_rate", "accuracy", "response_length/mean")]
-    lines = [f"{'held-out metric':<34}{'before':>10}{'after':>10}"]
-    for mode in ("sampled", "greedy"):
-        for key in keys:
-            full = f"eval/{mode}/{key}"
-            if full not in after:
-                continue
-            b = f"{before[full]:.3f}" if before and full in before else "-"
-            lines.append(f"{mode + ' ' + key:<34}{b:>10}{after[full]:>10.3f}")
-    return "\n".join(lines)
 
 
 __all__ = [

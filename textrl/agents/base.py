@@ -21,7 +21,6 @@ agent's backend's (:attr:`PPOAgent.backend`, :mod:`textrl.parallel`; docs/parall
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import warnings
 from typing import Any
@@ -30,8 +29,10 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor, nn
 
-from textrl.agents import forwards
+from textrl.agents import build, forwards
+from textrl.agents import state as resume
 from textrl.agents import update as update_loop
+from textrl.agents.build import _own_lora_weights, policy_name, tokenizer_name, warmup_pairs  # noqa: F401
 from textrl.agents.forwards import (
     RolloutForward,
     attended_response,
@@ -40,12 +41,12 @@ from textrl.agents.forwards import (
     warp_logits,
 )
 from textrl.agents.update import LossTerms, UpdateTally, total_loss
-from textrl.config import AGENT_OPTIONS, TrainConfig
+from textrl.config import TrainConfig
 from textrl.distributed import Distributed
+from textrl.env_facts import EnvFacts, env_facts_of
 from textrl.functional import aggregate_loss, clipped_policy_loss, kl_penalty, kl_shaped_rewards
 from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
-from textrl.models.checks import check_tokenizer_fits, name_of
 from textrl.models.sampling import neutralised_notice
 from textrl.parallel import Backend, SingleProcess
 from textrl.precision import Precision
@@ -65,40 +66,6 @@ CRITIC_OPTIONS = frozenset({"critic_lr", "vf_coef", "critic_init"})
 """Options of an agent with a critic (:attr:`PPOAgent.needs_critic`)."""
 LORA_OPTIONS = frozenset({"lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit"})
 """Options of a policy LoRA (``lora`` 'required' or 'optional')."""
-
-
-def _own_lora_weights(view: nn.Module, weights: list[tuple[str, nn.Parameter]]) -> nn.Module:
-    """Register the LoRA ``weights`` of a view of the shared base on ``view`` itself, so that the
-    agent's ``state_dict`` (checkpoints, resume) and ``parameters`` hold them; the base stays out."""
-    for name, param in weights:
-        view.register_parameter(name.replace(".", "__"), param)
-    return view
-
-
-def policy_name(config: TrainConfig) -> str:
-    """How messages name the policy: ``config.model`` (a path or hub id), or the model object's."""
-    return config.model if isinstance(config.model, str) else name_of(config.model)
-
-
-def warmup_pairs(config: TrainConfig) -> list[tuple[Any, str]] | None:
-    """The (prompt, completion) pairs of the run's environment's format warm-up, drawn from its
-    training rows (None: it has none, as a plain ``--dataset`` has none). An environment whose
-    ``warmup_examples`` takes ``answer_accuracy`` gets ``warmup_answer_accuracy``."""
-    from textrl.envs.registry import split_rows, task_environment
-
-    env = task_environment(config.env, config.dataset, config.reward, config.env_args)
-    train_rows, _ = split_rows(env, config.eval_size, config.seed)
-    settings = {}
-    if "answer_accuracy" in inspect.signature(env.warmup_examples).parameters:
-        settings["answer_accuracy"] = config.warmup_answer_accuracy
-    return env.warmup_examples(list(train_rows), config.seed, **settings)
-
-
-def tokenizer_name(config: TrainConfig) -> str:
-    """How messages name the tokenizer: ``config.tokenizer``, else the policy's (its own tokenizer)."""
-    if config.tokenizer is None:
-        return policy_name(config)
-    return config.tokenizer if isinstance(config.tokenizer, str) else name_of(config.tokenizer)
 
 
 class PPOAgent(nn.Module):
@@ -136,34 +103,19 @@ class PPOAgent(nn.Module):
     _rollout_forward: RolloutForward | None = None
     _reused: RolloutForward | None = None
 
-    # -- construction ---------------------------------------------------------------------------
+    # -- construction (textrl/agents/build.py) ----------------------------------------------------
+    env_facts: EnvFacts | None = None
+    """What construction was handed of the run's environment (:class:`textrl.env_facts.EnvFacts`:
+    the warm-up pairs, the episode budget); None for an agent built directly."""
+    warmup_record: dict[str, Any] | None = None
+    """What the format warm-up did: ``asked_steps``, ``ran_steps``, ``reason`` (``summary.json``)."""
+
     @classmethod
     def validate_config(cls, config: TrainConfig) -> None:
         """Check ``config`` against the declarations (samples per prompt, options read, LoRA,
         sharding); ``ValueError`` names the agent, the option and what to do. Runs inside
         :meth:`TrainConfig.validate`, before any model loads; subclasses add their own checks."""
-        agent = config.agent
-        if config.n_samples_per_prompt < cls.min_samples_per_prompt:
-            raise ValueError(
-                f"n_samples_per_prompt={config.n_samples_per_prompt}: agent={agent!r} compares samples "
-                f"within a group, so it needs n_samples_per_prompt >= {cls.min_samples_per_prompt}"
-            )
-        for option in sorted(AGENT_OPTIONS - cls.options):
-            if not config.is_default(option):
-                raise ValueError(cls._ignored_option(agent, option, getattr(config, option)))
-        if "critic_init" in cls.options and config.critic_init == "reward_model" and not config.reward_model:
-            raise ValueError("critic_init='reward_model' needs --reward-model PATH")
-        if config.ref_refresh_every and not cls.needs_reference(config):
-            raise ValueError(f"ref_refresh_every={config.ref_refresh_every} refreshes the reference model, which "
-                             "kl_coef=0 does not build (nothing reads it): drop --ref-refresh-every, or set --kl-coef > 0")
-        cls._validate_lora(config)
-        sharded = config.sharding()
-        if sharded and not cls.shardable:
-            setting, flag = sharded
-            raise ValueError(
-                f"{setting} shards full-precision models; {agent} keeps one (4-bit) base per process "
-                f"instead: drop {flag}, or use another agent without --load-in-4bit"
-            )
+        build.validate_config(cls, config)
 
     @classmethod
     def needs_reference(cls, config: TrainConfig) -> bool:
@@ -179,214 +131,42 @@ class PPOAgent(nn.Module):
         return config.lora_r if config.lora_r is not None else cls.default_lora_r
 
     @classmethod
-    def _validate_lora(cls, config: TrainConfig) -> None:
-        """A LoRA policy shares one (4-bit) base with its reference (adapters disabled): that
-        reference cannot be refreshed, nor the base sharded; LoRA options need a rank."""
-        agent, rank = config.agent, cls.lora_rank(config)
-        if cls.lora == "required" and not rank:
-            raise ValueError(f"lora_r={config.lora_r}: {agent} trains a policy LoRA; give --lora-r >= 1")
-        if not rank:
-            if config.load_in_4bit:
-                raise ValueError("load_in_4bit=True freezes the base model, so only a LoRA policy can train on it: "
-                                 f"add --lora-r 8 (with --agent {agent}), or drop --load-in-4bit")
-            for option in ("lora_alpha", "lora_dropout", "lora_target_modules", "critic_type"):
-                if option in cls.options and not config.is_default(option):
-                    raise ValueError(f"{option}={getattr(config, option)!r} is read only with a LoRA policy: "
-                                     f"add --lora-r 8, or drop --{option.replace('_', '-')}")
-            return
-        if config.ref_refresh_every:
-            raise ValueError(f"ref_refresh_every={config.ref_refresh_every}: with a LoRA policy ({agent}, lora_r={rank}) "
-                             "the reference is the base with adapters disabled and cannot be refreshed; set it to 0")
-        if cls.needs_critic and config.critic_init != "policy":
-            raise ValueError(f"critic_init={config.critic_init!r}: with a LoRA policy ({agent}, lora_r={rank}) the critic "
-                             "is a value head on the shared base (critic_type); leave critic_init='policy'")
-        sharded = config.sharding()
-        if sharded:
-            setting, flag = sharded
-            raise ValueError(f"{setting} shards full-precision models; a LoRA policy ({agent}, lora_r={rank}) "
-                             f"shares one base per process instead: drop {flag}, or drop --lora-r")
-
-    @classmethod
-    def _ignored_option(cls, agent: str, option: str, value: Any) -> str:
-        """The refusal of an option the agent does not read: why, and which agents read it."""
-        from textrl.agent_registry import AGENTS
-
-        readers = [name for name, other in AGENTS.items() if option in other.options]
-        why = cls.not_read.get(option, "its algorithm has no use for it")
-        flag = "--" + option.replace("_", "-")
-        where = (f"{option} is read only by agent={readers[0]}" if len(readers) == 1
-                 else f"{option} is read by agent={'/'.join(readers)}" if readers else "")
-        choose = f" or choose --agent {readers[0]}" if readers else ""
-        return f"{agent} does not read {option}={value!r} ({why}); {where + ': ' if where else ''}drop {flag}{choose}"
-
-    @classmethod
     def brings_reward(cls, config: TrainConfig) -> bool:
         """Whether the agent scores responses with a reward model of its own (then ``--reward`` may be empty)."""
         return False
 
     @classmethod
-    def from_config(cls, config: TrainConfig, device: torch.device | str = "cpu", log: Any = print) -> PPOAgent:
+    def from_config(cls, config: TrainConfig, device: torch.device | str = "cpu", log: Any = print,
+                    env_facts: EnvFacts | None = None) -> PPOAgent:
         """The agent of ``config``: tokenizer, policy (the tiny model's format warm-up included),
-        a frozen reference copy, a critic when :attr:`needs_critic`, optimisers.
+        a frozen reference copy, a critic when :attr:`needs_critic`, optimisers
+        (:func:`textrl.agents.build.from_config`).
 
-        ``config`` is validated for this class first, before any model loads.
+        ``config`` is validated for this class first, before any model loads. ``env_facts`` is
+        what the run's environment gives (the trainer hands it over); without it, it is read
+        through the provider ``textrl.envs`` registers (:func:`textrl.env_facts.env_facts_of`).
         """
-        config.validate(cls)
-        Precision.of(config, device)  # a precision the device cannot run is refused before any model loads
-        tokenizer = cls.load_tokenizer(config)
-        if cls.lora_rank(config):
-            return cls._from_config_lora(config, tokenizer, torch.device(device), log)
-        critic_from_reward_model = cls.needs_critic and config.critic_init == "reward_model"
-        if critic_from_reward_model:  # before the policy loads: only the tokenizers are compared
-            cls.check_critic_tokenizer(config, tokenizer)
-        policy = cls.load_policy(config, tokenizer, torch.device(device), log)
-        critic = cls.build_critic(config, policy) if cls.needs_critic else None
-        if critic_from_reward_model:
-            check_tokenizer_fits(tokenizer, critic, tokenizer_name=tokenizer_name(config),
-                                 model_name=str(config.reward_model))
-        reference = copy.deepcopy(policy) if cls.needs_reference(config) else None
-        return cls(policy, tokenizer, config, ref_policy=reference, critic=critic)
-
-    @classmethod
-    def _from_config_lora(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any) -> PPOAgent:
-        """The agent with a policy LoRA (``lora_r``) on one base, as TRL does with peft: the
-        reference is that base with adapters disabled; the critic (if any) a value head on the
-        base's final hidden states under the policy adapter (``critic_type='value_head'``: only the
-        head trains) or under a critic adapter of its own (``'lora'``). ``load_in_4bit`` loads the
-        base in 4-bit NF4; a full-precision tiny base gets the format warm-up first."""
-        from textrl.agents.adapter_views import (
-            CRITIC,
-            POLICY,
-            AdapterPolicy,
-            build_adapter_stack,
-            value_critic,
-        )
-        from textrl.models.adapters import load_base_model, lora_config
-
-        if config.load_in_4bit:
-            base = load_base_model(config.model, load_in_4bit=True, device=device,
-                                   precision=Precision.of(config, device))
-            check_tokenizer_fits(tokenizer, base, tokenizer_name=tokenizer_name(config), model_name=policy_name(config))
-        else:
-            base = cls.load_policy(config, tokenizer, device, log)
-        lora = lora_config(cls.lora_rank(config), config.lora_alpha, config.lora_dropout, config.lora_target_modules,
-                           model=base)
-        lora_critic = cls.needs_critic and config.critic_type == "lora"
-        stack, _ = build_adapter_stack(base, lora, critic_adapter=lora_critic)
-        policy = _own_lora_weights(AdapterPolicy(stack, POLICY), stack.lora[POLICY])
-        critic = None
-        if cls.needs_critic:
-            critic = _own_lora_weights(value_critic(stack, lora_critic), stack.lora[CRITIC] if lora_critic else [])
-        reference = AdapterPolicy(stack, None) if cls.needs_reference(config) else None
-        agent = cls(policy, tokenizer, config, ref_policy=reference, critic=critic)
-        agent.stack = stack
-        return agent
+        own_loader = cls.load_policy.__func__ is not PPOAgent.load_policy.__func__  # loads without the warm-up
+        return build.from_config(cls, config, device, log, env_facts, own_loader)
 
     @classmethod
     def load_tokenizer(cls, config: TrainConfig) -> Any:
-        """``config.tokenizer`` (a path, hub id or tokenizer object), else the model's own tokenizer
-        (found by the model object's ``name_or_path`` when ``config.model`` is an object)."""
-        from textrl.models import load_tokenizer
-
-        if config.tokenizer is not None:
-            return load_tokenizer(config.tokenizer)
-        if isinstance(config.model, str):
-            return load_tokenizer(config.model)
-        name = getattr(config.model, "name_or_path", None)
-        if not name:
-            raise ValueError(f"model is a {type(config.model).__name__} object without a name_or_path; "
-                             "pass its tokenizer too (TrainConfig(tokenizer=...))")
-        return load_tokenizer(name)
+        """``config.tokenizer`` (a path, hub id or tokenizer object), else the model's own tokenizer."""
+        return build.load_tokenizer(config)
 
     @classmethod
-    def load_policy(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print) -> nn.Module:
-        """The policy of ``config.model`` on ``device`` in the run's precision (``dtype``,
-        ``attn_implementation``: :class:`textrl.precision.Precision`), eval mode; an environment
-        with a warm-up source (the built-in tasks) gets a short supervised format warm-up first
-        (``warmup_sft_steps``, :func:`warmup_pairs`), under the run's autocast."""
-        from textrl.models import load_causal_lm
-
-        precision = Precision.of(config, device)
-        policy = load_causal_lm(config.model, device=device, **precision.model_kwargs())
-        check_tokenizer_fits(tokenizer, policy, tokenizer_name=tokenizer_name(config), model_name=policy_name(config))
-        pairs = warmup_pairs(config) if config.warmup_sft_steps > 0 else None
-        if pairs:
-            from textrl.warmup import sft_warmup
-
-            stats = sft_warmup(
-                policy, tokenizer, pairs, steps=config.warmup_sft_steps, lr=config.warmup_sft_lr,
-                batch_size=config.warmup_sft_batch_size, seed=config.seed, autocast=precision.autocast,
-            )
-            log(f"warm-up: {stats['steps']} SFT steps on the format, loss {stats['loss_first']:.2f} -> "
-                f"{stats['loss_last']:.2f} in {stats['seconds']:.1f}s")
-        return policy.eval()
-
-    @classmethod
-    def check_critic_tokenizer(cls, config: TrainConfig, tokenizer: Any) -> None:
-        """``critic_init='reward_model'``: the critic reads the policy's token ids with the reward
-        model's body, so the reward model's tokenizer must give each policy token the same id
-        (:func:`textrl.models.checks.check_critic_tokenizer`); refused before any model loads."""
-        from textrl.models import load_tokenizer
-        from textrl.models.checks import check_critic_tokenizer
-
-        try:
-            reward_tokenizer = load_tokenizer(config.reward_model)
-        except ValueError as err:
-            raise ValueError(f"critic_init='reward_model': the tokenizer of reward model {config.reward_model!r} "
-                             f"cannot be compared with the policy's: {err}") from None
-        check_critic_tokenizer(tokenizer, reward_tokenizer, policy=tokenizer_name(config),
-                               reward_model=str(config.reward_model))
+    def load_policy(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print,
+                    env_facts: EnvFacts | None = None) -> nn.Module:
+        """The policy of ``config.model`` on ``device`` in the run's precision, eval mode; an
+        environment with a warm-up source (the built-in tasks) gets a short supervised format
+        warm-up first (``warmup_sft_steps``), under the run's autocast (:func:`textrl.agents.build.load_policy`)."""
+        return build.load_policy(config, tokenizer, device, log, env_facts)[0]
 
     @classmethod
     def build_critic(cls, config: TrainConfig, policy: nn.Module) -> nn.Module:
         """``V(s_t)``: a value head on a copy of the policy, or on the reward model (``critic_init``),
         on the policy's device and in the run's precision."""
-        from textrl.models.value import ValueModel
-
-        if config.critic_init == "reward_model":
-            from textrl.models import load_reward_model
-
-            precision = Precision.of(config, next(policy.parameters()).device)
-            return ValueModel.from_reward_model(  # its head on the backbone's device, in its dtype
-                load_reward_model(config.reward_model, device=precision.device, **precision.model_kwargs()))
-        return ValueModel.from_causal_lm(policy)
-
-    def task_reward(self, spec: str, default: Any = None) -> Any:
-        """The task reward of reward ``spec`` (``textrl.rewards.parse_reward_spec``; when empty,
-        ``default``, a reward callable such as an environment's own), joined by the agent's own
-        ``reward_model`` (if it has one) as component 'reward_model', scored in batches by
-        ``NeuralReward``; None when there is none of them."""
-        from textrl.rewards import CompositeReward, NeuralReward, parse_reward_spec, reward_name
-
-        model = getattr(self, "reward_model", None)
-        rules = parse_reward_spec(spec) if spec.strip() else None
-        if callable(default) and rules is not None:  # the environment's own function and --reward-model's spec
-            parts = {reward_name(default): (default, 1.0)} if not isinstance(default, CompositeReward) else \
-                {name: (fn, default.weights[name]) for name, fn in default.functions.items()}
-            rules = CompositeReward({**parts, **{k: (f, rules.weights[k]) for k, f in rules.functions.items()}})
-        elif callable(default):
-            rules = default
-        self.place_neural_rewards(rules)
-        if model is None:
-            return rules
-        neural = NeuralReward(model, self.tokenizer, batch_size=self.config.forward_batch_size,
-                              autocast=self.precision.autocast)
-        if isinstance(rules, CompositeReward):
-            parts = {name: (fn, rules.weights[name]) for name, fn in rules.functions.items()}
-        else:
-            parts = {} if rules is None else {reward_name(rules): (rules, 1.0)}
-        return CompositeReward({**parts, "reward_model": (neural, 1.0)})
-
-    def place_neural_rewards(self, reward: Any) -> None:
-        """Move every reward model among ``reward``'s functions (a :class:`NeuralReward`, alone or
-        in a ``CompositeReward``) to the agent's device, in the run's precision, scoring under its
-        autocast: a ``reward_model:PATH`` spec loads on the CPU."""
-        from textrl.rewards import CompositeReward, NeuralReward
-
-        functions = reward.functions.values() if isinstance(reward, CompositeReward) else [reward]
-        for fn in functions:
-            if isinstance(fn, NeuralReward):
-                fn.place(self.precision)
+        return build.build_critic(config, policy)
 
     def __init__(
         self,
@@ -477,22 +257,16 @@ class PPOAgent(nn.Module):
 
     def episode_budget(self) -> int:
         """The run's token budget of an episode after the prompt (agent and observation tokens):
-        ``max_episode_tokens``, else the environment's default (``max_new_tokens`` for a single
-        turn; :func:`textrl.envs.episodes.default_episode_tokens`). The constant of the length
-        terms (Dr. GRPO's denominator, DAPO's overlong penalty); never a batch's padded ``T``."""
-        cached = getattr(self, "_episode_budget", None)
-        if cached is None:
-            cfg = self.config
-            if cfg.max_episode_tokens is not None:
-                cached = cfg.max_episode_tokens
-            else:
-                from textrl.envs.episodes import default_episode_tokens
-                from textrl.envs.registry import task_environment
-
-                env = task_environment(cfg.env, cfg.dataset, cfg.reward, cfg.env_args)
-                cached = default_episode_tokens(env, cfg.max_new_tokens)
-            self._episode_budget = int(cached)
-        return self._episode_budget
+        the one the trainer handed over (:attr:`env_facts`: ``max_episode_tokens``, else the
+        environment's default, fitted to the context), else ``max_episode_tokens``, else the
+        environment's default read through :func:`textrl.env_facts.env_facts_of` (``max_new_tokens``
+        for a single turn). The constant of the length terms (Dr. GRPO's denominator, DAPO's
+        overlong penalty); never a batch's padded ``T``."""
+        if self.env_facts is None:
+            if self.config.max_episode_tokens is not None:
+                return int(self.config.max_episode_tokens)
+            self.env_facts = env_facts_of(self.config, warmup=False)
+        return self.env_facts.episode_budget
 
     def loss_mask(self, td: TensorDictBase) -> Tensor:
         """The tokens the loss counts, bool ``[B, T]``: ``KEYS.loss_mask`` where the estimator
@@ -656,7 +430,7 @@ class PPOAgent(nn.Module):
         stats = {"loss/policy": pg_loss, "entropy": entropy_loss, **stats}
         if cfg.kl_in == "loss" and self.ref_policy is not None:
             kl_mean = self.aggregate(self.reference_kl(logp, mb), mask)
-            if cfg.kl_hinge:  # seed 000: only the KL above the target is penalised
+            if cfg.kl_hinge:  # `kl_hinge`: only the KL above the target is penalised
                 kl_mean = (kl_mean - cfg.kl_target).clamp(min=0)
             stats["loss/kl"] = terms["kl"] = self.kl_ctl.value * kl_mean
         return terms, stats
@@ -696,7 +470,7 @@ class PPOAgent(nn.Module):
         ``gradient_accumulation_steps`` as evenly as possible (uneven only when
         ``reward_nonfinite='drop'`` removed rows).
 
-        Besides the losses (averaged over minibatches), it reports seed 003's three KL monitors,
+        Besides the losses (averaged over minibatches), it reports the three KL monitors,
         each the mean per-token KL(policy || ref) of ``config.kl_kind``: ``kl/collection`` (the
         behaviour log-probs stored in the rollout), ``kl/before_update`` and, with
         ``config.kl_after_update``, ``kl/after_update`` (the policy re-evaluated before and after
@@ -738,53 +512,15 @@ class PPOAgent(nn.Module):
         return micro / mb_size
 
     def after_update(self) -> None:
-        """End of an iteration's updates: reference refresh (seed 000) and counters. Runs after a
+        """End of an iteration's updates: reference refresh (`ref_refresh_every`) and counters. Runs after a
         rollback, so a refresh copies the restored weights, never NaN/inf ones."""
         self.iteration += 1
         every = self.config.ref_refresh_every
         if every and self.ref_policy is not None and self.iteration % every == 0:
             self._copy_weights(self.ref_policy, self.policy)
 
-    # -- resume ---------------------------------------------------------------------------------
-    def agent_state_dict(self) -> dict[str, Any]:
-        """Everything but model weights: optimisers (full tensors, as the backend saves them),
-        schedulers, KL controller, counters. A collective where the backend gathers."""
-        return {
-            "optimizers": self.backend.optimizer_state(self),
-            "schedulers": [s.state_dict() for s in self.schedulers],
-            "kl_ctl": self.kl_ctl.state_dict(),
-            "iteration": self.iteration,
-        }
-
-    def load_agent_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`agent_state_dict`'s output."""
-        self.backend.invalidate_rollback()
-        self.backend.load_optimizer_state(self, state["optimizers"])
-        for sch, s in zip(self.schedulers, state["schedulers"]):
-            sch.load_state_dict(s)
-        self.kl_ctl.load_state_dict(state["kl_ctl"])
-        self.iteration = int(state["iteration"])
-
-    SCHEDULE_SETTINGS = frozenset({"actor_lr", "critic_lr", "lr_schedule", "lr_warmup_steps", "iterations",
-                                   "ppo_epochs", "num_minibatches"})
-    """Settings the learning-rate schedule is built from (its length counts optimiser steps)."""
-
-    def take_changed_settings(self, names: set[str]) -> None:
-        """After a resume that changed the settings ``names``: the restored state holds the
-        checkpoint's learning rates and KL coefficient, so set the config's (each learning rate
-        where the schedule puts it at this step; the KL controller, adaptive or not, continues
-        from the new ``kl_coef``). Every other setting is read from the config where it is used."""
-        self.backend.invalidate_rollback()
-        if names & self.SCHEDULE_SETTINGS:
-            rates = iter(group["lr"] for group in self.param_groups())  # the actor's, then the critic's
-            for scheduler in self.schedulers:  # one per optimiser, or one over both groups (ZeRO)
-                scheduler.base_lrs = [next(rates) for _ in scheduler.optimizer.param_groups]
-                for group, lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
-                                             scheduler.lr_lambdas):
-                    group["initial_lr"] = lr
-                    group["lr"] = lr * factor(scheduler.last_epoch)
-        if "kl_coef" in names:
-            self.kl_ctl.value = float(self.config.kl_coef)
+    # -- resume (textrl/agents/state.py) ------------------------------------------------------------
+    SCHEDULE_SETTINGS = resume.SCHEDULE_SETTINGS
 
     def weights_state(self) -> dict[str, Tensor]:
         """The weights a checkpoint holds: every model's (policy, reference, critic, snapshots),
@@ -792,30 +528,15 @@ class PPOAgent(nn.Module):
         return self.backend.model_state(self)
 
     def load_weights_state(self, state: dict[str, Tensor], strict: bool = True, assign: bool = False) -> Any:
-        """Restore :meth:`weights_state`'s output (every process passes the same ``state``).
-
-        The reference follows this run's settings (:meth:`needs_reference`): a checkpoint's
-        reference is left out when the agent keeps none (resumed with ``kl_coef`` 0), and an agent
-        that keeps one keeps the one it built, the starting policy, when the checkpoint holds none
-        (its run had ``kl_coef`` 0 and kept no reference)."""
-        self.backend.invalidate_rollback()
-        prefix = "ref_policy."
-        if self.ref_policy is None:
-            state = {k: v for k, v in state.items() if not k.startswith(prefix)}
-        elif state and not any(k.startswith(prefix) for k in state):
-            own = [k for k in nn.Module.state_dict(self) if k.startswith(prefix)]
-            if own and self.backend.gathers_state:
-                raise ValueError("the checkpoint holds no reference model (its run had kl_coef=0) and this "
-                                 f"{self.backend.name} run cannot rebuild one from sharded weights: resume with "
-                                 "--kl-coef 0, or without sharding")
-            state = {**state, **{k: v for k, v in nn.Module.state_dict(self).items() if k.startswith(prefix)}}
-        return self.backend.load_model_state(self, state, strict=strict, assign=assign)
+        """Restore :meth:`weights_state`'s output (every process passes the same ``state``;
+        :func:`textrl.agents.state.load_weights`: the reference follows this run's settings)."""
+        return resume.load_weights(self, state, strict=strict, assign=assign)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """:meth:`weights_state` plus ``agent_state`` (:meth:`agent_state_dict`); a collective
+        """:meth:`weights_state` plus ``agent_state`` (:func:`textrl.agents.state.agent_state`); a collective
         where the backend gathers."""
         state = self.weights_state()
-        state["agent_state"] = self.agent_state_dict()
+        state["agent_state"] = resume.agent_state(self)
         return state
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
@@ -824,7 +545,7 @@ class PPOAgent(nn.Module):
         agent_state = state_dict.pop("agent_state", None)
         result = self.load_weights_state(state_dict, strict=strict, assign=assign)
         if agent_state is not None:
-            self.load_agent_state_dict(agent_state)
+            resume.load_agent_state(self, agent_state)
         return result
 
 
@@ -866,5 +587,6 @@ def ppo_stats(pg_stats: dict[str, Tensor]) -> dict[str, Tensor]:
 
 __all__ = [
     "CRITIC_OPTIONS", "LORA_OPTIONS", "POLICY_OBJECTIVE_OPTIONS", "SCORE", "SHARED_OPTIONS", "CriticFreePPO", "PPOAgent",
-    "LossTerms", "RolloutForward", "UpdateTally", "attended_response", "ppo_stats", "position_ids_for", "sequence_inputs", "total_loss", "warp_logits",
+    "EnvFacts", "LossTerms", "RolloutForward", "UpdateTally", "attended_response", "policy_name", "ppo_stats",
+    "tokenizer_name", "warmup_pairs", "position_ids_for", "sequence_inputs", "total_loss", "warp_logits",
 ]

@@ -76,7 +76,7 @@ class GAEPPO(PPOAgent):
 
     def token_kl(self, logp: Tensor, td: TensorDictBase) -> Tensor:
         """Per-token penalty ``[B, T]`` against ``td``'s reference log-probs: ``KL_t`` of ``kl_kind``,
-        or seed 000's ``max(0, KL_t - kl_target)``; zeros without a reference (``kl_coef`` 0)."""
+        or the hinge ``max(0, KL_t - kl_target)``; zeros without a reference (``kl_coef`` 0)."""
         kl = self.reference_kl(logp, td)
         if self.config.kl_hinge:
             kl = (kl - self.config.kl_target).clamp(min=0)

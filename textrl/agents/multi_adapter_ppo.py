@@ -45,9 +45,11 @@ from textrl.agents.adapter_views import (
     build_adapter_stack,
     value_critic,
 )
-from textrl.agents.base import LORA_OPTIONS, policy_name, tokenizer_name, warmup_pairs
+from textrl.agents.base import LORA_OPTIONS
+from textrl.agents.build import keep_construction, policy_name, tokenizer_name, warmup_none
 from textrl.agents.gae_ppo import GAEPPO
 from textrl.config import TrainConfig
+from textrl.env_facts import EnvFacts, env_facts_of
 from textrl.models.adapters import (
     is_peft,
     keep_4bit_differentiable,
@@ -111,16 +113,21 @@ class MultiAdapterPPO(GAEPPO):
         return bool(config.reward_adapter)
 
     @classmethod
-    def from_config(cls, config: TrainConfig, device: torch.device | str = "cpu", log: Any = print) -> MultiAdapterPPO:
+    def from_config(cls, config: TrainConfig, device: torch.device | str = "cpu", log: Any = print,
+                    env_facts: EnvFacts | None = None) -> MultiAdapterPPO:
         """The base model (4-bit with ``load_in_4bit``) and its tokenizer; the agent adds its adapters,
         critic and reward model to the base. No SFT warm-up: the base must stay exactly the model the
         reward adapter was trained on (fine-tune first with `textrl sft` + `textrl merge`, or run
         `textrl pipeline`)."""
         config.validate(cls)
-        if config.warmup_sft_steps > 0 and warmup_pairs(config):
+        if env_facts is None and config.warmup_sft_steps > 0:
+            env_facts = env_facts_of(config)
+        warmup = warmup_none(config, env_facts, agent_warms=False)
+        if warmup["asked_steps"] > 0 and env_facts.warmup_pairs:
             log(f"{config.agent}: no SFT warm-up (the base is shared with the reward adapter)")
         tokenizer = cls.load_tokenizer(config)
-        return cls(cls.load_policy(config, tokenizer, torch.device(device), log), tokenizer, config)
+        agent = cls(cls.load_policy(config, tokenizer, torch.device(device), log), tokenizer, config)
+        return keep_construction(agent, env_facts, warmup)
 
     @classmethod
     def load_policy(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print) -> nn.Module:

@@ -1,4 +1,4 @@
-"""Sequence-level PPO: the whole response is one action (MiniMind ``train_ppo.py``, seed 002).
+"""Sequence-level PPO: the whole response is one action (MiniMind ``train_ppo.py``).
 
 ``A = R - V(s_last)`` (V read at the last valid token), ``ratio = exp(sum_t logp - sum_t
 logp_old)`` against a frozen old-policy snapshot refreshed every ``old_policy_refresh_every``

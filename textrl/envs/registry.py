@@ -25,6 +25,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from textrl.env_facts import EnvFacts, provide_env_facts
 from textrl.envs.environment import Environment
 from textrl.registry import Messages, Registry
 
@@ -282,5 +283,33 @@ def split_rows(env: Environment, eval_size: int, seed: int) -> tuple[Any, Any]:
     return rows, held_out
 
 
-__all__ = ["DATASET_REWARD", "DEFAULT_ENV", "ENVS", "ENV_LOADERS", "REGISTRY", "env_ids", "gym_id", "make_env", "register_env", "env_settings", "parse_env_args", "register_env_loader", "split_rows",
+def env_facts(config: Any, env: Environment | None = None, *, warmup: bool = True, train_rows: Any = None) -> EnvFacts:
+    """What an agent's construction reads of ``config``'s environment (``env``, else built from
+    the config; its training rows ``train_rows``, else split from it): the episode budget
+    (``max_episode_tokens``, else the environment's default: ``max_new_tokens`` for a single turn)
+    and, with ``warmup`` and ``warmup_sft_steps > 0``, the format warm-up's (prompt, completion)
+    pairs, drawn from the training rows (None: it has none, as a plain ``--dataset`` has none). An
+    environment whose ``warmup_examples`` takes ``answer_accuracy`` gets ``warmup_answer_accuracy``."""
+    from textrl.envs.episodes import default_episode_tokens
+
+    if env is None:
+        env = task_environment(config.env, config.dataset, config.reward, config.env_args)
+    budget = config.max_episode_tokens
+    if budget is None:
+        budget = default_episode_tokens(env, config.max_new_tokens)
+    pairs = None
+    if warmup and config.warmup_sft_steps > 0:
+        if train_rows is None:
+            train_rows, _ = split_rows(env, config.eval_size, config.seed)
+        settings = {}
+        if "answer_accuracy" in inspect.signature(env.warmup_examples).parameters:
+            settings["answer_accuracy"] = config.warmup_answer_accuracy
+        pairs = env.warmup_examples(list(train_rows), config.seed, **settings)
+    return EnvFacts(env_id=env.id, episode_budget=int(budget), warmup_pairs=pairs)
+
+
+provide_env_facts(env_facts)  # a direct Agent.from_config(config) reads the environment through it
+
+
+__all__ = ["DATASET_REWARD", "DEFAULT_ENV", "ENVS", "ENV_LOADERS", "REGISTRY", "env_facts", "env_ids", "gym_id", "make_env", "register_env", "env_settings", "parse_env_args", "register_env_loader", "split_rows",
            "task_environment"]

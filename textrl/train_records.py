@@ -1,0 +1,141 @@
+"""What a ``textrl train`` run records and tells: ``summary.json``'s record of what ran (the
+lengths in use, the warm-up as the agent's construction kept it), the metrics row of an
+iteration, the peak memory, the message of an early stop, and the before / after table of the
+held-out metrics. :mod:`textrl.trainer` runs the iteration and calls these.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from textrl.config import TrainConfig
+from textrl.distributed import Distributed
+from textrl.keys import KEYS
+from textrl.rollout import episode_metrics
+from textrl.run import SETTINGS_FILE, latest_checkpoint, resume_command, signal_message
+
+
+def run_records(run: Any) -> dict[str, Any]:
+    """``summary.json``'s record of what ran in ``run`` (a :class:`textrl.trainer.PPORun`) where
+    config.yaml keeps what was asked: ``lengths`` (the prompts' cap and the episode budget in use,
+    each ``set`` or ``auto``) and ``warmup`` (:func:`warmup_record`)."""
+    config = run.config
+    lengths = {"max_prompt_length": run.sampler.max_prompt_length, "prompt_truncate": run.sampler.truncate,
+               "max_episode_tokens": run.episodes.max_episode_tokens,
+               "source": {name: "auto" if getattr(config, name) is None else "set"
+                          for name in ("max_prompt_length", "max_episode_tokens")}}
+    return {"lengths": lengths, "warmup": warmup_record(config, run.agent, run.episodes.env)}
+
+
+def warmup_record(config: TrainConfig, agent, env) -> dict[str, Any]:
+    """What the supervised format warm-up did, for ``summary.json``, as the agent's construction
+    kept it (``agent.warmup_record``, :func:`textrl.agents.build.load_policy`): ``asked_steps``
+    (``warmup_sft_steps``, as config.yaml records it), ``ran_steps`` (the steps it ran) and, when
+    none ran, the ``reason`` (no steps asked, an environment without warm-up examples, an agent
+    that loads its policy without the warm-up, such as multi_adapter_ppo). An agent whose
+    construction kept no record is taken to have loaded its policy without the warm-up."""
+    from textrl.agents.build import warmup_none
+    from textrl.envs.registry import env_facts
+
+    record = getattr(agent, "warmup_record", None)
+    if record is None:
+        facts = env_facts(config, env) if config.warmup_sft_steps > 0 else None
+        record = warmup_none(config, facts, agent_warms=False)
+    return dict(record)
+
+
+def iteration_metrics(
+    iteration: int, td, update_metrics: dict[str, float], dist: Distributed | None = None
+) -> dict[str, float]:
+    """The flat metrics row of one iteration: rollout reward (total and per component), the
+    episodes' turns and end reasons (``episode/*``), response length (the agent's tokens), rows
+    (``samples``) and generated tokens over every process's share of the rollout,
+    then the agent's update metrics (losses, KL monitors, ...) averaged over processes."""
+    dist = dist or Distributed()
+    lengths = dist.gather(td.get(KEYS.mask).sum(1))  # [B_global]
+    score = dist.gather(td.get(KEYS.score).float())  # [B_global]
+    row: dict[str, float] = {"iteration": iteration}
+    row["reward/mean"] = score.mean().item()
+    row["reward/std"] = score.std().item() if score.numel() > 1 else 0.0
+    for name, value in td.get(KEYS.reward_components).items():
+        value = dist.gather(value.float())
+        # NaN where the function does not apply to a row (it returned None): over the rows it applies to
+        applies = value[~value.isnan()]
+        row[f"reward_components/{name}/mean"] = applies.mean().item() if applies.numel() else float("nan")
+        row[f"reward_components/{name}/std"] = applies.std().item() if applies.numel() > 1 else 0.0
+    if KEYS.turns in td.keys(include_nested=True):  # turns and why the episodes ended (length, context, ...)
+        row.update(episode_metrics(dist.gather(td.get(KEYS.turns)), dist.gather(td.get(KEYS.end_reason))))
+    row["response_length/mean"] = lengths.float().mean().item()
+    row["samples"] = float(lengths.numel())
+    row["tokens"] = float(lengths.sum().item())
+    row.update(dist.mean(update_metrics))
+    return row
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """This process's peak memory so far, in MiB: ``torch.cuda.max_memory_allocated`` on CUDA,
+    else the resident-set high-water mark (``ru_maxrss``; everything the process touched)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def nonfinite_rows(td, n_rows: int) -> float:
+    """Rows of a rollout of ``n_rows`` whose task reward was NaN/inf: dropped plus zeroed."""
+    flagged = td.get(KEYS.reward_nonfinite).sum().item() if KEYS.reward_nonfinite in td.keys() else 0
+    return float(n_rows - td.shape[0] + flagged)
+
+
+def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak: int,
+                 saved: Path | None, weights_poisoned: bool = False) -> str:
+    """What the user reads when the run stops early: why, where the checkpoint is, how to resume."""
+    config_path = Path(config.output_dir) / SETTINGS_FILE
+    if weights_poisoned:
+        rollback = ("With nonfinite_weights='rollback' (the default) the update is undone and the run "
+                    "goes on. " if config.nonfinite_weights == "stop" else "")
+        return (f"textrl train: stopped after iteration {iteration}: its update left NaN/inf weights, so "
+                f"no checkpoint was written; {_newest_good(config.output_dir)}. "
+                f"{rollback}Usual causes: a learning rate too high, max_grad_norm=0, a reward model that "
+                f"overflows. Lower them, then resume with: {resume_command('train', config_path)}")
+    if streak >= config.max_nonfinite_updates:
+        kept = (f"the weights of the last good update are saved in {saved}" if saved else
+                "the weights themselves are NaN/inf, so no checkpoint was written; "
+                f"{_newest_good(config.output_dir)}")
+        return (f"textrl train: stopped after iteration {iteration}: {streak} consecutive updates "
+                "were skipped for NaN/inf (loss, gradients, log-probs, values or advantages, or "
+                "steps that left NaN/inf weights, rolled back; see nonfinite/skipped_updates and "
+                f"nonfinite/rolled_back in metrics.jsonl); {kept}. Usual causes: a learning rate "
+                f"too high, max_grad_norm=0, a reward model that overflows. Resume with: "
+                f"{resume_command('train', config_path)}")
+    return signal_message("train", "iteration", iteration, config.iterations, signum, saved, config_path)
+
+
+def _newest_good(output_dir: str) -> str:
+    """For a stop that wrote no checkpoint: the newest good one (not "None" when there is none)."""
+    newest = latest_checkpoint(output_dir)
+    return f"the newest good one is {newest}" if newest else "none was written before either"
+
+
+def format_summary(before: dict[str, float] | None, after: dict[str, float]) -> str:
+    """A small before/after table of the held-out metrics."""
+    keys = [k for k in ("reward/mean", "format_rate", "accuracy", "response_length/mean")]
+    lines = [f"{'held-out metric':<34}{'before':>10}{'after':>10}"]
+    for mode in ("sampled", "greedy"):
+        for key in keys:
+            full = f"eval/{mode}/{key}"
+            if full not in after:
+                continue
+            b = f"{before[full]:.3f}" if before and full in before else "-"
+            lines.append(f"{mode + ' ' + key:<34}{b:>10}{after[full]:>10.3f}")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "format_summary", "iteration_metrics", "nonfinite_rows", "peak_memory_mib", "run_records", "stop_message",
+    "warmup_record",
+]
