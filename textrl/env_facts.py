@@ -3,11 +3,14 @@
 The agents (``textrl/agents/``) import no environment code: the trainer builds the environment
 once and hands the agent an :class:`EnvFacts` (the format warm-up's pairs, the episode budget).
 A direct ``Agent.from_config(config)`` without one asks the provider that ``textrl.envs``
-registers here when it is imported (:func:`provide_env_facts`, :func:`env_facts_of`).
+registers here when it is imported (:func:`provide_env_facts`, :func:`env_facts_of`); when nothing
+has imported it yet, :func:`env_facts_of` imports it by name, as a registry loads its built-ins,
+so the dependency stays a registration and a script that never imports ``textrl.envs`` works.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +39,8 @@ def provide_env_facts(provider: Callable[..., EnvFacts]) -> None:
 def env_facts_of(config: Any, *, warmup: bool = True) -> EnvFacts:
     """The :class:`EnvFacts` of ``config``'s environment, built by the registered provider
     (the warm-up pairs only with ``warmup``)."""
+    if not _PROVIDER:
+        importlib.import_module("textrl.envs")  # registers its provider on import
     if not _PROVIDER:
         raise ValueError("no environment to read the warm-up and episode budget from: import textrl.envs "
                          "(it provides them), or pass env_facts=textrl.envs.env_facts(config)")

@@ -1,0 +1,44 @@
+"""What an agent reads of the environment (``textrl.env_facts``): handed over by the trainer, or
+read through the provider ``textrl.envs`` registers, which a direct ``from_config`` imports by
+name when nothing has imported it yet."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from textrl.config import TrainConfig
+from textrl.env_facts import EnvFacts, env_facts_of
+
+SCRIPT = """
+import sys
+from textrl.agents import GAEPPO
+from textrl.config import TrainConfig
+assert "textrl.envs" not in sys.modules, "importing textrl.agents imported textrl.envs"
+agent = GAEPPO.from_config(TrainConfig(warmup_sft_steps=2, iterations=1))
+print(agent.episode_budget(), agent.warmup_record["ran_steps"])
+"""
+
+
+def test_a_script_that_never_imports_the_envs_builds_an_agent_from_its_config():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT)], capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-2:] == ["24", "2"]
+
+
+def test_the_provider_reads_the_configs_environment():
+    facts = env_facts_of(TrainConfig(max_new_tokens=24), warmup=False)
+    assert isinstance(facts, EnvFacts) and facts.episode_budget == 24 and facts.warmup_pairs is None
+    with_pairs = env_facts_of(TrainConfig(), warmup=True)
+    assert with_pairs.warmup_pairs and all(isinstance(c, str) for _, c in with_pairs.warmup_pairs)
+
+
+@pytest.mark.parametrize("tokens", [8, 40])
+def test_max_episode_tokens_is_the_budget(tokens):
+    assert env_facts_of(TrainConfig(max_episode_tokens=tokens, max_new_tokens=8), warmup=False).episode_budget == tokens
