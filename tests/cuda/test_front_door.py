@@ -10,7 +10,7 @@ Covered: ``textrl train`` for every registered agent, a multi-turn environment, 
 a 4-bit base, a resume, ``sft`` / ``rm`` / ``dpo`` (and a LoRA stage on a 4-bit base),
 ``pipeline``, ``bench``, the benchmark scripts that compute with models (the others,
 ``bench_env``, ``bench_functional``, ``bench_prompts``, ``fault_catalogue`` and
-``longest_functions``, time Python, tokenisation or the CPU functions and take no device), the
+``code_shape``, time Python, tokenisation or the CPU functions and take no device), the
 embedded default for 300 iterations in bf16 without a skipped update, and the attention kernels a
 forward with gradients may use (a masked backward at a sequence length of 64 mod 128 whose rows
 have a very negative log-sum-exp: the cuDNN kernel's NaN).
