@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from textrl.config import TrainConfig
+
 # The cases of benchmarks/faults/*.py register themselves with ``import fault_catalogue`` (one module,
 # whether this file runs as a script or is imported).
 sys.modules.setdefault("fault_catalogue", sys.modules[__name__])
@@ -144,7 +146,8 @@ def _write(trial: Trial, name: str, text: str | bytes) -> Path:
 
 RESUME = ["train", *SMALL, "--iterations", "3", "--checkpoint-every", "1", "--resume"]
 _refusal("resume: another seed", [*RESUME, "--seed", "1"], "seed: 0 -> 1", on_base=True)
-_refusal("resume: another agent", [*RESUME, "--agent", "grpo"], "agent: 'gae_ppo' -> 'grpo'", on_base=True)
+_refusal("resume: another agent", [*RESUME, "--agent", "grpo"], f"agent: {TrainConfig().agent!r} -> 'grpo'",
+         on_base=True)
 _refusal("resume: another model", [*RESUME, "--model", "{root}/elsewhere"], "model: 'tiny' ->", on_base=True)
 _refusal("resume: another dataset", [*RESUME, "--dataset", "{root}/other.jsonl"], "dataset:", on_base=True)
 _refusal("resume: without the run's settings", ["train", "--resume"], "--resume cannot change", on_base=True)
@@ -201,8 +204,11 @@ def models(trial: Trial, base: Path) -> None:
              ("an uncached hub id, offline", ["--model", "nobody-xyz/not-a-model"], "nobody-xyz/not-a-model"),
              ("max_new_tokens past the context", ["--model", str(gpt2), "--max-new-tokens", "5000"],
               "positions of model"),
-             ("a prompt past the context", ["--model", str(gpt2), "--dataset", str(long_prompt), "--eval-size", "1", "--iterations", "1",
-                                            "--max-prompt-length", "2000", "--reward", "think_format"], "long.jsonl:2")]
+             # left unset, max_prompt_length is fitted to the context and the long prompt keeps its
+             # last tokens (one line says so); given past the context, it is refused naming the levers
+             ("a prompt length past the context", ["--model", str(gpt2), "--dataset", str(long_prompt), "--eval-size", "1",
+                                                   "--iterations", "1", "--max-prompt-length", "2000", "--reward",
+                                                   "think_format"], "lower --max-prompt-length")]
     for label, flags, expect in cases:
         start = time.monotonic()
         proc = trial.textrl("train", *SMALL, *flags, "--output-dir", str(out))

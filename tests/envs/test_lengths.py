@@ -12,7 +12,7 @@ import pytest
 
 from tests.runs import SMALL
 from textrl.cli import main
-from textrl.envs.environment import Environment, Turn
+from textrl.envs.environment import Environment, PromptTask, Turn
 from textrl.envs.lengths import longest_prompt, resolve_lengths
 from textrl.envs.prompt_encoding import _encode_rows
 from textrl.envs.prompts import load_prompts
@@ -74,6 +74,21 @@ def test_an_explicit_budget_past_the_context_names_its_own_option(tok):
     with pytest.raises(ValueError, match=r"max_new_tokens=600 leaves no room .*lower --max-new-tokens below 512"):
         resolve_lengths(env, [env.rows()], tok, max_new_tokens=600, max_prompt_length=None,
                         max_episode_tokens=None, context=512)
+
+
+def test_prompts_that_alone_fill_the_context_name_the_prompt_length_not_max_new_tokens(tok):
+    """An explicit max_prompt_length whose prompts alone pass the context: lowering max_new_tokens
+    cannot help, so the message names the prompt length (it once said 'leave -983 of the 512
+    positions ... or --max-new-tokens to 1')."""
+    rows = [{"prompt": "word " * 300}]
+    env = PromptTask(rows, "think_format")
+    longest = max(lengths_of(tok, rows))
+    assert longest > 64
+    with pytest.raises(ValueError, match=rf"^max_prompt_length=2000: prompts of {longest} tokens alone pass the 64 "
+                                         rf"positions of model .*lower --max-prompt-length to at most 56 \(or leave "
+                                         rf"it unset"):
+        resolve_lengths(env, [rows], tok, max_new_tokens=8, max_prompt_length=2000, max_episode_tokens=None,
+                        context=64)
 
 
 def test_a_large_source_is_sampled_with_a_margin(tok):

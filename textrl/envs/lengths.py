@@ -169,6 +169,11 @@ def resolve_lengths(
         budget = default_budget
         if context is not None and prompt_room + budget > context:
             budget = context - prompt_room
+            if budget < 1:  # the prompts alone fill the context: max_new_tokens is no lever
+                raise ValueError(f"max_prompt_length={prompt_cap}: prompts of {prompt_room} tokens alone pass "
+                                 f"{limit}; lower --max-prompt-length to at most {context - max_new_tokens} (or "
+                                 "leave it unset: it is then fitted to the context), shorten the prompts, or "
+                                 "choose a model with a longer context")
             if budget < max_new_tokens:  # only with an explicit max_prompt_length
                 raise ValueError(f"max_prompt_length={prompt_cap}: prompts of {prompt_room} tokens leave {budget} "
                                  f"of {limit} for an episode, less than max_new_tokens={max_new_tokens}; lower "
