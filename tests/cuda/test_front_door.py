@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from textrl.agents import AGENTS
 
 pytestmark = pytest.mark.cuda
