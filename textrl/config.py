@@ -43,10 +43,12 @@ from textrl.config_io import add_config_arguments as _add_config_arguments
 from textrl.config_io import add_trl_names as _add_trl_names
 from textrl.config_io import build_config as _build_config
 from textrl.config_io import load_yaml as _load_yaml
-from textrl.precision import check_precision
+from textrl.precision import check_memory_options, check_precision
 from textrl.reward_option import check_reward_shape
 
 KL_KINDS = ("k1", "k2", "k3", "abs")
+CRITICS = ("separate", "shared", "lora")
+"""``--critic`` values (a fully fine-tuned policy's critic)."""
 
 
 @dataclass
@@ -91,6 +93,21 @@ class TrainConfig:
     mixed_precision: str = "auto"
     """Autocast of every forward: bf16 | no | auto (bf16 on a CUDA device that has it, else no;
     TRL's bf16=True)."""
+    frozen_dtype: str = "auto"
+    """The frozen models' weights (reference, reward models): float32 | bfloat16 | auto (bfloat16 on
+    a CUDA device that has it, else the trained weights' dtype; their forwards run under the bf16
+    autocast there anyway)."""
+    optim: str = "adamw_torch"
+    """The optimiser of the trained weights (TRL's optim): adamw_torch (torch's AdamW, states in the
+    weights' dtype), adamw_bnb_8bit (bitsandbytes' 8-bit AdamW states; float32 weights),
+    adamw_anyprecision (float32 states and Kahan-summed updates: the one for --dtype bfloat16)."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer layer in the backward instead of keeping its activations (the
+    policy's and the critic's; TRL's gradient_checkpointing): less memory, ~1/3 more compute."""
+    logprob_chunk_size: int | None = None
+    """Response positions per chunk of the fused LM head + log-softmax of the update's forwards (the
+    [positions, vocabulary] logits are never held whole): None = auto (4096 on CUDA, off on the CPU),
+    0 = off (the LM head's logits of the whole response)."""
     attn_implementation: str | None = None
     """Attention kernels: sdpa | eager | flash_attention_2 (needs the flash-attn package and CUDA);
     None: the model's default (sdpa where the architecture has it)."""
@@ -248,6 +265,11 @@ class TrainConfig:
     max_grad_norm: float = shared("max_grad_norm")
     critic_init: str = "policy"
     """Initialise the critic from the 'policy' or the 'reward_model'."""
+    critic: str = "separate"
+    """The critic of a fully fine-tuned policy: 'separate' (a value model of its own: a copy of the
+    policy's body or the reward model's, critic_init), 'shared' (a value head on the policy's own
+    body: the value loss trains that body too) or 'lora' (a value head and a LoRA adapter on a frozen
+    copy of the policy's body, in frozen_dtype)."""
 
     # -- multi-adapter PPO (one base, LoRA adapters) -------------------------------------------
     reward_adapter: str | None = None
@@ -315,7 +337,8 @@ class TrainConfig:
             "kl_after_update", "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr",
             "lr_schedule", "lr_warmup_steps", "max_grad_norm", "fsdp", "fsdp_reshard_after_forward", "zero_stage",
             "deepspeed_config", "reward_nonfinite", "env_timeout", "max_nonfinite_updates", "nonfinite_weights", "rollback_copy",
-            "mixed_precision", "attn_implementation", "eval_every",
+            "mixed_precision", "attn_implementation", "eval_every", "frozen_dtype", "gradient_checkpointing",
+            "logprob_chunk_size",
             "checkpoint_every", "keep_checkpoints",
             "load_in_4bit",  # the frozen base's quantisation: the trained LoRA weights carry over
         }),
@@ -330,7 +353,7 @@ class TrainConfig:
             "kl_kind", "kl_in", "adaptive_kl", "kl_hinge", "reward_placement", "critic_init",
             "lam_critic", "lam_length_alpha", "critic_warmup_iterations", "dynamic_sampling", "overlong_buffer",
             "reward_adapter", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
-            "critic_type",
+            "critic_type", "critic", "optim",
         }),
     )
     """What ``--resume`` may change (docs/reliability.md, "Resuming with other settings")."""
@@ -391,7 +414,7 @@ AGENT_OPTIONS = frozenset({
     "kl_hinge", "kl_early_stop", "reward_placement", "ratio_threshold", "kl_after_update",
     "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr", "lr_schedule",
     "lr_warmup_steps", "max_grad_norm", "critic_init", "reward_adapter", "load_in_4bit", "lora_r",
-    "lora_alpha", "lora_dropout", "lora_target_modules", "critic_type",
+    "lora_alpha", "lora_dropout", "lora_target_modules", "critic_type", "critic",
 })
 """The fields an agent reads (the algorithm's options); each agent declares the ones it reads
 (``options``), and one it does not read, set to another value than its default, is refused."""
@@ -419,6 +442,8 @@ def _check_choices(config: TrainConfig) -> None:
     check_choice("lr_schedule", config.lr_schedule, ("constant", "cosine"))
     check_choice("critic_init", config.critic_init, ("policy", "reward_model"))
     check_choice("critic_type", config.critic_type, ("value_head", "lora"))
+    check_choice("critic", config.critic, CRITICS)
+    check_memory_options(config)
     check_choice("reward_nonfinite", config.reward_nonfinite, ("raise", "zero", "drop"))
     if config.env_timeout is not None:
         check_positive("env_timeout", config.env_timeout)

@@ -19,6 +19,7 @@ fully masked row to a kernel (:mod:`textrl.models.forward`).
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,8 @@ class Precision:
     dtype: torch.dtype = torch.float32
     autocast_dtype: torch.dtype | None = None
     attn_implementation: str | None = None
+    frozen_dtype: torch.dtype | None = None
+    """The frozen models' weights (reference, reward models; :meth:`prepare_frozen`); None: :attr:`dtype`."""
 
     @classmethod
     def of(cls, config: Any, device: torch.device | str) -> Precision:
@@ -94,7 +97,14 @@ class Precision:
             raise ValueError(f"attn_implementation='flash_attention_2' runs on CUDA only, and this run's device "
                              f"is {device}; use --attn-implementation sdpa (or eager)")
         autocast = torch.bfloat16 if mixed == "bf16" else None
-        return cls(device=device, dtype=DTYPES[dtype_name], autocast_dtype=autocast, attn_implementation=impl)
+        frozen = getattr(config, "frozen_dtype", "auto")
+        if frozen == "auto":
+            frozen = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else dtype_name
+        elif frozen == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"frozen_dtype='bfloat16': {torch.cuda.get_device_name(device)} has no bfloat16; "
+                             "use --frozen-dtype float32 (or auto) on it")
+        return cls(device=device, dtype=DTYPES[dtype_name], autocast_dtype=autocast, attn_implementation=impl,
+                   frozen_dtype=DTYPES[frozen])
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -132,17 +142,63 @@ class Precision:
             set_attn_implementation(model, self.attn_implementation)
         return model
 
+    @property
+    def frozen(self) -> torch.dtype:
+        """The frozen models' weights' dtype: :attr:`frozen_dtype`, else :attr:`dtype`."""
+        return self.frozen_dtype or self.dtype
+
+    def prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen model (a reference, a reward model) on :attr:`device`, its floating-point weights
+        in :attr:`frozen` (bfloat16 on CUDA by default: half the memory of float32, the forwards
+        already run in bf16 there), with :attr:`attn_implementation` when one is set."""
+        model = model.to(device=self.device, dtype=self.frozen)
+        if self.attn_implementation is not None:
+            set_attn_implementation(model, self.attn_implementation)
+        return model
+
+    def frozen_copy(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen copy of ``model`` (the reference of a policy): its floating-point weights in
+        :attr:`frozen`, copied straight into that dtype (no full-precision copy on the way), tied
+        weights tied, buffers as they are, eval mode, no gradients."""
+        memo: dict[int, Any] = {}
+        for param in model.parameters():
+            if id(param) not in memo:
+                data = param.detach()
+                data = data.to(self.frozen, copy=True) if data.is_floating_point() else data.clone()
+                memo[id(param)] = torch.nn.Parameter(data, requires_grad=False)
+        return copy.deepcopy(model, memo).eval().requires_grad_(False)
+
     def __str__(self) -> str:
         autocast = str(self.autocast_dtype).removeprefix("torch.") if self.autocast_dtype else "no"
         attention = self.attn_implementation or "the model's default"
-        return (f"weights {str(self.dtype).removeprefix('torch.')}, autocast {autocast}, attention {attention} "
-                f"on {self.device}")
+        frozen = "" if self.frozen == self.dtype else f", frozen models {str(self.frozen).removeprefix('torch.')}"
+        return (f"weights {str(self.dtype).removeprefix('torch.')}{frozen}, autocast {autocast}, "
+                f"attention {attention} on {self.device}")
 
     def record(self) -> dict[str, str]:
         """What ran, for ``summary.json``: the dtype names, the attention implementation."""
         return {"dtype": str(self.dtype).removeprefix("torch."),
                 "autocast": str(self.autocast_dtype).removeprefix("torch.") if self.autocast_dtype else "no",
-                "attn_implementation": self.attn_implementation or "default", "device": str(self.device)}
+                "attn_implementation": self.attn_implementation or "default", "device": str(self.device),
+                "frozen_dtype": str(self.frozen).removeprefix("torch.")}
+
+
+FROZEN_DTYPES = ("auto", "float32", "bfloat16")
+"""``--frozen-dtype`` values."""
+
+
+def check_memory_options(config: Any) -> None:
+    """``ValueError`` naming the fields when ``frozen_dtype``, ``optim``, ``logprob_chunk_size`` is
+    not one textrl runs, or ``dtype`` and ``optim`` cannot train together (before any model loads)."""
+    from textrl.optim import check_optim
+
+    if config.frozen_dtype not in FROZEN_DTYPES:
+        raise ValueError(f"frozen_dtype={config.frozen_dtype!r}: must be one of {', '.join(FROZEN_DTYPES)}")
+    chunk = config.logprob_chunk_size
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
+        raise ValueError(f"logprob_chunk_size={chunk!r}: must be a whole number of positions >= 0 "
+                         "(0: off) or unset (auto)")
+    check_optim(config.optim, config.dtype, trains_full_weights=False)  # the agent checks the pair (LoRA or not)
 
 
 def set_attn_implementation(model: torch.nn.Module, impl: str) -> None:
@@ -159,5 +215,6 @@ def set_attn_implementation(model: torch.nn.Module, impl: str) -> None:
     config._attn_implementation = impl
 
 
-__all__ = ["ATTN_IMPLEMENTATIONS", "DTYPES", "MIXED_PRECISION", "Precision", "check_precision",
+__all__ = ["ATTN_IMPLEMENTATIONS", "DTYPES", "FROZEN_DTYPES", "MIXED_PRECISION", "Precision", "check_memory_options",
+           "check_precision",
            "set_attn_implementation", "training_sdpa_backends"]

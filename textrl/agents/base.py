@@ -20,7 +20,6 @@ agent's backend's (:attr:`PPOAgent.backend`, :mod:`textrl.parallel`; docs/parall
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from typing import Any
@@ -47,7 +46,9 @@ from textrl.env_facts import EnvFacts, env_facts_of
 from textrl.functional import aggregate_loss, clipped_policy_loss, kl_penalty, kl_shaped_rewards
 from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
+from textrl.models.checkpointing import enable_gradient_checkpointing
 from textrl.models.sampling import neutralised_notice
+from textrl.optim import make_optimizer
 from textrl.parallel import Backend, SingleProcess
 from textrl.precision import Precision
 
@@ -62,7 +63,7 @@ SHARED_OPTIONS = frozenset({
 """Options :class:`PPOAgent`'s own machinery reads for every agent (update loop, KL control, optimisers)."""
 POLICY_OBJECTIVE_OPTIONS = frozenset({"entropy_coef", "loss_aggregation", "kl_in", "kl_hinge", "clip_eps_high"})
 """Options of :meth:`PPOAgent.policy_objective` (the token-level clipped surrogate)."""
-CRITIC_OPTIONS = frozenset({"critic_lr", "vf_coef", "critic_init"})
+CRITIC_OPTIONS = frozenset({"critic_lr", "vf_coef", "critic_init", "critic"})
 """Options of an agent with a critic (:attr:`PPOAgent.needs_critic`)."""
 LORA_OPTIONS = frozenset({"lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit"})
 """Options of a policy LoRA (``lora`` 'required' or 'optional')."""
@@ -191,7 +192,7 @@ class PPOAgent(nn.Module):
         if not self.needs_reference(config):
             ref_policy = None  # kl_coef=0: nothing reads a reference (needs_reference)
         elif ref_policy is None:
-            ref_policy = copy.deepcopy(policy)
+            ref_policy = self.precision.frozen_copy(policy)
         self.ref_policy: nn.Module | None = ref_policy.eval().requires_grad_(False) if ref_policy is not None else None
         """The frozen reference of the KL penalty; None when nothing reads it (:meth:`needs_reference`)."""
         if self.needs_critic and critic is None:
@@ -205,6 +206,10 @@ class PPOAgent(nn.Module):
         self.iteration = 0
         self.nonfinite_streak = 0  # consecutive skipped (NaN/inf) updates; the trainer stops at the max
         self.total_updates = total_updates or config.iterations * config.ppo_epochs * config.num_minibatches
+        if config.gradient_checkpointing:
+            for name, model in (("policy", self.policy), ("critic", self.critic)):
+                if model is not None:
+                    enable_gradient_checkpointing(model, name)
         self.backend: Backend = SingleProcess(device=self.device)
         """How training is spread over processes (:mod:`textrl.parallel`); ``Backend.prepare`` swaps it."""
         self._build_optimizers()
@@ -218,9 +223,10 @@ class PPOAgent(nn.Module):
         return groups
 
     def _build_optimizers(self) -> None:
-        """One AdamW (no weight decay) per trained model, over its weights as they are now (a
-        backend that replaces the weights, e.g. by shards, calls this again), and their schedules."""
-        actor, *critic = (torch.optim.AdamW([group], weight_decay=0.0) for group in self.param_groups())
+        """One AdamW (``config.optim``, :mod:`textrl.optim`; no weight decay) per trained model, over
+        its weights as they are now (a backend that replaces the weights, e.g. by shards, calls this
+        again), and their schedules."""
+        actor, *critic = (make_optimizer(self.config.optim, [group]) for group in self.param_groups())
         self.actor_optimizer = actor
         self.critic_optimizer = critic[0] if critic else None
         self.schedulers = [self._scheduler(opt, self.total_updates) for opt in self.optimizers]
@@ -559,7 +565,7 @@ class CriticFreePPO(PPOAgent):
     not_read = {
         "lam": "it has no critic, so no GAE", "vf_coef": "it has no critic",
         "value_clip_eps": "it has no critic", "critic_lr": "it has no critic",
-        "critic_init": "it has no critic", "critic_type": "it has no critic",
+        "critic_init": "it has no critic", "critic_type": "it has no critic", "critic": "it has no critic",
         "old_policy_refresh_every": "it keeps no old-policy snapshot",
         "reward_adapter": "its reward comes from --reward / --reward-model",
         "lam_critic": "it has no critic", "lam_length_alpha": "it has no critic, so no GAE",

@@ -12,7 +12,6 @@ imports the environments.
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,6 +72,7 @@ def validate_config(cls: type[PPOAgent], config: TrainConfig) -> None:
         raise ValueError(f"ref_refresh_every={config.ref_refresh_every} refreshes the reference model, which "
                          "kl_coef=0 does not build (nothing reads it): drop --ref-refresh-every, or set --kl-coef > 0")
     _validate_lora(cls, config)
+    _validate_memory_options(cls, config)
     sharded = config.sharding()
     if sharded and not cls.shardable:
         setting, flag = sharded
@@ -108,6 +108,29 @@ def _validate_lora(cls: type[PPOAgent], config: TrainConfig) -> None:
         setting, flag = sharded
         raise ValueError(f"{setting} shards full-precision models; a LoRA policy ({agent}, lora_r={rank}) "
                          f"shares one base per process instead: drop {flag}, or drop --lora-r")
+
+
+def _validate_memory_options(cls: type[PPOAgent], config: TrainConfig) -> None:
+    """bf16 trained weights need an optimiser that keeps their updates; the critic kinds of a fully
+    fine-tuned policy; the optimisers and critics the sharded backends build."""
+    from textrl.optim import check_optim
+
+    lora = bool(cls.lora_rank(config))
+    check_optim(config.optim, config.dtype, trains_full_weights=not lora)
+    if config.critic != "separate":
+        if lora:
+            raise ValueError(f"critic={config.critic!r}: with a LoRA policy ({config.agent}, lora_r="
+                             f"{cls.lora_rank(config)}) the critic is set by --critic-type (value_head or lora); "
+                             "drop --critic")
+        if config.critic_init != "policy":
+            raise ValueError(f"critic={config.critic!r} with critic_init={config.critic_init!r}: a {config.critic} "
+                             "critic is built on the policy's body; drop one of them")
+    sharded = config.sharding()
+    if sharded and (config.optim != "adamw_torch" or config.critic != "separate"):
+        setting, flag = sharded
+        what = f"optim={config.optim!r}" if config.optim != "adamw_torch" else f"critic={config.critic!r}"
+        raise ValueError(f"{what} with {setting}: the sharded backends build torch's AdamW and separate "
+                         f"models; drop {flag}, or use the defaults")
 
 
 def _ignored_option(cls: type[PPOAgent], agent: str, option: str, value: Any) -> str:
@@ -161,7 +184,7 @@ def from_config(cls: type[PPOAgent], config: TrainConfig, device: torch.device |
     if critic_from_reward_model:
         check_tokenizer_fits(tokenizer, critic, tokenizer_name=tokenizer_name(config),
                              model_name=str(config.reward_model))
-    reference = copy.deepcopy(policy) if cls.needs_reference(config) else None
+    reference = Precision.of(config, device).frozen_copy(policy) if cls.needs_reference(config) else None
     agent = cls(policy, tokenizer, config, ref_policy=reference, critic=critic)
     return keep_construction(agent, env_facts, record)
 
@@ -285,10 +308,17 @@ def check_critic_tokenizer(config: TrainConfig, tokenizer: Any) -> None:
 
 
 def build_critic(config: TrainConfig, policy: nn.Module) -> nn.Module:
-    """``V(s_t)``: a value head on a copy of the policy, or on the reward model (``critic_init``),
-    on the policy's device and in the run's precision."""
-    from textrl.models.value import ValueModel
+    """``V(s_t)``, on the policy's device and in the run's precision: a value head on a copy of the
+    policy, or on the reward model (``critic_init``); with ``critic='shared'`` a value head on the
+    policy's own body, with ``critic='lora'`` a LoRA adapter and a value head on a frozen copy of
+    that body (docs/training.md, "Memory")."""
+    from textrl.models.value import SharedTrunkValue, ValueModel, lora_value_model
 
+    if config.critic == "shared":
+        return SharedTrunkValue.on(policy)
+    if config.critic == "lora":
+        precision = Precision.of(config, next(policy.parameters()).device)
+        return lora_value_model(policy, precision.frozen, precision.dtype)
     if config.critic_init == "reward_model":
         from textrl.models import load_reward_model
 

@@ -87,9 +87,10 @@ class MultiAdapterPPO(GAEPPO):
     default_lora_r = 8
     shardable = False
     pipeline_reward = "reward_adapter"
-    options = (GAEPPO.options - {"critic_init", "ref_refresh_every"}) | LORA_OPTIONS | {"reward_adapter", "critic_type"}
+    options = (GAEPPO.options - {"critic_init", "ref_refresh_every", "critic"}) | LORA_OPTIONS | {"reward_adapter", "critic_type"}
     not_read = {
         "critic_init": "it builds its critic from critic_type ('value_head' or 'lora') on its own base",
+        "critic": "it builds its critic from critic_type ('value_head' or 'lora') on its own base",
         "ref_refresh_every": "its reference is the base with adapters disabled and cannot be refreshed",
         "old_policy_refresh_every": GAEPPO.not_read["old_policy_refresh_every"],
     }

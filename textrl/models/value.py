@@ -111,4 +111,61 @@ class ValueModel(nn.Module):
         return values.squeeze(-1).float().clone()  # [B, L]
 
 
-__all__ = ["ValueModel"]
+class SharedTrunkValue(ValueModel):
+    """``V(s_t)`` from a value head on another model's body, which it does not own (``critic='shared'``).
+
+    The body (the policy's) is held by reference, not as a submodule: :meth:`parameters`,
+    ``state_dict`` and the critic's optimiser hold the head alone, while the value loss's gradient
+    reaches the body too, whose own optimiser (the policy's) steps it. Same ``forward`` as
+    :class:`ValueModel`.
+    """
+
+    def __init__(self, body: nn.Module, value_head: nn.Linear | None = None) -> None:
+        nn.Module.__init__(self)
+        object.__setattr__(self, "_body", body)
+        hidden = _hidden_size(body)
+        head = value_head if value_head is not None else nn.Linear(hidden, 1, **_placement(body))
+        if value_head is None:
+            nn.init.zeros_(head.weight)
+            nn.init.zeros_(head.bias)
+        self.value_head = head
+
+    @property
+    def backbone(self) -> nn.Module:  # type: ignore[override]
+        return self._body
+
+    @classmethod
+    def on(cls, model: nn.Module) -> SharedTrunkValue:
+        """A zero value head on ``model``'s own body (a ``*ForCausalLM``'s ``.model``)."""
+        return cls(_backbone(model))
+
+
+def lora_value_model(model: nn.Module, frozen_dtype: torch.dtype, head_dtype: torch.dtype, *, r: int = 8,
+                     alpha: int = 16, dropout: float = 0.0, target_modules: str = "auto") -> ValueModel:
+    """``V(s_t)`` as a LoRA adapter and a value head on a frozen copy of ``model``'s body
+    (``critic='lora'``): the copy's weights in ``frozen_dtype`` (bf16 on CUDA by default), the
+    adapter's and the head's (the trained ones) in ``head_dtype``. Only those train."""
+    from peft import inject_adapter_in_model
+
+    from textrl.models.adapters import lora_config
+
+    body = _backbone(model)
+    memo = {id(p): nn.Parameter(p.detach().to(frozen_dtype, copy=True) if p.is_floating_point() else p.detach().clone(),
+                                requires_grad=False) for p in body.parameters()}
+    body = copy.deepcopy(body, memo).requires_grad_(False)
+    config = lora_config(r, alpha, dropout, target_modules, model=model)
+    body = inject_adapter_in_model(config, body)
+    for name, param in body.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.to(head_dtype)
+            param.requires_grad_(True)
+        else:
+            param.requires_grad_(False)
+    place = _placement(body)
+    head = nn.Linear(_hidden_size(body), 1, device=place.get("device"), dtype=head_dtype)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return ValueModel(body, head)
+
+
+__all__ = ["SharedTrunkValue", "ValueModel", "lora_value_model"]

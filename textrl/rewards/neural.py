@@ -347,8 +347,9 @@ class NeuralReward:
 
     def place(self, precision: Any) -> NeuralReward:
         """Run on a training run's device in its precision (a :class:`textrl.precision.Precision`):
-        the model moved there in its weights' dtype, every forward under its autocast. Returns self."""
-        self.model = precision.prepare(self.model)
+        the model moved there in the frozen models' dtype (``frozen_dtype``: bf16 on CUDA by
+        default, else the weights' dtype), every forward under its autocast. Returns self."""
+        self.model = precision.prepare_frozen(self.model)
         self.autocast = precision.autocast
         return self
 

@@ -1,0 +1,76 @@
+"""Gradient checkpointing of the trained models (``--gradient-checkpointing``, TRL's name).
+
+Each transformer layer of a model keeps only its input in the forward and runs again in the
+backward (transformers' ``gradient_checkpointing_enable``, non-reentrant ``torch.utils.checkpoint``):
+the activations of one layer at a time instead of every layer's, for about a third more compute
+of the forwards with gradients.
+
+transformers checkpoints a layer only while that layer is in training mode, and textrl keeps its
+models in eval mode (dropout off: PPO's ratios must be exactly 1 before the first step). So each
+checkpointed layer gets a forward pre-hook that sets the layer's own ``training`` flag to whether
+gradients are being recorded, and nothing else: its submodules (dropout, attention) stay in eval
+mode, and a forward without gradients (generation, log-probs of the rollout) runs as it did, with
+its KV cache. Gradients are the same with and without (tests/models/test_checkpointing.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _layer_types() -> tuple[type, ...]:
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # pragma: no cover - transformers before 4.52
+        return ()
+    return (GradientCheckpointingLayer,)
+
+
+def _follow_grad_mode(module: nn.Module, args: Any) -> None:
+    """Pre-hook: the layer checkpoints exactly when its forward records gradients."""
+    module.training = torch.is_grad_enabled()
+
+
+def _reached(model: nn.Module) -> list[nn.Module]:
+    """Every module ``model`` runs: its own, and those of a shared base it holds as a plain object
+    (a LoRA view's ``stack.model``, a value head's shared body)."""
+    seen: dict[int, nn.Module] = {}
+    for module in model.modules():
+        seen.setdefault(id(module), module)
+        for held in (getattr(getattr(module, "stack", None), "model", None), module.__dict__.get("_body")):
+            if isinstance(held, nn.Module):
+                for inner in held.modules():
+                    seen.setdefault(id(inner), inner)
+    return list(seen.values())
+
+
+def enable_gradient_checkpointing(model: nn.Module, name: str) -> int:
+    """Checkpoint every transformer layer of ``model`` (a transformers model, or a module holding
+    one: a value model, a peft wrapper) in forwards with gradients; ``name`` is how messages name it
+    (``policy``, ``critic``). Returns how many layers are checkpointed. ``ValueError`` names the model
+    and the flag when it has no transformers model that supports gradient checkpointing."""
+    from transformers import PreTrainedModel
+
+    enabled: list[nn.Module] = []
+    for module in _reached(model):
+        if isinstance(module, PreTrainedModel) and not any(module in set(m.modules()) for m in enabled):
+            if not getattr(module, "supports_gradient_checkpointing", False):
+                raise ValueError(f"gradient_checkpointing=True: the {name} ({type(module).__name__}) does not support "
+                                 "gradient checkpointing; drop --gradient-checkpointing")
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enabled.append(module)
+    layers = [m for m in _reached(model) if isinstance(m, _layer_types()) and getattr(m, "gradient_checkpointing", False)]
+    if not layers:
+        raise ValueError(f"gradient_checkpointing=True: the {name} ({type(model).__name__}) has no transformers layers "
+                         "to checkpoint; drop --gradient-checkpointing")
+    for layer in layers:
+        if not getattr(layer, "_textrl_follows_grad_mode", False):
+            layer.register_forward_pre_hook(_follow_grad_mode)
+            layer._textrl_follows_grad_mode = True
+    return len(layers)
+
+
+__all__ = ["enable_gradient_checkpointing"]
