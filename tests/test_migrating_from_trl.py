@@ -71,7 +71,7 @@ def test_every_trl_name_gets_a_hint_on_the_command_line_in_yaml_and_in_python(na
 
 @pytest.mark.parametrize("flag, says", [
     ("--bf16", "textrl calls it mixed_precision"), ("--fp16", "use bf16"),
-    ("--torch-dtype", "textrl calls it dtype"), ("--gradient-checkpointing", "no gradient checkpointing yet"),
+    ("--torch-dtype", "textrl calls it dtype"),
     ("--use-vllm", "no vLLM generation yet"), ("--vllm-mode", "no vLLM generation yet"),
     ("--per-device-train-batch-size", "textrl calls it prompts_per_iteration"),
 ])

@@ -48,7 +48,7 @@ def test_precision_defaults_to_float32_weights_and_autocast_only_on_cuda():
     assert (bf16.dtype, bf16.autocast_dtype, bf16.attn_implementation) == (torch.bfloat16, torch.bfloat16, "eager")
     assert bf16.model_kwargs() == {"dtype": torch.bfloat16, "attn_implementation": "eager"}
     assert bf16.record() == {"dtype": "bfloat16", "autocast": "bfloat16", "attn_implementation": "eager",
-                             "device": "cpu"}
+                             "device": "cpu", "frozen_dtype": "bfloat16"}
 
 
 def test_the_autocast_context_is_the_runs_and_shuts_out_an_outer_one():
@@ -117,7 +117,7 @@ def _tensors(agent):
 
 @pytest.mark.parametrize("name", sorted(AGENTS))
 def test_every_registered_agent_builds_every_model_on_its_device_in_the_run_dtype(name):
-    config = small(agent=name, dtype="bfloat16")
+    config = small(agent=name, dtype="bfloat16", optim="adamw_anyprecision")
     agent = AGENTS[name].from_config(config, "cpu", **QUIET)
     assert agent.precision.dtype == torch.bfloat16
     lora = {n for n, _ in getattr(agent, "stack", None) and
@@ -133,7 +133,8 @@ def test_every_registered_agent_builds_every_model_on_its_device_in_the_run_dtyp
 
 
 def test_a_critic_from_a_reward_model_and_a_reward_model_of_the_spec_run_in_the_run_precision():
-    config = small(agent="gae_ppo", dtype="bfloat16", critic_init="reward_model", reward_model="tiny")
+    config = small(agent="gae_ppo", dtype="bfloat16", critic_init="reward_model", reward_model="tiny",
+                   optim="adamw_anyprecision")
     agent = AGENTS["gae_ppo"].from_config(config, "cpu", **QUIET)
     assert {p.dtype for p in agent.critic.parameters()} == {torch.bfloat16}
     reward = task_reward(agent, "think_format,reward_model:tiny")
@@ -158,10 +159,11 @@ def test_textrl_train_in_bfloat16_runs_and_records_the_precision(tmp_path):
 
     out = tmp_path / "run"
     with contextlib.redirect_stdout(None):
-        train(small(agent="gae_ppo", output_dir=str(out), dtype="bfloat16", mixed_precision="bf16", iterations=2))
+        train(small(agent="gae_ppo", output_dir=str(out), dtype="bfloat16", mixed_precision="bf16", iterations=2,
+                    optim="adamw_anyprecision"))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["precision"] == {"dtype": "bfloat16", "autocast": "bfloat16", "attn_implementation": "default",
-                                    "device": "cpu"}
+                                    "device": "cpu", "frozen_dtype": "bfloat16"}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["nonfinite/skipped_updates"] == 0 for r in rows)
 

@@ -86,6 +86,17 @@ class AnyPrecisionAdamW(torch.optim.Optimizer):
                              "need lr > 0, 0 <= betas < 1, eps > 0, weight_decay >= 0")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, but the moments stay float32 (torch casts every floating state to its weight's dtype)."""
+        moments = {pid: {k: v for k, v in state.items() if k in ("exp_avg", "exp_avg_sq") and torch.is_tensor(v)}
+                   for pid, state in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for pid, p in zip(ids, params):
+            for key, value in moments.get(pid, {}).items():
+                self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         loss = None

@@ -87,7 +87,8 @@ TRL_OPTIONS: dict[str, tuple[str, str, str]] = {
     "torch_dtype": ("ModelConfig", "dtype", "float32 or bfloat16 (the trained weights' dtype)"),
     "dtype": ("ModelConfig", "dtype", "same name; float32 or bfloat16 ('auto' has no counterpart)"),
     "attn_implementation": ("ModelConfig", "attn_implementation", "same name: sdpa, eager, flash_attention_2"),
-    "gradient_checkpointing": ("PPO, GRPO", "", "no gradient checkpointing yet (activations are kept for the backward pass)"),
+    "gradient_checkpointing": ("PPO, GRPO", "gradient_checkpointing", "same name: the policy's and the critic's layers"),
+    "optim": ("PPO, GRPO", "optim", "same name: adamw_torch, adamw_bnb_8bit, adamw_anyprecision"),
     "use_vllm": ("GRPO", "", "no vLLM generation yet (the policy generates with transformers' generate)"),
     "vllm_mode": ("GRPO", "", "no vLLM generation yet (the policy generates with transformers' generate)"),
 }

@@ -60,7 +60,11 @@ def enable_gradient_checkpointing(model: nn.Module, name: str) -> int:
             if not getattr(module, "supports_gradient_checkpointing", False):
                 raise ValueError(f"gradient_checkpointing=True: the {name} ({type(module).__name__}) does not support "
                                  "gradient checkpointing; drop --gradient-checkpointing")
-            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable = getattr(module, "activation_checkpointing_enable", None)  # transformers >= 5.2x's name
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             enabled.append(module)
     layers = [m for m in _reached(model) if isinstance(m, _layer_types()) and getattr(m, "gradient_checkpointing", False)]
     if not layers:

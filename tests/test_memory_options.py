@@ -1,0 +1,225 @@
+"""The memory options of issue 26 on the CPU: gradient checkpointing (same gradients, layers
+recomputed), frozen models in bf16 (``frozen_dtype``), the lean critics (``critic='shared'`` /
+``'lora'``), and the refusals of combinations that cannot work."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from textrl.agents import AGENTS
+from textrl.agents.build import task_reward
+from textrl.config import TrainConfig
+from textrl.models import build_tiny_causal_lm, build_tiny_gpt2, build_tiny_tokenizer
+from textrl.models.checkpointing import enable_gradient_checkpointing
+from textrl.models.value import SharedTrunkValue, ValueModel
+from textrl.precision import Precision
+
+QUIET = dict(log=lambda *a, **k: None)
+
+
+def small(**overrides) -> TrainConfig:
+    base = dict(agent="gae_ppo", prompts_per_iteration=2, n_samples_per_prompt=2, max_new_tokens=6, ppo_epochs=1,
+                num_minibatches=1, warmup_sft_steps=0, eval_size=4, eval_every=0, progress=False, iterations=2)
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def _batch(tok, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, len(tok), (3, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # a left-padded row
+    return ids, mask
+
+
+def _grads(model, ids, mask):
+    model.zero_grad(set_to_none=True)
+    kwargs = {} if isinstance(model, ValueModel) else {"use_cache": False}  # as textrl's forwards call them
+    out = model(input_ids=ids, attention_mask=mask, **kwargs)
+    logits = out.logits if hasattr(out, "logits") else out
+    (logits.float().square().mean()).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# -- gradient checkpointing ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("build", [build_tiny_causal_lm, build_tiny_gpt2])
+def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes_each_layer(build):
+    tok = build_tiny_tokenizer()
+    plain = build(tok).eval()
+    checkpointed = copy.deepcopy(plain)
+    assert enable_gradient_checkpointing(checkpointed, "policy") == plain.config.num_hidden_layers
+    ids, mask = _batch(tok)
+    want, got = _grads(plain, ids, mask), _grads(checkpointed, ids, mask)
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+    # the forward keeps each layer's input only: far fewer saved bytes than every activation
+    assert _saved_bytes(checkpointed, ids, mask) < 0.5 * _saved_bytes(plain, ids, mask)
+    # dropout and every submodule stay in eval mode; a forward without gradients runs as before, cache kept
+    assert not checkpointed.training and not any(m.training for m in checkpointed.modules()
+                                                 if not hasattr(m, "gradient_checkpointing"))
+    with torch.no_grad():
+        out = checkpointed(input_ids=ids, attention_mask=mask, use_cache=True)
+    assert out.past_key_values is not None
+    assert not any(m.training for m in checkpointed.modules())
+
+
+def _saved_bytes(model, ids, mask):
+    """Bytes the autograd graph of one forward keeps for the backward."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    return total[0]
+
+
+def test_gradient_checkpointing_of_a_value_model_gives_the_same_gradients():
+    tok = build_tiny_tokenizer()
+    critic = ValueModel.from_causal_lm(build_tiny_causal_lm(tok))
+    nn.init.normal_(critic.value_head.weight, std=0.1)
+    checkpointed = copy.deepcopy(critic)
+    enable_gradient_checkpointing(checkpointed, "critic")
+    ids, mask = _batch(tok, seed=1)
+    want, got = _grads(critic, ids, mask), _grads(checkpointed, ids, mask)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_gradient_checkpointing_of_a_model_without_it_is_refused_naming_both():
+    with pytest.raises(ValueError, match=r"gradient_checkpointing=True: the policy \(Sequential\) has no transformers "
+                                         r"layers to checkpoint; drop --gradient-checkpointing"):
+        enable_gradient_checkpointing(nn.Sequential(nn.Linear(2, 2)), "policy")
+
+
+def _train(tmp_path, name, **overrides):
+    from textrl.trainer import train
+
+    out = tmp_path / name
+    with contextlib.redirect_stdout(None):
+        train(small(output_dir=str(out), **overrides))
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], out
+
+
+@pytest.mark.slow
+def test_a_run_with_gradient_checkpointing_trains_as_one_without(tmp_path):
+    plain, _ = _train(tmp_path, "plain")
+    checkpointed, out = _train(tmp_path, "gc", gradient_checkpointing=True)
+    for a, b in zip(plain, checkpointed):
+        for key in ("loss/policy", "loss/value", "grad_norm/actor", "reward/mean", "kl/collection"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert json.loads((out / "config.yaml").read_text().split("gradient_checkpointing:")[1].split("\n")[0]) is True
+
+
+# -- frozen models in bf16 -------------------------------------------------------------------------
+
+
+def test_frozen_dtype_auto_is_bf16_on_cuda_and_the_weights_dtype_elsewhere(monkeypatch):
+    assert Precision.of(small(), "cpu").frozen == torch.float32
+    assert Precision.of(small(frozen_dtype="bfloat16"), "cpu").frozen == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert Precision.of(small(), "cuda").frozen == torch.bfloat16
+    assert Precision.of(small(frozen_dtype="float32"), "cuda").frozen == torch.float32
+    with pytest.raises(ValueError, match="frozen_dtype='half': must be one of auto, float32, bfloat16"):
+        small(frozen_dtype="half").validate()
+
+
+def test_the_reference_and_the_reward_model_are_frozen_in_frozen_dtype_and_the_trained_ones_are_not():
+    agent = AGENTS["gae_ppo"].from_config(small(frozen_dtype="bfloat16"), "cpu", **QUIET)
+    assert {p.dtype for p in agent.ref_policy.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in agent.policy.parameters()} == {torch.float32}
+    assert {p.dtype for p in agent.critic.parameters()} == {torch.float32}
+    assert not any(p.requires_grad for p in agent.ref_policy.parameters())
+    neural = task_reward(agent, "reward_model:tiny").functions["reward_model"]
+    assert {p.dtype for p in neural.model.parameters()} == {torch.bfloat16}
+    assert agent.precision.record()["frozen_dtype"] == "bfloat16"
+    default = AGENTS["gae_ppo"].from_config(small(), "cpu", **QUIET)  # the CPU default: unchanged
+    assert {p.dtype for p in default.ref_policy.parameters()} == {torch.float32}
+
+
+def test_a_frozen_copy_shares_no_storage_keeps_ties_and_the_logits():
+    tok = build_tiny_tokenizer()
+    model = build_tiny_gpt2(tok).eval()  # tied input / output embeddings
+    same = Precision(torch.device("cpu")).frozen_copy(model)
+    half = Precision(torch.device("cpu"), frozen_dtype=torch.bfloat16).frozen_copy(model)
+    ptrs = {p.data_ptr() for p in model.parameters()}
+    for copy_ in (same, half):
+        assert not ptrs & {p.data_ptr() for p in copy_.parameters()}
+        assert copy_.get_output_embeddings().weight is copy_.get_input_embeddings().weight
+    ids, mask = _batch(tok)
+    with torch.no_grad():
+        torch.testing.assert_close(same(input_ids=ids, attention_mask=mask).logits,
+                                   model(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=0)
+        diff = half(input_ids=ids, attention_mask=mask).logits.float() - model(input_ids=ids, attention_mask=mask).logits
+    assert float(diff.abs().max()) < 0.1  # bf16 weights: close, not equal
+
+
+# -- the lean critics ------------------------------------------------------------------------------
+
+
+def test_a_shared_critic_is_a_value_head_on_the_policy_body_whose_loss_reaches_that_body():
+    agent = AGENTS["gae_ppo"].from_config(small(critic="shared"), "cpu", **QUIET)
+    assert isinstance(agent.critic, SharedTrunkValue)
+    assert [n for n, _ in agent.critic.named_parameters()] == ["value_head.weight", "value_head.bias"]
+    assert agent.critic.backbone is agent.policy.model
+    actor, critic = (g["params"] for g in agent.param_groups())
+    assert not {id(p) for p in actor} & {id(p) for p in critic}
+    nn.init.normal_(agent.critic.value_head.weight, std=0.1)
+    ids, mask = _batch(agent.tokenizer)
+    agent.critic(ids, mask).square().mean().backward()
+    trunk = agent.policy.model.layers[0].mlp.down_proj.weight
+    assert trunk.grad is not None and bool(trunk.grad.abs().sum() > 0)
+    assert set(agent.critic.state_dict()) == {"value_head.weight", "value_head.bias"}
+
+
+def test_a_lora_critic_trains_an_adapter_and_a_head_on_a_frozen_copy_of_the_body():
+    agent = AGENTS["gae_ppo"].from_config(small(critic="lora", frozen_dtype="bfloat16"), "cpu", **QUIET)
+    trained = {n for n, p in agent.critic.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n or n.startswith("value_head") for n in trained)
+    assert {p.dtype for n, p in agent.critic.named_parameters() if n not in trained} == {torch.bfloat16}
+    assert {p.dtype for n, p in agent.critic.named_parameters() if n in trained} == {torch.float32}
+    policy_ptrs = {p.data_ptr() for p in agent.policy.parameters()}
+    assert not policy_ptrs & {p.data_ptr() for p in agent.critic.parameters()}
+    values = agent.critic(*_batch(agent.tokenizer))
+    assert values.dtype == torch.float32 and bool((values == 0).all())  # a zero head: V = 0 at the start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("critic", ["shared", "lora"])
+def test_a_run_with_a_lean_critic_trains_and_resumes(tmp_path, critic):
+    rows, out = _train(tmp_path, critic, critic=critic, checkpoint_every=1, reward="missing_eos_penalty")
+    assert len(rows) == 2 and all(r["nonfinite/skipped_updates"] == 0 for r in rows)
+    assert rows[-1]["loss/value"] > 0
+    from textrl.trainer import train
+
+    with contextlib.redirect_stdout(None):
+        train(small(output_dir=str(out), critic=critic, iterations=3, resume=True, reward="missing_eos_penalty"))
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (dict(agent="grpo", critic="shared"), "grpo does not read critic='shared' (it has no critic)"),
+    (dict(agent="gae_ppo", critic="lora", lora_r=4), "critic='lora': with a LoRA policy (gae_ppo, lora_r=4) the critic "
+                                                     "is set by --critic-type"),
+    (dict(agent="gae_ppo", critic="shared", critic_init="reward_model", reward_model="tiny"),
+     "critic='shared' with critic_init='reward_model'"),
+    (dict(agent="gae_ppo", critic="shared", fsdp=True), "critic='shared' with fsdp=True"),
+    (dict(agent="gae_ppo", critic="value"), "critic='value': must be one of separate, shared, lora"),
+    (dict(logprob_chunk_size=-1), "logprob_chunk_size=-1: must be a whole number of positions >= 0"),
+])
+def test_option_combinations_that_cannot_work_are_refused_in_one_line(overrides, says):
+    with pytest.raises(ValueError, match=None) as err:
+        small(**overrides).validate()
+    assert says in str(err.value) and "\n" not in str(err.value)
