@@ -18,6 +18,7 @@ from textrl.config import TrainConfig
 from textrl.models import build_tiny_causal_lm, build_tiny_gpt2, build_tiny_tokenizer
 from textrl.models.checkpointing import enable_gradient_checkpointing
 from textrl.models.value import SharedTrunkValue, ValueModel
+from textrl.parallel.base import param_groups
 from textrl.precision import Precision
 
 QUIET = dict(log=lambda *a, **k: None)
@@ -174,7 +175,7 @@ def test_a_shared_critic_is_a_value_head_on_the_policy_body_whose_loss_reaches_t
     assert isinstance(agent.critic, SharedTrunkValue)
     assert [n for n, _ in agent.critic.named_parameters()] == ["value_head.weight", "value_head.bias"]
     assert agent.critic.backbone is agent.policy.model
-    actor, critic = (g["params"] for g in agent.param_groups())
+    actor, critic = (g["params"] for g in param_groups(agent))
     assert not {id(p) for p in actor} & {id(p) for p in critic}
     nn.init.normal_(agent.critic.value_head.weight, std=0.1)
     ids, mask = _batch(agent.tokenizer)

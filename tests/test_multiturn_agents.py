@@ -18,6 +18,7 @@ from tensordict import TensorDict
 
 from tests.agents.conftest import PROMPTS, make_agent
 from textrl.agents.base import SCORE, sequence_inputs
+from textrl.agents.forwards import forward_policy
 from textrl.checks import RolloutError, check_rollout
 from textrl.envs import rollout_from_responses
 from textrl.functional import gae, kl_shaped_rewards, masked_whiten, next_valid
@@ -296,7 +297,7 @@ def test_entropy_and_kl_in_the_loss_count_only_agent_tokens(tok, name):
     mask = td.get(KEYS.mask)
     _, stats = agent.loss(td)
     with torch.no_grad():
-        logp, entropy = agent._forward_policy(td)
+        logp, entropy = forward_policy(agent, td)
     torch.testing.assert_close(stats["entropy"], entropy[mask].mean())
     if name == "grpo":  # k3 in the loss, over the agent tokens only
         log_r = td.get(KEYS.ref_log_prob) - logp

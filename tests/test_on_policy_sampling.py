@@ -12,9 +12,10 @@ import warnings
 
 import pytest
 import torch
-from textrl.agents import GAEPPO, MultiAdapterPPO
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from textrl.agents import GAEPPO, MultiAdapterPPO
+from textrl.agents.forwards import logprobs
 from textrl.config import TrainConfig
 from textrl.models import ValueModel, build_tiny_causal_lm, build_tiny_tokenizer
 from textrl.models.sampling import off_policy_settings
@@ -97,7 +98,7 @@ def test_logprobs_are_those_of_the_warped_logits_at_the_sampled_tokens(tmp_path,
     response = _act(agent, ids, mask)
     full = torch.cat([ids, response], 1)
     attn = torch.cat([mask, torch.ones_like(response, dtype=torch.bool)], 1)
-    logp = agent.logprobs(agent.policy, full, attn, ids.shape[1], response)  # [B, T]
+    logp = logprobs(agent, agent.policy, full, attn, ids.shape[1], response)  # [B, T]
     with torch.no_grad():  # the reference computation, by hand: HF's warpers in HF's order
         positions = (attn.long().cumsum(1) - 1).clamp(min=0)
         logits = agent.policy(input_ids=full, attention_mask=attn.long(), position_ids=positions).logits

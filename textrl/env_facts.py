@@ -23,7 +23,7 @@ class EnvFacts:
     env_id: str
     """The environment's id (a warm-up record names it)."""
     episode_budget: int
-    """The token budget of an episode after the prompt (``PPOAgent.episode_budget``)."""
+    """The token budget of an episode after the prompt (:func:`textrl.agents.build.episode_budget`)."""
     warmup_pairs: list[tuple[Any, str]] | None = None
     """The (prompt, completion) pairs of the format warm-up (None: none, or not asked)."""
 

@@ -368,7 +368,7 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     # the prompts' cap and the episode's budget, fitted to the models' context: every prompt + episode fits
     lengths = check_context(config, agent, train_rows, eval_rows, env=env, log=log)
     budget = lengths.max_episode_tokens
-    if hasattr(agent, "episode_budget"):  # the length terms (Dr. GRPO, DAPO) count the budget that runs
+    if hasattr(agent, "env_facts"):  # the length terms (Dr. GRPO, DAPO) count the budget that runs
         agent.env_facts = replace(facts, episode_budget=budget)
     tokenizer = agent.tokenizer
     env.reward = task_reward(agent, reward_spec(config, env), env.reward)  # plus the agent's own reward model

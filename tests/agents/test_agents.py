@@ -10,6 +10,7 @@ from tests.agents.conftest import collect, make_config, record_loss_stats
 from tests.agents.conftest import make_agent as build
 from textrl.agents import AGENTS, GAEPPO, OneStepPPO, make_agent
 from textrl.agents.base import SCORE
+from textrl.agents.forwards import forward_policy, forward_values
 from textrl.agents.update import total_loss
 from textrl.checks import check_rollout
 from textrl.config import TrainConfig
@@ -125,8 +126,8 @@ def test_gae_ppo_loss_matches_hand_computation(tok):
     terms, stats = agent.loss(mb)
     loss = total_loss(terms)
     with torch.no_grad():
-        logp, entropy = agent._forward_policy(mb)
-        v = agent._forward_values(mb)[0]
+        logp, entropy = forward_policy(agent, mb)
+        v = forward_values(agent, mb)[0]
     lp, old, ref = logp[0], mb[KEYS.action_log_prob][0], mb[KEYS.ref_log_prob][0]
     adv, old_v, ret = torch.tensor([1.0, -0.5]), torch.tensor([0.1, 0.3]), torch.tensor([0.9, 0.2])
     ratio = torch.exp(lp - old)
@@ -149,7 +150,7 @@ def test_one_step_ppo_loss_matches_hand_computation(tok):
     terms, stats = agent.loss(mb)
     loss = total_loss(terms)
     with torch.no_grad():
-        logp, _ = agent._forward_policy(mb)
+        logp, _ = forward_policy(agent, mb)
     lp, old, ref = logp[0], mb[KEYS.action_log_prob][0], mb[KEYS.ref_log_prob][0]
     ratio = torch.exp(lp.sum() - old.sum())
     adv = torch.tensor(-0.5)  # the advantage at the last valid token

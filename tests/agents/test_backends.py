@@ -50,8 +50,8 @@ def test_every_agent_starts_single_process_and_its_state_is_the_modules():
     from textrl.models import build_tiny_tokenizer
 
     agent = make_agent(build_tiny_tokenizer())
-    assert isinstance(agent.backend, SingleProcess) and agent.dist.world_size == 1
-    assert not agent.backend.partitions_weights and not agent.gathers_state
+    assert isinstance(agent.backend, SingleProcess) and agent.backend.dist.world_size == 1
+    assert not agent.backend.partitions_weights and not agent.backend.gathers_state
     state = agent.state_dict()
     assert set(state) - {"agent_state"} == set(torch.nn.Module.state_dict(agent))
 

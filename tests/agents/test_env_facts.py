@@ -17,10 +17,11 @@ from textrl.env_facts import EnvFacts, env_facts_of
 SCRIPT = """
 import sys
 from textrl.agents import GAEPPO
+from textrl.agents.build import episode_budget
 from textrl.config import TrainConfig
 assert "textrl.envs" not in sys.modules, "importing textrl.agents imported textrl.envs"
 agent = GAEPPO.from_config(TrainConfig(warmup_sft_steps=2, iterations=1))
-print(agent.episode_budget(), agent.warmup_record["ran_steps"])
+print(episode_budget(agent), agent.warmup_record["ran_steps"])
 """
 
 

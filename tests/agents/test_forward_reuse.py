@@ -7,7 +7,7 @@ from torch import nn
 
 from tests.agents.conftest import collect, make_agent
 from textrl.agents.base import position_ids_for, sequence_inputs
-from textrl.agents.forwards import policy_ref_kl
+from textrl.agents.forwards import policy_ref_kl, precise_response_logits
 from textrl.keys import KEYS
 from textrl.models.forward import leading_padding, rotate_rows
 
@@ -39,9 +39,9 @@ def test_response_logits_skip_the_prompt_and_match_the_full_forward(tok):
         aligned = agent.policy(input_ids=rotate_rows(input_ids, shift), attention_mask=aligned_mask.long(),
                                position_ids=position_ids_for(aligned_mask)).logits
         full = rotate_rows(aligned, -shift)[:, p - 1 : -1]  # the same full forward, in the caller's layout
-        kept = agent._response_logits(agent.policy, input_ids, mask, p)
+        kept = precise_response_logits(agent, agent.policy, input_ids, mask, p)
         wrapper = NoLogitsToKeep(agent.policy)
-        fallback = agent._response_logits(wrapper, input_ids, mask, p)
+        fallback = precise_response_logits(agent, wrapper, input_ids, mask, p)
     assert kept.shape == full.shape == (4, t, len(tok))
     assert torch.allclose(kept, full, atol=1e-5) and torch.equal(fallback, full)
     assert torch.allclose(full, left_padded, atol=1e-5)  # left-aligning changes no logit beyond rounding

@@ -8,9 +8,10 @@ import json
 
 import pytest
 import torch
-from textrl.agents import agent_class, agent_names
 
 from tests.agents.conftest import collect
+from textrl.agents import agent_class, agent_names
+from textrl.agents.forwards import logprobs
 from textrl.config import TrainConfig
 from textrl.keys import KEYS
 from textrl.models import load_causal_lm
@@ -65,8 +66,8 @@ def test_with_lora_only_lora_weights_change_and_the_reference_is_the_base(name):
 
     ids, mask, p = sequence_inputs(td)
     with torch.no_grad():
-        ref = agent.logprobs(agent.ref_policy, ids, mask, p, td.get(KEYS.action))
-        base = agent.logprobs(fresh, ids, mask, p, td.get(KEYS.action))
+        ref = logprobs(agent, agent.ref_policy, ids, mask, p, td.get(KEYS.action))
+        base = logprobs(agent, fresh, ids, mask, p, td.get(KEYS.action))
     torch.testing.assert_close(ref, base, rtol=0, atol=1e-6)
 
 

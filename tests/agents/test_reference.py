@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from textrl.agents import agent_class
 
 from tests.agents.conftest import collect, make_agent
+from textrl.agents import agent_class, forwards
 from textrl.config import TrainConfig
 from textrl.keys import KEYS
 
@@ -47,15 +47,15 @@ def test_what_reads_the_reference_at_kl_coef_0_keeps_it(tok, overrides):
 
 
 @pytest.mark.parametrize("kl_coef", [0.0, 0.05])
-def test_no_reference_forward_runs_at_kl_coef_0(tok, kl_coef):
+def test_no_reference_forward_runs_at_kl_coef_0(tok, kl_coef, monkeypatch):
     agent = make_agent(tok, "multi_adapter_ppo", kl_coef=kl_coef)  # the reference: the base, adapters off
-    models, logprobs = [], agent.logprobs
+    models, logprobs = [], forwards.logprobs
 
-    def spy(model, *args):
+    def spy(agent, model, *args):
         models.append(model)
-        return logprobs(model, *args)
+        return logprobs(agent, model, *args)
 
-    agent.logprobs = spy
+    monkeypatch.setattr(forwards, "logprobs", spy)
     collect(agent, tok)
     others = [m for m in models if m is not agent.policy]
     assert (others == []) if kl_coef == 0 else (others == [agent.ref_policy])

@@ -1,4 +1,4 @@
-"""One-step updates reuse the behaviour forward (PPOAgent.reuses_rollout_forward).
+"""One-step updates reuse the behaviour forward (textrl.agents.forwards.reuses_rollout_forward).
 
 With 1 epoch, 1 minibatch and no accumulation, process_rollout keeps the policy / critic
 forward with its graph and the update back-propagates through it. The result must be the update
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from textrl.agents import AGENTS
 
 from tests.agents.conftest import collect, make_agent
+from textrl.agents import AGENTS
+from textrl.agents.forwards import reuses_rollout_forward
 
 FUSABLE = ["gae_ppo", "grpo", "rloo", "multi_adapter_ppo"]
 
@@ -45,7 +46,7 @@ def run_once(tok, name: str, reuse: bool, **overrides):
 def test_reused_forward_gives_the_same_update(tok, name, entropy_coef):
     fused, m_fused, g_fused = run_once(tok, name, True, entropy_coef=entropy_coef)
     plain, m_plain, g_plain = run_once(tok, name, False, entropy_coef=entropy_coef)
-    assert fused.reuses_rollout_forward() and not plain.reuses_rollout_forward()
+    assert reuses_rollout_forward(fused) and not reuses_rollout_forward(plain)
     for key in ("loss/policy", "loss/total", "entropy", "ratio/mean", "clip_fraction", "grad_norm/actor"):
         assert m_fused[key] == pytest.approx(m_plain[key], rel=1e-5, abs=1e-7), key
     w_fused, w_plain = weights(fused), weights(plain)
@@ -91,12 +92,12 @@ def test_the_reuse_saves_one_policy_forward(tok):
 ])
 def test_no_reuse_when_the_update_takes_several_forwards(tok, overrides):
     agent = make_agent(tok, "gae_ppo", **overrides)
-    assert not agent.reuses_rollout_forward()
+    assert not reuses_rollout_forward(agent)
     assert count_prefill_forwards(tok, reuse=True, **overrides) > 1
 
 
 def test_no_reuse_with_an_old_policy_snapshot(tok):
-    assert not make_agent(tok, "one_step_ppo").reuses_rollout_forward()
+    assert not reuses_rollout_forward(make_agent(tok, "one_step_ppo"))
 
 
 def test_a_kept_forward_is_dropped_when_weights_changed_since(tok):

@@ -19,6 +19,7 @@ import torch
 
 from tests.agents.conftest import PROMPTS, collect, make_agent
 from tests.rewards.test_neural import char_tokenizer
+from textrl.agents import forwards
 from textrl.envs import rollout_from_responses
 from textrl.functional import clipped_policy_loss, grpo_advantage, rloo_advantage
 from textrl.keys import KEYS
@@ -39,27 +40,27 @@ def unchanged(agent, before) -> bool:
 # -- numerical faults: the update is skipped, counted, and the weights stay ------------------------
 
 
-def _nan_logits(agent, td):
-    logits = agent._response_logits
-    agent._response_logits = lambda *args: logits(*args) * math.nan
+def _nan_logits(agent, td, monkeypatch):
+    logits = forwards.precise_response_logits
+    monkeypatch.setattr(forwards, "precise_response_logits", lambda *args: logits(*args) * math.nan)
 
 
-def _nan_values(agent, td):
-    values = agent._forward_values
-    agent._forward_values = lambda mb: values(mb) * math.nan
+def _nan_values(agent, td, monkeypatch):
+    values = forwards.forward_values
+    monkeypatch.setattr(forwards, "forward_values", lambda agent, mb: values(agent, mb) * math.nan)
 
 
-def _inf_loss(agent, td):
+def _inf_loss(agent, td, monkeypatch):
     loss = agent.loss
     agent.loss = lambda mb: (loss(mb)[0] * math.inf, loss(mb)[1])
 
 
-def _inf_gradient(agent, td):
+def _inf_gradient(agent, td, monkeypatch):
     next(agent.policy.parameters()).register_hook(lambda grad: grad * math.inf)
 
 
 def _poison(key):
-    def inject(agent, td):
+    def inject(agent, td, monkeypatch):
         x = td.get(key).clone()
         x[0, 0] = math.nan
         td.set(key, x)
@@ -73,11 +74,11 @@ ROLLOUT_FAULTS = {"log_probs": _poison(KEYS.action_log_prob), "advantages": _poi
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("fault", [*MINIBATCH_FAULTS, *ROLLOUT_FAULTS])
-def test_a_nonfinite_update_is_skipped_counted_and_leaves_the_weights(tok, name, fault):
+def test_a_nonfinite_update_is_skipped_counted_and_leaves_the_weights(tok, name, fault, monkeypatch):
     agent = make_agent(tok, name, ppo_epochs=2, num_minibatches=2, max_nonfinite_updates=100)
     td = collect(agent, tok)
     before = weights(agent)
-    {**MINIBATCH_FAULTS, **ROLLOUT_FAULTS}[fault](agent, td)
+    {**MINIBATCH_FAULTS, **ROLLOUT_FAULTS}[fault](agent, td, monkeypatch)
     metrics = agent.update(td)
     assert unchanged(agent, before)
     assert all(not o.state for o in agent.optimizers)  # no Adam moments either

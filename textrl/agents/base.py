@@ -20,7 +20,6 @@ agent's backend's (:attr:`PPOAgent.backend`, :mod:`textrl.parallel`; docs/parall
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
@@ -41,15 +40,14 @@ from textrl.agents.forwards import (
 )
 from textrl.agents.update import LossTerms, UpdateTally, total_loss
 from textrl.config import TrainConfig
-from textrl.distributed import Distributed
-from textrl.env_facts import EnvFacts, env_facts_of
+from textrl.env_facts import EnvFacts
 from textrl.functional import aggregate_loss, clipped_policy_loss, kl_penalty, kl_shaped_rewards
 from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
 from textrl.models.checkpointing import enable_gradient_checkpointing
 from textrl.models.sampling import neutralised_notice
-from textrl.optim import make_optimizer
 from textrl.parallel import Backend, SingleProcess
+from textrl.parallel.base import build_optimizers
 from textrl.precision import Precision
 
 SCORE = KEYS.score
@@ -100,7 +98,7 @@ class PPOAgent(nn.Module):
     """The loss aggregation the algorithm fixes (None: ``config.loss_aggregation``); see
     :attr:`loss_aggregation`."""
     reuse_rollout_forward = True
-    """See :meth:`reuses_rollout_forward`; set False to always run the update's own forward."""
+    """See :func:`textrl.agents.forwards.reuses_rollout_forward`; set False to always run the update's own forward."""
     _rollout_forward: RolloutForward | None = None
     _reused: RolloutForward | None = None
 
@@ -117,19 +115,6 @@ class PPOAgent(nn.Module):
         sharding); ``ValueError`` names the agent, the option and what to do. Runs inside
         :meth:`TrainConfig.validate`, before any model loads; subclasses add their own checks."""
         build.validate_config(cls, config)
-
-    @classmethod
-    def needs_reference(cls, config: TrainConfig) -> bool:
-        """Whether the agent keeps a reference model: something reads it, the KL penalty
-        (``kl_coef > 0``, in the reward or the loss), the adaptive KL controller (fed the measured
-        KL) or the ``kl/after_update`` monitor. At ``kl_coef=0`` without those none is built or
-        loaded, no reference forward runs, and the KL monitors are absent from the metrics."""
-        return config.kl_coef > 0 or config.adaptive_kl or config.kl_after_update
-
-    @classmethod
-    def lora_rank(cls, config: TrainConfig) -> int | None:
-        """The policy LoRA's rank: ``lora_r``, else :attr:`default_lora_r` (None: no LoRA)."""
-        return config.lora_r if config.lora_r is not None else cls.default_lora_r
 
     @classmethod
     def brings_reward(cls, config: TrainConfig) -> bool:
@@ -149,11 +134,6 @@ class PPOAgent(nn.Module):
         """
         own_loader = cls.load_policy.__func__ is not PPOAgent.load_policy.__func__  # loads without the warm-up
         return build.from_config(cls, config, device, log, env_facts, own_loader)
-
-    @classmethod
-    def load_tokenizer(cls, config: TrainConfig) -> Any:
-        """``config.tokenizer`` (a path, hub id or tokenizer object), else the model's own tokenizer."""
-        return build.load_tokenizer(config)
 
     @classmethod
     def load_policy(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print,
@@ -189,17 +169,17 @@ class PPOAgent(nn.Module):
         warned once here."""
         if self.sampling_notice:
             warnings.warn(self.sampling_notice, stacklevel=2)
-        if not self.needs_reference(config):
-            ref_policy = None  # kl_coef=0: nothing reads a reference (needs_reference)
+        if not build.needs_reference(config):
+            ref_policy = None  # kl_coef=0: nothing reads a reference (build.needs_reference)
         elif ref_policy is None:
             ref_policy = self.precision.frozen_copy(policy)
         self.ref_policy: nn.Module | None = ref_policy.eval().requires_grad_(False) if ref_policy is not None else None
-        """The frozen reference of the KL penalty; None when nothing reads it (:meth:`needs_reference`)."""
+        """The frozen reference of the KL penalty; None when nothing reads it (:func:`textrl.agents.build.needs_reference`)."""
         if self.needs_critic and critic is None:
             raise ValueError(f"{type(self).__name__} needs a critic (e.g. ValueModel.from_causal_lm)")
         self.critic = critic.eval() if critic is not None and self.needs_critic else None
         self.clip_eps = config.clip_eps if config.clip_eps is not None else self.default_clip_eps
-        self.clip_eps_high = self.option("clip_eps_high")
+        self.clip_eps_high = build.option(self, "clip_eps_high")
         self.kl_ctl = make_kl_controller(config.kl_coef, config.adaptive_kl, config.kl_target, config.kl_horizon)
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -211,96 +191,27 @@ class PPOAgent(nn.Module):
                 if model is not None:
                     enable_gradient_checkpointing(model, name)
         self.backend: Backend = SingleProcess(device=self.device)
-        """How training is spread over processes (:mod:`textrl.parallel`); ``Backend.prepare`` swaps it."""
-        self._build_optimizers()
-
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The trained weights by model, each with its learning rate: the actor's, then the critic's."""
-        groups = [{"params": [p for p in self.policy.parameters() if p.requires_grad], "lr": self.config.actor_lr}]
-        if self.critic is not None:
-            groups.append({"params": [p for p in self.critic.parameters() if p.requires_grad],
-                           "lr": self.config.critic_lr})
-        return groups
-
-    def _build_optimizers(self) -> None:
-        """One AdamW (``config.optim``, :mod:`textrl.optim`; no weight decay) per trained model, over
-        its weights as they are now (a backend that replaces the weights, e.g. by shards, calls this
-        again), and their schedules."""
-        actor, *critic = (make_optimizer(self.config.optim, [group]) for group in self.param_groups())
-        self.actor_optimizer = actor
-        self.critic_optimizer = critic[0] if critic else None
-        self.schedulers = [self._scheduler(opt, self.total_updates) for opt in self.optimizers]
+        """How training is spread over processes (:mod:`textrl.parallel`; its process group:
+        ``backend.dist``); ``Backend.prepare`` swaps it."""
+        # actor_optimizer, critic_optimizer (None without a critic), optimizers (those that exist) and
+        # schedulers: one AdamW per trained model and its schedule; a backend that replaces the weights
+        # (FSDP's shards, DeepSpeed's engine) builds them again
+        build_optimizers(self)
 
     def check_backend(self, backend: Backend) -> None:
         """Refuse a backend this agent cannot train under (``ValueError`` saying what to do instead)."""
 
-    @property
-    def dist(self) -> Distributed:
-        """The process group this agent trains over (its backend's)."""
-        return self.backend.dist
-
-    @property
-    def gathers_state(self) -> bool:
-        """:meth:`state_dict` is a collective (FSDP or DeepSpeed): every process calls it, the main writes."""
-        return self.backend.gathers_state
-
-    def _copy_weights(self, dst: nn.Module, src: nn.Module) -> None:
-        """``dst`` takes ``src``'s weights (reference / old-policy refresh), as the backend holds them."""
-        self.backend.copy_weights(dst, src)
-
-    # -- helpers --------------------------------------------------------------------------------
-    def option(self, name: str) -> Any:
-        """An agent option whose unset value (None) means "the agent's default": the config's
-        value, else the class attribute ``default_<name>`` (e.g. ``clip_eps_high``)."""
-        value = getattr(self.config, name)
-        return getattr(type(self), f"default_{name}", None) if value is None else value
-
+    # -- properties -----------------------------------------------------------------------------
     @property
     def loss_aggregation(self) -> str:
         """How the token losses of a (micro-)batch are reduced: the class's :attr:`aggregation`
         (an algorithm that fixes it), else ``config.loss_aggregation``."""
         return self.aggregation or self.config.loss_aggregation
 
-    def episode_budget(self) -> int:
-        """The run's token budget of an episode after the prompt (agent and observation tokens):
-        the one the trainer handed over (:attr:`env_facts`: ``max_episode_tokens``, else the
-        environment's default, fitted to the context), else ``max_episode_tokens``, else the
-        environment's default read through :func:`textrl.env_facts.env_facts_of` (``max_new_tokens``
-        for a single turn). The constant of the length terms (Dr. GRPO's denominator, DAPO's
-        overlong penalty); never a batch's padded ``T``."""
-        if self.env_facts is None:
-            if self.config.max_episode_tokens is not None:
-                return int(self.config.max_episode_tokens)
-            self.env_facts = env_facts_of(self.config, warmup=False)
-        return self.env_facts.episode_budget
-
-    def loss_mask(self, td: TensorDictBase) -> Tensor:
-        """The tokens the loss counts, bool ``[B, T]``: ``KEYS.loss_mask`` where the estimator
-        left rows out (DAPO's dynamic sampling), else the agent mask ``KEYS.mask``."""
-        mask = td.get(KEYS.loss_mask, None)
-        return td.get(KEYS.mask) if mask is None else mask
-
     @property
     def device(self) -> torch.device:
+        """Where the policy's weights are; follows the agent when it moves (``agent.to("cuda")``)."""
         return next(self.policy.parameters()).device
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [o for o in (self.actor_optimizer, self.critic_optimizer) if o is not None]
-
-    def _scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int):
-        warmup = self.config.lr_warmup_steps
-        cosine = self.config.lr_schedule == "cosine"
-
-        def factor(step: int) -> float:
-            if warmup and step < warmup:
-                return (step + 1) / warmup
-            if not cosine:
-                return 1.0
-            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
     @property
     def precision(self) -> Precision:
@@ -319,19 +230,10 @@ class PPOAgent(nn.Module):
 
         Rows that end early are padded with ``pad_token_id`` after their EOS; generation stops
         when every row has emitted EOS or after ``max_new_tokens``. The sampler applies exactly
-        the processors :meth:`logprobs` computes (:func:`~textrl.agents.forwards.rollout_generation_config`);
+        the processors :func:`~textrl.agents.forwards.logprobs` computes (:func:`~textrl.agents.forwards.rollout_generation_config`);
         nothing of the model's own ``generation_config`` (:func:`textrl.models.sampling.sample`).
         """
         return forwards.act(self, input_ids, attention_mask, greedy=greedy)
-
-    def _response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
-        """Logits that predict each response token, ``[B, T, V]``, under the run's precision
-        (:func:`~textrl.agents.forwards.precise_response_logits`)."""
-        return forwards.precise_response_logits(self, model, input_ids, attention_mask, prompt_len)
-
-    def logprobs(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
-        """Log-probs of the response tokens under the sampling distribution of ``model``: ``[B, T]``."""
-        return forwards.logprobs(self, model, input_ids, attention_mask, prompt_len, action)
 
     def evaluate(self, td: TensorDictBase, *, keep_graph: bool = False) -> TensorDict:
         """Recompute ``action_log_prob``, ``ref_log_prob`` (when the agent keeps a reference) and
@@ -344,32 +246,12 @@ class PPOAgent(nn.Module):
         """
         return forwards.evaluate(self, td, keep_graph=keep_graph)
 
-    def reuses_rollout_forward(self) -> bool:
-        """Whether :meth:`update` is one optimiser step over the whole rollout from the behaviour
-        policy itself (1 epoch, 1 minibatch, no accumulation, no old-policy snapshot).
-
-        Then that step's forward is the behaviour forward: :meth:`process_rollout` runs it with
-        grad, the advantages are computed from its detached log-probs and values, and the step
-        back-propagates through it instead of running the policy and critic again (one forward
-        each fewer per iteration; the graph is held from the prefill to the step, as the step's
-        own forward would hold it). ``reuse_rollout_forward = False`` on an agent turns it off.
-        """
-        return forwards.reuses_rollout_forward(self)
-
     def behaviour_logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
-        """Log-probs the ratio's denominator uses; the policy itself unless a snapshot is kept."""
-        return self.logprobs(self.policy, input_ids, attention_mask, prompt_len, action)
+        """Log-probs the ratio's denominator uses; the policy itself unless a snapshot is kept
+        (:func:`~textrl.agents.forwards.logprobs` of the model that sampled)."""
+        return forwards.logprobs(self, self.policy, input_ids, attention_mask, prompt_len, action)
 
     behaviour_logprobs.policy_own = True  # an override is an old-policy snapshot (forwards.own_behaviour_logprobs)
-
-    def _forward_policy(self, mb: TensorDictBase) -> tuple[Tensor, Tensor]:
-        """Current ``(logp [B, T], entropy [B, T])`` of a minibatch's actions, with grad (the kept
-        behaviour forward when the update put one in ``mb``: :func:`~textrl.agents.forwards.forward_policy`)."""
-        return forwards.forward_policy(self, mb)
-
-    def _forward_values(self, mb: TensorDictBase) -> Tensor:
-        """Current ``V(s_t)`` ``[B, T]`` of a minibatch, with grad (:func:`~textrl.agents.forwards.forward_values`)."""
-        return forwards.forward_values(self, mb)
 
     # -- the estimator ----------------------------------------------------------------------------
     def process_rollout(self, td: TensorDictBase, *, timings: dict[str, float] | None = None) -> TensorDictBase:
@@ -428,8 +310,8 @@ class PPOAgent(nn.Module):
         The policy part of every token-level agent's loss; a critic agent adds its value loss.
         """
         cfg = self.config
-        mask = self.loss_mask(mb)  # [B, T]
-        logp, entropy = self._forward_policy(mb)  # [B, T] each
+        mask = update_loop.loss_mask(mb)  # [B, T]
+        logp, entropy = forwards.forward_policy(self, mb)  # [B, T] each: the kept behaviour forward, or a new one
         pg_loss, stats = self.surrogate(logp, mb.get(KEYS.action_log_prob), mb.get(KEYS.advantage).squeeze(-1), mask)
         entropy_loss = self.aggregate(entropy, mask)
         terms = LossTerms(policy=pg_loss, entropy=-cfg.entropy_coef * entropy_loss)
@@ -444,7 +326,7 @@ class PPOAgent(nn.Module):
     def reference_kl(self, logp: Tensor, td: TensorDictBase, kind: str | None = None) -> Tensor:
         """Per-token KL(policy || reference) ``[B, T]`` of ``logp`` against the rollout's
         ``ref_log_prob`` (estimator ``kind``, default ``config.kl_kind``); zeros when the rollout
-        has none (the agent keeps no reference: :meth:`needs_reference`, so ``kl_coef`` is 0)."""
+        has none (the agent keeps no reference: :func:`textrl.agents.build.needs_reference`, so ``kl_coef`` is 0)."""
         ref = td.get(KEYS.ref_log_prob, None)
         if ref is None:
             return torch.zeros_like(logp)
@@ -523,7 +405,7 @@ class PPOAgent(nn.Module):
         self.iteration += 1
         every = self.config.ref_refresh_every
         if every and self.ref_policy is not None and self.iteration % every == 0:
-            self._copy_weights(self.ref_policy, self.policy)
+            self.backend.copy_weights(self.ref_policy, self.policy)  # as the backend holds them
 
     # -- resume (textrl/agents/state.py) ------------------------------------------------------------
     SCHEDULE_SETTINGS = resume.SCHEDULE_SETTINGS

@@ -1,8 +1,10 @@
 """An agent's construction: validation of a config against the agent's declarations, the
-tokenizer, the policy (and its format warm-up), the reference, the critic, a policy LoRA, and the
-reward the agent scores with. :class:`~textrl.agents.base.PPOAgent` keeps thin classmethod hooks
-(``from_config``, ``load_policy``, ``build_critic``, ``validate_config``, ...) that call these
-functions; subclasses override the hooks.
+tokenizer, the policy (and its format warm-up), the reference, the critic, a policy LoRA, the
+reward the agent scores with, and what the declarations and the handed facts resolve to (an
+option's agent default, the LoRA rank, whether a reference is kept, the episode budget).
+:class:`~textrl.agents.base.PPOAgent` keeps the classmethod hooks (``from_config``,
+``load_policy``, ``build_critic``, ``validate_config``) that call these functions; subclasses
+override the hooks.
 
 What construction needs of the run's environment (the warm-up pairs, the episode budget) is
 handed in as a :class:`textrl.env_facts.EnvFacts` (the trainer builds it from the environment it
@@ -53,6 +55,41 @@ def _own_lora_weights(view: nn.Module, weights: list[tuple[str, nn.Parameter]]) 
     return view
 
 
+# -- the declarations, resolved ---------------------------------------------------------------------
+def option(agent: PPOAgent, name: str) -> Any:
+    """An agent option whose unset value (None) means "the agent's default": the config's
+    value, else the class attribute ``default_<name>`` (e.g. ``clip_eps_high``)."""
+    value = getattr(agent.config, name)
+    return getattr(type(agent), f"default_{name}", None) if value is None else value
+
+
+def lora_rank(cls: type[PPOAgent], config: TrainConfig) -> int | None:
+    """The policy LoRA's rank: ``lora_r``, else ``cls.default_lora_r`` (None: no LoRA)."""
+    return config.lora_r if config.lora_r is not None else cls.default_lora_r
+
+
+def needs_reference(config: TrainConfig) -> bool:
+    """Whether the agent keeps a reference model: something reads it, the KL penalty
+    (``kl_coef > 0``, in the reward or the loss), the adaptive KL controller (fed the measured
+    KL) or the ``kl/after_update`` monitor. At ``kl_coef=0`` without those none is built or
+    loaded, no reference forward runs, and the KL monitors are absent from the metrics."""
+    return config.kl_coef > 0 or config.adaptive_kl or config.kl_after_update
+
+
+def episode_budget(agent: PPOAgent) -> int:
+    """The run's token budget of an episode after the prompt (agent and observation tokens):
+    the one the trainer handed over (``agent.env_facts``: ``max_episode_tokens``, else the
+    environment's default, fitted to the context), else ``max_episode_tokens``, else the
+    environment's default read through :func:`textrl.env_facts.env_facts_of` (``max_new_tokens``
+    for a single turn). The constant of the length terms (Dr. GRPO's denominator, DAPO's
+    overlong penalty); never a batch's padded ``T``."""
+    if agent.env_facts is None:
+        if agent.config.max_episode_tokens is not None:
+            return int(agent.config.max_episode_tokens)
+        agent.env_facts = env_facts_of(agent.config, warmup=False)
+    return agent.env_facts.episode_budget
+
+
 # -- validation -----------------------------------------------------------------------------------
 def validate_config(cls: type[PPOAgent], config: TrainConfig) -> None:
     """Check ``config`` against ``cls``'s declarations (samples per prompt, options read, LoRA,
@@ -68,7 +105,7 @@ def validate_config(cls: type[PPOAgent], config: TrainConfig) -> None:
             raise ValueError(_ignored_option(cls, agent, option, getattr(config, option)))
     if "critic_init" in cls.options and config.critic_init == "reward_model" and not config.reward_model:
         raise ValueError("critic_init='reward_model' needs --reward-model PATH")
-    if config.ref_refresh_every and not cls.needs_reference(config):
+    if config.ref_refresh_every and not needs_reference(config):
         raise ValueError(f"ref_refresh_every={config.ref_refresh_every} refreshes the reference model, which "
                          "kl_coef=0 does not build (nothing reads it): drop --ref-refresh-every, or set --kl-coef > 0")
     _validate_lora(cls, config)
@@ -85,7 +122,7 @@ def validate_config(cls: type[PPOAgent], config: TrainConfig) -> None:
 def _validate_lora(cls: type[PPOAgent], config: TrainConfig) -> None:
     """A LoRA policy shares one (4-bit) base with its reference (adapters disabled): that
     reference cannot be refreshed, nor the base sharded; LoRA options need a rank."""
-    agent, rank = config.agent, cls.lora_rank(config)
+    agent, rank = config.agent, lora_rank(cls, config)
     if cls.lora == "required" and not rank:
         raise ValueError(f"lora_r={config.lora_r}: {agent} trains a policy LoRA; give --lora-r >= 1")
     if not rank:
@@ -115,12 +152,12 @@ def _validate_memory_options(cls: type[PPOAgent], config: TrainConfig) -> None:
     fine-tuned policy; the optimisers and critics the sharded backends build."""
     from textrl.optim import check_optim
 
-    lora = bool(cls.lora_rank(config))
+    lora = bool(lora_rank(cls, config))
     check_optim(config.optim, config.dtype, trains_full_weights=not lora)
     if config.critic != "separate":
         if lora:
             raise ValueError(f"critic={config.critic!r}: with a LoRA policy ({config.agent}, lora_r="
-                             f"{cls.lora_rank(config)}) the critic is set by --critic-type (value_head or lora); "
+                             f"{lora_rank(cls, config)}) the critic is set by --critic-type (value_head or lora); "
                              "drop --critic")
         if config.critic_init != "policy":
             raise ValueError(f"critic={config.critic!r} with critic_init={config.critic_init!r}: a {config.critic} "
@@ -172,9 +209,9 @@ def from_config(cls: type[PPOAgent], config: TrainConfig, device: torch.device |
     budget) and what its warm-up did (``warmup_record``)."""
     config.validate(cls)
     Precision.of(config, device)  # a precision the device cannot run is refused before any model loads
-    tokenizer = cls.load_tokenizer(config)
+    tokenizer = load_tokenizer(config)
     device = torch.device(device)
-    if cls.lora_rank(config):
+    if lora_rank(cls, config):
         return _from_config_lora(cls, config, tokenizer, device, log, env_facts, own_loader)
     critic_from_reward_model = cls.needs_critic and config.critic_init == "reward_model"
     if critic_from_reward_model:  # before the policy loads: only the tokenizers are compared
@@ -184,7 +221,7 @@ def from_config(cls: type[PPOAgent], config: TrainConfig, device: torch.device |
     if critic_from_reward_model:
         check_tokenizer_fits(tokenizer, critic, tokenizer_name=tokenizer_name(config),
                              model_name=str(config.reward_model))
-    reference = Precision.of(config, device).frozen_copy(policy) if cls.needs_reference(config) else None
+    reference = Precision.of(config, device).frozen_copy(policy) if needs_reference(config) else None
     agent = cls(policy, tokenizer, config, ref_policy=reference, critic=critic)
     return keep_construction(agent, env_facts, record)
 
@@ -234,7 +271,7 @@ def _from_config_lora(cls: type[PPOAgent], config: TrainConfig, tokenizer: Any, 
             "reason": "load_in_4bit=True: the 4-bit base is not warmed up"}
     else:
         base, record, env_facts = _policy_and_warmup(cls, config, tokenizer, device, log, env_facts, own_loader)
-    lora = lora_config(cls.lora_rank(config), config.lora_alpha, config.lora_dropout, config.lora_target_modules,
+    lora = lora_config(lora_rank(cls, config), config.lora_alpha, config.lora_dropout, config.lora_target_modules,
                        model=base)
     lora_critic = cls.needs_critic and config.critic_type == "lora"
     stack, _ = build_adapter_stack(base, lora, critic_adapter=lora_critic)
@@ -242,7 +279,7 @@ def _from_config_lora(cls: type[PPOAgent], config: TrainConfig, tokenizer: Any, 
     critic = None
     if cls.needs_critic:
         critic = _own_lora_weights(value_critic(stack, lora_critic), stack.lora[CRITIC] if lora_critic else [])
-    reference = AdapterPolicy(stack, None) if cls.needs_reference(config) else None
+    reference = AdapterPolicy(stack, None) if needs_reference(config) else None
     agent = cls(policy, tokenizer, config, ref_policy=reference, critic=critic)
     agent.stack = stack
     return keep_construction(agent, env_facts, record)
@@ -369,7 +406,7 @@ def place_neural_rewards(agent: PPOAgent, reward: Any) -> None:
 
 
 __all__ = [
-    "build_critic", "check_critic_tokenizer", "from_config", "keep_construction", "load_policy", "load_tokenizer",
-    "place_neural_rewards", "policy_name", "task_reward", "tokenizer_name", "validate_config", "warmup_none",
-    "warmup_pairs",
+    "build_critic", "check_critic_tokenizer", "episode_budget", "from_config", "keep_construction", "load_policy",
+    "load_tokenizer", "lora_rank", "needs_reference", "option", "place_neural_rewards", "policy_name", "task_reward",
+    "tokenizer_name", "validate_config", "warmup_none", "warmup_pairs",
 ]

@@ -1,10 +1,11 @@
 """Acting and forwards of a PPO-family agent: generation, prefill log-probs and values, the rollout's
 processing, and the behaviour forward kept for a one-step update.
 
-Module functions of the agent (``act(agent, ...)``); :class:`~textrl.agents.base.PPOAgent`'s
-methods of the same names call them. Every forward runs under the run's precision
-(``agent.precision.autocast()``, :class:`textrl.precision.Precision`: the one autocast context of
-the package).
+Module functions of the agent (``act(agent, ...)``): :class:`~textrl.agents.base.PPOAgent`'s
+``act``, ``evaluate`` and ``process_rollout`` call the functions of the same names; a loss calls
+:func:`forward_policy` and :func:`forward_values`, a behaviour forward :func:`logprobs`. Every
+forward runs under the run's precision (``agent.precision.autocast()``,
+:class:`textrl.precision.Precision`: the one autocast context of the package).
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def sampling_logprobs(agent: PPOAgent, logits: Tensor, action: Tensor) -> Tensor
 def logprobs(agent: PPOAgent, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
              action: Tensor) -> Tensor:
     """Log-probs of the response tokens under the sampling distribution of ``model``: ``[B, T]``."""
-    logits = agent._response_logits(model, input_ids, attention_mask, prompt_len)
+    logits = precise_response_logits(agent, model, input_ids, attention_mask, prompt_len)
     return sampling_logprobs(agent, logits, action)
 
 
@@ -213,7 +214,7 @@ def logprobs_and_entropy(agent: PPOAgent, input_ids: Tensor, attention_mask: Ten
     The entropy carries grad only when ``entropy_coef > 0`` (otherwise it is only logged).
     """
     cfg = agent.config
-    logits = agent._response_logits(agent.policy, input_ids, attention_mask, prompt_len)  # [B, T, V]
+    logits = precise_response_logits(agent, agent.policy, input_ids, attention_mask, prompt_len)  # [B, T, V]
     logp = sampling_logprobs(agent, logits, action)
     source = logits if cfg.entropy_coef > 0 else logits.detach()
     entropy = entropy_from_logits(source, temperature=cfg.temperature)
@@ -269,7 +270,7 @@ def evaluate(agent: PPOAgent, td: TensorDictBase, *, keep_graph: bool = False) -
             if agent.critic is not None:
                 out["value"].append(values(agent, *args))
         if agent.ref_policy is not None:
-            out["ref"].append(agent.logprobs(agent.ref_policy, *args, action[sl]))
+            out["ref"].append(logprobs(agent, agent.ref_policy, *args, action[sl]))
     logp = torch.cat(out["logp"])
     result = TensorDict({KEYS.action_log_prob: logp}, batch_size=td.batch_size)
     if agent.ref_policy is not None:
@@ -292,7 +293,15 @@ def evaluate(agent: PPOAgent, td: TensorDictBase, *, keep_graph: bool = False) -
 
 
 def reuses_rollout_forward(agent: PPOAgent) -> bool:
-    """:meth:`PPOAgent.reuses_rollout_forward <textrl.agents.base.PPOAgent.reuses_rollout_forward>`."""
+    """Whether ``agent.update`` is one optimiser step over the whole rollout from the behaviour
+    policy itself (1 epoch, 1 minibatch, no accumulation, no old-policy snapshot).
+
+    Then that step's forward is the behaviour forward: :func:`process_rollout` runs it with
+    grad, the advantages are computed from its detached log-probs and values, and the step
+    back-propagates through it instead of running the policy and critic again (one forward
+    each fewer per iteration; the graph is held from the prefill to the step, as the step's
+    own forward would hold it). ``reuse_rollout_forward = False`` on an agent turns it off.
+    """
     cfg = agent.config
     return (
         agent.reuse_rollout_forward
@@ -306,7 +315,7 @@ def reuses_rollout_forward(agent: PPOAgent) -> bool:
 def take_rollout_forward(agent: PPOAgent, td: TensorDictBase) -> RolloutForward | None:
     """The kept forward of :func:`evaluate` if it belongs to ``td`` and no weight changed since."""
     kept, agent._rollout_forward = agent._rollout_forward, None
-    if kept is None or not agent.reuses_rollout_forward():
+    if kept is None or not reuses_rollout_forward(agent):
         return None
     logp = td.get(KEYS.action_log_prob, None)
     if logp is not kept.stored or kept.version != weights_version(agent):
@@ -340,7 +349,7 @@ def policy_ref_kl(agent: PPOAgent, td: TensorDictBase) -> float:
     if not (logp is not None and logp is cached and logp._version == cached_version
             and version == policy_version(agent)):
         logp = torch.cat([
-            agent.logprobs(agent.policy, input_ids[sl], attention_mask[sl], p, action[sl])
+            logprobs(agent, agent.policy, input_ids[sl], attention_mask[sl], p, action[sl])
             for sl in micro_batches(td.shape[0], agent.config.forward_batch_size)
         ])
     kl = kl_penalty(logp, td.get(KEYS.ref_log_prob), kind=agent.config.kl_kind)
@@ -357,7 +366,7 @@ def process_rollout(agent: PPOAgent, td: TensorDictBase, *, timings: dict[str, f
     if SCORE not in td.keys():
         td.set(SCORE, td.get(KEYS.reward).squeeze(-1).sum(1).float())
     with timed(timings, "forward", agent.device):
-        td.update(agent.evaluate(td, keep_graph=agent.reuses_rollout_forward()))
+        td.update(agent.evaluate(td, keep_graph=reuses_rollout_forward(agent)))
     with timed(timings, "advantages", agent.device):
         mask = td.get(KEYS.mask)
         if agent.critic is not None:
@@ -368,13 +377,13 @@ def process_rollout(agent: PPOAgent, td: TensorDictBase, *, timings: dict[str, f
         agent.estimate(td)
         if agent.ref_policy is not None:  # without one the coefficient is a fixed 0
             kl = agent.reference_kl(td.get(KEYS.action_log_prob), td, kind="k1")
-            seq_kl = agent.dist.mean({"kl": masked_sum(kl, mask, dim=1).mean().item()})["kl"]
-            agent.kl_ctl.update(seq_kl, td.shape[0] * agent.dist.world_size)
+            seq_kl = agent.backend.dist.mean({"kl": masked_sum(kl, mask, dim=1).mean().item()})["kl"]
+            agent.kl_ctl.update(seq_kl, td.shape[0] * agent.backend.dist.world_size)
     return td
 
 
 __all__ = [
     "FORWARD", "SCORE", "RolloutForward", "act", "attended_response", "evaluate", "forward_policy", "forward_values",
-    "logprobs", "micro_batches", "policy_ref_kl", "position_ids_for", "process_rollout", "reuses_rollout_forward",
-    "sequence_inputs", "take_rollout_forward", "warp_logits", "with_forward",
+    "logprobs", "micro_batches", "policy_ref_kl", "position_ids_for", "precise_response_logits", "process_rollout",
+    "reuses_rollout_forward", "sequence_inputs", "take_rollout_forward", "warp_logits", "with_forward",
 ]

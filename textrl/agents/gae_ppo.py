@@ -19,6 +19,7 @@ from tensordict import TensorDictBase
 from torch import Tensor
 
 from textrl.agent_registry import register_agent
+from textrl.agents import build, forwards
 from textrl.agents.base import (
     CRITIC_OPTIONS,
     LORA_OPTIONS,
@@ -62,16 +63,16 @@ class GAEPPO(PPOAgent):
 
     def critic_warming_up(self) -> bool:
         """Whether this iteration only trains the critic (the first ``critic_warmup_iterations``)."""
-        return self.iteration < self.option("critic_warmup_iterations")
+        return self.iteration < build.option(self, "critic_warmup_iterations")
 
     def lambdas(self, mask: Tensor) -> tuple[float | Tensor, float]:
         """``(policy lambda, critic lambda)``: the policy's is ``lam``, or with ``lam_length_alpha``
         VAPO's ``1 - 1/(alpha * l)`` per row ``[B]`` (``l`` the row's agent tokens of ``mask``
         ``[B, T]``); the critic's is ``lam_critic``, else ``lam``."""
         cfg = self.config
-        alpha = self.option("lam_length_alpha")
+        alpha = build.option(self, "lam_length_alpha")
         policy = length_adaptive_lambda(mask.sum(1), alpha) if alpha else cfg.lam
-        critic = self.option("lam_critic")
+        critic = build.option(self, "lam_critic")
         return policy, cfg.lam if critic is None else critic
 
     def token_kl(self, logp: Tensor, td: TensorDictBase) -> Tensor:
@@ -114,7 +115,7 @@ class GAEPPO(PPOAgent):
         cfg = self.config
         terms, stats = self.policy_objective(mb)
         v_loss, v_stats = clipped_value_loss(
-            self._forward_values(mb),  # [B, T]
+            forwards.forward_values(self, mb),  # [B, T]
             mb.get(KEYS.state_value).squeeze(-1),
             mb.get(KEYS.value_target).squeeze(-1),
             mb.get(KEYS.mask),

@@ -46,7 +46,14 @@ from textrl.agents.adapter_views import (
     value_critic,
 )
 from textrl.agents.base import LORA_OPTIONS
-from textrl.agents.build import keep_construction, policy_name, tokenizer_name, warmup_none
+from textrl.agents.build import (
+    keep_construction,
+    load_tokenizer,
+    lora_rank,
+    policy_name,
+    tokenizer_name,
+    warmup_none,
+)
 from textrl.agents.gae_ppo import GAEPPO
 from textrl.config import TrainConfig
 from textrl.env_facts import EnvFacts, env_facts_of
@@ -126,7 +133,7 @@ class MultiAdapterPPO(GAEPPO):
         warmup = warmup_none(config, env_facts, agent_warms=False)
         if warmup["asked_steps"] > 0 and env_facts.warmup_pairs:
             log(f"{config.agent}: no SFT warm-up (the base is shared with the reward adapter)")
-        tokenizer = cls.load_tokenizer(config)
+        tokenizer = load_tokenizer(config)
         agent = cls(cls.load_policy(config, tokenizer, torch.device(device), log), tokenizer, config)
         return keep_construction(agent, env_facts, warmup)
 
@@ -164,7 +171,7 @@ class MultiAdapterPPO(GAEPPO):
             )
         warn_if_merged(policy, merged)
         keep_4bit_differentiable(policy)
-        lora = lora_config(self.lora_rank(config), config.lora_alpha, config.lora_dropout, config.lora_target_modules,
+        lora = lora_config(lora_rank(type(self), config), config.lora_alpha, config.lora_dropout, config.lora_target_modules,
                            model=policy)
         lora_critic = config.critic_type == "lora"
         stack, score_head = build_adapter_stack(

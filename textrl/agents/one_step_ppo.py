@@ -16,6 +16,7 @@ from tensordict import TensorDictBase
 from torch import Tensor, nn
 
 from textrl.agent_registry import register_agent
+from textrl.agents import forwards
 from textrl.agents.base import CRITIC_OPTIONS, SCORE, SHARED_OPTIONS, PPOAgent
 from textrl.agents.update import LossTerms
 from textrl.config import TrainConfig
@@ -61,7 +62,7 @@ class OneStepPPO(PPOAgent):
 
     def behaviour_logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
         """The ratio's denominator comes from the old-policy snapshot, as in MiniMind."""
-        return self.logprobs(self.old_policy, input_ids, attention_mask, prompt_len, action)
+        return forwards.logprobs(self, self.old_policy, input_ids, attention_mask, prompt_len, action)
 
     def estimate(self, td: TensorDictBase) -> None:
         """``advantage = R - V(s_last)`` and ``value_target = R`` on every valid token (``[B, T, 1]``)."""
@@ -82,7 +83,7 @@ class OneStepPPO(PPOAgent):
         and ``kl`` (beta * sequence KL)."""
         cfg = self.config
         mask = mb.get(KEYS.mask)  # [B, T]
-        logp, entropy = self._forward_policy(mb)  # [B, T]
+        logp, entropy = forwards.forward_policy(self, mb)  # [B, T]
         seq_logp = masked_sum(logp, mask, dim=1)  # [B]
         old_seq_logp = masked_sum(mb.get(KEYS.action_log_prob), mask, dim=1)  # [B]
         advantage = last_valid(mb.get(KEYS.advantage).squeeze(-1), mask)  # [B]
@@ -96,7 +97,7 @@ class OneStepPPO(PPOAgent):
             dual_clip=cfg.dual_clip,
             aggregation="token_mean",
         )
-        value_last = last_valid(self._forward_values(mb), mask)  # [B]
+        value_last = last_valid(forwards.forward_values(self, mb), mask)  # [B]
         v_loss = torch.nn.functional.mse_loss(value_last, mb.get(SCORE).to(value_last.dtype))
         seq_kl = masked_sum(self.reference_kl(logp, mb), mask, dim=1)  # [B]
         kl_loss = self.kl_ctl.value * seq_kl.mean()
@@ -120,7 +121,7 @@ class OneStepPPO(PPOAgent):
         """Reference refresh and counters (base), then the old-policy snapshot every N iterations."""
         super().after_update()
         if self.iteration % self.config.old_policy_refresh_every == 0:
-            self._copy_weights(self.old_policy, self.policy)
+            self.backend.copy_weights(self.old_policy, self.policy)
 
 
 __all__ = ["OneStepPPO"]

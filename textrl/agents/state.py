@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
+from textrl.parallel.base import param_groups
+
 if TYPE_CHECKING:
     from textrl.agents.base import PPOAgent
 
@@ -47,7 +49,7 @@ def take_changed_settings(agent: PPOAgent, names: set[str]) -> None:
     from the new ``kl_coef``). Every other setting is read from the config where it is used."""
     agent.backend.invalidate_rollback()
     if names & SCHEDULE_SETTINGS:
-        rates = iter(group["lr"] for group in agent.param_groups())  # the actor's, then the critic's
+        rates = iter(group["lr"] for group in param_groups(agent))  # the actor's, then the critic's
         for scheduler in agent.schedulers:  # one per optimiser, or one over both groups (ZeRO)
             scheduler.base_lrs = [next(rates) for _ in scheduler.optimizer.param_groups]
             for group, lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
@@ -61,10 +63,10 @@ def take_changed_settings(agent: PPOAgent, names: set[str]) -> None:
 def load_weights(agent: PPOAgent, state: dict[str, Tensor], strict: bool = True, assign: bool = False) -> Any:
     """Restore ``weights_state``'s output (every process passes the same ``state``).
 
-    The reference follows this run's settings (``needs_reference``): a checkpoint's reference is
-    left out when the agent keeps none (resumed with ``kl_coef`` 0), and an agent that keeps one
-    keeps the one it built, the starting policy, when the checkpoint holds none (its run had
-    ``kl_coef`` 0 and kept no reference)."""
+    The reference follows this run's settings (:func:`textrl.agents.build.needs_reference`): a
+    checkpoint's reference is left out when the agent keeps none (resumed with ``kl_coef`` 0), and
+    an agent that keeps one keeps the one it built, the starting policy, when the checkpoint holds
+    none (its run had ``kl_coef`` 0 and kept no reference)."""
     agent.backend.invalidate_rollback()
     prefix = "ref_policy."
     if agent.ref_policy is None:

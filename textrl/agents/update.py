@@ -44,7 +44,7 @@ def update(agent: PPOAgent, td: TensorDictBase) -> dict[str, float]:
     kl_before = kl_monitors(agent, td)
     tally = UpdateTally()
     forward = take_rollout_forward(agent, td)  # the behaviour forward with its graph, or None
-    if agent.dist.any(not rollout_is_finite(td)):  # every minibatch would be poisoned: skip all
+    if agent.backend.dist.any(not rollout_is_finite(td)):  # every minibatch would be poisoned: skip all
         tally.skip_nonfinite(agent)
     else:
         with rolled_back_if_nonfinite(agent, tally):
@@ -61,14 +61,14 @@ def run_epochs(agent: PPOAgent, td: TensorDictBase, forward: RolloutForward | No
     ``max_nonfinite_updates`` consecutive skipped steps. ``forward`` (the kept behaviour forward)
     serves the first micro-batch only: the update is then one step over the whole rollout."""
     cfg, backend = agent.config, agent.backend
-    mask = agent.loss_mask(td)  # [B, T]
+    mask = loss_mask(td)  # [B, T]
     for _ in range(cfg.ppo_epochs):
         tally.epochs_run += 1
         order = torch.randperm(td.shape[0], device=td.device)
         for idx in order.tensor_split(cfg.num_minibatches):  # [b] rows of one minibatch
             if idx.numel() == 0:
                 continue
-            if KEYS.loss_mask in td.keys() and not agent.dist.any(bool(mask[idx].any())):
+            if KEYS.loss_mask in td.keys() and not backend.dist.any(bool(mask[idx].any())):
                 stats, norms = {}, {}  # every row left out (dynamic sampling): no loss, nothing to step
             else:
                 mb_tokens = mask[idx].sum().clamp(min=1)
@@ -87,7 +87,7 @@ def run_epochs(agent: PPOAgent, td: TensorDictBase, forward: RolloutForward | No
                         continue
                     backend.backward(weight * loss)
                     backwards += 1
-                stats = agent.dist.mean({k: torch.stack(v).mean().item() for k, v in micro_stats.items()})
+                stats = backend.dist.mean({k: torch.stack(v).mean().item() for k, v in micro_stats.items()})
                 tally.ratio_threshold_skips += dropped > 0
                 norms = backend.step(agent) if backwards else {}  # None: a NaN/inf loss or gradient
             forward = None
@@ -101,6 +101,13 @@ def run_epochs(agent: PPOAgent, td: TensorDictBase, forward: RolloutForward | No
             if should_stop_early(cfg, tally.stats):
                 tally.early_stopped = True
                 return
+
+
+def loss_mask(td: TensorDictBase) -> Tensor:
+    """The tokens the loss counts, bool ``[B, T]``: ``KEYS.loss_mask`` where the estimator
+    left rows out (DAPO's dynamic sampling), else the agent mask ``KEYS.mask``."""
+    mask = td.get(KEYS.loss_mask, None)
+    return td.get(KEYS.mask) if mask is None else mask
 
 
 class LossTerms(dict):
@@ -154,7 +161,7 @@ def over_ratio_threshold(agent: PPOAgent, loss: Tensor, stats: dict[str, Tensor]
     threshold = agent.config.ratio_threshold
     if threshold <= 0 or "ratio/mean" not in stats:
         return False
-    shared = agent.dist.mean({"ratio": float(stats["ratio/mean"]), "nonfinite": float(not torch.isfinite(loss))})
+    shared = agent.backend.dist.mean({"ratio": float(stats["ratio/mean"]), "nonfinite": float(not torch.isfinite(loss))})
     return shared["nonfinite"] == 0 and shared["ratio"] > threshold
 
 
@@ -212,7 +219,7 @@ def should_stop_early(cfg: Any, stats: dict[str, list[float]]) -> bool:
 
 def kl_monitors(agent: PPOAgent, td: TensorDictBase) -> dict[str, float]:
     """``kl/collection`` (the rollout's behaviour log-probs) and ``kl/before_update`` (the policy
-    now); none without a reference (``needs_reference``)."""
+    now); none without a reference (:func:`textrl.agents.build.needs_reference`)."""
     from textrl.agents.forwards import policy_ref_kl
 
     if agent.ref_policy is None or KEYS.ref_log_prob not in td.keys():
@@ -283,6 +290,6 @@ class UpdateTally:
 
 
 __all__ = [
-    "LossTerms", "UpdateTally", "micro_batch_loss", "over_ratio_threshold", "rolled_back_if_nonfinite", "rollout_is_finite",
-    "run_epochs", "skip_nonfinite_step", "total_loss", "update",
+    "LossTerms", "UpdateTally", "loss_mask", "micro_batch_loss", "over_ratio_threshold", "rolled_back_if_nonfinite",
+    "rollout_is_finite", "run_epochs", "skip_nonfinite_step", "total_loss", "update",
 ]

@@ -43,11 +43,12 @@ def warm_start(config: TrainConfig, folder: Path, log: Any = print, threads: int
     Every agent of that (env, seed) then loads this policy (``model=folder``,
     ``warmup_sft_steps=0``), so all start from the same weights."""
     from textrl.agents import PPOAgent
+    from textrl.agents.build import load_tokenizer
     from textrl.run import resolve_device, seed_everything, torch_threads
 
     seed_everything(config.seed)
     with torch_threads(threads):
-        tokenizer = PPOAgent.load_tokenizer(config)
+        tokenizer = load_tokenizer(config)
         policy = PPOAgent.load_policy(config, tokenizer, resolve_device(config.device), log)
     policy.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -62,6 +62,47 @@ def trained_parameters(agent: Any) -> list[tuple[str, nn.Parameter]]:
             if model is not None for k, p in model.named_parameters() if p.requires_grad]
 
 
+def param_groups(agent: Any) -> list[dict[str, Any]]:
+    """The trained weights by model, each with its learning rate: the actor's, then the critic's."""
+    groups = [{"params": [p for p in agent.policy.parameters() if p.requires_grad], "lr": agent.config.actor_lr}]
+    if agent.critic is not None:
+        groups.append({"params": [p for p in agent.critic.parameters() if p.requires_grad],
+                       "lr": agent.config.critic_lr})
+    return groups
+
+
+def build_optimizers(agent: Any) -> None:
+    """One AdamW (``config.optim``, :mod:`textrl.optim`; no weight decay) per trained model of
+    ``agent``, over its weights as they are now (a backend that replaces the weights, e.g. by shards,
+    calls this again), and their schedules: sets ``agent.actor_optimizer``, ``agent.critic_optimizer``
+    (None without a critic), ``agent.optimizers`` (those that exist) and ``agent.schedulers``."""
+    from textrl.optim import make_optimizer
+
+    optim = getattr(agent.config, "optim", "adamw_torch")
+    actor, *critic = (make_optimizer(optim, [group]) for group in param_groups(agent))
+    agent.actor_optimizer = actor
+    agent.critic_optimizer = critic[0] if critic else None
+    agent.optimizers = [o for o in (agent.actor_optimizer, agent.critic_optimizer) if o is not None]
+    agent.schedulers = [lr_scheduler(agent.config, opt, agent.total_updates) for opt in agent.optimizers]
+
+
+def lr_scheduler(config: Any, optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning-rate schedule of ``optimizer`` over ``total_steps`` optimiser steps: linear
+    warm-up over ``config.lr_warmup_steps``, then constant or cosine (``config.lr_schedule``)."""
+    warmup = config.lr_warmup_steps
+    cosine = config.lr_schedule == "cosine"
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if not cosine:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def restore_optimizer(optimizer: torch.optim.Optimizer, params: list[Tensor], saved: OptimizerCopy) -> None:
     """Put an :class:`OptimizerCopy` ``saved`` back into ``optimizer`` (state keyed by ``params``),
     tensors in place (their local part: FSDP's states are shards); a state created since is
@@ -304,5 +345,5 @@ class Backend:
         return f"{type(self).__name__}(processes={self.dist.world_size}, device={self.device})"
 
 
-__all__ = ["Backend", "OptimizerCopy", "RollbackCopy", "UpdateSnapshot", "all_finite", "restore_optimizer", "trained_models",
-           "trained_parameters"]
+__all__ = ["Backend", "OptimizerCopy", "RollbackCopy", "UpdateSnapshot", "all_finite", "build_optimizers", "lr_scheduler",
+           "param_groups", "restore_optimizer", "trained_models", "trained_parameters"]

@@ -14,7 +14,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from textrl.parallel import fsdp_sharding
-from textrl.parallel.base import trained_models
+from textrl.parallel.base import build_optimizers, trained_models
 from textrl.parallel.replicated import Replicated
 
 
@@ -40,7 +40,7 @@ class FSDP(Replicated):
         mesh = fsdp_sharding.device_mesh(self.device, self.dist.world_size)
         for _, model in agent.named_children():
             fsdp_sharding.shard_model(model, mesh, self.reshard_after_forward)
-        agent._build_optimizers()
+        build_optimizers(agent)
 
     def norm_value(self, norm: Tensor) -> float:
         """The global norm of sharded gradients (a ``DTensor``) as a float."""

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from textrl.parallel import deepspeed_engine
-from textrl.parallel.base import trained_parameters
+from textrl.parallel.base import lr_scheduler, param_groups, trained_parameters
 from textrl.parallel.fsdp import _prefixed, weights_held
 from textrl.parallel.fsdp_sharding import local
 from textrl.parallel.replicated import Replicated
@@ -46,14 +46,15 @@ class DeepSpeedZero(Replicated):
         if agent.backend.gathers_state:
             raise RuntimeError(f"{type(agent).__name__} is already sharded or under DeepSpeed")
         super().prepare(agent)
-        optimizer = torch.optim.AdamW(agent.param_groups(), weight_decay=0.0)
+        optimizer = torch.optim.AdamW(param_groups(agent), weight_decay=0.0)
         agent.zero_grad(set_to_none=True)  # DeepSpeed would add leftover gradients (e.g. of a warm-up) to the first step
         models = nn.ModuleDict(dict(agent.named_children()))  # the same modules, in one engine
         hidden = getattr(getattr(agent.policy, "config", None), "hidden_size", None)
         config = deepspeed_engine.deepspeed_config(self.stage, agent.config.max_grad_norm, self.zero_section, hidden_size=hidden)
         self.engine = deepspeed_engine.initialize(models, optimizer, config)
         agent.actor_optimizer, agent.critic_optimizer = optimizer, None  # both groups; DeepSpeed steps it
-        agent.schedulers = [agent._scheduler(optimizer, agent.total_updates)]
+        agent.optimizers = [optimizer]
+        agent.schedulers = [lr_scheduler(agent.config, optimizer, agent.total_updates)]
 
     def backward(self, loss: Tensor) -> None:
         """``engine.backward`` (stages 2, 3 reduce inside it: every process runs the same backwards)."""

@@ -156,7 +156,7 @@ def _write_checkpoint(folder: Path, iteration: int, agent, sampler, rng_per_proc
     ``trainer_state.pt`` (agent, sampler, this process's RNGs and every process's), the manifest."""
     if agent_state is None:
         agent_state = agent.state_dict()
-    if getattr(agent, "gathers_state", False):  # full weights, gathered into agent_state
+    if getattr(getattr(agent, "backend", None), "gathers_state", False):  # full weights, gathered into agent_state
         policy_state = {k.removeprefix("policy."): v for k, v in agent_state.items() if k.startswith("policy.")}
         agent.policy.save_pretrained(folder / "policy", state_dict=policy_state)
     else:
