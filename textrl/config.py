@@ -47,8 +47,6 @@ from textrl.precision import check_memory_options, check_precision
 from textrl.reward_option import check_reward_shape
 
 KL_KINDS = ("k1", "k2", "k3", "abs")
-CRITICS = ("separate", "shared", "lora")
-"""``--critic`` values (a fully fine-tuned policy's critic)."""
 
 
 @dataclass
@@ -94,20 +92,17 @@ class TrainConfig:
     """Autocast of every forward: bf16 | no | auto (bf16 on a CUDA device that has it, else no;
     TRL's bf16=True)."""
     frozen_dtype: str = "auto"
-    """The frozen models' weights (reference, reward models): float32 | bfloat16 | auto (bfloat16 on
-    a CUDA device that has it, else the trained weights' dtype; their forwards run under the bf16
-    autocast there anyway)."""
+    """The reference's and reward models' weights: float32 | bfloat16 | auto (bfloat16 on a CUDA
+    device that has it, else the trained weights' dtype)."""
     optim: str = "adamw_torch"
-    """The optimiser of the trained weights (TRL's optim): adamw_torch (torch's AdamW, states in the
-    weights' dtype), adamw_bnb_8bit (bitsandbytes' 8-bit AdamW states; float32 weights),
-    adamw_anyprecision (float32 states and Kahan-summed updates: the one for --dtype bfloat16)."""
+    """Optimiser (TRL's optim): adamw_torch | adamw_bnb_8bit (8-bit states, float32 weights) |
+    adamw_anyprecision (float32 states, Kahan-summed weights: the one for --dtype bfloat16)."""
     gradient_checkpointing: bool = False
     """Recompute each transformer layer in the backward instead of keeping its activations (the
     policy's and the critic's; TRL's gradient_checkpointing): less memory, ~1/3 more compute."""
     logprob_chunk_size: int | None = None
-    """Response positions per chunk of the fused LM head + log-softmax of the update's forwards (the
-    [positions, vocabulary] logits are never held whole): None = auto (4096 on CUDA, off on the CPU),
-    0 = off (the LM head's logits of the whole response)."""
+    """Response positions per chunk of the fused LM head + log-softmax (no [positions, vocabulary]
+    logits held whole): None = auto (4096 on CUDA, off on the CPU), 0 = off."""
     attn_implementation: str | None = None
     """Attention kernels: sdpa | eager | flash_attention_2 (needs the flash-attn package and CUDA);
     None: the model's default (sdpa where the architecture has it)."""
@@ -266,10 +261,9 @@ class TrainConfig:
     critic_init: str = "policy"
     """Initialise the critic from the 'policy' or the 'reward_model'."""
     critic: str = "separate"
-    """The critic of a fully fine-tuned policy: 'separate' (a value model of its own: a copy of the
-    policy's body or the reward model's, critic_init), 'shared' (a value head on the policy's own
-    body: the value loss trains that body too) or 'lora' (a value head and a LoRA adapter on a frozen
-    copy of the policy's body, in frozen_dtype)."""
+    """A fully fine-tuned policy's critic: 'separate' (a model of its own, critic_init), 'shared' (a
+    value head on the policy's body, which the value loss trains too) or 'lora' (a LoRA adapter and
+    a value head on a frozen copy of that body, in frozen_dtype)."""
 
     # -- multi-adapter PPO (one base, LoRA adapters) -------------------------------------------
     reward_adapter: str | None = None
@@ -442,7 +436,7 @@ def _check_choices(config: TrainConfig) -> None:
     check_choice("lr_schedule", config.lr_schedule, ("constant", "cosine"))
     check_choice("critic_init", config.critic_init, ("policy", "reward_model"))
     check_choice("critic_type", config.critic_type, ("value_head", "lora"))
-    check_choice("critic", config.critic, CRITICS)
+    check_choice("critic", config.critic, ("separate", "shared", "lora"))
     check_memory_options(config)
     check_choice("reward_nonfinite", config.reward_nonfinite, ("raise", "zero", "drop"))
     if config.env_timeout is not None:
