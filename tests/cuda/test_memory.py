@@ -1,0 +1,62 @@
+"""The memory options on a GPU, through the front door (issue 26): frozen models in bf16 by
+default on CUDA, gradient checkpointing, the lean critics, the optimisers and the fused chunked
+log-probs, each in a short ``textrl train``; and gradient checkpointing's gradients on the device.
+
+Marked ``cuda`` and run on the ``run_device`` fixture as tests/cuda/test_front_door.py is
+(``TEXTRL_CUDA_TESTS_ON=cpu pytest -m cuda tests/cuda`` rehearses them on a CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from tests.cuda.test_front_door import SMALL, check_run, textrl
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.parametrize("options", [
+    ["--gradient-checkpointing", "true"],
+    ["--critic", "shared"],
+    ["--critic", "lora"],
+    ["--optim", "adamw_bnb_8bit"],
+    ["--dtype", "bfloat16", "--optim", "adamw_anyprecision"],
+    ["--logprob-chunk-size", "3"],
+    ["--gradient-checkpointing", "true", "--critic", "lora", "--logprob-chunk-size", "4096"],
+], ids=lambda o: "_".join(x.strip("-") for x in o))
+def test_train_runs_with_each_memory_option(tmp_path, run_device, options):
+    if "adamw_bnb_8bit" in options:
+        pytest.importorskip("bitsandbytes")
+    out = tmp_path / "run"
+    textrl("train", "--device", run_device, "--agent", "gae_ppo", "--iterations", "2", "--output-dir", out,
+           *SMALL, *options)
+    check_run(out, run_device, 2)
+
+
+def test_frozen_models_are_bf16_on_cuda_by_default(tmp_path, run_device):
+    out = tmp_path / "run"
+    textrl("train", "--device", run_device, "--agent", "gae_ppo", "--iterations", "1", "--output-dir", out, *SMALL)
+    precision = json.loads((out / "summary.json").read_text())["precision"]
+    assert precision["frozen_dtype"] == ("bfloat16" if run_device == "cuda" else "float32")
+    assert precision["dtype"] == "float32"
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_on_the_device(run_device):
+    from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
+    from textrl.models.checkpointing import enable_gradient_checkpointing
+
+    tok = build_tiny_tokenizer()
+    plain = build_tiny_causal_lm(tok).to(run_device).eval()
+    checkpointed = copy.deepcopy(plain)
+    enable_gradient_checkpointing(checkpointed, "policy")
+    ids = torch.randint(3, len(tok), (4, 40), device=run_device)
+    grads = []
+    for model in (plain, checkpointed):
+        model(input_ids=ids, use_cache=False).logits.float().square().mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, want in grads[0].items():
+        torch.testing.assert_close(grads[1][name], want, rtol=1e-4, atol=1e-6, msg=name)
