@@ -273,13 +273,20 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return torch.nn.functional.linear(x, weight, bias)
 
 
+def _scaled_logits(h: Tensor, w: Tensor, b: Tensor | None, cdt: torch.dtype, temperature: float) -> Tensor:
+    """``z = (h @ w.T + b) / t`` ``[c, V]`` in the compute dtype: a new tensor, free to modify in place."""
+    z = _linear(h, w, b)
+    return (z if z.dtype == cdt else z.to(cdt)).div_(temperature)
+
+
 class _LinearLogProb(torch.autograd.Function):
     """``(log p(token), H)`` of ``warp(z)``, ``z = (hidden @ weight.T + bias) / t``, over chunks of positions.
 
     The forward keeps per position only the log-normaliser of the sampling distribution (warped)
     and of the plain one and ``H``; the backward recomputes each chunk's logits and turns
     ``d/dz`` (``onehot - q`` for the log-prob, ``q`` the warped softmax; ``-p (log p + H)`` for the
-    entropy) times ``1 / t`` into the gradients of hidden, weight and bias.
+    entropy) times ``1 / t`` into the gradients of hidden, weight and bias. The ``[c, V]``
+    temporaries are updated in place: about three live at a time (more while top-p sorts).
     """
 
     @staticmethod
@@ -294,24 +301,21 @@ class _LinearLogProb(torch.autograd.Function):
         lse = torch.empty(n if want_entropy else 0, dtype=cdt, device=device)  # [N] of the plain one
         ent = torch.empty(n if want_entropy else 0, dtype=cdt, device=device)
         for s in range(0, n, chunk):
-            z = _linear(hidden[s : s + chunk].to(mm_dtype), w, b).to(cdt) / temperature  # [c, V]
-            lse_c = None
+            z = _scaled_logits(hidden[s : s + chunk].to(mm_dtype), w, b, cdt, temperature)  # [c, V]
+            tok = tokens[s : s + chunk, None]  # [c, 1]
+            zs = _sampling_filter(z, top_k, top_p) if filtered else z
+            lse_s = torch.logsumexp(zs, dim=-1)  # [c]
+            logp[s : s + chunk] = zs.gather(-1, tok).squeeze(-1) - lse_s
+            lse_sampled[s : s + chunk] = lse_s
+            del zs
             if want_entropy:
-                lse_c = torch.logsumexp(z, dim=-1)  # [c]
-                logp_all = z - lse_c[:, None]
+                lse_c = torch.logsumexp(z, dim=-1) if filtered else lse_s
+                logp_all = z.sub_(lse_c[:, None])  # z's memory from here on
                 p = torch.exp(logp_all)
-                # -sum p log p; p == 0 where z == -inf: 0 * -inf is NaN, the limit 0
-                plogp = torch.where(p > 0, p * logp_all, torch.zeros((), dtype=cdt, device=device))
+                plogp = logp_all.mul_(p).masked_fill_(p == 0, 0.0)  # p == 0 where z == -inf: 0, not NaN
                 ent[s : s + chunk] = -plogp.sum(-1)
                 lse[s : s + chunk] = lse_c
-                del logp_all, p, plogp
-            if filtered:
-                z = _sampling_filter(z, top_k, top_p)
-                lse_c = torch.logsumexp(z, dim=-1)
-            elif lse_c is None:
-                lse_c = torch.logsumexp(z, dim=-1)
-            logp[s : s + chunk] = z.gather(-1, tokens[s : s + chunk, None]).squeeze(-1) - lse_c
-            lse_sampled[s : s + chunk] = lse_c
+                del p, plogp, logp_all
             del z
         ctx.save_for_backward(hidden, weight, bias, tokens, lse_sampled, lse, ent)
         ctx.config = (temperature, top_k, top_p, chunk, mm_dtype)
@@ -337,40 +341,40 @@ class _LinearLogProb(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=device) if need_b else None
-        zero = torch.zeros((), dtype=cdt, device=device)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk].to(mm_dtype)  # [c, H]
-            z = _linear(h, w, b).to(cdt) / temperature  # [c, V]
-            g = torch.zeros_like(z)  # d loss / d z, [c, V]
-            if grad_ent is not None:
-                logp_all = z - lse[s : s + chunk, None]
-                p = torch.exp(logp_all)
-                g_ent = torch.where(p > 0, p * (logp_all + ent[s : s + chunk, None]), zero)
-                g.sub_(g_ent * grad_ent[s : s + chunk].to(cdt)[:, None])  # dH/dz = -p (log p + H)
-                del logp_all, p, g_ent
+            z = _scaled_logits(h, w, b, cdt, temperature)  # [c, V]
+            g = None  # d loss / d z, [c, V]
             if grad_logp is not None:
                 g_lp = grad_logp[s : s + chunk].to(cdt)[:, None]  # [c, 1]
                 tok = tokens[s : s + chunk, None]  # [c, 1]
                 zs = _sampling_filter(z, top_k, top_p) if filtered else z
-                g.sub_(torch.exp(zs - lse_sampled[s : s + chunk, None]) * g_lp)  # -q: 0 where filtered
-                # +1 at the token, unless the filters dropped it (its -inf has no gradient)
-                kept = torch.isfinite(zs.gather(-1, tok)) if filtered else torch.ones_like(tok, dtype=torch.bool)
-                g.scatter_add_(-1, tok, torch.where(kept, g_lp, zero))
+                g = torch.sub(zs, lse_sampled[s : s + chunk, None]).exp_().mul_(-g_lp)  # -q g: 0 where filtered
+                # +g at the token, unless the filters dropped it (its -inf has no gradient)
+                plus = torch.where(torch.isfinite(zs.gather(-1, tok)), g_lp, 0.0) if filtered else g_lp
+                g.scatter_add_(-1, tok, plus)
                 del zs
+            if grad_ent is not None:
+                logp_all = z.sub_(lse[s : s + chunk, None])  # z's memory from here on
+                p = torch.exp(logp_all)
+                dh = logp_all.add_(ent[s : s + chunk, None]).mul_(p).masked_fill_(p == 0, 0.0)  # -dH/dz
+                del p
+                g_ent = -grad_ent[s : s + chunk].to(cdt)[:, None]
+                g = dh.mul_(g_ent) if g is None else g.addcmul_(dh, g_ent)
+                del dh, logp_all
             del z
             g.div_(temperature)  # d z / d logits
             if need_b:
                 grad_b.add_(g.sum(0))
-            g_mm = g.to(mm_dtype)
-            del g
+            g = g.to(mm_dtype)
             if need_h:
-                grad_h[s : s + chunk] = (g_mm @ w).to(hidden.dtype)
+                grad_h[s : s + chunk] = (g @ w).to(hidden.dtype)
             if need_w:
                 if grad_w.dtype == mm_dtype:
-                    grad_w.addmm_(g_mm.T, h)
+                    grad_w.addmm_(g.T, h)
                 else:  # a half-precision matmul, accumulated in float32
-                    grad_w.add_(g_mm.T @ h)
-            del g_mm
+                    grad_w.add_(g.T @ h)
+            del g
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
         return (grad_h, grad_w, grad_b, *rest)
