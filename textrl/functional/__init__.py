@@ -26,7 +26,12 @@ from textrl.functional.kl import (
     kl_shaped_rewards,
     shaped_token_rewards,
 )
-from textrl.functional.logprobs import entropy_from_logits, logprobs_from_logits
+from textrl.functional.logprobs import (
+    ENTROPY_MODES,
+    entropy_from_logits,
+    logprobs_from_hidden,
+    logprobs_from_logits,
+)
 from textrl.functional.masking import (
     compact,
     compaction_index,
@@ -70,6 +75,7 @@ __all__ = [
     "overlong_penalty",
     "reinforce_pp_advantages",
     "token_level_aggregate",
+    "ENTROPY_MODES",
     "KL_KINDS",
     "LOSS_AGGREGATIONS",
     "aggregate_loss",
@@ -89,6 +95,7 @@ __all__ = [
     "kl_shaped_rewards",
     "last_true_index",
     "last_valid",
+    "logprobs_from_hidden",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",

@@ -15,6 +15,13 @@ with no leading padding is left as it is; so is a batch with none (no copy at al
   ``[B, T, H]``, not of ``[B, T, V]`` logits), so the head runs on the response columns only.
 - :func:`hidden_states`: a transformer body's final hidden states ``[B, L, H]`` (critics,
   reward heads).
+- :func:`response_hidden`: the final hidden states the LM head would turn into
+  :func:`response_logits`, ``[B, L - P, H]``, and the head; the head itself gets (almost)
+  nothing to do. :func:`response_logprobs` feeds them to
+  :func:`textrl.functional.logprobs_from_hidden`, so no ``[B, T, V]`` logits exist at all. Only
+  for a model whose logits are the plain ``F.linear(hidden, head.weight, head.bias)``
+  (:func:`unfusable_reason`); others raise :class:`UnfusableHead`, and callers use
+  :func:`response_logits`.
 
 Docs: docs/design.md, "Precision and padding".
 """
@@ -23,10 +30,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from textrl.functional.logprobs import logprobs_from_hidden
 
 
 def leading_padding(attention_mask: Tensor) -> Tensor:
@@ -129,6 +139,149 @@ def response_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     return logits
 
 
+LOGIT_POSTPROCESSING = {"final_logit_softcapping": None, "logit_softcapping": None, "logits_scaling": 1.0,
+                       "logit_scale": 1.0}
+"""Config fields (of a model's config or its text config) with which transformers' models change the
+LM head's output (Gemma's tanh soft-capping, Granite's division, Cohere's scale), each with the
+value that leaves the logits as they are."""
+
+
+class UnfusableHead(ValueError):
+    """A model's logits are not ``F.linear(final hidden states, head.weight, head.bias)``, so
+    :func:`response_hidden` / :func:`response_logprobs` do not apply: use :func:`response_logits`."""
+
+
+_REFUSED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+"""Models whose forward was seen to change the head's logits (:func:`response_hidden`'s probe)."""
+
+
+def _partitioned(weight: Tensor) -> bool:
+    """An FSDP2 shard (``DTensor``), a DeepSpeed ZeRO-3 partition or a meta tensor: not the whole weight."""
+    if weight.is_meta or hasattr(weight, "ds_id"):
+        return True
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed
+        return False
+    return isinstance(weight, DTensor)
+
+
+def unfusable_reason(model: nn.Module) -> str | None:
+    """Why the LM head of ``model`` cannot be applied outside its forward, or None when it can.
+
+    Fusable: :func:`output_embeddings` is a plain ``torch.nn.Linear`` (not a subclass: no LoRA
+    wrapper, no 4-bit / 8-bit layer) without hooks of its own, its weight whole on one device (no
+    FSDP / ZeRO-3 partition, no offloading), and no config field of :data:`LOGIT_POSTPROCESSING`
+    away from its neutral value; and no earlier :func:`response_hidden` saw the model's logits
+    differ from its head's output.
+    """
+    if model in _REFUSED:
+        return _REFUSED[model]
+    head = output_embeddings(model)
+    if head is None:
+        return f"{type(model).__name__} has no LM head (get_output_embeddings() gives none)"
+    if type(head) is not nn.Linear:
+        return (f"its LM head is a {type(head).__module__}.{type(head).__qualname__}, not a plain torch.nn.Linear "
+                "(a LoRA-wrapped or quantised head computes more than its weight and bias show)")
+    if head._forward_hooks or head._forward_pre_hooks or "forward" in vars(head) or hasattr(head, "_hf_hook"):
+        return "its LM head has forward hooks or a replaced forward (offloading, sharding, ...)"
+    if _partitioned(head.weight) or (head.bias is not None and _partitioned(head.bias)):
+        return "its LM head's weight is partitioned or not loaded (FSDP, DeepSpeed ZeRO-3, meta device)"
+    config = getattr(model, "config", None)
+    configs = [config]
+    text = getattr(config, "get_text_config", None)
+    if callable(text):
+        configs.append(text())
+    for cfg in configs:
+        for name, neutral in LOGIT_POSTPROCESSING.items():
+            value = getattr(cfg, name, neutral)
+            if value is not None and value != neutral:
+                return f"config.{name}={value!r}: the model post-processes its LM head's logits"
+    return None
+
+
+def response_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                    prompt_len: int) -> tuple[Tensor, nn.Linear]:
+    """``(hidden [B, L - P, H], head)``: the final hidden states that ``model``'s LM head ``head`` (a
+    plain ``nn.Linear``) turns into :func:`response_logits`, and that head.
+
+    Inputs as :func:`response_logits`; column ``t`` of ``hidden`` is the model's final hidden state
+    at column ``P + t - 1`` of the input, so ``F.linear(hidden, head.weight, head.bias)`` equals
+    ``response_logits(...)`` (same left-alignment: no attention row fully masked). One forward, with
+    a pre-hook on the head that keeps those columns and hands the head a single position
+    ``[1, 1, H]`` instead of ``[B, L, H]``: a probe whose output is compared with ``head`` applied
+    to it, which catches a forward that post-processes the logits under a name
+    :data:`LOGIT_POSTPROCESSING` does not list. Gradients flow to the body through ``hidden``;
+    use ``head.weight`` / ``head.bias`` for the head's.
+
+    Raises :class:`UnfusableHead` (a ``ValueError``) before any forward when
+    :func:`unfusable_reason` names one, or after the forward when the probe differs (the model is
+    then remembered as unfusable); the caller falls back to :func:`response_logits`.
+    """
+    reason = unfusable_reason(model)
+    if reason is not None:
+        raise UnfusableHead(f"response_hidden: {type(model).__name__}: {reason}; use response_logits")
+    batch, length = input_ids.shape
+    n_out = length - prompt_len
+    if prompt_len < 1 or n_out < 0:
+        raise ValueError(f"response_hidden: prompt_len={prompt_len} must lie in [1, {length}] for inputs of "
+                         f"{length} columns")
+    head = output_embeddings(model)
+    ids, mask, positions, shift = _left_aligned(input_ids, attention_mask)
+    if shift is not None:  # the wanted columns of the left-aligned rows, in the caller's layout
+        wanted = (torch.arange(prompt_len - 1, length - 1, device=ids.device) - shift[:, None]) % length  # [B, n_out]
+    seen: list[tuple[int, ...]] = []
+    kept: list[Tensor] = []
+
+    def keep_wanted(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden = args[0]  # [B, L, H]
+        seen.append(tuple(hidden.shape))
+        if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (batch, length):
+            return args
+        if shift is None:
+            kept.append(hidden[:, prompt_len - 1 : length - 1])
+        else:
+            kept.append(hidden.gather(1, wanted[:, :, None].expand(-1, -1, hidden.shape[-1])))
+        kept.append(hidden[:1, :1])  # the probe
+        return (kept[-1], *args[1:])
+
+    handle = head.register_forward_pre_hook(keep_wanted)
+    try:
+        logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions, use_cache=False).logits
+    finally:
+        handle.remove()
+    if len(seen) != 1 or len(kept) != 2:
+        raise RuntimeError(f"{type(model).__name__}'s LM head ran {len(seen)} times on one forward, on "
+                           f"{seen}; textrl.models.forward expects one LM head call on the final hidden "
+                           f"states [B, L, H] = [{batch}, {length}, H]")
+    hidden, probe = kept
+    with torch.no_grad():
+        expected = head(probe)  # [1, 1, V], under the caller's autocast like the forward's call
+    if tuple(logits.shape) != tuple(expected.shape) or not torch.equal(logits.detach(), expected.to(logits.dtype)):
+        _REFUSED[model] = "its forward changes its LM head's output (soft-capping, scaling, ...; seen on a probe)"
+        raise UnfusableHead(f"response_hidden: {type(model).__name__}: {_REFUSED[model]}; use response_logits")
+    return hidden, head
+
+
+def response_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
+                      tokens: Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                      chunk_size: int | None = None, entropy: str = "none") -> tuple[Tensor, Tensor | None]:
+    """``(logp [B, T], entropy [B, T] or None)`` of the response ``tokens`` ``[B, T]`` (``T = L - P``,
+    the last ``T`` columns of ``input_ids``) under ``model``'s sampling distribution, without the
+    ``[B, T, V]`` logits: :func:`response_hidden`, then
+    :func:`textrl.functional.logprobs_from_hidden` with the head's weight and bias (see there for
+    ``temperature``, ``top_k``, ``top_p``, ``chunk_size``, ``entropy``).
+
+    Equal, up to rounding and with the same gradients, to :func:`response_logits` followed by the
+    warping and :func:`textrl.functional.logprobs_from_logits` /
+    :func:`textrl.functional.entropy_from_logits`, under the caller's autocast too. Raises
+    :class:`UnfusableHead` as :func:`response_hidden` does.
+    """
+    hidden, head = response_hidden(model, input_ids, attention_mask, prompt_len)
+    return logprobs_from_hidden(hidden, head.weight, tokens, bias=head.bias, temperature=temperature, top_k=top_k,
+                                top_p=top_p, chunk_size=chunk_size, entropy=entropy)
+
+
 def hidden_states(body: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     """Final hidden states ``[B, L, H]`` of a transformer body (``LlamaModel``, a PeftModel's base
     body, ...), in the caller's layout, positions from the mask, no attention row fully masked."""
@@ -138,5 +291,6 @@ def hidden_states(body: nn.Module, input_ids: Tensor, attention_mask: Tensor) ->
     return hidden if shift is None else rotate_rows(hidden, -shift)
 
 
-__all__ = ["hidden_states", "leading_padding", "output_embeddings", "positions_from_mask", "response_logits",
-           "rotate_rows"]
+__all__ = ["LOGIT_POSTPROCESSING", "UnfusableHead", "hidden_states", "leading_padding", "output_embeddings",
+           "positions_from_mask", "response_hidden", "response_logits", "response_logprobs", "rotate_rows",
+           "unfusable_reason"]
