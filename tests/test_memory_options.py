@@ -224,3 +224,54 @@ def test_option_combinations_that_cannot_work_are_refused_in_one_line(overrides,
     with pytest.raises(ValueError, match=None) as err:
         small(**overrides).validate()
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+# -- fused, chunked log-probs in the agents ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(top_k=7, temperature=0.7), dict(top_p=0.9, entropy_coef=0.01)])
+def test_an_agent_with_fused_logprobs_computes_the_whole_logits_paths_values_and_gradients(sampling):
+    from textrl.agents.forwards import logprobs, logprobs_and_entropy
+
+    fused = AGENTS["gae_ppo"].from_config(small(logprob_chunk_size=5, **sampling), "cpu", **QUIET)
+    whole = AGENTS["gae_ppo"].from_config(small(logprob_chunk_size=0, **sampling), "cpu", **QUIET)
+    ids, mask = _batch(fused.tokenizer, seed=3)
+    mask[0, :4], mask[0, 4:] = 0, 1  # row 0: a left-padded prompt
+    prompt, action = 6, ids[:, 6:]
+    results = []
+    for agent in (fused, whole):
+        agent.policy.zero_grad(set_to_none=True)
+        logp, entropy = logprobs_and_entropy(agent, ids, mask, prompt, action)
+        (logp.sum() + entropy.sum()).backward()
+        with torch.no_grad():
+            ref = logprobs(agent, agent.ref_policy, ids, mask, prompt, action)
+        results.append((logp.detach(), entropy.detach(), ref, {n: p.grad for n, p in agent.policy.named_parameters()}))
+    (a_lp, a_ent, a_ref, a_grad), (b_lp, b_ent, b_ref, b_grad) = results
+    torch.testing.assert_close(a_lp, b_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a_ent, b_ent, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a_ref, b_ref, rtol=1e-5, atol=1e-5)
+    for name, want in b_grad.items():
+        got = a_grad[name]
+        if want is None:
+            assert got is None or not bool(got.any()), name
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_an_asked_for_fused_path_on_a_head_that_cannot_fuse_warns_once_and_uses_the_logits(monkeypatch):
+    from textrl.agents import forwards
+    from textrl.models import forward as model_forward
+
+    agent = AGENTS["gae_ppo"].from_config(small(logprob_chunk_size=5), "cpu", **QUIET)
+    monkeypatch.setattr(model_forward, "unfusable_reason", lambda model: "a test's reason")
+    ids, mask = _batch(agent.tokenizer)
+    mask[:] = 1
+    with pytest.warns(UserWarning, match="logprob_chunk_size=5: response_hidden: .*a test's reason; this run's "
+                                         "log-probs use the whole response's logits"):
+        forwards.logprobs(agent, agent.policy, ids, mask, 6, ids[:, 6:])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        forwards.logprobs(agent, agent.policy, ids, mask, 6, ids[:, 6:])  # once
+    assert forwards.fused_chunk(AGENTS["gae_ppo"].from_config(small(), "cpu", **QUIET)) == 0  # auto: off on the CPU

@@ -10,6 +10,7 @@ forward runs under the run's precision (``agent.precision.autocast()``,
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,7 +29,12 @@ from textrl.functional import (
     next_valid,
 )
 from textrl.keys import KEYS
-from textrl.models.forward import positions_from_mask, response_logits
+from textrl.models.forward import (
+    UnfusableHead,
+    positions_from_mask,
+    response_logits,
+    response_logprobs,
+)
 from textrl.models.sampling import sample, sampling_config
 from textrl.parallel.fsdp_sharding import local
 from textrl.timing import timed
@@ -200,9 +206,45 @@ def sampling_logprobs(agent: PPOAgent, logits: Tensor, action: Tensor) -> Tensor
     return logprobs_from_logits(warped, action, temperature=temperature)
 
 
+def fused_chunk(agent: PPOAgent) -> int:
+    """Response positions per chunk of the fused LM head + log-softmax (0: off, the whole
+    response's logits): ``config.logprob_chunk_size``, else 4096 on CUDA and off on the CPU."""
+    size = agent.config.logprob_chunk_size
+    if size is None:
+        return 4096 if agent.device.type == "cuda" else 0
+    return size
+
+
+def fused_logprobs(agent: PPOAgent, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
+                   action: Tensor, entropy: str) -> tuple[Tensor, Tensor | None] | None:
+    """``(logp [B, T], entropy [B, T] or None)`` of ``action`` from ``model``'s final hidden states and
+    LM head in chunks of :func:`fused_chunk` positions (:func:`textrl.models.forward.response_logprobs`:
+    no ``[B, T, V]`` logits), under the run's precision; None when the fused path is off or the model's
+    head cannot run outside its forward (then once a warning if ``logprob_chunk_size`` was asked for)."""
+    chunk = fused_chunk(agent)
+    if not chunk:
+        return None
+    cfg = agent.config
+    try:
+        with agent.precision.autocast():
+            return response_logprobs(model, input_ids, attention_mask, prompt_len, action, temperature=cfg.temperature,
+                                     top_k=cfg.top_k, top_p=cfg.top_p, chunk_size=chunk, entropy=entropy)
+    except UnfusableHead as err:
+        if cfg.logprob_chunk_size is not None and not getattr(agent, "_unfused_warned", False):
+            agent._unfused_warned = True
+            reason = str(err).removesuffix("; use response_logits")
+            warnings.warn(f"logprob_chunk_size={cfg.logprob_chunk_size}: {reason}; this run's log-probs use the whole "
+                          "response's logits", stacklevel=2)
+        return None
+
+
 def logprobs(agent: PPOAgent, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
              action: Tensor) -> Tensor:
-    """Log-probs of the response tokens under the sampling distribution of ``model``: ``[B, T]``."""
+    """Log-probs of the response tokens under the sampling distribution of ``model``: ``[B, T]``
+    (:func:`fused_logprobs` when it is on)."""
+    fused = fused_logprobs(agent, model, input_ids, attention_mask, prompt_len, action, entropy="none")
+    if fused is not None:
+        return fused[0]
     logits = precise_response_logits(agent, model, input_ids, attention_mask, prompt_len)
     return sampling_logprobs(agent, logits, action)
 
@@ -214,6 +256,10 @@ def logprobs_and_entropy(agent: PPOAgent, input_ids: Tensor, attention_mask: Ten
     The entropy carries grad only when ``entropy_coef > 0`` (otherwise it is only logged).
     """
     cfg = agent.config
+    fused = fused_logprobs(agent, agent.policy, input_ids, attention_mask, prompt_len, action,
+                           entropy="grad" if cfg.entropy_coef > 0 else "detached")
+    if fused is not None:
+        return fused  # type: ignore[return-value]
     logits = precise_response_logits(agent, agent.policy, input_ids, attention_mask, prompt_len)  # [B, T, V]
     logp = sampling_logprobs(agent, logits, action)
     source = logits if cfg.entropy_coef > 0 else logits.detach()
