@@ -9,10 +9,10 @@ import random
 import numpy as np
 import pytest
 import torch
-from textrl.envs import PromptSampler
 
 from tests.agents.conftest import make_agent
 from textrl.config import TrainConfig
+from textrl.envs import PromptSampler
 from textrl.models import build_tiny_tokenizer
 from textrl.run import (
     CHECKPOINT_MARKER,

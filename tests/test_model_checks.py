@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from textrl.envs import check_prompts_fit
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
 
 from tests.runs import SMALL
 from tests.runs import metrics as read_metrics
 from textrl.cli import main
+from textrl.envs import check_prompts_fit
 from textrl.models import (
     build_tiny_reward_model,
     build_tiny_tokenizer,

@@ -9,9 +9,9 @@ import argparse
 import datasets
 import pytest
 import yaml
-from textrl.envs.tasks import make_digits_task
 
 from textrl.config import TrainConfig, add_config_arguments, build_config, load_yaml
+from textrl.envs.tasks import make_digits_task
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 from textrl.trainer import train
 

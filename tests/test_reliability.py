@@ -11,20 +11,20 @@ import time
 
 import pytest
 import torch
-from textrl.agents import GAEPPO
-from textrl.envs import rollout_from_responses
-from textrl.rewards import RewardError
 
 from tests.agents.conftest import poison_next_step, same
 from tests.runs import SMALL
 from tests.runs import checkpoint_tensors as _state
 from tests.runs import metrics as _metrics
 from textrl import trainer
+from textrl.agents import GAEPPO
 from textrl.cli import main
 from textrl.config import TrainConfig
+from textrl.envs import rollout_from_responses
 from textrl.keys import KEYS
 from textrl.models import build_tiny_tokenizer
 from textrl.parallel import Backend
+from textrl.rewards import RewardError
 from textrl.run import TrainingStopped, checkpoints, latest_checkpoint
 from textrl.trainer import check_run
 

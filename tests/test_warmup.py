@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
+
 from textrl.envs.prompts import encode_prompts
 from textrl.envs.tasks import make_digits_task, warmup_examples
-
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 from textrl.warmup import IGNORE_INDEX, build_sft_batch, sft_warmup
 

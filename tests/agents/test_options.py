@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from textrl.agents.base import SCORE
-from textrl.envs import rollout_from_responses
 
 from tests.agents.conftest import PROMPTS, collect, make_agent, target_reward
+from textrl.agents.base import SCORE
+from textrl.envs import rollout_from_responses
 from textrl.keys import KEYS
 from textrl.models import ValueModel, build_tiny_reward_model
 

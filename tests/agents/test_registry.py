@@ -29,7 +29,7 @@ NON_DEFAULT = {
     "ref_refresh_every": 2, "old_policy_refresh_every": 2, "actor_lr": 1e-3, "critic_lr": 1e-4,
     "lr_schedule": "cosine", "lr_warmup_steps": 2, "max_grad_norm": 0.5, "critic_init": "reward_model",
     "reward_adapter": "x", "load_in_4bit": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.1,
-    "lora_target_modules": "q_proj", "critic_type": "lora", "clip_eps_high": 0.3, "lam_critic": 1.0,
+    "lora_target_modules": "q_proj", "critic_type": "lora", "critic": "shared", "clip_eps_high": 0.3, "lam_critic": 1.0,
     "lam_length_alpha": 0.05, "critic_warmup_iterations": 2, "dynamic_sampling": False, "overlong_buffer": 4,
 }
 """A valid value other than the default for every option an agent may read."""

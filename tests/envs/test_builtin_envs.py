@@ -6,6 +6,7 @@ import re
 from collections import Counter
 
 import pytest
+
 import textrl.envs.builtin as builtin
 from textrl.envs.builtin import (
     FORMAT_MAX_REWARD,
@@ -22,9 +23,8 @@ from textrl.envs.observations import observation_ids
 from textrl.envs.registry import ENVS, env_ids, make_env
 from textrl.envs.tasks import WARMUP_THINK, format_completion
 from textrl.envs.tasks import warmup_examples as digits_warmup
-from textrl.rewards import check_reward_spec, parse_reward_spec
-
 from textrl.models import build_tiny_tokenizer
+from textrl.rewards import check_reward_spec, parse_reward_spec
 from textrl.warmup import encode_sft_example
 
 BUILTIN_IDS = sorted(i for i, ctor in ENVS.items() if getattr(ctor, "__module__", "") == builtin.__name__)

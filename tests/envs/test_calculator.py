@@ -9,9 +9,10 @@ import time
 from fractions import Fraction
 
 import pytest
-import textrl.envs.calculator as calculator
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import textrl.envs.calculator as calculator
 from textrl.envs.calculator import MAX_BITS, CalculatorError, evaluate, format_number
 
 # -- known values ------------------------------------------------------------------------------

@@ -6,11 +6,11 @@ import pytest
 import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
-from textrl.envs import KVCachePolicy, TextGenEnv
 from torchrl.envs.utils import check_env_specs
 
 from tests.envs.test_fast_path import EOS
 from tests.envs.test_torchrl_env import NextTokenPolicy, greedy_generate
+from textrl.envs import KVCachePolicy, TextGenEnv
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 
 KEYS_IN = ["prompt_ids", "prompt_mask", "response_ids", "response_length"]

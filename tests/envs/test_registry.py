@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+
 from textrl.envs.environment import PromptTask
 from textrl.envs.registry import (
     env_ids,

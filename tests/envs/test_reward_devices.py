@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from textrl.envs.environment import EnvError, Turn
-from textrl.rewards import RewardError, evaluate_reward
 
 from tests.envs.test_env_faults import Answers, play
+from textrl.envs.environment import EnvError, Turn
 from textrl.models import build_tiny_tokenizer
+from textrl.rewards import RewardError, evaluate_reward
 
 
 @pytest.fixture(scope="module")

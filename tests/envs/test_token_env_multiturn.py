@@ -13,12 +13,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
+from textrl import checks
 from textrl.envs import EnvError, Environment, TokenMDPEnv, Turn, observation_ids
 from textrl.envs import collector as collector_module
 from textrl.envs.collector import EpisodeRunner
 from textrl.envs.fast_path import default_tokenizer
-
-from textrl import checks
 from textrl.keys import END_REASONS, KEYS
 from textrl.models import build_tiny_tokenizer
 

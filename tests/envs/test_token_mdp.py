@@ -10,13 +10,13 @@ import pytest
 import torch
 from gymnasium.error import ResetNeeded
 from gymnasium.utils.env_checker import check_env
-from textrl.envs import TokenMDPEnv, rollout_from_responses
-from textrl.envs.fast_path import default_tokenizer
-from textrl.rewards import RewardError
 
 from tests.envs.test_fast_path import EOS, draw_responses, pad_eq_eos_tokenizer, prompt_batch
 from textrl import envs
+from textrl.envs import TokenMDPEnv, rollout_from_responses
+from textrl.envs.fast_path import default_tokenizer
 from textrl.keys import KEYS
+from textrl.rewards import RewardError
 
 
 def test_check_env_passes_without_warnings():

@@ -12,9 +12,9 @@ from gymnasium.error import ResetNeeded
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from textrl.envs.fast_path import default_tokenizer
 
 from textrl import envs  # registers textrl/TokenMDP-v0
+from textrl.envs.fast_path import default_tokenizer
 
 MAX_NEW_TOKENS = 4
 PROMPTS = ["What is 1+2?", "hi", {"prompt": "Count to 3", "answer": "3"}]

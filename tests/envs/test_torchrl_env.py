@@ -6,11 +6,11 @@ import pytest
 import torch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
-from textrl.envs import TextGenEnv, rollout_from_responses
-from textrl.envs.fast_path import default_tokenizer
 from torchrl.envs.utils import check_env_specs
 
 from tests.envs.test_fast_path import EOS, draw_responses, pad_eq_eos_tokenizer, prompt_batch
+from textrl.envs import TextGenEnv, rollout_from_responses
+from textrl.envs.fast_path import default_tokenizer
 from textrl.keys import KEYS
 from textrl.models import build_tiny_causal_lm
 

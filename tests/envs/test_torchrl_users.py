@@ -10,10 +10,6 @@ import torch
 import torchrl.collectors
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
-from textrl.envs import EnvError, KVCachePolicy, TextGenEnv, rollout_from_responses, to_rollout
-from textrl.envs import collector as collector_module
-from textrl.envs import torchrl_env as torchrl_env_module
-from textrl.envs.fast_path import default_tokenizer
 from torchrl.modules import ProbabilisticActor, ValueOperator
 from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
@@ -32,6 +28,10 @@ from tests.envs.test_token_env_multiturn import (
 from tests.envs.test_torchrl_env import NextTokenPolicy
 from textrl import checks
 from textrl.checks import check_rollout
+from textrl.envs import EnvError, KVCachePolicy, TextGenEnv, rollout_from_responses, to_rollout
+from textrl.envs import collector as collector_module
+from textrl.envs import torchrl_env as torchrl_env_module
+from textrl.envs.fast_path import default_tokenizer
 from textrl.keys import END_REASONS, KEYS
 from textrl.models import build_tiny_causal_lm
 

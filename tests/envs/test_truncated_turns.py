@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.envs.test_collector import scripted
 from textrl.envs.collector import EpisodeRunner
 from textrl.envs.environment import Environment, Turn
 from textrl.envs.prompts import encode_prompts
-
-from tests.envs.test_collector import scripted
 from textrl.keys import END_REASONS, KEYS
 from textrl.models import build_tiny_tokenizer
 

@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 from tensordict import TensorDict
-from textrl.envs import KVCachePolicy
 
+from textrl.envs import KVCachePolicy
 from textrl.models import build_tiny_causal_lm, build_tiny_gpt2, build_tiny_tokenizer
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from textrl.agents import agent_class
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tests.agents.conftest import collect
+from textrl.agents import agent_class
 from textrl.config import TrainConfig
 from textrl.models import build_tiny_causal_lm, build_tiny_gpt2, build_tiny_tokenizer
 from textrl.models.adapters import LEGACY_LLAMA_TARGETS, lora_config, target_modules_for

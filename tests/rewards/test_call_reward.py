@@ -3,6 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from textrl.rewards import RewardError, call_reward, named
 
 PROMPTS = ["p"] * 3

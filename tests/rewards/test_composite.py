@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from textrl.rewards import (
     CompositeReward,
     RewardError,

@@ -5,11 +5,11 @@ import string
 
 import pytest
 import torch
-from textrl.rewards import NeuralReward, call_reward, get_reward, parse_reward_spec, reward_name
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GPT2Config, GPT2ForSequenceClassification, PreTrainedTokenizerFast
 
 from textrl.models import build_tiny_reward_model, build_tiny_tokenizer, tiny_model_path
+from textrl.rewards import NeuralReward, call_reward, get_reward, parse_reward_spec, reward_name
 
 PROMPTS = [
     "What is 2+2?",

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from textrl.rewards import length_penalty, missing_eos_penalty, repetition_penalty
 
 LENGTH_CASES = [

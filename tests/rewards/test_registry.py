@@ -4,6 +4,7 @@ import textwrap
 
 import pytest
 import torch
+
 from textrl.rewards import (
     REWARDS,
     CompositeReward,

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 import yaml
+
+from textrl.config import TrainConfig, load_yaml
 from textrl.envs.prompts import check_reward_columns
 from textrl.rewards import CompositeReward, RewardError, evaluate_reward, named
 from textrl.rewards.base import needs, required_columns
@@ -20,8 +22,6 @@ from textrl.rewards.options import (
     reward_record,
 )
 from textrl.rewards.registry import get_reward
-
-from textrl.config import TrainConfig, load_yaml
 from textrl.trainer import train
 from textrl.user_files import import_path
 

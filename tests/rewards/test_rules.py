@@ -4,14 +4,15 @@ import doctest
 import re
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 import textrl.rewards.base
 import textrl.rewards.composite
 import textrl.rewards.penalties
 import textrl.rewards.registry
 import textrl.rewards.rules
-import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from textrl.rewards import accuracy_reward, tag_count_reward, think_format_reward
 
 GOOD = "<think>\nsix times seven\n</think>\n<answer>\n42\n</answer>"

@@ -20,7 +20,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from textrl.checks import check_rollout
 from textrl.envs.fast_path import rollout_from_responses, score_completions
+from textrl.keys import KEYS
+from textrl.models import build_tiny_reward_model, build_tiny_tokenizer
 from textrl.rewards import (
     CompositeReward,
     NeuralReward,
@@ -38,10 +42,6 @@ from textrl.rewards import (
     tag_count_reward,
     think_format_reward,
 )
-
-from textrl.checks import check_rollout
-from textrl.keys import KEYS
-from textrl.models import build_tiny_reward_model, build_tiny_tokenizer
 
 NAN = math.nan
 EOS = 3

@@ -123,7 +123,6 @@ def test_pipeline_stopped_in_ppo_resumes_to_the_uninterrupted_result(tmp_path, m
     import signal
 
     from textrl.agents import GAEPPO
-
     from textrl.run import TrainingStopped
 
     full, part = tmp_path / "full", tmp_path / "part"

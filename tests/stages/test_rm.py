@@ -20,9 +20,8 @@ def test_pairwise_loss_closed_form():
 
 
 def test_rendering_matches_what_neural_reward_reads():
-    from textrl.rewards import NeuralReward
-
     from textrl.models import load_tokenizer
+    from textrl.rewards import NeuralReward
 
     tok = load_tokenizer("tiny")
     pref = load_preferences("builtin:case")[0]
@@ -37,9 +36,8 @@ def test_rendering_matches_what_neural_reward_reads():
 
 @pytest.mark.slow
 def test_full_reward_model_ranks_held_out_pairs_and_loads_as_reward_model(sft_model, tmp_path):
-    from textrl.rewards import get_reward
-
     from textrl.models import load_reward_model
+    from textrl.rewards import get_reward
 
     config = RMConfig(output_dir=str(tmp_path), model=sft_model, steps=40, eval_every=0, progress=False)
     summary = train_rm(config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 
 import pytest
+
 from textrl.envs import synthetic
 from textrl.envs.synthetic import (
     case_follow_reward,
@@ -14,7 +15,6 @@ from textrl.envs.synthetic import (
     case_style,
     follows_case,
 )
-
 from textrl.stages import dpo, preferences
 
 
