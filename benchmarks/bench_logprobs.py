@@ -176,7 +176,7 @@ def main() -> None:
         r["work_ratio"] = r["work_mib"] / max(ref["work_mib"], 1e-9)
         r["time_ratio"] = r["seconds"] / ref["seconds"]
 
-    device = torch.cuda.get_device_name() if cuda else f"cpu ({args.threads} threads)"
+    device = f"cuda ({torch.cuda.get_device_name()})" if cuda else f"cpu ({args.threads} threads)"
     print(f"{device}, H={args.hidden}, {'bf16 autocast' if autocast else 'float32'}, entropy with grad; "
           "memory above the inputs in MiB (grads: of hidden and weight, in every peak)")
     print(f"{'V':>7} {'N':>6} {'variant':>10} {'peak':>9} {'grads':>8} {'work':>9} {'seconds':>8} "

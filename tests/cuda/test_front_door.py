@@ -215,6 +215,12 @@ def test_bench_memory_runs(tmp_path, run_device):
     assert figures["memory"] == ("cuda_max_allocated" if run_device == "cuda" else "rss_rise")
 
 
+def test_bench_logprobs_runs(run_device):
+    figures = last_json(script("benchmarks/bench_logprobs.py", "--device", run_device, "--vocab", "512,3000",
+                               "--positions", "64", "--hidden", "32", "--variants", "unfused,checkpoint,fused"))
+    assert figures["device"].startswith(run_device) and len(figures["rows"]) == 6
+
+
 def test_bench_multiturn_runs(run_device):
     figures = last_json(script("benchmarks/bench_multiturn.py", "--device", run_device, "--rows", "4",
                                "--repeats", "1", "--turn-tokens", "4"))
