@@ -81,7 +81,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from textrl.envs import TokenMDPEnv
-
     from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()

@@ -101,14 +101,14 @@ def run_variant(variant: str, workdir: Path, threads: int, device: torch.device)
     """Load the variant's models, run two PPO iterations; memory of the first, time of the second."""
     torch.set_num_threads(threads)
     import peft  # noqa: F401 - imported before the baseline, so imports do not count
+
     from textrl.agents import GAEPPO, MultiAdapterPPO
+    from textrl.config import TrainConfig
     from textrl.envs.prompts import encode_prompts
     from textrl.envs.tasks import make_digits_task
-    from textrl.rewards import CompositeReward, NeuralReward
-
-    from textrl.config import TrainConfig
     from textrl.models import ValueModel, load_causal_lm, load_tokenizer
     from textrl.models.adapters import load_base_model
+    from textrl.rewards import CompositeReward, NeuralReward
     from textrl.rollout import collect
 
     if variant.endswith("4bit"):  # load bitsandbytes' native kernels before the baseline, like the imports

@@ -40,7 +40,6 @@ def main() -> None:
     from textrl.envs.environment import Environment, Turn
     from textrl.envs.prompts import encode_prompts
     from textrl.envs.tasks import make_digits_task
-
     from textrl.keys import KEYS
     from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 

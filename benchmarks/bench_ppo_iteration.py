@@ -83,16 +83,15 @@ def build(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Tokenizer, the agent (policy, reference, critic), its twin with ``nonfinite_weights='stop'``,
     the reward, a prompt batch, floor models."""
     from textrl.agents import GAEPPO
-    from textrl.envs.prompts import PromptBatch
-    from textrl.rewards.neural import NeuralReward
-
     from textrl.config import TrainConfig
+    from textrl.envs.prompts import PromptBatch
     from textrl.models import (
         ValueModel,
         build_tiny_causal_lm,
         build_tiny_reward_model,
         build_tiny_tokenizer,
     )
+    from textrl.rewards.neural import NeuralReward
 
     tok = build_tiny_tokenizer()
     sizes = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,

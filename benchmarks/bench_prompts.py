@@ -79,7 +79,6 @@ def run_floor(path: Path) -> dict:
 def run_sampler(path: Path) -> dict:
     """load_prompts + split + PromptSampler + the first batch, as ``textrl train`` sets up."""
     from textrl.envs import PromptSampler, load_prompts
-
     from textrl.models import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
@@ -93,7 +92,6 @@ def run_sampler(path: Path) -> dict:
 def run_check(path: Path) -> dict:
     """load_prompts + check_prompts_fit over every row."""
     from textrl.envs import check_prompts_fit, load_prompts
-
     from textrl.models import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
@@ -105,7 +103,6 @@ def run_check(path: Path) -> dict:
 def child(case: str, path: Path) -> None:
     """One case in this (fresh) process; prints one JSON line."""
     import textrl.envs  # noqa: F401  (imports are not timed)
-
     import textrl.models  # noqa: F401
 
     base = rss_mib()
