@@ -243,19 +243,25 @@ def build_lm(kind: str, shape: Shape, tokenizer: Any, device: torch.device, seed
     return model.eval()
 
 
+def tokenizer(vocab_size: int) -> Any:
+    """The tiny tokenizer, padded to ``vocab_size`` tokens by fillers no text encodes to."""
+    from textrl.models import build_tiny_tokenizer
+
+    return build_tiny_tokenizer() if vocab_size == 512 else build_tiny_tokenizer(vocab_size)
+
+
 def prepare_folder(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The base (bf16 safetensors) and a random LoRA reward adapter of ``job``'s shape and vocab
     under ``job['folder']``, for ``multi_adapter_ppo`` (a 4-bit base loads from a folder)."""
     from peft import get_peft_model
 
-    from textrl.models import build_tiny_tokenizer
     from textrl.models.adapters import lora_config, save_reward_adapter
 
     folder = Path(job["folder"])
     if (folder / "DONE").is_file():
         return {"status": "ok", "cached": True}
     start = time.perf_counter()
-    tok = build_tiny_tokenizer(job["vocab_size"])
+    tok = tokenizer(job["vocab_size"])
     shape = Shape(**job["shape"])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     base = build_lm("lm", shape, tok, device, seed=0, dtype=dtype)
@@ -279,7 +285,6 @@ def run_row(job: dict[str, Any], device: torch.device, baseline_rss: float) -> d
     from textrl.config import TrainConfig
     from textrl.envs import PromptSampler
     from textrl.envs.tasks import make_digits_task
-    from textrl.models import build_tiny_tokenizer
     from textrl.rewards import CompositeReward, NeuralReward
     from textrl.rollout import collect
 
@@ -297,7 +302,7 @@ def run_row(job: dict[str, Any], device: torch.device, baseline_rss: float) -> d
 
     start = time.perf_counter()
     try:
-        tok = build_tiny_tokenizer(job["vocab_size"])
+        tok = tokenizer(job["vocab_size"])
         fields_ = dict(job["fields"])
         config_kw = dict(
             agent=job["agent"], tokenizer=tok, device=str(device), prompts_per_iteration=sizes["prompts"],
