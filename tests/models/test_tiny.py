@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -83,6 +85,55 @@ def test_text_round_trip(text):
     ids = tok(text, add_special_tokens=True)["input_ids"]
     assert tok.decode(ids) == text
     assert all(0 <= i < len(tok) for i in ids)
+
+
+QWEN2_VOCAB = 151936
+"""The embedding rows of Qwen2-0.5B / 1.5B / 7B: the large tiny vocabulary of the memory benchmark."""
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizers():
+    return build_tiny_tokenizer(), build_tiny_tokenizer(QWEN2_VOCAB)
+
+
+@pytest.fixture(scope="module")
+def big_tok():
+    return _tokenizers()[1]
+
+
+def test_default_vocab_size_is_the_512_token_tokenizer(tok):
+    assert build_tiny_tokenizer(512).backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
+    with pytest.raises(ValueError, match="at least 512"):
+        build_tiny_tokenizer(100)
+
+
+def test_large_vocab_encodes_every_text_as_the_tiny_tokenizer(tok, big_tok):
+    assert len(big_tok) == QWEN2_VOCAB
+    assert sorted(big_tok.get_vocab().values()) == list(range(QWEN2_VOCAB))
+    assert (big_tok.pad_token_id, big_tok.bos_token_id, big_tok.eos_token_id) == (0, 1, 3)
+    assert [big_tok.convert_tokens_to_ids(t) for t in TAG_TOKENS] == [508, 509, 510, 511]
+    assert big_tok.chat_template == tok.chat_template and big_tok.padding_side == "left"
+    fillers = big_tok.convert_ids_to_tokens([512, 513, 5000, QWEN2_VOCAB - 1])  # as text, too
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is 3+4?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    for text in [*TEXTS, chat, " ".join(fillers), "".join(fillers), "abc ABC 09 zz9 Qx", "日本語 ünï \n\t"]:
+        assert big_tok(text)["input_ids"] == tok(text)["input_ids"], text
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8") | st.just("\n")))
+def test_large_vocab_encodes_any_text_as_the_tiny_tokenizer(text):
+    tok, big_tok = _tokenizers()
+    assert big_tok(text)["input_ids"] == tok(text)["input_ids"]
+
+
+def test_every_filler_id_decodes_to_short_text(tok, big_tok):
+    ids = list(range(512, QWEN2_VOCAB, 997)) + [QWEN2_VOCAB - 1]
+    for i in ids:
+        text = big_tok.decode([i])
+        assert 2 <= len(text) <= 3 and text.isalnum(), (i, text)
+        assert len(tok(text)["input_ids"]) <= 3  # the reward model's re-encoding of a sampled filler
+    assert big_tok.decode([512, 3], skip_special_tokens=True) == big_tok.decode([512])
 
 
 @pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)

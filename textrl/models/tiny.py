@@ -138,13 +138,49 @@ def _tiny_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+FILLER_ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+"""The characters of the filler tokens of a large tiny vocabulary (:func:`build_tiny_tokenizer`)."""
+
+
+@functools.lru_cache(maxsize=2)
+def _tiny_tokenizer_json_of(vocab_size: int) -> str:
+    """The tiny tokenizer's JSON with its BPE vocabulary padded to ``vocab_size`` tokens by filler
+    tokens: every alphanumeric string of 2, then 3 characters not in the vocabulary already, in
+    order. No merge produces them, so the BPE never emits one (every text encodes exactly as the
+    512-token tokenizer encodes it), yet each decodes, to its 2 or 3 characters."""
+    if vocab_size == TINY_VOCAB_SIZE:
+        return _tiny_tokenizer_json()
+    if vocab_size < TINY_VOCAB_SIZE:
+        raise ValueError(f"vocab_size={vocab_size}: the tiny tokenizer needs at least {TINY_VOCAB_SIZE} tokens")
+    spec = json.loads(_tiny_tokenizer_json())
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    for added in spec["added_tokens"]:  # the tags keep their ids 508..511 (not re-numbered after the fillers)
+        vocab.setdefault(added["content"], added["id"])
+    taken = set(vocab)
+    next_id = TINY_VOCAB_SIZE
+    fillers = (a + b + c for c in ("", *FILLER_ALPHABET) for a in FILLER_ALPHABET for b in FILLER_ALPHABET)
+    for text in fillers:
+        if next_id == vocab_size:
+            break
+        if text not in taken:
+            vocab[text] = next_id
+            next_id += 1
+    if next_id != vocab_size:
+        raise ValueError(f"vocab_size={vocab_size}: at most {next_id} tokens can be filled")
+    return json.dumps(spec, ensure_ascii=False)
+
+
+def build_tiny_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> PreTrainedTokenizerFast:
     """A deterministic 512-token byte-level BPE with ChatML specials; no download.
 
-    Round-trips any text (byte fallback); padding is on the left, for generation.
+    Round-trips any text (byte fallback); padding is on the left, for generation. A larger
+    ``vocab_size`` (e.g. Qwen2's 151936, for memory benchmarks of a real-sized LM head) adds filler
+    tokens ``512 .. vocab_size - 1`` that no text encodes to, so every text encodes to the same ids
+    as with 512 tokens, while every id decodes (a random model samples them): each filler is 2 or 3
+    alphanumeric characters, which re-encode to at most 3 tokens.
     """
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tiny_tokenizer_json()),
+        tokenizer_object=Tokenizer.from_str(_tiny_tokenizer_json_of(vocab_size)),
         pad_token=PAD_TOKEN,
         bos_token=BOS_TOKEN,
         eos_token=IM_END,
