@@ -86,6 +86,28 @@ def _saved_bytes(model, ids, mask):
     return total[0]
 
 
+def test_a_checkpointed_layer_is_recomputed_on_the_attention_kernels_its_forward_could_use():
+    """textrl's CUDA training forwards run under ``sdpa_kernel(flash, efficient, math)`` and the
+    backward runs after that context closed: the recompute must not pick another kernel (the first
+    H200 run: torch's CheckpointError, saved tensors of another shape). Here the forward is limited
+    to the math kernel and the backward runs outside it (the CPU's default would be flash)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tok = build_tiny_tokenizer()
+    plain = build_tiny_causal_lm(tok).eval()
+    checkpointed = copy.deepcopy(plain)
+    enable_gradient_checkpointing(checkpointed, "policy")
+    ids, mask = _batch(tok, seed=2)
+    grads = []
+    for model in (plain, checkpointed):
+        with sdpa_kernel([SDPBackend.MATH]):
+            loss = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float().square().mean()
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, want in grads[0].items():
+        torch.testing.assert_close(grads[1][name], want, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_gradient_checkpointing_of_a_value_model_gives_the_same_gradients():
     tok = build_tiny_tokenizer()
     critic = ValueModel.from_causal_lm(build_tiny_causal_lm(tok))

@@ -10,11 +10,14 @@ models in eval mode (dropout off: PPO's ratios must be exactly 1 before the firs
 checkpointed layer gets a forward pre-hook that sets the layer's own ``training`` flag to whether
 gradients are being recorded, and nothing else: its submodules (dropout, attention) stay in eval
 mode, and a forward without gradients (generation, log-probs of the rollout) runs as it did, with
-its KV cache. Gradients are the same with and without (tests/models/test_checkpointing.py).
+its KV cache. The backward's recompute of a layer runs on the attention kernels its forward could
+use (:func:`_same_attention_kernels`). Gradients are the same with and without
+(tests/test_memory_options.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -27,6 +30,21 @@ def _layer_types() -> tuple[type, ...]:
     except ImportError:  # pragma: no cover - transformers before 4.52
         return ()
     return (GradientCheckpointingLayer,)
+
+
+def _same_attention_kernels() -> tuple[Any, Any]:
+    """``context_fn`` of the checkpoint: the backward's recompute of a layer may use exactly the
+    scaled dot-product attention kernels its forward could (textrl's training forwards allow flash,
+    memory-efficient and math on CUDA, never cuDNN: :func:`textrl.precision.training_sdpa_backends`),
+    though it runs outside the forward's ``sdpa_kernel`` context. Another kernel saves other tensors
+    (torch's checkpoint then stops with a CheckpointError) and could be the one with NaN gradients."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    flags = ((SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
+             (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled()),
+             (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled()),
+             (SDPBackend.CUDNN_ATTENTION, torch.backends.cuda.cudnn_sdp_enabled()))
+    return contextlib.nullcontext(), sdpa_kernel([backend for backend, enabled in flags if enabled])
 
 
 def _follow_grad_mode(module: nn.Module, args: Any) -> None:
@@ -47,6 +65,10 @@ def _reached(model: nn.Module) -> list[nn.Module]:
     return list(seen.values())
 
 
+CHECKPOINT_KWARGS = {"use_reentrant": False, "context_fn": _same_attention_kernels}
+"""``torch.utils.checkpoint.checkpoint``'s arguments for every checkpointed layer."""
+
+
 def enable_gradient_checkpointing(model: nn.Module, name: str) -> int:
     """Checkpoint every transformer layer of ``model`` (a transformers model, or a module holding
     one: a value model, a peft wrapper) in forwards with gradients; ``name`` is how messages name it
@@ -62,9 +84,9 @@ def enable_gradient_checkpointing(model: nn.Module, name: str) -> int:
                                  "gradient checkpointing; drop --gradient-checkpointing")
             enable = getattr(module, "activation_checkpointing_enable", None)  # transformers >= 5.2x's name
             if enable is not None:
-                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                enable(activation_checkpointing_kwargs=CHECKPOINT_KWARGS)
             else:
-                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINT_KWARGS)
             enabled.append(module)
     layers = [m for m in _reached(model) if isinstance(m, _layer_types()) and getattr(m, "gradient_checkpointing", False)]
     if not layers:
