@@ -39,7 +39,11 @@ Each row runs in a fresh process (the next one is started, and imports, while a 
 its models and the agent (``from_config``, as ``textrl train`` does), then runs iteration 1 (warm-up)
 and iteration 2 (timed) of the trainer's ``collect`` + ``update``. On CUDA, ``peak_mb`` is
 ``torch.cuda.max_memory_allocated`` over the two iterations (reset once the models are built),
-``peak_with_build_mb`` the peak since the process started; on the CPU the same from the resident
+``peak_with_build_mb`` the peak since the process started, ``phase_peaks_mb`` the peaks of
+``collect`` (generation, reward, rollout forwards) and of ``update`` apart, ``rollback_copy`` where
+the NaN guard keeps its copy of the trained state and its size (``auto`` keeps it on a GPU when it
+takes at most a tenth of the card: on an H200 that is up to 14 GB counted in the peak;
+``--set rollback_copy=host`` moves it off); on the CPU the same from the resident
 set (``ru_maxrss`` over the RSS after the imports, as bench_memory.py measures). An out-of-memory
 error makes the row ``OOM`` (its peak so far kept) and the benchmark goes on. ``--row-timeout``
 stops a row, ``--budget-s`` stops starting rows (those left are listed as not run); each row's JSON
@@ -300,6 +304,19 @@ def run_row(job: dict[str, Any], device: torch.device, baseline_rss: float) -> d
         else:
             marks[key] = peak_mb() - baseline_rss
 
+    phase_peaks: dict[str, float] = {}
+
+    def phase_peak(name: str) -> None:
+        """On CUDA: the peak of the phase that just ended (``phase_peaks_mb``: where the memory goes),
+        kept in ``marks['phases']`` for the row's whole peak, then the counter reset for the next phase."""
+        if not cuda:
+            return
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        phase_peaks[name] = max(phase_peaks.get(name, 0.0), peak)
+        marks["phases"] = max(marks.get("phases", 0.0), peak)
+        torch.cuda.reset_peak_memory_stats(device)
+
     start = time.perf_counter()
     try:
         tok = tokenizer(job["vocab_size"])
@@ -351,11 +368,13 @@ def run_row(job: dict[str, Any], device: torch.device, baseline_rss: float) -> d
             phases = {}
             t0 = time.perf_counter()
             td = collect(agent, batch, reward, timings=phases)
+            phase_peak("collect")
             t1 = time.perf_counter()
             agent.update(td)
             if cuda:
                 torch.cuda.synchronize(device)
             phases["update"] = time.perf_counter() - t1
+            phase_peak("update")
             seconds.append(time.perf_counter() - t0)
             out["tokens"] = int(td.get(("collector", "mask")).sum())
             del td
@@ -371,6 +390,12 @@ def run_row(job: dict[str, Any], device: torch.device, baseline_rss: float) -> d
     except Exception as err:  # a row's failure is its result; the benchmark goes on
         out.update(status="error", error=f"{type(err).__name__}: {err}"[:600], traceback=traceback.format_exc()[-2000:])
     mark_peak("end")
+    marks["end"] = max(marks["end"], marks.get("phases", 0.0))  # the phases' peaks were reset after each
+    if phase_peaks:
+        out["phase_peaks_mb"] = {k: round(v) for k, v in phase_peaks.items()}
+    guard = getattr(getattr(locals().get("agent"), "backend", None), "rollback_copy", None)
+    if guard is not None:  # the NaN guard's copy of the trained state: its bytes, on the device or the host
+        out["rollback_copy"] = {"placement": guard.placement, "mb": round(guard.nbytes / 2**20)}
     out["peak_mb"] = marks["end"] if "build" in marks else None  # since the reset (None: failed in the build)
     out["peak_with_build_mb"] = max(marks.get("build", 0.0), marks["end"])  # without a reset "end" holds both
     if cuda:
