@@ -75,7 +75,7 @@ from typing import Any
 import torch
 
 # The sibling script's resident-memory helpers (its folder is sys.path[0] when run as a script).
-from bench_memory import peak_mb, reset_peak, rss_mb, trim_heap
+from bench_memory import peak_mb, reset_peak, rss_mb, trim_heap, write_reward_adapter
 
 QWEN2_VOCAB = 151936
 VOCABS = {"v512": 512, "v152k": QWEN2_VOCAB}
@@ -257,9 +257,7 @@ def tokenizer(vocab_size: int) -> Any:
 def prepare_folder(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The base (bf16 safetensors) and a random LoRA reward adapter of ``job``'s shape and vocab
     under ``job['folder']``, for ``multi_adapter_ppo`` (a 4-bit base loads from a folder)."""
-    from peft import get_peft_model
 
-    from textrl.models.adapters import lora_config, save_reward_adapter
 
     folder = Path(job["folder"])
     if (folder / "DONE").is_file():
@@ -271,13 +269,7 @@ def prepare_folder(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
     base = build_lm("lm", shape, tok, device, seed=0, dtype=dtype)
     base.save_pretrained(folder / "base", max_shard_size="20GB")
     tok.save_pretrained(folder / "base")
-    adapter = get_peft_model(base, lora_config(), adapter_name="default")
-    with torch.no_grad():
-        for name, param in adapter.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.02)
-    head = torch.nn.Linear(shape.hidden, 1)
-    save_reward_adapter(adapter, head, folder / "reward_adapter", base_model=str(folder / "base"))
+    write_reward_adapter(base, shape.hidden, folder / "reward_adapter", folder / "base")
     (folder / "DONE").write_text("{}")
     return {"status": "ok", "cached": False, "seconds": time.perf_counter() - start}
 

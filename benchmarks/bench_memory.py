@@ -69,12 +69,25 @@ def trim_heap() -> None:
         pass
 
 
-def build_models(workdir: Path, hidden: int, layers: int) -> None:
-    """Base causal LM, same-sized reward model and a LoRA reward adapter, saved under ``workdir``."""
+
+def write_reward_adapter(base: torch.nn.Module, hidden: int, folder: Path, base_folder: Path) -> None:
+    """A LoRA reward adapter on ``base`` with random (non-zero) B matrices and a score head of
+    ``hidden`` inputs, written to ``folder`` as ``textrl rm --lora`` writes one (its base: ``base_folder``)."""
     from peft import get_peft_model
 
-    from textrl.models import build_tiny_causal_lm, build_tiny_reward_model, build_tiny_tokenizer
     from textrl.models.adapters import lora_config, save_reward_adapter
+
+    adapter = get_peft_model(base, lora_config(), adapter_name="default")
+    with torch.no_grad():
+        for name, param in adapter.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02)
+    save_reward_adapter(adapter, torch.nn.Linear(hidden, 1), folder, base_model=str(base_folder))
+
+def build_models(workdir: Path, hidden: int, layers: int) -> None:
+    """Base causal LM, same-sized reward model and a LoRA reward adapter, saved under ``workdir``."""
+
+    from textrl.models import build_tiny_causal_lm, build_tiny_reward_model, build_tiny_tokenizer
 
     if (workdir / "DONE").is_file():
         return
@@ -88,12 +101,7 @@ def build_models(workdir: Path, hidden: int, layers: int) -> None:
     reward = build_tiny_reward_model(tok, seed=1, **sizes)
     reward.save_pretrained(workdir / "reward_model")
     tok.save_pretrained(workdir / "reward_model")
-    adapter = get_peft_model(base, lora_config(), adapter_name="default")
-    with torch.no_grad():
-        for name, param in adapter.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.02)
-    save_reward_adapter(adapter, torch.nn.Linear(hidden, 1), workdir / "reward_adapter", base_model=str(workdir / "base"))
+    write_reward_adapter(base, hidden, workdir / "reward_adapter", workdir / "base")
     (workdir / "DONE").write_text(json.dumps({"base_parameters": n_params}))
 
 
