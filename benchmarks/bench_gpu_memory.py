@@ -29,8 +29,8 @@ Variants: ``off`` (every memory option off where ``TrainConfig`` has it: float32
 a separate critic, torch's AdamW, no checkpointing, unchunked log-probs), ``defaults`` (the
 ``TrainConfig`` defaults: on CUDA the frozen models are bf16), one option over ``off`` (``gc``
 gradient checkpointing, ``shared`` / ``lora_critic`` critic, ``frozen_bf16``, ``8bit`` AdamW,
-``bf16_anyprec`` bf16 weights with AnyPrecisionAdamW, ``chunk`` log-probs in chunks of 4096
-positions), ``all`` (gc, shared critic, bf16 frozen models, 8-bit AdamW, chunks), and for
+``bf16_anyprec`` bf16 weights with AnyPrecisionAdamW, ``chunk`` log-probs in chunks of 2^24
+logits, as the unset field gives on CUDA), ``all`` (gc, shared critic, bf16 frozen models, 8-bit AdamW, chunks), and for
 ``multi_adapter_ppo`` ``4bit`` (an NF4 base loaded from a bf16 folder the benchmark writes first,
 in a process of its own, cached under ``--workdir``) and ``4bit_all`` (with gc and chunks). A row
 that sets a field this ``TrainConfig`` lacks prints ``skipped: TrainConfig has no field X``.
@@ -116,12 +116,14 @@ ONE = {
     "frozen_bf16": {"frozen_dtype": "bfloat16"},
     "8bit": {"optim": "adamw_bnb_8bit"},
     "bf16_anyprec": {"dtype": "bfloat16", "optim": "adamw_anyprecision"},
-    "chunk": {"logprob_chunk_size": 4096},
+    "chunk": {"logprob_chunk_size": "per_vocab"},
 }
 ALL = {"gradient_checkpointing": True, "critic": "shared", "frozen_dtype": "bfloat16", "optim": "adamw_bnb_8bit",
-       "logprob_chunk_size": 4096}
+       "logprob_chunk_size": "per_vocab"}
 FOUR_BIT = {"load_in_4bit": True}
-FOUR_BIT_ALL = {"load_in_4bit": True, "gradient_checkpointing": True, "logprob_chunk_size": 4096}
+FOUR_BIT_ALL = {"load_in_4bit": True, "gradient_checkpointing": True, "logprob_chunk_size": "per_vocab"}
+"""``logprob_chunk_size='per_vocab'``: the positions of 2^24 logits at the row's vocabulary (what the
+unset field gives on CUDA; set explicitly so that the CPU rows run the fused path too)."""
 
 GOALS = [  # (name, limit in GB, the rows that can meet it: the best one that ran counts)
     ("gae_ppo 0.5B <= 12 GB", 12, ["gae_ppo-0.5b-v512-all", "gae_ppo-0.5b-v152k-all"]),
@@ -157,6 +159,12 @@ def all_rows() -> list[Row]:
     from textrl.agent_registry import agent_names
 
     def row(agent: str, shape: str, vocab: str, variant: str) -> Row:
+        made = _row(agent, shape, vocab, variant)
+        if made.options.get("logprob_chunk_size") == "per_vocab":
+            made.options["logprob_chunk_size"] = max(1, 2**24 // VOCABS[vocab])
+        return made
+
+    def _row(agent: str, shape: str, vocab: str, variant: str) -> Row:
         if variant == "off":
             return Row(agent, shape, vocab, variant, {}, OFF)
         if variant == "defaults":

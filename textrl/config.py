@@ -102,7 +102,7 @@ class TrainConfig:
     policy's and the critic's; TRL's gradient_checkpointing): less memory, ~1/3 more compute."""
     logprob_chunk_size: int | None = None
     """Response positions per chunk of the fused LM head + log-softmax (no [positions, vocabulary]
-    logits held whole): None = auto (4096 on CUDA, off on the CPU), 0 = off."""
+    logits held whole): None = auto (on CUDA 2^24 logits a chunk, off on the CPU), 0 = off."""
     attn_implementation: str | None = None
     """Attention kernels: sdpa | eager | flash_attention_2 (needs the flash-attn package and CUDA);
     None: the model's default (sdpa where the architecture has it)."""

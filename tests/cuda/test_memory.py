@@ -26,7 +26,7 @@ pytestmark = pytest.mark.cuda
     ["--optim", "adamw_bnb_8bit"],
     ["--dtype", "bfloat16", "--optim", "adamw_anyprecision"],
     ["--logprob-chunk-size", "3"],
-    ["--gradient-checkpointing", "true", "--critic", "lora", "--logprob-chunk-size", "4096"],
+    ["--gradient-checkpointing", "true", "--critic", "lora", "--logprob-chunk-size", "110"],
 ], ids=lambda o: "_".join(x.strip("-") for x in o))
 def test_train_runs_with_each_memory_option(tmp_path, run_device, options):
     if "adamw_bnb_8bit" in options:

@@ -206,12 +206,14 @@ def sampling_logprobs(agent: PPOAgent, logits: Tensor, action: Tensor) -> Tensor
     return logprobs_from_logits(warped, action, temperature=temperature)
 
 
-def fused_chunk(agent: PPOAgent) -> int:
-    """Response positions per chunk of the fused LM head + log-softmax (0: off, the whole
-    response's logits): ``config.logprob_chunk_size``, else 4096 on CUDA and off on the CPU."""
+def fused_chunk(agent: PPOAgent) -> int | None:
+    """Response positions per chunk of the fused LM head + log-softmax: ``config.logprob_chunk_size``
+    (0: off, the whole response's logits); unset, on CUDA None (chunks of
+    :data:`textrl.functional.logprobs.DEFAULT_CHUNK_ELEMENTS` logits: 110 positions at 151,936
+    tokens) and off (0) on the CPU."""
     size = agent.config.logprob_chunk_size
     if size is None:
-        return 4096 if agent.device.type == "cuda" else 0
+        return None if agent.device.type == "cuda" else 0
     return size
 
 
@@ -222,7 +224,7 @@ def fused_logprobs(agent: PPOAgent, model: nn.Module, input_ids: Tensor, attenti
     no ``[B, T, V]`` logits), under the run's precision; None when the fused path is off or the model's
     head cannot run outside its forward (then once a warning if ``logprob_chunk_size`` was asked for)."""
     chunk = fused_chunk(agent)
-    if not chunk:
+    if chunk == 0:
         return None
     cfg = agent.config
     try:
