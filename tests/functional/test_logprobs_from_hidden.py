@@ -150,8 +150,10 @@ def test_bf16_autocast_matches_the_unfused_path_under_the_same_autocast(sampling
     assert logp.dtype == ent.dtype == torch.float32
     assert torch.equal(torch.isfinite(logp), torch.isfinite(ref_logp))
     finite = torch.isfinite(ref_logp)
-    torch.testing.assert_close(logp[finite], ref_logp[finite], rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(ent, ref_ent, rtol=2e-2, atol=2e-2)
+    # a bf16 logit of magnitude 4-8 is exact to 1/32: two matmul blockings (another thread count,
+    # another process's GEMM choice) may differ by that much, and a log-prob with them (CI: 0.030)
+    torch.testing.assert_close(logp[finite], ref_logp[finite], rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(ent, ref_ent, rtol=2e-2, atol=5e-2)
     w = torch.randn(tokens.shape, generator=g)
     (torch.where(finite, logp, 0.0) * w + ent).sum().backward()
     (torch.where(finite, ref_logp, 0.0) * w + ref_ent).sum().backward()
