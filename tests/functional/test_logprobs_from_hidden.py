@@ -129,18 +129,19 @@ def test_float64_values_equal_a_float64_log_softmax():
     torch.testing.assert_close(ent, -(want.exp() * want).sum(-1), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.7, top_k=20, top_p=0.9)], ids=["plain", "warped"])
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.7)], ids=["plain", "tempered"])
 def test_bf16_autocast_matches_the_unfused_path_under_the_same_autocast(sampling):
-    """The matmul in bf16 as the LM head's would be, the softmax in float32; one chunk for the
-    filtered case so both paths see bitwise the same logits (bf16 logits tie often, and a 1-ulp
-    difference between two matmul blockings could move a top-k / top-p boundary)."""
+    """The matmul in bf16 as the LM head's would be, the softmax in float32. No top-k / top-p here:
+    bf16 logits tie often, and a 1-ulp difference between two matmul blockings moves a top-k /
+    top-p boundary, and with it every log-prob of the row (CI's processes saw it even with one
+    chunk: 0.03 in a log-prob, 0.04 in a scaled gradient); the filters are tested in float32."""
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(2, 24, 16, generator=g)
     weight = torch.randn(300, 16, generator=g) * 0.5
     bias = torch.randn(300, generator=g)
     tokens = F.linear(hidden, weight, bias).argmax(-1)
     tokens[:, ::2] = torch.randint(0, 300, (2, 12), generator=g)
-    chunk = None if not sampling else 48
+    chunk = None if not sampling else 7
     h1, w1, b1 = leaves(hidden, weight, bias)
     h2, w2, b2 = leaves(hidden, weight, bias)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -150,10 +151,8 @@ def test_bf16_autocast_matches_the_unfused_path_under_the_same_autocast(sampling
     assert logp.dtype == ent.dtype == torch.float32
     assert torch.equal(torch.isfinite(logp), torch.isfinite(ref_logp))
     finite = torch.isfinite(ref_logp)
-    # a bf16 logit of magnitude 4-8 is exact to 1/32: two matmul blockings (another thread count,
-    # another process's GEMM choice) may differ by that much, and a log-prob with them (CI: 0.030)
-    torch.testing.assert_close(logp[finite], ref_logp[finite], rtol=2e-2, atol=5e-2)
-    torch.testing.assert_close(ent, ref_ent, rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(logp[finite], ref_logp[finite], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(ent, ref_ent, rtol=2e-2, atol=2e-2)
     w = torch.randn(tokens.shape, generator=g)
     (torch.where(finite, logp, 0.0) * w + ent).sum().backward()
     (torch.where(finite, ref_logp, 0.0) * w + ref_ent).sum().backward()
