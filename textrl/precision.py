@@ -137,10 +137,7 @@ class Precision:
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` (loaded or given as an object) on :attr:`device`, its floating-point weights
         in :attr:`dtype`, with :attr:`attn_implementation` when one is set."""
-        model = model.to(device=self.device, dtype=self.dtype)
-        if self.attn_implementation is not None:
-            set_attn_implementation(model, self.attn_implementation)
-        return model
+        return self._placed(model, self.dtype)
 
     @property
     def frozen(self) -> torch.dtype:
@@ -151,22 +148,18 @@ class Precision:
         """A frozen model (a reference, a reward model) on :attr:`device`, its floating-point weights
         in :attr:`frozen` (bfloat16 on CUDA by default: half the memory of float32, the forwards
         already run in bf16 there), with :attr:`attn_implementation` when one is set."""
-        model = model.to(device=self.device, dtype=self.frozen)
+        return self._placed(model, self.frozen)
+
+    def _placed(self, model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+        model = model.to(device=self.device, dtype=dtype)
         if self.attn_implementation is not None:
             set_attn_implementation(model, self.attn_implementation)
         return model
 
     def frozen_copy(self, model: torch.nn.Module) -> torch.nn.Module:
-        """A frozen copy of ``model`` (the reference of a policy): its floating-point weights in
-        :attr:`frozen`, copied straight into that dtype (no full-precision copy on the way), tied
-        weights tied, buffers as they are, eval mode, no gradients."""
-        memo: dict[int, Any] = {}
-        for param in model.parameters():
-            if id(param) not in memo:
-                data = param.detach()
-                data = data.to(self.frozen, copy=True) if data.is_floating_point() else data.clone()
-                memo[id(param)] = torch.nn.Parameter(data, requires_grad=False)
-        return copy.deepcopy(model, memo).eval().requires_grad_(False)
+        """A frozen copy of ``model`` (the reference of a policy) in :attr:`frozen`
+        (:func:`frozen_copy`)."""
+        return frozen_copy(model, self.frozen)
 
     def __str__(self) -> str:
         autocast = str(self.autocast_dtype).removeprefix("torch.") if self.autocast_dtype else "no"
@@ -181,6 +174,19 @@ class Precision:
                 "autocast": str(self.autocast_dtype).removeprefix("torch.") if self.autocast_dtype else "no",
                 "attn_implementation": self.attn_implementation or "default", "device": str(self.device),
                 "frozen_dtype": str(self.frozen).removeprefix("torch.")}
+
+
+def frozen_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A frozen copy of ``model``: its floating-point weights in ``dtype``, copied straight into it
+    (no full-precision copy on the way), tied weights tied, buffers as they are, eval mode, no
+    gradients."""
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        if id(param) not in memo:
+            data = param.detach()
+            data = data.to(dtype, copy=True) if data.is_floating_point() else data.clone()
+            memo[id(param)] = torch.nn.Parameter(data, requires_grad=False)
+    return copy.deepcopy(model, memo).eval().requires_grad_(False)
 
 
 FROZEN_DTYPES = ("auto", "float32", "bfloat16")
@@ -217,4 +223,4 @@ def set_attn_implementation(model: torch.nn.Module, impl: str) -> None:
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "DTYPES", "FROZEN_DTYPES", "MIXED_PRECISION", "Precision", "check_memory_options",
            "check_precision",
-           "set_attn_implementation", "training_sdpa_backends"]
+           "frozen_copy", "set_attn_implementation", "training_sdpa_backends"]

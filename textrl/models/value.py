@@ -148,11 +148,9 @@ def lora_value_model(model: nn.Module, frozen_dtype: torch.dtype, head_dtype: to
     from peft import inject_adapter_in_model
 
     from textrl.models.adapters import lora_config
+    from textrl.precision import frozen_copy
 
-    body = _backbone(model)
-    memo = {id(p): nn.Parameter(p.detach().to(frozen_dtype, copy=True) if p.is_floating_point() else p.detach().clone(),
-                                requires_grad=False) for p in body.parameters()}
-    body = copy.deepcopy(body, memo).requires_grad_(False)
+    body = frozen_copy(_backbone(model), frozen_dtype)
     config = lora_config(r, alpha, dropout, target_modules, model=model)
     body = inject_adapter_in_model(config, body)
     for name, param in body.named_parameters():
