@@ -73,6 +73,39 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_recomputes_each_lay
     assert not any(m.training for m in checkpointed.modules())
 
 
+@pytest.mark.parametrize("build", [build_tiny_causal_lm, build_tiny_gpt2])
+def test_every_layer_is_checkpointed_from_the_first_forward_with_gradients_after_one_without(build, monkeypatch):
+    """transformers before 5.2x decides in a layer's ``__call__``, before the layer's own forward
+    hooks run, whether to checkpoint it: each layer must already be in training mode when its
+    ``__call__`` starts, in the first forward with gradients after a forward without (an update's
+    first micro-batch after the rollout's forwards). The decision point is recorded here for any
+    installed version."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    seen: list[bool] = []
+    call = GradientCheckpointingLayer.__call__
+
+    def recording_call(self, *args, **kwargs):
+        seen.append(bool(self.training and self.gradient_checkpointing))
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(GradientCheckpointingLayer, "__call__", recording_call)
+    tok = build_tiny_tokenizer()
+    model = build(tok).eval()
+    enable_gradient_checkpointing(model, "policy")
+    ids, mask = _batch(tok)
+    n = model.config.num_hidden_layers
+    for grad in (False, True, True, False, True):
+        seen.clear()
+        with torch.set_grad_enabled(grad):
+            model(input_ids=ids, attention_mask=mask, use_cache=not grad)
+        assert seen == [grad] * n, f"grad={grad}: layers entered in training mode {seen}"
+    # the body called on its own (a shared critic's pass, fused log-probs) too
+    seen.clear()
+    model.base_model(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert seen == [True] * n
+
+
 def _saved_bytes(model, ids, mask):
     """Bytes the autograd graph of one forward keeps for the backward."""
     total = [0]

@@ -7,10 +7,14 @@ of the forwards with gradients.
 
 transformers checkpoints a layer only while that layer is in training mode, and textrl keeps its
 models in eval mode (dropout off: PPO's ratios must be exactly 1 before the first step). So each
-checkpointed layer gets a forward pre-hook that sets the layer's own ``training`` flag to whether
-gradients are being recorded, and nothing else: its submodules (dropout, attention) stay in eval
-mode, and a forward without gradients (generation, log-probs of the rollout) runs as it did, with
-its KV cache. The backward's recompute of a layer runs on the attention kernels its forward could
+checkpointed layer's own ``training`` flag is set to whether gradients are being recorded, and
+nothing else: its submodules (dropout, attention) stay in eval mode, and a forward without
+gradients (generation, log-probs of the rollout) runs as it did, with its KV cache. The flag is
+set by a forward pre-hook on every model that holds the layers (the transformers model, its body,
+a wrapper), before any layer is called: transformers before 5.2x decides to checkpoint in the
+layer's ``__call__``, before the layer's own hooks run, so a hook on the layer alone came one call
+late, and the first forward with gradients after one without (every update's first micro-batch,
+the policy's pass of a shared critic) kept every activation. The backward's recompute of a layer runs on the attention kernels its forward could
 use (:func:`_same_attention_kernels`). Gradients are the same with and without
 (tests/test_memory_options.py).
 """
@@ -48,8 +52,21 @@ def _same_attention_kernels() -> tuple[Any, Any]:
 
 
 def _follow_grad_mode(module: nn.Module, args: Any) -> None:
-    """Pre-hook: the layer checkpoints exactly when its forward records gradients."""
+    """Pre-hook of a layer: it checkpoints exactly when its forward records gradients."""
     module.training = torch.is_grad_enabled()
+
+
+class _LayersFollowGradMode:
+    """Pre-hook of a model holding checkpointed ``layers``: sets each layer's ``training`` flag to
+    whether the forward records gradients, before the first layer's ``__call__`` reads it."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.layers = layers
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        grad = torch.is_grad_enabled()
+        for layer in self.layers:
+            layer.training = grad
 
 
 def _reached(model: nn.Module) -> list[nn.Module]:
@@ -96,6 +113,12 @@ def enable_gradient_checkpointing(model: nn.Module, name: str) -> int:
         if not getattr(layer, "_textrl_follows_grad_mode", False):
             layer.register_forward_pre_hook(_follow_grad_mode)
             layer._textrl_follows_grad_mode = True
+    checkpointed = set(layers)
+    for holder in _reached(model):  # the modules that call the layers: their hooks run first
+        held = [m for m in holder.modules() if m in checkpointed and m is not holder]
+        if held and not getattr(holder, "_textrl_layers_follow_grad_mode", False):
+            holder.register_forward_pre_hook(_LayersFollowGradMode(held))
+            holder._textrl_layers_follow_grad_mode = True
     return len(layers)
 
 
