@@ -30,7 +30,8 @@ a separate critic, torch's AdamW, no checkpointing, unchunked log-probs), ``defa
 ``TrainConfig`` defaults: on CUDA the frozen models are bf16), one option over ``off`` (``gc``
 gradient checkpointing, ``shared`` / ``lora_critic`` critic, ``frozen_bf16``, ``8bit`` AdamW,
 ``bf16_anyprec`` bf16 weights with AnyPrecisionAdamW, ``chunk`` log-probs in chunks of 2^24
-logits, as the unset field gives on CUDA), ``all`` (gc, shared critic, bf16 frozen models, 8-bit AdamW, chunks), and for
+logits, as the unset field gives on CUDA), ``all`` (gc, shared critic, bf16 frozen models, 8-bit AdamW, chunks),
+``all_host`` (``all`` with the NaN guard's copy in host memory, ``rollback_copy='host'``), and for
 ``multi_adapter_ppo`` ``4bit`` (an NF4 base loaded from a bf16 folder the benchmark writes first,
 in a process of its own, cached under ``--workdir``) and ``4bit_all`` (with gc and chunks). A row
 that sets a field this ``TrainConfig`` lacks prints ``skipped: TrainConfig has no field X``.
@@ -43,7 +44,8 @@ and iteration 2 (timed) of the trainer's ``collect`` + ``update``. On CUDA, ``pe
 ``collect`` (generation, reward, rollout forwards) and of ``update`` apart, ``rollback_copy`` where
 the NaN guard keeps its copy of the trained state and its size (``auto`` keeps it on a GPU when it
 takes at most a tenth of the card: on an H200 that is up to 14 GB counted in the peak;
-``--set rollback_copy=host`` moves it off); on the CPU the same from the resident
+``--set rollback_copy=host`` moves it off), and with ``--trace`` ``trace``: what a third iteration's
+update allocated that was live at its peak, grouped by where (benchmarks/memory_trace.py); on the CPU the same from the resident
 set (``ru_maxrss`` over the RSS after the imports, as bench_memory.py measures). An out-of-memory
 error makes the row ``OOM`` (its peak so far kept) and the benchmark goes on. ``--row-timeout``
 stops a row, ``--budget-s`` stops starting rows (those left are listed as not run); each row's JSON
@@ -126,9 +128,9 @@ FOUR_BIT_ALL = {"load_in_4bit": True, "gradient_checkpointing": True, "logprob_c
 unset field gives on CUDA; set explicitly so that the CPU rows run the fused path too)."""
 
 GOALS = [  # (name, limit in GB, the rows that can meet it: the best one that ran counts)
-    ("gae_ppo 0.5B <= 12 GB", 12, ["gae_ppo-0.5b-v512-all", "gae_ppo-0.5b-v152k-all"]),
-    ("gae_ppo 1.5B 152k vocab <= 60 GB", 60, ["gae_ppo-1.5b-v152k-all"]),
-    ("rloo 1.5B 152k vocab <= 40 GB", 40, ["rloo-1.5b-v152k-all"]),
+    ("gae_ppo 0.5B <= 12 GB", 12, ["gae_ppo-0.5b-v512-all", "gae_ppo-0.5b-v152k-all", "gae_ppo-0.5b-v512-all_host"]),
+    ("gae_ppo 1.5B 152k vocab <= 60 GB", 60, ["gae_ppo-1.5b-v152k-all", "gae_ppo-1.5b-v152k-all_host"]),
+    ("rloo 1.5B 152k vocab <= 40 GB", 40, ["rloo-1.5b-v152k-all", "rloo-1.5b-v152k-all_host"]),
     ("7B LoRA + 4-bit base <= 40 GB", 40, ["multi_adapter_ppo-7b-v152k-4bit", "multi_adapter_ppo-7b-v152k-4bit_all"]),
 ]
 
@@ -171,6 +173,8 @@ def all_rows() -> list[Row]:
             return Row(agent, shape, vocab, variant)
         if variant == "all":
             return Row(agent, shape, vocab, variant, dict(ALL), OFF)
+        if variant == "all_host":
+            return Row(agent, shape, vocab, variant, {**ALL, "rollback_copy": "host"}, OFF)
         if variant == "4bit":
             return Row(agent, shape, vocab, variant, dict(FOUR_BIT))
         if variant == "4bit_all":
@@ -181,7 +185,8 @@ def all_rows() -> list[Row]:
         "gae_ppo-0.5b-v512-off", "gae_ppo-0.5b-v512-all", "gae_ppo-1.5b-v152k-all", "rloo-1.5b-v152k-all",
         "multi_adapter_ppo-7b-v152k-4bit", "gae_ppo-0.5b-v152k-off", "gae_ppo-0.5b-v152k-all",
         *(f"gae_ppo-0.5b-v512-{v}" for v in ONE),
-        "multi_adapter_ppo-0.5b-v152k-4bit", "multi_adapter_ppo-7b-v152k-4bit_all",
+        "multi_adapter_ppo-0.5b-v152k-4bit", "multi_adapter_ppo-7b-v152k-4bit_all", "gae_ppo-0.5b-v512-all_host",
+        "gae_ppo-1.5b-v152k-all_host", "rloo-1.5b-v152k-all_host",
         *(f"{agent}-0.5b-v512-defaults" for agent in agent_names()),
         *(f"gae_ppo-0.5b-v152k-{v}" for v in ONE),
         "gae_ppo-1.5b-v152k-off", "rloo-1.5b-v152k-off", "rloo-0.5b-v512-off", "rloo-0.5b-v512-all",
@@ -346,7 +351,7 @@ def run_row(job: dict[str, Any], device: torch.device, baseline_rss: float) -> d
         agent.eos_token_id = len(tok) + 1000
         sampler = PromptSampler(make_digits_task(4 * sizes["prompts"], seed=1), tok,
                                 prompts_per_batch=sizes["prompts"], n_samples_per_prompt=sizes["samples"], seed=0)
-        batches = [sampler.next_batch() for _ in range(2)]
+        batches = [sampler.next_batch() for _ in range(3 if job.get("trace") else 2)]
         out["build_s"] = time.perf_counter() - start
         trained = {id(p): p.numel() for opt in agent.optimizers for g in opt.param_groups for p in g["params"]}
         out["parameters"] = {"policy": sum(p.numel() for p in agent.policy.parameters()),
@@ -362,7 +367,7 @@ def run_row(job: dict[str, Any], device: torch.device, baseline_rss: float) -> d
             out["loaded_mb"] = rss_mb() - baseline_rss
             out["peak_reset_before_iteration"] = reset_peak()
         seconds, phases = [], {}
-        for i, batch in enumerate(batches):
+        for i, batch in enumerate(batches[:2]):
             out["phase"] = f"iteration {i + 1}"
             torch.manual_seed(i)
             phases = {}
@@ -380,6 +385,21 @@ def run_row(job: dict[str, Any], device: torch.device, baseline_rss: float) -> d
             del td
         out.update(status="ok", phase="done", first_iteration_s=seconds[0], seconds_per_iteration=seconds[1],
                    phases={k: round(v, 3) for k, v in phases.items()})
+        if job.get("trace") and cuda:  # a third iteration's update, recorded: what is live at its peak
+            from memory_trace import peak_breakdown, recording
+
+            out["phase"] = "iteration 3 (traced)"
+            mark_peak("end")  # the peaks above are of the two iterations; the traced one is apart
+            torch.manual_seed(2)
+            try:
+                td = collect(agent, batches[2], reward)
+                with recording(device) as trace:
+                    agent.update(td)
+                del td
+                out["trace"] = peak_breakdown(trace.pop("entries", []))
+            except Exception as err:  # the two measured iterations stand
+                out["trace"] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
+            out["phase"] = "done"
     except (torch.cuda.OutOfMemoryError, MemoryError) as err:
         out.update(status="OOM", error=f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
     except RuntimeError as err:  # the CPU allocator's out of memory is a RuntimeError
@@ -389,7 +409,8 @@ def run_row(job: dict[str, Any], device: torch.device, baseline_rss: float) -> d
             out.update(status="error", error=f"{type(err).__name__}: {err}"[:600], traceback=traceback.format_exc()[-2000:])
     except Exception as err:  # a row's failure is its result; the benchmark goes on
         out.update(status="error", error=f"{type(err).__name__}: {err}"[:600], traceback=traceback.format_exc()[-2000:])
-    mark_peak("end")
+    if "trace" not in out:
+        mark_peak("end")
     marks["end"] = max(marks["end"], marks.get("phases", 0.0))  # the phases' peaks were reset after each
     if phase_peaks:
         out["phase_peaks_mb"] = {k: round(v) for k, v in phase_peaks.items()}
@@ -584,6 +605,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each row's process")
     parser.add_argument("--no-prespawn", dest="prespawn", action="store_false",
                         help="start each row's process only when the row starts (no overlap of imports)")
+    parser.add_argument("--trace", action="store_true",
+                        help="CUDA: a third iteration's update recorded by the allocator; each row's 'trace' says "
+                             "what it allocated that was live at its peak (benchmarks/memory_trace.py)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a row's process
     args = parser.parse_args()
     if args.worker:
@@ -593,6 +617,8 @@ def main() -> None:
     from textrl.run import resolve_device
 
     device = resolve_device(args.device)  # an unavailable CUDA device is named before anything runs
+    if args.trace and device.type != "cuda":
+        parser.error(f"--trace records CUDA's allocator; the device is {device}: drop --trace or use --device cuda")
     dtype_key = "cuda" if device.type == "cuda" else "cpu"
     shapes = SHAPES[dtype_key]
     sizes = {**SIZES[dtype_key], **{k: v for k, v in (("prompts", args.prompts), ("samples", args.samples),
@@ -632,7 +658,7 @@ def main() -> None:
                 timeout = args.row_timeout if left is None else min(args.row_timeout, left)
                 job = {"kind": "row", "agent": row.agent, "shape": dataclasses.asdict(shapes[row.shape]),
                        "vocab_size": VOCABS[row.vocab], "sizes": sizes, "fields": fields_,
-                       "load_in_4bit": bool(fields_.get("load_in_4bit"))}
+                       "load_in_4bit": bool(fields_.get("load_in_4bit")), "trace": args.trace}
                 result = {}
                 if row.needs_folder:
                     folder = workdir / f"{row.shape}-{row.vocab}"

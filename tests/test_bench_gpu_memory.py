@@ -89,3 +89,40 @@ def test_rows_on_the_run_device(tmp_path, run_device):
     check_ran(figures, names, "cuda_max_allocated" if run_device == "cuda" else "rss_rise")
     if run_device == "cuda":  # one 4-bit base against four float32 models
         assert figures["ratios"]["multi_adapter_ppo-0.5b-v512-4bit"]["peak"] < 1
+
+
+# -- the allocator trace's replay (--trace) -------------------------------------------------------
+
+
+def _frame(path, line, name):
+    return {"filename": path, "line": line, "name": name}
+
+
+def test_the_trace_replay_finds_the_peak_and_what_was_live_there(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from memory_trace import peak_breakdown
+
+    layer = [_frame("/x/torch/nn/functional.py", 1, "linear"),
+             _frame("/x/site-packages/transformers/models/qwen2/modeling_qwen2.py", 50, "forward"),
+             _frame("/x/textrl/agents/update.py", 88, "run_epochs")]
+    ours = [_frame("/x/torch/_tensor.py", 2, "clone"), _frame("/x/textrl/parallel/rollback.py", 250, "_allocate")]
+    mib = 2**20
+    entries = [
+        {"action": "alloc", "addr": 1, "size": 100 * mib, "frames": ours},   # lives through
+        {"action": "alloc", "addr": 2, "size": 30 * mib, "frames": layer},
+        {"action": "alloc", "addr": 3, "size": 30 * mib, "frames": layer},   # peak: 160
+        {"action": "free_requested", "addr": 2, "size": 30 * mib},
+        {"action": "free_completed", "addr": 2, "size": 30 * mib},
+        {"action": "free_completed", "addr": 3, "size": 30 * mib},
+        {"action": "alloc", "addr": 4, "size": 50 * mib, "frames": []},     # 150: below the peak
+    ]
+    out = peak_breakdown(entries, top=1)
+    assert out["peak_mb"] == 160 and out["entries"] == 7 and out["complete"]
+    assert out["at_peak"] == [{"where": "textrl/parallel/rollback.py:250 _allocate", "mb": 100.0, "blocks": 1}]
+    assert out["rest_mb"] == 60.0
+    both = peak_breakdown(entries)["at_peak"]
+    assert both[1] == {"where": "transformers/models/qwen2/modeling_qwen2.py:50 forward < textrl/agents/update.py:88 "
+                                "run_epochs", "mb": 60.0, "blocks": 2}
+    # a trace that starts mid-way (a full ring buffer): a free of a block it never saw
+    partial = peak_breakdown([{"action": "free_completed", "addr": 9, "size": 5}, *entries])
+    assert not partial["complete"] and partial["peak_mb"] == 160
