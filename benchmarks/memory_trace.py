@@ -26,24 +26,35 @@ MAX_ENTRIES = 2_000_000
 """Trace entries kept (a ring buffer: a longer iteration loses its oldest, and the replay says so)."""
 
 
-def _short(frame: dict[str, Any]) -> str:
+NO_STACK = "no Python stack (autograd's backward: gradients)"
+"""Where a block made without Python frames was made: on CUDA, autograd runs the backward in a C++
+thread, so the gradients (and the backward's temporaries) come without a stack."""
+
+
+def _package_path(frame: dict[str, Any]) -> str:
+    """The frame's file as its package names it (``torch/nn/functional.py``, ``textrl/agents/update.py``):
+    after the last ``site-packages/`` (or ``/textrl/``); else the file's name."""
     path = str(frame.get("filename", "?")).replace("\\", "/")
-    for root in ("/textrl/", "/transformers/", "/peft/", "/bitsandbytes/", "/torch/"):
-        if root in path:
-            path = root.strip("/") + "/" + path.split(root, 1)[1]
-            break
-    else:
-        path = path.rsplit("/", 1)[-1]
-    return f"{path}:{frame.get('line', '?')} {frame.get('name', '?')}"
+    if "site-packages/" in path:
+        return path.rsplit("site-packages/", 1)[1]
+    if "/textrl/" in path:
+        return "textrl/" + path.rsplit("/textrl/", 1)[1]
+    return path.rsplit("/", 1)[-1]
+
+
+def _short(frame: dict[str, Any]) -> str:
+    return f"{_package_path(frame)}:{frame.get('line', '?')} {frame.get('name', '?')}"
 
 
 def where(frames: list[dict[str, Any]]) -> str:
     """Where a block was made: the innermost frame (``frames[0]``) outside torch's own Python, then
-    `` < `` the innermost textrl frame when that is another one; ``?`` without frames."""
-    outside = [f for f in frames if "/torch/" not in str(f.get("filename", "")).replace("\\", "/")]
+    `` < `` the innermost textrl frame when that is another one; :data:`NO_STACK` without frames."""
+    if not frames:
+        return NO_STACK
+    outside = [f for f in frames if not _package_path(f).startswith("torch/")]
     if not outside:
-        return _short(frames[0]) if frames else "?"
-    ours = next((f for f in outside if "/textrl/" in str(f.get("filename", "")).replace("\\", "/")), None)
+        return _short(frames[0])
+    ours = next((f for f in outside if _package_path(f).startswith("textrl/")), None)
     text = _short(outside[0])
     return text if ours is None or ours is outside[0] else f"{text} < {_short(ours)}"
 
@@ -66,12 +77,13 @@ def _replay(entries: list[dict[str, Any]], stop: int | None = None) -> tuple[int
     return peak, peak_at, live
 
 
-def peak_breakdown(entries: Iterable[dict[str, Any]], top: int = 12) -> dict[str, Any]:
+def peak_breakdown(entries: Iterable[dict[str, Any]], top: int = 12, max_entries: int = MAX_ENTRIES) -> dict[str, Any]:
     """The replay of ``entries`` (module docstring): ``peak_mb`` (MiB live at the peak, of the blocks
     allocated in the trace), ``at_peak`` (``[{"where", "mb", "blocks"}]``, the ``top`` largest
     groups of the blocks live then, largest first; ``rest_mb`` the other groups together),
-    ``entries`` and ``complete`` (False when the trace starts mid-way: a free of a block whose
-    allocation is not in it, as a full ring buffer leaves)."""
+    ``entries`` and ``complete`` (False when the trace holds ``max_entries``: the recording's ring
+    buffer was full and its oldest entries are lost). Frees of blocks allocated before the
+    recording are not in the sum."""
     entries = list(entries)
     peak, peak_at, _ = _replay(entries)
     live = _replay(entries, peak_at + 1)[2]  # the blocks live right after the peak's allocation
@@ -82,8 +94,7 @@ def peak_breakdown(entries: Iterable[dict[str, Any]], top: int = 12) -> dict[str
         sizes[key] += size
         counts[key] += 1
     groups = sizes.most_common()
-    allocated = {e.get("addr") for e in entries if e.get("action") == "alloc"}
-    complete = all(e.get("addr") in allocated for e in entries if e.get("action") == "free_completed")
+    complete = len(entries) < max_entries
     mib = 2**20
     return {
         "peak_mb": round(peak / mib),

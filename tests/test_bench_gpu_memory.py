@@ -100,12 +100,12 @@ def _frame(path, line, name):
 
 def test_the_trace_replay_finds_the_peak_and_what_was_live_there(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from memory_trace import peak_breakdown
+    from memory_trace import NO_STACK, peak_breakdown, where
 
-    layer = [_frame("/x/torch/nn/functional.py", 1, "linear"),
+    layer = [_frame("/x/site-packages/torch/nn/functional.py", 1, "linear"),
              _frame("/x/site-packages/transformers/models/qwen2/modeling_qwen2.py", 50, "forward"),
              _frame("/x/textrl/agents/update.py", 88, "run_epochs")]
-    ours = [_frame("/x/torch/_tensor.py", 2, "clone"), _frame("/x/textrl/parallel/rollback.py", 250, "_allocate")]
+    ours = [_frame("/x/site-packages/torch/_tensor.py", 2, "clone"), _frame("/x/textrl/parallel/rollback.py", 250, "_allocate")]
     mib = 2**20
     entries = [
         {"action": "alloc", "addr": 1, "size": 100 * mib, "frames": ours},   # lives through
@@ -123,6 +123,15 @@ def test_the_trace_replay_finds_the_peak_and_what_was_live_there(monkeypatch):
     both = peak_breakdown(entries)["at_peak"]
     assert both[1] == {"where": "transformers/models/qwen2/modeling_qwen2.py:50 forward < textrl/agents/update.py:88 "
                                 "run_epochs", "mb": 60.0, "blocks": 2}
-    # a trace that starts mid-way (a full ring buffer): a free of a block it never saw
-    partial = peak_breakdown([{"action": "free_completed", "addr": 9, "size": 5}, *entries])
-    assert not partial["complete"] and partial["peak_mb"] == 160
+    # a free of a block allocated before the recording is not in the sum; a full ring buffer is said
+    earlier = peak_breakdown([{"action": "free_completed", "addr": 9, "size": 5 * mib}, *entries], max_entries=9)
+    assert earlier["complete"] and earlier["peak_mb"] == 160
+    assert not peak_breakdown(entries, max_entries=7)["complete"]
+    # frames as a GPU machine's venv under a folder named torch gives them; no frames: the backward's thread
+    venv = "/opt/torch/.venv/lib/python3.12/site-packages/"
+    frames = [_frame(venv + "torch/nn/modules/linear.py", 134, "forward"),
+              _frame(venv + "transformers/models/qwen2/modeling_qwen2.py", 251, "forward"),
+              _frame("/tmp/site/textrl/models/forward.py", 250, "response_hidden")]
+    assert where(frames) == "transformers/models/qwen2/modeling_qwen2.py:251 forward < textrl/models/forward.py:250 " \
+                            "response_hidden"
+    assert where([]) == NO_STACK

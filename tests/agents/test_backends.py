@@ -149,3 +149,13 @@ def test_replicated_processes_skip_alike_and_stay_identical(tmp_path, fault):
         dropped = r["metrics"]["ppo/ratio_threshold_skips"]
         assert (skipped, dropped, moved) == {"none": (0, 0, True), "nan": (1, 0, False), "ratio": (0, 1, True)}[fault]
         assert r["backwards"] == {"none": [0, 1], "nan": [0, 1], "ratio": [1]}[fault]
+
+
+@pytest.mark.parametrize("name", ["gae_ppo", "rloo"])
+def test_an_update_frees_its_gradients_before_the_next_rollout(tok, name):
+    """The last step's gradients are not needed until the next update's first backward: kept, they
+    sat through the next rollout's generation (6 GB of a 1.5B policy's float32 gradients on a GPU)."""
+    agent = make_agent(tok, name)
+    agent.update(collect(agent, tok))
+    trained = [p for opt in agent.optimizers for g in opt.param_groups for p in g["params"]]
+    assert trained and all(p.grad is None for p in trained)

@@ -49,6 +49,7 @@ def update(agent: PPOAgent, td: TensorDictBase) -> dict[str, float]:
     else:
         with rolled_back_if_nonfinite(agent, tally):
             run_epochs(agent, td, forward, tally)
+        agent.backend.zero_grad(agent)  # the last step's gradients: freed before the next rollout, not kept through it
     metrics = {**kl_before, **update_metrics(agent, td, tally), **agent.backend.rollback_metrics()}
     agent.after_update()
     return metrics
