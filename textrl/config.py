@@ -176,6 +176,8 @@ class TrainConfig:
     """Nucleus sampling (1.0 = off)."""
     generation_batch_size: int = 64
     """Micro-batch size of generation."""
+    generation_engine: str = "hf"
+    """hf (transformers' generate) | textrl (textrl's decode loop: a prompt prefilled once for its samples)."""
     forward_batch_size: int = 64
     """Micro-batch size of the log-prob / value / reward forwards."""
 
@@ -325,22 +327,20 @@ class TrainConfig:
         # hold full tensors: docs/parallelism.md), fault handling
         applied=frozenset({
             "device", "iterations", "generation_batch_size", "forward_batch_size", "ppo_epochs",
-            "num_minibatches", "gradient_accumulation_steps", "clip_eps", "clip_eps_high", "dual_clip",
-            "value_clip_eps",
+            "num_minibatches", "gradient_accumulation_steps", "clip_eps", "clip_eps_high", "dual_clip", "value_clip_eps",
             "vf_coef", "entropy_coef", "kl_coef", "kl_target", "kl_horizon", "kl_early_stop", "ratio_threshold",
             "kl_after_update", "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr",
             "lr_schedule", "lr_warmup_steps", "max_grad_norm", "fsdp", "fsdp_reshard_after_forward", "zero_stage",
             "deepspeed_config", "reward_nonfinite", "env_timeout", "max_nonfinite_updates", "nonfinite_weights", "rollback_copy",
-            "mixed_precision", "attn_implementation", "eval_every", "frozen_dtype", "gradient_checkpointing",
-            "logprob_chunk_size",
+            "mixed_precision", "attn_implementation", "eval_every", "frozen_dtype", "gradient_checkpointing", "logprob_chunk_size",
+            "generation_engine",  # the same distribution either way (docs/generation.md)
             "checkpoint_every", "keep_checkpoints",
             "load_in_4bit",  # the frozen base's quantisation: the trained LoRA weights carry over
         }),
         # the models, the data and its split, the task and the sampling distribution, the objective
         fixed=frozenset({
             "seed", "agent", "model", "dtype", "tokenizer", "reward_model", "env", "env_args", "reward", "reward_weights", "dataset",
-            "eval_size",
-            "max_episode_tokens",
+            "eval_size", "max_episode_tokens",
             "max_prompt_length", "warmup_sft_steps", "warmup_sft_lr", "warmup_sft_batch_size",
             "warmup_answer_accuracy", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
             "temperature", "top_k", "top_p", "gamma", "lam", "whiten_advantages", "loss_aggregation",

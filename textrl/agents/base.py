@@ -42,6 +42,7 @@ from textrl.agents.update import LossTerms, UpdateTally, total_loss
 from textrl.config import TrainConfig
 from textrl.env_facts import EnvFacts
 from textrl.functional import aggregate_loss, clipped_policy_loss, kl_penalty, kl_shaped_rewards
+from textrl.generation import get_engine
 from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
 from textrl.models.checkpointing import enable_gradient_checkpointing
@@ -190,6 +191,8 @@ class PPOAgent(nn.Module):
             for name, model in (("policy", self.policy), ("critic", self.critic)):
                 if model is not None:
                     enable_gradient_checkpointing(model, name)
+        self.generation_engine = get_engine(config.generation_engine)
+        """How :meth:`act` generates (:mod:`textrl.generation`: ``hf``, ``textrl``, or a registered one)."""
         self.backend: Backend = SingleProcess(device=self.device)
         """How training is spread over processes (:mod:`textrl.parallel`; its process group:
         ``backend.dist``); ``Backend.prepare`` swaps it."""
@@ -230,8 +233,8 @@ class PPOAgent(nn.Module):
 
         Rows that end early are padded with ``pad_token_id`` after their EOS; generation stops
         when every row has emitted EOS or after ``max_new_tokens``. The sampler applies exactly
-        the processors :func:`~textrl.agents.forwards.logprobs` computes (:func:`~textrl.agents.forwards.rollout_generation_config`);
-        nothing of the model's own ``generation_config`` (:func:`textrl.models.sampling.sample`).
+        the processors :func:`~textrl.agents.forwards.logprobs` computes (:func:`~textrl.agents.forwards.rollout_sampling`),
+        by :attr:`generation_engine` (``hf``: nothing of the model's own ``generation_config``).
         """
         return forwards.act(self, input_ids, attention_mask, greedy=greedy)
 

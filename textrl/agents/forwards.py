@@ -14,7 +14,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -27,7 +27,9 @@ from textrl.functional import (
     masked_mean,
     masked_sum,
     next_valid,
+    sampling_filter,
 )
+from textrl.generation import Sampling
 from textrl.keys import KEYS
 from textrl.models.forward import (
     UnfusableHead,
@@ -35,7 +37,6 @@ from textrl.models.forward import (
     response_logits,
     response_logprobs,
 )
-from textrl.models.sampling import sample, sampling_config
 from textrl.parallel.fsdp_sharding import local
 from textrl.timing import timed
 
@@ -82,18 +83,7 @@ def warp_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) ->
     """
     if top_k <= 0 and top_p >= 1.0:
         return logits
-    logits = logits.float() / temperature
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        remove_sorted = cum <= (1 - top_p)
-        remove_sorted[..., -1:] = False
-        remove = remove_sorted.scatter(-1, order, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
-    return logits
+    return sampling_filter(logits.float() / temperature, top_k, top_p)
 
 
 def micro_batches(n: int, size: int) -> Iterator[slice]:
@@ -137,34 +127,34 @@ def with_forward(mb: TensorDictBase, forward: RolloutForward) -> TensorDictBase:
 def act(agent: PPOAgent, input_ids: Tensor, attention_mask: Tensor, *, greedy: bool = False) -> Tensor:
     """:meth:`PPOAgent.act <textrl.agents.base.PPOAgent.act>`: sample responses ``[B, T]``."""
     cfg = agent.config
-    generation_config = rollout_generation_config(agent, greedy=greedy)
+    sampling = rollout_sampling(agent, greedy=greedy)
+    engine = agent.generation_engine
     extra = {"synced_gpus": True} if agent.backend.partitions_weights else {}  # each forward is a collective
     outs = []
     for sl in micro_batches(input_ids.shape[0], cfg.generation_batch_size):
         ids = input_ids[sl].to(agent.device)
         mask = attention_mask[sl].to(agent.device)
-        with agent.precision.autocast(), agent.backend.gathered(agent.policy):
+        with agent.precision.autocast(), agent.backend.gathered(agent.policy), torch.no_grad():
             try:
-                out = sample(agent.policy, ids, mask.long(), generation_config, **extra)
+                outs.append(engine.generate(agent.policy, ids, mask.long(), sampling, **extra))
             except RuntimeError as err:
                 if "probability tensor contains" not in str(err):
                     raise
                 raise overflowed(agent) from err
-        outs.append(out[:, ids.shape[1] :])
     width = max(o.shape[1] for o in outs)
     return torch.cat(
         [nn.functional.pad(o, (0, width - o.shape[1]), value=agent.pad_token_id) for o in outs], dim=0
     )
 
 
-def rollout_generation_config(agent: PPOAgent, *, greedy: bool = False) -> Any:
-    """The whole ``GenerationConfig`` of :func:`act`: greedy, or sampling at the config's
-    temperature, top-k and top-p (the warping :func:`logprobs` applies), one beam, the
-    length cap, the tokenizer's EOS / pad ids (:func:`textrl.models.sampling.sampling_config`)."""
+def rollout_sampling(agent: PPOAgent, *, greedy: bool = False) -> Sampling:
+    """What :func:`act` draws (:class:`textrl.generation.Sampling`): greedy, or the config's
+    temperature, top-k and top-p (the warping :func:`logprobs` applies), the length cap, the
+    tokenizer's EOS / pad ids."""
     cfg = agent.config
-    return sampling_config(greedy=greedy, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                           max_new_tokens=cfg.max_new_tokens, eos_token_id=agent.eos_token_id,
-                           pad_token_id=agent.pad_token_id)
+    return Sampling(greedy=greedy, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                    max_new_tokens=cfg.max_new_tokens, eos_token_id=agent.eos_token_id,
+                    pad_token_id=agent.pad_token_id)
 
 
 def overflowed(agent: PPOAgent) -> ValueError:
@@ -433,5 +423,5 @@ def process_rollout(agent: PPOAgent, td: TensorDictBase, *, timings: dict[str, f
 __all__ = [
     "FORWARD", "SCORE", "RolloutForward", "act", "attended_response", "evaluate", "forward_policy", "forward_values",
     "logprobs", "micro_batches", "policy_ref_kl", "position_ids_for", "precise_response_logits", "process_rollout",
-    "reuses_rollout_forward", "sequence_inputs", "take_rollout_forward", "warp_logits", "with_forward",
+    "reuses_rollout_forward", "rollout_sampling", "sequence_inputs", "take_rollout_forward", "warp_logits", "with_forward",
 ]

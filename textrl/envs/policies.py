@@ -7,12 +7,13 @@ instead of re-encoding ``prompt + response``.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
+
+from textrl.models.kv_cache import cache_argument, new_cache
 
 OBS_KEYS = ["prompt_ids", "prompt_mask", "response_ids", "response_length"]
 
@@ -117,23 +118,15 @@ class KVCachePolicy(TensorDictModuleBase):
         return self._generator
 
     def _cache_argument(self) -> str:
-        """The forward's name for the KV cache: ``cache`` (transformers 5), else ``past_key_values``
-        (older releases, where ``cache`` is not an argument)."""
+        """The forward's name for the KV cache (:func:`textrl.models.kv_cache.cache_argument`)."""
         name = self.__dict__.get("_cache_name")
         if name is None:
-            parameters = inspect.signature(self.model.forward).parameters
-            name = self.__dict__["_cache_name"] = "cache" if "cache" in parameters else "past_key_values"
+            name = self.__dict__["_cache_name"] = cache_argument(self.model)
         return name
 
     def _new_cache(self) -> Any:
-        """An empty ``DynamicCache`` for the model (its layer types from its config); the forwards
-        fill it in place."""
-        from transformers import DynamicCache
-
-        try:
-            return DynamicCache(config=self.model.config)
-        except TypeError:  # a release whose DynamicCache takes no config
-            return DynamicCache()
+        """An empty ``DynamicCache`` for the model; the forwards fill it in place."""
+        return new_cache(self.model)
 
     # ------------------------------------------------------------------ forward
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:

@@ -31,6 +31,7 @@ from textrl.functional.logprobs import (
     entropy_from_logits,
     logprobs_from_hidden,
     logprobs_from_logits,
+    sampling_filter,
 )
 from textrl.functional.masking import (
     compact,
@@ -97,6 +98,7 @@ __all__ = [
     "last_valid",
     "logprobs_from_hidden",
     "logprobs_from_logits",
+    "sampling_filter",
     "masked_mean",
     "masked_sum",
     "masked_var",

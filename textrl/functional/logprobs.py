@@ -248,8 +248,9 @@ def _matmul_dtype(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> torch.
     return hidden.dtype
 
 
-def _sampling_filter(z: Tensor, top_k: int, top_p: float) -> Tensor:
-    """``z`` ``[c, V]`` (logits already divided by the temperature) with the entries top-k, then
+def sampling_filter(z: Tensor, top_k: int, top_p: float) -> Tensor:
+    """The sampling distribution's logits from tempered ones (generation engines draw from it, the
+    log-probs are of it). ``z`` ``[..., V]`` (logits already divided by the temperature) with the entries top-k, then
     top-p drop set to ``-inf``: HF generate's order and rule (ties with the k-th value stay; top-p
     keeps the smallest set of largest entries whose mass exceeds ``top_p``, at least one)."""
     if top_k > 0:
@@ -303,7 +304,7 @@ class _LinearLogProb(torch.autograd.Function):
         for s in range(0, n, chunk):
             z = _scaled_logits(hidden[s : s + chunk].to(mm_dtype), w, b, cdt, temperature)  # [c, V]
             tok = tokens[s : s + chunk, None]  # [c, 1]
-            zs = _sampling_filter(z, top_k, top_p) if filtered else z
+            zs = sampling_filter(z, top_k, top_p) if filtered else z
             lse_s = torch.logsumexp(zs, dim=-1)  # [c]
             logp[s : s + chunk] = zs.gather(-1, tok).squeeze(-1) - lse_s
             lse_sampled[s : s + chunk] = lse_s
@@ -348,7 +349,7 @@ class _LinearLogProb(torch.autograd.Function):
             if grad_logp is not None:
                 g_lp = grad_logp[s : s + chunk].to(cdt)[:, None]  # [c, 1]
                 tok = tokens[s : s + chunk, None]  # [c, 1]
-                zs = _sampling_filter(z, top_k, top_p) if filtered else z
+                zs = sampling_filter(z, top_k, top_p) if filtered else z
                 g = torch.sub(zs, lse_sampled[s : s + chunk, None]).exp_().mul_(-g_lp)  # -q g: 0 where filtered
                 # +g at the token, unless the filters dropped it (its -inf has no gradient)
                 plus = torch.where(torch.isfinite(zs.gather(-1, tok)), g_lp, 0.0) if filtered else g_lp

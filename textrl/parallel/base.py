@@ -166,6 +166,9 @@ class Backend:
     def prepare(self, agent: Any) -> None:
         """Train ``agent`` under this backend (on every process, once, before training)."""
         agent.check_backend(self)
+        engine = getattr(agent, "generation_engine", None)
+        if engine is not None:
+            engine.check_backend(self.partitions_weights)
         self.invalidate_rollback()
         agent.backend = self
 

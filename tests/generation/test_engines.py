@@ -1,0 +1,180 @@
+"""The generation engines against ``hf`` (transformers' ``generate``), the reference: greedy token for
+token, seeded sampling draw for draw, the sampled distribution, and a rollout that trains the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from textrl.generation import DecodeEngine, HFEngine, Sampling, engine_names, get_engine
+from textrl.generation.base import pad_after_eos
+from textrl.generation.decode import next_tokens, shared_prefixes
+from textrl.models import build_tiny_causal_lm, build_tiny_gpt2, build_tiny_tokenizer
+
+PROMPTS = ["What is 1+2?", "hi", "Count to 3 please, slowly", "<think>", "a b c d e f g"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module", params=[build_tiny_causal_lm, build_tiny_gpt2], ids=["llama", "gpt2"])
+def model(request, tok):
+    return request.param(tok).eval()
+
+
+def encode(tok, prompts, samples=1):
+    enc = tok([p for p in prompts for _ in range(samples)], return_tensors="pt", padding=True)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def spec(tok, greedy=True, eos=None, pad=None, **kw):
+    base = dict(greedy=greedy, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=20,
+                eos_token_id=tok.eos_token_id if eos is None else eos,
+                pad_token_id=tok.pad_token_id if pad is None else pad)
+    base.update(kw)
+    return Sampling(**base)
+
+
+ENGINES = {"textrl": DecodeEngine(), "textrl_unshared": DecodeEngine(share_prefixes=False),
+           "textrl_check1": DecodeEngine(check_every=1)}
+
+
+def run(engine, model, ids, mask, sampling, seed=0):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return engine.generate(model, ids, mask, sampling)
+
+
+def frequent_token(model, tok, ids, mask):
+    """A token greedy decoding emits mid-way in some rows and not in others: as EOS, rows end at
+    different steps."""
+    out = run(HFEngine(), model, ids, mask, spec(tok, eos=-1, max_new_tokens=12))
+    counts = torch.bincount(out[:, 2:10].flatten(), minlength=len(tok))
+    return int(counts.argmax())
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_greedy_is_token_for_token_generate(tok, model, name):
+    ids, mask = encode(tok, PROMPTS, samples=2)  # ragged, left-padded, each prompt twice
+    for sampling in (spec(tok), spec(tok, eos=frequent_token(model, tok, ids, mask)),  # EOS mid-batch
+                     spec(tok, eos=frequent_token(model, tok, ids, mask), pad=frequent_token(model, tok, ids, mask))):
+        want = run(HFEngine(), model, ids, mask, sampling)
+        got = run(ENGINES[name], model, ids, mask, sampling)
+        assert got.shape == want.shape and torch.equal(got, want), (sampling, got, want)
+
+
+def test_rows_end_at_eos_and_the_output_stops_with_the_last(tok, model):
+    ids, mask = encode(tok, PROMPTS)
+    eos = frequent_token(model, tok, ids, mask)
+    sampling = spec(tok, eos=eos, max_new_tokens=40)
+    got = run(DecodeEngine(check_every=7), model, ids, mask, sampling)
+    ended = got == eos
+    assert torch.equal(got, pad_after_eos(got, eos, tok.pad_token_id))
+    if bool(ended.any(1).all()):  # every row ended: the last column is some row's EOS
+        assert bool(ended[:, -1].any())
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+@pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=20),
+                                  dict(temperature=1.3, top_p=0.8), dict(temperature=0.9, top_k=50, top_p=0.9)],
+                         ids=["plain", "top_k", "top_p", "both"])
+def test_seeded_sampling_draws_what_generate_draws(tok, model, name, warp):
+    """Both draw ``torch.multinomial`` over the same warped distribution, one row per step, in the
+    same order: the same seed gives the same tokens."""
+    ids, mask = encode(tok, PROMPTS, samples=3)
+    sampling = spec(tok, greedy=False, max_new_tokens=16, **warp)
+    for seed in (0, 1):
+        want = run(HFEngine(), model, ids, mask, sampling, seed)
+        assert torch.equal(run(ENGINES[name], model, ids, mask, sampling, seed), want)
+
+
+def test_the_first_token_is_drawn_from_the_warped_softmax(tok, model):
+    """4,000 draws of the first token of one prompt against ``softmax(filter(logits / T))``: every
+    token's frequency within 5 standard errors, and no filtered token ever drawn."""
+    ids, mask = encode(tok, ["Count to 3"], samples=4000)
+    sampling = spec(tok, greedy=False, max_new_tokens=1, temperature=1.5, top_k=30, top_p=0.9)
+    with torch.no_grad():
+        logits = model(input_ids=ids[:1], attention_mask=mask[:1]).logits[0, -1]
+    from textrl.functional import sampling_filter
+
+    p = sampling_filter(logits.float()[None] / 1.5, 30, 0.9).softmax(-1)[0]
+    first = run(DecodeEngine(), model, ids, mask, sampling, seed=3)[:, 0]
+    freq = torch.bincount(first, minlength=len(tok)).double() / first.numel()
+    se = (p.double() * (1 - p.double()) / first.numel()).sqrt()
+    assert bool((freq[p == 0] == 0).all())
+    assert bool(((freq - p.double()).abs() <= 5 * se + 1e-3).all())
+
+
+def test_next_tokens_is_argmax_when_greedy(tok):
+    logits = torch.randn(6, 40)
+    assert torch.equal(next_tokens(logits, spec(tok)), logits.argmax(-1))
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(0, len(PROMPTS) - 1), st.integers(1, 3)), min_size=1, max_size=5),
+       new=st.integers(1, 12))
+def test_greedy_equals_generate_on_drawn_batches(rows, new):
+    tok = build_tiny_tokenizer()
+    model = _llama(tok)
+    prompts = [PROMPTS[i] for i, n in rows for _ in range(n)]
+    ids, mask = encode(tok, prompts)
+    sampling = spec(tok, max_new_tokens=new)
+    assert torch.equal(run(DecodeEngine(check_every=3), model, ids, mask, sampling),
+                       run(HFEngine(), model, ids, mask, sampling))
+
+
+_MODELS: dict[int, torch.nn.Module] = {}
+
+
+def _llama(tok):
+    return _MODELS.setdefault(0, build_tiny_causal_lm(tok).eval())
+
+
+def test_shared_prefixes_prefill_each_distinct_context_once(tok):
+    ids, mask = encode(tok, ["hi", "What is 1+2?", "hi", "hi"])
+    ids_u, mask_u, inverse = shared_prefixes(ids, mask)
+    assert ids_u.shape[0] == 2
+    assert torch.equal(ids_u[inverse], ids) and torch.equal(mask_u[inverse], mask)
+
+
+def test_the_engines_are_registered_and_a_wrong_name_is_refused():
+    assert {"hf", "textrl"} <= set(engine_names())
+    assert isinstance(get_engine("textrl"), DecodeEngine)
+    with pytest.raises(ValueError, match=r"generation_engine='textrll': not a registered engine \(did you mean "
+                                         r"'textrl'\?\); choose one of hf, textrl"):
+        get_engine("textrll")
+
+
+def test_the_textrl_engine_refuses_partitioned_weights():
+    with pytest.raises(ValueError, match="partitions the weights.*--generation-engine hf"):
+        DecodeEngine().check_backend(partitions_weights=True)
+    DecodeEngine().check_backend(partitions_weights=False)
+
+
+def test_sampling_refuses_what_cannot_be_drawn(tok):
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        spec(tok, max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature=0"):
+        spec(tok, greedy=False, temperature=0)
+
+
+@pytest.mark.parametrize("name", ["gae_ppo", "grpo"])
+def test_a_rollout_from_the_textrl_engine_trains_as_one_from_hf(tok, name):
+    """The same seed, the same tokens, the same log-probs, values, advantages and update stats."""
+    from tests.agents.conftest import PROMPTS as AGENT_PROMPTS
+    from tests.agents.conftest import collect, make_agent
+
+    results = []
+    for engine in ("hf", "textrl"):
+        agent = make_agent(tok, name, generation_engine=engine, max_new_tokens=10)
+        assert agent.generation_engine.name == engine
+        td = collect(agent, tok, prompts=AGENT_PROMPTS * 2, seed=5)
+        results.append((td, agent.update(td)))
+    (td_hf, stats_hf), (td_ours, stats_ours) = results
+    for key in td_hf.keys(include_nested=True, leaves_only=True):
+        torch.testing.assert_close(td_ours.get(key), td_hf.get(key), rtol=0, atol=0, msg=str(key))
+    assert {k: v for k, v in stats_ours.items() if "time" not in k} == {k: v for k, v in stats_hf.items() if "time" not in k}

@@ -1,0 +1,92 @@
+"""The generation seam: :class:`Sampling` (what to draw), :class:`GenerationEngine` (how), the registry."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What a rollout draws: ``greedy`` (argmax), else sampling at ``temperature`` with ``top_k``
+    (0: off) and ``top_p`` (1.0: off), applied in that order as HF's warpers and textrl's log-probs
+    apply them; at most ``max_new_tokens`` tokens a row; a row ends at ``eos_token_id`` (None:
+    never) and is ``pad_token_id`` after it."""
+
+    greedy: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    max_new_tokens: int
+    eos_token_id: int | None
+    pad_token_id: int
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: generate at least 1 token")
+        if not self.greedy and not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature}: sampling needs a temperature > 0 (or greedy=True)")
+
+
+class GenerationEngine:
+    """How responses are generated. ``generate(model, input_ids [B, P], attention_mask [B, P],
+    sampling) -> [B, T]``: the response tokens (``T <= max_new_tokens``: as ``generate``, the
+    columns up to the step where the last row ended), ``sampling.pad_token_id`` after a row's EOS.
+    Runs under the caller's autocast and ``no_grad``; the model's weights are read as they are now
+    (nothing is copied, so an update is seen by the next call)."""
+
+    name = "?"
+
+    def generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
+                 **kwargs: Any) -> Tensor:
+        raise NotImplementedError
+
+    def check_backend(self, partitions_weights: bool) -> None:
+        """Refuse a backend this engine cannot generate under (``ValueError`` naming both)."""
+
+
+ENGINES: dict[str, Callable[[], GenerationEngine]] = {}
+"""Registered engines: name -> constructor (:func:`register_engine`)."""
+
+
+def register_engine(name: str) -> Callable[[type], type]:
+    """``@register_engine("name")`` on a :class:`GenerationEngine` subclass: ``--generation-engine
+    name`` selects it."""
+    def add(cls: type) -> type:
+        if name in ENGINES and ENGINES[name] is not cls:
+            raise ValueError(f"generation engine {name!r} is registered already ({ENGINES[name].__qualname__})")
+        cls.name = name
+        ENGINES[name] = cls
+        return cls
+    return add
+
+
+def engine_names() -> list[str]:
+    return sorted(ENGINES)
+
+
+def get_engine(name: str) -> GenerationEngine:
+    """A new engine of the registered ``name``; ``ValueError`` with the names there are."""
+    if name not in ENGINES:
+        close = difflib.get_close_matches(name, ENGINES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"generation_engine={name!r}: not a registered engine{hint}; choose one of "
+                         f"{', '.join(engine_names())}")
+    return ENGINES[name]()
+
+
+def pad_after_eos(tokens: Tensor, eos_token_id: int | None, pad_token_id: int) -> Tensor:
+    """``tokens [B, T]`` with every column after a row's first EOS set to ``pad_token_id``."""
+    if eos_token_id is None:
+        return tokens
+    ended = (tokens == eos_token_id).long().cumsum(1)
+    after = (ended - (tokens == eos_token_id).long()) > 0
+    return torch.where(after, torch.full_like(tokens, pad_token_id), tokens)
+
+
+__all__ = ["ENGINES", "GenerationEngine", "Sampling", "engine_names", "get_engine", "pad_after_eos", "register_engine"]

@@ -1,0 +1,123 @@
+"""The ``textrl`` engine: textrl's own decode loop over a transformers model's KV cache.
+
+1. **Prefill, once per distinct context.** Rows with the same tokens and mask (the
+   ``n_samples_per_prompt`` copies of a prompt) are one row of the prefill; its cache is then
+   repeated for its samples (``Cache.reorder_cache``), so a prompt's attention and MLP run once,
+   not ``n`` times. Position ids come from the mask (left padding), as ``generate`` makes them.
+2. **Decode.** One forward of one token per row and step, the cache growing in place; the next
+   token is drawn on the device from the warped distribution (:func:`next_tokens`: the very
+   warping of :func:`textrl.functional.sampling_filter`, then ``torch.multinomial`` as ``generate``
+   draws, so a seeded run draws the same tokens as ``hf`` in the same order); a row is
+   ``pad_token_id`` after its EOS.
+3. **No host sync per token.** Whether every row has ended is read on the host only every
+   ``check_every`` steps; the output is then cut to the step where the last row ended, so the
+   result is the shape ``generate`` returns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from textrl.functional import sampling_filter
+from textrl.generation.base import GenerationEngine, Sampling, register_engine
+from textrl.models.kv_cache import cache_argument, new_cache
+
+
+def next_tokens(logits: Tensor, sampling: Sampling) -> Tensor:
+    """``[B, V]`` logits -> ``[B]`` tokens: argmax when greedy, else one draw from
+    ``softmax(sampling_filter(logits / temperature))`` (``torch.multinomial`` on the global RNG, as
+    ``generate``)."""
+    logits = logits.float()
+    if sampling.greedy:
+        return logits.argmax(-1)
+    z = logits / sampling.temperature if sampling.temperature != 1.0 else logits
+    z = sampling_filter(z, sampling.top_k, sampling.top_p)
+    return torch.multinomial(z.softmax(-1), 1).squeeze(1)
+
+
+def shared_prefixes(input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The distinct rows of ``(input_ids, attention_mask)`` ``[B, P]``: ``(ids [U, P], mask [U, P],
+    inverse [B])`` with row ``b`` equal to distinct row ``inverse[b]`` (padding positions compared by
+    the mask alone)."""
+    key = torch.cat([input_ids * attention_mask, attention_mask], dim=1)
+    unique, inverse = torch.unique(key, dim=0, return_inverse=True)
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    first = torch.full((unique.shape[0],), input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    first = first.scatter_reduce(0, inverse, rows, "amin")  # each distinct row's first occurrence
+    return input_ids[first], attention_mask[first], inverse
+
+
+def _positions(mask: Tensor) -> Tensor:
+    """``generate``'s position ids of a left-padded mask: the count of real tokens before, 1 on padding."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+@register_engine("textrl")
+class DecodeEngine(GenerationEngine):
+    """textrl's decode loop (module docstring). ``share_prefixes``: prefill each distinct context
+    once; ``check_every``: steps between the host's reads of "has every row ended"."""
+
+    def __init__(self, share_prefixes: bool = True, check_every: int = 16) -> None:
+        if check_every < 1:
+            raise ValueError(f"check_every={check_every}: must be >= 1")
+        self.share_prefixes = share_prefixes
+        self.check_every = check_every
+
+    def check_backend(self, partitions_weights: bool) -> None:
+        if partitions_weights:
+            raise ValueError("generation_engine='textrl' runs each forward on this process alone, and the backend "
+                             "partitions the weights (FSDP / ZeRO-3: every forward is a collective); use "
+                             "--generation-engine hf there")
+
+    @torch.no_grad()
+    def generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
+                 **kwargs: Any) -> Tensor:
+        if kwargs:
+            raise TypeError(f"the textrl engine takes no generate arguments; got {', '.join(sorted(kwargs))}")
+        b = input_ids.shape[0]
+        mask = attention_mask.long()
+        cache, name = new_cache(model), cache_argument(model)
+        ids_u, mask_u, inverse = input_ids, mask, None
+        if self.share_prefixes and b > 1:
+            shared = shared_prefixes(input_ids, mask)
+            if shared[0].shape[0] < b:  # some contexts repeat (else: every row its own, in its order)
+                ids_u, mask_u, inverse = shared
+        out = model(input_ids=ids_u, attention_mask=mask_u, position_ids=_positions(mask_u), use_cache=True,
+                    logits_to_keep=1, **{name: cache})  # fills the cache in place
+        logits = out.logits[:, -1]
+        if inverse is not None:
+            cache.reorder_cache(inverse)
+            logits = logits[inverse]
+        eos, pad = sampling.eos_token_id, sampling.pad_token_id
+        tokens = torch.full((b, sampling.max_new_tokens), pad, dtype=torch.long, device=input_ids.device)
+        running = torch.ones(b, dtype=torch.bool, device=input_ids.device)
+        position = mask.sum(-1, keepdim=True)  # [B, 1]: the next token's position id
+        steps = sampling.max_new_tokens
+        for t in range(sampling.max_new_tokens):
+            token = torch.where(running, next_tokens(logits, sampling), pad)
+            tokens[:, t] = token
+            if eos is not None:
+                running = running & (token != eos)
+            if t + 1 == sampling.max_new_tokens:
+                break
+            if eos is not None and (t + 1) % self.check_every == 0 and not bool(running.any()):
+                steps = t + 1
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(input_ids=token.unsqueeze(1), attention_mask=mask, position_ids=position, use_cache=True,
+                        **{name: cache})
+            logits = out.logits[:, -1]
+            position = position + 1
+        tokens = tokens[:, :steps]
+        if eos is not None:  # generate stops at the step where the last row ended
+            ended = (tokens == eos).any(1)
+            if bool(ended.all()):
+                last = int((tokens == eos).long().argmax(1).max())
+                tokens = tokens[:, : last + 1]
+        return tokens
+
+
+__all__ = ["DecodeEngine", "next_tokens", "shared_prefixes"]
