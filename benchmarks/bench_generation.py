@@ -1,0 +1,151 @@
+"""Tokens per second of each generation engine, against the hardware floor measured in the same run.
+
+    python benchmarks/bench_generation.py                              # CPU: small sizes, ~1 minute
+    python benchmarks/bench_generation.py --device cuda --shape 114m   # the issue's 114M set-up
+    python benchmarks/bench_generation.py --device cuda --shape 0.5b --vocab 151936
+
+A random Llama of ``--shape`` (``small``: hidden 128, 2 layers, the CPU default; ``114m``: hidden
+768, 12 layers, 12 heads, intermediate 3072, as ``bench_ppo_iteration.py``'s GPU set-up; ``0.5b``:
+Qwen2-0.5B's widths, hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864) with the tiny
+tokenizer padded to ``--vocab`` tokens generates ``--prompts`` x ``--samples`` rows of
+``--new-tokens`` tokens after ``--prompt-tokens`` prompt tokens, every row to full length (EOS is
+out of reach), under bf16 autocast on CUDA. Each engine (``--engines``: the registered ones, and
+``textrl_unshared``, the textrl engine without prefix sharing) runs ``--repeats`` times after a
+warm-up, interleaved; its figure is the median. Rows of a prompt are its samples, so prefix
+sharing has ``--samples`` rows to share.
+
+The floor of the same work: each decode step reads every weight once (bytes = parameters x the
+bytes of the dtype the matmuls read) and does 2 x parameters FLOPs a row, so a step takes at least
+``max(bytes / bandwidth, FLOPs / matmul rate)``; bandwidth (a large on-device copy) and matmul
+rate (a large square matmul in the run's dtype) are measured here, before the engines. The
+prefill and the KV cache's reads are left out: the floor is a bound from below.
+
+Prints a table, then one JSON line: per engine ``seconds``, ``tokens_per_second``, ``x_hf`` (its
+speed over ``hf``'s) and ``x_floor`` (its seconds over the floor's), and the floor's figures. The
+multi-turn figures of issue 27 are not measured here yet (no engine carries the KV cache across
+turns). A script, never imported (torchrl ships a top-level ``benchmarks`` package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+SHAPES = {
+    "small": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4),
+    "114m": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2),
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Any, device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def hardware(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """Bandwidth (bytes/s: a copy of 256 MiB on CUDA, 64 MiB on the CPU, read + written) and
+    matmul rate (FLOP/s: a square matmul of 4096 on CUDA, 1024 on the CPU, in ``dtype``); the best
+    of 5 runs each."""
+    n = (256 if device.type == "cuda" else 64) * 2**20 // 4
+    src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    copy = min(timed(lambda: dst.copy_(src), device) for _ in range(5))
+    m = 4096 if device.type == "cuda" else 1024
+    a = torch.randn(m, m, device=device, dtype=dtype)
+    b = torch.randn(m, m, device=device, dtype=dtype)
+    mm = min(timed(lambda: a @ b, device) for _ in range(5))
+    return {"bandwidth_gb_s": 2 * n * 4 / copy / 1e9, "matmul_tflop_s": 2 * m**3 / mm / 1e12}
+
+
+def main() -> None:
+    from textrl.generation import DecodeEngine, Sampling, engine_names, get_engine
+    from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
+    from textrl.run import resolve_device
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    parser.add_argument("--shape", default="small", choices=sorted(SHAPES))
+    parser.add_argument("--vocab", type=int, default=512, help="vocabulary size (the tiny tokenizer padded)")
+    parser.add_argument("--prompts", type=int, default=None, help="distinct prompts (default 16 on CUDA, 4 on the CPU)")
+    parser.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 256 on CUDA, 32 on the CPU")
+    parser.add_argument("--engines", default="", help="comma list (default: every registered one and textrl_unshared)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    cuda = device.type == "cuda"
+    prompts = args.prompts or (16 if cuda else 4)
+    new_tokens = args.new_tokens or (256 if cuda else 32)
+    names = [n for n in args.engines.split(",") if n] or [*engine_names(), "textrl_unshared"]
+    engines = {n: DecodeEngine(share_prefixes=False) if n == "textrl_unshared" else get_engine(n) for n in names}
+
+    tok = build_tiny_tokenizer() if args.vocab == 512 else build_tiny_tokenizer(args.vocab)
+    model = build_tiny_causal_lm(tok, max_position_embeddings=4096, **SHAPES[args.shape]).to(device).eval()
+    params = sum(p.numel() for p in model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 256, (prompts, args.prompt_tokens), generator=gen).repeat_interleave(args.samples, 0)
+    ids, mask = ids.to(device), torch.ones_like(ids, device=device)
+    sampling = Sampling(greedy=False, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                        eos_token_id=None, pad_token_id=tok.pad_token_id)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    hw = hardware(device, dtype)
+    bytes_per_step = params * (2 if cuda else 4)
+    flops_per_step = 2 * params * ids.shape[0]
+    step_floor = max(bytes_per_step / (hw["bandwidth_gb_s"] * 1e9), flops_per_step / (hw["matmul_tflop_s"] * 1e12))
+    floor = step_floor * new_tokens
+    rows = ids.shape[0]
+
+    def run(engine: Any) -> None:
+        with torch.no_grad(), autocast:
+            out = engine.generate(model, ids, mask, sampling)
+        assert out.shape == (rows, new_tokens), out.shape
+
+    seconds: dict[str, list[float]] = {n: [] for n in engines}
+    for engine in engines.values():  # warm-up (allocator, kernels)
+        run(engine)
+    for _ in range(args.repeats):
+        for name, engine in engines.items():
+            seconds[name].append(timed(lambda e=engine: run(e), device))
+    tokens = rows * new_tokens
+    result: dict[str, Any] = {}
+    for name in engines:
+        s = statistics.median(seconds[name])
+        result[name] = {"seconds": s, "tokens_per_second": tokens / s, "x_floor": s / floor}
+    if "hf" in result:
+        for name in result:
+            result[name]["x_hf"] = result["hf"]["seconds"] / result[name]["seconds"]
+    print(f"{args.shape} ({params / 1e6:.1f}M parameters, vocab {len(tok)}) on {device}: {prompts} prompts x "
+          f"{args.samples} samples, {args.prompt_tokens} + {new_tokens} tokens; floor {floor:.3f} s "
+          f"({hw['bandwidth_gb_s']:.0f} GB/s, {hw['matmul_tflop_s']:.2f} TFLOP/s)")
+    print(f"{'engine':<18} {'seconds':>9} {'tokens/s':>10} {'x hf':>7} {'x floor':>8}")
+    for name, r in result.items():
+        print(f"{name:<18} {r['seconds']:>9.3f} {r['tokens_per_second']:>10.0f} {r.get('x_hf', float('nan')):>7.2f} "
+              f"{r['x_floor']:>8.1f}")
+    print(json.dumps({"device": str(device), "shape": args.shape, "parameters": params, "vocab": len(tok),
+                      "rows": rows, "prompts": prompts, "samples": args.samples, "prompt_tokens": args.prompt_tokens,
+                      "new_tokens": new_tokens, "floor_seconds": floor, **hw, "engines": result,
+                      "gpu": torch.cuda.get_device_name(device) if cuda else None}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

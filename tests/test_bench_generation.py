@@ -1,0 +1,32 @@
+"""benchmarks/bench_generation.py runs on the CPU and says what it measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_generation_times_every_engine_against_hf_and_the_floor():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_generation.py"), "--prompts", "2", "--samples", "3",
+           "--new-tokens", "4", "--repeats", "1", "--threads", "1"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["rows"] == 6 and figures["new_tokens"] == 4 and figures["floor_seconds"] > 0
+    assert set(figures["engines"]) == {"hf", "textrl", "textrl_unshared"}
+    for r in figures["engines"].values():
+        assert r["seconds"] > 0 and r["tokens_per_second"] == 24 / r["seconds"] and r["x_floor"] >= 1
+    assert figures["engines"]["hf"]["x_hf"] == 1.0
+
+
+def test_bench_generation_refuses_an_unknown_engine():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_generation.py"), "--engines", "vllm", "--new-tokens", "2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode != 0
+    assert "generation_engine='vllm': not a registered engine" in result.stderr
