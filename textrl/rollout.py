@@ -20,6 +20,7 @@ Both sides are duck-typed, so this module imports no environment or agent (docs/
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -84,7 +85,9 @@ def run_episodes(agent: Any, batch: Any, runner: Any, greedy: bool, timings: dic
     def generate(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return agent.act(input_ids.to(device), attention_mask.to(device), greedy=greedy)  # [n, T]
 
-    return runner.run(generate, batch.to(device), timings=timings)
+    engine = getattr(agent, "generation_engine", None)
+    with engine.rollout() if engine is not None else contextlib.nullcontext():
+        return runner.run(generate, batch.to(device), timings=timings)
 
 
 def collect(

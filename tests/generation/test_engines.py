@@ -178,3 +178,80 @@ def test_a_rollout_from_the_textrl_engine_trains_as_one_from_hf(tok, name):
     for key in td_hf.keys(include_nested=True, leaves_only=True):
         torch.testing.assert_close(td_ours.get(key), td_hf.get(key), rtol=0, atol=0, msg=str(key))
     assert {k: v for k, v in stats_ours.items() if "time" not in k} == {k: v for k, v in stats_hf.items() if "time" not in k}
+
+
+# -- multi-turn: the KV cache carried across turns ------------------------------------------------
+
+
+def _left_pad(tok, seqs):
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tok.pad_token_id)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s)
+        mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+def _episodes(tok, model, engine, sampling, turns=3, seed=0):
+    """Turns as the multi-turn runner makes them: each row's next context is its last one, its sampled
+    tokens up to EOS (every third row cut after 3 tokens, as a stop string cuts a turn) and an
+    observation. Yields ``(turn, hf's tokens, the engine's, prefilled tokens, context tokens)``."""
+    seqs = [tok(p)["input_ids"] for p in PROMPTS[:4] for _ in range(2)]
+    with engine.rollout():
+        for turn in range(turns):
+            ids, mask = _left_pad(tok, seqs)
+            want = run(HFEngine(), model, ids, mask, sampling, seed + turn)
+            before = engine.prefilled
+            got = run(engine, model, ids, mask, sampling, seed + turn)
+            yield turn, want, got, engine.prefilled - before, int(mask.sum())
+            grown = []
+            for i, seq in enumerate(seqs):
+                sampled = got[i].tolist()
+                sampled = sampled[: sampled.index(sampling.eos_token_id) + 1] if sampling.eos_token_id in sampled else sampled
+                grown.append(seq + (sampled[:3] if i % 3 == 0 else sampled) + [40 + i, 41, 42 + turn])
+            seqs = grown
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_a_turn_prefills_only_its_new_tokens_and_generates_what_generate_does(tok, model, greedy):
+    ids, mask = encode(tok, PROMPTS[:4])
+    sampling = spec(tok, greedy=greedy, eos=frequent_token(model, tok, ids, mask), max_new_tokens=10,
+                    temperature=0.8, top_k=40)
+    for turn, want, got, prefilled, context in _episodes(tok, model, DecodeEngine(check_every=4), sampling):
+        assert torch.equal(got, want), f"turn {turn}"
+        if turn:  # the history comes from the carried cache: only the sampled tokens' tail and the observation
+            assert prefilled < context // 2, (turn, prefilled, context)
+
+
+def test_no_carry_outside_a_rollout_or_after_the_weights_change(tok):
+    model = build_tiny_causal_lm(tok).eval()
+    ids, mask = encode(tok, PROMPTS[:4])
+    sampling = spec(tok, eos=frequent_token(model, tok, ids, mask), max_new_tokens=10)
+    engine = DecodeEngine()
+    episodes = _episodes(tok, model, engine, sampling)
+    next(episodes)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.5)  # an optimiser step between turns
+    turn, want, got, prefilled, context = next(episodes)
+    assert prefilled == context and torch.equal(got, want)  # nothing carried from other weights
+    episodes.close()
+    assert engine.carry is None  # the rollout ended: its caches are dropped
+    before = engine.prefilled
+    run(engine, model, ids, mask, sampling)
+    run(engine, model, ids, mask, sampling)
+    assert engine.prefilled - before == 2 * int(mask.sum())  # no rollout open: each call prefills all
+
+
+def test_a_multi_turn_run_logs_the_same_with_either_engine(tmp_path):
+    from tests.runs import SMALL, metrics
+    from textrl.cli import main
+
+    rows = {}
+    for engine in ("hf", "textrl"):
+        out = tmp_path / engine
+        main(["train", *SMALL, "--agent", "rloo", "--env", "guess_number", "--iterations", "2",
+              "--generation-engine", engine, "--output-dir", str(out)])
+        rows[engine] = [{k: v for k, v in r.items() if not any(w in k for w in ("time", "_s", "seconds", "memory", "per_s"))}
+                        for r in metrics(out)]
+    assert rows["textrl"] == rows["hf"]

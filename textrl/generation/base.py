@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,13 @@ class GenerationEngine:
 
     def check_backend(self, partitions_weights: bool) -> None:
         """Refuse a backend this engine cannot generate under (``ValueError`` naming both)."""
+
+    @contextmanager
+    def rollout(self) -> Iterator[None]:
+        """The calls inside are one rollout's turns (:func:`textrl.rollout.run_episodes` opens it):
+        an engine may keep state across them (the ``textrl`` engine: each turn's KV cache, for the
+        next turn) and drops it when the block ends."""
+        yield
 
 
 ENGINES: dict[str, Callable[[], GenerationEngine]] = {}

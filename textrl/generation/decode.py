@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ from torch import Tensor, nn
 
 from textrl.functional import sampling_filter
 from textrl.generation.base import GenerationEngine, Sampling, register_engine
+from textrl.generation.carry import TurnCarry
 from textrl.models.kv_cache import cache_argument, new_cache
 
 
@@ -60,11 +63,16 @@ class DecodeEngine(GenerationEngine):
     """textrl's decode loop (module docstring). ``share_prefixes``: prefill each distinct context
     once; ``check_every``: steps between the host's reads of "has every row ended"."""
 
-    def __init__(self, share_prefixes: bool = True, check_every: int = 16) -> None:
+    def __init__(self, share_prefixes: bool = True, check_every: int = 16, carry_turns: bool = True) -> None:
         if check_every < 1:
             raise ValueError(f"check_every={check_every}: must be >= 1")
         self.share_prefixes = share_prefixes
         self.check_every = check_every
+        self.carry_turns = carry_turns
+        self.carry: TurnCarry | None = None
+        """The KV caches of this rollout's calls, while :meth:`rollout` is open and ``carry_turns``."""
+        self.prefilled = 0
+        """Context tokens this engine has prefilled (run through the model before decoding), all calls."""
 
     def check_backend(self, partitions_weights: bool) -> None:
         if partitions_weights:
@@ -72,14 +80,46 @@ class DecodeEngine(GenerationEngine):
                              "partitions the weights (FSDP / ZeRO-3: every forward is a collective); use "
                              "--generation-engine hf there")
 
-    @torch.no_grad()
-    def generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
-                 **kwargs: Any) -> Tensor:
-        if kwargs:
-            raise TypeError(f"the textrl engine takes no generate arguments; got {', '.join(sorted(kwargs))}")
-        b = input_ids.shape[0]
-        mask = attention_mask.long()
-        cache, name = new_cache(model), cache_argument(model)
+    @contextmanager
+    def rollout(self) -> Iterator[None]:
+        """Carry each turn's KV cache to the next turn of the same rows (``carry_turns``), until the block ends."""
+        if not self.carry_turns or self.carry is not None:
+            yield
+            return
+        self.carry = TurnCarry()
+        try:
+            yield
+        finally:
+            self.carry.release()
+            self.carry = None
+
+    def _prefill(self, model: nn.Module, input_ids: Tensor, mask: Tensor, real: list[tuple[int, ...]],
+                 name: str) -> tuple[Any, Tensor, Tensor, list[Tensor]]:
+        """``(cache, next logits [B, V], attention mask [B, L], each row's real-token columns)`` of
+        the contexts: from a carried cache and the new tokens alone, else prefilled whole (each
+        distinct context once)."""
+        b, device = input_ids.shape[0], input_ids.device
+        plan = self.carry.plan(model, real) if self.carry is not None else None
+        if plan is not None:
+            cache, cache_mask = self.carry.cache_for(model, plan, device)
+            width = cache_mask.shape[1]
+            suffixes = [row[u:] for row, u in zip(real, plan.reuse)]
+            sl = max(len(x) for x in suffixes)
+            ids = torch.zeros(b, sl, dtype=torch.long, device=device)
+            suffix_mask = torch.zeros(b, sl, dtype=torch.long, device=device)
+            positions = torch.ones(b, sl, dtype=torch.long, device=device)
+            cols = []
+            for i, (x, u) in enumerate(zip(suffixes, plan.reuse)):
+                ids[i, sl - len(x):] = torch.tensor(x, dtype=torch.long, device=device)
+                suffix_mask[i, sl - len(x):] = 1
+                positions[i, sl - len(x):] = torch.arange(u, u + len(x), device=device)
+                cols.append(torch.cat([torch.arange(width - u, width), torch.arange(width + sl - len(x), width + sl)]))
+            mask = torch.cat([cache_mask, suffix_mask], dim=1)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                        **{name: cache})
+            self.prefilled += int(suffix_mask.sum())
+            return cache, out.logits[:, -1], mask, cols
+        cache = new_cache(model)
         ids_u, mask_u, inverse = input_ids, mask, None
         if self.share_prefixes and b > 1:
             shared = shared_prefixes(input_ids, mask)
@@ -87,15 +127,30 @@ class DecodeEngine(GenerationEngine):
                 ids_u, mask_u, inverse = shared
         out = model(input_ids=ids_u, attention_mask=mask_u, position_ids=_positions(mask_u), use_cache=True,
                     logits_to_keep=1, **{name: cache})  # fills the cache in place
+        self.prefilled += int(mask_u.sum())
         logits = out.logits[:, -1]
         if inverse is not None:
             cache.reorder_cache(inverse)
             logits = logits[inverse]
+        cols = [row.nonzero().squeeze(1).cpu() for row in mask]
+        return cache, logits, mask, cols
+
+    @torch.no_grad()
+    def generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
+                 **kwargs: Any) -> Tensor:
+        if kwargs:
+            raise TypeError(f"the textrl engine takes no generate arguments; got {', '.join(sorted(kwargs))}")
+        b = input_ids.shape[0]
+        name = cache_argument(model)
+        real = [tuple(row[m.bool()].tolist()) for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
+        cache, logits, mask, cols = self._prefill(model, input_ids, attention_mask.long(), real, name)
+        context_width = mask.shape[1]
         eos, pad = sampling.eos_token_id, sampling.pad_token_id
         tokens = torch.full((b, sampling.max_new_tokens), pad, dtype=torch.long, device=input_ids.device)
         running = torch.ones(b, dtype=torch.bool, device=input_ids.device)
-        position = mask.sum(-1, keepdim=True)  # [B, 1]: the next token's position id
+        position = mask.sum(-1, keepdim=True)  # [B, 1]: the next token's position id (real tokens before it)
         steps = sampling.max_new_tokens
+        fed = 0  # tokens fed back into the cache
         for t in range(sampling.max_new_tokens):
             token = torch.where(running, next_tokens(logits, sampling), pad)
             tokens[:, t] = token
@@ -111,13 +166,27 @@ class DecodeEngine(GenerationEngine):
                         **{name: cache})
             logits = out.logits[:, -1]
             position = position + 1
+            fed += 1
         tokens = tokens[:, :steps]
         if eos is not None:  # generate stops at the step where the last row ended
             ended = (tokens == eos).any(1)
             if bool(ended.all()):
                 last = int((tokens == eos).long().argmax(1).max())
                 tokens = tokens[:, : last + 1]
+        if self.carry is not None:
+            self._remember(model, cache, real, cols, tokens, fed, context_width, eos)
         return tokens
+
+    def _remember(self, model: nn.Module, cache: Any, real: list[tuple[int, ...]], cols: list[Tensor],
+                  tokens: Tensor, fed: int, context_width: int, eos: int | None) -> None:
+        """Keep the cache for the next turn: each row's context and the sampled tokens fed back, up to its EOS."""
+        rows, row_cols = [], []
+        for b, sampled in enumerate(tokens[:, :fed].cpu().tolist()):
+            n = sampled.index(eos) + 1 if eos is not None and eos in sampled else len(sampled)
+            rows.append(real[b] + tuple(sampled[:n]))
+            row_cols.append(torch.cat([cols[b], torch.arange(context_width, context_width + n)]))
+        assert self.carry is not None
+        self.carry.remember(model, cache, row_cols, rows)
 
 
 __all__ = ["DecodeEngine", "next_tokens", "shared_prefixes"]

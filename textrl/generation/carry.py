@@ -1,0 +1,145 @@
+"""The KV cache carried across the turns of multi-turn episodes (the ``textrl`` engine).
+
+A multi-turn episode's next context is the last one, the tokens the agent sampled (up to its EOS,
+or fewer when a stop string cut the turn) and the environment's observation. :class:`TurnCarry`
+keeps the KV cache of every generate call of a rollout (:meth:`TurnCarry.remember`: which cache
+columns hold each row's real tokens, and those tokens) until the rollout ends
+(:meth:`TurnCarry.release`). A later call's row whose real tokens start with a kept row's
+(:meth:`TurnCarry.plan`: the longest common prefix over the kept rows with the same first tokens)
+gets that row's keys and values (:meth:`TurnCarry.cache_for`: gathered, right-aligned into a new
+cache) and only its new tokens are prefilled. The cached keys and values are the ones a fresh
+prefill computes (the positions count real tokens only, so padding does not move them), up to
+float rounding of another batch shape.
+
+The carry holds only while the weights are those that filled it: a row is matched only for the
+same model object and the same ``(data_ptr, _version)`` of every parameter (an optimiser step,
+an in-place edit or a load changes them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from textrl.models.kv_cache import new_cache
+
+KEY = 8
+"""Kept rows are indexed by their first ``KEY`` tokens (a row shorter than that by all of them)."""
+
+
+def weights_version(model: nn.Module) -> tuple[Any, ...]:
+    """``(id, (data_ptr, _version) of every parameter)``: changes when a weight changes in place or is replaced."""
+    return (id(model), tuple((p.data_ptr(), p._version) for p in model.parameters()))
+
+
+def cache_layers(cache: Any) -> list[tuple[Tensor, Tensor]]:
+    """``[(keys, values)]`` of every layer of a ``DynamicCache`` (``[B, H, L, D]`` each), across releases."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [(layer.keys, layer.values) for layer in layers]
+    return list(zip(cache.key_cache, cache.value_cache))
+
+
+@dataclass
+class Kept:
+    """One call's cache: ``cols[b]`` the cache columns of row ``b``'s real tokens (in order),
+    ``tokens[b]`` those tokens."""
+
+    cache: Any
+    cols: list[Tensor]
+    tokens: list[tuple[int, ...]]
+
+
+@dataclass
+class Plan:
+    """Where each new row's reused keys come from: ``source[i] = (kept index, row)`` or None,
+    ``reuse[i]`` the number of its first real tokens taken from there (0: none)."""
+
+    source: list[tuple[int, int] | None]
+    reuse: list[int]
+
+
+@dataclass
+class TurnCarry:
+    """The caches of a rollout's calls (module docstring)."""
+
+    kept: list[Kept] = field(default_factory=list)
+    index: dict[tuple[int, ...], list[tuple[int, int]]] = field(default_factory=dict)
+    version: tuple[Any, ...] | None = None
+
+    def release(self) -> None:
+        """Drop every kept cache (the rollout ended)."""
+        self.kept.clear()
+        self.index.clear()
+        self.version = None
+
+    def remember(self, model: nn.Module, cache: Any, cols: list[Tensor], tokens: list[tuple[int, ...]]) -> None:
+        """Keep ``cache``, whose row ``b`` holds ``tokens[b]`` in the columns ``cols[b]``."""
+        version = weights_version(model)
+        if version != self.version:
+            self.release()
+            self.version = version
+        k = len(self.kept)
+        self.kept.append(Kept(cache, cols, tokens))
+        for b, row in enumerate(tokens):
+            self.index.setdefault(row[:KEY], []).append((k, b))
+
+    def plan(self, model: nn.Module, rows: list[tuple[int, ...]]) -> Plan | None:
+        """For each new row (its real tokens), the kept row sharing its longest prefix (at most all
+        but its last token, which the prefill must see); None when no row reuses anything."""
+        if not self.kept or weights_version(model) != self.version:
+            return None
+        source: list[tuple[int, int] | None] = []
+        reuse: list[int] = []
+        for row in rows:
+            best, best_n = None, 0
+            for k, b in self.index.get(row[:KEY], ()):
+                kept = self.kept[k].tokens[b]
+                n = 0
+                for a, c in zip(kept, row[:-1]):
+                    if a != c:
+                        break
+                    n += 1
+                if n > best_n:
+                    best, best_n = (k, b), n
+            source.append(best)
+            reuse.append(best_n)
+        return Plan(source, reuse) if any(reuse) else None
+
+    def cache_for(self, model: nn.Module, plan: Plan, device: torch.device) -> tuple[Any, Tensor]:
+        """A new cache whose row ``i`` holds its ``plan.reuse[i]`` reused keys and values right-aligned
+        in ``W = max(reuse)`` columns, and its mask ``[B, W]`` (0 left of them)."""
+        n = len(plan.reuse)
+        width = max(plan.reuse)
+        mask = torch.zeros(n, width, dtype=torch.long, device=device)
+        layers: list[tuple[Tensor, Tensor]] | None = None
+        for k, kept in enumerate(self.kept):
+            rows = [i for i, s in enumerate(plan.source) if s is not None and s[0] == k]
+            if not rows:
+                continue
+            src_rows = torch.tensor([plan.source[i][1] for i in rows], device=device)  # type: ignore[index]
+            cols = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+            for j, i in enumerate(rows):
+                u = plan.reuse[i]
+                cols[j, width - u:] = kept.cols[plan.source[i][1]][:u].to(device)  # type: ignore[index]
+                mask[i, width - u:] = 1
+            dest = torch.tensor(rows, device=device)
+            for layer, (keys, values) in enumerate(cache_layers(kept.cache)):
+                if layers is None:
+                    layers = [(keys.new_zeros(n, keys.shape[1], width, keys.shape[3]),
+                               values.new_zeros(n, values.shape[1], width, values.shape[3]))
+                              for keys, values in cache_layers(kept.cache)]
+                picked_k = keys[src_rows[:, None], :, cols].permute(0, 2, 1, 3)  # [r, H, W, D]
+                picked_v = values[src_rows[:, None], :, cols].permute(0, 2, 1, 3)
+                layers[layer][0][dest] = picked_k
+                layers[layer][1][dest] = picked_v
+        cache = new_cache(model)
+        for layer, (keys, values) in enumerate(layers or []):
+            cache.update(keys, values, layer)
+        return cache, mask
+
+
+__all__ = ["Kept", "Plan", "TurnCarry", "cache_layers", "weights_version"]
