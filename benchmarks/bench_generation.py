@@ -20,15 +20,22 @@ bytes of the dtype the matmuls read) and does 2 x parameters FLOPs a row, so a s
 rate (a large square matmul in the run's dtype) are measured here, before the engines. The
 prefill and the KV cache's reads are left out: the floor is a bound from below.
 
+With ``--turns N`` (N > 1) each engine also runs episodes of N turns of ``--new-tokens / N``
+tokens, an observation of ``--observation-tokens`` tokens appended after each turn (as the
+multi-turn runner appends an environment's answer), inside the engine's ``rollout()`` (the
+``textrl`` engine carries each turn's KV cache to the next: only the new tokens are prefilled);
+``multi_tokens_per_second`` counts the agent's tokens, and ``multi_over_single`` compares it with
+the same engine's single turn of ``--new-tokens`` tokens.
+
 Prints a table, then one JSON line: per engine ``seconds``, ``tokens_per_second``, ``x_hf`` (its
-speed over ``hf``'s) and ``x_floor`` (its seconds over the floor's), and the floor's figures. The
-multi-turn figures of issue 27 are not measured here yet (no engine carries the KV cache across
-turns). A script, never imported (torchrl ships a top-level ``benchmarks`` package).
+speed over ``hf``'s) and ``x_floor`` (its seconds over the floor's), the multi-turn figures, and
+the floor's figures. A script, never imported (torchrl ships a top-level ``benchmarks`` package).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -88,6 +95,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=None, help="default 256 on CUDA, 32 on the CPU")
     parser.add_argument("--engines", default="", help="comma list (default: every registered one and textrl_unshared)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=1, help="also time episodes of this many turns (1: off)")
+    parser.add_argument("--observation-tokens", type=int, default=14, help="tokens appended after each turn")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -120,30 +129,66 @@ def main() -> None:
             out = engine.generate(model, ids, mask, sampling)
         assert out.shape == (rows, new_tokens), out.shape
 
+    turns = max(1, args.turns)
+    per_turn = max(1, new_tokens // turns)
+    observation = [int(t) for t in torch.randint(3, 256, (args.observation_tokens,), generator=gen)]
+    turn_sampling = dataclasses.replace(sampling, max_new_tokens=per_turn)
+
+    def episodes(engine: Any) -> None:
+        """``turns`` turns of every row, an observation after each (module docstring)."""
+        seqs = [row.tolist() for row in ids.cpu()]
+        with torch.no_grad(), autocast, engine.rollout():
+            for _ in range(turns):
+                width = max(map(len, seqs))
+                turn_ids = torch.full((rows, width), tok.pad_token_id, dtype=torch.long)
+                turn_mask = torch.zeros(rows, width, dtype=torch.long)
+                for i, seq in enumerate(seqs):
+                    turn_ids[i, width - len(seq):] = torch.tensor(seq)
+                    turn_mask[i, width - len(seq):] = 1
+                out = engine.generate(model, turn_ids.to(device), turn_mask.to(device), turn_sampling).cpu()
+                seqs = [seq + out[i].tolist() + observation for i, seq in enumerate(seqs)]
+
     seconds: dict[str, list[float]] = {n: [] for n in engines}
+    multi: dict[str, list[float]] = {n: [] for n in engines}
     for engine in engines.values():  # warm-up (allocator, kernels)
         run(engine)
+        if turns > 1:
+            episodes(engine)
     for _ in range(args.repeats):
         for name, engine in engines.items():
             seconds[name].append(timed(lambda e=engine: run(e), device))
+            if turns > 1:
+                multi[name].append(timed(lambda e=engine: episodes(e), device))
     tokens = rows * new_tokens
     result: dict[str, Any] = {}
     for name in engines:
         s = statistics.median(seconds[name])
         result[name] = {"seconds": s, "tokens_per_second": tokens / s, "x_floor": s / floor}
+        if turns > 1:
+            m = statistics.median(multi[name])
+            result[name].update(multi_seconds=m, multi_tokens_per_second=rows * turns * per_turn / m)
+            result[name]["multi_over_single"] = result[name]["multi_tokens_per_second"] / result[name]["tokens_per_second"]
     if "hf" in result:
         for name in result:
             result[name]["x_hf"] = result["hf"]["seconds"] / result[name]["seconds"]
+            if turns > 1:
+                result[name]["multi_x_hf"] = result["hf"]["multi_seconds"] / result[name]["multi_seconds"]
     print(f"{args.shape} ({params / 1e6:.1f}M parameters, vocab {len(tok)}) on {device}: {prompts} prompts x "
           f"{args.samples} samples, {args.prompt_tokens} + {new_tokens} tokens; floor {floor:.3f} s "
           f"({hw['bandwidth_gb_s']:.0f} GB/s, {hw['matmul_tflop_s']:.2f} TFLOP/s)")
-    print(f"{'engine':<18} {'seconds':>9} {'tokens/s':>10} {'x hf':>7} {'x floor':>8}")
+    extra = f" {'turns x':>7} {'multi tok/s':>11} {'multi/single':>12} {'multi x hf':>10}" if turns > 1 else ""
+    print(f"{'engine':<18} {'seconds':>9} {'tokens/s':>10} {'x hf':>7} {'x floor':>8}{extra}")
     for name, r in result.items():
-        print(f"{name:<18} {r['seconds']:>9.3f} {r['tokens_per_second']:>10.0f} {r.get('x_hf', float('nan')):>7.2f} "
-              f"{r['x_floor']:>8.1f}")
+        line = (f"{name:<18} {r['seconds']:>9.3f} {r['tokens_per_second']:>10.0f} {r.get('x_hf', float('nan')):>7.2f} "
+                f"{r['x_floor']:>8.1f}")
+        if turns > 1:
+            line += (f" {turns:>3} x {per_turn:<3} {r['multi_tokens_per_second']:>11.0f} {r['multi_over_single']:>12.2f} "
+                     f"{r.get('multi_x_hf', float('nan')):>10.2f}")
+        print(line)
     print(json.dumps({"device": str(device), "shape": args.shape, "parameters": params, "vocab": len(tok),
                       "rows": rows, "prompts": prompts, "samples": args.samples, "prompt_tokens": args.prompt_tokens,
-                      "new_tokens": new_tokens, "floor_seconds": floor, **hw, "engines": result,
+                      "new_tokens": new_tokens, "turns": turns, "tokens_per_turn": per_turn,
+                      "observation_tokens": args.observation_tokens, "floor_seconds": floor, **hw, "engines": result,
                       "gpu": torch.cuda.get_device_name(device) if cuda else None}), flush=True)
 
 

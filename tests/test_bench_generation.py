@@ -25,6 +25,19 @@ def test_bench_generation_times_every_engine_against_hf_and_the_floor():
     assert figures["engines"]["hf"]["x_hf"] == 1.0
 
 
+def test_bench_generation_times_multi_turn_episodes_too():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_generation.py"), "--prompts", "2", "--samples", "2",
+           "--new-tokens", "6", "--turns", "3", "--observation-tokens", "4", "--repeats", "1", "--threads", "1"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["turns"] == 3 and figures["tokens_per_turn"] == 2
+    for r in figures["engines"].values():
+        assert r["multi_tokens_per_second"] == 4 * 3 * 2 / r["multi_seconds"]
+        assert r["multi_over_single"] == r["multi_tokens_per_second"] / r["tokens_per_second"]
+
+
 def test_bench_generation_refuses_an_unknown_engine():
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_generation.py"), "--engines", "vllm", "--new-tokens", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
