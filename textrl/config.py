@@ -43,6 +43,7 @@ from textrl.config_io import add_config_arguments as _add_config_arguments
 from textrl.config_io import add_trl_names as _add_trl_names
 from textrl.config_io import build_config as _build_config
 from textrl.config_io import load_yaml as _load_yaml
+from textrl.generation import engine_named
 from textrl.precision import check_memory_options, check_precision
 from textrl.reward_option import check_reward_shape
 
@@ -89,8 +90,7 @@ class TrainConfig:
     """The trained weights' dtype: float32 | bfloat16 (TRL's dtype / torch_dtype). bfloat16 halves
     the weights' and AdamW's memory and trains in pure bf16."""
     mixed_precision: str = "auto"
-    """Autocast of every forward: bf16 | no | auto (bf16 on a CUDA device that has it, else no;
-    TRL's bf16=True)."""
+    """Autocast of every forward: bf16 | no | auto (bf16 on a CUDA device that has it, else no; TRL's bf16)."""
     frozen_dtype: str = "auto"
     """The reference's and reward models' weights: float32 | bfloat16 | auto (bfloat16 on a CUDA
     device that has it, else the trained weights' dtype)."""
@@ -323,8 +323,7 @@ class TrainConfig:
     progress: bool = shared("progress")
 
     RESUME_RULES: ClassVar[ResumeRules] = ResumeRules(
-        # how long and how hard it trains from here, cadences, micro-batching, sharding (checkpoints
-        # hold full tensors: docs/parallelism.md), fault handling
+        # how long and how hard it trains from here, cadences, micro-batching, sharding (full tensors: docs/parallelism.md), faults
         applied=frozenset({
             "device", "iterations", "generation_batch_size", "forward_batch_size", "ppo_epochs",
             "num_minibatches", "gradient_accumulation_steps", "clip_eps", "clip_eps_high", "dual_clip", "value_clip_eps",
@@ -436,6 +435,7 @@ def _check_choices(config: TrainConfig) -> None:
     check_choice("lr_schedule", config.lr_schedule, ("constant", "cosine"))
     check_choice("critic_init", config.critic_init, ("policy", "reward_model"))
     check_choice("critic_type", config.critic_type, ("value_head", "lora"))
+    engine_named(config.generation_engine)  # a registered generation engine, before any work
     check_choice("critic", config.critic, ("separate", "shared", "lora"))
     check_memory_options(config)
     check_choice("reward_nonfinite", config.reward_nonfinite, ("raise", "zero", "drop"))

@@ -255,3 +255,14 @@ def test_a_multi_turn_run_logs_the_same_with_either_engine(tmp_path):
         rows[engine] = [{k: v for k, v in r.items() if not any(w in k for w in ("time", "_s", "seconds", "memory", "per_s"))}
                         for r in metrics(out)]
     assert rows["textrl"] == rows["hf"]
+
+
+def test_textrl_train_refuses_an_unknown_engine_before_any_work(tmp_path):
+    from textrl.cli import main
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as err:
+        main(["train", "--generation-engine", "vllm", "--iterations", "1", "--output-dir", str(out)])
+    assert str(err.value.code) == ("textrl train: generation_engine='vllm': not a registered engine; choose one of "
+                                   "hf, textrl")
+    assert not out.exists()  # refused before the warm-up wrote anything

@@ -14,15 +14,16 @@ Engines are registered by name (:func:`register_engine`) and chosen by ``--gener
 """
 
 from textrl.generation.base import (
-           ENGINES,
-           GenerationEngine,
-           Sampling,
-           engine_names,
-           get_engine,
-           register_engine,
+    ENGINES,
+    GenerationEngine,
+    Sampling,
+    engine_named,
+    engine_names,
+    get_engine,
+    register_engine,
 )
 from textrl.generation.decode import DecodeEngine
 from textrl.generation.hf import HFEngine
 
-__all__ = ["ENGINES", "DecodeEngine", "GenerationEngine", "HFEngine", "Sampling", "engine_names", "get_engine",
-           "register_engine"]
+__all__ = ["ENGINES", "DecodeEngine", "GenerationEngine", "HFEngine", "Sampling", "engine_named", "engine_names",
+           "get_engine", "register_engine"]

@@ -88,6 +88,12 @@ def get_engine(name: str) -> GenerationEngine:
     return ENGINES[name]()
 
 
+def engine_named(name: str) -> None:
+    """``ValueError`` (with the registered names) unless an engine is registered as ``name``."""
+    if name not in ENGINES:
+        get_engine(name)
+
+
 def pad_after_eos(tokens: Tensor, eos_token_id: int | None, pad_token_id: int) -> Tensor:
     """``tokens [B, T]`` with every column after a row's first EOS set to ``pad_token_id``."""
     if eos_token_id is None:
@@ -97,4 +103,5 @@ def pad_after_eos(tokens: Tensor, eos_token_id: int | None, pad_token_id: int) -
     return torch.where(after, torch.full_like(tokens, pad_token_id), tokens)
 
 
-__all__ = ["ENGINES", "GenerationEngine", "Sampling", "engine_names", "get_engine", "pad_after_eos", "register_engine"]
+__all__ = ["ENGINES", "GenerationEngine", "Sampling", "engine_named", "engine_names", "get_engine", "pad_after_eos",
+           "register_engine"]
