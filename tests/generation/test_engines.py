@@ -266,3 +266,27 @@ def test_textrl_train_refuses_an_unknown_engine_before_any_work(tmp_path):
     assert str(err.value.code) == ("textrl train: generation_engine='vllm': not a registered engine; choose one of "
                                    "hf, textrl")
     assert not out.exists()  # refused before the warm-up wrote anything
+
+
+def test_a_registered_engine_is_what_the_agent_generates_with(tok):
+    from tests.agents.conftest import make_agent
+    from textrl.generation import GenerationEngine, register_engine
+    from textrl.generation.base import ENGINES
+
+    calls = []
+
+    @register_engine("greedy_hf_for_test")
+    class Recording(GenerationEngine):
+        def generate(self, model, input_ids, attention_mask, sampling, **kwargs):
+            calls.append(input_ids.shape)
+            return HFEngine().generate(model, input_ids, attention_mask, sampling, **kwargs)
+
+    try:
+        agent = make_agent(tok, "gae_ppo", generation_engine="greedy_hf_for_test")
+        ids, mask = encode(tok, PROMPTS[:4])
+        out = agent.act(ids, mask.bool())
+        assert calls == [ids.shape] and out.shape[0] == 4
+        with pytest.raises(ValueError, match="generation engine name 'greedy_hf_for_test' is taken"):
+            register_engine("greedy_hf_for_test")(DecodeEngine)
+    finally:
+        ENGINES.pop("greedy_hf_for_test", None)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -10,6 +9,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from textrl.registry import Messages, Registry
 
 
 @dataclass(frozen=True)
@@ -58,40 +59,47 @@ class GenerationEngine:
         yield
 
 
-ENGINES: dict[str, Callable[[], GenerationEngine]] = {}
-"""Registered engines: name -> constructor (:func:`register_engine`)."""
+def _is_engine_class(obj: object) -> bool:
+    return isinstance(obj, type) and issubclass(obj, GenerationEngine)
+
+
+REGISTRY: Registry[type] = Registry(
+    "generation engine", group="textrl.generation_engines", accepts=_is_engine_class,
+    builtins=("textrl.generation.hf", "textrl.generation.decode"),
+    valid_name=lambda name: isinstance(name, str) and bool(name) and ":" not in name,
+    register_loaded=lambda name, cls: register_engine(name)(cls),
+    messages=Messages(
+        bad_name="generation engine name {name!r} must be a non-empty str without ':'",
+        taken="generation engine name {name!r} is taken by {old}; register {new} under another name",
+        unknown="generation_engine={name!r}: not a registered engine{hint}; choose one of {names}"))
+"""The generation engines' :class:`textrl.registry.Registry` (entry-point group ``textrl.generation_engines``)."""
+
+ENGINES: dict[str, type] = REGISTRY.entries
+"""Registered name -> engine class (:func:`register_engine`)."""
 
 
 def register_engine(name: str) -> Callable[[type], type]:
     """``@register_engine("name")`` on a :class:`GenerationEngine` subclass: ``--generation-engine
     name`` selects it."""
     def add(cls: type) -> type:
-        if name in ENGINES and ENGINES[name] is not cls:
-            raise ValueError(f"generation engine {name!r} is registered already ({ENGINES[name].__qualname__})")
+        REGISTRY.register(name, cls)
         cls.name = name
-        ENGINES[name] = cls
         return cls
     return add
 
 
 def engine_names() -> list[str]:
-    return sorted(ENGINES)
+    return REGISTRY.names()
 
 
 def get_engine(name: str) -> GenerationEngine:
     """A new engine of the registered ``name``; ``ValueError`` with the names there are."""
-    if name not in ENGINES:
-        close = difflib.get_close_matches(name, ENGINES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"generation_engine={name!r}: not a registered engine{hint}; choose one of "
-                         f"{', '.join(engine_names())}")
-    return ENGINES[name]()
+    return REGISTRY.lookup(name)()
 
 
 def engine_named(name: str) -> None:
     """``ValueError`` (with the registered names) unless an engine is registered as ``name``."""
-    if name not in ENGINES:
-        get_engine(name)
+    REGISTRY.lookup(name)
 
 
 def pad_after_eos(tokens: Tensor, eos_token_id: int | None, pad_token_id: int) -> Tensor:
