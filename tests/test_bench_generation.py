@@ -42,4 +42,4 @@ def test_bench_generation_refuses_an_unknown_engine():
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_generation.py"), "--engines", "vllm", "--new-tokens", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode != 0
-    assert "generation_engine='vllm': not a registered engine" in result.stderr
+    assert "generation_engine='vllm': not a registered engine; choose auto or one of hf, textrl" in result.stderr

@@ -176,8 +176,8 @@ class TrainConfig:
     """Nucleus sampling (1.0 = off)."""
     generation_batch_size: int = 64
     """Micro-batch size of generation."""
-    generation_engine: str = "hf"
-    """hf (transformers' generate) | textrl (textrl's decode loop: a prompt prefilled once for its samples)."""
+    generation_engine: str = "auto"
+    """hf (transformers' generate) | textrl (textrl's decode loop, docs/generation.md) | auto (textrl on the CPU, else hf)."""
     forward_batch_size: int = 64
     """Micro-batch size of the log-prob / value / reward forwards."""
 

@@ -145,7 +145,7 @@ def test_the_engines_are_registered_and_a_wrong_name_is_refused():
     assert {"hf", "textrl"} <= set(engine_names())
     assert isinstance(get_engine("textrl"), DecodeEngine)
     with pytest.raises(ValueError, match=r"generation_engine='textrll': not a registered engine \(did you mean "
-                                         r"'textrl'\?\); choose one of hf, textrl"):
+                                         r"'textrl'\?\); choose auto or one of hf, textrl"):
         get_engine("textrll")
 
 
@@ -263,8 +263,8 @@ def test_textrl_train_refuses_an_unknown_engine_before_any_work(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as err:
         main(["train", "--generation-engine", "vllm", "--iterations", "1", "--output-dir", str(out)])
-    assert str(err.value.code) == ("textrl train: generation_engine='vllm': not a registered engine; choose one of "
-                                   "hf, textrl")
+    assert str(err.value.code) == ("textrl train: generation_engine='vllm': not a registered engine; choose auto or "
+                                   "one of hf, textrl")
     assert not out.exists()  # refused before the warm-up wrote anything
 
 
@@ -290,3 +290,20 @@ def test_a_registered_engine_is_what_the_agent_generates_with(tok):
             register_engine("greedy_hf_for_test")(DecodeEngine)
     finally:
         ENGINES.pop("greedy_hf_for_test", None)
+
+
+def test_auto_is_the_textrl_engine_on_the_cpu_and_hf_elsewhere(tok):
+    from tests.agents.conftest import make_agent
+    from textrl.generation import engine_for
+
+    assert make_agent(tok, "gae_ppo").generation_engine.name == "textrl"  # the default, on the CPU
+    assert engine_for("auto", "cpu").name == "textrl"
+    assert engine_for("auto", "cuda").name == "hf"
+    assert engine_for("hf", "cpu").name == "hf"
+
+
+def test_auto_falls_back_to_hf_under_a_backend_that_partitions_the_weights():
+    from textrl.generation import engine_for
+
+    assert engine_for("auto", "cpu", partitions_weights=True).name == "hf"
+    assert engine_for("textrl", "cpu", partitions_weights=True).name == "textrl"  # asked for: refused at prepare

@@ -42,7 +42,7 @@ from textrl.agents.update import LossTerms, UpdateTally, total_loss
 from textrl.config import TrainConfig
 from textrl.env_facts import EnvFacts
 from textrl.functional import aggregate_loss, clipped_policy_loss, kl_penalty, kl_shaped_rewards
-from textrl.generation import get_engine
+from textrl.generation import engine_for
 from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
 from textrl.models.checkpointing import enable_gradient_checkpointing
@@ -191,8 +191,9 @@ class PPOAgent(nn.Module):
             for name, model in (("policy", self.policy), ("critic", self.critic)):
                 if model is not None:
                     enable_gradient_checkpointing(model, name)
-        self.generation_engine = get_engine(config.generation_engine)
-        """How :meth:`act` generates (:mod:`textrl.generation`: ``hf``, ``textrl``, or a registered one)."""
+        self.generation_engine = engine_for(config.generation_engine, self.device)
+        """How :meth:`act` generates (:mod:`textrl.generation`: ``hf``, ``textrl``, or a registered one;
+        ``auto`` chosen for the policy's device when the agent is built)."""
         self.backend: Backend = SingleProcess(device=self.device)
         """How training is spread over processes (:mod:`textrl.parallel`; its process group:
         ``backend.dist``); ``Backend.prepare`` swaps it."""

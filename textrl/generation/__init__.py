@@ -17,6 +17,7 @@ from textrl.generation.base import (
     ENGINES,
     GenerationEngine,
     Sampling,
+    engine_for,
     engine_named,
     engine_names,
     get_engine,
@@ -25,5 +26,5 @@ from textrl.generation.base import (
 from textrl.generation.decode import DecodeEngine
 from textrl.generation.hf import HFEngine
 
-__all__ = ["ENGINES", "DecodeEngine", "GenerationEngine", "HFEngine", "Sampling", "engine_named", "engine_names",
+__all__ = ["ENGINES", "DecodeEngine", "GenerationEngine", "HFEngine", "Sampling", "engine_for", "engine_named", "engine_names",
            "get_engine", "register_engine"]

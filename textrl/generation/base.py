@@ -71,7 +71,7 @@ REGISTRY: Registry[type] = Registry(
     messages=Messages(
         bad_name="generation engine name {name!r} must be a non-empty str without ':'",
         taken="generation engine name {name!r} is taken by {old}; register {new} under another name",
-        unknown="generation_engine={name!r}: not a registered engine{hint}; choose one of {names}"))
+        unknown="generation_engine={name!r}: not a registered engine{hint}; choose auto or one of {names}"))
 """The generation engines' :class:`textrl.registry.Registry` (entry-point group ``textrl.generation_engines``)."""
 
 ENGINES: dict[str, type] = REGISTRY.entries
@@ -97,9 +97,23 @@ def get_engine(name: str) -> GenerationEngine:
     return REGISTRY.lookup(name)()
 
 
+AUTO = {"cpu": "textrl"}
+"""``generation_engine='auto'``: the engine of each device type (``benchmarks/bench_generation.py``
+measured it fastest there, drawing the same tokens as ``hf``); ``hf`` on the others."""
+
+
+def engine_for(name: str, device: torch.device | str, *, partitions_weights: bool = False) -> GenerationEngine:
+    """A new engine of ``name``, ``auto`` resolved for ``device`` (:data:`AUTO`; ``hf`` under a
+    backend that partitions the weights, whose forwards are collectives)."""
+    if name == "auto":
+        name = "hf" if partitions_weights else AUTO.get(torch.device(device).type, "hf")
+    return get_engine(name)
+
+
 def engine_named(name: str) -> None:
-    """``ValueError`` (with the registered names) unless an engine is registered as ``name``."""
-    REGISTRY.lookup(name)
+    """``ValueError`` (with the registered names) unless an engine is registered as ``name`` (or it is ``auto``)."""
+    if name != "auto":
+        REGISTRY.lookup(name)
 
 
 def pad_after_eos(tokens: Tensor, eos_token_id: int | None, pad_token_id: int) -> Tensor:
@@ -111,5 +125,5 @@ def pad_after_eos(tokens: Tensor, eos_token_id: int | None, pad_token_id: int) -
     return torch.where(after, torch.full_like(tokens, pad_token_id), tokens)
 
 
-__all__ = ["ENGINES", "GenerationEngine", "Sampling", "engine_named", "engine_names", "get_engine", "pad_after_eos",
+__all__ = ["AUTO", "ENGINES", "GenerationEngine", "Sampling", "engine_for", "engine_named", "engine_names", "get_engine", "pad_after_eos",
            "register_engine"]

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from textrl.distributed import Distributed
+from textrl.generation import engine_for
 from textrl.parallel.fsdp_sharding import local
 from textrl.parallel.rollback import OptimizerCopy, RollbackCopy, UpdateSnapshot, update_state
 
@@ -167,7 +168,9 @@ class Backend:
         """Train ``agent`` under this backend (on every process, once, before training)."""
         agent.check_backend(self)
         engine = getattr(agent, "generation_engine", None)
-        if engine is not None:
+        if engine is not None and getattr(agent.config, "generation_engine", None) == "auto":
+            agent.generation_engine = engine_for("auto", agent.device, partitions_weights=self.partitions_weights)
+        elif engine is not None:
             engine.check_backend(self.partitions_weights)
         self.invalidate_rollback()
         agent.backend = self
