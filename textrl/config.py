@@ -177,7 +177,7 @@ class TrainConfig:
     generation_batch_size: int = 64
     """Micro-batch size of generation."""
     generation_engine: str = "auto"
-    """hf (transformers' generate) | textrl (textrl's decode loop, docs/generation.md) | auto (textrl on the CPU, else hf)."""
+    """hf (transformers' generate) | textrl (textrl's decode loop, docs/generation.md) | auto (hf for now)."""
     forward_batch_size: int = 64
     """Micro-batch size of the log-prob / value / reward forwards."""
 

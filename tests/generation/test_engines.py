@@ -292,14 +292,15 @@ def test_a_registered_engine_is_what_the_agent_generates_with(tok):
         ENGINES.pop("greedy_hf_for_test", None)
 
 
-def test_auto_is_the_textrl_engine_on_the_cpu_and_hf_elsewhere(tok):
+def test_auto_is_the_measured_engine_of_the_device(tok, monkeypatch):
     from tests.agents.conftest import make_agent
-    from textrl.generation import engine_for
+    from textrl.generation import base, engine_for
 
-    assert make_agent(tok, "gae_ppo").generation_engine.name == "textrl"  # the default, on the CPU
+    assert make_agent(tok, "gae_ppo").generation_engine.name == "hf"  # the default: no device has another yet
+    assert engine_for("auto", "cuda").name == "hf" and engine_for("textrl", "cpu").name == "textrl"
+    monkeypatch.setitem(base.AUTO, "cpu", "textrl")
     assert engine_for("auto", "cpu").name == "textrl"
-    assert engine_for("auto", "cuda").name == "hf"
-    assert engine_for("hf", "cpu").name == "hf"
+    assert make_agent(tok, "gae_ppo").generation_engine.name == "textrl"
 
 
 def test_auto_falls_back_to_hf_under_a_backend_that_partitions_the_weights():

@@ -97,9 +97,11 @@ def get_engine(name: str) -> GenerationEngine:
     return REGISTRY.lookup(name)()
 
 
-AUTO = {"cpu": "textrl"}
-"""``generation_engine='auto'``: the engine of each device type (``benchmarks/bench_generation.py``
-measured it fastest there, drawing the same tokens as ``hf``); ``hf`` on the others."""
+AUTO: dict[str, str] = {}
+"""``generation_engine='auto'``: the engine of a device type, where one was measured faster than
+``hf`` in the trainer's own settings (none yet: on the CPU ``textrl`` is faster at full-length
+generation, ``benchmarks/bench_generation.py``, but not in the embedded default's short, early-ending
+responses); ``hf`` elsewhere."""
 
 
 def engine_for(name: str, device: torch.device | str, *, partitions_weights: bool = False) -> GenerationEngine:
