@@ -43,7 +43,7 @@ from textrl.config_io import add_config_arguments as _add_config_arguments
 from textrl.config_io import add_trl_names as _add_trl_names
 from textrl.config_io import build_config as _build_config
 from textrl.config_io import load_yaml as _load_yaml
-from textrl.generation import engine_named
+from textrl.generation.base import engine_named
 from textrl.precision import check_memory_options, check_precision
 from textrl.reward_option import check_reward_shape
 

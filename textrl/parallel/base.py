@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from textrl.distributed import Distributed
-from textrl.generation import engine_for
+from textrl.generation.base import engine_for
 from textrl.parallel.fsdp_sharding import local
 from textrl.parallel.rollback import OptimizerCopy, RollbackCopy, UpdateSnapshot, update_state
 
