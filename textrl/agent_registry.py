@@ -62,13 +62,7 @@ def register_agent(name: str) -> Callable[[type], type]:
     The class's ``name`` attribute becomes ``name``. Registering another class under a taken name
     is an error (a second registration of the same class is not).
     """
-
-    def register(cls: type) -> type:
-        REGISTRY.register(name, cls)
-        cls.name = name
-        return cls
-
-    return register
+    return REGISTRY.named_class(name)
 
 
 def agent_names() -> list[str]:

@@ -156,6 +156,17 @@ class Registry(Generic[T]):
             self.descriptions.pop(name, None)
         return obj
 
+    def named_class(self, name: str) -> Callable[[type], type]:
+        """Class decorator: register the class under ``name`` and set its ``name`` attribute to it
+        (the agents', the generation engines')."""
+
+        def register(cls: type) -> type:
+            self.register(name, cls)
+            cls.name = name
+            return cls
+
+        return register
+
     # -- looking up ----------------------------------------------------------------------------
 
     def load_builtins(self) -> None:

@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from textrl.generation import DecodeEngine, HFEngine, Sampling, engine_names, get_engine
-from textrl.generation.base import pad_after_eos
 from textrl.generation.decode import next_tokens, shared_prefixes
 from textrl.models import build_tiny_causal_lm, build_tiny_gpt2, build_tiny_tokenizer
 
@@ -41,6 +40,13 @@ def spec(tok, greedy=True, eos=None, pad=None, **kw):
 
 ENGINES = {"textrl": DecodeEngine(), "textrl_unshared": DecodeEngine(share_prefixes=False),
            "textrl_check1": DecodeEngine(check_every=1)}
+
+
+def pad_after_eos(tokens, eos_token_id, pad_token_id):
+    """``tokens [B, T]`` with every column after a row's first EOS set to ``pad_token_id``."""
+    eos = (tokens == eos_token_id).long()
+    after = (eos.cumsum(1) - eos) > 0
+    return torch.where(after, torch.full_like(tokens, pad_token_id), tokens)
 
 
 def run(engine, model, ids, mask, sampling, seed=0):

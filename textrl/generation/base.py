@@ -81,11 +81,7 @@ ENGINES: dict[str, type] = REGISTRY.entries
 def register_engine(name: str) -> Callable[[type], type]:
     """``@register_engine("name")`` on a :class:`GenerationEngine` subclass: ``--generation-engine
     name`` selects it."""
-    def add(cls: type) -> type:
-        REGISTRY.register(name, cls)
-        cls.name = name
-        return cls
-    return add
+    return REGISTRY.named_class(name)
 
 
 def engine_names() -> list[str]:
@@ -118,14 +114,5 @@ def engine_named(name: str) -> None:
         REGISTRY.lookup(name)
 
 
-def pad_after_eos(tokens: Tensor, eos_token_id: int | None, pad_token_id: int) -> Tensor:
-    """``tokens [B, T]`` with every column after a row's first EOS set to ``pad_token_id``."""
-    if eos_token_id is None:
-        return tokens
-    ended = (tokens == eos_token_id).long().cumsum(1)
-    after = (ended - (tokens == eos_token_id).long()) > 0
-    return torch.where(after, torch.full_like(tokens, pad_token_id), tokens)
-
-
-__all__ = ["AUTO", "ENGINES", "GenerationEngine", "Sampling", "engine_for", "engine_named", "engine_names", "get_engine", "pad_after_eos",
+__all__ = ["AUTO", "ENGINES", "GenerationEngine", "Sampling", "engine_for", "engine_named", "engine_names", "get_engine",
            "register_engine"]

@@ -93,13 +93,13 @@ class DecodeEngine(GenerationEngine):
             self.carry.release()
             self.carry = None
 
-    def _prefill(self, model: nn.Module, input_ids: Tensor, mask: Tensor, real: list[tuple[int, ...]],
-                 name: str) -> tuple[Any, Tensor, Tensor, list[Tensor]]:
+    def _prefill(self, model: nn.Module, input_ids: Tensor, mask: Tensor, real: list[tuple[int, ...]] | None,
+                 name: str) -> tuple[Any, Tensor, Tensor, list[Tensor] | None]:
         """``(cache, next logits [B, V], attention mask [B, L], each row's real-token columns)`` of
         the contexts: from a carried cache and the new tokens alone, else prefilled whole (each
         distinct context once)."""
         b, device = input_ids.shape[0], input_ids.device
-        plan = self.carry.plan(model, real) if self.carry is not None else None
+        plan = self.carry.plan(model, real) if self.carry is not None and real is not None else None
         if plan is not None:
             cache, cache_mask = self.carry.cache_for(model, plan, device)
             width = cache_mask.shape[1]
@@ -132,7 +132,7 @@ class DecodeEngine(GenerationEngine):
         if inverse is not None:
             cache.reorder_cache(inverse)
             logits = logits[inverse]
-        cols = [row.nonzero().squeeze(1).cpu() for row in mask]
+        cols = [row.nonzero().squeeze(1).cpu() for row in mask] if real is not None else None
         return cache, logits, mask, cols
 
     @torch.no_grad()
@@ -142,7 +142,9 @@ class DecodeEngine(GenerationEngine):
             raise TypeError(f"the textrl engine takes no generate arguments; got {', '.join(sorted(kwargs))}")
         b = input_ids.shape[0]
         name = cache_argument(model)
-        real = [tuple(row[m.bool()].tolist()) for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
+        real = None  # each row's real tokens: read to the host only for a carry (inside a rollout)
+        if self.carry is not None:
+            real = [tuple(row[m.bool()].tolist()) for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
         cache, logits, mask, cols = self._prefill(model, input_ids, attention_mask.long(), real, name)
         context_width = mask.shape[1]
         eos, pad = sampling.eos_token_id, sampling.pad_token_id
@@ -173,7 +175,7 @@ class DecodeEngine(GenerationEngine):
             if bool(ended.all()):
                 last = int((tokens == eos).long().argmax(1).max())
                 tokens = tokens[:, : last + 1]
-        if self.carry is not None:
+        if self.carry is not None and real is not None and cols is not None:
             self._remember(model, cache, real, cols, tokens, fed, context_width, eos)
         return tokens
 
