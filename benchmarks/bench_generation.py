@@ -10,7 +10,8 @@ Qwen2-0.5B's widths, hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4
 tokenizer padded to ``--vocab`` tokens generates ``--prompts`` x ``--samples`` rows of
 ``--new-tokens`` tokens after ``--prompt-tokens`` prompt tokens, every row to full length (EOS is
 out of reach), under bf16 autocast on CUDA. Each engine (``--engines``: the registered ones, and
-``textrl_unshared``, the textrl engine without prefix sharing) runs ``--repeats`` times after a
+the ``textrl`` engine with a part off: ``textrl_unshared`` without prefix sharing,
+``textrl_dynamic`` over transformers' growing cache, ``textrl_eager`` without the CUDA graph) runs ``--repeats`` times after a
 warm-up, interleaved; its figure is the median. Rows of a prompt are its samples, so prefix
 sharing has ``--samples`` rows to share.
 
@@ -52,6 +53,20 @@ SHAPES = {
 }
 
 
+VARIANTS = {
+    "textrl_unshared": lambda: _decode(share_prefixes=False),  # every row prefilled
+    "textrl_dynamic": lambda: _decode(static=False),  # transformers' growing cache, one eager forward a token
+    "textrl_eager": lambda: _decode(capture_graphs=False),  # the static cache, no CUDA graph
+}
+"""The ``textrl`` engine with one of its parts off, to show what each part is worth."""
+
+
+def _decode(**kwargs: Any) -> Any:
+    from textrl.generation import DecodeEngine
+
+    return DecodeEngine(**kwargs)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -81,7 +96,7 @@ def hardware(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
 
 
 def main() -> None:
-    from textrl.generation import DecodeEngine, Sampling, engine_names, get_engine
+    from textrl.generation import Sampling, engine_names, get_engine
     from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
     from textrl.run import resolve_device
 
@@ -104,8 +119,8 @@ def main() -> None:
     cuda = device.type == "cuda"
     prompts = args.prompts or (16 if cuda else 4)
     new_tokens = args.new_tokens or (256 if cuda else 32)
-    names = [n for n in args.engines.split(",") if n] or [*engine_names(), "textrl_unshared"]
-    engines = {n: DecodeEngine(share_prefixes=False) if n == "textrl_unshared" else get_engine(n) for n in names}
+    names = [n for n in args.engines.split(",") if n] or [*engine_names(), *VARIANTS]
+    engines = {n: VARIANTS[n]() if n in VARIANTS else get_engine(n) for n in names}
 
     tok = build_tiny_tokenizer() if args.vocab == 512 else build_tiny_tokenizer(args.vocab)
     model = build_tiny_causal_lm(tok, max_position_embeddings=4096, **SHAPES[args.shape]).to(device).eval()

@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rollback-copy", default="auto", choices=("auto", "device", "host"),
                         help="where the rollback guard keeps its copy (TrainConfig.rollback_copy)")
+    parser.add_argument("--iteration-only", action="store_true",
+                        help="time the agent's iterations alone (no floor, no 'stop' twin; --iterations >= 3)")
+    parser.add_argument("--generation-engine", default="auto", help="TrainConfig.generation_engine: auto | hf | static | textrl")
     return parser.parse_args(argv)
 
 
@@ -110,6 +113,7 @@ def build(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         max_new_tokens=args.new_tokens, ppo_epochs=1, num_minibatches=1,
         generation_batch_size=args.batch, forward_batch_size=args.batch,
         iterations=args.warmup + args.iterations, eval_every=0, rollback_copy=args.rollback_copy,
+        generation_engine=args.generation_engine,
     )
     floor = {  # the floor's own copies, so its updates do not touch the agent
         "policy": copy.deepcopy(policy), "ref": copy.deepcopy(policy).requires_grad_(False),
@@ -198,10 +202,30 @@ def floor_iteration(floor: dict[str, Any], input_ids: Tensor, new_tokens: int, t
     return t3 - t0, parts
 
 
+def iteration_only(args: argparse.Namespace, agent: Any, n_params: int, seconds: float, phases: dict[str, float],
+                   device: torch.device) -> dict[str, Any]:
+    """``--iteration-only``: the phase table and JSON of the agent's iterations, no floor or guard figures."""
+    figures: dict[str, Any] = {
+        "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "generation_engine": agent.generation_engine.name, "policy_parameters": n_params, "batch": args.batch,
+        "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "iterations": args.iterations,
+        "seconds_per_iteration": seconds, "tokens_per_second": args.batch * args.new_tokens / seconds,
+        **{f"phase/{name}_s": value for name, value in phases.items()}}
+    print(f"GAEPPO iteration ({agent.generation_engine.name} engine), {n_params / 1e6:.2f}M-parameter Llama, "
+          f"B={args.batch}, prompt {args.prompt_tokens} + {args.new_tokens} new tokens, {device}; median of "
+          f"{args.iterations}")
+    for name, value in phases.items():
+        print(f"{name:<14}{value * 1e3:>9.1f}{value / seconds:>8.1%}")
+    print(f"{'iteration':<14}{seconds * 1e3:>9.1f}")
+    print(json.dumps(figures))
+    return figures
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
-    if args.iterations < 10:
-        raise SystemExit(f"--iterations {args.iterations}: the median needs at least 10 iterations")
+    least = 3 if args.iteration_only else 10
+    if args.iterations < least:
+        raise SystemExit(f"--iterations {args.iterations}: the median needs at least {least} iterations")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
@@ -219,6 +243,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for i in range(args.warmup + args.iterations):
         # Interleaved, so that load from other processes on a shared machine hits every run alike;
         # the guarded agent and its 'stop' twin take turns going first.
+        if args.iteration_only:
+            seconds, timings, metrics = ppo_iteration(agent, batch, parts["reward_fn"], i + 1)
+            if i >= args.warmup:
+                ppo_s.append(seconds)
+                for name in PHASES:
+                    phases[name].append(timings.get(name, 0.0))
+                phases["unaccounted"].append(seconds - sum(timings.values()))
+            continue
         f_seconds, f_parts = floor_iteration(floor, input_ids, args.new_tokens, tok)
         if i % 2:
             unguarded = ppo_iteration(parts["unguarded"], batch, parts["reward_fn"], i + 1)
@@ -240,10 +272,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             floor_parts.setdefault(name, []).append(value)
 
     med = statistics.median
+    if args.iteration_only:
+        return iteration_only(args, agent, n_params, med(ppo_s), {name: med(v) for name, v in phases.items()}, device)
     seconds, floor_seconds = med(ppo_s), med(floor_s)
     tokens = args.batch * args.new_tokens
     figures: dict[str, float] = {
         "device": str(device), "threads": args.threads, "policy_parameters": n_params,
+        "generation_engine": agent.generation_engine.name,
         "batch": args.batch, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "iterations": args.iterations,
         "seconds_per_iteration": seconds,

@@ -19,7 +19,7 @@ def test_bench_generation_times_every_engine_against_hf_and_the_floor():
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["rows"] == 6 and figures["new_tokens"] == 4 and figures["floor_seconds"] > 0
-    assert set(figures["engines"]) == {"hf", "textrl", "textrl_unshared"}
+    assert set(figures["engines"]) == {"hf", "static", "textrl", "textrl_unshared", "textrl_dynamic", "textrl_eager"}
     for r in figures["engines"].values():
         assert r["seconds"] > 0 and r["tokens_per_second"] == 24 / r["seconds"] and r["x_floor"] >= 1
     assert figures["engines"]["hf"]["x_hf"] == 1.0
@@ -42,4 +42,4 @@ def test_bench_generation_refuses_an_unknown_engine():
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_generation.py"), "--engines", "vllm", "--new-tokens", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode != 0
-    assert "generation_engine='vllm': not a registered engine; choose auto or one of hf, textrl" in result.stderr
+    assert "generation_engine='vllm': not a registered engine; choose auto or one of hf, static, textrl" in result.stderr

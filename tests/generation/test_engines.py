@@ -151,7 +151,7 @@ def test_the_engines_are_registered_and_a_wrong_name_is_refused():
     assert {"hf", "textrl"} <= set(engine_names())
     assert isinstance(get_engine("textrl"), DecodeEngine)
     with pytest.raises(ValueError, match=r"generation_engine='textrll': not a registered engine \(did you mean "
-                                         r"'textrl'\?\); choose auto or one of hf, textrl"):
+                                         r"'textrl'\?\); choose auto or one of hf, static, textrl"):
         get_engine("textrll")
 
 
@@ -270,7 +270,7 @@ def test_textrl_train_refuses_an_unknown_engine_before_any_work(tmp_path):
     with pytest.raises(SystemExit) as err:
         main(["train", "--generation-engine", "vllm", "--iterations", "1", "--output-dir", str(out)])
     assert str(err.value.code) == ("textrl train: generation_engine='vllm': not a registered engine; choose auto or "
-                                   "one of hf, textrl")
+                                   "one of hf, static, textrl")
     assert not out.exists()  # refused before the warm-up wrote anything
 
 

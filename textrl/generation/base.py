@@ -65,7 +65,7 @@ def _is_engine_class(obj: object) -> bool:
 
 REGISTRY: Registry[type] = Registry(
     "generation engine", group="textrl.generation_engines", accepts=_is_engine_class,
-    builtins=("textrl.generation.hf", "textrl.generation.decode"),
+    builtins=("textrl.generation.hf", "textrl.generation.decode", "textrl.generation.static"),
     valid_name=lambda name: isinstance(name, str) and bool(name) and ":" not in name,
     register_loaded=lambda name, cls: register_engine(name)(cls),
     messages=Messages(

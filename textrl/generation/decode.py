@@ -23,22 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from textrl.functional import sampling_filter
 from textrl.generation.base import GenerationEngine, Sampling, register_engine
-from textrl.generation.carry import TurnCarry
+from textrl.generation.carry import TurnCarry, cache_layers
+from textrl.generation.graph import Graphs, bucket, next_tokens
 from textrl.models.kv_cache import cache_argument, new_cache
-
-
-def next_tokens(logits: Tensor, sampling: Sampling) -> Tensor:
-    """``[B, V]`` logits -> ``[B]`` tokens: argmax when greedy, else one draw from
-    ``softmax(sampling_filter(logits / temperature))`` (``torch.multinomial`` on the global RNG, as
-    ``generate``)."""
-    logits = logits.float()
-    if sampling.greedy:
-        return logits.argmax(-1)
-    z = logits / sampling.temperature if sampling.temperature != 1.0 else logits
-    z = sampling_filter(z, sampling.top_k, sampling.top_p)
-    return torch.multinomial(z.softmax(-1), 1).squeeze(1)
 
 
 def shared_prefixes(input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -63,12 +51,19 @@ class DecodeEngine(GenerationEngine):
     """textrl's decode loop (module docstring). ``share_prefixes``: prefill each distinct context
     once; ``check_every``: steps between the host's reads of "has every row ended"."""
 
-    def __init__(self, share_prefixes: bool = True, check_every: int = 16, carry_turns: bool = True) -> None:
+    def __init__(self, share_prefixes: bool = True, check_every: int = 16, carry_turns: bool = True,
+                 static: bool = True, capture_graphs: bool = True, width_bucket: int = 64) -> None:
         if check_every < 1:
             raise ValueError(f"check_every={check_every}: must be >= 1")
+        if width_bucket < 1:
+            raise ValueError(f"width_bucket={width_bucket}: must be >= 1")
         self.share_prefixes = share_prefixes
         self.check_every = check_every
         self.carry_turns = carry_turns
+        self.static = static
+        self.width_bucket = width_bucket
+        self.graphs = Graphs(capture=capture_graphs)
+        """The static caches and captured steps of the shapes decoded lately (``static``)."""
         self.carry: TurnCarry | None = None
         """The KV caches of this rollout's calls, while :meth:`rollout` is open and ``carry_turns``."""
         self.prefilled = 0
@@ -140,36 +135,20 @@ class DecodeEngine(GenerationEngine):
                  **kwargs: Any) -> Tensor:
         if kwargs:
             raise TypeError(f"the textrl engine takes no generate arguments; got {', '.join(sorted(kwargs))}")
-        b = input_ids.shape[0]
         name = cache_argument(model)
         real = None  # each row's real tokens: read to the host only for a carry (inside a rollout)
         if self.carry is not None:
             real = [tuple(row[m.bool()].tolist()) for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
         cache, logits, mask, cols = self._prefill(model, input_ids, attention_mask.long(), real, name)
         context_width = mask.shape[1]
-        eos, pad = sampling.eos_token_id, sampling.pad_token_id
-        tokens = torch.full((b, sampling.max_new_tokens), pad, dtype=torch.long, device=input_ids.device)
-        running = torch.ones(b, dtype=torch.bool, device=input_ids.device)
-        position = mask.sum(-1, keepdim=True)  # [B, 1]: the next token's position id (real tokens before it)
-        steps = sampling.max_new_tokens
-        fed = 0  # tokens fed back into the cache
-        for t in range(sampling.max_new_tokens):
-            token = torch.where(running, next_tokens(logits, sampling), pad)
-            tokens[:, t] = token
-            if eos is not None:
-                running = running & (token != eos)
-            if t + 1 == sampling.max_new_tokens:
-                break
-            if eos is not None and (t + 1) % self.check_every == 0 and not bool(running.any()):
-                steps = t + 1
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = model(input_ids=token.unsqueeze(1), attention_mask=mask, position_ids=position, use_cache=True,
-                        **{name: cache})
-            logits = out.logits[:, -1]
-            position = position + 1
-            fed += 1
-        tokens = tokens[:, :steps]
+        first = next_tokens(logits, sampling)
+        if sampling.eos_token_id is not None:
+            running = first != sampling.eos_token_id
+        else:
+            running = torch.ones_like(first, dtype=torch.bool)
+        decode = self._decode_static if self.static else self._decode_dynamic
+        tokens, fed, cache = decode(model, cache, mask, first, running, sampling, name)
+        eos = sampling.eos_token_id
         if eos is not None:  # generate stops at the step where the last row ended
             ended = (tokens == eos).any(1)
             if bool(ended.all()):
@@ -178,6 +157,54 @@ class DecodeEngine(GenerationEngine):
         if self.carry is not None and real is not None and cols is not None:
             self._remember(model, cache, real, cols, tokens, fed, context_width, eos)
         return tokens
+
+    def _ended(self, t: int, running: Tensor, sampling: Sampling) -> bool:
+        """Whether to stop after drawing token ``t``: every ``check_every`` tokens, one host read of ``running``."""
+        return sampling.eos_token_id is not None and (t + 1) % self.check_every == 0 and not bool(running.any())
+
+    def _decode_dynamic(self, model: nn.Module, cache: Any, mask: Tensor, first: Tensor, running: Tensor,
+                        sampling: Sampling, name: str) -> tuple[Tensor, int, Any]:
+        """Decode over the growing cache of the prefill: ``(tokens [B, T], tokens fed back, cache)``."""
+        eos, pad = sampling.eos_token_id, sampling.pad_token_id
+        tokens = torch.full((first.shape[0], sampling.max_new_tokens), pad, dtype=torch.long, device=first.device)
+        tokens[:, 0] = first
+        token = first
+        position = mask.sum(-1, keepdim=True)  # [B, 1]: the next token's position id (real tokens before it)
+        steps = sampling.max_new_tokens
+        for t in range(1, sampling.max_new_tokens):
+            if self._ended(t - 1, running, sampling):
+                steps = t
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(input_ids=token.unsqueeze(1), attention_mask=mask, position_ids=position, use_cache=True,
+                        **{name: cache})
+            position = position + 1
+            token = torch.where(running, next_tokens(out.logits[:, -1], sampling), pad)
+            tokens[:, t] = token
+            if eos is not None:
+                running = running & (token != eos)
+        return tokens[:, :steps], steps - 1, cache
+
+    def _decode_static(self, model: nn.Module, cache: Any, mask: Tensor, first: Tensor, running: Tensor,
+                       sampling: Sampling, name: str) -> tuple[Tensor, int, Any]:
+        """Decode over a static cache of ``context + max_new_tokens`` columns (rounded up to
+        ``width_bucket``), one captured step a token on CUDA (:mod:`textrl.generation.graph`)."""
+        layers = cache_layers(cache)
+        context = mask.shape[1]
+        width = bucket(context + sampling.max_new_tokens, self.width_bucket)
+        decoder = self.graphs.get(model, first.shape[0], width, layers, sampling, name)
+        state = decoder.state
+        state.load(layers, mask, first, running, sampling.pad_token_id)
+        del cache, layers
+        steps = sampling.max_new_tokens
+        for t in range(1, sampling.max_new_tokens):
+            if self._ended(t - 1, state.running, sampling):
+                steps = t
+                break
+            decoder.run(model, sampling, name)
+        tokens = state.out[:, :steps].clone()
+        kept = state.kv.snapshot(context + steps - 1) if self.carry is not None else None
+        return tokens, steps - 1, kept
 
     def _remember(self, model: nn.Module, cache: Any, real: list[tuple[int, ...]], cols: list[Tensor],
                   tokens: Tensor, fed: int, context_width: int, eos: int | None) -> None:

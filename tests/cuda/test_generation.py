@@ -1,0 +1,125 @@
+"""The ``textrl`` engine's captured decode step and the ``static`` engine on a GPU, against ``hf``
+(transformers' ``generate``): greedy token for token in float32, seeded sampling draw for draw,
+weights updated in place seen by the captured step, multi-turn with the carried cache, and a bf16
+run that captures. Needs a real GPU: ``pytest -m cuda tests/cuda/test_generation.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from textrl.generation import DecodeEngine, HFEngine, Sampling, get_engine
+from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
+
+pytestmark = pytest.mark.cuda
+
+PROMPTS = ["What is 1+2?", "hi", "Count to 3 please, slowly", "<think>", "a b c d e f g"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture
+def model(tok):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return build_tiny_causal_lm(tok).cuda().eval()
+
+
+def encode(tok, prompts, samples=2):
+    enc = tok([p for p in prompts for _ in range(samples)], return_tensors="pt", padding=True)
+    return enc["input_ids"].cuda(), enc["attention_mask"].cuda()
+
+
+def spec(tok, greedy=True, eos=None, **kw):
+    base = dict(greedy=greedy, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=24,
+                eos_token_id=tok.eos_token_id if eos is None else eos, pad_token_id=tok.pad_token_id)
+    base.update(kw)
+    return Sampling(**base)
+
+
+def run(engine, model, ids, mask, sampling, seed=0):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return engine.generate(model, ids, mask, sampling)
+
+
+def frequent_token(model, tok, ids, mask):
+    out = run(HFEngine(), model, ids, mask, spec(tok, eos=-1, max_new_tokens=12))
+    return int(torch.bincount(out[:, 2:10].flatten().cpu(), minlength=len(tok)).argmax())
+
+
+def test_the_captured_step_decodes_greedily_what_generate_does_and_is_replayed_across_calls(tok, model):
+    ids, mask = encode(tok, PROMPTS)
+    engine = DecodeEngine()
+    for sampling in (spec(tok), spec(tok, eos=frequent_token(model, tok, ids, mask))):  # EOS mid-batch
+        want = run(HFEngine(), model, ids, mask, sampling)
+        got = run(engine, model, ids, mask, sampling)
+        assert torch.equal(got, want), (got, want)
+    assert engine.graphs.captured == 2  # one per sampling (EOS differs), each a graph
+    replays = sum(g.replays for g in engine.graphs.graphs.values())
+    run(engine, model, ids, mask, spec(tok))
+    assert engine.graphs.captured == 2 and sum(g.replays for g in engine.graphs.graphs.values()) > replays
+
+
+@pytest.mark.parametrize("warp", [dict(temperature=1.0), dict(temperature=0.7, top_k=20),
+                                  dict(temperature=1.3, top_p=0.8)], ids=["plain", "top_k", "top_p"])
+def test_seeded_sampling_in_the_graph_draws_what_generate_draws(tok, model, warp):
+    ids, mask = encode(tok, PROMPTS, samples=3)
+    sampling = spec(tok, greedy=False, max_new_tokens=16, **warp)
+    engine = DecodeEngine()
+    for seed in (0, 1):
+        assert torch.equal(run(engine, model, ids, mask, sampling, seed), run(HFEngine(), model, ids, mask, sampling, seed))
+
+
+def test_weights_updated_in_place_are_what_the_captured_step_reads(tok, model):
+    ids, mask = encode(tok, PROMPTS)
+    engine = DecodeEngine()
+    sampling = spec(tok, eos=-1)
+    before = run(engine, model, ids, mask, sampling)
+    with torch.no_grad():  # an optimiser step: the same tensors, new values
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    after = run(engine, model, ids, mask, sampling)
+    assert engine.graphs.captured == 1
+    assert not torch.equal(after, before) and torch.equal(after, run(HFEngine(), model, ids, mask, sampling))
+
+
+def test_multi_turn_turns_with_the_carried_cache_equal_generate(tok, model):
+    sampling = spec(tok, max_new_tokens=10)
+    engine = DecodeEngine()
+    seqs = [tok(p)["input_ids"] for p in PROMPTS[:4] for _ in range(2)]
+    with engine.rollout():
+        for turn in range(3):
+            width = max(map(len, seqs))
+            ids = torch.full((len(seqs), width), tok.pad_token_id)
+            mask = torch.zeros(len(seqs), width, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                ids[i, width - len(s):], mask[i, width - len(s):] = torch.tensor(s), 1
+            ids, mask = ids.cuda(), mask.cuda()
+            before = engine.prefilled
+            got = run(engine, model, ids, mask, sampling)
+            assert torch.equal(got, run(HFEngine(), model, ids, mask, sampling)), turn
+            if turn:
+                assert engine.prefilled - before < int(mask.sum()) // 2
+            seqs = [s + got[i].tolist() + [40 + i, 41, 42 + turn] for i, s in enumerate(seqs)]
+
+
+def test_a_bf16_run_is_captured_and_stays_in_the_vocabulary(tok):
+    model = build_tiny_causal_lm(tok, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                                 num_attention_heads=4).cuda().eval()
+    ids, mask = encode(tok, PROMPTS, samples=4)
+    engine = DecodeEngine()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = run(engine, model, ids, mask, spec(tok, greedy=False, eos=-1, max_new_tokens=64))
+    assert engine.graphs.captured == 1 and out.shape == (ids.shape[0], 64)
+    assert int(out.min()) >= 0 and int(out.max()) < len(tok)
+
+
+@pytest.mark.slow
+def test_the_static_engine_decodes_greedily_what_generate_does(tok, model):
+    ids, mask = encode(tok, PROMPTS)
+    sampling = spec(tok, eos=frequent_token(model, tok, ids, mask))
+    assert torch.equal(run(get_engine("static"), model, ids, mask, sampling), run(HFEngine(), model, ids, mask, sampling))

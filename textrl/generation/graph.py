@@ -1,0 +1,255 @@
+"""The ``textrl`` engine's decode step over a static KV cache, captured as a CUDA graph on CUDA.
+
+A decode step is the same work every time: feed one token a row, write its keys and values into
+the next cache column, draw the next token. :class:`StaticKV` holds the cache in buffers of a
+fixed width ``L`` (per layer ``[B, H, L, D]``), written at a column held *on the device*
+(``column``, moved by the step itself), and the attention mask is an additive ``[B, 1, 1, L]``
+tensor whose column is opened by the step: nothing about a step depends on a host value, so one
+step of :class:`DecodeGraph` is captured once (``torch.cuda.CUDAGraph``) and replayed for every
+token of every later call of the same shape: one launch a token instead of a few hundred.
+
+The captured step reads the model's parameters where they are, so an optimiser's in-place update
+is seen by the next replay (no copy, nothing to refresh); parameters replaced by new tensors
+(another ``data_ptr``) make a new graph (:func:`graph_key`). Under autocast the capture runs with
+autocast's weight cache off, so the step casts the current weights every token (the cast of the
+ambient autocast, within the graph).
+
+The cache is duck-typed to what transformers' model and attention forwards call on one
+(``update(keys, values, layer_idx, ...)`` returning the layer's whole keys and values,
+``get_seq_length``), and the mask is passed 4-D, which transformers' mask builders return as is;
+so any model whose attention layers write through ``cache.update`` and accept an additive 4-D mask
+(the eager and SDPA attentions of transformers' decoder models) decodes through it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from textrl.generation.base import Sampling
+
+
+def draw(probs: Tensor) -> Tensor:
+    """One index a row of ``probs`` ``[B, V]``, without a host sync: ``argmax(probs / q)``, ``q ~
+    Exp(1)``. It is the draw ``torch.multinomial(probs, 1)`` makes (same generator, same numbers:
+    the same tokens for the same seed), minus its check of the probabilities on the host, which a
+    CUDA graph cannot hold."""
+    q = torch.empty_like(probs).exponential_(1)
+    return (probs / q).argmax(-1)
+
+
+def next_tokens(logits: Tensor, sampling: Sampling) -> Tensor:
+    """``[B, V]`` logits -> ``[B]`` tokens: argmax when greedy, else one draw (:func:`draw`) from
+    ``softmax(sampling_filter(logits / temperature))`` in float32, as ``generate`` draws."""
+    from textrl.functional import sampling_filter
+
+    logits = logits.float()
+    if sampling.greedy:
+        return logits.argmax(-1)
+    z = logits / sampling.temperature if sampling.temperature != 1.0 else logits
+    z = sampling_filter(z, sampling.top_k, sampling.top_p)
+    return draw(z.softmax(-1))
+
+
+class StaticKV:
+    """A KV cache of ``width`` columns (module docstring): ``layers[i].keys`` / ``.values``
+    ``[B, H, width, D]``, written at ``column`` (``[1]`` long, on the device)."""
+
+    is_compileable = True
+
+    def __init__(self, like: list[tuple[Tensor, Tensor]], width: int) -> None:
+        self.layers = [SimpleNamespace(keys=k.new_zeros(*k.shape[:2], width, k.shape[3]),
+                                       values=v.new_zeros(*v.shape[:2], width, v.shape[3])) for k, v in like]
+        self.width = width
+        self.column = torch.zeros(1, dtype=torch.long, device=like[0][0].device)
+        self.filled = 0
+        """Columns filled before the steps (the prefill's), what ``get_seq_length`` reports."""
+
+    def load(self, layers: list[tuple[Tensor, Tensor]]) -> None:
+        """Copy a prefilled cache's layers ``[B, H, W, D]`` into columns ``[0, W)``; the next write goes to column ``W``."""
+        w = layers[0][0].shape[2]
+        for mine, (k, v) in zip(self.layers, layers):
+            mine.keys[:, :, :w].copy_(k)
+            mine.values[:, :, :w].copy_(v)
+        self.column.fill_(w)
+        self.filled = w
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[Tensor, Tensor]:
+        layer = self.layers[layer_idx]
+        layer.keys.index_copy_(2, self.column, key_states.to(layer.keys.dtype))
+        layer.values.index_copy_(2, self.column, value_states.to(layer.values.dtype))
+        return layer.keys, layer.values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.filled
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def snapshot(self, width: int) -> SimpleNamespace:
+        """A copy of columns ``[0, width)`` as a cache :func:`textrl.generation.carry.cache_layers` reads
+        (the buffers are the next call's)."""
+        return SimpleNamespace(layers=[SimpleNamespace(keys=x.keys[:, :, :width].clone(),
+                                                       values=x.values[:, :, :width].clone()) for x in self.layers])
+
+
+@dataclass
+class DecodeState:
+    """The buffers a step reads and writes, one set per shape: ``token`` ``[B]`` (fed next),
+    ``position`` ``[B, 1]`` (its position id), ``running`` ``[B]``, ``mask`` ``[B, 1, 1, L]``
+    (additive: 0 on the columns a row attends to), ``out`` ``[B, L]`` (the tokens drawn, column
+    ``step``), ``step`` ``[1]``, ``kv``."""
+
+    kv: StaticKV
+    token: Tensor
+    position: Tensor
+    running: Tensor
+    mask: Tensor
+    out: Tensor
+    step: Tensor
+
+    @classmethod
+    def new(cls, like: list[tuple[Tensor, Tensor]], rows: int, width: int) -> DecodeState:
+        device, dtype = like[0][0].device, like[0][0].dtype
+        kv = StaticKV(like, width)
+        return cls(kv=kv, token=torch.zeros(rows, dtype=torch.long, device=device),
+                   position=torch.zeros(rows, 1, dtype=torch.long, device=device),
+                   running=torch.ones(rows, dtype=torch.bool, device=device),
+                   mask=torch.full((rows, 1, 1, width), torch.finfo(dtype).min, dtype=dtype, device=device),
+                   out=torch.zeros(rows, width, dtype=torch.long, device=device),
+                   step=torch.zeros(1, dtype=torch.long, device=device))
+
+    def load(self, layers: list[tuple[Tensor, Tensor]], mask: Tensor, first: Tensor, running: Tensor,
+             pad: int) -> None:
+        """Start a call: the prefilled cache and its 2-D mask ``[B, W]``, the first token drawn ``[B]``."""
+        w = mask.shape[1]
+        self.kv.load(layers)
+        self.mask.fill_(torch.finfo(self.mask.dtype).min)
+        self.mask[:, 0, 0, :w].masked_fill_(mask.bool(), 0.0)
+        self.token.copy_(first)
+        self.position.copy_(mask.sum(-1, keepdim=True))
+        self.running.copy_(running)
+        self.out.fill_(pad)
+        self.out[:, 0] = first
+        self.step.fill_(1)
+
+
+def decode_step(model: nn.Module, state: DecodeState, sampling: Sampling, name: str) -> None:
+    """One step, in place: feed ``state.token`` at ``state.position`` into cache column
+    ``kv.column``, draw the next token (``pad`` for a row past its EOS) into ``token`` and ``out[:, step]``."""
+    state.mask.index_fill_(3, state.kv.column, 0.0)
+    logits = model(input_ids=state.token[:, None], attention_mask=state.mask, position_ids=state.position,
+                   use_cache=True, **{name: state.kv}).logits[:, -1]
+    token = torch.where(state.running, next_tokens(logits, sampling), sampling.pad_token_id)
+    state.out.index_copy_(1, state.step, token[:, None])
+    if sampling.eos_token_id is not None:
+        state.running.logical_and_(token != sampling.eos_token_id)
+    state.token.copy_(token)
+    state.position.add_(1)
+    state.kv.column.add_(1)
+    state.step.add_(1)
+
+
+def graph_key(model: nn.Module, rows: int, width: int, like: list[tuple[Tensor, Tensor]], sampling: Sampling,
+              name: str) -> tuple[Any, ...]:
+    """What a captured step is valid for: the model object, its mode and active adapters, where
+    its parameters live, the shape, the cache dtype, the ambient autocast and the sampling."""
+    device = like[0][0].device
+    autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)) if device.type in (
+        "cuda", "cpu") else (False, None)
+    adapters = getattr(model, "active_adapters", None)
+    adapters = tuple(adapters) if isinstance(adapters, (list, tuple)) else adapters
+    return (id(model), model.training, adapters, tuple(p.data_ptr() for p in model.parameters()), rows, width,
+            like[0][0].dtype, autocast, sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p,
+            sampling.eos_token_id, sampling.pad_token_id, name)
+
+
+@dataclass
+class DecodeGraph:
+    """One shape's :class:`DecodeState` and, on CUDA, its captured step (``graph``; None: the step
+    runs eagerly, on the CPU or where capture failed)."""
+
+    state: DecodeState
+    graph: Any = None
+    replays: int = 0
+
+    def run(self, model: nn.Module, sampling: Sampling, name: str) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            decode_step(model, self.state, sampling, name)
+        self.replays += 1
+
+
+@dataclass
+class Graphs:
+    """The engine's :class:`DecodeGraph` per :func:`graph_key`, the ``keep`` most recent."""
+
+    capture: bool = True
+    keep: int = 4
+    graphs: dict[tuple[Any, ...], DecodeGraph] = field(default_factory=dict)
+    captured: int = 0
+    """Graphs captured, all calls."""
+
+    def get(self, model: nn.Module, rows: int, width: int, like: list[tuple[Tensor, Tensor]], sampling: Sampling,
+            name: str) -> DecodeGraph:
+        key = graph_key(model, rows, width, like, sampling, name)
+        found = self.graphs.pop(key, None)
+        if found is None:
+            while len(self.graphs) >= self.keep:
+                self.graphs.pop(next(iter(self.graphs)))
+            found = DecodeGraph(DecodeState.new(like, rows, width))
+            if self.capture and like[0][0].device.type == "cuda":
+                found.graph = self._capture(model, found.state, sampling, name)
+        self.graphs[key] = found  # most recent last
+        return found
+
+    def _capture(self, model: nn.Module, state: DecodeState, sampling: Sampling, name: str) -> Any:
+        """Capture one step on ``state``'s buffers (warmed up on a side stream first, as CUDA graphs
+        need); None, with a warning, if the model cannot be captured (the step then runs eagerly)."""
+        device = state.token.device
+        autocast = torch.is_autocast_enabled("cuda")
+        dtype = torch.get_autocast_dtype("cuda")
+
+        def step() -> None:
+            with torch.autocast("cuda", dtype=dtype, enabled=autocast, cache_enabled=False):
+                decode_step(model, state, sampling, name)
+
+        rng = torch.cuda.get_rng_state(device)  # the warm-up's draws are not the caller's
+        try:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    step()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+        except Exception as err:  # noqa: BLE001 - a model that cannot be captured still decodes, eagerly
+            warnings.warn(f"the textrl engine could not capture {type(model).__name__}'s decode step as a CUDA graph "
+                          f"({type(err).__name__}: {err}); it decodes eagerly over the static cache", stacklevel=4)
+            torch.cuda.synchronize(device)
+            torch.cuda.set_rng_state(rng, device)
+            return None
+        torch.cuda.set_rng_state(rng, device)
+        self.captured += 1
+        return graph
+
+    def clear(self) -> None:
+        self.graphs.clear()
+
+
+def bucket(n: int, size: int) -> int:
+    """``n`` rounded up to a multiple of ``size`` (the static cache's width: fewer shapes, fewer captures)."""
+    return -(-n // size) * size
+
+
+__all__ = ["DecodeGraph", "DecodeState", "Graphs", "StaticKV", "bucket", "decode_step", "draw", "graph_key",
+           "next_tokens"]

@@ -1,0 +1,61 @@
+"""The ``static`` engine: transformers' ``generate`` with its static KV cache (compiled on CUDA).
+
+``generate(..., cache_implementation="static")`` allocates the cache once at its full length and,
+on CUDA, compiles the decoding forward (``torch.compile``, CUDA graphs) the first time a shape is
+seen. A shape is the batch and the cache's length, so this engine rounds both to a few sizes before
+calling it: the contexts are left-padded to a multiple of ``width_bucket`` columns (padding is
+masked and the position ids count real tokens, so the tokens are those of the unpadded batch), and
+the batch is filled up to a multiple of ``row_bucket`` rows with copies of its first row, whose
+outputs are dropped (the extra rows draw random numbers too: a seeded run then draws other tokens
+than ``hf``, from the same distribution). transformers keeps the largest cache length it has seen,
+so a later shorter call reuses the compiled step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from textrl.generation.base import GenerationEngine, Sampling, register_engine
+from textrl.generation.graph import bucket
+from textrl.models.sampling import sample, sampling_config
+
+
+@register_engine("static")
+class StaticEngine(GenerationEngine):
+    """``generate`` with ``cache_implementation="static"`` over bucketed shapes (module docstring);
+    ``row_bucket=1`` and ``width_bucket=1``: the batch as given. ``kwargs`` go to ``generate``."""
+
+    def __init__(self, width_bucket: int = 64, row_bucket: int = 8) -> None:
+        if width_bucket < 1 or row_bucket < 1:
+            raise ValueError(f"width_bucket={width_bucket}, row_bucket={row_bucket}: each must be >= 1")
+        self.width_bucket = width_bucket
+        self.row_bucket = row_bucket
+
+    def check_backend(self, partitions_weights: bool) -> None:
+        if partitions_weights:
+            raise ValueError("generation_engine='static' compiles a forward of this process's whole model, and the "
+                             "backend partitions the weights (FSDP / ZeRO-3); use --generation-engine hf there")
+
+    def generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
+                 **kwargs: Any) -> Tensor:
+        b, p = input_ids.shape
+        rows, width = bucket(b, self.row_bucket), bucket(p, self.width_bucket)
+        ids = input_ids.new_full((rows, width), sampling.pad_token_id)
+        mask = attention_mask.new_zeros((rows, width)).long()
+        ids[:b, width - p:], mask[:b, width - p:] = input_ids, attention_mask.long()
+        ids[b:, width - p:], mask[b:, width - p:] = input_ids[:1], attention_mask[:1].long()
+        config = sampling_config(greedy=sampling.greedy, temperature=sampling.temperature, top_k=sampling.top_k,
+                                 top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens,
+                                 eos_token_id=sampling.eos_token_id, pad_token_id=sampling.pad_token_id)
+        config.cache_implementation = "static"
+        out = sample(model, ids, mask, config, **kwargs)[:b, width:]
+        if sampling.eos_token_id is not None and rows > b:  # the filler rows may have run longer than the real ones
+            ended = (out == sampling.eos_token_id)
+            if bool(ended.any(1).all()):
+                out = out[:, : int(ended.long().argmax(1).max()) + 1]
+        return out
+
+
+__all__ = ["StaticEngine"]
