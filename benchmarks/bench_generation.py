@@ -11,7 +11,8 @@ tokenizer padded to ``--vocab`` tokens generates ``--prompts`` x ``--samples`` r
 ``--new-tokens`` tokens after ``--prompt-tokens`` prompt tokens, every row to full length (EOS is
 out of reach), under bf16 autocast on CUDA. Each engine (``--engines``: the registered ones, and
 the ``textrl`` engine with a part off: ``textrl_unshared`` without prefix sharing,
-``textrl_dynamic`` over transformers' growing cache, ``textrl_eager`` without the CUDA graph) runs ``--repeats`` times after a
+``textrl_dynamic`` over transformers' growing cache, ``textrl_eager`` without the CUDA graph,
+``textrl_graph`` with the graph of the step as written, not compiled first) runs ``--repeats`` times after a
 warm-up, interleaved; its figure is the median. Rows of a prompt are its samples, so prefix
 sharing has ``--samples`` rows to share.
 
@@ -57,6 +58,7 @@ VARIANTS = {
     "textrl_unshared": lambda: _decode(share_prefixes=False),  # every row prefilled
     "textrl_dynamic": lambda: _decode(static=False),  # transformers' growing cache, one eager forward a token
     "textrl_eager": lambda: _decode(capture_graphs=False),  # the static cache, no CUDA graph
+    "textrl_graph": lambda: _decode(compile=False),  # the CUDA graph of the step as written, not compiled
 }
 """The ``textrl`` engine with one of its parts off, to show what each part is worth."""
 

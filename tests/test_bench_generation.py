@@ -19,7 +19,7 @@ def test_bench_generation_times_every_engine_against_hf_and_the_floor():
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["rows"] == 6 and figures["new_tokens"] == 4 and figures["floor_seconds"] > 0
-    assert set(figures["engines"]) == {"hf", "static", "textrl", "textrl_unshared", "textrl_dynamic", "textrl_eager"}
+    assert set(figures["engines"]) == {"hf", "static", "textrl", "textrl_unshared", "textrl_dynamic", "textrl_eager", "textrl_graph"}
     for r in figures["engines"].values():
         assert r["seconds"] > 0 and r["tokens_per_second"] == 24 / r["seconds"] and r["x_floor"] >= 1
     assert figures["engines"]["hf"]["x_hf"] == 1.0

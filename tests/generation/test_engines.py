@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from textrl.generation import DecodeEngine, HFEngine, Sampling, engine_names, get_engine
 from textrl.generation.decode import next_tokens, shared_prefixes
+from textrl.generation.static import StaticEngine
 from textrl.models import build_tiny_causal_lm, build_tiny_gpt2, build_tiny_tokenizer
 
 PROMPTS = ["What is 1+2?", "hi", "Count to 3 please, slowly", "<think>", "a b c d e f g"]
@@ -39,7 +40,10 @@ def spec(tok, greedy=True, eos=None, pad=None, **kw):
 
 
 ENGINES = {"textrl": DecodeEngine(), "textrl_unshared": DecodeEngine(share_prefixes=False),
-           "textrl_check1": DecodeEngine(check_every=1)}
+           "textrl_dynamic": DecodeEngine(static=False), "textrl_bucket1": DecodeEngine(width_bucket=1),
+           "textrl_check1": DecodeEngine(check_every=1), "static_rows1": StaticEngine(row_bucket=1)}
+"""``static_rows1``: the static engine without filler rows, so its draws are ``generate``'s in order;
+with them (the default) it is in the greedy tests alone."""
 
 
 def pad_after_eos(tokens, eos_token_id, pad_token_id):
@@ -63,13 +67,13 @@ def frequent_token(model, tok, ids, mask):
     return int(counts.argmax())
 
 
-@pytest.mark.parametrize("name", list(ENGINES))
+@pytest.mark.parametrize("name", [*ENGINES, "static"])
 def test_greedy_is_token_for_token_generate(tok, model, name):
     ids, mask = encode(tok, PROMPTS, samples=2)  # ragged, left-padded, each prompt twice
     for sampling in (spec(tok), spec(tok, eos=frequent_token(model, tok, ids, mask)),  # EOS mid-batch
                      spec(tok, eos=frequent_token(model, tok, ids, mask), pad=frequent_token(model, tok, ids, mask))):
         want = run(HFEngine(), model, ids, mask, sampling)
-        got = run(ENGINES[name], model, ids, mask, sampling)
+        got = run(ENGINES[name] if name in ENGINES else get_engine(name), model, ids, mask, sampling)
         assert got.shape == want.shape and torch.equal(got, want), (sampling, got, want)
 
 

@@ -52,7 +52,8 @@ class DecodeEngine(GenerationEngine):
     once; ``check_every``: steps between the host's reads of "has every row ended"."""
 
     def __init__(self, share_prefixes: bool = True, check_every: int = 16, carry_turns: bool = True,
-                 static: bool = True, capture_graphs: bool = True, width_bucket: int = 64) -> None:
+                 static: bool = True, capture_graphs: bool = True, compile: bool | None = None,
+                 width_bucket: int = 64) -> None:
         if check_every < 1:
             raise ValueError(f"check_every={check_every}: must be >= 1")
         if width_bucket < 1:
@@ -62,6 +63,7 @@ class DecodeEngine(GenerationEngine):
         self.carry_turns = carry_turns
         self.static = static
         self.width_bucket = width_bucket
+        self.compile = compile
         self.graphs = Graphs(capture=capture_graphs)
         """The static caches and captured steps of the shapes decoded lately (``static``)."""
         self.carry: TurnCarry | None = None
@@ -192,6 +194,8 @@ class DecodeEngine(GenerationEngine):
         layers = cache_layers(cache)
         context = mask.shape[1]
         width = bucket(context + sampling.max_new_tokens, self.width_bucket)
+        self.graphs.compile = self.compile if self.compile is not None else (first.device.type == "cuda"
+                                                                            and self.graphs.capture)
         decoder = self.graphs.get(model, first.shape[0], width, layers, sampling, name)
         state = decoder.state
         state.load(layers, mask, first, running, sampling.pad_token_id)

@@ -9,10 +9,15 @@ step of :class:`DecodeGraph` is captured once (``torch.cuda.CUDAGraph``) and rep
 token of every later call of the same shape: one launch a token instead of a few hundred.
 
 The captured step reads the model's parameters where they are, so an optimiser's in-place update
-is seen by the next replay (no copy, nothing to refresh); parameters replaced by new tensors
-(another ``data_ptr``) make a new graph (:func:`graph_key`). Under autocast the capture runs with
-autocast's weight cache off, so the step casts the current weights every token (the cast of the
-ambient autocast, within the graph).
+is seen by the next replay; parameters replaced by new tensors (another ``data_ptr``) make a new
+graph (:func:`graph_key`). Under autocast, the weights autocast would cast for every matmul
+(``nn.Linear`` weights and biases of another dtype) are cast once per call instead
+(:class:`WeightCasts`: a copy in the autocast dtype, refreshed from the current weights at the start
+of every call, the step reading the copy: autocast's own cache, kept between calls); the rest of
+the step runs under the ambient autocast with its cache off, as captured graphs need.
+
+With ``compile``, the step is compiled first (``torch.compile``, inductor: the norms, rotary
+embeddings, casts and the sampling fused into fewer kernels), then captured.
 
 The cache is duck-typed to what transformers' model and attention forwards call on one
 (``update(keys, values, layer_idx, ...)`` returning the layer's whole keys and values,
@@ -24,6 +29,8 @@ so any model whose attention layers write through ``cache.update`` and accept an
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -156,6 +163,41 @@ def decode_step(model: nn.Module, state: DecodeState, sampling: Sampling, name: 
     state.step.add_(1)
 
 
+class WeightCasts:
+    """The ``nn.Linear`` weights and biases of ``model`` autocast would cast to ``dtype`` (floating,
+    another dtype, plain ``nn.Parameter``: not a quantised one), each with a copy in ``dtype``.
+    :meth:`refresh` copies the current values in; inside :meth:`swapped` the modules read the copies."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.entries: list[tuple[nn.Module, str, Tensor, Tensor]] = []
+        for module in model.modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            for name in ("weight", "bias"):
+                p = module._parameters.get(name)
+                if p is not None and type(p) is nn.Parameter and p.is_floating_point() and p.dtype != dtype:
+                    self.entries.append((module, name, p, torch.empty_like(p, dtype=dtype)))
+
+    def refresh(self) -> None:
+        with torch.no_grad():
+            for _, _, p, copy in self.entries:
+                copy.copy_(p)
+
+    @contextmanager
+    def swapped(self) -> Iterator[None]:
+        for module, name, _, copy in self.entries:
+            module._parameters[name] = copy  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            for module, name, p, _ in self.entries:
+                module._parameters[name] = p
+
+    @property
+    def nbytes(self) -> int:
+        return sum(copy.numel() * copy.element_size() for *_, copy in self.entries)
+
+
 def graph_key(model: nn.Module, rows: int, width: int, like: list[tuple[Tensor, Tensor]], sampling: Sampling,
               name: str) -> tuple[Any, ...]:
     """What a captured step is valid for: the model object, its mode and active adapters, where
@@ -173,9 +215,11 @@ def graph_key(model: nn.Module, rows: int, width: int, like: list[tuple[Tensor, 
 @dataclass
 class DecodeGraph:
     """One shape's :class:`DecodeState` and, on CUDA, its captured step (``graph``; None: the step
-    runs eagerly, on the CPU or where capture failed)."""
+    runs eagerly, on the CPU or where capture failed), with the weight casts it reads (``casts``)."""
 
     state: DecodeState
+    step: Callable[..., None]
+    casts: WeightCasts | None = None
     graph: Any = None
     replays: int = 0
 
@@ -183,55 +227,92 @@ class DecodeGraph:
         if self.graph is not None:
             self.graph.replay()
         else:
-            decode_step(model, self.state, sampling, name)
+            with self.casts.swapped() if self.casts is not None else _nothing():
+                self.step(model, self.state, sampling, name)
         self.replays += 1
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 @dataclass
 class Graphs:
-    """The engine's :class:`DecodeGraph` per :func:`graph_key`, the ``keep`` most recent."""
+    """The engine's :class:`DecodeGraph` per :func:`graph_key`, the ``keep`` most recent; one
+    :class:`WeightCasts` per model and autocast dtype; the step compiled once (``compile``)."""
 
     capture: bool = True
+    compile: bool = False
     keep: int = 4
     graphs: dict[tuple[Any, ...], DecodeGraph] = field(default_factory=dict)
+    casts: dict[tuple[Any, ...], WeightCasts] = field(default_factory=dict)
     captured: int = 0
     """Graphs captured, all calls."""
+    _compiled: Any = None
+
+    def step_function(self) -> Callable[..., None]:
+        if not self.compile:
+            return decode_step
+        if self._compiled is None:
+            self._compiled = torch.compile(decode_step, dynamic=False)
+        return self._compiled
+
+    def weight_casts(self, model: nn.Module, device: torch.device) -> WeightCasts | None:
+        """The casts of ``model``'s weights under the ambient autocast (None: no autocast, or
+        nothing to cast), refreshed from the current weights."""
+        if device.type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device.type):
+            return None
+        dtype = torch.get_autocast_dtype(device.type)
+        key = (id(model), dtype, tuple(p.data_ptr() for p in model.parameters()))
+        casts = self.casts.get(key)
+        if casts is None:
+            self.casts.clear()  # the old weights' copies: another model, or its tensors replaced
+            casts = self.casts[key] = WeightCasts(model, dtype)
+        casts.refresh()
+        return casts if casts.entries else None
 
     def get(self, model: nn.Module, rows: int, width: int, like: list[tuple[Tensor, Tensor]], sampling: Sampling,
             name: str) -> DecodeGraph:
+        """The decoder of this call's shape, its weight casts refreshed (captured first, on CUDA)."""
+        device = like[0][0].device
+        casts = self.weight_casts(model, device)
         key = graph_key(model, rows, width, like, sampling, name)
         found = self.graphs.pop(key, None)
         if found is None:
             while len(self.graphs) >= self.keep:
                 self.graphs.pop(next(iter(self.graphs)))
-            found = DecodeGraph(DecodeState.new(like, rows, width))
-            if self.capture and like[0][0].device.type == "cuda":
-                found.graph = self._capture(model, found.state, sampling, name)
+            found = DecodeGraph(DecodeState.new(like, rows, width), self.step_function(), casts)
+            if self.capture and device.type == "cuda":
+                found.graph = self._capture(model, found, sampling, name)
         self.graphs[key] = found  # most recent last
         return found
 
-    def _capture(self, model: nn.Module, state: DecodeState, sampling: Sampling, name: str) -> Any:
-        """Capture one step on ``state``'s buffers (warmed up on a side stream first, as CUDA graphs
-        need); None, with a warning, if the model cannot be captured (the step then runs eagerly)."""
+    def _capture(self, model: nn.Module, decoder: DecodeGraph, sampling: Sampling, name: str) -> Any:
+        """Capture one step on the decoder's buffers (warmed up on a side stream first, as CUDA
+        graphs need; compiled then, with ``compile``); None, with a warning, if the model cannot be
+        captured (the step then runs eagerly)."""
+        state = decoder.state
         device = state.token.device
         autocast = torch.is_autocast_enabled("cuda")
         dtype = torch.get_autocast_dtype("cuda")
 
         def step() -> None:
             with torch.autocast("cuda", dtype=dtype, enabled=autocast, cache_enabled=False):
-                decode_step(model, state, sampling, name)
+                decoder.step(model, state, sampling, name)
 
         rng = torch.cuda.get_rng_state(device)  # the warm-up's draws are not the caller's
         try:
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
+            with decoder.casts.swapped() if decoder.casts is not None else _nothing():
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        step()
+                torch.cuda.current_stream(device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
                     step()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
         except Exception as err:  # noqa: BLE001 - a model that cannot be captured still decodes, eagerly
             warnings.warn(f"the textrl engine could not capture {type(model).__name__}'s decode step as a CUDA graph "
                           f"({type(err).__name__}: {err}); it decodes eagerly over the static cache", stacklevel=4)
@@ -244,6 +325,7 @@ class Graphs:
 
     def clear(self) -> None:
         self.graphs.clear()
+        self.casts.clear()
 
 
 def bucket(n: int, size: int) -> int:
@@ -251,5 +333,5 @@ def bucket(n: int, size: int) -> int:
     return -(-n // size) * size
 
 
-__all__ = ["DecodeGraph", "DecodeState", "Graphs", "StaticKV", "bucket", "decode_step", "draw", "graph_key",
+__all__ = ["DecodeGraph", "DecodeState", "Graphs", "StaticKV", "WeightCasts", "bucket", "decode_step", "draw", "graph_key",
            "next_tokens"]

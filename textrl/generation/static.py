@@ -1,24 +1,28 @@
 """The ``static`` engine: transformers' ``generate`` with its static KV cache (compiled on CUDA).
 
-``generate(..., cache_implementation="static")`` allocates the cache once at its full length and,
-on CUDA, compiles the decoding forward (``torch.compile``, CUDA graphs) the first time a shape is
-seen. A shape is the batch and the cache's length, so this engine rounds both to a few sizes before
-calling it: the contexts are left-padded to a multiple of ``width_bucket`` columns (padding is
+``generate`` over a ``StaticCache`` (allocated at its full length, written in place) compiles the
+decoding forward on CUDA (``torch.compile``, CUDA graphs) the first time a shape is seen. This
+engine passes its own cache, one per shape, reset and reused by the next call of that shape (its
+layers take the dtype of the first keys written, so a float32 model under bf16 autocast gets a bf16
+cache, which ``cache_implementation="static"`` would allocate in float32). A shape is the batch and
+the cache's length, so this engine rounds both to a few sizes before calling it: the contexts are left-padded to a multiple of ``width_bucket`` columns (padding is
 masked and the position ids count real tokens, so the tokens are those of the unpadded batch), and
 the batch is filled up to a multiple of ``row_bucket`` rows with copies of its first row, whose
 outputs are dropped (the extra rows draw random numbers too: a seeded run then draws other tokens
-than ``hf``, from the same distribution). transformers keeps the largest cache length it has seen,
-so a later shorter call reuses the compiled step.
+than ``hf``, from the same distribution); the cache is ``width + max_new_tokens`` columns rounded
+up to ``width_bucket``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from textrl.generation.base import GenerationEngine, Sampling, register_engine
 from textrl.generation.graph import bucket
+from textrl.models.kv_cache import cache_argument
 from textrl.models.sampling import sample, sampling_config
 
 
@@ -32,6 +36,26 @@ class StaticEngine(GenerationEngine):
             raise ValueError(f"width_bucket={width_bucket}, row_bucket={row_bucket}: each must be >= 1")
         self.width_bucket = width_bucket
         self.row_bucket = row_bucket
+        self.caches: dict[tuple[Any, ...], Any] = {}
+        """``(id(model), rows, length, autocast)`` -> its ``StaticCache`` (the last ``keep``; its
+        dtype is that of the first keys written, so the ambient autocast is part of the key)."""
+        self.keep = 4
+
+    def cache_for(self, model: nn.Module, rows: int, length: int) -> Any:
+        from transformers import StaticCache
+
+        device = next(model.parameters()).device.type
+        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        key = (id(model), rows, length, autocast)
+        cache = self.caches.pop(key, None)
+        if cache is None:
+            while len(self.caches) >= self.keep:
+                self.caches.pop(next(iter(self.caches)))
+            cache = StaticCache(config=model.config, max_cache_len=length)
+        else:
+            cache.reset()
+        self.caches[key] = cache
+        return cache
 
     def check_backend(self, partitions_weights: bool) -> None:
         if partitions_weights:
@@ -49,8 +73,8 @@ class StaticEngine(GenerationEngine):
         config = sampling_config(greedy=sampling.greedy, temperature=sampling.temperature, top_k=sampling.top_k,
                                  top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens,
                                  eos_token_id=sampling.eos_token_id, pad_token_id=sampling.pad_token_id)
-        config.cache_implementation = "static"
-        out = sample(model, ids, mask, config, **kwargs)[:b, width:]
+        cache = self.cache_for(model, rows, bucket(width + sampling.max_new_tokens, self.width_bucket))
+        out = sample(model, ids, mask, config, **{cache_argument(model): cache}, **kwargs)[:b, width:]
         if sampling.eos_token_id is not None and rows > b:  # the filler rows may have run longer than the real ones
             ended = (out == sampling.eos_token_id)
             if bool(ended.any(1).all()):
