@@ -9,7 +9,8 @@ A random Llama of ``--shape`` (``small``: hidden 128, 2 layers, the CPU default;
 Qwen2-0.5B's widths, hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864) with the tiny
 tokenizer padded to ``--vocab`` tokens generates ``--prompts`` x ``--samples`` rows of
 ``--new-tokens`` tokens after ``--prompt-tokens`` prompt tokens, every row to full length (EOS is
-out of reach), under bf16 autocast on CUDA. Each engine (``--engines``: the registered ones, and
+out of reach), in float32 under bf16 autocast on CUDA (as textrl trains there), or in bfloat16 with
+``--weights bfloat16``. Each engine (``--engines``: the registered ones, and
 the ``textrl`` engine with a part off: ``textrl_unshared`` without prefix sharing,
 ``textrl_dynamic`` over transformers' growing cache, ``textrl_eager`` without the CUDA graph,
 ``textrl_graph`` with the graph of the step as written, not compiled first) runs ``--repeats`` times after a
@@ -115,6 +116,9 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=1, help="also time episodes of this many turns (1: off)")
     parser.add_argument("--observation-tokens", type=int, default=14, help="tokens appended after each turn")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
+    parser.add_argument("--weights", default="float32", choices=("float32", "bfloat16"),
+                        help="the model's dtype: float32 (under bf16 autocast on CUDA, as textrl trains) or bfloat16 "
+                             "(no autocast)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -126,16 +130,19 @@ def main() -> None:
 
     tok = build_tiny_tokenizer() if args.vocab == 512 else build_tiny_tokenizer(args.vocab)
     model = build_tiny_causal_lm(tok, max_position_embeddings=4096, **SHAPES[args.shape]).to(device).eval()
+    bf16_weights = args.weights == "bfloat16"
+    if bf16_weights:
+        model = model.to(torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 256, (prompts, args.prompt_tokens), generator=gen).repeat_interleave(args.samples, 0)
     ids, mask = ids.to(device), torch.ones_like(ids, device=device)
     sampling = Sampling(greedy=False, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
                         eos_token_id=None, pad_token_id=tok.pad_token_id)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
-    dtype = torch.bfloat16 if cuda else torch.float32
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda and not bf16_weights)
+    dtype = torch.bfloat16 if cuda or bf16_weights else torch.float32
     hw = hardware(device, dtype)
-    bytes_per_step = params * (2 if cuda else 4)
+    bytes_per_step = params * (2 if dtype == torch.bfloat16 else 4)
     flops_per_step = 2 * params * ids.shape[0]
     step_floor = max(bytes_per_step / (hw["bandwidth_gb_s"] * 1e9), flops_per_step / (hw["matmul_tflop_s"] * 1e12))
     floor = step_floor * new_tokens
@@ -204,7 +211,7 @@ def main() -> None:
         print(line)
     print(json.dumps({"device": str(device), "shape": args.shape, "parameters": params, "vocab": len(tok),
                       "rows": rows, "prompts": prompts, "samples": args.samples, "prompt_tokens": args.prompt_tokens,
-                      "new_tokens": new_tokens, "turns": turns, "tokens_per_turn": per_turn,
+                      "new_tokens": new_tokens, "weights": args.weights, "turns": turns, "tokens_per_turn": per_turn,
                       "observation_tokens": args.observation_tokens, "floor_seconds": floor, **hw, "engines": result,
                       "gpu": torch.cuda.get_device_name(device) if cuda else None}), flush=True)
 

@@ -306,8 +306,8 @@ def test_auto_is_the_measured_engine_of_the_device(tok, monkeypatch):
     from tests.agents.conftest import make_agent
     from textrl.generation import base, engine_for
 
-    assert make_agent(tok, "gae_ppo").generation_engine.name == "hf"  # the default: no device has another yet
-    assert engine_for("auto", "cuda").name == "hf" and engine_for("textrl", "cpu").name == "textrl"
+    assert make_agent(tok, "gae_ppo").generation_engine.name == "hf"  # the CPU's default
+    assert engine_for("auto", "cuda").name == "textrl" and engine_for("textrl", "cpu").name == "textrl"
     monkeypatch.setitem(base.AUTO, "cpu", "textrl")
     assert engine_for("auto", "cpu").name == "textrl"
     assert make_agent(tok, "gae_ppo").generation_engine.name == "textrl"

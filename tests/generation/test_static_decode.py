@@ -172,3 +172,55 @@ def test_the_static_engine_fills_rows_and_columns_to_buckets_and_reuses_its_cach
     assert [k[1:] for k in engine.caches] == [(16, 128, torch.bfloat16), (16, 128, None)]
     with pytest.raises(ValueError, match="row_bucket=0"):
         StaticEngine(row_bucket=0)
+
+
+def test_the_cache_argument_of_a_wrapper_is_that_of_the_model_it_wraps(tok):
+    """A wrapper whose forward takes ``**kwargs`` (textrl's adapter views, peft) hands the cache on
+    under the wrapped model's name (``cache`` on transformers 5.2x: ``past_key_values`` warns there)."""
+    import inspect
+
+    from textrl.models.kv_cache import cache_argument
+
+    inner = build_tiny_causal_lm(tok)
+    own = next(n for n in ("cache", "past_key_values") if n in inspect.signature(inner.forward).parameters)
+
+    class View(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.stack = [model]
+
+        def forward(self, **kwargs):
+            return self.stack[0](**kwargs)
+
+        def generation_modules(self):
+            return self.stack
+
+    class Opaque(nn.Module):
+        def forward(self, **kwargs):
+            return None
+
+    assert cache_argument(inner) == own and cache_argument(View(inner)) == own
+    assert cache_argument(View(View(inner))) == own
+    assert cache_argument(Opaque()) == "past_key_values"
+
+
+def test_a_step_that_fails_to_compile_and_capture_is_captured_as_written(tok, monkeypatch):
+    """The capture path's fallbacks (CUDA alone captures; here ``_capture`` is stood in for): a compiled
+    step that cannot be captured is captured uncompiled; one that cannot be captured at all runs eagerly."""
+    from textrl.generation.graph import DecodeGraph, decode_step
+
+    tried = []
+    for ok_uncompiled, want in ((True, "graph"), (False, None)):
+        def capture(self, model, decoder, sampling, name, ok=ok_uncompiled):
+            tried.append(decoder.step is decode_step)
+            return "graph" if decoder.step is decode_step and ok else None
+
+        monkeypatch.setattr(Graphs, "_capture", capture)
+        tried.clear()
+        decoder = DecodeGraph(state=None, step=lambda *a: None)  # a stand-in compiled step
+        Graphs(compile=True)._capture_or_fall_back(None, decoder, spec(tok), "cache")
+        assert tried == [False, True] and decoder.graph == want and decoder.step is decode_step
+    decoder = DecodeGraph(state=None, step=decode_step)  # not compiled: one try
+    tried.clear()
+    Graphs()._capture_or_fall_back(None, decoder, spec(tok), "cache")
+    assert tried == [True] and decoder.graph is None

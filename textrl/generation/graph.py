@@ -284,9 +284,17 @@ class Graphs:
                 self.graphs.pop(next(iter(self.graphs)))
             found = DecodeGraph(DecodeState.new(like, rows, width), self.step_function(), casts)
             if self.capture and device.type == "cuda":
-                found.graph = self._capture(model, found, sampling, name)
+                self._capture_or_fall_back(model, found, sampling, name)
         self.graphs[key] = found  # most recent last
         return found
+
+    def _capture_or_fall_back(self, model: nn.Module, decoder: DecodeGraph, sampling: Sampling, name: str) -> None:
+        """Capture the decoder's step; a compiled step that fails is captured as written instead, and
+        one that fails too runs eagerly (``graph`` None)."""
+        decoder.graph = self._capture(model, decoder, sampling, name)
+        if decoder.graph is None and decoder.step is not decode_step:
+            decoder.step = decode_step
+            decoder.graph = self._capture(model, decoder, sampling, name)
 
     def _capture(self, model: nn.Module, decoder: DecodeGraph, sampling: Sampling, name: str) -> Any:
         """Capture one step on the decoder's buffers (warmed up on a side stream first, as CUDA
@@ -314,8 +322,11 @@ class Graphs:
                 with torch.cuda.graph(graph):
                     step()
         except Exception as err:  # noqa: BLE001 - a model that cannot be captured still decodes, eagerly
-            warnings.warn(f"the textrl engine could not capture {type(model).__name__}'s decode step as a CUDA graph "
-                          f"({type(err).__name__}: {err}); it decodes eagerly over the static cache", stacklevel=4)
+            compiled = decoder.step is not decode_step
+            then = "captures the step uncompiled" if compiled else "decodes eagerly over the static cache"
+            warnings.warn(f"the textrl engine could not {'compile and ' if compiled else ''}capture "
+                          f"{type(model).__name__}'s decode step as a CUDA graph ({type(err).__name__}: {err}); it "
+                          f"{then} (DecodeEngine(compile=False) skips the compile)", stacklevel=4)
             torch.cuda.synchronize(device)
             torch.cuda.set_rng_state(rng, device)
             return None

@@ -74,7 +74,16 @@ class StaticEngine(GenerationEngine):
                                  top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens,
                                  eos_token_id=sampling.eos_token_id, pad_token_id=sampling.pad_token_id)
         cache = self.cache_for(model, rows, bucket(width + sampling.max_new_tokens, self.width_bucket))
-        out = sample(model, ids, mask, config, **{cache_argument(model): cache}, **kwargs)[:b, width:]
+        try:
+            out = sample(model, ids, mask, config, **{cache_argument(model): cache}, **kwargs)[:b, width:]
+        except RuntimeError as err:
+            if "index_copy_" not in str(err) or "same dtype" not in str(err):
+                raise
+            self.caches.clear()
+            raise ValueError(
+                "generation_engine='static': this transformers' StaticCache stores values in the keys' dtype, and "
+                f"under autocast this model's keys and values differ ({err}); run with the weights in the autocast "
+                "dtype (--dtype bfloat16), a newer transformers, or --generation-engine textrl") from err
         if sampling.eos_token_id is not None and rows > b:  # the filler rows may have run longer than the real ones
             ended = (out == sampling.eos_token_id)
             if bool(ended.any(1).all()):
