@@ -65,6 +65,8 @@ def test_under_bf16_autocast_the_static_decode_draws_what_generate_draws(tok, mo
     for seed in (0, 1):
         want = run(HFEngine(), model, ids, mask, spec(tok, greedy), seed, autocast=True)
         assert torch.equal(run(engine, model, ids, mask, spec(tok, greedy), seed, autocast=True), want)
+    decoder = list(engine.graphs.graphs.values())[-1]
+    assert decoder.state.kv.layers[0].keys.dtype == torch.bfloat16  # the cache in the autocast dtype
     (casts,) = engine.graphs.casts.values()
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert len(casts.entries) == sum(1 + (m.bias is not None) for m in linears) > 0
@@ -224,3 +226,26 @@ def test_a_step_that_fails_to_compile_and_capture_is_captured_as_written(tok, mo
     tried.clear()
     Graphs()._capture_or_fall_back(None, decoder, spec(tok), "cache")
     assert tried == [True] and decoder.graph is None
+
+
+def test_multi_turn_turns_under_bf16_autocast_equal_generate(tok):
+    """The carried cache holds keys cast to bf16 (the static cache's dtype under autocast), which a
+    later turn's prefill joins to its own: the attention is the same, greedy turns are ``generate``'s."""
+    model = build_tiny_causal_lm(tok).eval()
+    engine = DecodeEngine()
+    sampling = spec(tok, max_new_tokens=8)
+    seqs = [tok(p)["input_ids"] for p in PROMPTS for _ in range(2)]
+    with engine.rollout():
+        for turn in range(3):
+            width = max(map(len, seqs))
+            ids = torch.full((len(seqs), width), tok.pad_token_id)
+            mask = torch.zeros(len(seqs), width, dtype=torch.long)
+            for i, seq in enumerate(seqs):
+                ids[i, width - len(seq):], mask[i, width - len(seq):] = torch.tensor(seq), 1
+            before = engine.prefilled
+            got = run(engine, model, ids, mask, sampling, autocast=True)
+            assert torch.equal(got, run(HFEngine(), model, ids, mask, sampling, autocast=True)), turn
+            if turn:
+                assert engine.prefilled - before < int(mask.sum()) // 2
+            seqs = [seq + [t for t in got[i].tolist() if t != tok.pad_token_id] + [40 + i, 41, 42 + turn]
+                    for i, seq in enumerate(seqs)]

@@ -65,13 +65,17 @@ def next_tokens(logits: Tensor, sampling: Sampling) -> Tensor:
 
 class StaticKV:
     """A KV cache of ``width`` columns (module docstring): ``layers[i].keys`` / ``.values``
-    ``[B, H, width, D]``, written at ``column`` (``[1]`` long, on the device)."""
+    ``[B, H, width, D]``, written at ``column`` (``[1]`` long, on the device), in ``dtype`` (None:
+    the prefill's). Under autocast it is the autocast dtype: attention casts its keys and values
+    to it anyway (a Llama's keys leave the rotary embedding in float32 under autocast), so storing
+    them cast gives the same attention, and each step casts one column instead of the whole cache."""
 
     is_compileable = True
 
-    def __init__(self, like: list[tuple[Tensor, Tensor]], width: int) -> None:
-        self.layers = [SimpleNamespace(keys=k.new_zeros(*k.shape[:2], width, k.shape[3]),
-                                       values=v.new_zeros(*v.shape[:2], width, v.shape[3])) for k, v in like]
+    def __init__(self, like: list[tuple[Tensor, Tensor]], width: int, dtype: torch.dtype | None = None) -> None:
+        self.layers = [SimpleNamespace(keys=k.new_zeros(*k.shape[:2], width, k.shape[3], dtype=dtype or k.dtype),
+                                       values=v.new_zeros(*v.shape[:2], width, v.shape[3], dtype=dtype or v.dtype))
+                       for k, v in like]
         self.width = width
         self.column = torch.zeros(1, dtype=torch.long, device=like[0][0].device)
         self.filled = 0
@@ -122,9 +126,11 @@ class DecodeState:
     step: Tensor
 
     @classmethod
-    def new(cls, like: list[tuple[Tensor, Tensor]], rows: int, width: int) -> DecodeState:
+    def new(cls, like: list[tuple[Tensor, Tensor]], rows: int, width: int,
+            kv_dtype: torch.dtype | None = None) -> DecodeState:
+        """Buffers for ``rows`` x ``width`` (the mask in the prefill keys' dtype, the cache in ``kv_dtype``)."""
         device, dtype = like[0][0].device, like[0][0].dtype
-        kv = StaticKV(like, width)
+        kv = StaticKV(like, width, kv_dtype)
         return cls(kv=kv, token=torch.zeros(rows, dtype=torch.long, device=device),
                    position=torch.zeros(rows, 1, dtype=torch.long, device=device),
                    running=torch.ones(rows, dtype=torch.bool, device=device),
@@ -282,7 +288,9 @@ class Graphs:
         if found is None:
             while len(self.graphs) >= self.keep:
                 self.graphs.pop(next(iter(self.graphs)))
-            found = DecodeGraph(DecodeState.new(like, rows, width), self.step_function(), casts)
+            autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+            kv_dtype = autocast if autocast is not None and like[0][0].is_floating_point() else None
+            found = DecodeGraph(DecodeState.new(like, rows, width, kv_dtype), self.step_function(), casts)
             if self.capture and device.type == "cuda":
                 self._capture_or_fall_back(model, found, sampling, name)
         self.graphs[key] = found  # most recent last
