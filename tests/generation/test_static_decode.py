@@ -249,3 +249,25 @@ def test_multi_turn_turns_under_bf16_autocast_equal_generate(tok):
                 assert engine.prefilled - before < int(mask.sum()) // 2
             seqs = [seq + [t for t in got[i].tolist() if t != tok.pad_token_id] + [40 + i, 41, 42 + turn]
                     for i, seq in enumerate(seqs)]
+
+
+def test_on_the_cpu_the_engine_stops_where_generate_stops_and_leaves_the_same_random_state(tok):
+    """``check_every`` is 1 on the CPU (a read of the running rows costs nothing there): no step
+    after the last row's EOS, so the global generator is where ``generate`` leaves it and what is
+    drawn next (a minibatch order, the next rollout) is the same with either engine."""
+    model = build_tiny_causal_lm(tok).eval()
+    eos = tok.eos_token_id
+    bias = torch.zeros(model.lm_head.out_features)
+    bias[eos] = 5.0  # EOS about one draw in five: every row ends, at different steps
+    model.lm_head.bias = nn.Parameter(bias)
+    ids, mask = encode(tok)
+    sampling = spec(tok, greedy=False, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=60)
+    states = []
+    for engine in (HFEngine(), DecodeEngine()):
+        got = run(engine, model, ids, mask, sampling, seed=4)
+        states.append((got, torch.get_rng_state()))
+    (want, want_state), (got, got_state) = states
+    assert want.shape[1] < 45 and bool((want == eos).any(1).all())  # all ended, 16+ steps before the cap
+    assert torch.equal(got, want) and torch.equal(got_state, want_state)
+    with pytest.raises(ValueError, match="check_every=0"):
+        DecodeEngine(check_every=0)

@@ -4,14 +4,18 @@
    ``n_samples_per_prompt`` copies of a prompt) are one row of the prefill; its cache is then
    repeated for its samples (``Cache.reorder_cache``), so a prompt's attention and MLP run once,
    not ``n`` times. Position ids come from the mask (left padding), as ``generate`` makes them.
-2. **Decode.** One forward of one token per row and step, the cache growing in place; the next
-   token is drawn on the device from the warped distribution (:func:`next_tokens`: the very
-   warping of :func:`textrl.functional.sampling_filter`, then ``torch.multinomial`` as ``generate``
-   draws, so a seeded run draws the same tokens as ``hf`` in the same order); a row is
-   ``pad_token_id`` after its EOS.
+   Inside a rollout, a row that continues an earlier call's row prefills only its new tokens
+   (:mod:`textrl.generation.carry`).
+2. **Decode.** The prefilled cache is copied into a static one and each step, one forward of one
+   token a row, writes its next column (:mod:`textrl.generation.graph`: on CUDA the step is
+   compiled and captured as a CUDA graph, replayed once a token; ``static=False``: over the
+   growing cache of the prefill instead). The next token is drawn on the device from the warped
+   distribution (:func:`~textrl.generation.graph.next_tokens`: the warping of
+   :func:`textrl.functional.sampling_filter`, then the draw ``torch.multinomial`` makes, so a seeded
+   run draws the same tokens as ``hf`` in the same order); a row is ``pad_token_id`` after its EOS.
 3. **No host sync per token.** Whether every row has ended is read on the host only every
-   ``check_every`` steps; the output is then cut to the step where the last row ended, so the
-   result is the shape ``generate`` returns.
+   ``check_every`` steps on a GPU; the output is then cut to the step where the last row ended, so
+   the result is the shape ``generate`` returns.
 """
 
 from __future__ import annotations
@@ -49,12 +53,16 @@ def _positions(mask: Tensor) -> Tensor:
 @register_engine("textrl")
 class DecodeEngine(GenerationEngine):
     """textrl's decode loop (module docstring). ``share_prefixes``: prefill each distinct context
-    once; ``check_every``: steps between the host's reads of "has every row ended"."""
+    once; ``check_every``: steps between the host's reads of "has every row ended" (None: 16 on a
+    GPU, where each read waits for the device; 1 on the CPU, where it costs nothing and the steps
+    past the last EOS are saved); ``static``: decode over a static cache (:mod:`textrl.generation.graph`),
+    its step captured as a CUDA graph on CUDA (``capture_graphs``) and compiled first (``compile``;
+    None: where it is captured); ``width_bucket``: the static cache's width rounded up to a multiple of it."""
 
-    def __init__(self, share_prefixes: bool = True, check_every: int = 16, carry_turns: bool = True,
+    def __init__(self, share_prefixes: bool = True, check_every: int | None = None, carry_turns: bool = True,
                  static: bool = True, capture_graphs: bool = True, compile: bool | None = None,
                  width_bucket: int = 64) -> None:
-        if check_every < 1:
+        if check_every is not None and check_every < 1:
             raise ValueError(f"check_every={check_every}: must be >= 1")
         if width_bucket < 1:
             raise ValueError(f"width_bucket={width_bucket}: must be >= 1")
@@ -162,7 +170,8 @@ class DecodeEngine(GenerationEngine):
 
     def _ended(self, t: int, running: Tensor, sampling: Sampling) -> bool:
         """Whether to stop after drawing token ``t``: every ``check_every`` tokens, one host read of ``running``."""
-        return sampling.eos_token_id is not None and (t + 1) % self.check_every == 0 and not bool(running.any())
+        every = self.check_every or (1 if running.device.type == "cpu" else 16)
+        return sampling.eos_token_id is not None and (t + 1) % every == 0 and not bool(running.any())
 
     def _decode_dynamic(self, model: nn.Module, cache: Any, mask: Tensor, first: Tensor, running: Tensor,
                         sampling: Sampling, name: str) -> tuple[Tensor, int, Any]:
