@@ -232,3 +232,17 @@ def test_weights_too_large_for_the_forward_stop_sampling_with_one_line(tok, monk
     with pytest.raises(ValueError, match=r"^generation drew from NaN/inf probabilities: the policy's forward "
                                          r"overflows \(its largest weight is .*, actor_lr=.*\); lower --actor-lr"):
         agent.act(ids, torch.ones_like(ids))
+
+
+@pytest.mark.parametrize("engine", ["hf", "textrl"])
+def test_an_overflowing_forward_stops_sampling_with_one_line_with_either_engine(tok, engine):
+    """A real overflow (the LM head's weights at 3e38: inf logits). ``hf`` raises from
+    ``torch.multinomial``; the textrl engine checks the logits on the device and raises the same
+    error at the end of the call: the same one line either way."""
+    agent = make_agent(tok, generation_engine=engine)
+    with torch.no_grad():
+        agent.policy.lm_head.weight.fill_(3e38)  # finite; the forward overflows
+    ids = torch.randint(3, 50, (2, 4))
+    with pytest.raises(ValueError, match=r"^generation drew from NaN/inf probabilities: the policy's forward "
+                                         r"overflows \(its largest weight is 3e\+38, actor_lr=.*\); lower --actor-lr"):
+        agent.act(ids, torch.ones_like(ids))

@@ -271,3 +271,23 @@ def test_on_the_cpu_the_engine_stops_where_generate_stops_and_leaves_the_same_ra
     assert torch.equal(got, want) and torch.equal(got_state, want_state)
     with pytest.raises(ValueError, match="check_every=0"):
         DecodeEngine(check_every=0)
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
+def test_non_finite_logits_raise_what_multinomial_raises_so_the_agent_names_the_overflow(tok, static):
+    """``generate`` raises ``torch.multinomial``'s error on NaN probabilities, which the agents turn
+    into the overflow error naming the learning rate; the textrl engine checks on the device and
+    raises the same at the end of the call (greedy, as ``generate``, does not check)."""
+    import re
+
+    from textrl.generation.graph import INVALID
+
+    model = build_tiny_causal_lm(tok).eval()
+    with torch.no_grad():
+        model.model.layers[-1].mlp.down_proj.weight[0, 0] = float("inf")  # overflows from the first step
+    ids, mask = encode(tok)
+    with pytest.raises(RuntimeError, match=re.escape(INVALID)):
+        run(HFEngine(), model, ids, mask, spec(tok, greedy=False))
+    with pytest.raises(RuntimeError, match=re.escape(INVALID + ": the textrl engine drew from a model whose logits")):
+        run(DecodeEngine(static=static), model, ids, mask, spec(tok, greedy=False))
+    run(DecodeEngine(static=static), model, ids, mask, spec(tok, greedy=True))  # greedy: argmax, no check

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from textrl.generation.base import GenerationEngine, Sampling, register_engine
 from textrl.generation.carry import TurnCarry, cache_layers
-from textrl.generation.graph import Graphs, bucket, next_tokens
+from textrl.generation.graph import INVALID, Graphs, bucket, next_tokens
 from textrl.models.kv_cache import cache_argument, new_cache
 
 
@@ -151,13 +151,16 @@ class DecodeEngine(GenerationEngine):
             real = [tuple(row[m.bool()].tolist()) for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
         cache, logits, mask, cols = self._prefill(model, input_ids, attention_mask.long(), real, name)
         context_width = mask.shape[1]
-        first = next_tokens(logits, sampling)
+        invalid = torch.zeros(1, dtype=torch.bool, device=logits.device)  # non-finite logits met, when sampling
+        first = next_tokens(logits, sampling, invalid)
         if sampling.eos_token_id is not None:
             running = first != sampling.eos_token_id
         else:
             running = torch.ones_like(first, dtype=torch.bool)
         decode = self._decode_static if self.static else self._decode_dynamic
-        tokens, fed, cache = decode(model, cache, mask, first, running, sampling, name)
+        tokens, fed, cache = decode(model, cache, mask, first, running, sampling, name, invalid)
+        if not sampling.greedy and bool(invalid.any()):  # one host read a call
+            raise RuntimeError(f"{INVALID}: the textrl engine drew from a model whose logits are not finite")
         eos = sampling.eos_token_id
         if eos is not None:  # generate stops at the step where the last row ended
             ended = (tokens == eos).any(1)
@@ -174,8 +177,9 @@ class DecodeEngine(GenerationEngine):
         return sampling.eos_token_id is not None and (t + 1) % every == 0 and not bool(running.any())
 
     def _decode_dynamic(self, model: nn.Module, cache: Any, mask: Tensor, first: Tensor, running: Tensor,
-                        sampling: Sampling, name: str) -> tuple[Tensor, int, Any]:
-        """Decode over the growing cache of the prefill: ``(tokens [B, T], tokens fed back, cache)``."""
+                        sampling: Sampling, name: str, invalid: Tensor) -> tuple[Tensor, int, Any]:
+        """Decode over the growing cache of the prefill: ``(tokens [B, T], tokens fed back, cache)``,
+        ``invalid`` or-ed with "a draw met non-finite logits"."""
         eos, pad = sampling.eos_token_id, sampling.pad_token_id
         tokens = torch.full((first.shape[0], sampling.max_new_tokens), pad, dtype=torch.long, device=first.device)
         tokens[:, 0] = first
@@ -190,14 +194,14 @@ class DecodeEngine(GenerationEngine):
             out = model(input_ids=token.unsqueeze(1), attention_mask=mask, position_ids=position, use_cache=True,
                         **{name: cache})
             position = position + 1
-            token = torch.where(running, next_tokens(out.logits[:, -1], sampling), pad)
+            token = torch.where(running, next_tokens(out.logits[:, -1], sampling, invalid), pad)
             tokens[:, t] = token
             if eos is not None:
                 running = running & (token != eos)
         return tokens[:, :steps], steps - 1, cache
 
     def _decode_static(self, model: nn.Module, cache: Any, mask: Tensor, first: Tensor, running: Tensor,
-                       sampling: Sampling, name: str) -> tuple[Tensor, int, Any]:
+                       sampling: Sampling, name: str, invalid: Tensor) -> tuple[Tensor, int, Any]:
         """Decode over a static cache of ``context + max_new_tokens`` columns (rounded up to
         ``width_bucket``), one captured step a token on CUDA (:mod:`textrl.generation.graph`)."""
         layers = cache_layers(cache)
@@ -216,6 +220,7 @@ class DecodeEngine(GenerationEngine):
                 break
             decoder.run(model, sampling, name)
         tokens = state.out[:, :steps].clone()
+        invalid.logical_or_(state.invalid)
         kept = state.kv.snapshot(context + steps - 1) if self.carry is not None else None
         return tokens, steps - 1, kept
 

@@ -50,14 +50,23 @@ def draw(probs: Tensor) -> Tensor:
     return (probs / q).argmax(-1)
 
 
-def next_tokens(logits: Tensor, sampling: Sampling) -> Tensor:
+INVALID = "probability tensor contains either `inf`, `nan` or element < 0"
+"""What ``torch.multinomial`` raises on non-finite probabilities, and the ``textrl`` engine with it
+(textrl.agents.forwards.act turns it into the overflow error that names the learning rate)."""
+
+
+def next_tokens(logits: Tensor, sampling: Sampling, invalid: Tensor | None = None) -> Tensor:
     """``[B, V]`` logits -> ``[B]`` tokens: argmax when greedy, else one draw (:func:`draw`) from
-    ``softmax(sampling_filter(logits / temperature))`` in float32, as ``generate`` draws."""
+    ``softmax(sampling_filter(logits / temperature))`` in float32, as ``generate`` draws. When
+    sampling, ``invalid`` (a bool tensor on the device) is or-ed with "some logit is not finite",
+    the check ``torch.multinomial`` makes on the host, here without a sync."""
     from textrl.functional import sampling_filter
 
     logits = logits.float()
     if sampling.greedy:
         return logits.argmax(-1)
+    if invalid is not None:
+        invalid.logical_or_(~torch.isfinite(logits).all())
     z = logits / sampling.temperature if sampling.temperature != 1.0 else logits
     z = sampling_filter(z, sampling.top_k, sampling.top_p)
     return draw(z.softmax(-1))
@@ -115,7 +124,7 @@ class DecodeState:
     """The buffers a step reads and writes, one set per shape: ``token`` ``[B]`` (fed next),
     ``position`` ``[B, 1]`` (its position id), ``running`` ``[B]``, ``mask`` ``[B, 1, 1, L]``
     (additive: 0 on the columns a row attends to), ``out`` ``[B, L]`` (the tokens drawn, column
-    ``step``), ``step`` ``[1]``, ``kv``."""
+    ``step``), ``step`` ``[1]``, ``invalid`` ``[1]`` (a step drew from non-finite logits), ``kv``."""
 
     kv: StaticKV
     token: Tensor
@@ -124,6 +133,7 @@ class DecodeState:
     mask: Tensor
     out: Tensor
     step: Tensor
+    invalid: Tensor
 
     @classmethod
     def new(cls, like: list[tuple[Tensor, Tensor]], rows: int, width: int,
@@ -136,7 +146,8 @@ class DecodeState:
                    running=torch.ones(rows, dtype=torch.bool, device=device),
                    mask=torch.full((rows, 1, 1, width), torch.finfo(dtype).min, dtype=dtype, device=device),
                    out=torch.zeros(rows, width, dtype=torch.long, device=device),
-                   step=torch.zeros(1, dtype=torch.long, device=device))
+                   step=torch.zeros(1, dtype=torch.long, device=device),
+                   invalid=torch.zeros(1, dtype=torch.bool, device=device))
 
     def load(self, layers: list[tuple[Tensor, Tensor]], mask: Tensor, first: Tensor, running: Tensor,
              pad: int) -> None:
@@ -151,6 +162,7 @@ class DecodeState:
         self.out.fill_(pad)
         self.out[:, 0] = first
         self.step.fill_(1)
+        self.invalid.fill_(False)
 
 
 def decode_step(model: nn.Module, state: DecodeState, sampling: Sampling, name: str) -> None:
@@ -159,7 +171,7 @@ def decode_step(model: nn.Module, state: DecodeState, sampling: Sampling, name: 
     state.mask.index_fill_(3, state.kv.column, 0.0)
     logits = model(input_ids=state.token[:, None], attention_mask=state.mask, position_ids=state.position,
                    use_cache=True, **{name: state.kv}).logits[:, -1]
-    token = torch.where(state.running, next_tokens(logits, sampling), sampling.pad_token_id)
+    token = torch.where(state.running, next_tokens(logits, sampling, state.invalid), sampling.pad_token_id)
     state.out.index_copy_(1, state.step, token[:, None])
     if sampling.eos_token_id is not None:
         state.running.logical_and_(token != sampling.eos_token_id)
@@ -352,5 +364,5 @@ def bucket(n: int, size: int) -> int:
     return -(-n // size) * size
 
 
-__all__ = ["DecodeGraph", "DecodeState", "Graphs", "StaticKV", "WeightCasts", "bucket", "decode_step", "draw", "graph_key",
+__all__ = ["INVALID", "DecodeGraph", "DecodeState", "Graphs", "StaticKV", "WeightCasts", "bucket", "decode_step", "draw", "graph_key",
            "next_tokens"]
