@@ -177,7 +177,7 @@ class TrainConfig:
     generation_batch_size: int = 64
     """Micro-batch size of generation."""
     generation_engine: str = "auto"
-    """hf (generate) | static (generate, static cache) | textrl (own decode loop) | auto (textrl on CUDA, else hf)."""
+    """hf (generate) | static (generate, static cache) | textrl (own decode loop) | auto (textrl on CPU/CUDA)."""
     forward_batch_size: int = 64
     """Micro-batch size of the log-prob / value / reward forwards."""
 

@@ -123,7 +123,7 @@ def test_rows_dropped_for_a_nan_reward_leave_uneven_minibatches_that_still_updat
     ids=["t0.7-k20-p0.9", "t1.3"],
 )
 def test_evaluate_reproduces_the_sampler_and_policy_equal_reference_has_zero_kl(tok, sampling):
-    agent = make_agent(tok, max_new_tokens=8, **sampling)
+    agent = make_agent(tok, max_new_tokens=8, generation_engine="hf", **sampling)  # generate's processed scores
     agent.ref_policy = build_tiny_causal_lm(tok, seed=0).eval()  # an independent copy of the policy
     scores, generate = [], agent.policy.generate
 

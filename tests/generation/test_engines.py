@@ -306,11 +306,12 @@ def test_auto_is_the_measured_engine_of_the_device(tok, monkeypatch):
     from tests.agents.conftest import make_agent
     from textrl.generation import base, engine_for
 
-    assert make_agent(tok, "gae_ppo").generation_engine.name == "hf"  # the CPU's default
-    assert engine_for("auto", "cuda").name == "textrl" and engine_for("textrl", "cpu").name == "textrl"
-    monkeypatch.setitem(base.AUTO, "cpu", "textrl")
-    assert engine_for("auto", "cpu").name == "textrl"
-    assert make_agent(tok, "gae_ppo").generation_engine.name == "textrl"
+    assert make_agent(tok, "gae_ppo").generation_engine.name == "textrl"  # the CPU's measured default
+    assert engine_for("auto", "cuda").name == "textrl" and engine_for("hf", "cpu").name == "hf"
+    assert engine_for("auto", "mps").name == "hf"  # a device nothing was measured on
+    monkeypatch.setitem(base.AUTO, "cpu", "hf")
+    assert engine_for("auto", "cpu").name == "hf"
+    assert make_agent(tok, "gae_ppo").generation_engine.name == "hf"
 
 
 def test_auto_falls_back_to_hf_under_a_backend_that_partitions_the_weights():

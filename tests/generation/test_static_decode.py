@@ -291,3 +291,38 @@ def test_non_finite_logits_raise_what_multinomial_raises_so_the_agent_names_the_
     with pytest.raises(RuntimeError, match=re.escape(INVALID + ": the textrl engine drew from a model whose logits")):
         run(DecodeEngine(static=static), model, ids, mask, spec(tok, greedy=False))
     run(DecodeEngine(static=static), model, ids, mask, spec(tok, greedy=True))  # greedy: argmax, no check
+
+
+def test_a_model_the_static_cache_cannot_hold_decodes_over_the_growing_cache_with_one_warning(tok):
+    """Sliding-window layers (a 4-D mask would override their window), flash attention (no 4-D
+    mask), encoder-decoders: ``static_unsupported`` says why, and the engine decodes them as
+    ``generate`` does, over transformers' growing cache, warning once."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from textrl.generation.graph import static_unsupported
+
+    assert static_unsupported(build_tiny_causal_lm(tok)) is None
+    assert static_unsupported(build_tiny_gpt2(tok)) is None
+    config = MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    assert static_unsupported(model) == "it has sliding-window layers"
+    ids, mask = encode(tok)
+    engine = DecodeEngine()
+    with pytest.warns(UserWarning, match="decodes MistralForCausalLM over transformers' growing KV cache, without "
+                                         "a static cache or CUDA graph: it has sliding-window layers"):
+        got = run(engine, model, ids, mask, spec(tok))
+    assert torch.equal(got, run(HFEngine(), model, ids, mask, spec(tok)))  # the window beyond 4 tokens kept
+    assert not engine.graphs.graphs
+    forced = DecodeEngine()
+    forced._unsupported[id(model)] = None  # the static cache anyway: the window is lost, other tokens
+    assert not torch.equal(run(forced, model, ids, mask, spec(tok)), got)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(engine, model, ids, mask, spec(tok))  # said once
+    model.config._attn_implementation = "flash_attention_2"
+    assert static_unsupported(model) == "its attention (flash_attention_2) takes no 4-D mask"

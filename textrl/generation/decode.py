@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 
 from textrl.generation.base import GenerationEngine, Sampling, register_engine
 from textrl.generation.carry import TurnCarry, cache_layers
-from textrl.generation.graph import INVALID, Graphs, bucket, next_tokens
+from textrl.generation.graph import INVALID, Graphs, bucket, next_tokens, static_unsupported
 from textrl.models.kv_cache import cache_argument, new_cache
 
 
@@ -73,6 +74,8 @@ class DecodeEngine(GenerationEngine):
         self.width_bucket = width_bucket
         self.compile = compile
         self.graphs = Graphs(capture=capture_graphs)
+        self._unsupported: dict[int, str | None] = {}
+        """``id(model)`` -> why it cannot use the static cache (None: it can)."""
         """The static caches and captured steps of the shapes decoded lately (``static``)."""
         self.carry: TurnCarry | None = None
         """The KV caches of this rollout's calls, while :meth:`rollout` is open and ``carry_turns``."""
@@ -157,7 +160,7 @@ class DecodeEngine(GenerationEngine):
             running = first != sampling.eos_token_id
         else:
             running = torch.ones_like(first, dtype=torch.bool)
-        decode = self._decode_static if self.static else self._decode_dynamic
+        decode = self._decode_static if self.static and self._fits_static(model) else self._decode_dynamic
         tokens, fed, cache = decode(model, cache, mask, first, running, sampling, name, invalid)
         if not sampling.greedy and bool(invalid.any()):  # one host read a call
             raise RuntimeError(f"{INVALID}: the textrl engine drew from a model whose logits are not finite")
@@ -170,6 +173,16 @@ class DecodeEngine(GenerationEngine):
         if self.carry is not None and real is not None and cols is not None:
             self._remember(model, cache, real, cols, tokens, fed, context_width, eos)
         return tokens
+
+    def _fits_static(self, model: nn.Module) -> bool:
+        """Whether ``model`` decodes over the static cache (:func:`static_unsupported`); a model that
+        does not decodes over transformers' growing cache instead, said once in a warning."""
+        if id(model) not in self._unsupported:
+            reason = self._unsupported[id(model)] = static_unsupported(model)
+            if reason is not None:
+                warnings.warn(f"the textrl engine decodes {type(model).__name__} over transformers' growing KV cache, "
+                              f"without a static cache or CUDA graph: {reason}", stacklevel=4)
+        return self._unsupported[id(model)] is None
 
     def _ended(self, t: int, running: Tensor, sampling: Sampling) -> bool:
         """Whether to stop after drawing token ``t``: every ``check_every`` tokens, one host read of ``running``."""

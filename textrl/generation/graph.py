@@ -359,10 +359,36 @@ class Graphs:
         self.casts.clear()
 
 
+def static_unsupported(model: nn.Module) -> str | None:
+    """Why ``model`` cannot decode over :class:`StaticKV` with a 4-D additive mask, or None when it
+    can: an encoder-decoder, a model whose cache is not transformers' ``DynamicCache`` kind (state
+    space models), an attention that takes no 4-D mask (flash attention), or sliding-window layers
+    (the 4-D mask would override their window)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return "it has no config"
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(config, "is_encoder_decoder", False):
+        return "it is an encoder-decoder"
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if callable(supports) and not supports():
+        return "its cache is not a KV cache"
+    attention = getattr(config, "_attn_implementation", None) or "eager"
+    if attention not in ("sdpa", "eager"):
+        return f"its attention ({attention}) takes no 4-D mask"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        if any(t != "full_attention" for t in layer_types):
+            return "it has sliding-window layers"
+    elif getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "it has sliding-window layers"
+    return None
+
+
 def bucket(n: int, size: int) -> int:
     """``n`` rounded up to a multiple of ``size`` (the static cache's width: fewer shapes, fewer captures)."""
     return -(-n // size) * size
 
 
 __all__ = ["INVALID", "DecodeGraph", "DecodeState", "Graphs", "StaticKV", "WeightCasts", "bucket", "decode_step", "draw", "graph_key",
-           "next_tokens"]
+           "next_tokens", "static_unsupported"]
