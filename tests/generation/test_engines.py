@@ -8,22 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.generation.conftest import left_pad
 from textrl.generation import DecodeEngine, HFEngine, Sampling, engine_names, get_engine
 from textrl.generation.decode import next_tokens, shared_prefixes
 from textrl.generation.static import StaticEngine
-from textrl.models import build_tiny_causal_lm, build_tiny_gpt2, build_tiny_tokenizer
+from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 
 PROMPTS = ["What is 1+2?", "hi", "Count to 3 please, slowly", "<think>", "a b c d e f g"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
-
-
-@pytest.fixture(scope="module", params=[build_tiny_causal_lm, build_tiny_gpt2], ids=["llama", "gpt2"])
-def model(request, tok):
-    return request.param(tok).eval()
 
 
 def encode(tok, prompts, samples=1):
@@ -193,16 +184,6 @@ def test_a_rollout_from_the_textrl_engine_trains_as_one_from_hf(tok, name):
 # -- multi-turn: the KV cache carried across turns ------------------------------------------------
 
 
-def _left_pad(tok, seqs):
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), tok.pad_token_id)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s)
-        mask[i, width - len(s):] = 1
-    return ids, mask
-
-
 def _episodes(tok, model, engine, sampling, turns=3, seed=0):
     """Turns as the multi-turn runner makes them: each row's next context is its last one, its sampled
     tokens up to EOS (every third row cut after 3 tokens, as a stop string cuts a turn) and an
@@ -210,7 +191,7 @@ def _episodes(tok, model, engine, sampling, turns=3, seed=0):
     seqs = [tok(p)["input_ids"] for p in PROMPTS[:4] for _ in range(2)]
     with engine.rollout():
         for turn in range(turns):
-            ids, mask = _left_pad(tok, seqs)
+            ids, mask = left_pad(tok, seqs)
             want = run(HFEngine(), model, ids, mask, sampling, seed + turn)
             before = engine.prefilled
             got = run(engine, model, ids, mask, sampling, seed + turn)

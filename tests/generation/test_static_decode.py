@@ -8,21 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from tests.generation.conftest import left_pad
 from textrl.generation import DecodeEngine, HFEngine, Sampling
 from textrl.generation.graph import Graphs, StaticKV, WeightCasts, bucket, draw
-from textrl.models import build_tiny_causal_lm, build_tiny_gpt2, build_tiny_tokenizer
+from textrl.models import build_tiny_causal_lm, build_tiny_gpt2
 
 PROMPTS = ["What is 1+2?", "hi", "Count to 3 please, slowly", "a b c d"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
-
-
-@pytest.fixture(scope="module", params=[build_tiny_causal_lm, build_tiny_gpt2], ids=["llama", "gpt2"])
-def model(request, tok):
-    return request.param(tok).eval()
 
 
 def encode(tok, samples=2):
@@ -237,11 +228,7 @@ def test_multi_turn_turns_under_bf16_autocast_equal_generate(tok):
     seqs = [tok(p)["input_ids"] for p in PROMPTS for _ in range(2)]
     with engine.rollout():
         for turn in range(3):
-            width = max(map(len, seqs))
-            ids = torch.full((len(seqs), width), tok.pad_token_id)
-            mask = torch.zeros(len(seqs), width, dtype=torch.long)
-            for i, seq in enumerate(seqs):
-                ids[i, width - len(seq):], mask[i, width - len(seq):] = torch.tensor(seq), 1
+            ids, mask = left_pad(tok, seqs)
             before = engine.prefilled
             got = run(engine, model, ids, mask, sampling, autocast=True)
             assert torch.equal(got, run(HFEngine(), model, ids, mask, sampling, autocast=True)), turn
