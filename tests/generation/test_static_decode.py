@@ -313,3 +313,35 @@ def test_a_model_the_static_cache_cannot_hold_decodes_over_the_growing_cache_wit
         run(engine, model, ids, mask, spec(tok))  # said once
     model.config._attn_implementation = "flash_attention_2"
     assert static_unsupported(model) == "its attention (flash_attention_2) takes no 4-D mask"
+
+
+def test_each_decoder_reads_its_own_models_current_weights_under_autocast(tok):
+    """Two models through one engine under bf16 autocast, one updated in place between its calls:
+    every call draws what ``generate`` draws from that model as it is then (each decoder refreshes
+    the weight casts it was made with)."""
+    a, b = build_tiny_causal_lm(tok, seed=0).eval(), build_tiny_causal_lm(tok, seed=1).eval()
+    ids, mask = encode(tok)
+    engine = DecodeEngine()
+    sampling = spec(tok, eos_token_id=None, max_new_tokens=8)
+    for step in range(3):
+        for model in (a, b):
+            want = run(HFEngine(), model, ids, mask, sampling, autocast=True)
+            assert torch.equal(run(engine, model, ids, mask, sampling, autocast=True), want), (step, model is a)
+        with torch.no_grad():
+            for p in a.parameters():
+                p.add_(torch.randn_like(p) * 0.05)  # an optimiser step on a alone
+
+
+def test_nothing_of_an_earlier_call_reaches_a_later_one_through_the_static_cache(tok):
+    """A masked column still meets its value (weight 0 x NaN is NaN): a call loads the prefill and
+    clears the columns after it, so a NaN an earlier call left there (an overflowed step) is gone."""
+    model = build_tiny_causal_lm(tok).eval()
+    ids, mask = encode(tok)
+    engine = DecodeEngine()
+    sampling = spec(tok, eos_token_id=None, max_new_tokens=8)
+    want = run(engine, model, ids, mask, sampling)
+    (decoder,) = engine.graphs.graphs.values()
+    for layer in decoder.state.kv.layers:
+        layer.keys[:, :, -1] = float("nan")
+        layer.values[:, :, -1] = float("nan")
+    assert torch.equal(run(engine, model, ids, mask, sampling), want)

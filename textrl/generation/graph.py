@@ -96,6 +96,8 @@ class StaticKV:
         for mine, (k, v) in zip(self.layers, layers):
             mine.keys[:, :, :w].copy_(k)
             mine.values[:, :, :w].copy_(v)
+            mine.keys[:, :, w:].zero_()  # a masked column still meets its value (weight 0 x NaN is NaN):
+            mine.values[:, :, w:].zero_()  # nothing of an earlier call's stays
         self.column.fill_(w)
         self.filled = w
 
@@ -278,16 +280,18 @@ class Graphs:
 
     def weight_casts(self, model: nn.Module, device: torch.device) -> WeightCasts | None:
         """The casts of ``model``'s weights under the ambient autocast (None: no autocast, or
-        nothing to cast), refreshed from the current weights."""
+        nothing to cast), one per model, dtype and parameter storage (the ``keep`` most recent; a
+        decoder keeps the one it was captured with, and :meth:`get` refreshes that one)."""
         if device.type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device.type):
             return None
         dtype = torch.get_autocast_dtype(device.type)
         key = (id(model), dtype, tuple(p.data_ptr() for p in model.parameters()))
-        casts = self.casts.get(key)
+        casts = self.casts.pop(key, None)
         if casts is None:
-            self.casts.clear()  # the old weights' copies: another model, or its tensors replaced
-            casts = self.casts[key] = WeightCasts(model, dtype)
-        casts.refresh()
+            while len(self.casts) >= self.keep:
+                self.casts.pop(next(iter(self.casts)))
+            casts = WeightCasts(model, dtype)
+        self.casts[key] = casts
         return casts if casts.entries else None
 
     def get(self, model: nn.Module, rows: int, width: int, like: list[tuple[Tensor, Tensor]], sampling: Sampling,
@@ -305,6 +309,8 @@ class Graphs:
             found = DecodeGraph(DecodeState.new(like, rows, width, kv_dtype), self.step_function(), casts)
             if self.capture and device.type == "cuda":
                 self._capture_or_fall_back(model, found, sampling, name)
+        if found.casts is not None:
+            found.casts.refresh()  # the weights as they are now, for this call
         self.graphs[key] = found  # most recent last
         return found
 
