@@ -307,9 +307,11 @@ class Graphs:
             autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
             kv_dtype = autocast if autocast is not None and like[0][0].is_floating_point() else None
             found = DecodeGraph(DecodeState.new(like, rows, width, kv_dtype), self.step_function(), casts)
+            if found.casts is not None:
+                found.casts.refresh()
             if self.capture and device.type == "cuda":
                 self._capture_or_fall_back(model, found, sampling, name)
-        if found.casts is not None:
+        elif found.casts is not None:
             found.casts.refresh()  # the weights as they are now, for this call
         self.graphs[key] = found  # most recent last
         return found
