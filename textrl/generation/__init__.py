@@ -7,10 +7,13 @@ Engines are registered by name (:func:`register_engine`) and chosen by ``--gener
 
 - ``hf``: transformers' ``generate`` (:func:`textrl.models.sampling.sample`), the reference every
   other engine is tested against;
-- ``textrl``: textrl's own decode loop (:mod:`textrl.generation.decode`): each distinct context
-  prefilled once and its KV cache shared by its samples (``n_samples_per_prompt`` copies of a
-  prompt are one prefill), sampling on the device, the end of every row checked every
-  ``check_every`` steps instead of after each token.
+- ``static``: ``generate`` over a transformers ``StaticCache`` kept per shape, with bucketed shapes
+  (:mod:`textrl.generation.static`);
+- ``textrl`` (``auto`` on the CPU and CUDA): textrl's own decode loop (:mod:`textrl.generation.decode`):
+  each distinct context prefilled once and its KV cache shared by its samples, the cache carried
+  across a multi-turn rollout's turns (:mod:`textrl.generation.carry`), then a static KV cache and
+  one decode step, sampling included, compiled and captured as a CUDA graph on CUDA
+  (:mod:`textrl.generation.graph`).
 """
 
 from textrl.generation.base import (
@@ -25,6 +28,7 @@ from textrl.generation.base import (
 )
 from textrl.generation.decode import DecodeEngine
 from textrl.generation.hf import HFEngine
+from textrl.generation.static import StaticEngine
 
-__all__ = ["ENGINES", "DecodeEngine", "GenerationEngine", "HFEngine", "Sampling", "engine_for", "engine_named", "engine_names",
+__all__ = ["ENGINES", "DecodeEngine", "GenerationEngine", "HFEngine", "Sampling", "StaticEngine", "engine_for", "engine_named", "engine_names",
            "get_engine", "register_engine"]
