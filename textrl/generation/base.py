@@ -109,11 +109,22 @@ def engine_for(name: str, device: torch.device | str, *, partitions_weights: boo
     return get_engine(name)
 
 
+def cut_at_last_eos(tokens: Tensor, eos_token_id: int | None) -> Tensor:
+    """``tokens [B, T]`` cut after the column where the last row emitted EOS, when every row did
+    (``generate`` stops there); as they are otherwise."""
+    if eos_token_id is None:
+        return tokens
+    ended = tokens == eos_token_id
+    if not bool(ended.any(1).all()):
+        return tokens
+    return tokens[:, : int(ended.long().argmax(1).max()) + 1]
+
+
 def engine_named(name: str) -> None:
     """``ValueError`` (with the registered names) unless an engine is registered as ``name`` (or it is ``auto``)."""
     if name != "auto":
         REGISTRY.lookup(name)
 
 
-__all__ = ["AUTO", "ENGINES", "GenerationEngine", "Sampling", "engine_for", "engine_named", "engine_names", "get_engine",
+__all__ = ["AUTO", "ENGINES", "GenerationEngine", "Sampling", "cut_at_last_eos", "engine_for", "engine_named", "engine_names", "get_engine",
            "register_engine"]

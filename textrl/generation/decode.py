@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from textrl.generation.base import GenerationEngine, Sampling, register_engine
+from textrl.generation.base import GenerationEngine, Sampling, cut_at_last_eos, register_engine
 from textrl.generation.carry import TurnCarry, cache_layers
 from textrl.generation.graph import INVALID, Graphs, bucket, next_tokens, static_unsupported
 from textrl.models.kv_cache import cache_argument, new_cache
@@ -164,14 +164,9 @@ class DecodeEngine(GenerationEngine):
         tokens, fed, cache = decode(model, cache, mask, first, running, sampling, name, invalid)
         if not sampling.greedy and bool(invalid.any()):  # one host read a call
             raise RuntimeError(f"{INVALID}: the textrl engine drew from a model whose logits are not finite")
-        eos = sampling.eos_token_id
-        if eos is not None:  # generate stops at the step where the last row ended
-            ended = (tokens == eos).any(1)
-            if bool(ended.all()):
-                last = int((tokens == eos).long().argmax(1).max())
-                tokens = tokens[:, : last + 1]
+        tokens = cut_at_last_eos(tokens, sampling.eos_token_id)
         if self.carry is not None and real is not None and cols is not None:
-            self._remember(model, cache, real, cols, tokens, fed, context_width, eos)
+            self._remember(model, cache, real, cols, tokens, fed, context_width, sampling.eos_token_id)
         return tokens
 
     def _fits_static(self, model: nn.Module) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from textrl.generation.base import GenerationEngine, Sampling, register_engine
+from textrl.generation.base import GenerationEngine, Sampling, cut_at_last_eos, register_engine
 from textrl.generation.graph import bucket
 from textrl.models.kv_cache import cache_argument
 from textrl.models.sampling import sample, sampling_config
@@ -84,11 +84,7 @@ class StaticEngine(GenerationEngine):
                 "generation_engine='static': this transformers' StaticCache stores values in the keys' dtype, and "
                 f"under autocast this model's keys and values differ ({err}); run with the weights in the autocast "
                 "dtype (--dtype bfloat16), a newer transformers, or --generation-engine textrl") from err
-        if sampling.eos_token_id is not None and rows > b:  # the filler rows may have run longer than the real ones
-            ended = (out == sampling.eos_token_id)
-            if bool(ended.any(1).all()):
-                out = out[:, : int(ended.long().argmax(1).max()) + 1]
-        return out
+        return cut_at_last_eos(out, sampling.eos_token_id)  # the filler rows may have run longer than the real ones
 
 
 __all__ = ["StaticEngine"]
