@@ -72,11 +72,10 @@ class DecodeEngine(GenerationEngine):
         self.carry_turns = carry_turns
         self.static = static
         self.width_bucket = width_bucket
-        self.compile = compile
-        self.graphs = Graphs(capture=capture_graphs)
+        self.graphs = Graphs(capture=capture_graphs, compile=compile)
+        """The static caches and captured steps of the shapes decoded lately (``static``)."""
         self._unsupported: dict[int, str | None] = {}
         """``id(model)`` -> why it cannot use the static cache (None: it can)."""
-        """The static caches and captured steps of the shapes decoded lately (``static``)."""
         self.carry: TurnCarry | None = None
         """The KV caches of this rollout's calls, while :meth:`rollout` is open and ``carry_turns``."""
         self.prefilled = 0
@@ -215,8 +214,6 @@ class DecodeEngine(GenerationEngine):
         layers = cache_layers(cache)
         context = mask.shape[1]
         width = bucket(context + sampling.max_new_tokens, self.width_bucket)
-        self.graphs.compile = self.compile if self.compile is not None else (first.device.type == "cuda"
-                                                                            and self.graphs.capture)
         decoder = self.graphs.get(model, first.shape[0], width, layers, sampling, name)
         state = decoder.state
         state.load(layers, mask, first, running, sampling.pad_token_id)

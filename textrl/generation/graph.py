@@ -72,6 +72,27 @@ def next_tokens(logits: Tensor, sampling: Sampling, invalid: Tensor | None = Non
     return draw(z.softmax(-1))
 
 
+def ambient_autocast(device: torch.device | str) -> torch.dtype | None:
+    """The dtype of the autocast open for ``device``'s type here and now (CUDA or the CPU), else None."""
+    kind = torch.device(device).type
+    if kind not in ("cuda", "cpu") or not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
+def recent(entries: dict[Any, Any], key: Any, keep: int, make: Callable[[], Any]) -> tuple[Any, bool]:
+    """``(entries[key], whether it was made now)``: made by ``make()`` when absent (the oldest
+    dropped to keep at most ``keep``), and moved last, as the most recent."""
+    value = entries.pop(key, None)
+    made = value is None
+    if made:
+        while len(entries) >= keep:
+            entries.pop(next(iter(entries)))
+        value = make()
+    entries[key] = value
+    return value, made
+
+
 class StaticKV:
     """A KV cache of ``width`` columns (module docstring): ``layers[i].keys`` / ``.values``
     ``[B, H, width, D]``, written at ``column`` (``[1]`` long, on the device), in ``dtype`` (None:
@@ -219,17 +240,17 @@ class WeightCasts:
 
 
 def graph_key(model: nn.Module, rows: int, width: int, like: list[tuple[Tensor, Tensor]], sampling: Sampling,
-              name: str) -> tuple[Any, ...]:
+              name: str, storage: tuple[int, ...] | None = None) -> tuple[Any, ...]:
     """What a captured step is valid for: the model object, its mode and active adapters, where
-    its parameters live, the shape, the cache dtype, the ambient autocast and the sampling."""
-    device = like[0][0].device
-    autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)) if device.type in (
-        "cuda", "cpu") else (False, None)
+    its parameters live (``storage``: their ``data_ptr``s, computed here when not given), the
+    shape, the cache dtype, the ambient autocast and the sampling."""
     adapters = getattr(model, "active_adapters", None)
     adapters = tuple(adapters) if isinstance(adapters, (list, tuple)) else adapters
-    return (id(model), model.training, adapters, tuple(p.data_ptr() for p in model.parameters()), rows, width,
-            like[0][0].dtype, autocast, sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p,
-            sampling.eos_token_id, sampling.pad_token_id, name)
+    if storage is None:
+        storage = tuple(p.data_ptr() for p in model.parameters())
+    return (id(model), model.training, adapters, storage, rows, width, like[0][0].dtype,
+            ambient_autocast(like[0][0].device), sampling.greedy, sampling.temperature, sampling.top_k,
+            sampling.top_p, sampling.eos_token_id, sampling.pad_token_id, name)
 
 
 @dataclass
@@ -260,10 +281,11 @@ def _nothing() -> Iterator[None]:
 @dataclass
 class Graphs:
     """The engine's :class:`DecodeGraph` per :func:`graph_key`, the ``keep`` most recent; one
-    :class:`WeightCasts` per model and autocast dtype; the step compiled once (``compile``)."""
+    :class:`WeightCasts` per model, autocast dtype and parameter storage; the step compiled once
+    (``compile``; None: where it is captured, on CUDA)."""
 
     capture: bool = True
-    compile: bool = False
+    compile: bool | None = None
     keep: int = 4
     graphs: dict[tuple[Any, ...], DecodeGraph] = field(default_factory=dict)
     casts: dict[tuple[Any, ...], WeightCasts] = field(default_factory=dict)
@@ -271,49 +293,44 @@ class Graphs:
     """Graphs captured, all calls."""
     _compiled: Any = None
 
-    def step_function(self) -> Callable[..., None]:
-        if not self.compile:
+    def step_function(self, device: torch.device) -> Callable[..., None]:
+        """The step a new decoder on ``device`` runs: :func:`decode_step`, compiled once where ``compile`` says."""
+        compile = self.compile if self.compile is not None else self.capture and device.type == "cuda"
+        if not compile:
             return decode_step
         if self._compiled is None:
             self._compiled = torch.compile(decode_step, dynamic=False)
         return self._compiled
 
-    def weight_casts(self, model: nn.Module, device: torch.device) -> WeightCasts | None:
+    def weight_casts(self, model: nn.Module, device: torch.device,
+                     storage: tuple[int, ...] | None = None) -> WeightCasts | None:
         """The casts of ``model``'s weights under the ambient autocast (None: no autocast, or
-        nothing to cast), one per model, dtype and parameter storage (the ``keep`` most recent; a
-        decoder keeps the one it was captured with, and :meth:`get` refreshes that one)."""
-        if device.type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device.type):
+        nothing to cast), one per model, dtype and parameter storage (``storage``: their
+        ``data_ptr``s, computed here when not given; the ``keep`` most recent; a decoder keeps the
+        one it was made with, and :meth:`get` refreshes that one)."""
+        dtype = ambient_autocast(device)
+        if dtype is None:
             return None
-        dtype = torch.get_autocast_dtype(device.type)
-        key = (id(model), dtype, tuple(p.data_ptr() for p in model.parameters()))
-        casts = self.casts.pop(key, None)
-        if casts is None:
-            while len(self.casts) >= self.keep:
-                self.casts.pop(next(iter(self.casts)))
-            casts = WeightCasts(model, dtype)
-        self.casts[key] = casts
+        if storage is None:
+            storage = tuple(p.data_ptr() for p in model.parameters())
+        casts, _ = recent(self.casts, (id(model), dtype, storage), self.keep, lambda: WeightCasts(model, dtype))
         return casts if casts.entries else None
 
     def get(self, model: nn.Module, rows: int, width: int, like: list[tuple[Tensor, Tensor]], sampling: Sampling,
             name: str) -> DecodeGraph:
         """The decoder of this call's shape, its weight casts refreshed (captured first, on CUDA)."""
         device = like[0][0].device
-        casts = self.weight_casts(model, device)
-        key = graph_key(model, rows, width, like, sampling, name)
-        found = self.graphs.pop(key, None)
-        if found is None:
-            while len(self.graphs) >= self.keep:
-                self.graphs.pop(next(iter(self.graphs)))
-            autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-            kv_dtype = autocast if autocast is not None and like[0][0].is_floating_point() else None
-            found = DecodeGraph(DecodeState.new(like, rows, width, kv_dtype), self.step_function(), casts)
-            if found.casts is not None:
-                found.casts.refresh()
-            if self.capture and device.type == "cuda":
-                self._capture_or_fall_back(model, found, sampling, name)
-        elif found.casts is not None:
-            found.casts.refresh()  # the weights as they are now, for this call
-        self.graphs[key] = found  # most recent last
+        storage = tuple(p.data_ptr() for p in model.parameters())
+        casts = self.weight_casts(model, device, storage)
+        autocast = ambient_autocast(device)
+        kv_dtype = autocast if autocast is not None and like[0][0].is_floating_point() else None
+        found, made = recent(self.graphs, graph_key(model, rows, width, like, sampling, name, storage), self.keep,
+                             lambda: DecodeGraph(DecodeState.new(like, rows, width, kv_dtype),
+                                                 self.step_function(device), casts))
+        if found.casts is not None:
+            found.casts.refresh()  # the weights as they are now, for this call (and a new capture's warm-up)
+        if made and self.capture and device.type == "cuda":
+            self._capture_or_fall_back(model, found, sampling, name)
         return found
 
     def _capture_or_fall_back(self, model: nn.Module, decoder: DecodeGraph, sampling: Sampling, name: str) -> None:
@@ -330,11 +347,10 @@ class Graphs:
         captured (the step then runs eagerly)."""
         state = decoder.state
         device = state.token.device
-        autocast = torch.is_autocast_enabled("cuda")
-        dtype = torch.get_autocast_dtype("cuda")
+        dtype = ambient_autocast(device)
 
         def step() -> None:
-            with torch.autocast("cuda", dtype=dtype, enabled=autocast, cache_enabled=False):
+            with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None, cache_enabled=False):
                 decoder.step(model, state, sampling, name)
 
         rng = torch.cuda.get_rng_state(device)  # the warm-up's draws are not the caller's
@@ -398,5 +414,5 @@ def bucket(n: int, size: int) -> int:
     return -(-n // size) * size
 
 
-__all__ = ["INVALID", "DecodeGraph", "DecodeState", "Graphs", "StaticKV", "WeightCasts", "bucket", "decode_step", "draw", "graph_key",
-           "next_tokens", "static_unsupported"]
+__all__ = ["INVALID", "DecodeGraph", "DecodeState", "Graphs", "StaticKV", "WeightCasts", "ambient_autocast", "bucket",
+           "decode_step", "draw", "graph_key", "next_tokens", "recent", "static_unsupported"]

@@ -17,19 +17,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from textrl.generation.base import GenerationEngine, Sampling, cut_at_last_eos, register_engine
-from textrl.generation.graph import bucket
+from textrl.generation.graph import ambient_autocast, bucket, recent
 from textrl.models.kv_cache import cache_argument
 from textrl.models.sampling import sample, sampling_config
 
 
 @register_engine("static")
 class StaticEngine(GenerationEngine):
-    """``generate`` with ``cache_implementation="static"`` over bucketed shapes (module docstring);
-    ``row_bucket=1`` and ``width_bucket=1``: the batch as given. ``kwargs`` go to ``generate``."""
+    """``generate`` over a ``StaticCache`` of its own per shape, over bucketed shapes (module
+    docstring); ``row_bucket=1`` and ``width_bucket=1``: the batch as given. ``kwargs`` go to ``generate``."""
 
     def __init__(self, width_bucket: int = 64, row_bucket: int = 8) -> None:
         if width_bucket < 1 or row_bucket < 1:
@@ -44,17 +43,10 @@ class StaticEngine(GenerationEngine):
     def cache_for(self, model: nn.Module, rows: int, length: int) -> Any:
         from transformers import StaticCache
 
-        device = next(model.parameters()).device.type
-        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        key = (id(model), rows, length, autocast)
-        cache = self.caches.pop(key, None)
-        if cache is None:
-            while len(self.caches) >= self.keep:
-                self.caches.pop(next(iter(self.caches)))
-            cache = StaticCache(config=model.config, max_cache_len=length)
-        else:
+        key = (id(model), rows, length, ambient_autocast(next(model.parameters()).device))
+        cache, made = recent(self.caches, key, self.keep, lambda: StaticCache(config=model.config, max_cache_len=length))
+        if not made:
             cache.reset()
-        self.caches[key] = cache
         return cache
 
     def check_backend(self, partitions_weights: bool) -> None:
