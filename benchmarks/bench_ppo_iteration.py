@@ -115,17 +115,19 @@ def build(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         iterations=args.warmup + args.iterations, eval_every=0, rollback_copy=args.rollback_copy,
         generation_engine=args.generation_engine,
     )
-    floor = {  # the floor's own copies, so its updates do not touch the agent
-        "policy": copy.deepcopy(policy), "ref": copy.deepcopy(policy).requires_grad_(False),
-        "critic": ValueModel.from_causal_lm(policy), "reward": copy.deepcopy(reward_model),
-    }
-    floor["actor_opt"] = torch.optim.AdamW(floor["policy"].parameters(), lr=config.actor_lr, weight_decay=0.0)
-    floor["critic_opt"] = torch.optim.AdamW(floor["critic"].parameters(), lr=config.critic_lr, weight_decay=0.0)
-    twin = copy.deepcopy(policy)  # before the agent trains: the same starting weights
+    floor, unguarded = None, None  # --iteration-only: the agent alone
+    if not args.iteration_only:
+        floor = {  # the floor's own copies, so its updates do not touch the agent
+            "policy": copy.deepcopy(policy), "ref": copy.deepcopy(policy).requires_grad_(False),
+            "critic": ValueModel.from_causal_lm(policy), "reward": copy.deepcopy(reward_model),
+        }
+        floor["actor_opt"] = torch.optim.AdamW(floor["policy"].parameters(), lr=config.actor_lr, weight_decay=0.0)
+        floor["critic_opt"] = torch.optim.AdamW(floor["critic"].parameters(), lr=config.critic_lr, weight_decay=0.0)
+        twin = copy.deepcopy(policy)  # before the agent trains: the same starting weights
+        stop_config = copy.deepcopy(config)
+        stop_config.nonfinite_weights = "stop"
+        unguarded = GAEPPO(twin, tok, stop_config, critic=ValueModel.from_causal_lm(twin))
     agent = GAEPPO(policy, tok, config, critic=ValueModel.from_causal_lm(policy))
-    stop_config = copy.deepcopy(config)
-    stop_config.nonfinite_weights = "stop"
-    unguarded = GAEPPO(twin, tok, stop_config, critic=ValueModel.from_causal_lm(twin))
     # The prompts carry no chat template, so the reward model reads prompt + completion as the policy did.
     reward_fn = NeuralReward(reward_model, tok, batch_size=args.batch, use_chat_template=False)
 
@@ -202,6 +204,13 @@ def floor_iteration(floor: dict[str, Any], input_ids: Tensor, new_tokens: int, t
     return t3 - t0, parts
 
 
+def record_phases(phases: dict[str, list[float]], seconds: float, timings: dict[str, float]) -> None:
+    """Append one iteration's phase seconds, and the time between phases (checks, glue) as ``unaccounted``."""
+    for name in PHASES:
+        phases[name].append(timings.get(name, 0.0))
+    phases["unaccounted"].append(seconds - sum(timings.values()))
+
+
 def iteration_only(args: argparse.Namespace, agent: Any, n_params: int, seconds: float, phases: dict[str, float],
                    device: torch.device) -> dict[str, Any]:
     """``--iteration-only``: the phase table and JSON of the agent's iterations, no floor or guard figures."""
@@ -247,9 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             seconds, timings, metrics = ppo_iteration(agent, batch, parts["reward_fn"], i + 1)
             if i >= args.warmup:
                 ppo_s.append(seconds)
-                for name in PHASES:
-                    phases[name].append(timings.get(name, 0.0))
-                phases["unaccounted"].append(seconds - sum(timings.values()))
+                record_phases(phases, seconds, timings)
             continue
         f_seconds, f_parts = floor_iteration(floor, input_ids, args.new_tokens, tok)
         if i % 2:
@@ -265,9 +272,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         stop_update_s.append(unguarded[1]["update"])
         for name in guard:
             guard[name].append(metrics[name])
-        for name in PHASES:
-            phases[name].append(timings.get(name, 0.0))
-        phases["unaccounted"].append(seconds - sum(timings.values()))  # between phases: checks, glue
+        record_phases(phases, seconds, timings)
         for name, value in f_parts.items():
             floor_parts.setdefault(name, []).append(value)
 
