@@ -102,6 +102,7 @@ def main() -> None:
     from textrl.generation import Sampling, engine_names, get_engine
     from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
     from textrl.run import resolve_device
+    from textrl.stages.data import pad_left
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -163,12 +164,7 @@ def main() -> None:
         seqs = [row.tolist() for row in ids.cpu()]
         with torch.no_grad(), autocast, engine.rollout():
             for _ in range(turns):
-                width = max(map(len, seqs))
-                turn_ids = torch.full((rows, width), tok.pad_token_id, dtype=torch.long)
-                turn_mask = torch.zeros(rows, width, dtype=torch.long)
-                for i, seq in enumerate(seqs):
-                    turn_ids[i, width - len(seq):] = torch.tensor(seq)
-                    turn_mask[i, width - len(seq):] = 1
+                turn_ids, turn_mask = pad_left(seqs, tok.pad_token_id)
                 out = engine.generate(model, turn_ids.to(device), turn_mask.to(device), turn_sampling).cpu()
                 seqs = [seq + out[i].tolist() + observation for i, seq in enumerate(seqs)]
 

@@ -10,6 +10,7 @@ import torch
 
 from textrl.generation import DecodeEngine, HFEngine, Sampling, get_engine
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
+from textrl.stages.data import pad_left
 
 pytestmark = pytest.mark.cuda
 
@@ -93,12 +94,7 @@ def test_multi_turn_turns_with_the_carried_cache_equal_generate(tok, model):
     seqs = [tok(p)["input_ids"] for p in PROMPTS[:4] for _ in range(2)]
     with engine.rollout():
         for turn in range(3):
-            width = max(map(len, seqs))
-            ids = torch.full((len(seqs), width), tok.pad_token_id)
-            mask = torch.zeros(len(seqs), width, dtype=torch.long)
-            for i, s in enumerate(seqs):
-                ids[i, width - len(s):], mask[i, width - len(s):] = torch.tensor(s), 1
-            ids, mask = ids.cuda(), mask.cuda()
+            ids, mask = (x.cuda() for x in pad_left(seqs, tok.pad_token_id))
             before = engine.prefilled
             got = run(engine, model, ids, mask, sampling)
             assert torch.equal(got, run(HFEngine(), model, ids, mask, sampling)), turn

@@ -8,11 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.generation.conftest import left_pad
 from textrl.generation import DecodeEngine, HFEngine, Sampling, engine_names, get_engine
 from textrl.generation.decode import next_tokens, shared_prefixes
 from textrl.generation.static import StaticEngine
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
+from textrl.stages.data import pad_left
 
 PROMPTS = ["What is 1+2?", "hi", "Count to 3 please, slowly", "<think>", "a b c d e f g"]
 
@@ -191,7 +191,7 @@ def _episodes(tok, model, engine, sampling, turns=3, seed=0):
     seqs = [tok(p)["input_ids"] for p in PROMPTS[:4] for _ in range(2)]
     with engine.rollout():
         for turn in range(turns):
-            ids, mask = left_pad(tok, seqs)
+            ids, mask = pad_left(seqs, tok.pad_token_id)
             want = run(HFEngine(), model, ids, mask, sampling, seed + turn)
             before = engine.prefilled
             got = run(engine, model, ids, mask, sampling, seed + turn)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from tests.generation.conftest import left_pad
 from textrl.generation import DecodeEngine, HFEngine, Sampling
 from textrl.generation.graph import Graphs, StaticKV, WeightCasts, bucket, draw
 from textrl.models import build_tiny_causal_lm, build_tiny_gpt2
+from textrl.stages.data import pad_left
 
 PROMPTS = ["What is 1+2?", "hi", "Count to 3 please, slowly", "a b c d"]
 
@@ -228,7 +228,7 @@ def test_multi_turn_turns_under_bf16_autocast_equal_generate(tok):
     seqs = [tok(p)["input_ids"] for p in PROMPTS for _ in range(2)]
     with engine.rollout():
         for turn in range(3):
-            ids, mask = left_pad(tok, seqs)
+            ids, mask = pad_left(seqs, tok.pad_token_id)
             before = engine.prefilled
             got = run(engine, model, ids, mask, sampling, autocast=True)
             assert torch.equal(got, run(HFEngine(), model, ids, mask, sampling, autocast=True)), turn
