@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -268,14 +268,9 @@ class DecodeGraph:
         if self.graph is not None:
             self.graph.replay()
         else:
-            with self.casts.swapped() if self.casts is not None else _nothing():
+            with self.casts.swapped() if self.casts is not None else nullcontext():
                 self.step(model, self.state, sampling, name)
         self.replays += 1
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 @dataclass
@@ -355,7 +350,7 @@ class Graphs:
 
         rng = torch.cuda.get_rng_state(device)  # the warm-up's draws are not the caller's
         try:
-            with decoder.casts.swapped() if decoder.casts is not None else _nothing():
+            with decoder.casts.swapped() if decoder.casts is not None else nullcontext():
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
