@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from textrl.generation import DecodeEngine, HFEngine, Sampling
-from textrl.generation.graph import Graphs, StaticKV, WeightCasts, bucket, draw
+from textrl.generation.graph import MATMUL_LAYERS, Graphs, StaticKV, WeightCasts, bucket, draw
 from textrl.models import build_tiny_causal_lm, build_tiny_gpt2
 from textrl.stages.data import pad_left
 
@@ -59,7 +59,7 @@ def test_under_bf16_autocast_the_static_decode_draws_what_generate_draws(tok, mo
     decoder = list(engine.graphs.graphs.values())[-1]
     assert decoder.state.kv.layers[0].keys.dtype == torch.bfloat16  # the cache in the autocast dtype
     (casts,) = engine.graphs.casts.values()
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    linears = [m for m in model.modules() if isinstance(m, MATMUL_LAYERS)]  # GPT-2's Conv1Ds too
     assert len(casts.entries) == sum(1 + (m.bias is not None) for m in linears) > 0
 
 

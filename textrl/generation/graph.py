@@ -11,7 +11,7 @@ token of every later call of the same shape: one launch a token instead of a few
 The captured step reads the model's parameters where they are, so an optimiser's in-place update
 is seen by the next replay; parameters replaced by new tensors (another ``data_ptr``) make a new
 graph (:func:`graph_key`). Under autocast, the weights autocast would cast for every matmul
-(``nn.Linear`` weights and biases of another dtype) are cast once per call instead
+(the weights and biases of ``nn.Linear`` and GPT-2's ``Conv1D`` in another dtype) are cast once per call instead
 (:class:`WeightCasts`: a copy in the autocast dtype, refreshed from the current weights at the start
 of every call, the step reading the copy: autocast's own cache, kept between calls); the rest of
 the step runs under the ambient autocast with its cache off, as captured graphs need.
@@ -37,8 +37,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from transformers.pytorch_utils import Conv1D
 
 from textrl.generation.base import Sampling
+
+MATMUL_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, Conv1D)
+"""The layers whose ``weight`` and ``bias`` a matmul reads, which autocast casts at every call:
+``nn.Linear`` and transformers' ``Conv1D`` (GPT-2's attention and MLP)."""
 
 
 def draw(probs: Tensor) -> Tensor:
@@ -161,8 +166,9 @@ class DecodeState:
     @classmethod
     def new(cls, like: list[tuple[Tensor, Tensor]], rows: int, width: int,
             kv_dtype: torch.dtype | None = None) -> DecodeState:
-        """Buffers for ``rows`` x ``width`` (the mask in the prefill keys' dtype, the cache in ``kv_dtype``)."""
-        device, dtype = like[0][0].device, like[0][0].dtype
+        """Buffers for ``rows`` x ``width``, the cache and the mask in ``kv_dtype`` (None: the prefill
+        keys' dtype; attention casts its mask to its keys' dtype, so a mask kept in it is not cast each layer)."""
+        device, dtype = like[0][0].device, kv_dtype or like[0][0].dtype
         kv = StaticKV(like, width, kv_dtype)
         return cls(kv=kv, token=torch.zeros(rows, dtype=torch.long, device=device),
                    position=torch.zeros(rows, 1, dtype=torch.long, device=device),
@@ -205,14 +211,14 @@ def decode_step(model: nn.Module, state: DecodeState, sampling: Sampling, name: 
 
 
 class WeightCasts:
-    """The ``nn.Linear`` weights and biases of ``model`` autocast would cast to ``dtype`` (floating,
+    """The weights and biases of ``model``'s :data:`MATMUL_LAYERS` autocast would cast to ``dtype`` (floating,
     another dtype, plain ``nn.Parameter``: not a quantised one), each with a copy in ``dtype``.
     :meth:`refresh` copies the current values in; inside :meth:`swapped` the modules read the copies."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         self.entries: list[tuple[nn.Module, str, Tensor, Tensor]] = []
         for module in model.modules():
-            if not isinstance(module, nn.Linear):
+            if not isinstance(module, MATMUL_LAYERS):
                 continue
             for name in ("weight", "bias"):
                 p = module._parameters.get(name)
@@ -409,5 +415,5 @@ def bucket(n: int, size: int) -> int:
     return -(-n // size) * size
 
 
-__all__ = ["INVALID", "DecodeGraph", "DecodeState", "Graphs", "StaticKV", "WeightCasts", "ambient_autocast", "bucket",
+__all__ = ["INVALID", "MATMUL_LAYERS", "DecodeGraph", "DecodeState", "Graphs", "StaticKV", "WeightCasts", "ambient_autocast", "bucket",
            "decode_step", "draw", "graph_key", "next_tokens", "recent", "static_unsupported"]
