@@ -30,6 +30,17 @@ multi-turn runner appends an environment's answer), inside the engine's ``rollou
 ``multi_tokens_per_second`` counts the agent's tokens, and ``multi_over_single`` compares it with
 the same engine's single turn of ``--new-tokens`` tokens.
 
+With ``--traffic`` nothing is timed: one eager decode step of the ``textrl`` engine's static
+cache, halfway through the response, is counted op by op (:mod:`textrl.generation.traffic`: the
+bytes its casts, matmuls, attention and other ops read and write) in five set-ups on
+``--device``: ``float32`` (no autocast), ``autocast`` (float32 weights under bf16 autocast, as
+textrl trains on CUDA: the cache and mask in bf16 and the weights cast once a call, the step as the
+engine captures it, autocast's cache off), ``bfloat16`` weights, and two baselines under autocast:
+``autocast_f32_cache`` (the cache kept in the prefill's float32) and ``autocast_no_weight_casts``
+(autocast casting every weight every step). Each against the step's floor: the bytes of the
+weights its matmuls read (in the dtype they read) and of the keys and values of the real context.
+A property of the step's ops, the same on every device; it predicts what a GPU run is short of.
+
 Prints a table, then one JSON line: per engine ``seconds``, ``tokens_per_second``, ``x_hf`` (its
 speed over ``hf``'s) and ``x_floor`` (its seconds over the floor's), the multi-turn figures, and
 the floor's figures. A script, never imported (torchrl ships a top-level ``benchmarks`` package).
@@ -38,6 +49,7 @@ the floor's figures. A script, never imported (torchrl ships a top-level ``bench
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -117,6 +129,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=1, help="also time episodes of this many turns (1: off)")
     parser.add_argument("--observation-tokens", type=int, default=14, help="tokens appended after each turn")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
+    parser.add_argument("--traffic", action="store_true", help="count the bytes of one decode step instead (no timing)")
     parser.add_argument("--weights", default="float32", choices=("float32", "bfloat16"),
                         help="the model's dtype: float32 (under bf16 autocast on CUDA, as textrl trains) or bfloat16 "
                              "(no autocast)")
@@ -131,6 +144,8 @@ def main() -> None:
 
     tok = build_tiny_tokenizer() if args.vocab == 512 else build_tiny_tokenizer(args.vocab)
     model = build_tiny_causal_lm(tok, max_position_embeddings=4096, **SHAPES[args.shape]).to(device).eval()
+    if args.traffic:
+        return traffic(model, device, prompts * args.samples, args.prompt_tokens, new_tokens, args.shape)
     bf16_weights = args.weights == "bfloat16"
     if bf16_weights:
         model = model.to(torch.bfloat16)
@@ -210,6 +225,65 @@ def main() -> None:
                       "new_tokens": new_tokens, "weights": args.weights, "turns": turns, "tokens_per_turn": per_turn,
                       "observation_tokens": args.observation_tokens, "floor_seconds": floor, **hw, "engines": result,
                       "gpu": torch.cuda.get_device_name(device) if cuda else None}), flush=True)
+
+
+def traffic(model: Any, device: torch.device, rows: int, prompt_tokens: int, new_tokens: int, shape: str) -> None:
+    """``--traffic`` (module docstring): one step's bytes by kind in each set-up, against its floor."""
+    from textrl.generation import Sampling
+    from textrl.generation.carry import cache_layers
+    from textrl.generation.graph import MATMUL_LAYERS, DecodeState, WeightCasts, bucket, decode_step
+    from textrl.generation.traffic import OpLog, step_bytes
+    from textrl.models.kv_cache import cache_argument, new_cache
+
+    context = prompt_tokens + new_tokens // 2  # halfway through the response
+    width = bucket(prompt_tokens + new_tokens, 64)  # the engine's static cache for the whole call
+    ids = torch.randint(3, 256, (rows, context), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones_like(ids)
+    name = cache_argument(model)
+    greedy = Sampling(greedy=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                      eos_token_id=None, pad_token_id=0)
+    setups = {  # weights dtype, autocast, cache kept in the autocast dtype, weights cast once a call
+        "float32": (torch.float32, False, False, False),
+        "autocast": (torch.float32, True, True, True),
+        "bfloat16": (torch.bfloat16, False, False, False),
+        "autocast_f32_cache": (torch.float32, True, False, True),
+        "autocast_no_weight_casts": (torch.float32, True, True, False),
+    }
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, MATMUL_LAYERS))
+    result: dict[str, Any] = {}
+    for setup, (dtype, autocast, bf16_cache, cast_once) in setups.items():
+        model.to(dtype)
+        amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast, cache_enabled=False)
+        with torch.no_grad(), amp:
+            cache = new_cache(model)
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **{name: cache}).logits
+            layers = cache_layers(cache)
+            state = DecodeState.new(layers, rows, width, torch.bfloat16 if bf16_cache else None)
+            first = logits[:, -1].argmax(-1)
+            state.load(layers, mask, first, torch.ones_like(first, dtype=torch.bool), 0)
+            casts = WeightCasts(model, torch.bfloat16) if cast_once else None
+            if casts is not None:
+                casts.refresh()
+            with casts.swapped() if casts is not None else contextlib.nullcontext(), OpLog() as log:
+                decode_step(model, state, greedy, name)
+        read = 2 if autocast or dtype == torch.bfloat16 else 4
+        kv = sum(k.numel() + v.numel() for k, v in layers) * read
+        floor = weights * read + kv
+        counted = step_bytes(log.ops)
+        result[setup] = {**{k: v / 1e6 for k, v in counted.items()}, "floor": floor / 1e6,
+                         "x_floor": counted["total"] / floor}
+    model.float()
+    base = result["autocast"]["total"]
+    print(f"{shape} on {device}: one decode step of {rows} rows at context {context} (static cache {width} "
+          f"columns); MB a step by kind")
+    print(f"{'set-up':<26} {'casts':>8} {'matmul':>8} {'attention':>9} {'other':>7} {'total':>8} {'floor':>8} "
+          f"{'x floor':>7} {'x autocast':>10}")
+    for setup, r in result.items():
+        r["x_autocast"] = r["total"] / base
+        print(f"{setup:<26} {r['casts']:>8.1f} {r['matmul']:>8.1f} {r['attention']:>9.1f} {r['other']:>7.1f} "
+              f"{r['total']:>8.1f} {r['floor']:>8.1f} {r['x_floor']:>7.2f} {r['x_autocast']:>10.2f}")
+    print(json.dumps({"device": str(device), "shape": shape, "rows": rows, "context": context, "width": width,
+                      "matmul_weights": weights, "traffic_mb": result}), flush=True)
 
 
 if __name__ == "__main__":

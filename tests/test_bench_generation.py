@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,3 +45,23 @@ def test_bench_generation_refuses_an_unknown_engine():
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode != 0
     assert "generation_engine='vllm': not a registered engine; choose auto or one of hf, static, textrl" in result.stderr
+
+
+def test_bench_generation_counts_a_decode_steps_bytes_in_each_set_up():
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_generation.py"), "--traffic", "--prompts", "2",
+           "--samples", "2", "--new-tokens", "8", "--threads", "1"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["rows"] == 4 and figures["context"] == 16 + 4 and figures["width"] == 64
+    mb = figures["traffic_mb"]
+    assert set(mb) == {"float32", "autocast", "bfloat16", "autocast_f32_cache", "autocast_no_weight_casts"}
+    for r in mb.values():
+        assert r["total"] == pytest.approx(r["casts"] + r["matmul"] + r["attention"] + r["other"])
+        assert r["x_floor"] == pytest.approx(r["total"] / r["floor"]) and r["x_floor"] > 1
+    assert mb["float32"]["casts"] == 0 and mb["autocast"]["matmul"] == pytest.approx(mb["float32"]["matmul"] / 2, rel=0.05)
+    assert mb["autocast"]["matmul"] == mb["bfloat16"]["matmul"]  # the same matmuls, in bf16
+    # the baselines cast what the engine does not: the cache each layer, the weights each step
+    assert mb["autocast_f32_cache"]["casts"] > mb["autocast"]["casts"] + mb["autocast"]["attention"] / 2
+    assert mb["autocast_no_weight_casts"]["casts"] > figures["matmul_weights"] * 6 / 1e6
