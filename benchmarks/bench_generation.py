@@ -32,10 +32,12 @@ the same engine's single turn of ``--new-tokens`` tokens.
 
 With ``--traffic`` nothing is timed: one eager decode step of the ``textrl`` engine's static
 cache, halfway through the response, is counted op by op (:mod:`textrl.generation.traffic`: the
-bytes its casts, matmuls, attention and other ops read and write) in five set-ups on
+bytes its casts, matmuls, attention and other ops read and write) in six set-ups on
 ``--device``: ``float32`` (no autocast), ``autocast`` (float32 weights under bf16 autocast, as
 textrl trains on CUDA: the cache and mask in bf16 and the weights cast once a call, the step as the
-engine captures it, autocast's cache off), ``bfloat16`` weights, and two baselines under autocast:
+engine captures it, autocast's cache off, attending to the whole static cache), ``bfloat16``
+weights, ``autocast_window`` (``autocast`` attending to the columns up to its own in 64-column
+windows: ``DecodeEngine(attention_window=64)``), and two baselines under autocast:
 ``autocast_f32_cache`` (the cache kept in the prefill's float32) and ``autocast_no_weight_casts``
 (autocast casting every weight every step). Each against the step's floor: the bytes of the
 weights its matmuls read (in the dtype they read) and of the keys and values of the real context.
@@ -71,7 +73,9 @@ VARIANTS = {
     "textrl_unshared": lambda: _decode(share_prefixes=False),  # every row prefilled
     "textrl_dynamic": lambda: _decode(static=False),  # transformers' growing cache, one eager forward a token
     "textrl_eager": lambda: _decode(capture_graphs=False),  # the static cache, no CUDA graph
-    "textrl_graph": lambda: _decode(compile=False),  # the CUDA graph of the step as written, not compiled
+    "textrl_graph": lambda: _decode(compile=False),
+    "textrl_full_width": lambda: _decode(attention_window=None),  # every step attends to the whole static cache
+    "textrl_windows": lambda: _decode(attention_window=64),  # attention over 64-column windows (captured per window on CUDA)  # the CUDA graph of the step as written, not compiled
 }
 """The ``textrl`` engine with one of its parts off, to show what each part is worth."""
 
@@ -242,16 +246,18 @@ def traffic(model: Any, device: torch.device, rows: int, prompt_tokens: int, new
     name = cache_argument(model)
     greedy = Sampling(greedy=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
                       eos_token_id=None, pad_token_id=0)
-    setups = {  # weights dtype, autocast, cache kept in the autocast dtype, weights cast once a call
-        "float32": (torch.float32, False, False, False),
-        "autocast": (torch.float32, True, True, True),
-        "bfloat16": (torch.bfloat16, False, False, False),
-        "autocast_f32_cache": (torch.float32, True, False, True),
-        "autocast_no_weight_casts": (torch.float32, True, True, False),
+    window = bucket(context + 1, 64)  # the columns up to the one this step writes, in 64-column windows
+    setups = {  # weights dtype, autocast, cache kept in the autocast dtype, weights cast once a call, window
+        "float32": (torch.float32, False, False, False, None),
+        "autocast": (torch.float32, True, True, True, None),
+        "bfloat16": (torch.bfloat16, False, False, False, None),
+        "autocast_window": (torch.float32, True, True, True, window),
+        "autocast_f32_cache": (torch.float32, True, False, True, None),
+        "autocast_no_weight_casts": (torch.float32, True, True, False, None),
     }
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, MATMUL_LAYERS))
     result: dict[str, Any] = {}
-    for setup, (dtype, autocast, bf16_cache, cast_once) in setups.items():
+    for setup, (dtype, autocast, bf16_cache, cast_once, attend) in setups.items():
         model.to(dtype)
         amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast, cache_enabled=False)
         with torch.no_grad(), amp:
@@ -261,6 +267,7 @@ def traffic(model: Any, device: torch.device, rows: int, prompt_tokens: int, new
             state = DecodeState.new(layers, rows, width, torch.bfloat16 if bf16_cache else None)
             first = logits[:, -1].argmax(-1)
             state.load(layers, mask, first, torch.ones_like(first, dtype=torch.bool), 0)
+            state.kv.window = attend
             casts = WeightCasts(model, torch.bfloat16) if cast_once else None
             if casts is not None:
                 casts.refresh()
@@ -283,6 +290,7 @@ def traffic(model: Any, device: torch.device, rows: int, prompt_tokens: int, new
         print(f"{setup:<26} {r['casts']:>8.1f} {r['matmul']:>8.1f} {r['attention']:>9.1f} {r['other']:>7.1f} "
               f"{r['total']:>8.1f} {r['floor']:>8.1f} {r['x_floor']:>7.2f} {r['x_autocast']:>10.2f}")
     print(json.dumps({"device": str(device), "shape": shape, "rows": rows, "context": context, "width": width,
+                      "window": window,
                       "matmul_weights": weights, "traffic_mb": result}), flush=True)
 
 

@@ -21,7 +21,8 @@ def test_bench_generation_times_every_engine_against_hf_and_the_floor():
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["rows"] == 6 and figures["new_tokens"] == 4 and figures["floor_seconds"] > 0
-    assert set(figures["engines"]) == {"hf", "static", "textrl", "textrl_unshared", "textrl_dynamic", "textrl_eager", "textrl_graph"}
+    assert set(figures["engines"]) == {"hf", "static", "textrl", "textrl_unshared", "textrl_dynamic", "textrl_eager", "textrl_graph",
+                                          "textrl_full_width", "textrl_windows"}
     for r in figures["engines"].values():
         assert r["seconds"] > 0 and r["tokens_per_second"] == 24 / r["seconds"] and r["x_floor"] >= 1
     assert figures["engines"]["hf"]["x_hf"] == 1.0
@@ -56,12 +57,15 @@ def test_bench_generation_counts_a_decode_steps_bytes_in_each_set_up():
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["rows"] == 4 and figures["context"] == 16 + 4 and figures["width"] == 64
     mb = figures["traffic_mb"]
-    assert set(mb) == {"float32", "autocast", "bfloat16", "autocast_f32_cache", "autocast_no_weight_casts"}
+    assert set(mb) == {"float32", "autocast", "bfloat16", "autocast_window", "autocast_f32_cache",
+                       "autocast_no_weight_casts"}
     for r in mb.values():
         assert r["total"] == pytest.approx(r["casts"] + r["matmul"] + r["attention"] + r["other"])
         assert r["x_floor"] == pytest.approx(r["total"] / r["floor"]) and r["x_floor"] > 1
     assert mb["float32"]["casts"] == 0 and mb["autocast"]["matmul"] == pytest.approx(mb["float32"]["matmul"] / 2, rel=0.05)
     assert mb["autocast"]["matmul"] == mb["bfloat16"]["matmul"]  # the same matmuls, in bf16
+    assert figures["window"] == 64 and figures["width"] == 64  # one window: the whole width
+    assert mb["autocast_window"]["attention"] == mb["autocast"]["attention"]
     # the baselines cast what the engine does not: the cache each layer, the weights each step
     assert mb["autocast_f32_cache"]["casts"] > mb["autocast"]["casts"] + mb["autocast"]["attention"] / 2
     assert mb["autocast_no_weight_casts"]["casts"] > figures["matmul_weights"] * 6 / 1e6

@@ -145,3 +145,20 @@ def test_the_static_engine_decodes_greedily_what_generate_does(tok, model, autoc
         assert got.shape[0] == want.shape[0] and float((got[:, :8] == want[:, :8]).float().mean()) > 0.5
     else:
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["graph", "compiled"])
+def test_a_step_captured_per_attention_window_decodes_what_generate_does(tok, model, compile):
+    """``attention_window=32``: the whole width's graph, then one per window below it (a 128-column
+    cache: 32, 64, 96), each step replaying the smallest window past its column; greedy with EOS
+    mid-batch and seeded sampling equal ``generate``."""
+    ids, mask = encode(tok, PROMPTS)
+    engine = DecodeEngine(attention_window=32, compile=compile)
+    for sampling in (spec(tok, eos=frequent_token(model, tok, ids, mask), max_new_tokens=80),
+                     spec(tok, greedy=False, eos=-1, max_new_tokens=80)):
+        want = run(HFEngine(), model, ids, mask, sampling, seed=5)
+        got = run(engine, model, ids, mask, sampling, seed=5)
+        assert torch.equal(got, want), (got, want)
+    for decoder in engine.graphs.graphs.values():
+        assert decoder.state.kv.width == 128 and sorted(decoder.windows) == [32, 64, 96]
+    assert engine.graphs.captured == 2 * 4

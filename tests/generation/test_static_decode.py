@@ -345,3 +345,83 @@ def test_nothing_of_an_earlier_call_reaches_a_later_one_through_the_static_cache
         layer.keys[:, :, -1] = float("nan")
         layer.values[:, :, -1] = float("nan")
     assert torch.equal(run(engine, model, ids, mask, sampling), want)
+
+
+def test_attention_windows_decode_what_generate_and_the_whole_width_decode(tok, model):
+    """A step attends to the columns up to its own, rounded up to ``attention_window`` (8 here: a new
+    window every 8 tokens over a 128-column cache): the columns left out are masked ones, so greedy
+    and seeded runs are ``generate``'s and the whole width's, token for token."""
+    ids, mask = encode(tok)
+    for greedy in (True, False):
+        sampling = spec(tok, greedy, max_new_tokens=80)
+        want = run(HFEngine(), model, ids, mask, sampling, seed=3)
+        windowed = DecodeEngine(attention_window=8)
+        assert torch.equal(run(windowed, model, ids, mask, sampling, seed=3), want)
+        assert torch.equal(run(DecodeEngine(attention_window=None), model, ids, mask, sampling, seed=3), want)
+        (decoder,) = windowed.graphs.graphs.values()
+        assert decoder.state.kv.width == 128 and decoder.state.kv.window is None  # reset after each step
+
+
+def test_the_window_a_step_attends_to_is_the_next_multiple_past_its_column(tok):
+    model = build_tiny_causal_lm(tok).eval()
+    ids, mask = encode(tok)
+    seen = []
+    engine = DecodeEngine(attention_window=16)
+    original = engine.graphs.get
+
+    def get(*args, **kwargs):
+        decoder = original(*args, **kwargs)
+        run_step = decoder.run
+
+        def recorded(model, sampling, name, window=None):
+            seen.append((int(decoder.state.kv.column), window))
+            return run_step(model, sampling, name, window)
+
+        decoder.run = recorded
+        return decoder
+
+    engine.graphs.get = get
+    run(engine, model, ids, mask, spec(tok, max_new_tokens=40, eos_token_id=None))
+    assert len(seen) == 39 and all(column < window <= column + 16 and window % 16 == 0 for column, window in seen)
+    assert DecodeEngine()._windows(torch.device("cpu")) == 64  # auto: on where the step runs eagerly
+    assert DecodeEngine()._windows(torch.device("cuda")) is None  # not yet where it is captured
+    assert DecodeEngine(capture_graphs=False)._windows(torch.device("cuda")) == 64
+    with pytest.raises(ValueError, match="attention_window=0: must be 'auto', None or an int >= 1"):
+        DecodeEngine(attention_window=0)
+
+
+def test_each_attention_window_is_captured_once_and_replayed_for_its_steps(tok, monkeypatch):
+    """The capture path (CUDA alone captures; ``_capture`` is stood in for): the whole width, then a
+    graph per window below it in one memory pool; a window that fails is left out and its steps
+    replay the whole width's graph."""
+    from textrl.generation.graph import DecodeGraph, decode_step, windows
+
+    class Graph:
+        def __init__(self, window):
+            self.window, self.replayed = window, 0
+
+        def pool(self):
+            return "pool"
+
+        def replay(self):
+            self.replayed += 1
+
+    captured = []
+
+    def capture(self, model, decoder, sampling, name, pool=None):
+        captured.append((decoder.state.kv.window, pool))
+        return None if decoder.state.kv.window == 128 else Graph(decoder.state.kv.window)
+
+    monkeypatch.setattr(Graphs, "_capture", capture)
+    kv = StaticKV([(torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2))], width=256)
+    decoder = DecodeGraph(state=type("State", (), {"kv": kv})(), step=decode_step)
+    graphs = Graphs()
+    graphs._capture_or_fall_back(None, decoder, spec(tok), "cache")
+    graphs._capture_windows(None, decoder, spec(tok), "cache", windows(256, 64))
+    assert windows(256, 64) == [64, 128, 192] and windows(256, None) == []
+    assert captured == [(None, None), (64, "pool"), (128, "pool"), (192, "pool")] and kv.window is None
+    assert sorted(decoder.windows) == [64, 192]
+    for window in (64, 64, 128, 192, 256, None):
+        decoder.run(None, spec(tok), "cache", window)
+    assert decoder.windows[64].replayed == 2 and decoder.windows[192].replayed == 1
+    assert decoder.graph.replayed == 3  # 128 (its capture failed), 256 and None: the whole width

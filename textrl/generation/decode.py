@@ -58,20 +58,28 @@ class DecodeEngine(GenerationEngine):
     GPU, where each read waits for the device; 1 on the CPU, where it costs nothing and the steps
     past the last EOS are saved); ``static``: decode over a static cache (:mod:`textrl.generation.graph`),
     its step captured as a CUDA graph on CUDA (``capture_graphs``) and compiled first (``compile``;
-    None: where it is captured); ``width_bucket``: the static cache's width rounded up to a multiple of it."""
+    None: where it is captured); ``width_bucket``: the static cache's width rounded up to a multiple of it;
+    ``attention_window``: a step attends to the cache's columns up to its own, rounded up to a multiple
+    of this (the rest are masked: the same attention, fewer keys and values read), not to the whole
+    width (None); on CUDA one graph is captured per window ("auto": 64 where the step runs eagerly,
+    the CPU; None where it is captured, CUDA, until a GPU run measures it)."""
 
     def __init__(self, share_prefixes: bool = True, check_every: int | None = None, carry_turns: bool = True,
                  static: bool = True, capture_graphs: bool = True, compile: bool | None = None,
-                 width_bucket: int = 64) -> None:
+                 width_bucket: int = 64, attention_window: int | str | None = "auto") -> None:
         if check_every is not None and check_every < 1:
             raise ValueError(f"check_every={check_every}: must be >= 1")
         if width_bucket < 1:
             raise ValueError(f"width_bucket={width_bucket}: must be >= 1")
+        if attention_window != "auto" and attention_window is not None and (
+                not isinstance(attention_window, int) or attention_window < 1):
+            raise ValueError(f"attention_window={attention_window!r}: must be 'auto', None or an int >= 1")
         self.share_prefixes = share_prefixes
         self.check_every = check_every
         self.carry_turns = carry_turns
         self.static = static
         self.width_bucket = width_bucket
+        self.attention_window = attention_window
         self.graphs = Graphs(capture=capture_graphs, compile=compile)
         """The static caches and captured steps of the shapes decoded lately (``static``)."""
         self._unsupported: dict[int, str | None] = {}
@@ -168,6 +176,13 @@ class DecodeEngine(GenerationEngine):
             self._remember(model, cache, real, cols, tokens, fed, context_width, sampling.eos_token_id)
         return tokens
 
+    def _windows(self, device: torch.device) -> int | None:
+        """The attention window's granularity on ``device`` (``attention_window``; "auto": 64 where the step
+        runs eagerly, None where it is captured, on CUDA, until measured there)."""
+        if self.attention_window != "auto":
+            return self.attention_window
+        return None if self.graphs.capture and device.type == "cuda" else 64
+
     def _fits_static(self, model: nn.Module) -> bool:
         """Whether ``model`` decodes over the static cache (:func:`static_unsupported`); a model that
         does not decodes over transformers' growing cache instead, said once in a warning."""
@@ -214,7 +229,7 @@ class DecodeEngine(GenerationEngine):
         layers = cache_layers(cache)
         context = mask.shape[1]
         width = bucket(context + sampling.max_new_tokens, self.width_bucket)
-        decoder = self.graphs.get(model, first.shape[0], width, layers, sampling, name)
+        decoder = self.graphs.get(model, first.shape[0], width, layers, sampling, name, self._windows(first.device))
         state = decoder.state
         state.load(layers, mask, first, running, sampling.pad_token_id)
         del cache, layers
@@ -223,7 +238,8 @@ class DecodeEngine(GenerationEngine):
             if self._ended(t - 1, state.running, sampling):
                 steps = t
                 break
-            decoder.run(model, sampling, name)
+            every = self._windows(first.device)  # step t writes column context + t - 1
+            decoder.run(model, sampling, name, bucket(context + t, every) if every else None)
         tokens = state.out[:, :steps].clone()
         invalid.logical_or_(state.invalid)
         kept = state.kv.snapshot(context + steps - 1) if self.carry is not None else None

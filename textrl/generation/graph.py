@@ -115,6 +115,9 @@ class StaticKV:
         self.column = torch.zeros(1, dtype=torch.long, device=like[0][0].device)
         self.filled = 0
         """Columns filled before the steps (the prefill's), what ``get_seq_length`` reports."""
+        self.window: int | None = None
+        """Attention reads columns ``[0, window)`` (None: all ``width``); set on the host before a step,
+        a multiple of the engine's ``attention_window`` past the column written."""
 
     def load(self, layers: list[tuple[Tensor, Tensor]]) -> None:
         """Copy a prefilled cache's layers ``[B, H, W, D]`` into columns ``[0, W)``; the next write goes to column ``W``."""
@@ -132,7 +135,9 @@ class StaticKV:
         layer = self.layers[layer_idx]
         layer.keys.index_copy_(2, self.column, key_states.to(layer.keys.dtype))
         layer.values.index_copy_(2, self.column, value_states.to(layer.values.dtype))
-        return layer.keys, layer.values
+        if self.window is None:
+            return layer.keys, layer.values
+        return layer.keys[:, :, :self.window], layer.values[:, :, :self.window]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.filled
@@ -198,7 +203,8 @@ def decode_step(model: nn.Module, state: DecodeState, sampling: Sampling, name: 
     """One step, in place: feed ``state.token`` at ``state.position`` into cache column
     ``kv.column``, draw the next token (``pad`` for a row past its EOS) into ``token`` and ``out[:, step]``."""
     state.mask.index_fill_(3, state.kv.column, 0.0)
-    logits = model(input_ids=state.token[:, None], attention_mask=state.mask, position_ids=state.position,
+    mask = state.mask if state.kv.window is None else state.mask[..., :state.kv.window]
+    logits = model(input_ids=state.token[:, None], attention_mask=mask, position_ids=state.position,
                    use_cache=True, **{name: state.kv}).logits[:, -1]
     token = torch.where(state.running, next_tokens(logits, sampling, state.invalid), sampling.pad_token_id)
     state.out.index_copy_(1, state.step, token[:, None])
@@ -261,22 +267,37 @@ def graph_key(model: nn.Module, rows: int, width: int, like: list[tuple[Tensor, 
 
 @dataclass
 class DecodeGraph:
-    """One shape's :class:`DecodeState` and, on CUDA, its captured step (``graph``; None: the step
-    runs eagerly, on the CPU or where capture failed), with the weight casts it reads (``casts``)."""
+    """One shape's :class:`DecodeState` and, on CUDA, its captured step (``graph``, attending to
+    the whole width; None: the step runs eagerly, on the CPU or where capture failed) and the steps
+    captured attending to fewer columns (``windows``: window -> graph), with the weight casts it
+    reads (``casts``)."""
 
     state: DecodeState
     step: Callable[..., None]
     casts: WeightCasts | None = None
     graph: Any = None
+    windows: dict[int, Any] = field(default_factory=dict)
     replays: int = 0
 
-    def run(self, model: nn.Module, sampling: Sampling, name: str) -> None:
+    def run(self, model: nn.Module, sampling: Sampling, name: str, window: int | None = None) -> None:
+        """One step, attending to cache columns ``[0, window)`` (None: all; a captured decoder without
+        that window's graph attends to all, which masks the columns past it)."""
         if self.graph is not None:
-            self.graph.replay()
+            self.windows.get(window, self.graph).replay()  # type: ignore[arg-type]
         else:
-            with self.casts.swapped() if self.casts is not None else nullcontext():
-                self.step(model, self.state, sampling, name)
+            self.state.kv.window = window
+            try:
+                with self.casts.swapped() if self.casts is not None else nullcontext():
+                    self.step(model, self.state, sampling, name)
+            finally:
+                self.state.kv.window = None
         self.replays += 1
+
+
+def windows(width: int, every: int | None) -> list[int]:
+    """The attention windows a step of a ``width``-column cache may use: the multiples of ``every`` below
+    ``width`` (None: none, every step attends to the whole width)."""
+    return list(range(every, width, every)) if every else []
 
 
 @dataclass
@@ -318,8 +339,9 @@ class Graphs:
         return casts if casts.entries else None
 
     def get(self, model: nn.Module, rows: int, width: int, like: list[tuple[Tensor, Tensor]], sampling: Sampling,
-            name: str) -> DecodeGraph:
-        """The decoder of this call's shape, its weight casts refreshed (captured first, on CUDA)."""
+            name: str, attention_window: int | None = None) -> DecodeGraph:
+        """The decoder of this call's shape, its weight casts refreshed (captured first, on CUDA: the
+        whole width, then each of :func:`windows`)."""
         device = like[0][0].device
         storage = tuple(p.data_ptr() for p in model.parameters())
         casts = self.weight_casts(model, device, storage)
@@ -332,6 +354,7 @@ class Graphs:
             found.casts.refresh()  # the weights as they are now, for this call (and a new capture's warm-up)
         if made and self.capture and device.type == "cuda":
             self._capture_or_fall_back(model, found, sampling, name)
+            self._capture_windows(model, found, sampling, name, windows(width, attention_window))
         return found
 
     def _capture_or_fall_back(self, model: nn.Module, decoder: DecodeGraph, sampling: Sampling, name: str) -> None:
@@ -342,13 +365,33 @@ class Graphs:
             decoder.step = decode_step
             decoder.graph = self._capture(model, decoder, sampling, name)
 
-    def _capture(self, model: nn.Module, decoder: DecodeGraph, sampling: Sampling, name: str) -> Any:
+    def _capture_windows(self, model: nn.Module, decoder: DecodeGraph, sampling: Sampling, name: str,
+                         sizes: list[int]) -> None:
+        """Capture the decoder's step once per attention window in ``sizes`` (``decoder.windows``), the
+        graphs sharing the whole width's memory pool (a step's temporaries die within it); a window
+        that fails is left out (its steps replay the whole width's graph)."""
+        if decoder.graph is None:
+            return
+        for size in sizes:
+            decoder.state.kv.window = size
+            try:
+                graph = self._capture(model, decoder, sampling, name, pool=decoder.graph.pool())
+            finally:
+                decoder.state.kv.window = None
+            if graph is not None:
+                decoder.windows[size] = graph
+
+    def _capture(self, model: nn.Module, decoder: DecodeGraph, sampling: Sampling, name: str,
+                 pool: Any = None) -> Any:
         """Capture one step on the decoder's buffers (warmed up on a side stream first, as CUDA
-        graphs need; compiled then, with ``compile``); None, with a warning, if the model cannot be
-        captured (the step then runs eagerly)."""
+        graphs need; compiled then, with ``compile``; attending to ``state.kv.window`` columns), in
+        memory ``pool`` (None: its own); None, with a warning, if the model cannot be captured (the
+        step then runs eagerly)."""
         state = decoder.state
         device = state.token.device
         dtype = ambient_autocast(device)
+        state.kv.column.zero_()  # the warm-ups write from the first column on, whatever ran before
+        state.step.fill_(1)
 
         def step() -> None:
             with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None, cache_enabled=False):
@@ -356,7 +399,8 @@ class Graphs:
 
         rng = torch.cuda.get_rng_state(device)  # the warm-up's draws are not the caller's
         try:
-            with decoder.casts.swapped() if decoder.casts is not None else nullcontext():
+            with (decoder.casts.swapped() if decoder.casts is not None else nullcontext(),
+                  torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit))):
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
@@ -364,7 +408,7 @@ class Graphs:
                         step()
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph, pool=pool):
                     step()
         except Exception as err:  # noqa: BLE001 - a model that cannot be captured still decodes, eagerly
             compiled = decoder.step is not decode_step
@@ -416,4 +460,4 @@ def bucket(n: int, size: int) -> int:
 
 
 __all__ = ["INVALID", "MATMUL_LAYERS", "DecodeGraph", "DecodeState", "Graphs", "StaticKV", "WeightCasts", "ambient_autocast", "bucket",
-           "decode_step", "draw", "graph_key", "next_tokens", "recent", "static_unsupported"]
+           "decode_step", "draw", "graph_key", "next_tokens", "recent", "static_unsupported", "windows"]
