@@ -247,26 +247,29 @@ def traffic(model: Any, device: torch.device, rows: int, prompt_tokens: int, new
     greedy = Sampling(greedy=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
                       eos_token_id=None, pad_token_id=0)
     window = bucket(context + 1, 64)  # the columns up to the one this step writes, in 64-column windows
-    setups = {  # weights dtype, autocast, cache kept in the autocast dtype, weights cast once a call, window
-        "float32": (torch.float32, False, False, False, None),
-        "autocast": (torch.float32, True, True, True, None),
-        "bfloat16": (torch.bfloat16, False, False, False, None),
-        "autocast_window": (torch.float32, True, True, True, window),
-        "autocast_f32_cache": (torch.float32, True, False, True, None),
-        "autocast_no_weight_casts": (torch.float32, True, True, False, None),
+    f32, bf16 = torch.float32, torch.bfloat16
+    setups = {  # weights dtype, autocast, the cache's keys' and values' dtypes, weights cast once a call, window
+        "float32": (f32, False, (f32, f32), False, None),
+        "autocast": (f32, True, (bf16, bf16), True, None),
+        "bfloat16": (bf16, False, (bf16, bf16), False, None),
+        "autocast_window": (f32, True, (bf16, bf16), True, window),
+        "autocast_f32_cache": (f32, True, (f32, bf16), True, None),  # a Llama's prefill under autocast
+        "autocast_no_weight_casts": (f32, True, (bf16, bf16), False, None),
     }
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, MATMUL_LAYERS))
+    with torch.no_grad():  # one prefill for all: a step's bytes do not depend on the cache's values
+        cache = new_cache(model)
+        first = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1,
+                      **{name: cache}).logits[:, -1].argmax(-1)
+        layers = cache_layers(cache)
     result: dict[str, Any] = {}
-    for setup, (dtype, autocast, bf16_cache, cast_once, attend) in setups.items():
+    for setup, (dtype, autocast, (key_dtype, value_dtype), cast_once, attend) in setups.items():
         model.to(dtype)
         amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast, cache_enabled=False)
         with torch.no_grad(), amp:
-            cache = new_cache(model)
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **{name: cache}).logits
-            layers = cache_layers(cache)
-            state = DecodeState.new(layers, rows, width, torch.bfloat16 if bf16_cache else None)
-            first = logits[:, -1].argmax(-1)
-            state.load(layers, mask, first, torch.ones_like(first, dtype=torch.bool), 0)
+            like = [(k.to(key_dtype), v.to(value_dtype)) for k, v in layers]
+            state = DecodeState.new(like, rows, width)  # the cache in like's dtypes, the mask in the keys'
+            state.load(like, mask, first, torch.ones_like(first, dtype=torch.bool), 0)
             state.kv.window = attend
             casts = WeightCasts(model, torch.bfloat16) if cast_once else None
             if casts is not None:

@@ -72,7 +72,7 @@ class DecodeEngine(GenerationEngine):
         if width_bucket < 1:
             raise ValueError(f"width_bucket={width_bucket}: must be >= 1")
         if attention_window != "auto" and attention_window is not None and (
-                not isinstance(attention_window, int) or attention_window < 1):
+                not isinstance(attention_window, int) or isinstance(attention_window, bool) or attention_window < 1):
             raise ValueError(f"attention_window={attention_window!r}: must be 'auto', None or an int >= 1")
         self.share_prefixes = share_prefixes
         self.check_every = check_every
