@@ -233,13 +233,14 @@ class DecodeEngine(GenerationEngine):
         state = decoder.state
         state.load(layers, mask, first, running, sampling.pad_token_id)
         del cache, layers
+        every = self._windows(first.device)
         steps = sampling.max_new_tokens
         for t in range(1, sampling.max_new_tokens):
             if self._ended(t - 1, state.running, sampling):
                 steps = t
                 break
-            every = self._windows(first.device)  # step t writes column context + t - 1
-            decoder.run(model, sampling, name, bucket(context + t, every) if every else None)
+            # step t writes column context + t - 1: it attends to the columns up to it, in windows
+            decoder.run(model, sampling, name, min(width, bucket(context + t, every)) if every else None)
         tokens = state.out[:, :steps].clone()
         invalid.logical_or_(state.invalid)
         kept = state.kv.snapshot(context + steps - 1) if self.carry is not None else None
