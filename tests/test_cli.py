@@ -212,3 +212,18 @@ def test_a_full_disk_while_appending_metrics_names_the_file_and_resume():
     assert user_error_message("train", err.value) == (
         "textrl train: cannot append iteration 3's row to /dev/full: the disk is full; free space (or fix the "
         "folder), then resume with --resume: the rows after the last checkpoint are written again")
+
+
+def test_a_grouped_run_that_succeeded_ends_its_process_without_the_interpreters_teardown():
+    """``entry`` (the ``textrl`` command): after a multi-process run succeeded, ``os._exit`` with
+    main's status, output flushed (the teardown of a distributed run's C++ threads could abort it);
+    otherwise ``sys.exit`` as usual, atexit handlers run."""
+    import subprocess
+    import sys
+
+    script = ("import atexit, textrl.cli as c; atexit.register(lambda: print('teardown ran', flush=True)); "
+              "c.main = lambda: 3; c._HARD_EXIT = {}; print('ran', end='', flush=False); c.entry()")
+    for hard, teardown in ((True, False), (False, True)):
+        result = subprocess.run([sys.executable, "-c", script.format(hard)], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 3 and result.stdout.startswith("ran")  # the unflushed output kept
+        assert ("teardown ran" in result.stdout) is teardown

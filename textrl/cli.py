@@ -35,21 +35,29 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     config: TrainConfig = build_config(args, TrainConfig)
     check_run(config)  # every field, the reward names, the output folder: before any model loads
+    global _HARD_EXIT
     try:
         train(config)
     finally:
-        _close_process_group()
+        grouped = _close_process_group()
+    _HARD_EXIT = grouped  # succeeded under a process group
     return 0
 
 
-def _close_process_group() -> None:
+_HARD_EXIT = False
+"""Set once a ``textrl train`` under a process group succeeded: :func:`entry` ends the process with ``os._exit``."""
+
+
+def _close_process_group() -> bool:
     """Destroy the process group ``accelerate`` / torchrun set up, if any, before the interpreter
     exits: left to static destruction, its communication threads can abort the process (SIGABRT,
-    "terminate called without an active exception") after a run that succeeded."""
+    "terminate called without an active exception") after a run that succeeded. Whether there was one."""
     import torch
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+        return True
+    return False
 
 
 def _cmd_envs(args: argparse.Namespace) -> int:
@@ -271,5 +279,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(130) from None
 
 
+def entry() -> None:
+    """The ``textrl`` command: :func:`main`, then exit with its status. A process of a multi-process
+    run (torchrun, accelerate) whose run succeeded ends with ``os._exit`` once its output is flushed:
+    even with the process group destroyed, the C++ threads a distributed run leaves (gloo's, DeepSpeed's)
+    were seen to abort the interpreter's teardown now and then ("terminate called without an active
+    exception", SIGABRT after ``summary.json`` was written), which turned a finished run's status into
+    a failure. Everything the run writes is closed before :func:`main` returns."""
+    code = main()
+    if _HARD_EXIT:
+        import logging
+        import os
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
