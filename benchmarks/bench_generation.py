@@ -73,9 +73,9 @@ VARIANTS = {
     "textrl_unshared": lambda: _decode(share_prefixes=False),  # every row prefilled
     "textrl_dynamic": lambda: _decode(static=False),  # transformers' growing cache, one eager forward a token
     "textrl_eager": lambda: _decode(capture_graphs=False),  # the static cache, no CUDA graph
-    "textrl_graph": lambda: _decode(compile=False),
+    "textrl_graph": lambda: _decode(compile=False),  # the CUDA graph of the step as written, not compiled
     "textrl_full_width": lambda: _decode(attention_window=None),  # every step attends to the whole static cache
-    "textrl_windows": lambda: _decode(attention_window=64),  # attention over 64-column windows (captured per window on CUDA)  # the CUDA graph of the step as written, not compiled
+    "textrl_windows": lambda: _decode(attention_window=64),  # attention over 64-column windows (a graph each on CUDA)
 }
 """The ``textrl`` engine with one of its parts off, to show what each part is worth."""
 

@@ -229,11 +229,11 @@ class DecodeEngine(GenerationEngine):
         layers = cache_layers(cache)
         context = mask.shape[1]
         width = bucket(context + sampling.max_new_tokens, self.width_bucket)
-        decoder = self.graphs.get(model, first.shape[0], width, layers, sampling, name, self._windows(first.device))
+        every = self._windows(first.device)
+        decoder = self.graphs.get(model, first.shape[0], width, layers, sampling, name, every)
         state = decoder.state
         state.load(layers, mask, first, running, sampling.pad_token_id)
         del cache, layers
-        every = self._windows(first.device)
         steps = sampling.max_new_tokens
         for t in range(1, sampling.max_new_tokens):
             if self._ended(t - 1, state.running, sampling):

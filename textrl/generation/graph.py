@@ -248,7 +248,7 @@ class WeightCasts:
 
     @property
     def nbytes(self) -> int:
-        return sum(copy.numel() * copy.element_size() for *_, copy in self.entries)
+        return sum(copy.nbytes for *_, copy in self.entries)
 
 
 def graph_key(model: nn.Module, rows: int, width: int, like: list[tuple[Tensor, Tensor]], sampling: Sampling,

@@ -40,10 +40,6 @@ PURE_WRITES = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "expo
 """In-place aten ops that write their target without reading it."""
 
 
-def _tensor_bytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 @dataclass(frozen=True)
 class Op:
     """One dispatched aten op: its packet name (``mm``), the (dtype, bytes) of each tensor it reads
@@ -77,7 +73,7 @@ class OpLog(TorchDispatchMode):
         named = dict(zip((a.name for a in schema), args))
         named.update(kwargs)
         inputs = [(k, t) for k, v in named.items() for t in tree_flatten(v)[0] if isinstance(t, Tensor)]
-        reads = [(t.dtype, _tensor_bytes(t)) for k, t in inputs if k not in mutated]
+        reads = [(t.dtype, t.nbytes) for k, t in inputs if k not in mutated]
         if mutated:
             writes = []
             for k, t in inputs:
@@ -90,10 +86,10 @@ class OpLog(TorchDispatchMode):
                 else:
                     n = t.numel()
                     if name not in PURE_WRITES:
-                        reads.append((t.dtype, _tensor_bytes(t)))  # an in-place update reads what it writes
+                        reads.append((t.dtype, t.nbytes))  # an in-place update reads what it writes
                 writes.append((t.dtype, n * t.element_size()))
         else:
-            writes = [(t.dtype, _tensor_bytes(t)) for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+            writes = [(t.dtype, t.nbytes) for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
         self.ops.append(Op(name, tuple(reads), tuple(writes)))
         return out
 
