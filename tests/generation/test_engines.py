@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from textrl.generation import DecodeEngine, HFEngine, Sampling, engine_names, get_engine
 from textrl.generation.decode import next_tokens, shared_prefixes
@@ -213,6 +214,42 @@ def test_a_turn_prefills_only_its_new_tokens_and_generates_what_generate_does(to
         assert torch.equal(got, want), f"turn {turn}"
         if turn:  # the history comes from the carried cache: only the sampled tokens' tail and the observation
             assert prefilled < context // 2, (turn, prefilled, context)
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the aten ops run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_carried_turn_dispatches_no_op_per_row(tok, model):
+    """The host work of a carried turn (which kept row each new row continues, the columns it keeps,
+    the new tokens' ids, mask and positions) is built on the host and copied once: the ops a second
+    turn dispatches are the same for 4 rows as for 16 (a row-by-row fill on the device was a few
+    hundred small launches a turn on a GPU)."""
+    sampling = spec(tok, greedy=False, eos=-1, max_new_tokens=6)
+
+    def second_turn_ops(rows):
+        engine = DecodeEngine(attention_window=None)
+        seqs = [tok(PROMPTS[i % len(PROMPTS)])["input_ids"] for i in range(rows)]
+        with engine.rollout():
+            ids, mask = pad_left(seqs, tok.pad_token_id)
+            out = run(engine, model, ids, mask, sampling)
+            seqs = [seq + out[i].tolist() + [40, 41] for i, seq in enumerate(seqs)]
+            ids, mask = pad_left(seqs, tok.pad_token_id)
+            before = engine.prefilled
+            with _Ops() as ops:
+                run(engine, model, ids, mask, sampling)
+        assert engine.prefilled - before < int(mask.sum()) // 2  # the turn was carried
+        return ops.n
+
+    assert second_turn_ops(4) == second_turn_ops(16)
 
 
 def test_no_carry_outside_a_rollout_or_after_the_weights_change(tok):

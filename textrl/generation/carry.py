@@ -49,7 +49,7 @@ class Kept:
     ``tokens[b]`` those tokens."""
 
     cache: Any
-    cols: list[Tensor]
+    cols: list[list[int]]
     tokens: list[tuple[int, ...]]
 
 
@@ -76,7 +76,7 @@ class TurnCarry:
         self.index.clear()
         self.version = None
 
-    def remember(self, model: nn.Module, cache: Any, cols: list[Tensor], tokens: list[tuple[int, ...]]) -> None:
+    def remember(self, model: nn.Module, cache: Any, cols: list[list[int]], tokens: list[tuple[int, ...]]) -> None:
         """Keep ``cache``, whose row ``b`` holds ``tokens[b]`` in the columns ``cols[b]``."""
         version = weights_version(model)
         if version != self.version:
@@ -98,11 +98,14 @@ class TurnCarry:
             best, best_n = None, 0
             for k, b in self.index.get(row[:KEY], ()):
                 kept = self.kept[k].tokens[b]
-                n = 0
-                for a, c in zip(kept, row[:-1]):
-                    if a != c:
-                        break
-                    n += 1
+                if len(kept) < len(row) and row[:len(kept)] == kept:  # the usual case, compared at C speed
+                    n = len(kept)
+                else:
+                    n = 0
+                    for a, c in zip(kept, row[:-1]):
+                        if a != c:
+                            break
+                        n += 1
                 if n > best_n:
                     best, best_n = (k, b), n
             source.append(best)
@@ -114,19 +117,18 @@ class TurnCarry:
         in ``W = max(reuse)`` columns, and its mask ``[B, W]`` (0 left of them)."""
         n = len(plan.reuse)
         width = max(plan.reuse)
-        mask = torch.zeros(n, width, dtype=torch.long, device=device)
+        # The index tensors are built on the host and copied once (row by row on the device, a
+        # turn cost a few hundred small launches).
+        mask = torch.tensor([[0] * (width - u) + [1] * u for u in plan.reuse], dtype=torch.long, device=device)
         layers: list[tuple[Tensor, Tensor]] | None = None
         for k, kept in enumerate(self.kept):
             rows = [i for i, s in enumerate(plan.source) if s is not None and s[0] == k]
             if not rows:
                 continue
-            src_rows = torch.tensor([plan.source[i][1] for i in rows], device=device)  # type: ignore[index]
-            cols = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-            for j, i in enumerate(rows):
-                u = plan.reuse[i]
-                cols[j, width - u:] = kept.cols[plan.source[i][1]][:u].to(device)  # type: ignore[index]
-                mask[i, width - u:] = 1
-            dest = torch.tensor(rows, device=device)
+            src = [plan.source[i][1] for i in rows]  # type: ignore[index]
+            cols = torch.tensor([[0] * (width - plan.reuse[i]) + kept.cols[r][:plan.reuse[i]] for i, r in zip(rows, src)],
+                                dtype=torch.long, device=device)
+            src_rows, dest = torch.tensor(src, device=device), torch.tensor(rows, device=device)
             for layer, (keys, values) in enumerate(cache_layers(kept.cache)):
                 if layers is None:
                     layers = [(keys.new_zeros(n, keys.shape[1], width, keys.shape[3]),

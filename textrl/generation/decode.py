@@ -61,8 +61,8 @@ class DecodeEngine(GenerationEngine):
     None: where it is captured); ``width_bucket``: the static cache's width rounded up to a multiple of it;
     ``attention_window``: a step attends to the cache's columns up to its own, rounded up to a multiple
     of this (the rest are masked: the same attention, fewer keys and values read), not to the whole
-    width (None); on CUDA one graph is captured per window ("auto": 64 where the step runs eagerly,
-    the CPU; None where it is captured, CUDA, until a GPU run measures it)."""
+    width (None); on CUDA one graph is captured per window ("auto": 64, measured faster on the CPU and
+    on an H200: docs/benchmarks.md)."""
 
     def __init__(self, share_prefixes: bool = True, check_every: int | None = None, carry_turns: bool = True,
                  static: bool = True, capture_graphs: bool = True, compile: bool | None = None,
@@ -109,7 +109,7 @@ class DecodeEngine(GenerationEngine):
             self.carry = None
 
     def _prefill(self, model: nn.Module, input_ids: Tensor, mask: Tensor, real: list[tuple[int, ...]] | None,
-                 name: str) -> tuple[Any, Tensor, Tensor, list[Tensor] | None]:
+                 name: str) -> tuple[Any, Tensor, Tensor, list[list[int]] | None]:
         """``(cache, next logits [B, V], attention mask [B, L], each row's real-token columns)`` of
         the contexts: from a carried cache and the new tokens alone, else prefilled whole (each
         distinct context once)."""
@@ -120,15 +120,14 @@ class DecodeEngine(GenerationEngine):
             width = cache_mask.shape[1]
             suffixes = [row[u:] for row, u in zip(real, plan.reuse)]
             sl = max(len(x) for x in suffixes)
-            ids = torch.zeros(b, sl, dtype=torch.long, device=device)
-            suffix_mask = torch.zeros(b, sl, dtype=torch.long, device=device)
-            positions = torch.ones(b, sl, dtype=torch.long, device=device)
-            cols = []
-            for i, (x, u) in enumerate(zip(suffixes, plan.reuse)):
-                ids[i, sl - len(x):] = torch.tensor(x, dtype=torch.long, device=device)
-                suffix_mask[i, sl - len(x):] = 1
-                positions[i, sl - len(x):] = torch.arange(u, u + len(x), device=device)
-                cols.append(torch.cat([torch.arange(width - u, width), torch.arange(width + sl - len(x), width + sl)]))
+            # Left-padded on the host, then one copy each: a row-by-row fill on the device is a few
+            # hundred small launches a turn.
+            pads = [sl - len(x) for x in suffixes]
+            ids = torch.tensor([[0] * p + list(x) for x, p in zip(suffixes, pads)], dtype=torch.long, device=device)
+            suffix_mask = torch.tensor([[0] * p + [1] * (sl - p) for p in pads], dtype=torch.long, device=device)
+            positions = torch.tensor([[1] * p + list(range(u, u + sl - p)) for u, p in zip(plan.reuse, pads)],
+                                     dtype=torch.long, device=device)
+            cols = [[*range(width - u, width), *range(width + p, width + sl)] for u, p in zip(plan.reuse, pads)]
             mask = torch.cat([cache_mask, suffix_mask], dim=1)
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
                         **{name: cache})
@@ -147,7 +146,7 @@ class DecodeEngine(GenerationEngine):
         if inverse is not None:
             cache.reorder_cache(inverse)
             logits = logits[inverse]
-        cols = [row.nonzero().squeeze(1).cpu() for row in mask] if real is not None else None
+        cols = [[j for j, m in enumerate(row) if m] for row in mask.tolist()] if real is not None else None
         return cache, logits, mask, cols
 
     @torch.no_grad()
@@ -158,7 +157,8 @@ class DecodeEngine(GenerationEngine):
         name = cache_argument(model)
         real = None  # each row's real tokens: read to the host only for a carry (inside a rollout)
         if self.carry is not None:
-            real = [tuple(row[m.bool()].tolist()) for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
+            real = [tuple(t for t, m in zip(row, keep) if m)
+                    for row, keep in zip(input_ids.tolist(), attention_mask.tolist())]
         cache, logits, mask, cols = self._prefill(model, input_ids, attention_mask.long(), real, name)
         context_width = mask.shape[1]
         invalid = torch.zeros(1, dtype=torch.bool, device=logits.device)  # non-finite logits met, when sampling
@@ -177,11 +177,8 @@ class DecodeEngine(GenerationEngine):
         return tokens
 
     def _windows(self, device: torch.device) -> int | None:
-        """The attention window's granularity on ``device`` (``attention_window``; "auto": 64 where the step
-        runs eagerly, None where it is captured, on CUDA, until measured there)."""
-        if self.attention_window != "auto":
-            return self.attention_window
-        return None if self.graphs.capture and device.type == "cuda" else 64
+        """The attention window's granularity (``attention_window``; "auto": 64 on every device)."""
+        return 64 if self.attention_window == "auto" else self.attention_window
 
     def _fits_static(self, model: nn.Module) -> bool:
         """Whether ``model`` decodes over the static cache (:func:`static_unsupported`); a model that
@@ -246,14 +243,14 @@ class DecodeEngine(GenerationEngine):
         kept = state.kv.snapshot(context + steps - 1) if self.carry is not None else None
         return tokens, steps - 1, kept
 
-    def _remember(self, model: nn.Module, cache: Any, real: list[tuple[int, ...]], cols: list[Tensor],
+    def _remember(self, model: nn.Module, cache: Any, real: list[tuple[int, ...]], cols: list[list[int]],
                   tokens: Tensor, fed: int, context_width: int, eos: int | None) -> None:
         """Keep the cache for the next turn: each row's context and the sampled tokens fed back, up to its EOS."""
         rows, row_cols = [], []
         for b, sampled in enumerate(tokens[:, :fed].cpu().tolist()):
             n = sampled.index(eos) + 1 if eos is not None and eos in sampled else len(sampled)
             rows.append(real[b] + tuple(sampled[:n]))
-            row_cols.append(torch.cat([cols[b], torch.arange(context_width, context_width + n)]))
+            row_cols.append([*cols[b], *range(context_width, context_width + n)])
         assert self.carry is not None
         self.carry.remember(model, cache, row_cols, rows)
 
