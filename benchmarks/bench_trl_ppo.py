@@ -22,8 +22,9 @@ one minibatch: one optimiser step. ``PPOConfig``: ``per_device_train_batch_size=
 ``gradient_accumulation_steps=1``, ``num_ppo_epochs=1``, ``num_mini_batches=1``,
 ``local_rollout_forward_batch_size=--batch``, ``response_length=--new-tokens``, ``stop_token=None``,
 ``missing_eos_penalty=None``, ``temperature=1.0``, ``total_episodes=--batch x (warmup + iterations)``
-(so ``train()`` runs warmup + iterations updates), ``activation_checkpointing=False`` (TRL's
-default is on, though its PPO loop never applies it), no sample generations, no eval, no saving,
+(so ``train()`` runs warmup + iterations updates), ``activation_checkpointing=False`` where
+transformers has that field (5.24: TRL's default is on, though its PPO loop never applies it; 5.17
+has none), no sample generations, no eval, no saving,
 ``report_to=[]``, a temporary ``output_dir``, ``seed=--seed``.
 
 Precision. textrl keeps float32 trained weights and runs every forward (generation included) under
@@ -87,6 +88,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -243,14 +245,16 @@ def trl_config(args: argparse.Namespace, device: torch.device, output_dir: str) 
     from trl.experimental.ppo import PPOConfig
 
     cuda = device.type == "cuda"
+    # A TrainingArguments field in transformers 5.24, absent in 5.17 (the GPU machine's): off where it exists.
+    off = {"activation_checkpointing": False} if "activation_checkpointing" in {
+        f.name for f in dataclasses.fields(PPOConfig)} else {}
     return PPOConfig(
         output_dir=output_dir, seed=args.seed, use_cpu=not cuda, bf16=cuda, report_to=[],
         per_device_train_batch_size=args.batch, gradient_accumulation_steps=1, num_ppo_epochs=1,
         num_mini_batches=1, local_rollout_forward_batch_size=args.batch,
         total_episodes=args.batch * (args.warmup + args.iterations), response_length=args.new_tokens,
         stop_token=None, missing_eos_penalty=None, temperature=1.0, num_sample_generations=0,
-        activation_checkpointing=False, save_strategy="no", eval_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0,
+        save_strategy="no", eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0, **off,
     )
 
 

@@ -61,8 +61,9 @@ class DecodeEngine(GenerationEngine):
     None: where it is captured); ``width_bucket``: the static cache's width rounded up to a multiple of it;
     ``attention_window``: a step attends to the cache's columns up to its own, rounded up to a multiple
     of this (the rest are masked: the same attention, fewer keys and values read), not to the whole
-    width (None); on CUDA one graph is captured per window ("auto": 64, measured faster on the CPU and
-    on an H200: docs/benchmarks.md)."""
+    width (None); on CUDA one graph is captured per window ("auto": 64 where the step runs eagerly,
+    the CPU; None where it is captured, CUDA: 1.09x faster there once captured, but each window is one
+    more compile and capture per cache width; docs/generation.md)."""
 
     def __init__(self, share_prefixes: bool = True, check_every: int | None = None, carry_turns: bool = True,
                  static: bool = True, capture_graphs: bool = True, compile: bool | None = None,
@@ -177,8 +178,11 @@ class DecodeEngine(GenerationEngine):
         return tokens
 
     def _windows(self, device: torch.device) -> int | None:
-        """The attention window's granularity (``attention_window``; "auto": 64 on every device)."""
-        return 64 if self.attention_window == "auto" else self.attention_window
+        """The attention window's granularity on ``device`` (``attention_window``; "auto": 64 where the step
+        runs eagerly, None where it is captured, on CUDA: each window is one more compile and capture)."""
+        if self.attention_window != "auto":
+            return self.attention_window
+        return None if self.graphs.capture and device.type == "cuda" else 64
 
     def _fits_static(self, model: nn.Module) -> bool:
         """Whether ``model`` decodes over the static cache (:func:`static_unsupported`); a model that
