@@ -55,8 +55,8 @@ PHASES = ("generation", "reward", "forward", "advantages", "update", "bookkeepin
 """The trainer's phase names (``time/<phase>_s`` in metrics.jsonl), eval aside."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The device and the sizes of the models and the batch (``bench_trl_ppo.py`` takes the same)."""
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU)")
     parser.add_argument("--hidden", type=int, default=128)
@@ -66,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16, help="prompts (one sample each)")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
     parser.add_argument("--iterations", type=int, default=10, help="measured iterations (>= 10)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)

@@ -108,17 +108,10 @@ TRL_VERSION = "1.12.0"
 """The TRL release this benchmark is written against (its ``experimental.ppo`` API)."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(bench: ModuleType, argv: list[str] | None = None) -> argparse.Namespace:
+    """``bench_ppo_iteration``'s device and size arguments, and this script's own."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (CPU)")
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--intermediate", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=16, help="prompts (one sample each)")
-    parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    bench.add_model_arguments(parser)
     parser.add_argument("--iterations", type=int, default=3, help="measured iterations of each side (>= 1)")
     parser.add_argument("--warmup", type=int, default=1, help="iterations of each side left out of the median")
     parser.add_argument("--seed", type=int, default=0)
@@ -359,7 +352,8 @@ def report(args: argparse.Namespace, device: torch.device, trl_version: str, age
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+    bench = load_bench_ppo_iteration()
+    args = parse_args(bench, argv)
     trl_version = require_trl()
     if trl_version != TRL_VERSION:
         print(f"note: TRL {trl_version} installed; this benchmark is written against {TRL_VERSION}", file=sys.stderr)
@@ -369,7 +363,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    bench = load_bench_ppo_iteration()
     built = bench.parse_args(["--iteration-only"])  # its defaults for anything not set here
     for name in ("hidden", "intermediate", "layers", "heads", "batch", "prompt_tokens", "new_tokens", "iterations",
                  "warmup", "seed", "generation_engine"):
