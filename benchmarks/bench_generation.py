@@ -31,6 +31,10 @@ multi-turn runner appends an environment's answer), inside the engine's ``rollou
 ``multi_tokens_per_second`` counts the agent's tokens, and ``multi_over_single`` compares it with
 the same engine's single turn of ``--new-tokens`` tokens.
 
+With ``--turn-ops`` (and ``--turns``) nothing is timed: each ``textrl`` engine runs one batch of
+episodes and prints the aten ops each turn dispatches outside its decode steps (the carry, the
+prefill, loading and keeping the cache: the host's work a turn, each op a launch or a copy on a GPU).
+
 With ``--traffic`` nothing is timed: one eager decode step of the ``textrl`` engine's static
 cache, halfway through the response, is counted op by op (:mod:`textrl.generation.traffic`: the
 bytes its casts, matmuls, attention and other ops read and write) in six set-ups on
@@ -61,6 +65,7 @@ import time
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 SHAPES = {
     "small": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4),
@@ -135,6 +140,8 @@ def main() -> None:
     parser.add_argument("--observation-tokens", type=int, default=14, help="tokens appended after each turn")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
     parser.add_argument("--traffic", action="store_true", help="count the bytes of one decode step instead (no timing)")
+    parser.add_argument("--turn-ops", action="store_true",
+                        help="count the ops each turn of --turns dispatches outside its decode steps instead (no timing)")
     parser.add_argument("--weights", default="float32", choices=("float32", "bfloat16"),
                         help="the model's dtype: float32 (under bf16 autocast on CUDA, as textrl trains) or bfloat16 "
                              "(no autocast)")
@@ -188,6 +195,9 @@ def main() -> None:
                 out = engine.generate(model, turn_ids.to(device), turn_mask.to(device), turn_sampling).cpu()
                 seqs = [seq + out[i].tolist() + observation for i, seq in enumerate(seqs)]
 
+    if args.turn_ops:
+        return turn_ops(engines, episodes, turns)
+
     seconds: dict[str, list[float]] = {n: [] for n in engines}
     multi: dict[str, list[float]] = {n: [] for n in engines}
     first: dict[str, float] = {}  # the warm-up call: compiles and captures (CUDA), allocates
@@ -231,6 +241,62 @@ def main() -> None:
                       "new_tokens": new_tokens, "weights": args.weights, "turns": turns, "tokens_per_turn": per_turn,
                       "observation_tokens": args.observation_tokens, "floor_seconds": floor, **hw, "engines": result,
                       "gpu": torch.cuda.get_device_name(device) if cuda else None}), flush=True)
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it, except while ``paused``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n, self.paused = 0, False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.n += not self.paused
+        return func(*args, **(kwargs or {}))
+
+
+def turn_ops(engines: dict[str, Any], episodes: Any, turns: int) -> None:
+    """``--turn-ops``: for each ``textrl`` engine of ``engines``, the aten ops each turn of one episode
+    batch dispatches outside its decode steps (the host's work a turn: the carry, the prefill,
+    loading and keeping the cache; on a GPU each is a launch or a copy the device waits for)."""
+    from textrl.generation import DecodeEngine
+
+    counts = {name: _ops_per_turn(engine, episodes) for name, engine in engines.items()
+              if isinstance(engine, DecodeEngine)}
+    for name, per_turn in counts.items():
+        print(f"{name:<18} ops a turn outside the decode steps: {per_turn}")
+    print(json.dumps({"turns": turns, "turn_ops": counts}), flush=True)
+
+
+def _ops_per_turn(engine: Any, episodes: Any) -> list[int]:
+    """The ops each ``engine.generate`` call of ``episodes(engine)`` dispatches, its decode steps left out."""
+    from textrl.generation.graph import DecodeGraph
+
+    count, per_turn = _OpCount(), []
+    step, generate = DecodeGraph.run, engine.generate
+
+    def paused(self: Any, *a: Any, **k: Any) -> Any:
+        count.paused = True
+        try:
+            return step(self, *a, **k)
+        finally:
+            count.paused = False
+
+    def counted(*a: Any, **k: Any) -> Any:
+        count.n = 0
+        with count:
+            out = generate(*a, **k)
+        per_turn.append(count.n)
+        return out
+
+    engine.generate = counted
+    DecodeGraph.run = paused  # type: ignore[method-assign]
+    try:
+        episodes(engine)
+    finally:
+        DecodeGraph.run = step  # type: ignore[method-assign]
+        del engine.generate
+    return per_turn
 
 
 def traffic(model: Any, device: torch.device, rows: int, prompt_tokens: int, new_tokens: int, shape: str) -> None:
