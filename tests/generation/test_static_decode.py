@@ -149,6 +149,26 @@ def test_the_compiled_step_decodes_what_generate_does(tok):
     assert engine.graphs.compile and engine.graphs._compiled is not None
 
 
+@pytest.mark.slow
+def test_the_compiled_step_is_compiled_at_most_three_times_across_shapes(tok):
+    """Rows and cache widths change from call to call in multi-turn rollouts: the step is compiled
+    for the first shape, then once with symbolic sizes for every later one (not once per shape),
+    each shape decoding ``generate``'s tokens."""
+    from torch._dynamo.utils import counters
+
+    model = build_tiny_causal_lm(tok, num_hidden_layers=1).eval()
+    engine = DecodeEngine(compile=True, width_bucket=32, attention_window=None)
+    g = torch.Generator().manual_seed(0)
+    before = counters["stats"]["unique_graphs"]
+    for rows, context in ((6, 5), (4, 5), (6, 40), (3, 70), (5, 40)):  # five (rows, width) shapes
+        ids = torch.randint(3, 256, (rows, context), generator=g)
+        mask = torch.ones_like(ids)
+        sampling = spec(tok, max_new_tokens=6, eos_token_id=None)
+        assert torch.equal(run(engine, model, ids, mask, sampling), run(HFEngine(), model, ids, mask, sampling))
+    assert len(engine.graphs.graphs) == 4  # keep=4 decoders, one per shape
+    assert counters["stats"]["unique_graphs"] - before <= 3
+
+
 def test_the_static_engine_fills_rows_and_columns_to_buckets_and_reuses_its_cache(tok):
     """10 rows and ragged prompts -> 16 rows x 64 columns; the filler rows' outputs dropped; the
     same tokens as ``generate`` (greedy, also under bf16 autocast, whose cache is a second one)."""

@@ -17,7 +17,12 @@ of every call, the step reading the copy: autocast's own cache, kept between cal
 the step runs under the ambient autocast with its cache off, as captured graphs need.
 
 With ``compile``, the step is compiled first (``torch.compile``, inductor: the norms, rotary
-embeddings, casts and the sampling fused into fewer kernels), then captured.
+embeddings, casts and the sampling fused into fewer kernels), then captured. It is compiled with
+torch's automatic dynamic shapes: the first shape (rows, cache width) with static sizes, and once a
+second one comes, once more with symbolic sizes that every later shape reuses. A multi-turn
+rollout meets a new shape nearly every turn (fewer running rows, wider contexts): compiled per
+shape, each would be a compile of its own (tens of seconds at 114M on a GPU); so it is at most three.
+Each shape is still captured as a graph of its own.
 
 The cache is duck-typed to what transformers' model and attention forwards call on one
 (``update(keys, values, layer_idx, ...)`` returning the layer's whole keys and values,
@@ -321,7 +326,7 @@ class Graphs:
         if not compile:
             return decode_step
         if self._compiled is None:
-            self._compiled = torch.compile(decode_step, dynamic=False)
+            self._compiled = torch.compile(decode_step)  # automatic dynamic shapes (module docstring)
         return self._compiled
 
     def weight_casts(self, model: nn.Module, device: torch.device,
