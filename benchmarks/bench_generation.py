@@ -65,7 +65,6 @@ import time
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 SHAPES = {
     "small": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4),
@@ -243,18 +242,6 @@ def main() -> None:
                       "gpu": torch.cuda.get_device_name(device) if cuda else None}), flush=True)
 
 
-class _OpCount(TorchDispatchMode):
-    """Counts the aten ops dispatched inside it, except while ``paused``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.n, self.paused = 0, False
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.n += not self.paused
-        return func(*args, **(kwargs or {}))
-
-
 def turn_ops(engines: dict[str, Any], episodes: Any, turns: int) -> None:
     """``--turn-ops``: for each ``textrl`` engine of ``engines``, the aten ops each turn of one episode
     batch dispatches outside its decode steps (the host's work a turn: the carry, the prefill,
@@ -271,8 +258,9 @@ def turn_ops(engines: dict[str, Any], episodes: Any, turns: int) -> None:
 def _ops_per_turn(engine: Any, episodes: Any) -> list[int]:
     """The ops each ``engine.generate`` call of ``episodes(engine)`` dispatches, its decode steps left out."""
     from textrl.generation.graph import DecodeGraph
+    from textrl.generation.traffic import OpCount
 
-    count, per_turn = _OpCount(), []
+    count, per_turn = OpCount(), []
     step, generate = DecodeGraph.run, engine.generate
 
     def paused(self: Any, *a: Any, **k: Any) -> Any:

@@ -149,11 +149,6 @@ def resolved(device: torch.device) -> torch.device:
     return device
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class GcClock:
     """Seconds spent in Python's garbage collector (every collection) since it was installed."""
 
@@ -176,9 +171,9 @@ class GcClock:
             gc.callbacks.remove(self)
 
 
-def update_clock(device: torch.device, gc_clock: GcClock) -> Any:
+def update_clock(device: torch.device, gc_clock: GcClock, sync: Callable[[torch.device], None]) -> Any:
     """A ``TrainerCallback`` that stamps the wall clock (and the gc clock) at the start of training
-    and at every ``on_step_end``, the end of one PPO update in TRL's loop."""
+    and at every ``on_step_end``, the end of one PPO update in TRL's loop, after ``sync(device)``."""
     from transformers import TrainerCallback
 
     class UpdateClock(TrainerCallback):
@@ -251,7 +246,8 @@ def trl_config(args: argparse.Namespace, device: torch.device, output_dir: str) 
     )
 
 
-def run_trl(args: argparse.Namespace, device: torch.device, parts: dict[str, Any], gc_clock: GcClock) -> dict[str, Any]:
+def run_trl(args: argparse.Namespace, bench: ModuleType, device: torch.device, parts: dict[str, Any],
+            gc_clock: GcClock) -> dict[str, Any]:
     """TRL's ``train()`` for warmup + iterations updates: each update's seconds and gc seconds, what
     it generated, and the accelerator's mixed precision. Its models are freed before returning."""
     from datasets import Dataset
@@ -264,7 +260,7 @@ def run_trl(args: argparse.Namespace, device: torch.device, parts: dict[str, Any
     dataset = Dataset.from_dict({"input_ids": parts["batch"].input_ids.tolist()})  # [B, P], no pad token in it
     # PPOTrainer's own Accelerator reads the precision from here (module docstring, "Precision").
     os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16" if device.type == "cuda" else "no"
-    clock = update_clock(device, gc_clock)
+    clock = update_clock(device, gc_clock, bench.sync)
     with tempfile.TemporaryDirectory(prefix="bench_trl_ppo_") as output_dir:
         trainer = PPOTrainer(args=trl_config(args, device, output_dir), processing_class=tok, train_dataset=dataset,
                              callbacks=[clock], **models)
@@ -352,15 +348,15 @@ def report(args: argparse.Namespace, device: torch.device, trl_version: str, age
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from textrl.run import resolve_device
+
     bench = load_bench_ppo_iteration()
     args = parse_args(bench, argv)
     trl_version = require_trl()
     if trl_version != TRL_VERSION:
         print(f"note: TRL {trl_version} installed; this benchmark is written against {TRL_VERSION}", file=sys.stderr)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
+    device = resolve_device(args.device)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     built = bench.parse_args(["--iteration-only"])  # its defaults for anything not set here
@@ -369,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         setattr(built, name, getattr(args, name))
     parts = bench.build(built, device)
     with GcClock().installed() as gc_clock:
-        trl = run_trl(args, device, parts, gc_clock)  # first: it copies the starting weights
+        trl = run_trl(args, bench, device, parts, gc_clock)  # first: it copies the starting weights
         textrl = run_textrl(args, bench, parts, gc_clock)
     return report(args, device, trl_version, parts["agent"], trl, textrl)
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from textrl.generation import DecodeEngine, HFEngine, Sampling, engine_names, get_engine
 from textrl.generation.decode import next_tokens, shared_prefixes
 from textrl.generation.static import StaticEngine
+from textrl.generation.traffic import OpCount
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 from textrl.stages.data import pad_left
 
@@ -216,18 +216,6 @@ def test_a_turn_prefills_only_its_new_tokens_and_generates_what_generate_does(to
             assert prefilled < context // 2, (turn, prefilled, context)
 
 
-class _Ops(TorchDispatchMode):
-    """Counts the aten ops run inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_carried_turn_dispatches_no_op_per_row(tok, model):
     """The host work of a carried turn (which kept row each new row continues, the columns it keeps,
     the new tokens' ids, mask and positions) is built on the host and copied once: the ops a second
@@ -244,7 +232,7 @@ def test_a_carried_turn_dispatches_no_op_per_row(tok, model):
             seqs = [seq + out[i].tolist() + [40, 41] for i, seq in enumerate(seqs)]
             ids, mask = pad_left(seqs, tok.pad_token_id)
             before = engine.prefilled
-            with _Ops() as ops:
+            with OpCount() as ops:
                 run(engine, model, ids, mask, sampling)
         assert engine.prefilled - before < int(mask.sum()) // 2  # the turn was carried
         return ops.n

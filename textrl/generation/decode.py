@@ -110,10 +110,10 @@ class DecodeEngine(GenerationEngine):
             self.carry = None
 
     def _prefill(self, model: nn.Module, input_ids: Tensor, mask: Tensor, real: list[tuple[int, ...]] | None,
-                 name: str) -> tuple[Any, Tensor, Tensor, list[list[int]] | None]:
+                 columns: list[list[int]] | None, name: str) -> tuple[Any, Tensor, Tensor, list[list[int]] | None]:
         """``(cache, next logits [B, V], attention mask [B, L], each row's real-token columns)`` of
         the contexts: from a carried cache and the new tokens alone, else prefilled whole (each
-        distinct context once)."""
+        distinct context once; its columns are ``columns``, those of ``mask``)."""
         b, device = input_ids.shape[0], input_ids.device
         plan = self.carry.plan(model, real) if self.carry is not None and real is not None else None
         if plan is not None:
@@ -147,8 +147,7 @@ class DecodeEngine(GenerationEngine):
         if inverse is not None:
             cache.reorder_cache(inverse)
             logits = logits[inverse]
-        cols = [[j for j, m in enumerate(row) if m] for row in mask.tolist()] if real is not None else None
-        return cache, logits, mask, cols
+        return cache, logits, mask, columns
 
     @torch.no_grad()
     def generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
@@ -156,11 +155,11 @@ class DecodeEngine(GenerationEngine):
         if kwargs:
             raise TypeError(f"the textrl engine takes no generate arguments; got {', '.join(sorted(kwargs))}")
         name = cache_argument(model)
-        real = None  # each row's real tokens: read to the host only for a carry (inside a rollout)
+        real = columns = None  # each row's real tokens and their columns: read to the host only for a carry
         if self.carry is not None:
-            real = [tuple(t for t, m in zip(row, keep) if m)
-                    for row, keep in zip(input_ids.tolist(), attention_mask.tolist())]
-        cache, logits, mask, cols = self._prefill(model, input_ids, attention_mask.long(), real, name)
+            columns = [[j for j, m in enumerate(keep) if m] for keep in attention_mask.tolist()]
+            real = [tuple(row[j] for j in cols) for row, cols in zip(input_ids.tolist(), columns)]
+        cache, logits, mask, cols = self._prefill(model, input_ids, attention_mask.long(), real, columns, name)
         context_width = mask.shape[1]
         invalid = torch.zeros(1, dtype=torch.bool, device=logits.device)  # non-finite logits met, when sampling
         first = next_tokens(logits, sampling, invalid)

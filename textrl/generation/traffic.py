@@ -94,6 +94,19 @@ class OpLog(TorchDispatchMode):
         return out
 
 
+class OpCount(TorchDispatchMode):
+    """Inside ``with OpCount() as count:``, ``count.n`` counts every aten op dispatched (views too),
+    except while ``count.paused``: the host's work of a call, each op a launch or a copy on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n, self.paused = 0, False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        self.n += not self.paused
+        return func(*args, **(kwargs or {}))
+
+
 def _is_cast(op: Op) -> bool:
     if op.name not in ("_to_copy", "copy_") or not op.reads or not op.writes:
         return False
@@ -122,4 +135,4 @@ def read_dtypes(ops: Iterable[Op], kind: str) -> set[torch.dtype]:
     return {d for op in ops if test(op) for d, _ in op.reads if d.is_floating_point}
 
 
-__all__ = ["MATMULS", "NO_MOVE", "PURE_WRITES", "Op", "OpLog", "read_dtypes", "step_bytes"]
+__all__ = ["MATMULS", "NO_MOVE", "PURE_WRITES", "Op", "OpCount", "OpLog", "read_dtypes", "step_bytes"]
