@@ -32,8 +32,10 @@ multi-turn runner appends an environment's answer), inside the engine's ``rollou
 the same engine's single turn of ``--new-tokens`` tokens.
 
 With ``--turn-ops`` (and ``--turns``) nothing is timed: each ``textrl`` engine runs one batch of
-episodes and prints the aten ops each turn dispatches outside its decode steps (the carry, the
-prefill, loading and keeping the cache: the host's work a turn, each op a launch or a copy on a GPU).
+episodes (after one to warm up) and prints the aten ops each turn dispatches outside its decode steps (the carry, the
+prefill, loading and keeping the cache: the host's work a turn, each op a launch or a copy on a GPU),
+and outside its decode steps and its feed of a carried turn's new tokens too (``uncaptured``: what
+the host dispatches on CUDA, where both are replays of captured graphs).
 
 With ``--traffic`` nothing is timed: one eager decode step of the ``textrl`` engine's static
 cache, halfway through the response, is counted op by op (:mod:`textrl.generation.traffic`: the
@@ -245,30 +247,39 @@ def main() -> None:
 def turn_ops(engines: dict[str, Any], episodes: Any, turns: int) -> None:
     """``--turn-ops``: for each ``textrl`` engine of ``engines``, the aten ops each turn of one episode
     batch dispatches outside its decode steps (the host's work a turn: the carry, the prefill,
-    loading and keeping the cache; on a GPU each is a launch or a copy the device waits for)."""
+    loading and keeping the cache; on a GPU each is a launch or a copy the device waits for), and
+    outside its feeds too (captured on CUDA, as the steps are)."""
     from textrl.generation import DecodeEngine
 
-    counts = {name: _ops_per_turn(engine, episodes) for name, engine in engines.items()
-              if isinstance(engine, DecodeEngine)}
-    for name, per_turn in counts.items():
-        print(f"{name:<18} ops a turn outside the decode steps: {per_turn}")
-    print(json.dumps({"turns": turns, "turn_ops": counts}), flush=True)
+    counts, uncaptured = {}, {}
+    for name, engine in engines.items():
+        if isinstance(engine, DecodeEngine):
+            episodes(engine)  # a warm-up: its decoders made, as in every iteration after the first
+            counts[name] = _ops_per_turn(engine, episodes, ("run",))
+            uncaptured[name] = _ops_per_turn(engine, episodes, ("run", "feed"))
+    for name in counts:
+        print(f"{name:<18} ops a turn outside the decode steps: {counts[name]}; outside the steps and feeds "
+              f"(captured on CUDA): {uncaptured[name]}")
+    print(json.dumps({"turns": turns, "turn_ops": counts, "turn_ops_uncaptured": uncaptured}), flush=True)
 
 
-def _ops_per_turn(engine: Any, episodes: Any) -> list[int]:
-    """The ops each ``engine.generate`` call of ``episodes(engine)`` dispatches, its decode steps left out."""
+def _ops_per_turn(engine: Any, episodes: Any, paused_in: tuple[str, ...]) -> list[int]:
+    """The ops each ``engine.generate`` call of ``episodes(engine)`` dispatches, those inside the
+    ``paused_in`` methods of its decoders (``run``: a decode step; ``feed``: a carried turn's new tokens) left out."""
     from textrl.generation.graph import DecodeGraph
     from textrl.generation.traffic import OpCount
 
     count, per_turn = OpCount(), []
-    step, generate = DecodeGraph.run, engine.generate
+    methods, generate = {m: getattr(DecodeGraph, m) for m in paused_in}, engine.generate
 
-    def paused(self: Any, *a: Any, **k: Any) -> Any:
-        count.paused = True
-        try:
-            return step(self, *a, **k)
-        finally:
-            count.paused = False
+    def pausing(method: Any) -> Any:
+        def paused(self: Any, *a: Any, **k: Any) -> Any:
+            count.paused = True
+            try:
+                return method(self, *a, **k)
+            finally:
+                count.paused = False
+        return paused
 
     def counted(*a: Any, **k: Any) -> Any:
         count.n = 0
@@ -278,11 +289,13 @@ def _ops_per_turn(engine: Any, episodes: Any) -> list[int]:
         return out
 
     engine.generate = counted
-    DecodeGraph.run = paused  # type: ignore[method-assign]
+    for m, method in methods.items():
+        setattr(DecodeGraph, m, pausing(method))
     try:
         episodes(engine)
     finally:
-        DecodeGraph.run = step  # type: ignore[method-assign]
+        for m, method in methods.items():
+            setattr(DecodeGraph, m, method)
         del engine.generate
     return per_turn
 

@@ -52,8 +52,10 @@ def test_bench_generation_counts_the_ops_of_each_turn_outside_the_decode_steps()
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["turns"] == 3 and set(figures["turn_ops"]) == {"textrl"}  # hf has no decode steps of its own
-    counts = figures["turn_ops"]["textrl"]
+    counts, uncaptured = figures["turn_ops"]["textrl"], figures["turn_ops_uncaptured"]["textrl"]
     assert len(counts) == 3 and min(counts) > 0 and "seconds" not in result.stdout
+    assert uncaptured[0] == counts[0]  # the first turn has no feed: its prefill is eager everywhere
+    assert all(u < c // 2 for u, c in zip(uncaptured[1:], counts[1:]))  # a carried turn's forward is its feed
 
 
 def test_bench_generation_refuses_an_unknown_engine():

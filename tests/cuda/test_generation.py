@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from textrl.generation import DecodeEngine, HFEngine, Sampling, get_engine
+from textrl.generation.graph import decode_step
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 from textrl.stages.data import pad_left
 
@@ -88,19 +89,28 @@ def test_weights_updated_in_place_are_what_the_captured_step_reads(tok, model):
     assert not torch.equal(after, before) and torch.equal(after, run(HFEngine(), model, ids, mask, sampling))
 
 
-def test_multi_turn_turns_with_the_carried_cache_equal_generate(tok, model):
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["graph", "compiled"])
+def test_multi_turn_turns_with_the_carried_cache_equal_generate(tok, model, compile):
+    """A carried turn's new tokens are one captured feed (compiled first, with ``compile``), replayed
+    when a later rollout meets the same shape; greedy turns token for token ``generate``'s."""
     sampling = spec(tok, max_new_tokens=10)
-    engine = DecodeEngine(compile=False)
-    seqs = [tok(p)["input_ids"] for p in PROMPTS[:4] for _ in range(2)]
-    with engine.rollout():
-        for turn in range(3):
-            ids, mask = (x.cuda() for x in pad_left(seqs, tok.pad_token_id))
-            before = engine.prefilled
-            got = run(engine, model, ids, mask, sampling)
-            assert torch.equal(got, run(HFEngine(), model, ids, mask, sampling)), turn
-            if turn:
-                assert engine.prefilled - before < int(mask.sum()) // 2
-            seqs = [s + got[i].tolist() + [40 + i, 41, 42 + turn] for i, s in enumerate(seqs)]
+    engine = DecodeEngine(compile=compile)
+    seqs0 = [tok(p)["input_ids"] for p in PROMPTS[:4] for _ in range(2)]
+    for rollout in range(2):
+        seqs, captured = seqs0, engine.graphs.captured
+        with engine.rollout():
+            for turn in range(3):
+                ids, mask = (x.cuda() for x in pad_left(seqs, tok.pad_token_id))
+                before = engine.prefilled
+                got = run(engine, model, ids, mask, sampling)
+                assert torch.equal(got, run(HFEngine(), model, ids, mask, sampling)), (rollout, turn)
+                if turn:
+                    assert engine.prefilled - before < int(mask.sum()) // 2
+                seqs = [s + got[i].tolist() + [40 + i, 41, 42 + turn] for i, s in enumerate(seqs)]
+        feeds = [f for d in engine.graphs.graphs.values() for f in d.feeds.values()]
+        assert feeds and all(f.graph is not None for f in feeds)  # every carried turn's feed was captured
+        if rollout:
+            assert engine.graphs.captured == captured  # the same shapes: replayed, nothing captured
 
 
 def test_a_bf16_run_is_captured_and_stays_in_the_vocabulary(tok):
@@ -123,7 +133,7 @@ def test_the_compiled_captured_step_decodes_what_generate_does(tok, model):
     engine = DecodeEngine()
     assert torch.equal(run(engine, model, ids, mask, sampling), run(HFEngine(), model, ids, mask, sampling))
     (decoder,) = engine.graphs.graphs.values()
-    assert decoder.step is engine.graphs._compiled is not None and engine.graphs.captured == 1  # compiled, captured
+    assert decoder.step is engine.graphs._compiled[decode_step] and engine.graphs.captured == 1  # compiled, captured
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = run(engine, model, ids, mask, spec(tok, greedy=False, eos=-1, max_new_tokens=32))
     assert engine.graphs.captured == 2 and out.shape == (ids.shape[0], 32) and engine.graphs.casts

@@ -146,7 +146,10 @@ def test_the_compiled_step_decodes_what_generate_does(tok):
     sampling = spec(tok, max_new_tokens=12)
     engine = DecodeEngine(compile=True)
     assert torch.equal(run(engine, model, ids, mask, sampling), run(HFEngine(), model, ids, mask, sampling))
-    assert engine.graphs.compile and engine.graphs._compiled is not None
+    from textrl.generation.graph import decode_step
+
+    (decoder,) = engine.graphs.graphs.values()
+    assert engine.graphs.compile and decoder.step is engine.graphs._compiled[decode_step]
 
 
 @pytest.mark.slow
@@ -224,19 +227,19 @@ def test_a_step_that_fails_to_compile_and_capture_is_captured_as_written(tok, mo
 
     tried = []
     for ok_uncompiled, want in ((True, "graph"), (False, None)):
-        def capture(self, model, decoder, sampling, name, ok=ok_uncompiled):
-            tried.append(decoder.step is decode_step)
-            return "graph" if decoder.step is decode_step and ok else None
+        def capture(self, model, decoder, run, compiled, pool=None, what="", ok=ok_uncompiled):
+            tried.append((decoder.step is decode_step, compiled))
+            return ("graph", None) if decoder.step is decode_step and ok else None
 
         monkeypatch.setattr(Graphs, "_capture", capture)
         tried.clear()
         decoder = DecodeGraph(state=None, step=lambda *a: None)  # a stand-in compiled step
-        Graphs(compile=True)._capture_or_fall_back(None, decoder, spec(tok), "cache")
-        assert tried == [False, True] and decoder.graph == want and decoder.step is decode_step
+        Graphs(compile=True).capture_step(None, decoder, spec(tok), "cache")
+        assert tried == [(False, True), (True, False)] and decoder.graph == want and decoder.step is decode_step
     decoder = DecodeGraph(state=None, step=decode_step)  # not compiled: one try
     tried.clear()
-    Graphs()._capture_or_fall_back(None, decoder, spec(tok), "cache")
-    assert tried == [True] and decoder.graph is None
+    Graphs().capture_step(None, decoder, spec(tok), "cache")
+    assert tried == [(True, False)] and decoder.graph is None
 
 
 def test_multi_turn_turns_under_bf16_autocast_equal_generate(tok):
@@ -429,15 +432,15 @@ def test_each_attention_window_is_captured_once_and_replayed_for_its_steps(tok, 
 
     captured = []
 
-    def capture(self, model, decoder, sampling, name, pool=None):
+    def capture(self, model, decoder, run, compiled, pool=None, what=""):
         captured.append((decoder.state.kv.window, pool))
-        return None if decoder.state.kv.window == 128 else Graph(decoder.state.kv.window)
+        return None if decoder.state.kv.window == 128 else (Graph(decoder.state.kv.window), None)
 
     monkeypatch.setattr(Graphs, "_capture", capture)
     kv = StaticKV([(torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2))], width=256)
     decoder = DecodeGraph(state=type("State", (), {"kv": kv})(), step=decode_step)
     graphs = Graphs()
-    graphs._capture_or_fall_back(None, decoder, spec(tok), "cache")
+    graphs.capture_step(None, decoder, spec(tok), "cache")
     graphs._capture_windows(None, decoder, spec(tok), "cache", windows(256, 64))
     assert windows(256, 64) == [64, 128, 192] and windows(256, None) == []
     assert captured == [(None, None), (64, "pool"), (128, "pool"), (192, "pool")] and kv.window is None
@@ -446,3 +449,103 @@ def test_each_attention_window_is_captured_once_and_replayed_for_its_steps(tok, 
         decoder.run(None, spec(tok), "cache", window)
     assert decoder.windows[64].replayed == 2 and decoder.windows[192].replayed == 1
     assert decoder.graph.replayed == 3  # 128 (its capture failed), 256 and None: the whole width
+
+
+def test_a_feed_attends_each_new_token_to_the_real_columns_up_to_its_own():
+    """:meth:`Feed.fill`'s mask against a closed form: kept columns 0-2 (column 1 a hole), new tokens
+    at columns 3-5, the first of row 1 padding: a token sees the real columns up to its own, a
+    padding token its own column too, nothing past it."""
+    from textrl.generation.graph import DecodeState, Feed
+
+    like = [(torch.zeros(2, 1, 3, 2), torch.zeros(2, 1, 3, 2))]
+    state = DecodeState.new(like, 2, 8)
+    feed = Feed.new(state, 3)
+    real = torch.tensor([[1, 0, 1, 1, 1, 1], [1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    feed.fill(torch.tensor([[5, 6, 7], [0, 8, 9]]), torch.tensor([[2, 3, 4], [1, 3, 4]]), real, start=3)
+    assert feed.index.tolist() == [3, 4, 5]
+    want = torch.zeros(2, 3, 8, dtype=torch.bool)
+    for b in range(2):
+        for s in range(3):
+            for j in range(8):
+                want[b, s, j] = (j < 6 and bool(real[b, j]) and j <= 3 + s) or j == 3 + s
+    assert torch.equal(feed.mask[:, 0] == 0, want)
+    assert bool((feed.mask[:, 0][~want] == torch.finfo(feed.mask.dtype).min).all())
+
+
+def test_a_carried_turn_feeds_its_new_tokens_in_one_forward_over_the_static_cache(tok):
+    """After the first turn, a turn's model forwards are one feed of its new tokens (left-padded to
+    a multiple of 8) into the decoder's static cache, then one a decode step: no prefill through
+    transformers' growing cache, and the tokens are ``generate``'s."""
+    from textrl.generation.decode import FEED_BUCKET
+
+    model = build_tiny_causal_lm(tok).eval()
+    engine = DecodeEngine(attention_window=None)
+    sampling = spec(tok, eos_token_id=-1, max_new_tokens=5)
+    calls = []
+    model.register_forward_pre_hook(lambda m, a, k: calls.append(k["input_ids"].shape), with_kwargs=True)
+    seqs = [tok(p)["input_ids"] for p in PROMPTS]
+    with engine.rollout():
+        for turn in range(3):
+            ids, mask = pad_left(seqs, tok.pad_token_id)
+            want = run(HFEngine(), model, ids, mask, sampling)
+            calls.clear()
+            got = run(engine, model, ids, mask, sampling)
+            assert torch.equal(got, want), turn
+            assert [s[0] for s in calls] == [len(seqs)] * 5 and all(s[1] == 1 for s in calls[1:])
+            if turn:  # the sampled tail and the observation: one feed of 8 columns, in the decoder's cache
+                assert calls[0][1] == FEED_BUCKET
+                decoder = next(reversed(engine.graphs.graphs.values()))
+                assert list(decoder.feeds) == [FEED_BUCKET] and decoder.feeds[FEED_BUCKET].graph is None
+            seqs = [seq + got[i].tolist() + [40 + i, 41, 42 + turn] for i, seq in enumerate(seqs)]
+
+
+def test_a_feed_is_captured_once_per_size_after_its_decoders_step_in_its_own_pool(tok, monkeypatch):
+    """The capture path of a feed (CUDA alone captures; ``_capture`` is stood in for): made and
+    captured the first time a decoder feeds that many tokens, replayed after, in a memory pool of its
+    own (its logits outlive the replay); a decoder whose step was not captured runs its feeds eagerly."""
+    from textrl.generation.graph import DecodeGraph, DecodeState, Feed, decode_step
+
+    class Graph:
+        replayed = 0
+
+        def replay(self):
+            self.replayed += 1
+
+    captured = []
+
+    def capture(self, model, decoder, run, compiled, pool=None, what=""):
+        captured.append((decoder.state.kv.index.tolist(), pool, what))
+        return Graph(), torch.ones(2, 3)
+
+    monkeypatch.setattr(Graphs, "_capture", capture)
+    like = [(torch.zeros(2, 1, 3, 2), torch.zeros(2, 1, 3, 2))]
+    graphs = Graphs()
+    decoder = DecodeGraph(state=DecodeState.new(like, 2, 16), step=decode_step, graph=object())
+    feed = graphs.feed(None, decoder, 8, "cache")
+    assert graphs.feed(None, decoder, 8, "cache") is feed and isinstance(feed, Feed)
+    assert captured == [(list(range(8)), None, "feed of new tokens")] and decoder.state.kv.index is None
+    assert torch.equal(decoder.feed(None, feed, "cache"), torch.ones(2, 3)) and feed.graph.replayed == 1
+    graphs.feed(None, decoder, 16, "cache")
+    assert len(captured) == 2 and sorted(decoder.feeds) == [8, 16]
+    eager = DecodeGraph(state=DecodeState.new(like, 2, 16), step=decode_step)  # its step runs eagerly
+    assert graphs.feed(None, eager, 8, "cache").graph is None and len(captured) == 2
+
+
+@pytest.mark.slow
+def test_the_compiled_feed_and_step_decode_multi_turn_what_generate_does(tok):
+    """``compile=True`` (on CUDA by default): a carried turn's feed through ``torch.compile`` too."""
+    from textrl.generation.graph import feed_step
+
+    model = build_tiny_causal_lm(tok, num_hidden_layers=1).eval()
+    engine = DecodeEngine(compile=True, attention_window=None)
+    sampling = spec(tok, max_new_tokens=6)
+    seqs = [tok(p)["input_ids"] for p in PROMPTS for _ in range(2)]
+    with engine.rollout():
+        for turn in range(3):
+            ids, mask = pad_left(seqs, tok.pad_token_id)
+            got = run(engine, model, ids, mask, sampling)
+            assert torch.equal(got, run(HFEngine(), model, ids, mask, sampling)), turn
+            seqs = [seq + [t for t in got[i].tolist() if t != tok.pad_token_id] + [40 + i, 41, 42 + turn]
+                    for i, seq in enumerate(seqs)]
+    decoders = list(engine.graphs.graphs.values())
+    assert any(d.feeds for d in decoders) and all(d.feeder is engine.graphs._compiled[feed_step] for d in decoders)

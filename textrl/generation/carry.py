@@ -68,12 +68,15 @@ class TurnCarry:
 
     kept: list[Kept] = field(default_factory=list)
     index: dict[tuple[int, ...], list[tuple[int, int]]] = field(default_factory=dict)
+    short: set[int] = field(default_factory=set)
+    """The lengths of the kept rows shorter than ``KEY`` tokens (indexed by all their tokens)."""
     version: tuple[Any, ...] | None = None
 
     def release(self) -> None:
         """Drop every kept cache (the rollout ended)."""
         self.kept.clear()
         self.index.clear()
+        self.short.clear()
         self.version = None
 
     def remember(self, model: nn.Module, cache: Any, cols: list[list[int]], tokens: list[tuple[int, ...]]) -> None:
@@ -86,6 +89,8 @@ class TurnCarry:
         self.kept.append(Kept(cache, cols, tokens))
         for b, row in enumerate(tokens):
             self.index.setdefault(row[:KEY], []).append((k, b))
+            if len(row) < KEY:
+                self.short.add(len(row))
 
     def plan(self, model: nn.Module, rows: list[tuple[int, ...]]) -> Plan | None:
         """For each new row (its real tokens), the kept row sharing its longest prefix (at most all
@@ -96,7 +101,11 @@ class TurnCarry:
         reuse: list[int] = []
         for row in rows:
             best, best_n = None, 0
-            for k, b in self.index.get(row[:KEY], ()):
+            candidates = self.index.get(row[:KEY], [])
+            for n in self.short:  # kept rows shorter than the key, found by all their tokens
+                if n < len(row) and n < KEY:
+                    candidates = candidates + self.index.get(row[:n], [])
+            for k, b in candidates:
                 kept = self.kept[k].tokens[b]
                 if len(kept) < len(row) and row[:len(kept)] == kept:  # the usual case, compared at C speed
                     n = len(kept)
@@ -112,15 +121,14 @@ class TurnCarry:
             reuse.append(best_n)
         return Plan(source, reuse) if any(reuse) else None
 
-    def cache_for(self, model: nn.Module, plan: Plan, device: torch.device) -> tuple[Any, Tensor]:
-        """A new cache whose row ``i`` holds its ``plan.reuse[i]`` reused keys and values right-aligned
-        in ``W = max(reuse)`` columns, and its mask ``[B, W]`` (0 left of them)."""
-        n = len(plan.reuse)
+    def gather(self, plan: Plan, into: list[tuple[Tensor, Tensor]]) -> list[list[int]]:
+        """Write row ``i``'s ``plan.reuse[i]`` reused keys and values right-aligned into columns
+        ``[0, W)`` of ``into`` (a ``(keys, values)`` ``[B, H, >= W, D]`` per layer, ``W = max(reuse)``;
+        the rest left as it is): the rows of its mask ``[B][W]`` (1 on the reused columns)."""
         width = max(plan.reuse)
+        device = into[0][0].device
         # The index tensors are built on the host and copied once (row by row on the device, a
         # turn cost a few hundred small launches).
-        mask = torch.tensor([[0] * (width - u) + [1] * u for u in plan.reuse], dtype=torch.long, device=device)
-        layers: list[tuple[Tensor, Tensor]] | None = None
         for k, kept in enumerate(self.kept):
             rows = [i for i, s in enumerate(plan.source) if s is not None and s[0] == k]
             if not rows:
@@ -129,19 +137,23 @@ class TurnCarry:
             cols = torch.tensor([[0] * (width - plan.reuse[i]) + kept.cols[r][:plan.reuse[i]] for i, r in zip(rows, src)],
                                 dtype=torch.long, device=device)
             src_rows, dest = torch.tensor(src, device=device), torch.tensor(rows, device=device)
-            for layer, (keys, values) in enumerate(cache_layers(kept.cache)):
-                if layers is None:
-                    layers = [(keys.new_zeros(n, keys.shape[1], width, keys.shape[3]),
-                               values.new_zeros(n, values.shape[1], width, values.shape[3]))
-                              for keys, values in cache_layers(kept.cache)]
-                picked_k = keys[src_rows[:, None], :, cols].permute(0, 2, 1, 3)  # [r, H, W, D]
-                picked_v = values[src_rows[:, None], :, cols].permute(0, 2, 1, 3)
-                layers[layer][0][dest] = picked_k
-                layers[layer][1][dest] = picked_v
+            for (keys, values), (to_keys, to_values) in zip(cache_layers(kept.cache), into):
+                to_keys[:, :, :width][dest] = keys[src_rows[:, None], :, cols].permute(0, 2, 1, 3).to(to_keys.dtype)
+                to_values[:, :, :width][dest] = values[src_rows[:, None], :, cols].permute(0, 2, 1, 3).to(to_values.dtype)
+        return [[0] * (width - u) + [1] * u for u in plan.reuse]
+
+    def cache_for(self, model: nn.Module, plan: Plan, device: torch.device) -> tuple[Any, Tensor]:
+        """A new cache whose row ``i`` holds its ``plan.reuse[i]`` reused keys and values right-aligned
+        in ``W = max(reuse)`` columns (:meth:`gather`), and its mask ``[B, W]`` (0 left of them)."""
+        n, width = len(plan.reuse), max(plan.reuse)
+        like = cache_layers(self.kept[0].cache)
+        layers = [(k.new_zeros(n, k.shape[1], width, k.shape[3]), v.new_zeros(n, v.shape[1], width, v.shape[3]))
+                  for k, v in like]
+        mask = self.gather(plan, layers)
         cache = new_cache(model)
-        for layer, (keys, values) in enumerate(layers or []):
+        for layer, (keys, values) in enumerate(layers):
             cache.update(keys, values, layer)
-        return cache, mask
+        return cache, torch.tensor(mask, dtype=torch.long, device=device)
 
 
 __all__ = ["Kept", "Plan", "TurnCarry", "cache_layers", "weights_version"]

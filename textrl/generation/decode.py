@@ -29,9 +29,19 @@ import torch
 from torch import Tensor, nn
 
 from textrl.generation.base import GenerationEngine, Sampling, cut_at_last_eos, register_engine
-from textrl.generation.carry import TurnCarry, cache_layers
-from textrl.generation.graph import INVALID, Graphs, bucket, next_tokens, static_unsupported
+from textrl.generation.carry import Plan, TurnCarry, cache_layers
+from textrl.generation.graph import (
+    INVALID,
+    DecodeGraph,
+    Graphs,
+    bucket,
+    next_tokens,
+    static_unsupported,
+)
 from textrl.models.kv_cache import cache_argument, new_cache
+
+FEED_BUCKET = 8
+"""A carried turn's new tokens are left-padded to a multiple of this (fewer feed shapes, fewer captures)."""
 
 
 def shared_prefixes(input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -109,30 +119,23 @@ class DecodeEngine(GenerationEngine):
             self.carry.release()
             self.carry = None
 
-    def _prefill(self, model: nn.Module, input_ids: Tensor, mask: Tensor, real: list[tuple[int, ...]] | None,
-                 columns: list[list[int]] | None, name: str) -> tuple[Any, Tensor, Tensor, list[list[int]] | None]:
+    def _prefill(self, model: nn.Module, input_ids: Tensor, mask: Tensor, plan: Plan | None,
+                 real: list[tuple[int, ...]] | None, columns: list[list[int]] | None,
+                 name: str) -> tuple[Any, Tensor, Tensor, list[list[int]] | None]:
         """``(cache, next logits [B, V], attention mask [B, L], each row's real-token columns)`` of
-        the contexts: from a carried cache and the new tokens alone, else prefilled whole (each
-        distinct context once; its columns are ``columns``, those of ``mask``)."""
+        the contexts, in transformers' growing cache: from the carried keys of ``plan`` and the new
+        tokens alone, else prefilled whole (each distinct context once; its columns are ``columns``,
+        those of ``mask``)."""
         b, device = input_ids.shape[0], input_ids.device
-        plan = self.carry.plan(model, real) if self.carry is not None and real is not None else None
-        if plan is not None:
+        if plan is not None and real is not None and self.carry is not None:
             cache, cache_mask = self.carry.cache_for(model, plan, device)
             width = cache_mask.shape[1]
-            suffixes = [row[u:] for row, u in zip(real, plan.reuse)]
-            sl = max(len(x) for x in suffixes)
-            # Left-padded on the host, then one copy each: a row-by-row fill on the device is a few
-            # hundred small launches a turn.
-            pads = [sl - len(x) for x in suffixes]
-            ids = torch.tensor([[0] * p + list(x) for x, p in zip(suffixes, pads)], dtype=torch.long, device=device)
-            suffix_mask = torch.tensor([[0] * p + [1] * (sl - p) for p in pads], dtype=torch.long, device=device)
-            positions = torch.tensor([[1] * p + list(range(u, u + sl - p)) for u, p in zip(plan.reuse, pads)],
-                                     dtype=torch.long, device=device)
+            ids, suffix_mask, positions, pads = self._new_tokens(real, plan, 1, device)
+            sl = ids.shape[1]
             cols = [[*range(width - u, width), *range(width + p, width + sl)] for u, p in zip(plan.reuse, pads)]
             mask = torch.cat([cache_mask, suffix_mask], dim=1)
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
                         **{name: cache})
-            self.prefilled += int(suffix_mask.sum())
             return cache, out.logits[:, -1], mask, cols
         cache = new_cache(model)
         ids_u, mask_u, inverse = input_ids, mask, None
@@ -149,31 +152,84 @@ class DecodeEngine(GenerationEngine):
             logits = logits[inverse]
         return cache, logits, mask, columns
 
+    def _new_tokens(self, real: list[tuple[int, ...]], plan: Plan, multiple: int,
+                    device: torch.device) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+        """Each row's tokens past its reused ones, left-padded to a multiple of ``multiple``: ``(ids,
+        mask, position ids)`` ``[B, S]`` and each row's padding. Built on the host, then one copy
+        each: a row-by-row fill on the device is a few hundred small launches a turn."""
+        suffixes = [row[u:] for row, u in zip(real, plan.reuse)]
+        sl = bucket(max(len(x) for x in suffixes), multiple)
+        pads = [sl - len(x) for x in suffixes]
+        ids = torch.tensor([[0] * p + list(x) for x, p in zip(suffixes, pads)], dtype=torch.long, device=device)
+        mask = torch.tensor([[0] * p + [1] * (sl - p) for p in pads], dtype=torch.long, device=device)
+        positions = torch.tensor([[1] * p + list(range(u, u + sl - p)) for u, p in zip(plan.reuse, pads)],
+                                 dtype=torch.long, device=device)
+        self.prefilled += sum(sl - p for p in pads)
+        return ids, mask, positions, pads
+
+    def _feed(self, model: nn.Module, plan: Plan, real: list[tuple[int, ...]], sampling: Sampling, name: str,
+              device: torch.device) -> tuple[DecodeGraph, Tensor, int, list[list[int]]]:
+        """A carried call over the static cache: each row's reused keys and values gathered into the
+        decoder's cache (right-aligned, :meth:`TurnCarry.gather`), its new tokens fed in one step after
+        them (:class:`~textrl.generation.graph.Feed`, a captured graph on CUDA). ``(decoder, each row's
+        next logits [B, V], the context's columns, each row's real-token columns)``."""
+        assert self.carry is not None
+        reused = max(plan.reuse)
+        ids, suffix_mask, positions, pads = self._new_tokens(real, plan, FEED_BUCKET, device)
+        tokens = ids.shape[1]
+        context = reused + tokens
+        like = cache_layers(self.carry.kept[0].cache)  # heads, head size, dtype: the rows are ours
+        decoder = self._decoder(model, len(real), context, like, sampling, name)
+        feed = self.graphs.feed(model, decoder, tokens, name)  # captured (CUDA) before the cache is loaded
+        state = decoder.state
+        state.kv.clear(context)
+        kept = self.carry.gather(plan, [(layer.keys, layer.values) for layer in state.kv.layers])
+        real_cols = torch.cat([torch.tensor(kept, dtype=torch.bool, device=device), suffix_mask.bool()], dim=1)
+        feed.fill(ids, positions, real_cols, reused)
+        logits = decoder.feed(model, feed, name)
+        state.attend(real_cols)
+        state.position.copy_(positions[:, -1:] + 1)  # each row's real tokens so far: its last position + 1
+        cols = [[*range(reused - u, reused), *range(reused + p, context)] for u, p in zip(plan.reuse, pads)]
+        return decoder, logits, context, cols
+
     @torch.no_grad()
     def generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
                  **kwargs: Any) -> Tensor:
         if kwargs:
             raise TypeError(f"the textrl engine takes no generate arguments; got {', '.join(sorted(kwargs))}")
         name = cache_argument(model)
-        real = columns = None  # each row's real tokens and their columns: read to the host only for a carry
+        real = columns = plan = None  # each row's real tokens and their columns: read to the host only for a carry
         if self.carry is not None:
             columns = [[j for j, m in enumerate(keep) if m] for keep in attention_mask.tolist()]
             real = [tuple(row[j] for j in cols) for row, cols in zip(input_ids.tolist(), columns)]
-        cache, logits, mask, cols = self._prefill(model, input_ids, attention_mask.long(), real, columns, name)
-        context_width = mask.shape[1]
+            plan = self.carry.plan(model, real)
+        static = self.static and self._fits_static(model)
+        decoder: DecodeGraph | None = None
+        if static and plan is not None and real is not None:
+            decoder, logits, context, cols = self._feed(model, plan, real, sampling, name, input_ids.device)
+        else:
+            cache, logits, mask, cols = self._prefill(model, input_ids, attention_mask.long(), plan, real, columns, name)
+            context = mask.shape[1]
+            if static:
+                layers = cache_layers(cache)
+                decoder = self._decoder(model, input_ids.shape[0], context, layers, sampling, name)
+                decoder.state.load_context(layers, mask)
+                del cache, layers  # the prefill's cache is in the static one now
         invalid = torch.zeros(1, dtype=torch.bool, device=logits.device)  # non-finite logits met, when sampling
         first = next_tokens(logits, sampling, invalid)
         if sampling.eos_token_id is not None:
             running = first != sampling.eos_token_id
         else:
             running = torch.ones_like(first, dtype=torch.bool)
-        decode = self._decode_static if self.static and self._fits_static(model) else self._decode_dynamic
-        tokens, fed, cache = decode(model, cache, mask, first, running, sampling, name, invalid)
+        if decoder is not None:
+            tokens, fed, kept = self._decode_static(decoder, model, context, first, running, sampling, name, invalid)
+        else:
+            tokens, fed, kept = self._decode_dynamic(model, cache, mask, first, running, sampling, name, invalid)
         if not sampling.greedy and bool(invalid.any()):  # one host read a call
             raise RuntimeError(f"{INVALID}: the textrl engine drew from a model whose logits are not finite")
         tokens = cut_at_last_eos(tokens, sampling.eos_token_id)
         if self.carry is not None and real is not None and cols is not None:
-            self._remember(model, cache, real, cols, tokens, fed, context_width, sampling.eos_token_id)
+            self._remember(model, kept, real, cols, tokens, fed, context, sampling.eos_token_id)
         return tokens
 
     def _windows(self, device: torch.device) -> int | None:
@@ -222,18 +278,21 @@ class DecodeEngine(GenerationEngine):
                 running = running & (token != eos)
         return tokens[:, :steps], steps - 1, cache
 
-    def _decode_static(self, model: nn.Module, cache: Any, mask: Tensor, first: Tensor, running: Tensor,
-                       sampling: Sampling, name: str, invalid: Tensor) -> tuple[Tensor, int, Any]:
-        """Decode over a static cache of ``context + max_new_tokens`` columns (rounded up to
-        ``width_bucket``), one captured step a token on CUDA (:mod:`textrl.generation.graph`)."""
-        layers = cache_layers(cache)
-        context = mask.shape[1]
+    def _decoder(self, model: nn.Module, rows: int, context: int, like: list[tuple[Tensor, Tensor]],
+                 sampling: Sampling, name: str) -> DecodeGraph:
+        """The decoder of ``rows`` x ``context`` columns and the tokens to come (rounded up to
+        ``width_bucket``), the same one for every call of that shape (:mod:`textrl.generation.graph`)."""
         width = bucket(context + sampling.max_new_tokens, self.width_bucket)
-        every = self._windows(first.device)
-        decoder = self.graphs.get(model, first.shape[0], width, layers, sampling, name, every)
+        return self.graphs.get(model, rows, width, like, sampling, name, self._windows(like[0][0].device))
+
+    def _decode_static(self, decoder: DecodeGraph, model: nn.Module, context: int, first: Tensor, running: Tensor,
+                       sampling: Sampling, name: str, invalid: Tensor) -> tuple[Tensor, int, Any]:
+        """Decode over the decoder's static cache, its context loaded, one captured step a token on
+        CUDA: ``(tokens [B, T], tokens fed back, a copy of the cache when carried)``."""
         state = decoder.state
-        state.load(layers, mask, first, running, sampling.pad_token_id)
-        del cache, layers
+        state.start(first, running, sampling.pad_token_id)
+        width = state.kv.width
+        every = self._windows(first.device)
         steps = sampling.max_new_tokens
         for t in range(1, sampling.max_new_tokens):
             if self._ended(t - 1, state.running, sampling):

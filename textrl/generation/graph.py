@@ -112,12 +112,16 @@ class StaticKV:
 
     is_compileable = True
 
-    def __init__(self, like: list[tuple[Tensor, Tensor]], width: int, dtype: torch.dtype | None = None) -> None:
-        self.layers = [SimpleNamespace(keys=k.new_zeros(*k.shape[:2], width, k.shape[3], dtype=dtype or k.dtype),
-                                       values=v.new_zeros(*v.shape[:2], width, v.shape[3], dtype=dtype or v.dtype))
+    def __init__(self, like: list[tuple[Tensor, Tensor]], width: int, dtype: torch.dtype | None = None,
+                 rows: int | None = None) -> None:
+        b = rows or like[0][0].shape[0]  # like's own rows unless told
+        self.layers = [SimpleNamespace(keys=k.new_zeros(b, k.shape[1], width, k.shape[3], dtype=dtype or k.dtype),
+                                       values=v.new_zeros(b, v.shape[1], width, v.shape[3], dtype=dtype or v.dtype))
                        for k, v in like]
         self.width = width
         self.column = torch.zeros(1, dtype=torch.long, device=like[0][0].device)
+        self.index: Tensor | None = None
+        """The columns a :class:`Feed` writes (``[S]`` long, on the device), set around its step; None: ``column``."""
         self.filled = 0
         """Columns filled before the steps (the prefill's), what ``get_seq_length`` reports."""
         self.window: int | None = None
@@ -135,11 +139,20 @@ class StaticKV:
         self.column.fill_(w)
         self.filled = w
 
+    def clear(self, filled: int) -> None:
+        """Zero every column (the caller writes a context into columns ``[0, filled)``); the next write goes to ``filled``."""
+        for mine in self.layers:
+            mine.keys.zero_()
+            mine.values.zero_()
+        self.column.fill_(filled)
+        self.filled = filled
+
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[Tensor, Tensor]:
         layer = self.layers[layer_idx]
-        layer.keys.index_copy_(2, self.column, key_states.to(layer.keys.dtype))
-        layer.values.index_copy_(2, self.column, value_states.to(layer.values.dtype))
+        index = self.column if self.index is None else self.index
+        layer.keys.index_copy_(2, index, key_states.to(layer.keys.dtype))
+        layer.values.index_copy_(2, index, value_states.to(layer.values.dtype))
         if self.window is None:
             return layer.keys, layer.values
         return layer.keys[:, :, :self.window], layer.values[:, :, :self.window]
@@ -179,7 +192,7 @@ class DecodeState:
         """Buffers for ``rows`` x ``width``, the cache and the mask in ``kv_dtype`` (None: the prefill
         keys' dtype; attention casts its mask to its keys' dtype, so a mask kept in it is not cast each layer)."""
         device, dtype = like[0][0].device, kv_dtype or like[0][0].dtype
-        kv = StaticKV(like, width, kv_dtype)
+        kv = StaticKV(like, width, kv_dtype, rows)
         return cls(kv=kv, token=torch.zeros(rows, dtype=torch.long, device=device),
                    position=torch.zeros(rows, 1, dtype=torch.long, device=device),
                    running=torch.ones(rows, dtype=torch.bool, device=device),
@@ -191,12 +204,23 @@ class DecodeState:
     def load(self, layers: list[tuple[Tensor, Tensor]], mask: Tensor, first: Tensor, running: Tensor,
              pad: int) -> None:
         """Start a call: the prefilled cache and its 2-D mask ``[B, W]``, the first token drawn ``[B]``."""
-        w = mask.shape[1]
+        self.load_context(layers, mask)
+        self.start(first, running, pad)
+
+    def load_context(self, layers: list[tuple[Tensor, Tensor]], mask: Tensor) -> None:
+        """The prefilled cache ``[B, H, W, D]`` a layer and its 2-D mask ``[B, W]`` (the first token comes by :meth:`start`)."""
         self.kv.load(layers)
-        self.mask.fill_(torch.finfo(self.mask.dtype).min)
-        self.mask[:, 0, 0, :w].masked_fill_(mask.bool(), 0.0)
-        self.token.copy_(first)
+        self.attend(mask.bool())
         self.position.copy_(mask.sum(-1, keepdim=True))
+
+    def attend(self, real: Tensor) -> None:
+        """The columns a step attends to: those of ``real`` ``[B, W]`` (bool, columns ``[0, W)``), none past it."""
+        self.mask.fill_(torch.finfo(self.mask.dtype).min)
+        self.mask[:, 0, 0, :real.shape[1]].masked_fill_(real, 0.0)
+
+    def start(self, first: Tensor, running: Tensor, pad: int) -> None:
+        """The first token drawn ``[B]`` (fed by the first step) and the rows still running after it."""
+        self.token.copy_(first)
         self.running.copy_(running)
         self.out.fill_(pad)
         self.out[:, 0] = first
@@ -219,6 +243,55 @@ def decode_step(model: nn.Module, state: DecodeState, sampling: Sampling, name: 
     state.position.add_(1)
     state.kv.column.add_(1)
     state.step.add_(1)
+
+
+@dataclass
+class Feed:
+    """A step that feeds ``S`` tokens a row at once into a decoder's static cache (a carried turn's
+    new tokens, the ``textrl`` engine), its buffers: ``ids`` and ``positions`` ``[B, S]``, ``mask``
+    ``[B, 1, S, L]`` (additive), ``index`` ``[S]`` (the cache columns written); ``logits`` ``[B, V]``
+    (the last token's, once run) and, on CUDA, its captured ``graph``. Like the decode step it reads
+    no host value, so it is captured once per ``(rows, S, width)`` and replayed every later turn."""
+
+    ids: Tensor
+    positions: Tensor
+    mask: Tensor
+    index: Tensor
+    logits: Tensor | None = None
+    graph: Any = None
+
+    @classmethod
+    def new(cls, state: DecodeState, tokens: int) -> Feed:
+        rows, width, device = state.mask.shape[0], state.mask.shape[-1], state.mask.device
+        return cls(ids=torch.zeros(rows, tokens, dtype=torch.long, device=device),
+                   positions=torch.zeros(rows, tokens, dtype=torch.long, device=device),
+                   mask=torch.zeros(rows, 1, tokens, width, dtype=state.mask.dtype, device=device),
+                   index=torch.arange(tokens, device=device))
+
+    def fill(self, ids: Tensor, positions: Tensor, real: Tensor, start: int) -> None:
+        """Feed ``ids`` ``[B, S]`` at ``positions`` into columns ``[start, start + S)``; ``real``
+        ``[B, start + S]`` (bool): the columns holding a row's real tokens, those before ``start``
+        and the new ones. A token attends to the real columns up to its own, and a padding token to
+        its own column too (a query with no column would be NaN, and its keys and values written
+        with it; no real token attends to them)."""
+        s, width = ids.shape[1], self.mask.shape[-1]
+        self.ids.copy_(ids)
+        self.positions.copy_(positions)
+        self.index.copy_(torch.arange(start, start + s, device=ids.device))
+        cols = torch.arange(width, device=ids.device)
+        keys = torch.zeros(real.shape[0], width, dtype=torch.bool, device=ids.device)
+        keys[:, :real.shape[1]] = real
+        before = cols <= self.index[:, None]  # [S, L]: a token's own column and those left of it
+        allowed = (keys[:, None, :] & before) | (cols == self.index[:, None])
+        self.mask.fill_(torch.finfo(self.mask.dtype).min)
+        self.mask.masked_fill_(allowed[:, None], 0.0)
+
+
+def feed_step(model: nn.Module, state: DecodeState, feed: Feed, name: str) -> Tensor:
+    """Feed ``feed.ids`` ``[B, S]`` into the cache columns ``feed.index`` (``state.kv.index`` is set
+    to it around the call): the logits of each row's last token ``[B, V]``."""
+    return model(input_ids=feed.ids, attention_mask=feed.mask, position_ids=feed.positions, use_cache=True,
+                 logits_to_keep=1, **{name: state.kv}).logits[:, -1]
 
 
 class WeightCasts:
@@ -257,15 +330,15 @@ class WeightCasts:
 
 
 def graph_key(model: nn.Module, rows: int, width: int, like: list[tuple[Tensor, Tensor]], sampling: Sampling,
-              name: str, storage: tuple[int, ...] | None = None) -> tuple[Any, ...]:
+              name: str, storage: tuple[int, ...] | None = None, kv_dtype: torch.dtype | None = None) -> tuple[Any, ...]:
     """What a captured step is valid for: the model object, its mode and active adapters, where
     its parameters live (``storage``: their ``data_ptr``s, computed here when not given), the
-    shape, the cache dtype, the ambient autocast and the sampling."""
+    shape, the cache dtype (``kv_dtype``, else ``like``'s), the ambient autocast and the sampling."""
     adapters = getattr(model, "active_adapters", None)
     adapters = tuple(adapters) if isinstance(adapters, (list, tuple)) else adapters
     if storage is None:
         storage = tuple(p.data_ptr() for p in model.parameters())
-    return (id(model), model.training, adapters, storage, rows, width, like[0][0].dtype,
+    return (id(model), model.training, adapters, storage, rows, width, kv_dtype or like[0][0].dtype,
             ambient_autocast(like[0][0].device), sampling.greedy, sampling.temperature, sampling.top_k,
             sampling.top_p, sampling.eos_token_id, sampling.pad_token_id, name)
 
@@ -275,7 +348,7 @@ class DecodeGraph:
     """One shape's :class:`DecodeState` and, on CUDA, its captured step (``graph``, attending to
     the whole width; None: the step runs eagerly, on the CPU or where capture failed) and the steps
     captured attending to fewer columns (``windows``: window -> graph), with the weight casts it
-    reads (``casts``)."""
+    reads (``casts``); its :class:`Feed` of each number of tokens (``feeds``), run by ``feeder``."""
 
     state: DecodeState
     step: Callable[..., None]
@@ -283,6 +356,8 @@ class DecodeGraph:
     graph: Any = None
     windows: dict[int, Any] = field(default_factory=dict)
     replays: int = 0
+    feeder: Callable[..., Tensor] = feed_step
+    feeds: dict[int, Feed] = field(default_factory=dict)
 
     def run(self, model: nn.Module, sampling: Sampling, name: str, window: int | None = None) -> None:
         """One step, attending to cache columns ``[0, window)`` (None: all; a captured decoder without
@@ -297,6 +372,20 @@ class DecodeGraph:
             finally:
                 self.state.kv.window = None
         self.replays += 1
+
+    def feed(self, model: nn.Module, feed: Feed, name: str) -> Tensor:
+        """Run a filled ``feed`` of this decoder (its graph on CUDA): each row's last logits ``[B, V]``,
+        read before the next feed runs."""
+        if feed.graph is not None:
+            feed.graph.replay()
+            assert feed.logits is not None
+            return feed.logits
+        self.state.kv.index = feed.index
+        try:
+            with self.casts.swapped() if self.casts is not None else nullcontext():
+                return self.feeder(model, self.state, feed, name)
+        finally:
+            self.state.kv.index = None
 
 
 def windows(width: int, every: int | None) -> list[int]:
@@ -318,16 +407,17 @@ class Graphs:
     casts: dict[tuple[Any, ...], WeightCasts] = field(default_factory=dict)
     captured: int = 0
     """Graphs captured, all calls."""
-    _compiled: Any = None
+    _compiled: dict[Callable[..., Any], Any] = field(default_factory=dict)
 
-    def step_function(self, device: torch.device) -> Callable[..., None]:
-        """The step a new decoder on ``device`` runs: :func:`decode_step`, compiled once where ``compile`` says."""
+    def step_function(self, device: torch.device, step: Callable[..., Any] = decode_step) -> Callable[..., Any]:
+        """``step`` (:func:`decode_step`, :func:`feed_step`) as a new decoder on ``device`` runs it:
+        compiled once where ``compile`` says."""
         compile = self.compile if self.compile is not None else self.capture and device.type == "cuda"
         if not compile:
-            return decode_step
-        if self._compiled is None:
-            self._compiled = torch.compile(decode_step)  # automatic dynamic shapes (module docstring)
-        return self._compiled
+            return step
+        if step not in self._compiled:
+            self._compiled[step] = torch.compile(step)  # automatic dynamic shapes (module docstring)
+        return self._compiled[step]
 
     def weight_casts(self, model: nn.Module, device: torch.device,
                      storage: tuple[int, ...] | None = None) -> WeightCasts | None:
@@ -352,23 +442,51 @@ class Graphs:
         casts = self.weight_casts(model, device, storage)
         autocast = ambient_autocast(device)
         kv_dtype = autocast if autocast is not None and like[0][0].is_floating_point() else None
-        found, made = recent(self.graphs, graph_key(model, rows, width, like, sampling, name, storage), self.keep,
-                             lambda: DecodeGraph(DecodeState.new(like, rows, width, kv_dtype),
-                                                 self.step_function(device), casts))
+        found, made = recent(self.graphs, graph_key(model, rows, width, like, sampling, name, storage, kv_dtype),
+                             self.keep, lambda: DecodeGraph(DecodeState.new(like, rows, width, kv_dtype),
+                                                            self.step_function(device), casts,
+                                                            feeder=self.step_function(device, feed_step)))
         if found.casts is not None:
             found.casts.refresh()  # the weights as they are now, for this call (and a new capture's warm-up)
         if made and self.capture and device.type == "cuda":
-            self._capture_or_fall_back(model, found, sampling, name)
+            self.capture_step(model, found, sampling, name)
             self._capture_windows(model, found, sampling, name, windows(width, attention_window))
         return found
 
-    def _capture_or_fall_back(self, model: nn.Module, decoder: DecodeGraph, sampling: Sampling, name: str) -> None:
-        """Capture the decoder's step; a compiled step that fails is captured as written instead, and
-        one that fails too runs eagerly (``graph`` None)."""
-        decoder.graph = self._capture(model, decoder, sampling, name)
-        if decoder.graph is None and decoder.step is not decode_step:
-            decoder.step = decode_step
-            decoder.graph = self._capture(model, decoder, sampling, name)
+    def capture_step(self, model: nn.Module, decoder: DecodeGraph, sampling: Sampling, name: str) -> None:
+        """Capture the decoder's step attending to the whole width (``decoder.graph``; None: it runs eagerly)."""
+        captured = self._capture_or_fall_back(model, decoder, "step", decode_step,
+                                              lambda fn: fn(model, decoder.state, sampling, name))
+        decoder.graph = captured[0] if captured is not None else None
+
+    def feed(self, model: nn.Module, decoder: DecodeGraph, tokens: int, name: str) -> Feed:
+        """The decoder's :class:`Feed` of ``tokens`` a row, made once (and captured then, where its steps
+        are: before the caller loads the cache, which the capture's warm-ups write into)."""
+        feed = decoder.feeds.get(tokens)
+        if feed is None:
+            feed = decoder.feeds[tokens] = Feed.new(decoder.state, tokens)
+            if decoder.graph is not None:
+                decoder.state.kv.index = feed.index
+                try:
+                    captured = self._capture_or_fall_back(
+                        model, decoder, "feeder", feed_step, lambda fn: fn(model, decoder.state, feed, name))
+                finally:
+                    decoder.state.kv.index = None
+                if captured is not None:
+                    feed.graph, feed.logits = captured
+        return feed
+
+    def _capture_or_fall_back(self, model: nn.Module, decoder: DecodeGraph, attribute: str,
+                              written: Callable[..., Any], call: Callable[[Callable[..., Any]], Any]) -> Any:
+        """Capture ``call(decoder.<attribute>)`` (the decoder's compiled step or feed): ``(graph, its
+        output)``; a compiled one that fails is captured as ``written`` instead (and the decoder keeps
+        that), and one that fails too runs eagerly (None)."""
+        fn, what = getattr(decoder, attribute), "decode step" if attribute == "step" else "feed of new tokens"
+        captured = self._capture(model, decoder, lambda: call(fn), fn is not written, what=what)
+        if captured is None and fn is not written:
+            setattr(decoder, attribute, written)
+            captured = self._capture(model, decoder, lambda: call(written), False, what=what)
+        return captured
 
     def _capture_windows(self, model: nn.Module, decoder: DecodeGraph, sampling: Sampling, name: str,
                          sizes: list[int]) -> None:
@@ -380,17 +498,18 @@ class Graphs:
         for size in sizes:
             decoder.state.kv.window = size
             try:
-                graph = self._capture(model, decoder, sampling, name, pool=decoder.graph.pool())
+                captured = self._capture(model, decoder, lambda: decoder.step(model, decoder.state, sampling, name),
+                                         decoder.step is not decode_step, pool=decoder.graph.pool())
             finally:
                 decoder.state.kv.window = None
-            if graph is not None:
-                decoder.windows[size] = graph
+            if captured is not None:
+                decoder.windows[size] = captured[0]
 
-    def _capture(self, model: nn.Module, decoder: DecodeGraph, sampling: Sampling, name: str,
-                 pool: Any = None) -> Any:
-        """Capture one step on the decoder's buffers (warmed up on a side stream first, as CUDA
-        graphs need; compiled then, with ``compile``; attending to ``state.kv.window`` columns), in
-        memory ``pool`` (None: its own); None, with a warning, if the model cannot be captured (the
+    def _capture(self, model: nn.Module, decoder: DecodeGraph, run: Callable[[], Any], compiled: bool,
+                 pool: Any = None, what: str = "decode step") -> tuple[Any, Any] | None:
+        """Capture ``run()`` (one step or feed on the decoder's buffers; warmed up on a side stream
+        first, as CUDA graphs need; compiled then, where ``compiled``), in memory ``pool`` (None: its
+        own): ``(graph, run's output)``; None, with a warning, if the model cannot be captured (the
         step then runs eagerly)."""
         state = decoder.state
         device = state.token.device
@@ -398,9 +517,9 @@ class Graphs:
         state.kv.column.zero_()  # the warm-ups write from the first column on, whatever ran before
         state.step.fill_(1)
 
-        def step() -> None:
+        def step() -> Any:
             with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None, cache_enabled=False):
-                decoder.step(model, state, sampling, name)
+                return run()
 
         rng = torch.cuda.get_rng_state(device)  # the warm-up's draws are not the caller's
         try:
@@ -414,19 +533,18 @@ class Graphs:
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    step()
+                    out = step()
         except Exception as err:  # noqa: BLE001 - a model that cannot be captured still decodes, eagerly
-            compiled = decoder.step is not decode_step
             then = "captures the step uncompiled" if compiled else "decodes eagerly over the static cache"
             warnings.warn(f"the textrl engine could not {'compile and ' if compiled else ''}capture "
-                          f"{type(model).__name__}'s decode step as a CUDA graph ({type(err).__name__}: {err}); it "
+                          f"{type(model).__name__}'s {what} as a CUDA graph ({type(err).__name__}: {err}); it "
                           f"{then} (DecodeEngine(compile=False) skips the compile)", stacklevel=4)
             torch.cuda.synchronize(device)
             torch.cuda.set_rng_state(rng, device)
             return None
         torch.cuda.set_rng_state(rng, device)
         self.captured += 1
-        return graph
+        return graph, out
 
     def clear(self) -> None:
         self.graphs.clear()
@@ -465,4 +583,4 @@ def bucket(n: int, size: int) -> int:
 
 
 __all__ = ["INVALID", "MATMUL_LAYERS", "DecodeGraph", "DecodeState", "Graphs", "StaticKV", "WeightCasts", "ambient_autocast", "bucket",
-           "decode_step", "draw", "graph_key", "next_tokens", "recent", "static_unsupported", "windows"]
+           "Feed", "decode_step", "draw", "feed_step", "graph_key", "next_tokens", "recent", "static_unsupported", "windows"]
