@@ -4,8 +4,9 @@
    ``n_samples_per_prompt`` copies of a prompt) are one row of the prefill; its cache is then
    repeated for its samples (``Cache.reorder_cache``), so a prompt's attention and MLP run once,
    not ``n`` times. Position ids come from the mask (left padding), as ``generate`` makes them.
-   Inside a rollout, a row that continues an earlier call's row prefills only its new tokens
-   (:mod:`textrl.generation.carry`).
+   Inside a rollout, a row that continues an earlier call's row gets its keys and values from
+   there (:mod:`textrl.generation.carry`), and only its new tokens are run: fed in one step into
+   the static cache, after the carried columns (:class:`~textrl.generation.graph.Feed`).
 2. **Decode.** The prefilled cache is copied into a static one and each step, one forward of one
    token a row, writes its next column (:mod:`textrl.generation.graph`: on CUDA the step is
    compiled and captured as a CUDA graph, replayed once a token; ``static=False``: over the

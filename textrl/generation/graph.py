@@ -8,6 +8,12 @@ tensor whose column is opened by the step: nothing about a step depends on a hos
 step of :class:`DecodeGraph` is captured once (``torch.cuda.CUDAGraph``) and replayed for every
 token of every later call of the same shape: one launch a token instead of a few hundred.
 
+A carried turn of a multi-turn episode starts the same way: its new tokens (the last sampled one
+and the observation, ``S`` a row) are fed in one forward into the next ``S`` columns
+(:class:`Feed`, :func:`feed_step`), each attending to the real columns up to its own through an
+additive ``[B, 1, S, L]`` mask, the columns written held on the device: captured once per
+``(rows, S, width)`` too.
+
 The captured step reads the model's parameters where they are, so an optimiser's in-place update
 is seen by the next replay; parameters replaced by new tensors (another ``data_ptr``) make a new
 graph (:func:`graph_key`). Under autocast, the weights autocast would cast for every matmul
