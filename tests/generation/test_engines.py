@@ -37,6 +37,11 @@ ENGINES = {"textrl": DecodeEngine(), "textrl_unshared": DecodeEngine(share_prefi
 """``static_rows1``: the static engine without filler rows, so its draws are ``generate``'s in order;
 with them (the default) it is in the greedy tests alone."""
 
+FILLED = {"static": StaticEngine(), "textrl_rows8": DecodeEngine(row_bucket=8)}
+"""Engines with filler rows (the ``textrl`` engine's default on CUDA): each step draws for more rows
+than ``generate``, so seeded draws part from its order (each row's still from its own distribution:
+a row's draw reads its own noise alone); greedy, token for token."""
+
 
 def pad_after_eos(tokens, eos_token_id, pad_token_id):
     """``tokens [B, T]`` with every column after a row's first EOS set to ``pad_token_id``."""
@@ -59,13 +64,13 @@ def frequent_token(model, tok, ids, mask):
     return int(counts.argmax())
 
 
-@pytest.mark.parametrize("name", [*ENGINES, "static"])
+@pytest.mark.parametrize("name", [*ENGINES, *FILLED])
 def test_greedy_is_token_for_token_generate(tok, model, name):
     ids, mask = encode(tok, PROMPTS, samples=2)  # ragged, left-padded, each prompt twice
     for sampling in (spec(tok), spec(tok, eos=frequent_token(model, tok, ids, mask)),  # EOS mid-batch
                      spec(tok, eos=frequent_token(model, tok, ids, mask), pad=frequent_token(model, tok, ids, mask))):
         want = run(HFEngine(), model, ids, mask, sampling)
-        got = run(ENGINES[name] if name in ENGINES else get_engine(name), model, ids, mask, sampling)
+        got = run({**ENGINES, **FILLED}[name], model, ids, mask, sampling)
         assert got.shape == want.shape and torch.equal(got, want), (sampling, got, want)
 
 
@@ -205,12 +210,13 @@ def _episodes(tok, model, engine, sampling, turns=3, seed=0):
             seqs = grown
 
 
-@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
-def test_a_turn_prefills_only_its_new_tokens_and_generates_what_generate_does(tok, model, greedy):
+@pytest.mark.parametrize("greedy, rows", [(True, 1), (False, 1), (True, 8)], ids=["greedy", "sampled", "greedy-filled"])
+def test_a_turn_prefills_only_its_new_tokens_and_generates_what_generate_does(tok, model, greedy, rows):
     ids, mask = encode(tok, PROMPTS[:4])
     sampling = spec(tok, greedy=greedy, eos=frequent_token(model, tok, ids, mask), max_new_tokens=10,
                     temperature=0.8, top_k=40)
-    for turn, want, got, prefilled, context in _episodes(tok, model, DecodeEngine(check_every=4), sampling):
+    engine = DecodeEngine(check_every=4, row_bucket=rows)
+    for turn, want, got, prefilled, context in _episodes(tok, model, engine, sampling):
         assert torch.equal(got, want), f"turn {turn}"
         if turn:  # the history comes from the carried cache: only the sampled tokens' tail and the observation
             assert prefilled < context // 2, (turn, prefilled, context)

@@ -119,14 +119,43 @@ def test_only_the_most_recent_shapes_keep_a_decoder(tok):
     engine = DecodeEngine()
     engine.graphs.keep = 2
     ids, mask = encode(tok, samples=1)
-    for rows in (1, 2, 3, 4):
+    for rows in (4, 3, 2, 1):  # the largest first: the others fit in its buffers
         run(engine, model, ids[:rows], mask[:rows], spec(tok, max_new_tokens=3))
-    assert sorted(k[4] for k in engine.graphs.graphs) == [3, 4]
+    assert sorted(k[4] for k in engine.graphs.graphs) == [1, 2]
 
 
-def test_a_width_bucket_below_one_is_refused():
+def test_the_decoders_static_caches_share_one_buffer_grown_for_a_larger_shape(tok):
+    """One call decodes at a time, so every decoder's static cache is a view of one flat buffer a
+    layer: shapes that fit share it (the memory of the largest, not their sum); a larger shape grows
+    it and the decoders viewing the old one are made again (their graphs read its addresses); each
+    call still decodes ``generate``'s tokens, whatever an earlier shape left in the buffer."""
+    model = build_tiny_causal_lm(tok).eval()
+    engine = DecodeEngine(width_bucket=16)
+    ids, mask = encode(tok, samples=2)
+    sampling = spec(tok, max_new_tokens=6)
+
+    def base(decoder):
+        return decoder.state.kv.layers[0].keys.untyped_storage().data_ptr()
+
+    for rows in (8, 3, 5):
+        assert torch.equal(run(engine, model, ids[:rows], mask[:rows], sampling),
+                           run(HFEngine(), model, ids[:rows], mask[:rows], sampling)), rows
+    decoders = list(engine.graphs.graphs.values())
+    assert len(decoders) == 3 and len({base(d) for d in decoders}) == 1  # one buffer for the three shapes
+    (flats,) = engine.graphs.buffers.values()
+    assert flats[0][0].numel() == decoders[0].state.kv.layers[0].keys.numel()  # the largest's size
+    longer = run(engine, model, ids, mask, spec(tok, max_new_tokens=40))  # wider: more than the buffer holds
+    assert torch.equal(longer, run(HFEngine(), model, ids, mask, spec(tok, max_new_tokens=40)))
+    (decoder,) = engine.graphs.graphs.values()  # the three views of the old buffer were dropped
+    assert base(decoder) != base(decoders[0])
+
+
+def test_a_width_or_row_bucket_below_one_is_refused():
     with pytest.raises(ValueError, match="width_bucket=0: must be >= 1"):
         DecodeEngine(width_bucket=0)
+    for bad in (0, True, "8"):
+        with pytest.raises(ValueError, match=f"row_bucket={bad!r}: must be 'auto' or an int >= 1"):
+            DecodeEngine(row_bucket=bad)
     assert bucket(65, 64) == 128 and bucket(64, 64) == 64 and bucket(3, 1) == 3
 
 
@@ -168,7 +197,7 @@ def test_the_compiled_step_is_compiled_at_most_three_times_across_shapes(tok):
         mask = torch.ones_like(ids)
         sampling = spec(tok, max_new_tokens=6, eos_token_id=None)
         assert torch.equal(run(engine, model, ids, mask, sampling), run(HFEngine(), model, ids, mask, sampling))
-    assert len(engine.graphs.graphs) == 4  # keep=4 decoders, one per shape
+    assert len(engine.graphs.graphs) == 3  # the third shape grew the buffers: its decoder and the next two
     assert counters["stats"]["unique_graphs"] - before <= 3
 
 
@@ -227,7 +256,7 @@ def test_a_step_that_fails_to_compile_and_capture_is_captured_as_written(tok, mo
 
     tried = []
     for ok_uncompiled, want in ((True, "graph"), (False, None)):
-        def capture(self, model, decoder, run, compiled, pool=None, what="", ok=ok_uncompiled):
+        def capture(self, model, decoder, run, compiled, what="", ok=ok_uncompiled):
             tried.append((decoder.step is decode_step, compiled))
             return ("graph", None) if decoder.step is decode_step and ok else None
 
@@ -416,8 +445,8 @@ def test_the_window_a_step_attends_to_is_the_next_multiple_past_its_column(tok):
 
 def test_each_attention_window_is_captured_once_and_replayed_for_its_steps(tok, monkeypatch):
     """The capture path (CUDA alone captures; ``_capture`` is stood in for): the whole width, then a
-    graph per window below it in one memory pool; a window that fails is left out and its steps
-    replay the whole width's graph."""
+    graph per window below it; a window that fails is left out and its steps replay the whole
+    width's graph."""
     from textrl.generation.graph import DecodeGraph, decode_step, windows
 
     class Graph:
@@ -432,8 +461,8 @@ def test_each_attention_window_is_captured_once_and_replayed_for_its_steps(tok, 
 
     captured = []
 
-    def capture(self, model, decoder, run, compiled, pool=None, what=""):
-        captured.append((decoder.state.kv.window, pool))
+    def capture(self, model, decoder, run, compiled, what=""):
+        captured.append(decoder.state.kv.window)
         return None if decoder.state.kv.window == 128 else (Graph(decoder.state.kv.window), None)
 
     monkeypatch.setattr(Graphs, "_capture", capture)
@@ -443,7 +472,7 @@ def test_each_attention_window_is_captured_once_and_replayed_for_its_steps(tok, 
     graphs.capture_step(None, decoder, spec(tok), "cache")
     graphs._capture_windows(None, decoder, spec(tok), "cache", windows(256, 64))
     assert windows(256, 64) == [64, 128, 192] and windows(256, None) == []
-    assert captured == [(None, None), (64, "pool"), (128, "pool"), (192, "pool")] and kv.window is None
+    assert captured == [None, 64, 128, 192] and kv.window is None
     assert sorted(decoder.windows) == [64, 192]
     for window in (64, 64, 128, 192, 256, None):
         decoder.run(None, spec(tok), "cache", window)
@@ -499,10 +528,10 @@ def test_a_carried_turn_feeds_its_new_tokens_in_one_forward_over_the_static_cach
             seqs = [seq + got[i].tolist() + [40 + i, 41, 42 + turn] for i, seq in enumerate(seqs)]
 
 
-def test_a_feed_is_captured_once_per_size_after_its_decoders_step_in_its_own_pool(tok, monkeypatch):
+def test_a_feed_is_captured_once_per_size_after_its_decoders_step(tok, monkeypatch):
     """The capture path of a feed (CUDA alone captures; ``_capture`` is stood in for): made and
-    captured the first time a decoder feeds that many tokens, replayed after, in a memory pool of its
-    own (its logits outlive the replay); a decoder whose step was not captured runs its feeds eagerly."""
+    captured the first time a decoder feeds that many tokens, its columns held on the device while
+    captured, replayed after; a decoder whose step was not captured runs its feeds eagerly."""
     from textrl.generation.graph import DecodeGraph, DecodeState, Feed, decode_step
 
     class Graph:
@@ -513,8 +542,8 @@ def test_a_feed_is_captured_once_per_size_after_its_decoders_step_in_its_own_poo
 
     captured = []
 
-    def capture(self, model, decoder, run, compiled, pool=None, what=""):
-        captured.append((decoder.state.kv.index.tolist(), pool, what))
+    def capture(self, model, decoder, run, compiled, what=""):
+        captured.append((decoder.state.kv.index.tolist(), what))
         return Graph(), torch.ones(2, 3)
 
     monkeypatch.setattr(Graphs, "_capture", capture)
@@ -523,7 +552,7 @@ def test_a_feed_is_captured_once_per_size_after_its_decoders_step_in_its_own_poo
     decoder = DecodeGraph(state=DecodeState.new(like, 2, 16), step=decode_step, graph=object())
     feed = graphs.feed(None, decoder, 8, "cache")
     assert graphs.feed(None, decoder, 8, "cache") is feed and isinstance(feed, Feed)
-    assert captured == [(list(range(8)), None, "feed of new tokens")] and decoder.state.kv.index is None
+    assert captured == [(list(range(8)), "feed of new tokens")] and decoder.state.kv.index is None
     assert torch.equal(decoder.feed(None, feed, "cache"), torch.ones(2, 3)) and feed.graph.replayed == 1
     graphs.feed(None, decoder, 16, "cache")
     assert len(captured) == 2 and sorted(decoder.feeds) == [8, 16]
@@ -549,3 +578,39 @@ def test_the_compiled_feed_and_step_decode_multi_turn_what_generate_does(tok):
                     for i, seq in enumerate(seqs)]
     decoders = list(engine.graphs.graphs.values())
     assert any(d.feeds for d in decoders) and all(d.feeder is engine.graphs._compiled[feed_step] for d in decoders)
+
+
+def test_filler_rows_let_a_second_rollout_reuse_every_decoder_and_feed_of_the_first(tok):
+    """A multi-turn rollout's running rows shrink from turn to turn (episodes end): with rows rounded
+    up to a multiple of 8 (``row_bucket``, "auto" on CUDA) a rollout meets the shapes of the
+    earlier ones, so once the buffers have grown to the largest (the first rollout), it makes no
+    decoder and no feed (on CUDA: captures nothing); with every row count its own shape it makes
+    some again. The tokens are ``generate``'s either way."""
+    model = build_tiny_causal_lm(tok).eval()
+    sampling = spec(tok, eos_token_id=None, max_new_tokens=4)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (int(n),), generator=g).tolist() for n in torch.randint(3, 9, (13,), generator=g)]
+
+    def rollout(engine):
+        seqs = prompts
+        with engine.rollout():
+            for rows in (13, 11, 9, 6, 3):  # the episodes still running at each turn
+                seqs = seqs[:rows]
+                ids, mask = pad_left(seqs, tok.pad_token_id)
+                got = run(engine, model, ids, mask, sampling)
+                assert torch.equal(got, run(HFEngine(), model, ids, mask, sampling)), rows
+                seqs = [s + got[i].tolist() + [40, 41] for i, s in enumerate(seqs)]
+
+    def made(engine):
+        return {id(d) for d in engine.graphs.graphs.values()} | {id(f) for d in engine.graphs.graphs.values()
+                                                                  for f in d.feeds.values()}
+
+    filled, own = DecodeEngine(row_bucket=8, width_bucket=16), DecodeEngine(row_bucket=1, width_bucket=16)
+    own.graphs.keep = 4
+    for engine in (filled, own):
+        rollout(engine)  # grows the shared buffers as it meets wider shapes: the decoders made before go
+        rollout(engine)
+        second = made(engine)
+        rollout(engine)
+        assert (made(engine) == second) == (engine is filled)
+    assert sorted({k[4] for k in filled.graphs.graphs}) == [8, 16]

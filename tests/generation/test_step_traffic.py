@@ -104,7 +104,7 @@ def test_a_float32_cache_under_autocast_would_be_cast_whole_every_step(tok, monk
 
     model = build_tiny_causal_lm(tok).eval()
     new = DecodeState.new.__func__
-    monkeypatch.setattr(DecodeState, "new", classmethod(lambda cls, like, rows, width, kv_dtype=None:
+    monkeypatch.setattr(DecodeState, "new", classmethod(lambda cls, like, rows, width, kv_dtype=None, storage=None:
                                                          new(cls, like, rows, width, None)))
     short, _ = one_step(model, tok, context=8)
     long, decoder = one_step(model, tok, context=200)

@@ -70,6 +70,9 @@ class DecodeEngine(GenerationEngine):
     past the last EOS are saved); ``static``: decode over a static cache (:mod:`textrl.generation.graph`),
     its step captured as a CUDA graph on CUDA (``capture_graphs``) and compiled first (``compile``;
     None: where it is captured); ``width_bucket``: the static cache's width rounded up to a multiple of it;
+    ``row_bucket``: its rows rounded up to a multiple of it with filler rows ("auto": 8 where the step
+    is captured, on CUDA, so the shrinking rows of a multi-turn rollout meet few shapes and replay
+    their graphs; 1 elsewhere: no filler rows, and seeded draws are ``generate``'s in order);
     ``attention_window``: a step attends to the cache's columns up to its own, rounded up to a multiple
     of this (the rest are masked: the same attention, fewer keys and values read), not to the whole
     width (None); on CUDA one graph is captured per window ("auto": 64 where the step runs eagerly,
@@ -78,11 +81,14 @@ class DecodeEngine(GenerationEngine):
 
     def __init__(self, share_prefixes: bool = True, check_every: int | None = None, carry_turns: bool = True,
                  static: bool = True, capture_graphs: bool = True, compile: bool | None = None,
-                 width_bucket: int = 64, attention_window: int | str | None = "auto") -> None:
+                 width_bucket: int = 64, attention_window: int | str | None = "auto",
+                 row_bucket: int | str = "auto") -> None:
         if check_every is not None and check_every < 1:
             raise ValueError(f"check_every={check_every}: must be >= 1")
         if width_bucket < 1:
             raise ValueError(f"width_bucket={width_bucket}: must be >= 1")
+        if row_bucket != "auto" and (not isinstance(row_bucket, int) or isinstance(row_bucket, bool) or row_bucket < 1):
+            raise ValueError(f"row_bucket={row_bucket!r}: must be 'auto' or an int >= 1")
         if attention_window != "auto" and attention_window is not None and (
                 not isinstance(attention_window, int) or isinstance(attention_window, bool) or attention_window < 1):
             raise ValueError(f"attention_window={attention_window!r}: must be 'auto', None or an int >= 1")
@@ -91,6 +97,7 @@ class DecodeEngine(GenerationEngine):
         self.carry_turns = carry_turns
         self.static = static
         self.width_bucket = width_bucket
+        self.row_bucket = row_bucket
         self.attention_window = attention_window
         self.graphs = Graphs(capture=capture_graphs, compile=compile)
         """The static caches and captured steps of the shapes decoded lately (``static``)."""
@@ -180,16 +187,18 @@ class DecodeEngine(GenerationEngine):
         tokens = ids.shape[1]
         context = reused + tokens
         like = cache_layers(self.carry.kept[0].cache)  # heads, head size, dtype: the rows are ours
-        decoder = self._decoder(model, len(real), context, like, sampling, name)
+        b = len(real)
+        decoder = self._decoder(model, b, context, like, sampling, name)
         feed = self.graphs.feed(model, decoder, tokens, name)  # captured (CUDA) before the cache is loaded
         state = decoder.state
         state.kv.clear(context)
         kept = self.carry.gather(plan, [(layer.keys, layer.values) for layer in state.kv.layers])
         real_cols = torch.cat([torch.tensor(kept, dtype=torch.bool, device=device), suffix_mask.bool()], dim=1)
         feed.fill(ids, positions, real_cols, reused)
-        logits = decoder.feed(model, feed, name)
+        logits = decoder.feed(model, feed, name)[:b]
         state.attend(real_cols)
-        state.position.copy_(positions[:, -1:] + 1)  # each row's real tokens so far: its last position + 1
+        state.position.zero_()
+        state.position[:b] = positions[:, -1:] + 1  # each row's real tokens so far: its last position + 1
         cols = [[*range(reused - u, reused), *range(reused + p, context)] for u, p in zip(plan.reuse, pads)]
         return decoder, logits, context, cols
 
@@ -238,7 +247,7 @@ class DecodeEngine(GenerationEngine):
         runs eagerly, None where it is captured, on CUDA: each window is one more compile and capture)."""
         if self.attention_window != "auto":
             return self.attention_window
-        return None if self.graphs.capture and device.type == "cuda" else 64
+        return None if self._captured(device) else 64
 
     def _fits_static(self, model: nn.Module) -> bool:
         """Whether ``model`` decodes over the static cache (:func:`static_unsupported`); a model that
@@ -281,10 +290,17 @@ class DecodeEngine(GenerationEngine):
 
     def _decoder(self, model: nn.Module, rows: int, context: int, like: list[tuple[Tensor, Tensor]],
                  sampling: Sampling, name: str) -> DecodeGraph:
-        """The decoder of ``rows`` x ``context`` columns and the tokens to come (rounded up to
-        ``width_bucket``), the same one for every call of that shape (:mod:`textrl.generation.graph`)."""
+        """The decoder of ``rows`` (rounded up to ``row_bucket``) x ``context`` columns and the tokens
+        to come (rounded up to ``width_bucket``), the same one for every call of that shape
+        (:mod:`textrl.generation.graph`)."""
+        device = like[0][0].device
         width = bucket(context + sampling.max_new_tokens, self.width_bucket)
-        return self.graphs.get(model, rows, width, like, sampling, name, self._windows(like[0][0].device))
+        every = self.row_bucket if self.row_bucket != "auto" else (8 if self._captured(device) else 1)
+        return self.graphs.get(model, bucket(rows, every), width, like, sampling, name, self._windows(device))
+
+    def _captured(self, device: torch.device) -> bool:
+        """Whether the decode step is captured as a CUDA graph on ``device``."""
+        return self.graphs.capture and device.type == "cuda"
 
     def _decode_static(self, decoder: DecodeGraph, model: nn.Module, context: int, first: Tensor, running: Tensor,
                        sampling: Sampling, name: str, invalid: Tensor) -> tuple[Tensor, int, Any]:
@@ -301,9 +317,10 @@ class DecodeEngine(GenerationEngine):
                 break
             # step t writes column context + t - 1: it attends to the columns up to it, in windows
             decoder.run(model, sampling, name, min(width, bucket(context + t, every)) if every else None)
-        tokens = state.out[:, :steps].clone()
+        b = first.shape[0]  # the rows past it are filler rows
+        tokens = state.out[:b, :steps].clone()
         invalid.logical_or_(state.invalid)
-        kept = state.kv.snapshot(context + steps - 1) if self.carry is not None else None
+        kept = state.kv.snapshot(context + steps - 1, b) if self.carry is not None else None
         return tokens, steps - 1, kept
 
     def _remember(self, model: nn.Module, cache: Any, real: list[tuple[int, ...]], cols: list[list[int]],

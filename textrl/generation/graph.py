@@ -119,11 +119,17 @@ class StaticKV:
     is_compileable = True
 
     def __init__(self, like: list[tuple[Tensor, Tensor]], width: int, dtype: torch.dtype | None = None,
-                 rows: int | None = None) -> None:
+                 rows: int | None = None, storage: list[tuple[Tensor, Tensor]] | None = None) -> None:
         b = rows or like[0][0].shape[0]  # like's own rows unless told
-        self.layers = [SimpleNamespace(keys=k.new_zeros(b, k.shape[1], width, k.shape[3], dtype=dtype or k.dtype),
-                                       values=v.new_zeros(b, v.shape[1], width, v.shape[3], dtype=dtype or v.dtype))
-                       for k, v in like]
+
+        def buffer(x: Tensor, flat: Tensor | None) -> Tensor:
+            shape = (b, x.shape[1], width, x.shape[3])
+            if flat is None:
+                return x.new_zeros(shape, dtype=dtype or x.dtype)
+            return flat[:shape[0] * shape[1] * shape[2] * shape[3]].view(shape)
+
+        flats = storage or [(None, None)] * len(like)
+        self.layers = [SimpleNamespace(keys=buffer(k, fk), values=buffer(v, fv)) for (k, v), (fk, fv) in zip(like, flats)]
         self.width = width
         self.column = torch.zeros(1, dtype=torch.long, device=like[0][0].device)
         self.index: Tensor | None = None
@@ -135,13 +141,15 @@ class StaticKV:
         a multiple of the engine's ``attention_window`` past the column written."""
 
     def load(self, layers: list[tuple[Tensor, Tensor]]) -> None:
-        """Copy a prefilled cache's layers ``[B, H, W, D]`` into columns ``[0, W)``; the next write goes to column ``W``."""
-        w = layers[0][0].shape[2]
+        """Copy a prefilled cache's layers ``[B', H, W, D]`` into rows ``[0, B')``, columns ``[0, W)``
+        (the rest zero); the next write goes to column ``W``."""
+        b, w = layers[0][0].shape[0], layers[0][0].shape[2]
         for mine, (k, v) in zip(self.layers, layers):
-            mine.keys[:, :, :w].copy_(k)
-            mine.values[:, :, :w].copy_(v)
-            mine.keys[:, :, w:].zero_()  # a masked column still meets its value (weight 0 x NaN is NaN):
-            mine.values[:, :, w:].zero_()  # nothing of an earlier call's stays
+            for buf, x in ((mine.keys, k), (mine.values, v)):
+                buf[:b, :, :w].copy_(x)
+                buf[:b, :, w:].zero_()  # a masked column still meets its value (weight 0 x NaN is NaN):
+                if b < buf.shape[0]:  # nothing of an earlier call's stays, in filler rows either
+                    buf[b:].zero_()
         self.column.fill_(w)
         self.filled = w
 
@@ -169,11 +177,11 @@ class StaticKV:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def snapshot(self, width: int) -> SimpleNamespace:
-        """A copy of columns ``[0, width)`` as a cache :func:`textrl.generation.carry.cache_layers` reads
-        (the buffers are the next call's)."""
-        return SimpleNamespace(layers=[SimpleNamespace(keys=x.keys[:, :, :width].clone(),
-                                                       values=x.values[:, :, :width].clone()) for x in self.layers])
+    def snapshot(self, width: int, rows: int | None = None) -> SimpleNamespace:
+        """A copy of columns ``[0, width)`` of rows ``[0, rows)`` (None: all) as a cache
+        :func:`textrl.generation.carry.cache_layers` reads (the buffers are the next call's)."""
+        return SimpleNamespace(layers=[SimpleNamespace(keys=x.keys[:rows, :, :width].clone(),
+                                                       values=x.values[:rows, :, :width].clone()) for x in self.layers])
 
 
 @dataclass
@@ -193,12 +201,13 @@ class DecodeState:
     invalid: Tensor
 
     @classmethod
-    def new(cls, like: list[tuple[Tensor, Tensor]], rows: int, width: int,
-            kv_dtype: torch.dtype | None = None) -> DecodeState:
+    def new(cls, like: list[tuple[Tensor, Tensor]], rows: int, width: int, kv_dtype: torch.dtype | None = None,
+            storage: list[tuple[Tensor, Tensor]] | None = None) -> DecodeState:
         """Buffers for ``rows`` x ``width``, the cache and the mask in ``kv_dtype`` (None: the prefill
-        keys' dtype; attention casts its mask to its keys' dtype, so a mask kept in it is not cast each layer)."""
+        keys' dtype; attention casts its mask to its keys' dtype, so a mask kept in it is not cast each
+        layer), the cache a view of ``storage`` (flat, per layer; None: its own)."""
         device, dtype = like[0][0].device, kv_dtype or like[0][0].dtype
-        kv = StaticKV(like, width, kv_dtype, rows)
+        kv = StaticKV(like, width, kv_dtype, rows, storage)
         return cls(kv=kv, token=torch.zeros(rows, dtype=torch.long, device=device),
                    position=torch.zeros(rows, 1, dtype=torch.long, device=device),
                    running=torch.ones(rows, dtype=torch.bool, device=device),
@@ -214,22 +223,33 @@ class DecodeState:
         self.start(first, running, pad)
 
     def load_context(self, layers: list[tuple[Tensor, Tensor]], mask: Tensor) -> None:
-        """The prefilled cache ``[B, H, W, D]`` a layer and its 2-D mask ``[B, W]`` (the first token comes by :meth:`start`)."""
+        """The prefilled cache ``[B', H, W, D]`` a layer and its 2-D mask ``[B', W]`` into the first
+        ``B'`` rows (the first token comes by :meth:`start`)."""
         self.kv.load(layers)
         self.attend(mask.bool())
-        self.position.copy_(mask.sum(-1, keepdim=True))
+        self.position.zero_()
+        self.position[:mask.shape[0]] = mask.sum(-1, keepdim=True)
 
     def attend(self, real: Tensor) -> None:
-        """The columns a step attends to: those of ``real`` ``[B, W]`` (bool, columns ``[0, W)``), none past it."""
+        """The columns a step attends to: those of ``real`` ``[B', W]`` (bool, columns ``[0, W)``, the
+        first ``B'`` rows), none past it; a filler row past them, none but the one each step writes."""
         self.mask.fill_(torch.finfo(self.mask.dtype).min)
-        self.mask[:, 0, 0, :real.shape[1]].masked_fill_(real, 0.0)
+        self.mask[:real.shape[0], 0, 0, :real.shape[1]].masked_fill_(real, 0.0)
 
     def start(self, first: Tensor, running: Tensor, pad: int) -> None:
-        """The first token drawn ``[B]`` (fed by the first step) and the rows still running after it."""
-        self.token.copy_(first)
-        self.running.copy_(running)
+        """The first token drawn ``[B']`` (fed by the first step) and the rows still running after it;
+        filler rows past ``B'`` feed ``pad`` and are not running."""
+        b = first.shape[0]
+        if b == self.token.shape[0]:
+            self.token.copy_(first)
+            self.running.copy_(running)
+        else:
+            self.token.fill_(pad)
+            self.token[:b] = first
+            self.running.fill_(False)
+            self.running[:b] = running
         self.out.fill_(pad)
-        self.out[:, 0] = first
+        self.out[:b, 0] = first
         self.step.fill_(1)
         self.invalid.fill_(False)
 
@@ -275,18 +295,21 @@ class Feed:
                    index=torch.arange(tokens, device=device))
 
     def fill(self, ids: Tensor, positions: Tensor, real: Tensor, start: int) -> None:
-        """Feed ``ids`` ``[B, S]`` at ``positions`` into columns ``[start, start + S)``; ``real``
-        ``[B, start + S]`` (bool): the columns holding a row's real tokens, those before ``start``
-        and the new ones. A token attends to the real columns up to its own, and a padding token to
-        its own column too (a query with no column would be NaN, and its keys and values written
-        with it; no real token attends to them)."""
-        s, width = ids.shape[1], self.mask.shape[-1]
-        self.ids.copy_(ids)
-        self.positions.copy_(positions)
+        """Feed ``ids`` ``[B', S]`` at ``positions`` into columns ``[start, start + S)`` of the first
+        ``B'`` rows (filler rows past them feed padding); ``real`` ``[B', start + S]`` (bool): the
+        columns holding a row's real tokens, those before ``start`` and the new ones. A token attends
+        to the real columns up to its own, and a padding token to its own column too (a query with no
+        column would be NaN, and its keys and values written with it; no real token attends to them)."""
+        (b, s), width = ids.shape, self.mask.shape[-1]
+        if b < self.ids.shape[0]:
+            self.ids.zero_()
+            self.positions.zero_()
+        self.ids[:b] = ids
+        self.positions[:b] = positions
         self.index.copy_(torch.arange(start, start + s, device=ids.device))
         cols = torch.arange(width, device=ids.device)
-        keys = torch.zeros(real.shape[0], width, dtype=torch.bool, device=ids.device)
-        keys[:, :real.shape[1]] = real
+        keys = torch.zeros(self.ids.shape[0], width, dtype=torch.bool, device=ids.device)
+        keys[:b, :real.shape[1]] = real
         before = cols <= self.index[:, None]  # [S, L]: a token's own column and those left of it
         allowed = (keys[:, None, :] & before) | (cols == self.index[:, None])
         self.mask.fill_(torch.finfo(self.mask.dtype).min)
@@ -363,6 +386,8 @@ class DecodeGraph:
     windows: dict[int, Any] = field(default_factory=dict)
     replays: int = 0
     feeder: Callable[..., Tensor] = feed_step
+    kv_key: tuple[Any, ...] | None = None
+    """The key of the :meth:`Graphs.kv_buffers` its cache views (None: its own)."""
     feeds: dict[int, Feed] = field(default_factory=dict)
 
     def run(self, model: nn.Module, sampling: Sampling, name: str, window: int | None = None) -> None:
@@ -381,7 +406,7 @@ class DecodeGraph:
 
     def feed(self, model: nn.Module, feed: Feed, name: str) -> Tensor:
         """Run a filled ``feed`` of this decoder (its graph on CUDA): each row's last logits ``[B, V]``,
-        read before the next feed runs."""
+        to be read before the next replay of any graph (they are in the engine's memory pool)."""
         if feed.graph is not None:
             feed.graph.replay()
             assert feed.logits is not None
@@ -400,20 +425,49 @@ def windows(width: int, every: int | None) -> list[int]:
     return list(range(every, width, every)) if every else []
 
 
+CASTS_KEPT = 4
+"""The :class:`WeightCasts` a :class:`Graphs` keeps (per model, autocast dtype and parameter storage)."""
+
+
 @dataclass
 class Graphs:
     """The engine's :class:`DecodeGraph` per :func:`graph_key`, the ``keep`` most recent; one
     :class:`WeightCasts` per model, autocast dtype and parameter storage; the step compiled once
-    (``compile``; None: where it is captured, on CUDA)."""
+    (``compile``; None: where it is captured, on CUDA).
+
+    One call decodes at a time, so the decoders share their memory: each static cache is a view of
+    one flat buffer a layer (``buffers``, per device, dtype and layer shapes; grown when a shape
+    needs more, and the decoders viewing the old buffers made again), and every graph is captured in
+    one memory pool (a step's temporaries die within its replay; a feed's logits are read before
+    the next replay). So the rows x widths a multi-turn rollout meets keep their captured graphs
+    from one iteration to the next, for the memory of the largest."""
 
     capture: bool = True
     compile: bool | None = None
-    keep: int = 4
+    keep: int = 32
     graphs: dict[tuple[Any, ...], DecodeGraph] = field(default_factory=dict)
     casts: dict[tuple[Any, ...], WeightCasts] = field(default_factory=dict)
+    buffers: dict[tuple[Any, ...], list[tuple[Tensor, Tensor]]] = field(default_factory=dict)
     captured: int = 0
     """Graphs captured, all calls."""
     _compiled: dict[Callable[..., Any], Any] = field(default_factory=dict)
+    _pool: Any = None
+
+    def kv_buffers(self, like: list[tuple[Tensor, Tensor]], rows: int, width: int,
+                   dtype: torch.dtype) -> tuple[tuple[Any, ...], list[tuple[Tensor, Tensor]]]:
+        """``(key, flat buffers)``: the keys' and values' buffer of each layer (``like``'s heads and
+        head sizes, in ``dtype``) that a ``rows`` x ``width`` static cache views; when they are too
+        small, the decoders viewing them are dropped and they are made again, as large as needed."""
+        key = (like[0][0].device, dtype, tuple((k.shape[1], k.shape[3], v.shape[1], v.shape[3]) for k, v in like))
+        need = [(rows * k.shape[1] * width * k.shape[3], rows * v.shape[1] * width * v.shape[3]) for k, v in like]
+        flats = self.buffers.get(key)
+        if flats is None or any(fk.numel() < nk or fv.numel() < nv for (fk, fv), (nk, nv) in zip(flats, need)):
+            for old in [k for k, decoder in self.graphs.items() if decoder.kv_key == key]:
+                del self.graphs[old]  # their graphs read the old buffers' addresses
+            self.buffers.pop(key, None)  # freed before the larger ones are made
+            flats = self.buffers[key] = [(k.new_zeros(nk, dtype=dtype), v.new_zeros(nv, dtype=dtype))
+                                         for (k, v), (nk, nv) in zip(like, need)]
+        return key, flats
 
     def step_function(self, device: torch.device, step: Callable[..., Any] = decode_step) -> Callable[..., Any]:
         """``step`` (:func:`decode_step`, :func:`feed_step`) as a new decoder on ``device`` runs it:
@@ -436,7 +490,7 @@ class Graphs:
             return None
         if storage is None:
             storage = tuple(p.data_ptr() for p in model.parameters())
-        casts, _ = recent(self.casts, (id(model), dtype, storage), self.keep, lambda: WeightCasts(model, dtype))
+        casts, _ = recent(self.casts, (id(model), dtype, storage), CASTS_KEPT, lambda: WeightCasts(model, dtype))
         return casts if casts.entries else None
 
     def get(self, model: nn.Module, rows: int, width: int, like: list[tuple[Tensor, Tensor]], sampling: Sampling,
@@ -448,10 +502,14 @@ class Graphs:
         casts = self.weight_casts(model, device, storage)
         autocast = ambient_autocast(device)
         kv_dtype = autocast if autocast is not None and like[0][0].is_floating_point() else None
+
+        def make() -> DecodeGraph:
+            kv_key, flats = self.kv_buffers(like, rows, width, kv_dtype or like[0][0].dtype)
+            return DecodeGraph(DecodeState.new(like, rows, width, kv_dtype, flats), self.step_function(device), casts,
+                               feeder=self.step_function(device, feed_step), kv_key=kv_key)
+
         found, made = recent(self.graphs, graph_key(model, rows, width, like, sampling, name, storage, kv_dtype),
-                             self.keep, lambda: DecodeGraph(DecodeState.new(like, rows, width, kv_dtype),
-                                                            self.step_function(device), casts,
-                                                            feeder=self.step_function(device, feed_step)))
+                             self.keep, make)
         if found.casts is not None:
             found.casts.refresh()  # the weights as they are now, for this call (and a new capture's warm-up)
         if made and self.capture and device.type == "cuda":
@@ -496,29 +554,30 @@ class Graphs:
 
     def _capture_windows(self, model: nn.Module, decoder: DecodeGraph, sampling: Sampling, name: str,
                          sizes: list[int]) -> None:
-        """Capture the decoder's step once per attention window in ``sizes`` (``decoder.windows``), the
-        graphs sharing the whole width's memory pool (a step's temporaries die within it); a window
-        that fails is left out (its steps replay the whole width's graph)."""
+        """Capture the decoder's step once per attention window in ``sizes`` (``decoder.windows``); a
+        window that fails is left out (its steps replay the whole width's graph)."""
         if decoder.graph is None:
             return
         for size in sizes:
             decoder.state.kv.window = size
             try:
                 captured = self._capture(model, decoder, lambda: decoder.step(model, decoder.state, sampling, name),
-                                         decoder.step is not decode_step, pool=decoder.graph.pool())
+                                         decoder.step is not decode_step)
             finally:
                 decoder.state.kv.window = None
             if captured is not None:
                 decoder.windows[size] = captured[0]
 
     def _capture(self, model: nn.Module, decoder: DecodeGraph, run: Callable[[], Any], compiled: bool,
-                 pool: Any = None, what: str = "decode step") -> tuple[Any, Any] | None:
+                 what: str = "decode step") -> tuple[Any, Any] | None:
         """Capture ``run()`` (one step or feed on the decoder's buffers; warmed up on a side stream
-        first, as CUDA graphs need; compiled then, where ``compiled``), in memory ``pool`` (None: its
-        own): ``(graph, run's output)``; None, with a warning, if the model cannot be captured (the
-        step then runs eagerly)."""
+        first, as CUDA graphs need; compiled then, where ``compiled``), in the engine's memory pool
+        (the class docstring): ``(graph, run's output)``; None, with a warning, if the model cannot
+        be captured (the step then runs eagerly)."""
         state = decoder.state
         device = state.token.device
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         dtype = ambient_autocast(device)
         state.kv.column.zero_()  # the warm-ups write from the first column on, whatever ran before
         state.step.fill_(1)
@@ -538,7 +597,7 @@ class Graphs:
                         step()
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=self._pool):
                     out = step()
         except Exception as err:  # noqa: BLE001 - a model that cannot be captured still decodes, eagerly
             then = "captures the step uncompiled" if compiled else "decodes eagerly over the static cache"
@@ -555,6 +614,7 @@ class Graphs:
     def clear(self) -> None:
         self.graphs.clear()
         self.casts.clear()
+        self.buffers.clear()
 
 
 def static_unsupported(model: nn.Module) -> str | None:
