@@ -450,6 +450,10 @@ class Graphs:
     buffers: dict[tuple[Any, ...], list[tuple[Tensor, Tensor]]] = field(default_factory=dict)
     captured: int = 0
     """Graphs captured, all calls."""
+    made: int = 0
+    """Decoders made, all calls (each a static cache view and, on CUDA, a graph captured)."""
+    feeds_made: int = 0
+    """Feeds made, all calls (each, on CUDA, a graph captured)."""
     _compiled: dict[Callable[..., Any], Any] = field(default_factory=dict)
     _pool: Any = None
 
@@ -504,6 +508,7 @@ class Graphs:
         kv_dtype = autocast if autocast is not None and like[0][0].is_floating_point() else None
 
         def make() -> DecodeGraph:
+            self.made += 1
             kv_key, flats = self.kv_buffers(like, rows, width, kv_dtype or like[0][0].dtype)
             return DecodeGraph(DecodeState.new(like, rows, width, kv_dtype, flats), self.step_function(device), casts,
                                feeder=self.step_function(device, feed_step), kv_key=kv_key)
@@ -528,6 +533,7 @@ class Graphs:
         are: before the caller loads the cache, which the capture's warm-ups write into)."""
         feed = decoder.feeds.get(tokens)
         if feed is None:
+            self.feeds_made += 1
             feed = decoder.feeds[tokens] = Feed.new(decoder.state, tokens)
             if decoder.graph is not None:
                 decoder.state.kv.index = feed.index
