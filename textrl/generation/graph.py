@@ -406,7 +406,7 @@ class DecodeGraph:
 
     def feed(self, model: nn.Module, feed: Feed, name: str) -> Tensor:
         """Run a filled ``feed`` of this decoder (its graph on CUDA): each row's last logits ``[B, V]``,
-        to be read before the next replay of any graph (they are in the engine's memory pool)."""
+        the feed's own output buffer on CUDA, rewritten by its next replay."""
         if feed.graph is not None:
             feed.graph.replay()
             assert feed.logits is not None
@@ -438,9 +438,10 @@ class Graphs:
     One call decodes at a time, so the decoders share their memory: each static cache is a view of
     one flat buffer a layer (``buffers``, per device, dtype and layer shapes; grown when a shape
     needs more, and the decoders viewing the old buffers made again), and every graph is captured in
-    one memory pool (a step's temporaries die within its replay; a feed's logits are read before
-    the next replay). So the rows x widths a multi-turn rollout meets keep their captured graphs
-    from one iteration to the next, for the memory of the largest."""
+    one memory pool (a graph's temporaries live only within its replay, so the graphs, replayed one
+    at a time, may reuse each other's; what outlives a replay, a feed's logits, stays allocated, so
+    no other graph takes its memory). So the rows x widths a multi-turn rollout meets keep their
+    captured graphs from one iteration to the next, for the memory of the largest."""
 
     capture: bool = True
     compile: bool | None = None
