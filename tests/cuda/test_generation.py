@@ -183,3 +183,18 @@ def test_a_step_captured_per_attention_window_decodes_what_generate_does(tok, mo
     for decoder in engine.graphs.graphs.values():
         assert decoder.state.kv.width == 128 and sorted(decoder.windows) == [32, 64, 96]
     assert engine.graphs.captured == 2 * 4
+
+
+def test_shapes_that_share_the_static_buffer_and_a_growth_decode_what_generate_does(tok, model):
+    """Captured decoders of several shapes view one buffer a layer and capture into one memory pool;
+    a larger shape grows the buffer and the decoders of the old one are captured again: every call,
+    before and after, decodes greedily what ``generate`` does, and a replayed shape captures nothing."""
+    ids, mask = encode(tok, PROMPTS, samples=4)  # 20 rows
+    sampling = spec(tok, eos=frequent_token(model, tok, ids, mask), max_new_tokens=12)
+    engine = DecodeEngine(compile=False, width_bucket=16)
+    for rows in (16, 5, 9, 20, 5, 16):  # 20 (24 with filler rows) grows the buffer
+        got = run(engine, model, ids[:rows], mask[:rows], sampling)
+        assert torch.equal(got, run(HFEngine(), model, ids[:rows], mask[:rows], sampling)), rows
+    captured = engine.graphs.captured
+    run(engine, model, ids[:9], mask[:9], sampling)
+    assert engine.graphs.captured == captured and len(engine.graphs.buffers) == 1
