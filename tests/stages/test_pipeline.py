@@ -15,9 +15,13 @@ from textrl.stages.pipeline import PipelineConfig
 
 @pytest.mark.slow
 def test_pipeline_reduced(tmp_path, capsys):
+    """The default agent end to end at reduced sizes: the reward model ranks held-out pairs, PPO
+    raises its held-out score, each stage leaves its files, and the folder refuses a new run. 30
+    PPO iterations pass on the seeds 40 did (score +3.3 / +4.3 / +0.9 / +3.5 on seeds 0 / 2 / 3 / 4,
+    in 40: +3.0 / +4.4 / +1.4 / +3.5; seed 1 stays under +0.5 in either); 20 failed on seed 3."""
     out = tmp_path / "run"
     argv = ["pipeline", "--output-dir", str(out), "--sft-steps", "200", "--rm-steps", "40",
-            "--ppo-iterations", "40", "--progress", "false"]
+            "--ppo-iterations", "30", "--progress", "false"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "== summary (held-out, before -> after) ==" in printed
@@ -27,7 +31,7 @@ def test_pipeline_reduced(tmp_path, capsys):
     assert after > before + 0.5
     for stage in ("sft/model", "rm/model", "ppo/metrics.jsonl", "data/prompts.jsonl", "config.yaml"):
         assert (out / stage).exists(), stage
-    assert (out / "ppo" / "checkpoints" / "iter_000040" / "policy" / "config.json").is_file()
+    assert (out / "ppo" / "checkpoints" / "iter_000030" / "policy" / "config.json").is_file()
     with pytest.raises(ValueError, match="holds an earlier pipeline run"):
         PipelineConfig(output_dir=str(out)).validate()
 
