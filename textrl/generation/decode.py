@@ -163,8 +163,9 @@ class DecodeEngine(GenerationEngine):
     def _new_tokens(self, real: list[tuple[int, ...]], plan: Plan, multiple: int,
                     device: torch.device) -> tuple[Tensor, Tensor, Tensor, list[int]]:
         """Each row's tokens past its reused ones, left-padded to a multiple of ``multiple``: ``(ids,
-        mask, position ids)`` ``[B, S]`` and each row's padding. Built on the host, then one copy
-        each: a row-by-row fill on the device is a few hundred small launches a turn."""
+        mask, position ids)`` ``[B, S]`` and each row's padding, the real ones counted in ``prefilled``.
+        Built on the host, then one copy each: a row-by-row fill on the device is a few hundred small
+        launches a turn."""
         suffixes = [row[u:] for row, u in zip(real, plan.reuse)]
         sl = bucket(max(len(x) for x in suffixes), multiple)
         pads = [sl - len(x) for x in suffixes]
@@ -197,8 +198,6 @@ class DecodeEngine(GenerationEngine):
         feed.fill(ids, positions, real_cols, reused)
         logits = decoder.feed(model, feed, name)[:b]
         state.attend(real_cols)
-        state.position.zero_()
-        state.position[:b] = positions[:, -1:] + 1  # each row's real tokens so far: its last position + 1
         cols = [[*range(reused - u, reused), *range(reused + p, context)] for u, p in zip(plan.reuse, pads)]
         return decoder, logits, context, cols
 

@@ -227,14 +227,16 @@ class DecodeState:
         ``B'`` rows (the first token comes by :meth:`start`)."""
         self.kv.load(layers)
         self.attend(mask.bool())
-        self.position.zero_()
-        self.position[:mask.shape[0]] = mask.sum(-1, keepdim=True)
 
     def attend(self, real: Tensor) -> None:
-        """The columns a step attends to: those of ``real`` ``[B', W]`` (bool, columns ``[0, W)``, the
-        first ``B'`` rows), none past it; a filler row past them, none but the one each step writes."""
+        """The context of the first ``B'`` rows: the columns holding their real tokens, ``real``
+        ``[B', W]`` (bool, columns ``[0, W)``), which a step attends to (none past them), and the next
+        position id, their count; a filler row past them attends to no column but the one each step
+        writes."""
         self.mask.fill_(torch.finfo(self.mask.dtype).min)
         self.mask[:real.shape[0], 0, 0, :real.shape[1]].masked_fill_(real, 0.0)
+        self.position.zero_()
+        self.position[:real.shape[0]] = real.sum(-1, keepdim=True)
 
     def start(self, first: Tensor, running: Tensor, pad: int) -> None:
         """The first token drawn ``[B']`` (fed by the first step) and the rows still running after it;
