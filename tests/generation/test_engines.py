@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from textrl.generation import DecodeEngine, HFEngine, Sampling, engine_names, get_engine
-from textrl.generation.decode import next_tokens, shared_prefixes
+from textrl.generation.decode import next_tokens, real_tokens, shared_prefixes
 from textrl.generation.static import StaticEngine
 from textrl.generation.traffic import OpCount
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
@@ -148,6 +148,23 @@ def test_shared_prefixes_prefill_each_distinct_context_once(tok):
     assert torch.equal(ids_u[inverse], ids) and torch.equal(mask_u[inverse], mask)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.lists(st.booleans(), max_size=6), st.integers(0, 4)), min_size=1, max_size=4),
+       st.sampled_from([torch.long, torch.bool, torch.float32]), st.integers(0, 2**16))
+def test_real_tokens_are_each_rows_masked_in_columns_left_padded_or_not(rows, dtype, seed):
+    """The carry's host read of each row's real columns and tokens: left-padded rows by their first
+    real column, rows with padding inside column by column; both the columns the mask holds."""
+    width = max(pad + len(inside) + tail for pad, inside, tail in rows)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, (pad, inside, tail) in enumerate(rows):  # right-aligned: padding, maybe holes, real tokens
+        row = [0] * pad + [int(x) for x in inside] + [1] * tail
+        mask[b, width - len(row):] = torch.tensor(row, dtype=torch.long)
+    ids = torch.randint(3, 100, mask.shape, generator=torch.Generator().manual_seed(seed))
+    columns, real = real_tokens(ids, mask.to(dtype))
+    assert columns == [[j for j in range(width) if mask[b, j]] for b in range(len(rows))]
+    assert real == [tuple(int(ids[b, j]) for j in cols) for b, cols in enumerate(columns)]
+
+
 def test_the_engines_are_registered_and_a_wrong_name_is_refused():
     assert {"hf", "textrl"} <= set(engine_names())
     assert isinstance(get_engine("textrl"), DecodeEngine)
@@ -244,6 +261,49 @@ def test_a_carried_turn_dispatches_no_op_per_row(tok, model):
         return ops.n
 
     assert second_turn_ops(4) == second_turn_ops(16)
+
+
+def test_a_carried_turn_dispatches_no_op_per_layer_outside_its_steps_and_feed(tok, monkeypatch):
+    """The static cache keeps all layers' keys in one tensor and their values in another, so
+    clearing it, gathering a carried turn's kept columns into it and keeping a copy of it for the
+    next turn are one op each for the whole model: outside its decode steps and its feed (captured
+    graphs on CUDA) a carried turn dispatches the same ops for 2 layers as for 6 (it was 8 more a
+    layer)."""
+    from textrl.generation.graph import DecodeGraph
+
+    sampling = spec(tok, greedy=False, eos=-1, max_new_tokens=6)
+    counting = OpCount()
+
+    def pausing(method):
+        def paused(self, *a, **k):
+            counting.paused = True
+            try:
+                return method(self, *a, **k)
+            finally:
+                counting.paused = False
+        return paused
+
+    for name in ("run", "feed"):
+        monkeypatch.setattr(DecodeGraph, name, pausing(getattr(DecodeGraph, name)))
+
+    def second_turn_ops(layers):
+        model = build_tiny_causal_lm(tok, num_hidden_layers=layers).eval()
+        engine = DecodeEngine(attention_window=None)
+        for _ in range(2):  # the second finds its decoders made, as every iteration after the first
+            seqs = [tok(p)["input_ids"] for p in PROMPTS]
+            with engine.rollout():
+                ids, mask = pad_left(seqs, tok.pad_token_id)
+                out = run(engine, model, ids, mask, sampling)
+                seqs = [seq + out[i].tolist() + [40, 41] for i, seq in enumerate(seqs)]
+                ids, mask = pad_left(seqs, tok.pad_token_id)
+                before, counting.n, made = engine.prefilled, 0, engine.graphs.made
+                with counting:
+                    run(engine, model, ids, mask, sampling)
+            assert engine.prefilled - before < int(mask.sum()) // 2  # the turn was carried
+        assert engine.graphs.made == made
+        return counting.n
+
+    assert second_turn_ops(2) == second_turn_ops(6)
 
 
 def test_no_carry_outside_a_rollout_or_after_the_weights_change(tok):

@@ -125,10 +125,11 @@ def test_only_the_most_recent_shapes_keep_a_decoder(tok):
 
 
 def test_the_decoders_static_caches_share_one_buffer_grown_for_a_larger_shape(tok):
-    """One call decodes at a time, so every decoder's static cache is a view of one flat buffer a
-    layer: shapes that fit share it (the memory of the largest, not their sum); a larger shape grows
-    it and the decoders viewing the old one are made again (their graphs read its addresses); each
-    call still decodes ``generate``'s tokens, whatever an earlier shape left in the buffer."""
+    """One call decodes at a time, so every decoder's static cache is a view of one flat buffer
+    (keys, and one for values) for all layers: shapes that fit share it (the memory of the largest,
+    not their sum); a larger shape grows it and the decoders viewing the old one are made again
+    (their graphs read its addresses); each call still decodes ``generate``'s tokens, whatever an
+    earlier shape left in the buffer."""
     model = build_tiny_causal_lm(tok).eval()
     engine = DecodeEngine(width_bucket=16)
     ids, mask = encode(tok, samples=2)
@@ -142,8 +143,10 @@ def test_the_decoders_static_caches_share_one_buffer_grown_for_a_larger_shape(to
                            run(HFEngine(), model, ids[:rows], mask[:rows], sampling)), rows
     decoders = list(engine.graphs.graphs.values())
     assert len(decoders) == 3 and len({base(d) for d in decoders}) == 1  # one buffer for the three shapes
-    (flats,) = engine.graphs.buffers.values()
-    assert flats[0][0].numel() == decoders[0].state.kv.layers[0].keys.numel()  # the largest's size
+    ((keys, values),) = next(iter(engine.graphs.buffers.values()))  # one pair for all layers
+    ((stacked, _),) = decoders[0].state.kv.stacks
+    assert stacked.shape[0] == model.config.num_hidden_layers == len(decoders[0].state.kv.layers)
+    assert keys.numel() == values.numel() == stacked.numel()  # the largest's size
     longer = run(engine, model, ids, mask, spec(tok, max_new_tokens=40))  # wider: more than the buffer holds
     assert torch.equal(longer, run(HFEngine(), model, ids, mask, spec(tok, max_new_tokens=40)))
     (decoder,) = engine.graphs.graphs.values()  # the three views of the old buffer were dropped

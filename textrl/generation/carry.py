@@ -43,6 +43,28 @@ def cache_layers(cache: Any) -> list[tuple[Tensor, Tensor]]:
     return list(zip(cache.key_cache, cache.value_cache))
 
 
+def layer_stacks(cache: Any) -> list[tuple[Tensor, Tensor]]:
+    """The cache's keys and values as stacks of layers ``[N, B, H, L, D]``: its own where it keeps them
+    so (:class:`textrl.generation.graph.Stacks`: the static cache and its snapshots, all layers in one),
+    else one a layer (``N = 1``)."""
+    stacks = getattr(cache, "stacks", None)
+    if stacks is not None:
+        return stacks
+    return [(k[None], v[None]) for k, v in cache_layers(cache)]
+
+
+def layers_like(cache: Any) -> list[tuple[Tensor, Tensor]]:
+    """One ``(keys, values)`` a layer of ``cache`` that stands for that layer's heads, head size, dtype
+    and device, not its values: a stack's first layer for each of its layers (two views a stack, not
+    two a layer)."""
+    return [first for k, v in layer_stacks(cache) for first in [(k[0], v[0])] * k.shape[0]]
+
+
+def unstacked(stacks: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    """``stacks`` split into one stack a layer (views)."""
+    return [(k[i:i + 1], v[i:i + 1]) for k, v in stacks for i in range(k.shape[0])]
+
+
 @dataclass
 class Kept:
     """One call's cache: ``cols[b]`` the cache columns of row ``b``'s real tokens (in order),
@@ -123,8 +145,10 @@ class TurnCarry:
 
     def gather(self, plan: Plan, into: list[tuple[Tensor, Tensor]]) -> list[list[int]]:
         """Write row ``i``'s ``plan.reuse[i]`` reused keys and values right-aligned into columns
-        ``[0, W)`` of ``into`` (a ``(keys, values)`` ``[B, H, >= W, D]`` per layer, ``W = max(reuse)``;
-        the rest left as it is): the rows of its mask ``[B][W]`` (1 on the reused columns)."""
+        ``[0, W)`` of ``into`` (stacks of layers, :func:`layer_stacks`: ``(keys, values)`` ``[N, B, H, >= W,
+        D]`` each; ``W = max(reuse)``; the rest left as it is): the rows of its mask ``[B][W]`` (1 on
+        the reused columns). One gather a kept call and stack (one for all layers of the static
+        cache), not one a layer."""
         width = max(plan.reuse)
         device = into[0][0].device
         # The index tensors are built on the host and copied once (row by row on the device, a
@@ -136,10 +160,14 @@ class TurnCarry:
             src = [plan.source[i][1] for i in rows]  # type: ignore[index]
             cols = torch.tensor([[0] * (width - plan.reuse[i]) + kept.cols[r][:plan.reuse[i]] for i, r in zip(rows, src)],
                                 dtype=torch.long, device=device)
-            src_rows, dest = torch.tensor(src, device=device), torch.tensor(rows, device=device)
-            for (keys, values), (to_keys, to_values) in zip(cache_layers(kept.cache), into):
-                to_keys[:, :, :width][dest] = keys[src_rows[:, None], :, cols].permute(0, 2, 1, 3).to(to_keys.dtype)
-                to_values[:, :, :width][dest] = values[src_rows[:, None], :, cols].permute(0, 2, 1, 3).to(to_values.dtype)
+            src_rows, dest = torch.tensor(src, device=device)[:, None], torch.tensor(rows, device=device)
+            stacks, to = layer_stacks(kept.cache), into
+            if [s[0].shape[0] for s in stacks] != [t[0].shape[0] for t in to]:  # stacked otherwise: layer by layer
+                stacks, to = unstacked(stacks), unstacked(to)
+            for (keys, values), (to_keys, to_values) in zip(stacks, to):
+                # [N, B, H, L, D] at rows x columns: [R, W, N, H, D] (the indexed dims first) -> [N, R, H, W, D]
+                to_keys[:, dest, :, :width] = keys[:, src_rows, :, cols].permute(2, 0, 3, 1, 4).to(to_keys.dtype)
+                to_values[:, dest, :, :width] = values[:, src_rows, :, cols].permute(2, 0, 3, 1, 4).to(to_values.dtype)
         return [[0] * (width - u) + [1] * u for u in plan.reuse]
 
     def cache_for(self, model: nn.Module, plan: Plan, device: torch.device) -> tuple[Any, Tensor]:
@@ -149,11 +177,11 @@ class TurnCarry:
         like = cache_layers(self.kept[0].cache)
         layers = [(k.new_zeros(n, k.shape[1], width, k.shape[3]), v.new_zeros(n, v.shape[1], width, v.shape[3]))
                   for k, v in like]
-        mask = self.gather(plan, layers)
+        mask = self.gather(plan, [(k[None], v[None]) for k, v in layers])
         cache = new_cache(model)
         for layer, (keys, values) in enumerate(layers):
             cache.update(keys, values, layer)
         return cache, torch.tensor(mask, dtype=torch.long, device=device)
 
 
-__all__ = ["Kept", "Plan", "TurnCarry", "cache_layers", "weights_version"]
+__all__ = ["Kept", "Plan", "TurnCarry", "cache_layers", "layer_stacks", "layers_like", "unstacked", "weights_version"]

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from textrl.generation.base import GenerationEngine, Sampling, cut_at_last_eos, register_engine
-from textrl.generation.carry import Plan, TurnCarry, cache_layers
+from textrl.generation.carry import Plan, TurnCarry, cache_layers, layers_like
 from textrl.generation.graph import (
     INVALID,
     DecodeGraph,
@@ -55,6 +55,22 @@ def shared_prefixes(input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, 
     first = torch.full((unique.shape[0],), input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     first = first.scatter_reduce(0, inverse, rows, "amin")  # each distinct row's first occurrence
     return input_ids[first], attention_mask[first], inverse
+
+
+def real_tokens(input_ids: Tensor, attention_mask: Tensor) -> tuple[list[list[int]], list[tuple[int, ...]]]:
+    """Each row's real-token columns and those tokens, read to the host (``[B, P]`` each): a
+    left-padded row (every real column after every padding one, as ``pad_left`` and the collectors
+    make them) by its first real column alone, any other column by column."""
+    columns, real = [], []
+    for keep, row in zip(attention_mask.tolist(), input_ids.tolist()):
+        first = keep.index(1) if 1 in keep else len(keep)
+        if sum(keep) == len(keep) - first:  # no padding after the first real token
+            columns.append(list(range(first, len(keep))))
+            real.append(tuple(row[first:]))
+        else:
+            columns.append([j for j, m in enumerate(keep) if m])
+            real.append(tuple(row[j] for j in columns[-1]))
+    return columns, real
 
 
 def _positions(mask: Tensor) -> Tensor:
@@ -187,13 +203,13 @@ class DecodeEngine(GenerationEngine):
         ids, suffix_mask, positions, pads = self._new_tokens(real, plan, FEED_BUCKET, device)
         tokens = ids.shape[1]
         context = reused + tokens
-        like = cache_layers(self.carry.kept[0].cache)  # heads, head size, dtype: the rows are ours
+        like = layers_like(self.carry.kept[0].cache)  # heads, head size, dtype: the rows are ours
         b = len(real)
         decoder = self._decoder(model, b, context, like, sampling, name)
         feed = self.graphs.feed(model, decoder, tokens, name)  # captured (CUDA) before the cache is loaded
         state = decoder.state
         state.kv.clear(context)
-        kept = self.carry.gather(plan, [(layer.keys, layer.values) for layer in state.kv.layers])
+        kept = self.carry.gather(plan, state.kv.stacks)
         real_cols = torch.cat([torch.tensor(kept, dtype=torch.bool, device=device), suffix_mask.bool()], dim=1)
         feed.fill(ids, positions, real_cols, reused)
         logits = decoder.feed(model, feed, name)[:b]
@@ -209,8 +225,7 @@ class DecodeEngine(GenerationEngine):
         name = cache_argument(model)
         real = columns = plan = None  # each row's real tokens and their columns: read to the host only for a carry
         if self.carry is not None:
-            columns = [[j for j, m in enumerate(keep) if m] for keep in attention_mask.tolist()]
-            real = [tuple(row[j] for j in cols) for row, cols in zip(input_ids.tolist(), columns)]
+            columns, real = real_tokens(input_ids, attention_mask)
             plan = self.carry.plan(model, real)
         static = self.static and self._fits_static(model)
         decoder: DecodeGraph | None = None
@@ -334,4 +349,4 @@ class DecodeEngine(GenerationEngine):
         self.carry.remember(model, cache, row_cols, rows)
 
 
-__all__ = ["DecodeEngine", "next_tokens", "shared_prefixes"]
+__all__ = ["DecodeEngine", "next_tokens", "real_tokens", "shared_prefixes"]

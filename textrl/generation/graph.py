@@ -109,27 +109,62 @@ def recent(entries: dict[Any, Any], key: Any, keep: int, make: Callable[[], Any]
     return value, made
 
 
+def layer_runs(like: list[tuple[Tensor, Tensor]]) -> list[range]:
+    """The layers whose static caches are stacked in one tensor (keys) and one (values): all of
+    them where every layer's keys and values have the same heads and head size (most models),
+    else one run a layer."""
+    if len({(k.shape[1], k.shape[3], v.shape[1], v.shape[3]) for k, v in like}) == 1:
+        return [range(len(like))]
+    return [range(i, i + 1) for i in range(len(like))]
+
+
+def layer_views(stacks: list[tuple[Tensor, Tensor]]) -> list[SimpleNamespace]:
+    """Each layer's ``keys`` and ``values`` ``[B, H, L, D]``: views of ``stacks`` (:class:`Stacks`)."""
+    return [SimpleNamespace(keys=k[i], values=v[i]) for k, v in stacks for i in range(k.shape[0])]
+
+
+class Stacks:
+    """A KV cache held as stacks of layers: ``stacks[j] = (keys, values)``, each ``[N, B, H, L, D]``
+    (the ``N`` layers of run ``j``, :func:`layer_runs`), so a whole-cache copy, zeroing or gather is
+    one op a stack, not one a layer; ``layers[i].keys`` / ``.values`` ``[B, H, L, D]``: views of them,
+    made when read (:func:`textrl.generation.carry.cache_layers`)."""
+
+    def __init__(self, stacks: list[tuple[Tensor, Tensor]]) -> None:
+        self.stacks = stacks
+
+    @property
+    def layers(self) -> list[SimpleNamespace]:
+        return layer_views(self.stacks)
+
+
 class StaticKV:
-    """A KV cache of ``width`` columns (module docstring): ``layers[i].keys`` / ``.values``
-    ``[B, H, width, D]``, written at ``column`` (``[1]`` long, on the device), in ``dtype`` (None:
-    the prefill's). Under autocast it is the autocast dtype: attention casts its keys and values
-    to it anyway (a Llama's keys leave the rotary embedding in float32 under autocast), so storing
-    them cast gives the same attention, and each step casts one column instead of the whole cache."""
+    """A KV cache of ``width`` columns (module docstring): ``stacks`` as :class:`Stacks` holds them
+    and ``layers[i].keys`` / ``.values`` ``[B, H, width, D]`` their views, written at ``column`` (``[1]`` long, on the
+    device), in ``dtype`` (None: the prefill's). Under autocast it is the autocast dtype: attention
+    casts its keys and values to it anyway (a Llama's keys leave the rotary embedding in float32
+    under autocast), so storing them cast gives the same attention, and each step casts one column
+    instead of the whole cache. ``storage``: a flat keys and values buffer a run of layers
+    (:func:`layer_runs`) that the stacks view (None: their own)."""
 
     is_compileable = True
 
     def __init__(self, like: list[tuple[Tensor, Tensor]], width: int, dtype: torch.dtype | None = None,
                  rows: int | None = None, storage: list[tuple[Tensor, Tensor]] | None = None) -> None:
         b = rows or like[0][0].shape[0]  # like's own rows unless told
+        runs = layer_runs(like)
+        if storage is not None and len(storage) != len(runs):
+            raise ValueError(f"storage holds {len(storage)} runs of layers; this cache has {len(runs)}")
 
-        def buffer(x: Tensor, flat: Tensor | None) -> Tensor:
-            shape = (b, x.shape[1], width, x.shape[3])
+        def stack(x: Tensor, n: int, flat: Tensor | None) -> Tensor:
+            shape = (n, b, x.shape[1], width, x.shape[3])
             if flat is None:
                 return x.new_zeros(shape, dtype=dtype or x.dtype)
-            return flat[:shape[0] * shape[1] * shape[2] * shape[3]].view(shape)
+            return flat[:n * b * x.shape[1] * width * x.shape[3]].view(shape)
 
-        flats = storage or [(None, None)] * len(like)
-        self.layers = [SimpleNamespace(keys=buffer(k, fk), values=buffer(v, fv)) for (k, v), (fk, fv) in zip(like, flats)]
+        flats = storage or [(None, None)] * len(runs)
+        self.stacks = [(stack(like[r[0]][0], len(r), fk), stack(like[r[0]][1], len(r), fv))
+                       for r, (fk, fv) in zip(runs, flats)]
+        self.layers = layer_views(self.stacks)  # what each step's attention reads and writes
         self.width = width
         self.column = torch.zeros(1, dtype=torch.long, device=like[0][0].device)
         self.index: Tensor | None = None
@@ -142,22 +177,19 @@ class StaticKV:
 
     def load(self, layers: list[tuple[Tensor, Tensor]]) -> None:
         """Copy a prefilled cache's layers ``[B', H, W, D]`` into rows ``[0, B')``, columns ``[0, W)``
-        (the rest zero); the next write goes to column ``W``."""
+        (the rest zero: a masked column still meets its value, weight 0 x NaN is NaN, so nothing of
+        an earlier call's stays, in filler rows either); the next write goes to column ``W``."""
         b, w = layers[0][0].shape[0], layers[0][0].shape[2]
+        self.clear(w)
         for mine, (k, v) in zip(self.layers, layers):
-            for buf, x in ((mine.keys, k), (mine.values, v)):
-                buf[:b, :, :w].copy_(x)
-                buf[:b, :, w:].zero_()  # a masked column still meets its value (weight 0 x NaN is NaN):
-                if b < buf.shape[0]:  # nothing of an earlier call's stays, in filler rows either
-                    buf[b:].zero_()
-        self.column.fill_(w)
-        self.filled = w
+            mine.keys[:b, :, :w].copy_(k)
+            mine.values[:b, :, :w].copy_(v)
 
     def clear(self, filled: int) -> None:
         """Zero every column (the caller writes a context into columns ``[0, filled)``); the next write goes to ``filled``."""
-        for mine in self.layers:
-            mine.keys.zero_()
-            mine.values.zero_()
+        for keys, values in self.stacks:
+            keys.zero_()
+            values.zero_()
         self.column.fill_(filled)
         self.filled = filled
 
@@ -177,11 +209,10 @@ class StaticKV:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def snapshot(self, width: int, rows: int | None = None) -> SimpleNamespace:
-        """A copy of columns ``[0, width)`` of rows ``[0, rows)`` (None: all) as a cache
-        :func:`textrl.generation.carry.cache_layers` reads (the buffers are the next call's)."""
-        return SimpleNamespace(layers=[SimpleNamespace(keys=x.keys[:rows, :, :width].clone(),
-                                                       values=x.values[:rows, :, :width].clone()) for x in self.layers])
+    def snapshot(self, width: int, rows: int | None = None) -> Stacks:
+        """A copy of columns ``[0, width)`` of rows ``[0, rows)`` (None: all), one clone a stack (the
+        buffers are the next call's); :func:`textrl.generation.carry.cache_layers` reads its layers."""
+        return Stacks([(k[:, :rows, :, :width].clone(), v[:, :rows, :, :width].clone()) for k, v in self.stacks])
 
 
 @dataclass
@@ -205,7 +236,7 @@ class DecodeState:
             storage: list[tuple[Tensor, Tensor]] | None = None) -> DecodeState:
         """Buffers for ``rows`` x ``width``, the cache and the mask in ``kv_dtype`` (None: the prefill
         keys' dtype; attention casts its mask to its keys' dtype, so a mask kept in it is not cast each
-        layer), the cache a view of ``storage`` (flat, per layer; None: its own)."""
+        layer), the cache a view of ``storage`` (flat, per run of layers: :class:`StaticKV`; None: its own)."""
         device, dtype = like[0][0].device, kv_dtype or like[0][0].dtype
         kv = StaticKV(like, width, kv_dtype, rows, storage)
         return cls(kv=kv, token=torch.zeros(rows, dtype=torch.long, device=device),
@@ -438,12 +469,15 @@ class Graphs:
     (``compile``; None: where it is captured, on CUDA).
 
     One call decodes at a time, so the decoders share their memory: each static cache is a view of
-    one flat buffer a layer (``buffers``, per device, dtype and layer shapes; grown when a shape
-    needs more, and the decoders viewing the old buffers made again), and every graph is captured in
-    one memory pool (a graph's temporaries live only within its replay, so the graphs, replayed one
-    at a time, may reuse each other's; what outlives a replay, a feed's logits, stays allocated, so
-    no other graph takes its memory). So the rows x widths a multi-turn rollout meets keep their
-    captured graphs from one iteration to the next, for the memory of the largest."""
+    one flat buffer for the keys and one for the values of all layers (``buffers``, per device, dtype
+    and layer shapes; one pair a layer where the layers' shapes differ, :func:`layer_runs`; grown when
+    a shape needs more, and the decoders viewing the old buffers made again), and every graph is
+    captured in one memory pool (a graph's temporaries live only within its replay, so the graphs,
+    replayed one at a time, may reuse each other's; what outlives a replay, a feed's logits, stays
+    allocated, so no graph captured later takes its memory, and the engine reads them before it
+    replays another graph, which may have taken it before). So the rows x widths a multi-turn
+    rollout meets keep their captured graphs from one iteration to the next, for the memory of the
+    largest."""
 
     capture: bool = True
     compile: bool | None = None
@@ -462,18 +496,20 @@ class Graphs:
 
     def kv_buffers(self, like: list[tuple[Tensor, Tensor]], rows: int, width: int,
                    dtype: torch.dtype) -> tuple[tuple[Any, ...], list[tuple[Tensor, Tensor]]]:
-        """``(key, flat buffers)``: the keys' and values' buffer of each layer (``like``'s heads and
-        head sizes, in ``dtype``) that a ``rows`` x ``width`` static cache views; when they are too
-        small, the decoders viewing them are dropped and they are made again, as large as needed."""
+        """``(key, flat buffers)``: the keys' and values' buffer of each run of layers
+        (:func:`layer_runs`: one for most models; ``like``'s heads and head sizes, in ``dtype``) that a
+        ``rows`` x ``width`` static cache's stacks view; when they are too small, the decoders viewing
+        them are dropped and they are made again, as large as needed."""
         key = (like[0][0].device, dtype, tuple((k.shape[1], k.shape[3], v.shape[1], v.shape[3]) for k, v in like))
-        need = [(rows * k.shape[1] * width * k.shape[3], rows * v.shape[1] * width * v.shape[3]) for k, v in like]
+        need = [(len(r) * rows * like[r[0]][0].shape[1] * width * like[r[0]][0].shape[3],
+                 len(r) * rows * like[r[0]][1].shape[1] * width * like[r[0]][1].shape[3]) for r in layer_runs(like)]
         flats = self.buffers.get(key)
         if flats is None or any(fk.numel() < nk or fv.numel() < nv for (fk, fv), (nk, nv) in zip(flats, need)):
             for old in [k for k, decoder in self.graphs.items() if decoder.kv_key == key]:
                 del self.graphs[old]  # their graphs read the old buffers' addresses
             self.buffers.pop(key, None)  # freed before the larger ones are made
-            flats = self.buffers[key] = [(k.new_zeros(nk, dtype=dtype), v.new_zeros(nv, dtype=dtype))
-                                         for (k, v), (nk, nv) in zip(like, need)]
+            flats = self.buffers[key] = [(like[0][0].new_zeros(nk, dtype=dtype), like[0][1].new_zeros(nv, dtype=dtype))
+                                         for nk, nv in need]
         return key, flats
 
     def step_function(self, device: torch.device, step: Callable[..., Any] = decode_step) -> Callable[..., Any]:
@@ -657,5 +693,6 @@ def bucket(n: int, size: int) -> int:
     return -(-n // size) * size
 
 
-__all__ = ["INVALID", "MATMUL_LAYERS", "DecodeGraph", "DecodeState", "Graphs", "StaticKV", "WeightCasts", "ambient_autocast", "bucket",
-           "Feed", "decode_step", "draw", "feed_step", "graph_key", "next_tokens", "recent", "static_unsupported", "windows"]
+__all__ = ["INVALID", "MATMUL_LAYERS", "DecodeGraph", "DecodeState", "Graphs", "StaticKV", "Stacks", "WeightCasts", "ambient_autocast",
+           "bucket", "Feed", "decode_step", "draw", "feed_step", "graph_key", "layer_runs", "layer_views", "next_tokens", "recent",
+           "static_unsupported", "windows"]
