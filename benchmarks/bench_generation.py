@@ -267,19 +267,10 @@ def _ops_per_turn(engine: Any, episodes: Any, paused_in: tuple[str, ...]) -> lis
     """The ops each ``engine.generate`` call of ``episodes(engine)`` dispatches, those inside the
     ``paused_in`` methods of its decoders (``run``: a decode step; ``feed``: a carried turn's new tokens) left out."""
     from textrl.generation.graph import DecodeGraph
-    from textrl.generation.traffic import OpCount
+    from textrl.generation.traffic import OpCount, uncounted
 
     count, per_turn = OpCount(), []
-    methods, generate = {m: getattr(DecodeGraph, m) for m in paused_in}, engine.generate
-
-    def pausing(method: Any) -> Any:
-        def paused(self: Any, *a: Any, **k: Any) -> Any:
-            count.paused = True
-            try:
-                return method(self, *a, **k)
-            finally:
-                count.paused = False
-        return paused
+    generate = engine.generate
 
     def counted(*a: Any, **k: Any) -> Any:
         count.n = 0
@@ -289,13 +280,10 @@ def _ops_per_turn(engine: Any, episodes: Any, paused_in: tuple[str, ...]) -> lis
         return out
 
     engine.generate = counted
-    for m, method in methods.items():
-        setattr(DecodeGraph, m, pausing(method))
     try:
-        episodes(engine)
+        with uncounted(count, DecodeGraph, *paused_in):
+            episodes(engine)
     finally:
-        for m, method in methods.items():
-            setattr(DecodeGraph, m, method)
         del engine.generate
     return per_turn
 

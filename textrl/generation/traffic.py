@@ -21,7 +21,8 @@ the weights is caught here, on the CPU, before any GPU is timed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +108,30 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextmanager
+def uncounted(count: OpCount, owner: type, *methods: str) -> Iterator[None]:
+    """Inside the block, ``count`` leaves out the ops dispatched inside ``owner``'s ``methods`` (for
+    example a decoder's ``run`` and ``feed``: captured graphs on CUDA, a single launch each)."""
+    originals = {name: getattr(owner, name) for name in methods}
+
+    def pausing(method: Any) -> Any:
+        def paused(self: Any, *args: Any, **kwargs: Any) -> Any:
+            count.paused = True
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                count.paused = False
+        return paused
+
+    for name, method in originals.items():
+        setattr(owner, name, pausing(method))
+    try:
+        yield
+    finally:
+        for name, method in originals.items():
+            setattr(owner, name, method)
+
+
 def _is_cast(op: Op) -> bool:
     if op.name not in ("_to_copy", "copy_") or not op.reads or not op.writes:
         return False
@@ -135,4 +160,4 @@ def read_dtypes(ops: Iterable[Op], kind: str) -> set[torch.dtype]:
     return {d for op in ops if test(op) for d, _ in op.reads if d.is_floating_point}
 
 
-__all__ = ["MATMULS", "NO_MOVE", "PURE_WRITES", "Op", "OpCount", "OpLog", "read_dtypes", "step_bytes"]
+__all__ = ["MATMULS", "NO_MOVE", "PURE_WRITES", "Op", "OpCount", "OpLog", "read_dtypes", "step_bytes", "uncounted"]
