@@ -35,7 +35,8 @@ With ``--turn-ops`` (and ``--turns``) nothing is timed: each ``textrl`` engine r
 episodes (after one to warm up) and prints the aten ops each turn dispatches outside its decode steps (the carry, the
 prefill, loading and keeping the cache: the host's work a turn, each op a launch or a copy on a GPU),
 and outside its decode steps and its feed of a carried turn's new tokens too (``uncaptured``: what
-the host dispatches on CUDA, where both are replays of captured graphs).
+the host dispatches on CUDA, where both are replays of captured graphs), under the autocast a CUDA
+run has (float32 weights under bf16 autocast, unless ``--weights bfloat16``) on any device.
 
 With ``--traffic`` nothing is timed: one eager decode step of the ``textrl`` engine's static
 cache, halfway through the response, is counted op by op (:mod:`textrl.generation.traffic`: the
@@ -168,7 +169,8 @@ def main() -> None:
     ids, mask = ids.to(device), torch.ones_like(ids, device=device)
     sampling = Sampling(greedy=False, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
                         eos_token_id=None, pad_token_id=tok.pad_token_id)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda and not bf16_weights)
+    # --turn-ops counts the host's ops as on CUDA, under the same autocast (the weight casts' refresh included)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=(cuda or args.turn_ops) and not bf16_weights)
     dtype = torch.bfloat16 if cuda or bf16_weights else torch.float32
     hw = hardware(device, dtype)
     bytes_per_step = params * (2 if dtype == torch.bfloat16 else 4)

@@ -293,6 +293,44 @@ def test_multi_turn_turns_under_bf16_autocast_equal_generate(tok):
                     for i, seq in enumerate(seqs)]
 
 
+def test_a_rollout_casts_the_weights_once_and_again_only_after_they_change(tok, monkeypatch):
+    """Under autocast each call decodes with the weights cast once (not at every matmul); inside a
+    rollout, whose turns share the weights, they are cast at its first call and again only when a
+    weight changed in place (an optimiser step between turns: the next turn reads the new weights,
+    greedy tokens ``generate``'s); a new rollout and every call outside one cast them again, so a
+    write the version counter does not see (``.data``) is read by the next rollout."""
+    model = build_tiny_causal_lm(tok).eval()
+    engine = DecodeEngine()
+    sampling = spec(tok, max_new_tokens=6)
+    refreshes = []
+    refresh = WeightCasts.refresh
+    monkeypatch.setattr(WeightCasts, "refresh", lambda self: (refreshes.append(self), refresh(self))[1])
+    ids, mask = encode(tok)
+    weight = model.model.layers[0].mlp.up_proj.weight
+
+    def cast_of(p):
+        (casts,) = engine.graphs.casts.values()
+        return next(copy for _, _, q, copy in casts.entries if q is p)
+
+    with engine.rollout():
+        for _ in range(3):
+            run(engine, model, ids, mask, sampling, autocast=True)
+        assert len(refreshes) == 1
+        with torch.no_grad():
+            weight.mul_(-3.0)  # in place: its version moves
+        got = run(engine, model, ids, mask, sampling, autocast=True)
+        assert len(refreshes) == 2 and torch.equal(cast_of(weight), weight.to(torch.bfloat16))
+        assert torch.equal(got, run(HFEngine(), model, ids, mask, sampling, autocast=True))
+    weight.data.mul_(0.5)  # not seen by the version counter
+    with engine.rollout():
+        run(engine, model, ids, mask, sampling, autocast=True)
+        run(engine, model, ids, mask, sampling, autocast=True)
+    assert len(refreshes) == 3 and torch.equal(cast_of(weight), weight.to(torch.bfloat16))
+    run(engine, model, ids, mask, sampling, autocast=True)
+    run(engine, model, ids, mask, sampling, autocast=True)
+    assert len(refreshes) == 5 and engine.graphs.fresh is None  # outside a rollout: every call
+
+
 def test_on_the_cpu_the_engine_stops_where_generate_stops_and_leaves_the_same_random_state(tok):
     """``check_every`` is 1 on the CPU (a read of the running rows costs nothing there): no step
     after the last row's EOS, so the global generator is where ``generate`` leaves it and what is

@@ -132,16 +132,22 @@ class DecodeEngine(GenerationEngine):
 
     @contextmanager
     def rollout(self) -> Iterator[None]:
-        """Carry each turn's KV cache to the next turn of the same rows (``carry_turns``), until the block ends."""
-        if not self.carry_turns or self.carry is not None:
+        """Until the block ends: carry each turn's KV cache to the next turn of the same rows
+        (``carry_turns``), and cast the weights for autocast once, at the first call, again only
+        when a weight changes in place (:class:`~textrl.generation.graph.Graphs`' ``fresh``)."""
+        if self.graphs.fresh is not None:  # a rollout is open: it holds
             yield
             return
-        self.carry = TurnCarry()
+        self.graphs.fresh = set()
+        if self.carry_turns:
+            self.carry = TurnCarry()
         try:
             yield
         finally:
-            self.carry.release()
-            self.carry = None
+            self.graphs.fresh = None
+            if self.carry is not None:
+                self.carry.release()
+                self.carry = None
 
     def _prefill(self, model: nn.Module, input_ids: Tensor, mask: Tensor, plan: Plan | None,
                  real: list[tuple[int, ...]] | None, columns: list[list[int]] | None,

@@ -370,11 +370,22 @@ class WeightCasts:
                 p = module._parameters.get(name)
                 if p is not None and type(p) is nn.Parameter and p.is_floating_point() and p.dtype != dtype:
                     self.entries.append((module, name, p, torch.empty_like(p, dtype=dtype)))
+        self.versions: tuple[int, ...] | None = None
+        """Each weight's ``_version`` at the last :meth:`refresh` (None: never)."""
 
     def refresh(self) -> None:
         with torch.no_grad():
             for _, _, p, copy in self.entries:
                 copy.copy_(p)
+        self.versions = self._versions()
+
+    def changed(self) -> bool:
+        """Whether a weight was changed in place (an optimiser step, a load) since the last :meth:`refresh`.
+        A write through ``.data`` is not seen: the engine refreshes at the start of every rollout anyway."""
+        return self._versions() != self.versions
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(p._version for _, _, p, _ in self.entries)
 
     @contextmanager
     def swapped(self) -> Iterator[None]:
@@ -491,6 +502,9 @@ class Graphs:
     """Decoders made, all calls (each a static cache view and, on CUDA, a graph captured)."""
     feeds_made: int = 0
     """Feeds made, all calls (each, on CUDA, a graph captured)."""
+    fresh: set[int] | None = None
+    """The weight casts refreshed in the rollout open (``id``s; :meth:`get` refreshes one again there only
+    when a weight changed in place); None: no rollout open, every call refreshes its casts."""
     _compiled: dict[Callable[..., Any], Any] = field(default_factory=dict)
     _pool: Any = None
 
@@ -554,8 +568,11 @@ class Graphs:
 
         found, made = recent(self.graphs, graph_key(model, rows, width, like, sampling, name, storage, kv_dtype),
                              self.keep, make)
-        if found.casts is not None:
-            found.casts.refresh()  # the weights as they are now, for this call (and a new capture's warm-up)
+        casts = found.casts
+        if casts is not None and (self.fresh is None or id(casts) not in self.fresh or casts.changed()):
+            casts.refresh()  # the weights as they are now, for this call (and a new capture's warm-up)
+            if self.fresh is not None:
+                self.fresh.add(id(casts))
         if made and self.capture and device.type == "cuda":
             self.capture_step(model, found, sampling, name)
             self._capture_windows(model, found, sampling, name, windows(width, attention_window))
