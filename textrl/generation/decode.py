@@ -159,10 +159,7 @@ class DecodeEngine(GenerationEngine):
         b, device = input_ids.shape[0], input_ids.device
         if plan is not None and real is not None and self.carry is not None:
             cache, cache_mask = self.carry.cache_for(model, plan, device)
-            width = cache_mask.shape[1]
-            ids, suffix_mask, positions, pads = self._new_tokens(real, plan, 1, device)
-            sl = ids.shape[1]
-            cols = [[*range(width - u, width), *range(width + p, width + sl)] for u, p in zip(plan.reuse, pads)]
+            ids, suffix_mask, positions, cols = self._new_tokens(real, plan, 1, device)
             mask = torch.cat([cache_mask, suffix_mask], dim=1)
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
                         **{name: cache})
@@ -183,11 +180,12 @@ class DecodeEngine(GenerationEngine):
         return cache, logits, mask, columns
 
     def _new_tokens(self, real: list[tuple[int, ...]], plan: Plan, multiple: int,
-                    device: torch.device) -> tuple[Tensor, Tensor, Tensor, list[int]]:
+                    device: torch.device) -> tuple[Tensor, Tensor, Tensor, list[list[int]]]:
         """Each row's tokens past its reused ones, left-padded to a multiple of ``multiple``: ``(ids,
-        mask, position ids)`` ``[B, S]`` and each row's padding, the real ones counted in ``prefilled``.
-        Built on the host, then one copy each: a row-by-row fill on the device is a few hundred small
-        launches a turn."""
+        mask, position ids)`` ``[B, S]``, the real ones counted in ``prefilled``, and each row's real-token
+        columns in a context of its reused keys right-aligned in ``W = max(reuse)`` columns, then these
+        ``S``. Built on the host, then one copy each: a row-by-row fill on the device is a few hundred
+        small launches a turn."""
         suffixes = [row[u:] for row, u in zip(real, plan.reuse)]
         sl = bucket(max(len(x) for x in suffixes), multiple)
         pads = [sl - len(x) for x in suffixes]
@@ -196,7 +194,9 @@ class DecodeEngine(GenerationEngine):
         positions = torch.tensor([[1] * p + list(range(u, u + sl - p)) for u, p in zip(plan.reuse, pads)],
                                  dtype=torch.long, device=device)
         self.prefilled += sum(sl - p for p in pads)
-        return ids, mask, positions, pads
+        w = max(plan.reuse)
+        cols = [[*range(w - u, w), *range(w + p, w + sl)] for u, p in zip(plan.reuse, pads)]
+        return ids, mask, positions, cols
 
     def _feed(self, model: nn.Module, plan: Plan, real: list[tuple[int, ...]], sampling: Sampling, name: str,
               device: torch.device) -> tuple[DecodeGraph, Tensor, int, list[list[int]]]:
@@ -206,7 +206,7 @@ class DecodeEngine(GenerationEngine):
         next logits [B, V], the context's columns, each row's real-token columns)``."""
         assert self.carry is not None
         reused = max(plan.reuse)
-        ids, suffix_mask, positions, pads = self._new_tokens(real, plan, FEED_BUCKET, device)
+        ids, suffix_mask, positions, cols = self._new_tokens(real, plan, FEED_BUCKET, device)
         tokens = ids.shape[1]
         context = reused + tokens
         like = layers_like(self.carry.kept[0].cache)  # heads, head size, dtype: the rows are ours
@@ -220,7 +220,6 @@ class DecodeEngine(GenerationEngine):
         feed.fill(ids, positions, real_cols, reused)
         logits = decoder.feed(model, feed, name)[:b]
         state.attend(real_cols)
-        cols = [[*range(reused - u, reused), *range(reused + p, context)] for u, p in zip(plan.reuse, pads)]
         return decoder, logits, context, cols
 
     @torch.no_grad()

@@ -39,6 +39,7 @@ so any model whose attention layers write through ``cache.update`` and accept an
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -118,6 +119,12 @@ def layer_runs(like: list[tuple[Tensor, Tensor]]) -> list[range]:
     return [range(i, i + 1) for i in range(len(like))]
 
 
+def stack_shape(like: Tensor, layers: int, rows: int, width: int) -> tuple[int, int, int, int, int]:
+    """``[layers, rows, H, width, D]``: the static cache's stack of ``layers`` layers shaped as ``like``
+    ``[B, H, L, D]`` (:func:`layer_runs`)."""
+    return layers, rows, like.shape[1], width, like.shape[3]
+
+
 def layer_views(stacks: list[tuple[Tensor, Tensor]]) -> list[SimpleNamespace]:
     """Each layer's ``keys`` and ``values`` ``[B, H, L, D]``: views of ``stacks`` (:class:`Stacks`)."""
     return [SimpleNamespace(keys=k[i], values=v[i]) for k, v in stacks for i in range(k.shape[0])]
@@ -156,10 +163,10 @@ class StaticKV:
             raise ValueError(f"storage holds {len(storage)} runs of layers; this cache has {len(runs)}")
 
         def stack(x: Tensor, n: int, flat: Tensor | None) -> Tensor:
-            shape = (n, b, x.shape[1], width, x.shape[3])
+            shape = stack_shape(x, n, b, width)
             if flat is None:
                 return x.new_zeros(shape, dtype=dtype or x.dtype)
-            return flat[:n * b * x.shape[1] * width * x.shape[3]].view(shape)
+            return flat[:math.prod(shape)].view(shape)
 
         flats = storage or [(None, None)] * len(runs)
         self.stacks = [(stack(like[r[0]][0], len(r), fk), stack(like[r[0]][1], len(r), fv))
@@ -515,8 +522,7 @@ class Graphs:
         ``rows`` x ``width`` static cache's stacks view; when they are too small, the decoders viewing
         them are dropped and they are made again, as large as needed."""
         key = (like[0][0].device, dtype, tuple((k.shape[1], k.shape[3], v.shape[1], v.shape[3]) for k, v in like))
-        need = [(len(r) * rows * like[r[0]][0].shape[1] * width * like[r[0]][0].shape[3],
-                 len(r) * rows * like[r[0]][1].shape[1] * width * like[r[0]][1].shape[3]) for r in layer_runs(like)]
+        need = [tuple(math.prod(stack_shape(x, len(r), rows, width)) for x in like[r[0]]) for r in layer_runs(like)]
         flats = self.buffers.get(key)
         if flats is None or any(fk.numel() < nk or fv.numel() < nv for (fk, fv), (nk, nv) in zip(flats, need)):
             for old in [k for k, decoder in self.graphs.items() if decoder.kv_key == key]:
@@ -710,6 +716,6 @@ def bucket(n: int, size: int) -> int:
     return -(-n // size) * size
 
 
-__all__ = ["INVALID", "MATMUL_LAYERS", "DecodeGraph", "DecodeState", "Graphs", "StaticKV", "Stacks", "WeightCasts", "ambient_autocast",
-           "bucket", "Feed", "decode_step", "draw", "feed_step", "graph_key", "layer_runs", "layer_views", "next_tokens", "recent",
-           "static_unsupported", "windows"]
+__all__ = ["INVALID", "MATMUL_LAYERS", "DecodeGraph", "DecodeState", "Graphs", "StaticKV", "Stacks", "WeightCasts",
+           "ambient_autocast", "bucket", "Feed", "decode_step", "draw", "feed_step", "graph_key", "layer_runs",
+           "layer_views", "next_tokens", "recent", "stack_shape", "static_unsupported", "windows"]
