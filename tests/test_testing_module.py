@@ -353,3 +353,48 @@ def test_the_clipped_policy_loss_is_finite_under_extreme_log_ratios_with_and_wit
         tt.check_finite_under_extreme_log_ratios(
             lambda lp, old, adv, mask, d=dual_clip: clipped_policy_loss(lp, old, adv, mask, dual_clip=d)[0],
             log_ratios=(-1e4, -100.0, 50.0, 89.0, 100.0, 1e4))
+
+
+def test_gamma_is_the_closed_form_and_refuses_where_there_is_no_bound():
+    assert tt.unit_roundoff() == 2.0 ** -24 and tt.unit_roundoff(torch.float64) == 2.0 ** -53
+    assert tt.gamma(0) == 0.0 and tt.gamma(10) == pytest.approx(10 * 2.0 ** -24 / (1 - 10 * 2.0 ** -24), rel=1e-15)
+    assert tt.sum_tolerance(11, 3.0) == 2 * tt.gamma(10) * 3.0
+    with pytest.raises(ValueError, match=r"n=-1"):
+        tt.gamma(-1)
+    with pytest.raises(ValueError, match=r"wider dtype"):
+        tt.gamma(2 ** 24)
+    with pytest.raises(ValueError, match=r"terms=0"):
+        tt.sum_tolerance(0, 1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 400), st.integers(0, 2 ** 31 - 1), st.sampled_from([1.0, 1e-6, 1e6]))
+def test_two_orders_of_a_float32_sum_stay_within_sum_tolerance(n, seed, scale):
+    """A sum and a permutation of it, left to right and pairwise (torch's blocked reduction), in
+    float32, against the bound on the terms' magnitudes; cancelling terms (mixed signs) included."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, generator=g, dtype=torch.float64) * scale).float()
+    perm = x[torch.randperm(n, generator=g)]
+    left = torch.zeros((), dtype=torch.float32)
+    for v in x:
+        left = left + v
+    bound = tt.sum_tolerance(n, float(x.double().abs().sum()))
+    exact = float(x.double().sum())
+    assert abs(float(left) - float(perm.sum())) <= bound
+    assert abs(float(left) - exact) <= bound / 2 and abs(float(perm.sum()) - exact) <= bound / 2
+
+
+def test_assert_close_normwise_passes_within_and_names_the_tensor_and_the_worst_element_beyond():
+    want = torch.tensor([[1.0, -2.0], [0.0, 4.0]])
+    tt.assert_close_normwise(want * (1 + 1e-7), want, rtol=1e-6)
+    tt.assert_close_normwise(torch.zeros(3), torch.zeros(3), rtol=0.0)
+    got = want.clone()
+    got[1, 0] = 1e-3
+    with pytest.raises(tt.InvariantError, match=r"grad: .*relative 2\.18\de-04.*at \(1, 0\): 1\.000000e-03 against 0"):
+        tt.assert_close_normwise(got, want, rtol=1e-4, name="grad")
+    with pytest.raises(tt.InvariantError, match=r"shape \(4,\) where \(2, 2\)"):
+        tt.assert_close_normwise(want.reshape(4), want, rtol=1.0)  # no broadcasting, even where close
+    with pytest.raises(tt.InvariantError, match=r"non-finite"):
+        tt.assert_close_normwise(want * float("nan"), want, rtol=1.0)
+    with pytest.raises(tt.InvariantError, match=r"relative inf"):
+        tt.assert_close_normwise(torch.ones(2), torch.zeros(2), rtol=1.0)

@@ -136,7 +136,7 @@ def test_the_compiled_captured_step_decodes_what_generate_does(tok, model):
     engine = DecodeEngine()
     assert torch.equal(run(engine, model, ids, mask, sampling), run(HFEngine(), model, ids, mask, sampling))
     (decoder,) = engine.graphs.graphs.values()
-    assert decoder.step is engine.graphs._compiled[decode_step] and engine.graphs.captured == 1  # compiled, captured
+    assert decoder.step is engine.graphs._compiled[decode_step, "cuda"] and engine.graphs.captured == 1  # compiled, captured
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = run(engine, model, ids, mask, spec(tok, greedy=False, eos=-1, max_new_tokens=32))
     assert engine.graphs.captured == 2 and out.shape == (ids.shape[0], 32) and engine.graphs.casts

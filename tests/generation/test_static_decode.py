@@ -181,7 +181,7 @@ def test_the_compiled_step_decodes_what_generate_does(tok):
     from textrl.generation.graph import decode_step
 
     (decoder,) = engine.graphs.graphs.values()
-    assert engine.graphs.compile and decoder.step is engine.graphs._compiled[decode_step]
+    assert engine.graphs.compile and decoder.step is engine.graphs._compiled[decode_step, "cpu"]
 
 
 @pytest.mark.slow
@@ -618,7 +618,7 @@ def test_the_compiled_feed_and_step_decode_multi_turn_what_generate_does(tok):
             seqs = [seq + [t for t in got[i].tolist() if t != tok.pad_token_id] + [40 + i, 41, 42 + turn]
                     for i, seq in enumerate(seqs)]
     decoders = list(engine.graphs.graphs.values())
-    assert any(d.feeds for d in decoders) and all(d.feeder is engine.graphs._compiled[feed_step] for d in decoders)
+    assert any(d.feeds for d in decoders) and all(d.feeder is engine.graphs._compiled[feed_step, "cpu"] for d in decoders)
 
 
 def test_filler_rows_let_a_second_rollout_reuse_every_decoder_and_feed_of_the_first(tok):

@@ -311,6 +311,26 @@ def decode_step(model: nn.Module, state: DecodeState, sampling: Sampling, name: 
     state.step.add_(1)
 
 
+def compile_options(device: torch.device) -> dict[str, Any]:
+    """The inductor options the engine compiles its steps for ``device`` with. On the CPU: the vector
+    width of the C++ that inductor writes (``cpp.simdlen``), pinned to the one it picks now (the CPU's
+    widest ISA, or the one ``ATEN_CPU_CAPABILITY`` names: 512, 256, or 0 for scalar code).
+
+    Inductor's on-disk graph cache (torch 2.13) keys a compiled graph by its config, not by the ISA it
+    picked, and a cache hit compiles the cached C++ again with the flags of the ISA picked *now*: C++
+    written for 16 float lanes a vector (AVX-512) built for 8 (AVX2) decoded ``pad`` after the first
+    token, and the reverse wrote past its buffers and aborted the process. Two runs sharing one cache
+    (``/tmp/torchinductor_$USER`` by default) meet it whenever they pick different ISAs: one under
+    ``ATEN_CPU_CAPABILITY=avx2`` after one without, or a cache directory shared by an AVX-512 and an
+    AVX2 machine. The width in the config is in the key, so each ISA has its own entries. Other
+    devices: none (picking the ISA test-builds C++ for each candidate, seconds)."""
+    if device.type != "cpu":
+        return {}
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return {"cpp.simdlen": pick_vec_isa().bit_width()}
+
+
 @dataclass
 class Feed:
     """A step that feeds ``S`` tokens a row at once into a decoder's static cache (a carried turn's
@@ -512,7 +532,8 @@ class Graphs:
     fresh: set[int] | None = None
     """The weight casts refreshed in the rollout open (``id``s; :meth:`get` refreshes one again there only
     when a weight changed in place); None: no rollout open, every call refreshes its casts."""
-    _compiled: dict[Callable[..., Any], Any] = field(default_factory=dict)
+    _compiled: dict[tuple[Callable[..., Any], str], Any] = field(default_factory=dict)
+    """The compiled steps by (step, device type)."""
     _pool: Any = None
 
     def kv_buffers(self, like: list[tuple[Tensor, Tensor]], rows: int, width: int,
@@ -538,9 +559,11 @@ class Graphs:
         compile = self.compile if self.compile is not None else self.capture and device.type == "cuda"
         if not compile:
             return step
-        if step not in self._compiled:
-            self._compiled[step] = torch.compile(step)  # automatic dynamic shapes (module docstring)
-        return self._compiled[step]
+        key = (step, device.type)
+        if key not in self._compiled:
+            # automatic dynamic shapes (module docstring); on the CPU its vector width pinned (compile_options)
+            self._compiled[key] = torch.compile(step, options=compile_options(device))
+        return self._compiled[key]
 
     def weight_casts(self, model: nn.Module, device: torch.device,
                      storage: tuple[int, ...] | None = None) -> WeightCasts | None:

@@ -14,6 +14,10 @@ Three parts, all over the ``[B, T]`` layout of docs/design.md, "The rollout Tens
 - **Invariant checks** that raise :class:`InvariantError` (an ``AssertionError``) with a message
   naming the output, the position and the values: :func:`check_masked_positions_ignored`,
   :func:`check_agrees_with_reference`, :func:`check_finite_under_extreme_log_ratios`.
+- **Tolerances from the arithmetic** (:mod:`textrl.testing.tolerance`): :func:`gamma` (the rounding
+  bound of ``n`` float operations), :func:`sum_tolerance` (two orders of one sum) and
+  :func:`assert_close_normwise`, for comparing two computations of the same float result (two
+  kernels, two backends, two CPUs) without a tolerance read off one machine's numbers.
 
 Example (a user's GAE against the reference, over drawn gapped masks)::
 
@@ -56,6 +60,7 @@ from textrl.testing.strategies import (
     masks,
     rollouts,
 )
+from textrl.testing.tolerance import assert_close_normwise, gamma, sum_tolerance, unit_roundoff
 
 __all__ = [
     "DEFAULT_FILLS",
@@ -64,12 +69,14 @@ __all__ = [
     "GROUP_KINDS",
     "ROW_KINDS",
     "InvariantError",
+    "assert_close_normwise",
     "check_agrees_with_reference",
     "check_finite_under_extreme_log_ratios",
     "check_masked_positions_ignored",
     "episode_masks",
     "extreme_log_ratio_inputs",
     "float_tensors",
+    "gamma",
     "groups",
     "masks",
     "reference_gae",
@@ -77,4 +84,6 @@ __all__ = [
     "reference_returns",
     "reference_rloo_advantages",
     "rollouts",
+    "sum_tolerance",
+    "unit_roundoff",
 ]
