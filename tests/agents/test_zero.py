@@ -20,8 +20,8 @@ pytest.importorskip("deepspeed")
 from tests.agents.conftest import collect, poison_next_step, record_loss_stats, same  # noqa: E402
 from tests.agents.conftest import make_agent as build  # noqa: E402
 from textrl.distributed import Distributed  # noqa: E402
-from textrl.parallel import DeepSpeedZero  # noqa: E402
 from textrl.keys import KEYS  # noqa: E402
+from textrl.parallel import DeepSpeedZero  # noqa: E402
 from textrl.parallel.base import trained_parameters  # noqa: E402
 from textrl.testing import assert_close_normwise, gamma  # noqa: E402
 
