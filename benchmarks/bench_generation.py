@@ -39,7 +39,7 @@ the host dispatches on CUDA, where both are replays of captured graphs), under t
 run has (float32 weights under bf16 autocast, unless ``--weights bfloat16``) on any device.
 
 With ``--traffic`` nothing is timed: one eager decode step of the ``textrl`` engine's static
-cache, halfway through the response, is counted op by op (:mod:`textrl.generation.traffic`: the
+cache, halfway through the response, is counted op by op (benchmarks/traffic.py: the
 bytes its casts, matmuls, attention and other ops read and write) in six set-ups on
 ``--device``: ``float32`` (no autocast), ``autocast`` (float32 weights under bf16 autocast, as
 textrl trains on CUDA: the cache and mask in bf16 and the weights cast once a call, the step as the
@@ -268,8 +268,9 @@ def turn_ops(engines: dict[str, Any], episodes: Any, turns: int) -> None:
 def _ops_per_turn(engine: Any, episodes: Any, paused_in: tuple[str, ...]) -> list[int]:
     """The ops each ``engine.generate`` call of ``episodes(engine)`` dispatches, those inside the
     ``paused_in`` methods of its decoders (``run``: a decode step; ``feed``: a carried turn's new tokens) left out."""
+    from traffic import OpCount, uncounted
+
     from textrl.generation.graph import DecodeGraph
-    from textrl.generation.traffic import OpCount, uncounted
 
     count, per_turn = OpCount(), []
     generate = engine.generate
@@ -292,10 +293,13 @@ def _ops_per_turn(engine: Any, episodes: Any, paused_in: tuple[str, ...]) -> lis
 
 def traffic(model: Any, device: torch.device, rows: int, prompt_tokens: int, new_tokens: int, shape: str) -> None:
     """``--traffic`` (module docstring): one step's bytes by kind in each set-up, against its floor."""
+    from traffic import OpLog, step_bytes
+
     from textrl.generation import Sampling
     from textrl.generation.carry import cache_layers
-    from textrl.generation.graph import MATMUL_LAYERS, DecodeState, WeightCasts, bucket, decode_step
-    from textrl.generation.traffic import OpLog, step_bytes
+    from textrl.generation.casts import MATMUL_LAYERS, WeightCasts
+    from textrl.generation.static_kv import bucket
+    from textrl.generation.step import DecodeState, decode_step
     from textrl.models.kv_cache import cache_argument, new_cache
 
     context = prompt_tokens + new_tokens // 2  # halfway through the response

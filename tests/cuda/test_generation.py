@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from textrl.generation import DecodeEngine, HFEngine, Sampling, get_engine
-from textrl.generation.graph import decode_step
+from textrl.generation.step import decode_step
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 from textrl.stages.data import pad_left
 

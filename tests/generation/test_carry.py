@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from textrl.generation.carry import Kept, Plan, TurnCarry, unstacked
-from textrl.generation.graph import Stacks, StaticKV, layer_runs
+from textrl.generation.static_kv import Stacks, StaticKV, layer_runs
 
 
 def per_layer(stacks):

@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.traffic import OpCount, uncounted
 from textrl.generation import DecodeEngine, HFEngine, Sampling, engine_names, get_engine
 from textrl.generation.decode import next_tokens, real_tokens, shared_prefixes
 from textrl.generation.static import StaticEngine
-from textrl.generation.traffic import OpCount, uncounted
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 from textrl.stages.data import pad_left
 

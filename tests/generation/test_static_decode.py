@@ -1,4 +1,4 @@
-"""The ``textrl`` engine's static decode (textrl/generation/graph.py) on the CPU: the static KV cache,
+"""The ``textrl`` engine's static decode (textrl/generation/graph.py, step.py, static_kv.py, casts.py, draw.py) on the CPU: the static KV cache,
 the host-sync-free draw, the weight casts under autocast, the per-shape decoders and the compiled
 step, each against ``hf`` or a closed form. The captured CUDA graph itself: tests/cuda/test_generation.py."""
 
@@ -9,7 +9,10 @@ import torch
 from torch import nn
 
 from textrl.generation import DecodeEngine, HFEngine, Sampling
-from textrl.generation.graph import MATMUL_LAYERS, Graphs, StaticKV, WeightCasts, bucket, draw
+from textrl.generation.casts import MATMUL_LAYERS, WeightCasts
+from textrl.generation.draw import draw
+from textrl.generation.graph import Graphs
+from textrl.generation.static_kv import StaticKV, bucket
 from textrl.models import build_tiny_causal_lm, build_tiny_gpt2
 from textrl.stages.data import pad_left
 
@@ -178,7 +181,7 @@ def test_the_compiled_step_decodes_what_generate_does(tok):
     sampling = spec(tok, max_new_tokens=12)
     engine = DecodeEngine(compile=True)
     assert torch.equal(run(engine, model, ids, mask, sampling), run(HFEngine(), model, ids, mask, sampling))
-    from textrl.generation.graph import decode_step
+    from textrl.generation.step import decode_step
 
     (decoder,) = engine.graphs.graphs.values()
     assert engine.graphs.compile and decoder.step is engine.graphs._compiled[decode_step, "cpu"]
@@ -255,7 +258,8 @@ def test_the_cache_argument_of_a_wrapper_is_that_of_the_model_it_wraps(tok):
 def test_a_step_that_fails_to_compile_and_capture_is_captured_as_written(tok, monkeypatch):
     """The capture path's fallbacks (CUDA alone captures; here ``_capture`` is stood in for): a compiled
     step that cannot be captured is captured uncompiled; one that cannot be captured at all runs eagerly."""
-    from textrl.generation.graph import DecodeGraph, decode_step
+    from textrl.generation.graph import DecodeGraph
+    from textrl.generation.step import decode_step
 
     tried = []
     for ok_uncompiled, want in ((True, "graph"), (False, None)):
@@ -360,7 +364,7 @@ def test_non_finite_logits_raise_what_multinomial_raises_so_the_agent_names_the_
     raises the same at the end of the call (greedy, as ``generate``, does not check)."""
     import re
 
-    from textrl.generation.graph import INVALID
+    from textrl.generation.draw import INVALID
 
     model = build_tiny_causal_lm(tok).eval()
     with torch.no_grad():
@@ -379,7 +383,7 @@ def test_a_model_the_static_cache_cannot_hold_decodes_over_the_growing_cache_wit
     ``generate`` does, over transformers' growing cache, warning once."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    from textrl.generation.graph import static_unsupported
+    from textrl.generation.static_kv import static_unsupported
 
     assert static_unsupported(build_tiny_causal_lm(tok)) is None
     assert static_unsupported(build_tiny_gpt2(tok)) is None
@@ -488,7 +492,8 @@ def test_each_attention_window_is_captured_once_and_replayed_for_its_steps(tok, 
     """The capture path (CUDA alone captures; ``_capture`` is stood in for): the whole width, then a
     graph per window below it; a window that fails is left out and its steps replay the whole
     width's graph."""
-    from textrl.generation.graph import DecodeGraph, decode_step, windows
+    from textrl.generation.graph import DecodeGraph, windows
+    from textrl.generation.step import decode_step
 
     class Graph:
         def __init__(self, window):
@@ -525,7 +530,7 @@ def test_a_feed_attends_each_new_token_to_the_real_columns_up_to_its_own():
     """:meth:`Feed.fill`'s mask against a closed form: kept columns 0-2 (column 1 a hole), new tokens
     at columns 3-5, the first of row 1 padding: a token sees the real columns up to its own, a
     padding token its own column too, nothing past it."""
-    from textrl.generation.graph import DecodeState, Feed
+    from textrl.generation.step import DecodeState, Feed
 
     like = [(torch.zeros(2, 1, 3, 2), torch.zeros(2, 1, 3, 2))]
     state = DecodeState.new(like, 2, 8)
@@ -573,7 +578,8 @@ def test_a_feed_is_captured_once_per_size_after_its_decoders_step(tok, monkeypat
     """The capture path of a feed (CUDA alone captures; ``_capture`` is stood in for): made and
     captured the first time a decoder feeds that many tokens, its columns held on the device while
     captured, replayed after; a decoder whose step was not captured runs its feeds eagerly."""
-    from textrl.generation.graph import DecodeGraph, DecodeState, Feed, decode_step
+    from textrl.generation.graph import DecodeGraph
+    from textrl.generation.step import DecodeState, Feed, decode_step
 
     class Graph:
         replayed = 0
@@ -604,7 +610,7 @@ def test_a_feed_is_captured_once_per_size_after_its_decoders_step(tok, monkeypat
 @pytest.mark.slow
 def test_the_compiled_feed_and_step_decode_multi_turn_what_generate_does(tok):
     """``compile=True`` (on CUDA by default): a carried turn's feed through ``torch.compile`` too."""
-    from textrl.generation.graph import feed_step
+    from textrl.generation.step import feed_step
 
     model = build_tiny_causal_lm(tok, num_hidden_layers=1).eval()
     engine = DecodeEngine(compile=True, attention_window=None)

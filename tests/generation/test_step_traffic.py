@@ -1,4 +1,4 @@
-"""What one decode step of the ``textrl`` engine moves (textrl/generation/traffic.py), counted on the
+"""What one decode step of the ``textrl`` engine moves (benchmarks/traffic.py), counted on the
 CPU: under bf16 autocast with float32 weights (textrl's CUDA precision) the step reads its matmuls
 and attention in bf16 and casts only a row's activations, whatever the cache's width, so it moves
 what a step with bf16 weights moves; the count itself is checked against closed forms."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.traffic import OpLog, read_dtypes, step_bytes
 from textrl.generation import DecodeEngine, Sampling
-from textrl.generation.graph import DecodeState
-from textrl.generation.traffic import OpLog, read_dtypes, step_bytes
+from textrl.generation.step import DecodeState
 from textrl.models.kv_cache import cache_argument
 
 

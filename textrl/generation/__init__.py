@@ -13,7 +13,8 @@ Engines are registered by name (:func:`register_engine`) and chosen by ``--gener
   each distinct context prefilled once and its KV cache shared by its samples, the cache carried
   across a multi-turn rollout's turns (:mod:`textrl.generation.carry`), then a static KV cache and
   one decode step, sampling included, compiled and captured as a CUDA graph on CUDA
-  (:mod:`textrl.generation.graph`).
+  (:mod:`textrl.generation.graph`; the cache :mod:`~textrl.generation.static_kv`, the step
+  :mod:`~textrl.generation.step`).
 """
 
 from textrl.generation.base import (

@@ -45,7 +45,7 @@ def cache_layers(cache: Any) -> list[tuple[Tensor, Tensor]]:
 
 def layer_stacks(cache: Any) -> list[tuple[Tensor, Tensor]]:
     """The cache's keys and values as stacks of layers ``[N, B, H, L, D]``: its own where it keeps them
-    so (:class:`textrl.generation.graph.Stacks`: the static cache and its snapshots, all layers in one),
+    so (:class:`textrl.generation.static_kv.Stacks`: the static cache and its snapshots, all layers in one),
     else one a layer (``N = 1``)."""
     stacks = getattr(cache, "stacks", None)
     if stacks is not None:

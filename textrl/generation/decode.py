@@ -6,12 +6,12 @@
    not ``n`` times. Position ids come from the mask (left padding), as ``generate`` makes them.
    Inside a rollout, a row that continues an earlier call's row gets its keys and values from
    there (:mod:`textrl.generation.carry`), and only its new tokens are run: fed in one step into
-   the static cache, after the carried columns (:class:`~textrl.generation.graph.Feed`).
+   the static cache, after the carried columns (:class:`~textrl.generation.step.Feed`).
 2. **Decode.** The prefilled cache is copied into a static one and each step, one forward of one
    token a row, writes its next column (:mod:`textrl.generation.graph`: on CUDA the step is
    compiled and captured as a CUDA graph, replayed once a token; ``static=False``: over the
    growing cache of the prefill instead). The next token is drawn on the device from the warped
-   distribution (:func:`~textrl.generation.graph.next_tokens`: the warping of
+   distribution (:func:`~textrl.generation.draw.next_tokens`: the warping of
    :func:`textrl.functional.sampling_filter`, then the draw ``torch.multinomial`` makes, so a seeded
    run draws the same tokens as ``hf`` in the same order); a row is ``pad_token_id`` after its EOS.
 3. **No host sync per token.** Whether every row has ended is read on the host only every
@@ -31,14 +31,9 @@ from torch import Tensor, nn
 
 from textrl.generation.base import GenerationEngine, Sampling, cut_at_last_eos, register_engine
 from textrl.generation.carry import Plan, TurnCarry, cache_layers, layers_like
-from textrl.generation.graph import (
-    INVALID,
-    DecodeGraph,
-    Graphs,
-    bucket,
-    next_tokens,
-    static_unsupported,
-)
+from textrl.generation.draw import INVALID, next_tokens
+from textrl.generation.graph import DecodeGraph, Graphs
+from textrl.generation.static_kv import bucket, static_unsupported
 from textrl.models.kv_cache import cache_argument, new_cache
 
 FEED_BUCKET = 8
@@ -202,7 +197,7 @@ class DecodeEngine(GenerationEngine):
               device: torch.device) -> tuple[DecodeGraph, Tensor, int, list[list[int]]]:
         """A carried call over the static cache: each row's reused keys and values gathered into the
         decoder's cache (right-aligned, :meth:`TurnCarry.gather`), its new tokens fed in one step after
-        them (:class:`~textrl.generation.graph.Feed`, a captured graph on CUDA). ``(decoder, each row's
+        them (:class:`~textrl.generation.step.Feed`, a captured graph on CUDA). ``(decoder, each row's
         next logits [B, V], the context's columns, each row's real-token columns)``."""
         assert self.carry is not None
         reused = max(plan.reuse)

@@ -20,7 +20,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from textrl.generation.base import GenerationEngine, Sampling, cut_at_last_eos, register_engine
-from textrl.generation.graph import ambient_autocast, bucket, recent
+from textrl.generation.casts import ambient_autocast
+from textrl.generation.graph import recent
+from textrl.generation.static_kv import bucket
 from textrl.models.kv_cache import cache_argument
 from textrl.models.sampling import sample, sampling_config
 
