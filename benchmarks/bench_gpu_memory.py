@@ -1,4 +1,4 @@
-"""Peak GPU memory and seconds per PPO iteration of every agent and of the memory options (issue 26).
+"""Peak GPU memory and seconds per PPO iteration of every agent and of the memory options.
 
     python benchmarks/bench_gpu_memory.py --list                     # the rows, defaults marked
     python benchmarks/bench_gpu_memory.py --device cuda --budget-s 480 --row-timeout 180 --jsonl rows.jsonl

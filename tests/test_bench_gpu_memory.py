@@ -1,4 +1,4 @@
-"""benchmarks/bench_gpu_memory.py (issue 26's memory table) runs end to end: on the CPU at its tiny
+"""benchmarks/bench_gpu_memory.py (the memory table) runs end to end: on the CPU at its tiny
 sizes, a couple of rows with their figures in the last JSON line; rows whose fields this
 ``TrainConfig`` lacks are skipped by name, an exhausted budget lists the rows not run, ``--list``
 has a row per registered agent; on a GPU (``pytest -m cuda``) the same with CUDA's peak."""

@@ -1,4 +1,4 @@
-"""The memory options of issue 26 on the CPU: gradient checkpointing (same gradients, layers
+"""The memory options on the CPU: gradient checkpointing (same gradients, layers
 recomputed), frozen models in bf16 (``frozen_dtype``), the lean critics (``critic='shared'`` /
 ``'lora'``), and the refusals of combinations that cannot work."""
 

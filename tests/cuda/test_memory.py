@@ -1,4 +1,4 @@
-"""The memory options on a GPU, through the front door (issue 26): frozen models in bf16 by
+"""The memory options on a GPU, through the front door: frozen models in bf16 by
 default on CUDA, gradient checkpointing, the lean critics, the optimisers and the fused chunked
 log-probs, each in a short ``textrl train``; and gradient checkpointing's gradients on the device.
 

@@ -1,4 +1,4 @@
-"""Generation engines: how a batch of contexts becomes sampled responses (issue 27's seam).
+"""Generation engines: how a batch of contexts becomes sampled responses.
 
 Every rollout's tokens come from one call, :meth:`GenerationEngine.generate`: contexts
 ``[B, P]`` (left-padded) in, response tokens ``[B, T]`` out, padded after EOS, sampled from the
