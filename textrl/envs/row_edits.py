@@ -11,10 +11,19 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from textrl.envs.prompt_dataset import PromptDataset
+
+class DigestedRows(Protocol):
+    """What :func:`edited_rows` reads of a set of rows (a :class:`~textrl.envs.prompt_dataset.PromptDataset`)."""
+
+    source: str
+
+    def __len__(self) -> int: ...
+
+    def row_digests(self) -> str: ...
+
+    def where(self, index: int) -> str: ...
 
 DIGEST_HEX = 16
 """Hex digits of a row's sha256 that a sampler state keeps (8 bytes a row)."""
@@ -38,7 +47,7 @@ def _digest_list(digests: str) -> list[str]:
     return [digests[k:k + DIGEST_HEX] for k in range(0, len(digests), DIGEST_HEX)]
 
 
-def edited_rows(*sets: tuple[int, str, PromptDataset, str]) -> list[dict[str, Any]]:
+def edited_rows(*sets: tuple[int, str, DigestedRows, str]) -> list[dict[str, Any]]:
     """The rows whose content differs from a checkpoint's, each ``{"row": FILE:LINE, "sha256":
     {"from", "to"}}`` (``[]`` when none did), over ``sets`` of ``(saved_count, saved_digests,
     rows, what)``: the checkpoint's row count and digests (:meth:`PromptDataset.row_digests`) of

@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from textrl.config import check_bitsandbytes
+from textrl.config_io import check_bitsandbytes
 from textrl.models.tiny import _resolve, load_causal_lm
 from textrl.precision import Precision
 from textrl.run import atomic
@@ -138,6 +138,11 @@ def keep_4bit_differentiable(model: nn.Module) -> int:
 def _cpu_packed(module: nn.Module) -> bool:
     state = getattr(getattr(module, "weight", None), "quant_state", None)
     return bool(getattr(state, "packing_format_for_cpu", False))
+
+
+def is_adapter_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a folder holding a peft adapter (``adapter_config.json``)."""
+    return (Path(path) / "adapter_config.json").is_file()
 
 
 def is_peft(model: Any) -> bool:
@@ -506,6 +511,7 @@ def warn_if_merged(model: nn.Module, merged: bool | None = None) -> dict[str, An
 
 
 __all__ = [
+    "is_adapter_dir",
     "AUTO_TARGETS",
     "LEGACY_LLAMA_TARGETS",
     "REWARD_FORMAT",

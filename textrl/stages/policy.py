@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from textrl.models.adapters import write_atomically
+from textrl.models.adapters import is_adapter_dir, write_atomically
 from textrl.precision import Precision
 
 if TYPE_CHECKING:
@@ -21,11 +21,6 @@ if TYPE_CHECKING:
 ADAPTER_META = "textrl_adapter.json"
 """Written next to a policy LoRA adapter: ``{"format": "textrl-lora", "version": 1, "base_model",
 "load_in_4bit", "stage"}`` (the base by the name the user gave, e.g. ``tiny``)."""
-
-
-def is_adapter_dir(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a folder holding a peft adapter (``adapter_config.json``)."""
-    return (Path(path) / "adapter_config.json").is_file()
 
 
 def resolve_model_path(name: str) -> str:

@@ -25,8 +25,8 @@ from textrl.config_io import (
     check_values,
     field_docs,
 )
+from textrl.models.adapters import is_adapter_dir
 from textrl.precision import check_precision
-from textrl.stages.policy import is_adapter_dir
 
 
 @dataclass
