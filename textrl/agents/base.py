@@ -20,6 +20,7 @@ agent's backend's (:attr:`PPOAgent.backend`, :mod:`textrl.parallel`; docs/parall
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
@@ -101,7 +102,6 @@ class PPOAgent(nn.Module):
     reuse_rollout_forward = True
     """See :func:`textrl.agents.forwards.reuses_rollout_forward`; set False to always run the update's own forward."""
     _rollout_forward: RolloutForward | None = None
-    _reused: RolloutForward | None = None
 
     # -- construction (textrl/agents/build.py) ----------------------------------------------------
     env_facts: EnvFacts | None = None
@@ -133,8 +133,14 @@ class PPOAgent(nn.Module):
         what the run's environment gives (the trainer hands it over); without it, it is read
         through the provider ``textrl.envs`` registers (:func:`textrl.env_facts.env_facts_of`).
         """
-        own_loader = cls.load_policy.__func__ is not PPOAgent.load_policy.__func__  # loads without the warm-up
-        return build.from_config(cls, config, device, log, env_facts, own_loader)
+        return build.from_config(cls, config, device, log, env_facts, own_loader=cls.overrides("load_policy"))
+
+    @classmethod
+    def overrides(cls, name: str) -> bool:
+        """Whether this class (or a class between it and :class:`PPOAgent`) replaces ``PPOAgent.<name>``:
+        a hook the construction and the forwards treat differently when a user's agent brings its own
+        (``load_policy`` loads without the warm-up; ``behaviour_logprobs`` is an old-policy snapshot)."""
+        return inspect.getattr_static(cls, name) is not inspect.getattr_static(PPOAgent, name)
 
     @classmethod
     def load_policy(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print,
@@ -255,8 +261,6 @@ class PPOAgent(nn.Module):
         (:func:`~textrl.agents.forwards.logprobs` of the model that sampled)."""
         return forwards.logprobs(self, self.policy, input_ids, attention_mask, prompt_len, action)
 
-    behaviour_logprobs.policy_own = True  # an override is an old-policy snapshot (forwards.own_behaviour_logprobs)
-
     # -- the estimator ----------------------------------------------------------------------------
     def process_rollout(self, td: TensorDictBase, *, timings: dict[str, float] | None = None) -> TensorDictBase:
         """Fill log-probs, values, the per-token reward, ``advantage`` and ``value_target``; in place.
@@ -356,7 +360,7 @@ class PPOAgent(nn.Module):
         """K epochs of shuffled minibatch updates with gradient accumulation; returns metrics.
 
         The loop of CleanRL's ppo.py: for each epoch, for each minibatch, one optimiser step
-        (:meth:`_minibatch_step`) over its micro-batches; the backend (:mod:`textrl.parallel`)
+        (:func:`textrl.agents.update.run_epochs`) over its micro-batches; the backend (:mod:`textrl.parallel`)
         does the backward and the step, so the loop is the same on one process, replicated, FSDP
         and DeepSpeed. The rollout is split into ``num_minibatches`` x
         ``gradient_accumulation_steps`` as evenly as possible (uneven only when
@@ -383,7 +387,7 @@ class PPOAgent(nn.Module):
           ``config.max_nonfinite_updates`` the update stops and the trainer stops the run;
         - steps that leave NaN/inf weights (finite gradients, a step too large):
           with ``config.nonfinite_weights='rollback'`` (the default) the whole update is undone
-          (:meth:`_guarded_epochs`) and counts as one skipped update, ``nonfinite/rolled_back`` = 1;
+          (:func:`textrl.agents.update.rolled_back_if_nonfinite`) and counts as one skipped update, ``nonfinite/rolled_back`` = 1;
           with ``'stop'`` the weights stay as they are and the trainer's check stops the run.
           ``guard/bytes`` is the size of the rollback's copy on this process (0 with ``'stop'``);
           the host seconds its staging, copy, check and restore took are not a metric (metrics

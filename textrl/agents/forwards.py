@@ -280,8 +280,8 @@ def forward_values(agent: PPOAgent, mb: TensorDictBase) -> Tensor:
 
 def own_behaviour_logprobs(agent: PPOAgent) -> bool:
     """Whether the agent's behaviour log-probs are the policy's own (no old-policy snapshot):
-    its ``behaviour_logprobs`` is :class:`~textrl.agents.base.PPOAgent`'s, marked ``policy_own``."""
-    return getattr(type(agent).behaviour_logprobs, "policy_own", False)
+    its ``behaviour_logprobs`` is :class:`~textrl.agents.base.PPOAgent`'s, not an override."""
+    return not type(agent).overrides("behaviour_logprobs")
 
 
 @torch.no_grad()
