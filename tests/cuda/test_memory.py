@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from tests.arithmetic import assert_gradients_close, model_rtol
 from tests.cuda.test_front_door import SMALL, check_run, textrl
 
 pytestmark = pytest.mark.cuda
@@ -58,8 +59,10 @@ def test_gradient_checkpointing_gives_the_same_gradients_on_the_device(run_devic
     for model in (plain, checkpointed):
         model(input_ids=ids, use_cache=False).logits.float().square().mean().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
-    for name, want in grads[0].items():
-        torch.testing.assert_close(grads[1][name], want, rtol=1e-4, atol=1e-6, msg=name)
+    # the recompute runs the same kernels, but CUDA's attention and embedding backwards may add in
+    # another order from run to run: equal by norm (tests/arithmetic.py; an element that cancels to
+    # ~0 differs by float noise far above itself)
+    assert_gradients_close(grads[1], grads[0], model_rtol(plain.config, ids.numel()))
 
 
 def test_gradient_checkpointing_holds_less_from_the_first_forward_with_gradients():

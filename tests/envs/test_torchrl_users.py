@@ -248,7 +248,12 @@ def test_a_textrl_agent_consumes_the_rollout():
     # the agent's behaviour log-probs of the sampled tokens are the sampler's
     mask = td[KEYS.mask]
     sampled = data["action_log_prob"][:, : mask.shape[1]]
-    assert torch.allclose(td["action_log_prob"][mask], sampled[mask], atol=1e-4)
+    # one prefill against a decode on a KV cache: other kernels, other sums (tests/arithmetic.py)
+    from tests.arithmetic import model_rtol
+    from textrl.testing import assert_close_normwise
+
+    rtol = model_rtol(agent.policy.config, td[KEYS.prompt_tokens].numel() + td[KEYS.action].numel())
+    assert_close_normwise(td["action_log_prob"][mask], sampled[mask], rtol=rtol, name="logp")
     metrics = agent.update(td)
     assert metrics and all(torch.isfinite(torch.tensor(v)) for v in metrics.values() if isinstance(v, float))
 

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchrl.objectives.value.functional import generalized_advantage_estimate
 
+from tests.arithmetic import assert_within, gae_tolerance
 from textrl import testing
 from textrl.functional.advantages import (
     gae,
@@ -59,8 +60,10 @@ def test_gae_matches_torchrl(batch):
         time_dim=-2,
     )
     adv, ret = gae(rewards, values, mask, gamma, lam)
-    torch.testing.assert_close(adv[mask], ref_adv.squeeze(-1)[mask])
-    torch.testing.assert_close(ret[mask], ref_ret.squeeze(-1)[mask])
+    # a blocked scan against TorchRL's loop, in float32: within the sums' bound (tests/arithmetic.py)
+    adv_tol, ret_tol = gae_tolerance(rewards, values, mask, gamma, lam)
+    assert_within(adv[mask], ref_adv.squeeze(-1)[mask], adv_tol[mask], "advantages")
+    assert_within(ret[mask], ref_ret.squeeze(-1)[mask], ret_tol[mask], "returns")
 
 
 @SETTINGS

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchrl.objectives.value.functional import generalized_advantage_estimate
 
+from tests.arithmetic import assert_within, gae_tolerance
 from textrl.functional import (
     compact,
     compaction_index,
@@ -153,8 +154,10 @@ def test_gapped_gae_equals_torchrl_on_the_compacted_agent_tokens(mask, seed, gam
         done.unsqueeze(-1), done.unsqueeze(-1), time_dim=-2,
     )
     adv, ret = gae(rewards, values, mask, gamma, lam)
-    torch.testing.assert_close(adv[mask], ref_adv.squeeze(-1)[valid])  # both row-major, in order
-    torch.testing.assert_close(ret[mask], ref_ret.squeeze(-1)[valid])
+    # a blocked scan against TorchRL's loop, in float32: within the sums' bound (tests/arithmetic.py)
+    adv_tol, ret_tol = gae_tolerance(rewards, values, mask, gamma, lam)
+    assert_within(adv[mask], ref_adv.squeeze(-1)[valid], adv_tol[mask], "advantages")  # both row-major, in order
+    assert_within(ret[mask], ref_ret.squeeze(-1)[valid], ret_tol[mask], "returns")
 
 
 @SETTINGS

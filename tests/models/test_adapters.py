@@ -11,6 +11,7 @@ import torch
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from tests.arithmetic import model_rtol
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 from textrl.models.adapters import (
     last_token_hidden,
@@ -25,6 +26,7 @@ from textrl.models.adapters import (
     save_reward_adapter,
     warn_if_merged,
 )
+from textrl.testing import assert_close_normwise
 
 TEXTS = ["What is 12+7?", "<think>\nadd\n</think>\n<answer>19</answer>", "hi"]
 
@@ -89,8 +91,10 @@ def test_last_token_hidden_reads_each_rows_last_token_with_either_padding(tok):
         right = last_token_hidden(model, *encode(tok, side="right"))
         alone = torch.cat([last_token_hidden(model, *encode(tok, [t])) for t in TEXTS])
     assert left.shape == (len(TEXTS), 64) and left.dtype == torch.float32
-    torch.testing.assert_close(left, alone, atol=1e-5, rtol=0)
-    torch.testing.assert_close(right, alone, atol=1e-5, rtol=0)
+    # padded batches sum the attention and the layers in other shapes: equal by norm (tests/arithmetic.py)
+    rtol = model_rtol(model.config, encode(tok)[0].numel())
+    assert_close_normwise(left, alone, rtol=rtol, name="left-padded")
+    assert_close_normwise(right, alone, rtol=rtol, name="right-padded")
 
 
 def test_reward_folder_round_trip(tok, reward_folder):
@@ -156,7 +160,8 @@ def test_merge_then_reload_gives_the_adapter_models_logits(tok, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     with torch.no_grad():
         logits = reloaded(input_ids=ids, attention_mask=mask).logits
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    # x (W + s B A) against x W + s (x A) B: other sums, and W + s B A rounded once (tests/arithmetic.py)
+    assert_close_normwise(logits, expected, rtol=model_rtol(reloaded.config, ids.numel()), name="merged logits")
     assert merge_info(reloaded) == {"base_model": "tiny", "adapter": "sft-folder"}
     assert merge_info(tmp_path / "merged") == {"base_model": "tiny", "adapter": "sft-folder"}
     with pytest.warns(UserWarning, match="already merged with a LoRA"):

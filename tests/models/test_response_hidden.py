@@ -16,6 +16,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM
 
+from tests.arithmetic import assert_gradients_close, model_rtol
 from tests.models.test_forward import AttentionSpy
 from textrl.agents.forwards import warp_logits
 from textrl.functional import entropy_from_logits, logprobs_from_logits
@@ -30,6 +31,7 @@ from textrl.models.forward import (
     response_logprobs,
     unfusable_reason,
 )
+from textrl.testing import assert_close_normwise
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +118,13 @@ def test_logprobs_entropies_and_gradients_equal_the_unfused_path(model, batch):
     assert logp.shape == ent.shape == tokens.shape and logp.dtype == torch.float32
     assert torch.equal(torch.isfinite(logp), torch.isfinite(ref_logp))
     finite = torch.isfinite(ref_logp)
-    torch.testing.assert_close(logp[finite], ref_logp[finite], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
-    assert fused.keys() == reference.keys()
-    for name in reference:
-        torch.testing.assert_close(fused[name], reference[name], rtol=1e-4, atol=1e-5, msg=name)
+    # the fused head sums the vocabulary and the positions in chunks: the log-probs, the entropies
+    # and each gradient equal by norm (tests/arithmetic.py; a gradient element that cancels to ~0
+    # differs by float noise far above itself)
+    rtol = model_rtol(model.config, ids.numel())
+    assert_close_normwise(logp[finite], ref_logp[finite], rtol=rtol, name="logp")
+    assert_close_normwise(ent, ref_ent, rtol=rtol, name="entropy")
+    assert_gradients_close(fused, reference, rtol)
 
 
 def test_hidden_through_the_head_are_the_response_logits_in_the_callers_layout(tok):
@@ -276,7 +280,7 @@ def test_gemma2_soft_capping_is_refused_by_its_config_and_by_the_probe(tok, monk
     ids, mask, p, response = short_batch(tok)
     logp, _ = response_logprobs(uncapped, ids, mask, p, response)
     ref, _ = unfused(uncapped, ids, mask, p, response, 1.0, 0, 1.0)
-    torch.testing.assert_close(logp, ref, rtol=1e-5, atol=1e-5)
+    assert_close_normwise(logp, ref, rtol=model_rtol(uncapped.config, ids.numel()), name="logp")  # tests/arithmetic.py
 
 
 def test_a_forward_that_changes_the_logits_is_caught_by_the_probe(tok):
