@@ -262,65 +262,14 @@ def rollouts(
 
     @st.composite
     def draw_rollout(draw: Any) -> Any:
-        from tensordict import TensorDict  # a runtime dependency; imported only here
-
         t, rows = _draw_layout(draw, st, batch, time, multi_turn, max_turns)
-        b = len(rows)
-        eos = eos_token_id
         pad = pad_token_id if pad_token_id is not None else draw(
-            st.sampled_from([eos, (eos + 1) % vocab_size]))
-        ordinary = [i for i in range(vocab_size) if i != eos]  # pad included when pad != eos
-        token = st.sampled_from(ordinary)
-        action = torch.full((b, t), pad, dtype=torch.long)
-        rewards = torch.zeros(b, t, 1)
-        done = torch.zeros(b, t, 1, dtype=torch.bool)
-        terminated = torch.zeros(b, t, 1, dtype=torch.bool)
-        turns = torch.zeros(b, dtype=torch.long)
-        end = torch.zeros(b, dtype=torch.long)
-        for i, row in enumerate(rows):
-            last = row.turn_ends[-1]
-            if multi_turn:
-                reasons = list(END_REASONS) if row.length == t else [r for r in END_REASONS if r != "context"]
-            else:  # one turn: EOS ends it, or it fills max_new_tokens = T
-                reasons = ["done", "length"] if row.length == t else ["done"]
-            reason = draw(st.sampled_from(reasons))
-            for j in range(row.length):
-                if not row.agent[j]:
-                    action[i, j] = draw(st.integers(0, vocab_size - 1))  # observation: any id
-                elif j in row.turn_ends:  # a turn ends at EOS, or (multi-turn) at a stop string
-                    eos_here = reason == "done" if not multi_turn else (
-                        reason == "done" or j != last) and draw(st.booleans())
-                    action[i, j] = eos if eos_here else draw(token)
-                else:
-                    action[i, j] = draw(token)
-            for j in row.turn_ends:
-                rewards[i, j, 0] = draw(reward)
-            rewards[i, last, 0] += draw(reward)  # the environment's final reward
-            done[i, last, 0] = True
-            terminated[i, last, 0] = reason == "done"
-            turns[i] = len(row.turn_ends)
-            end[i] = END_REASONS.index(reason)
-        agent = torch.tensor([r.agent for r in rows], dtype=torch.bool).reshape(b, t)
-        response = torch.arange(t) < torch.tensor([r.length for r in rows], dtype=torch.long).reshape(b, 1)
-        p = draw(st.integers(1, 6))
-        prompt_len = torch.tensor(draw(st.lists(st.integers(1, p), min_size=b, max_size=b)), dtype=torch.long)
-        prompt_mask = torch.arange(p) >= (p - prompt_len.reshape(b, 1))
-        prompt = torch.where(prompt_mask, torch.randint(0, vocab_size, (b, p), generator=_gen(draw, st)), pad)
-
-        td = TensorDict(batch_size=[b])
-        td.set(keys.prompt_tokens, prompt)
-        td.set(keys.prompt_mask, prompt_mask)
-        td.set(keys.action, action)
-        td.set(keys.mask, agent)
-        td.set(keys.response_mask, response)
-        td.set(keys.done, done)
-        td.set(keys.terminated, terminated)
-        td.set(keys.truncated, done & ~terminated)
-        td.set(keys.reward, rewards)
-        td.set(keys.score, rewards.sum(dim=(1, 2)))
-        td.set(keys.turns, turns)
-        td.set(keys.end_reason, end)
-        nan = torch.tensor(float("nan"))
+            st.sampled_from([eos_token_id, (eos_token_id + 1) % vocab_size]))
+        episode = _draw_episode(draw, st, rows, t, multi_turn, vocab_size, eos_token_id, pad, reward)
+        prompt, prompt_mask = _draw_prompt(draw, st, len(rows), vocab_size, pad)
+        td = _rollout_td(keys, rows, t, prompt, prompt_mask, *episode)
+        agent = td.get(keys.mask)
+        b, nan = len(rows), torch.tensor(float("nan"))
         if with_log_probs:
             g = _gen(draw, st)
             td.set(keys.action_log_prob, torch.where(agent, -torch.rand(b, t, generator=g) * 5, nan))
@@ -332,6 +281,75 @@ def rollouts(
         return td
 
     return draw_rollout()
+
+
+def _draw_episode(draw: Any, st: Any, rows: list[Any], t: int, multi_turn: bool, vocab_size: int, eos: int,
+                  pad: int, reward: Any) -> tuple[Tensor, ...]:
+    """Each row's tokens, turn rewards and end (:func:`rollouts`' docstring): ``(action [B, T],
+    rewards [B, T, 1], done, terminated [B, T, 1], turns [B], end reason [B])``."""
+    b = len(rows)
+    token = st.sampled_from([i for i in range(vocab_size) if i != eos])  # pad included when pad != eos
+    action = torch.full((b, t), pad, dtype=torch.long)
+    rewards = torch.zeros(b, t, 1)
+    done = torch.zeros(b, t, 1, dtype=torch.bool)
+    terminated = torch.zeros(b, t, 1, dtype=torch.bool)
+    turns = torch.zeros(b, dtype=torch.long)
+    end = torch.zeros(b, dtype=torch.long)
+    for i, row in enumerate(rows):
+        last = row.turn_ends[-1]
+        if multi_turn:
+            reasons = list(END_REASONS) if row.length == t else [r for r in END_REASONS if r != "context"]
+        else:  # one turn: EOS ends it, or it fills max_new_tokens = T
+            reasons = ["done", "length"] if row.length == t else ["done"]
+        reason = draw(st.sampled_from(reasons))
+        for j in range(row.length):
+            if not row.agent[j]:
+                action[i, j] = draw(st.integers(0, vocab_size - 1))  # observation: any id
+            elif j in row.turn_ends:  # a turn ends at EOS, or (multi-turn) at a stop string
+                eos_here = reason == "done" if not multi_turn else (
+                    reason == "done" or j != last) and draw(st.booleans())
+                action[i, j] = eos if eos_here else draw(token)
+            else:
+                action[i, j] = draw(token)
+        for j in row.turn_ends:
+            rewards[i, j, 0] = draw(reward)
+        rewards[i, last, 0] += draw(reward)  # the environment's final reward
+        done[i, last, 0] = True
+        terminated[i, last, 0] = reason == "done"
+        turns[i] = len(row.turn_ends)
+        end[i] = END_REASONS.index(reason)
+    return action, rewards, done, terminated, turns, end
+
+
+def _draw_prompt(draw: Any, st: Any, b: int, vocab_size: int, pad: int) -> tuple[Tensor, Tensor]:
+    """``(prompt [B, P], prompt_mask [B, P])``: left-padded prompts of 1 to ``P`` tokens, ``P <= 6``."""
+    p = draw(st.integers(1, 6))
+    prompt_len = torch.tensor(draw(st.lists(st.integers(1, p), min_size=b, max_size=b)), dtype=torch.long)
+    prompt_mask = torch.arange(p) >= (p - prompt_len.reshape(b, 1))
+    prompt = torch.where(prompt_mask, torch.randint(0, vocab_size, (b, p), generator=_gen(draw, st)), pad)
+    return prompt, prompt_mask
+
+
+def _rollout_td(keys: RolloutKeys, rows: list[Any], t: int, prompt: Tensor, prompt_mask: Tensor, action: Tensor,
+                rewards: Tensor, done: Tensor, terminated: Tensor, turns: Tensor, end: Tensor) -> Any:
+    """The rollout TensorDict of the drawn pieces (names from ``keys``)."""
+    from tensordict import TensorDict  # a runtime dependency; imported only here
+
+    b = len(rows)
+    td = TensorDict(batch_size=[b])
+    td.set(keys.prompt_tokens, prompt)
+    td.set(keys.prompt_mask, prompt_mask)
+    td.set(keys.action, action)
+    td.set(keys.mask, torch.tensor([r.agent for r in rows], dtype=torch.bool).reshape(b, t))
+    td.set(keys.response_mask, torch.arange(t) < torch.tensor([r.length for r in rows], dtype=torch.long).reshape(b, 1))
+    td.set(keys.done, done)
+    td.set(keys.terminated, terminated)
+    td.set(keys.truncated, done & ~terminated)
+    td.set(keys.reward, rewards)
+    td.set(keys.score, rewards.sum(dim=(1, 2)))
+    td.set(keys.turns, turns)
+    td.set(keys.end_reason, end)
+    return td
 
 
 def _gen(draw: Any, st: Any) -> torch.Generator:
