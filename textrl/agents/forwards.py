@@ -39,6 +39,7 @@ from textrl.models.forward import (
 )
 from textrl.parallel.fsdp_sharding import local
 from textrl.timing import timed
+from textrl.versions import tensor_versions
 
 if TYPE_CHECKING:
     from textrl.agents.base import PPOAgent
@@ -363,13 +364,13 @@ def take_rollout_forward(agent: PPOAgent, td: TensorDictBase) -> RolloutForward 
 
 def weights_version(agent: PPOAgent) -> tuple[tuple[int, int], ...]:
     """:func:`policy_version` of the policy and the critic together."""
-    critic = () if agent.critic is None else tuple((q.data_ptr(), q._version) for q in map(local, agent.critic.parameters()))
+    critic = () if agent.critic is None else tensor_versions(map(local, agent.critic.parameters()))
     return policy_version(agent) + critic
 
 
 def policy_version(agent: PPOAgent) -> tuple[tuple[int, int], ...]:
     """Changes whenever a policy weight is replaced or modified in place (optimiser step, load)."""
-    return tuple((q.data_ptr(), q._version) for q in map(local, agent.policy.parameters()))
+    return tensor_versions(map(local, agent.policy.parameters()))
 
 
 @torch.no_grad()

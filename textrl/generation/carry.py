@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from textrl.models.kv_cache import new_cache
+from textrl.versions import tensor_versions
 
 KEY = 8
 """Kept rows are indexed by their first ``KEY`` tokens (a row shorter than that by all of them)."""
@@ -32,7 +33,7 @@ KEY = 8
 
 def weights_version(model: nn.Module) -> tuple[Any, ...]:
     """``(id, (data_ptr, _version) of every parameter)``: changes when a weight changes in place or is replaced."""
-    return (id(model), tuple((p.data_ptr(), p._version) for p in model.parameters()))
+    return (id(model), tensor_versions(model.parameters()))
 
 
 def cache_layers(cache: Any) -> list[tuple[Tensor, Tensor]]:

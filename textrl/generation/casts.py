@@ -10,6 +10,8 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
+from textrl.versions import tensor_versions
+
 MATMUL_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, Conv1D)
 """The layers whose ``weight`` and ``bias`` a matmul reads, which autocast casts at every call:
 ``nn.Linear`` and transformers' ``Conv1D`` (GPT-2's attention and MLP)."""
@@ -35,22 +37,19 @@ class WeightCasts:
                 p = module._parameters.get(name)
                 if p is not None and type(p) is nn.Parameter and p.is_floating_point() and p.dtype != dtype:
                     self.entries.append((module, name, p, torch.empty_like(p, dtype=dtype)))
-        self.versions: tuple[int, ...] | None = None
-        """Each weight's ``_version`` at the last :meth:`refresh` (None: never)."""
+        self.versions: tuple[tuple[int, int], ...] | None = None
+        """The weights' :func:`~textrl.versions.tensor_versions` at the last :meth:`refresh` (None: never)."""
 
     def refresh(self) -> None:
         with torch.no_grad():
             for _, _, p, copy in self.entries:
                 copy.copy_(p)
-        self.versions = self._versions()
+        self.versions = tensor_versions(p for _, _, p, _ in self.entries)
 
     def changed(self) -> bool:
         """Whether a weight was changed in place (an optimiser step, a load) since the last :meth:`refresh`.
         A write through ``.data`` is not seen: the engine refreshes at the start of every rollout anyway."""
-        return self._versions() != self.versions
-
-    def _versions(self) -> tuple[int, ...]:
-        return tuple(p._version for _, _, p, _ in self.entries)
+        return tensor_versions(p for _, _, p, _ in self.entries) != self.versions
 
     @contextmanager
     def swapped(self) -> Iterator[None]:

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from textrl.parallel.fsdp_sharding import local
+from textrl.versions import tensor_versions
 
 DEVICE_SHARE = 0.1
 """``rollback_copy='auto'`` keeps the copy on a CUDA device when it takes at most this share of
@@ -95,7 +96,7 @@ class UpdateState:
 
     def version(self) -> tuple[Any, ...]:
         """Changes when a tensor is replaced or modified in place (optimiser steps, loads, restores)."""
-        return self.layout(), tuple((t.data_ptr(), t._version) for t in self.tensors)
+        return self.layout(), tensor_versions(self.tensors)
 
     def snapshot_of(self, copies: list[Tensor]) -> UpdateSnapshot:
         """An :class:`UpdateSnapshot` whose tensors are ``copies`` (of ``tensors``, in order), with
