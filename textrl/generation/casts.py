@@ -16,12 +16,14 @@ MATMUL_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, Conv1D)
 """The layers whose ``weight`` and ``bias`` a matmul reads, which autocast casts at every call:
 ``nn.Linear`` and transformers' ``Conv1D`` (GPT-2's attention and MLP)."""
 
+
 def ambient_autocast(device: torch.device | str) -> torch.dtype | None:
     """The dtype of the autocast open for ``device``'s type here and now (CUDA or the CPU), else None."""
     kind = torch.device(device).type
     if kind not in ("cuda", "cpu") or not torch.is_autocast_enabled(kind):
         return None
     return torch.get_autocast_dtype(kind)
+
 
 class WeightCasts:
     """The weights and biases of ``model``'s :data:`MATMUL_LAYERS` autocast would cast to ``dtype`` (floating,

@@ -17,9 +17,11 @@ def draw(probs: Tensor) -> Tensor:
     q = torch.empty_like(probs).exponential_(1)
     return (probs / q).argmax(-1)
 
+
 INVALID = "probability tensor contains either `inf`, `nan` or element < 0"
 """What ``torch.multinomial`` raises on non-finite probabilities, and the ``textrl`` engine with it
 (textrl.agents.forwards.act turns it into the overflow error that names the learning rate)."""
+
 
 def next_tokens(logits: Tensor, sampling: Sampling, invalid: Tensor | None = None) -> Tensor:
     """``[B, V]`` logits -> ``[B]`` tokens: argmax when greedy, else one draw (:func:`draw`) from

@@ -66,6 +66,7 @@ def recent(entries: dict[Any, Any], key: Any, keep: int, make: Callable[[], Any]
     entries[key] = value
     return value, made
 
+
 def compile_options(device: torch.device) -> dict[str, Any]:
     """The inductor options the engine compiles its steps for ``device`` with. On the CPU: the vector
     width of the C++ that inductor writes (``cpp.simdlen``), pinned to the one it picks now (the CPU's
@@ -85,6 +86,7 @@ def compile_options(device: torch.device) -> dict[str, Any]:
 
     return {"cpp.simdlen": pick_vec_isa().bit_width()}
 
+
 def graph_key(model: nn.Module, rows: int, width: int, like: list[tuple[Tensor, Tensor]], sampling: Sampling,
               name: str, storage: tuple[int, ...] | None = None, kv_dtype: torch.dtype | None = None) -> tuple[Any, ...]:
     """What a captured step is valid for: the model object, its mode and active adapters, where
@@ -97,6 +99,7 @@ def graph_key(model: nn.Module, rows: int, width: int, like: list[tuple[Tensor, 
     return (id(model), model.training, adapters, storage, rows, width, kv_dtype or like[0][0].dtype,
             ambient_autocast(like[0][0].device), sampling.greedy, sampling.temperature, sampling.top_k,
             sampling.top_p, sampling.eos_token_id, sampling.pad_token_id, name)
+
 
 @dataclass
 class DecodeGraph:
@@ -144,13 +147,16 @@ class DecodeGraph:
         finally:
             self.state.kv.index = None
 
+
 def windows(width: int, every: int | None) -> list[int]:
     """The attention windows a step of a ``width``-column cache may use: the multiples of ``every`` below
     ``width`` (None: none, every step attends to the whole width)."""
     return list(range(every, width, every)) if every else []
 
+
 CASTS_KEPT = 4
 """The :class:`WeightCasts` a :class:`Graphs` keeps (per model, autocast dtype and parameter storage)."""
+
 
 @dataclass
 class Graphs:

@@ -28,14 +28,17 @@ def layer_runs(like: list[tuple[Tensor, Tensor]]) -> list[range]:
         return [range(len(like))]
     return [range(i, i + 1) for i in range(len(like))]
 
+
 def stack_shape(like: Tensor, layers: int, rows: int, width: int) -> tuple[int, int, int, int, int]:
     """``[layers, rows, H, width, D]``: the static cache's stack of ``layers`` layers shaped as ``like``
     ``[B, H, L, D]`` (:func:`layer_runs`)."""
     return layers, rows, like.shape[1], width, like.shape[3]
 
+
 def layer_views(stacks: list[tuple[Tensor, Tensor]]) -> list[SimpleNamespace]:
     """Each layer's ``keys`` and ``values`` ``[B, H, L, D]``: views of ``stacks`` (:class:`Stacks`)."""
     return [SimpleNamespace(keys=k[i], values=v[i]) for k, v in stacks for i in range(k.shape[0])]
+
 
 class Stacks:
     """A KV cache held as stacks of layers: ``stacks[j] = (keys, values)``, each ``[N, B, H, L, D]``
@@ -49,6 +52,7 @@ class Stacks:
     @property
     def layers(self) -> list[SimpleNamespace]:
         return layer_views(self.stacks)
+
 
 class StaticKV:
     """A KV cache of ``width`` columns (module docstring): ``stacks`` as :class:`Stacks` holds them
@@ -127,6 +131,7 @@ class StaticKV:
         buffers are the next call's); :func:`textrl.generation.carry.cache_layers` reads its layers."""
         return Stacks([(k[:, :rows, :, :width].clone(), v[:, :rows, :, :width].clone()) for k, v in self.stacks])
 
+
 def static_unsupported(model: nn.Module) -> str | None:
     """Why ``model`` cannot decode over :class:`StaticKV` with a 4-D additive mask, or None when it
     can: an encoder-decoder, a model whose cache is not transformers' ``DynamicCache`` kind (state
@@ -151,6 +156,7 @@ def static_unsupported(model: nn.Module) -> str | None:
     elif getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return "it has sliding-window layers"
     return None
+
 
 def bucket(n: int, size: int) -> int:
     """``n`` rounded up to a multiple of ``size`` (the static cache's width: fewer shapes, fewer captures)."""

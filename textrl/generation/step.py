@@ -86,6 +86,7 @@ class DecodeState:
         self.step.fill_(1)
         self.invalid.fill_(False)
 
+
 def decode_step(model: nn.Module, state: DecodeState, sampling: Sampling, name: str) -> None:
     """One step, in place: feed ``state.token`` at ``state.position`` into cache column
     ``kv.column``, draw the next token (``pad`` for a row past its EOS) into ``token`` and ``out[:, step]``."""
@@ -101,6 +102,7 @@ def decode_step(model: nn.Module, state: DecodeState, sampling: Sampling, name: 
     state.position.add_(1)
     state.kv.column.add_(1)
     state.step.add_(1)
+
 
 @dataclass
 class Feed:
@@ -145,6 +147,7 @@ class Feed:
         allowed = (keys[:, None, :] & before) | (cols == self.index[:, None])
         self.mask.fill_(torch.finfo(self.mask.dtype).min)
         self.mask.masked_fill_(allowed[:, None], 0.0)
+
 
 def feed_step(model: nn.Module, state: DecodeState, feed: Feed, name: str) -> Tensor:
     """Feed ``feed.ids`` ``[B, S]`` into the cache columns ``feed.index`` (``state.kv.index`` is set
