@@ -27,6 +27,7 @@ import math
 import torch
 from torch import Tensor
 
+from textrl.keys import KEYS
 from textrl.testing import gamma, sum_tolerance, unit_roundoff
 
 
@@ -39,6 +40,11 @@ def model_rtol(config, tokens: int = 0) -> float:
     hidden = getattr(config, "hidden_size", None) or config.n_embd
     inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
     return 2 * gamma(max(tokens, config.vocab_size, hidden, inner) - 1)
+
+
+def rollout_rtol(config, td) -> float:
+    """:func:`model_rtol` over a rollout's tokens (its prompts' and its actions' positions)."""
+    return model_rtol(config, td.get(KEYS.prompt_tokens).numel() + td.get(KEYS.action).numel())
 
 
 def log_softmax_bounds(logits: Tensor, temperature: float = 1.0, logit_error: Tensor | float = 0.0):

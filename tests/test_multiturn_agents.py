@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from tests.agents.conftest import PROMPTS, make_agent
-from tests.arithmetic import assert_within, gae_tolerance, model_rtol
+from tests.arithmetic import assert_within, gae_tolerance, rollout_rtol
 from textrl.agents.base import SCORE, sequence_inputs
 from textrl.agents.forwards import forward_policy
 from textrl.checks import RolloutError, check_rollout
@@ -340,7 +340,7 @@ def test_log_probs_equal_a_plain_forward_of_the_whole_episode(tok):
             logits = agent.policy(input_ids=ids).logits[0, prompt.numel() - 1 : -1]
         want = torch.log_softmax(logits.float(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         # a padded batch against one row: other shapes, other sums (tests/arithmetic.py)
-        rtol = model_rtol(agent.policy.config, td.get(KEYS.prompt_tokens).numel() + td.get(KEYS.action).numel())
+        rtol = rollout_rtol(agent.policy.config, td)
         assert_close_normwise(logp[i][mask[i]], want[mask[i][response[i]]], rtol=rtol, name=f"row {i}")
 
 

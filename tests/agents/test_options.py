@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.agents.conftest import PROMPTS, collect, make_agent, target_reward
-from tests.arithmetic import assert_gradients_close, model_rtol
+from tests.arithmetic import assert_gradients_close, rollout_rtol
 from textrl.agents.base import SCORE
 from textrl.envs import rollout_from_responses
 from textrl.keys import KEYS
@@ -221,6 +221,6 @@ def test_gradient_accumulation_equals_the_full_minibatch_gradient(tok, name, agg
     assert grads[1].keys() == grads[2].keys() == grads[4].keys() and grads[1]
     # the micro-batches sum each gradient in another order: equal by norm (tests/arithmetic.py); a
     # micro-batch weighted wrong or left out is off by far more than rtol
-    rtol = model_rtol(agent.policy.config, td[KEYS.action].numel() + td[KEYS.prompt_tokens].numel())
+    rtol = rollout_rtol(agent.policy.config, td)
     for steps in (2, 4):
         assert_gradients_close(grads[steps], grads[1], rtol, what=f"{steps} micro-batches: ")

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from tests.agents.conftest import collect, make_agent
-from tests.arithmetic import assert_gradients_close, model_rtol
+from tests.arithmetic import assert_gradients_close, rollout_rtol
 from textrl.agents import AGENTS
 from textrl.agents.forwards import reuses_rollout_forward
-from textrl.keys import KEYS
 from textrl.parallel.base import trained_parameters
 from textrl.testing import unit_roundoff
 
@@ -42,8 +41,7 @@ def run_once(tok, name: str, reuse: bool, **overrides):
 
     agent.backend.step = spy
     td = collect(agent, tok)
-    tokens = td[KEYS.action].numel() + td[KEYS.prompt_tokens].numel()
-    return agent, agent.update(td), grads, tokens
+    return agent, agent.update(td), grads, rollout_rtol(agent.policy.config, td)
 
 
 def first_step_gradients(agent) -> dict[str, tuple[torch.Tensor, float, float]]:
@@ -76,7 +74,7 @@ def adam_first_step_tolerance(g_a, g_b, lr: float, eps: float, rtol: float, w) -
 @pytest.mark.parametrize("name", FUSABLE)
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_reused_forward_gives_the_same_update(tok, name, entropy_coef):
-    fused, m_fused, g_fused, tokens = run_once(tok, name, True, entropy_coef=entropy_coef)
+    fused, m_fused, g_fused, rtol = run_once(tok, name, True, entropy_coef=entropy_coef)
     plain, m_plain, g_plain, _ = run_once(tok, name, False, entropy_coef=entropy_coef)
     assert reuses_rollout_forward(fused) and not reuses_rollout_forward(plain)
     # the same forward (one model, one batch, the same kernels): its losses and statistics equal
@@ -84,7 +82,6 @@ def test_reused_forward_gives_the_same_update(tok, name, entropy_coef):
         assert m_fused[key] == pytest.approx(m_plain[key], rel=1e-5, abs=1e-7), key
     # the backward through a kept graph sums in another order (tests/arithmetic.py): the gradients
     # agree by their norm to rtol, and so does their norm (| ||a|| - ||b|| | <= ||a - b||)
-    rtol = model_rtol(plain.policy.config, tokens)
     assert m_fused["grad_norm/actor"] == pytest.approx(m_plain["grad_norm/actor"], rel=rtol, abs=0)
     w_fused, w_plain = weights(fused), weights(plain)
     assert w_fused.keys() == w_plain.keys()

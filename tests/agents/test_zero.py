@@ -19,9 +19,8 @@ pytest.importorskip("deepspeed")
 
 from tests.agents.conftest import collect, poison_next_step, record_loss_stats, same  # noqa: E402
 from tests.agents.conftest import make_agent as build  # noqa: E402
-from tests.arithmetic import model_rtol  # noqa: E402
+from tests.arithmetic import rollout_rtol  # noqa: E402
 from textrl.distributed import Distributed  # noqa: E402
-from textrl.keys import KEYS  # noqa: E402
 from textrl.parallel import DeepSpeedZero  # noqa: E402
 from textrl.parallel.base import trained_parameters  # noqa: E402
 from textrl.testing import assert_close_normwise  # noqa: E402
@@ -102,8 +101,7 @@ def zero_step_rtol(agent, td) -> float:
     1e-4 failed at 6e-6 on one CPU), so each tensor is compared by its norm: observed 2.5e-7 to
     3.9e-7 relative, against 6e-5 here; a wrong scale, a missing micro-batch or a gradient on the
     wrong shard is off by 1e-1 or more."""
-    tokens = td[KEYS.action].numel() + td[KEYS.prompt_tokens].numel()
-    return model_rtol(agent.policy.config, tokens)  # tests/arithmetic.py
+    return rollout_rtol(agent.policy.config, td)  # tests/arithmetic.py
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.agents.conftest import make_agent, target_reward
-from tests.arithmetic import assert_gradients_close, assert_within, model_rtol
+from tests.arithmetic import assert_gradients_close, assert_within, rollout_rtol
 from textrl.agents import AGENTS, agent_names
 from textrl.agents.base import SCORE, UpdateTally
 from textrl.agents.build import episode_budget
@@ -228,7 +228,7 @@ def minibatch_gradient(tok, name: str, steps: int, overrides: dict) -> tuple[dic
     agent.backend.step = lambda agent: {}  # record, do not step
     with unittest.mock.patch("torch.randperm", lambda n, device=None: torch.arange(n, device=device)):
         run_epochs(agent, td, None, UpdateTally())  # one epoch, one minibatch: rows 0..5 in order
-    rtol = model_rtol(agent.policy.config, td[KEYS.action].numel() + td[KEYS.prompt_tokens].numel())
+    rtol = rollout_rtol(agent.policy.config, td)
     return {n: p.grad.clone() for n, p in agent.named_parameters() if p.grad is not None}, rtol
 
 

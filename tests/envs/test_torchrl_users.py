@@ -249,10 +249,10 @@ def test_a_textrl_agent_consumes_the_rollout():
     mask = td[KEYS.mask]
     sampled = data["action_log_prob"][:, : mask.shape[1]]
     # one prefill against a decode on a KV cache: other kernels, other sums (tests/arithmetic.py)
-    from tests.arithmetic import model_rtol
+    from tests.arithmetic import rollout_rtol
     from textrl.testing import assert_close_normwise
 
-    rtol = model_rtol(agent.policy.config, td[KEYS.prompt_tokens].numel() + td[KEYS.action].numel())
+    rtol = rollout_rtol(agent.policy.config, td)
     assert_close_normwise(td["action_log_prob"][mask], sampled[mask], rtol=rtol, name="logp")
     metrics = agent.update(td)
     assert metrics and all(torch.isfinite(torch.tensor(v)) for v in metrics.values() if isinstance(v, float))
