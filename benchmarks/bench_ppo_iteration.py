@@ -221,11 +221,11 @@ def iteration_only(args: argparse.Namespace, agent: Any, n_params: int, seconds:
     """``--iteration-only``: the phase table and JSON of the agent's iterations, no floor or guard figures."""
     figures: dict[str, Any] = {
         "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "generation_engine": agent.generation_engine.name, "policy_parameters": n_params, "batch": args.batch,
+        "generation_engine": agent.actor.engine.name, "policy_parameters": n_params, "batch": args.batch,
         "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "iterations": args.iterations,
         "seconds_per_iteration": seconds, "tokens_per_second": args.batch * args.new_tokens / seconds,
         **{f"phase/{name}_s": value for name, value in phases.items()}}
-    print(f"GAEPPO iteration ({agent.generation_engine.name} engine), {n_params / 1e6:.2f}M-parameter Llama, "
+    print(f"GAEPPO iteration ({agent.actor.engine.name} engine), {n_params / 1e6:.2f}M-parameter Llama, "
           f"B={args.batch}, prompt {args.prompt_tokens} + {args.new_tokens} new tokens, {device}; median of "
           f"{args.iterations}")
     for name, value in phases.items():
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     tokens = args.batch * args.new_tokens
     figures: dict[str, float] = {
         "device": str(device), "threads": args.threads, "policy_parameters": n_params,
-        "generation_engine": agent.generation_engine.name,
+        "generation_engine": agent.actor.engine.name,
         "batch": args.batch, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "iterations": args.iterations,
         "seconds_per_iteration": seconds,

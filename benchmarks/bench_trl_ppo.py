@@ -308,7 +308,7 @@ def report(args: argparse.Namespace, device: torch.device, trl_version: str, age
            textrl: dict[str, Any]) -> dict[str, Any]:
     """Print the table and the JSON line; return the figures."""
     n_params = sum(p.numel() for p in agent.policy.parameters())
-    engine = agent.generation_engine.name
+    engine = agent.actor.engine.name
     if len(trl["seconds"]) != args.warmup + args.iterations:
         raise SystemExit(f"TRL ran {len(trl['seconds'])} updates, expected {args.warmup + args.iterations}")
     trl_s = median_after_warmup(trl["seconds"], args.warmup)

@@ -335,4 +335,4 @@ def test_an_asked_for_fused_path_on_a_head_that_cannot_fuse_warns_once_and_uses_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         forwards.logprobs(agent, agent.policy, ids, mask, 6, ids[:, 6:])  # once
-    assert forwards.fused_chunk(AGENTS["gae_ppo"].from_config(small(), "cpu", **QUIET)) == 0  # auto: off on the CPU
+    assert AGENTS["gae_ppo"].from_config(small(), "cpu", **QUIET).learner.forwards.fused_chunk() == 0  # auto: off on the CPU

@@ -33,6 +33,12 @@ class RolloutKeys:
     """float ``[B, T]``: behaviour-policy log-prob of each action."""
     ref_log_prob: NestedKey = "ref_log_prob"
     """float ``[B, T]``: reference-policy log-prob of each action."""
+    generation_log_prob: NestedKey = ("generation", "log_prob")
+    """float ``[B, T]``: the log-prob the generation engine drew each agent token with (0 on the
+    environment's tokens and after the episode); absent when the engine computes none."""
+    policy_version: NestedKey = "policy_version"
+    """int64 ``[B]``: the version of the weights that generated each row (the learner's, as the actor
+    last loaded them); the update logs its lag behind the learner."""
     state_value: NestedKey = "state_value"
     """float ``[B, T, 1]``: V(s_t)."""
     next_state_value: NestedKey = ("next", "state_value")

@@ -10,6 +10,8 @@ touching the agent's state.
 Both sides are duck-typed, so this module imports no environment or agent (docs/design.md, "Layers"):
 
 - the agent: ``act(input_ids, attention_mask, greedy=...) -> int64 [B, T]``, optionally
+  ``rollout(greedy=...)`` (a context whose value has ``generate(input_ids, attention_mask) ->
+  (tokens, log-probs or None)`` and ``version``: :meth:`textrl.agents.base.PPOAgent.rollout`) and
   ``process_rollout(td, timings=...) -> td``, and the attributes ``config`` (``max_new_tokens``),
   ``tokenizer``, ``eos_token_id``, ``pad_token_id`` and ``device``;
 - the batch (an :class:`textrl.envs.prompts.PromptBatch`): ``input_ids`` / ``attention_mask``
@@ -20,7 +22,6 @@ Both sides are duck-typed, so this module imports no environment or agent (docs/
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -79,15 +80,21 @@ def episode_runner(
 
 
 def run_episodes(agent: Any, batch: Any, runner: Any, greedy: bool, timings: dict[str, float] | None) -> TensorDictBase:
-    """The runner's episodes of ``batch``, the agent generating every turn."""
+    """The runner's episodes of ``batch``, the agent generating every turn: inside ``agent.rollout()``
+    when the agent has one (it hands each turn's tokens with the log-probs its engine drew them with,
+    and the version of the weights, which the rollout records: ``KEYS.generation_log_prob``,
+    ``KEYS.policy_version``), else by ``agent.act``."""
     device = torch.device(agent.device)
+    opened = getattr(agent, "rollout", None)
+    if not callable(opened):
+        def generate(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return agent.act(input_ids.to(device), attention_mask.to(device), greedy=greedy)  # [n, T]
 
-    def generate(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return agent.act(input_ids.to(device), attention_mask.to(device), greedy=greedy)  # [n, T]
-
-    engine = getattr(agent, "generation_engine", None)
-    with engine.rollout() if engine is not None else contextlib.nullcontext():
         return runner.run(generate, batch.to(device), timings=timings)
+    with opened(greedy=greedy) as sampled:
+        td = runner.run(sampled.generate, batch.to(device), timings=timings)
+    td.set(KEYS.policy_version, torch.full(td.batch_size, int(sampled.version), dtype=torch.long, device=td.device))
+    return td
 
 
 def collect(

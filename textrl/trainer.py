@@ -263,7 +263,7 @@ class PPORun:
         start = 0
         if self.resume_from is not None:
             start = load_checkpoint(self.resume_from, self.agent, self.sampler, verify=False, dist=self.dist)
-            take_changed_settings(self.agent, set(self.resumed_changes))
+            take_changed_settings(self.agent.learner, set(self.resumed_changes))
             if self.edited_rows():  # rows fixed since the checkpoint (as many, in the same order)
                 from textrl.envs.prompts import describe_edited
 

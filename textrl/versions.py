@@ -10,7 +10,7 @@ how).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from torch import Tensor
 
@@ -21,4 +21,29 @@ def tensor_versions(tensors: Iterable[Tensor]) -> tuple[tuple[int, int], ...]:
     return tuple((t.data_ptr(), t._version) for t in tensors)
 
 
-__all__ = ["tensor_versions"]
+class VersionCounter:
+    """A weights' version number: an int that moves by one each time it is read after one of the
+    tensors ``tensors()`` gives was written in place or replaced (:func:`tensor_versions`).
+
+    Read once after each optimiser step (the learner does), it counts the steps; a weight edited
+    by hand between two reads moves it too. Everything that caches a computation of the weights
+    (a kept forward, the behaviour log-probs, a rollout's provenance) keeps the number it saw and
+    compares it with :meth:`now`.
+    """
+
+    def __init__(self, tensors: Callable[[], Iterable[Tensor]]) -> None:
+        self._tensors = tensors
+        self._seen: tuple[tuple[int, int], ...] | None = None
+        self._value = 0
+
+    def now(self) -> int:
+        """The version of the weights as they are now."""
+        seen = tensor_versions(self._tensors())
+        if seen != self._seen:
+            if self._seen is not None:
+                self._value += 1
+            self._seen = seen
+        return self._value
+
+
+__all__ = ["VersionCounter", "tensor_versions"]

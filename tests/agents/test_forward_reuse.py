@@ -8,7 +8,7 @@ from torch import nn
 from tests.agents.conftest import collect, make_agent
 from tests.arithmetic import model_rtol
 from textrl.agents.base import position_ids_for, sequence_inputs
-from textrl.agents.forwards import policy_ref_kl, precise_response_logits
+from textrl.agents.forwards import policy_ref_kl
 from textrl.keys import KEYS
 from textrl.models.forward import leading_padding, rotate_rows
 from textrl.testing import assert_close_normwise
@@ -41,9 +41,9 @@ def test_response_logits_skip_the_prompt_and_match_the_full_forward(tok):
         aligned = agent.policy(input_ids=rotate_rows(input_ids, shift), attention_mask=aligned_mask.long(),
                                position_ids=position_ids_for(aligned_mask)).logits
         full = rotate_rows(aligned, -shift)[:, p - 1 : -1]  # the same full forward, in the caller's layout
-        kept = precise_response_logits(agent, agent.policy, input_ids, mask, p)
+        kept = agent.learner.forwards.response_logits(agent.policy, input_ids, mask, p)
         wrapper = NoLogitsToKeep(agent.policy)
-        fallback = precise_response_logits(agent, wrapper, input_ids, mask, p)
+        fallback = agent.learner.forwards.response_logits(wrapper, input_ids, mask, p)
     assert kept.shape == full.shape == (4, t, len(tok))
     # the head on the kept positions only, the attention over another layout: other sums, equal by
     # norm (tests/arithmetic.py); left-aligning changes no logit beyond rounding
@@ -72,7 +72,7 @@ def test_kl_before_update_reuses_the_rollout_log_probs_while_they_are_current(to
     calls = count_policy_forwards(agent)
     cached = policy_ref_kl(agent, td)
     assert calls[0] == 0  # the policy and the rollout's log-probs are unchanged: no forward
-    agent._policy_logp = None
+    agent.actor.own_logp = None
     assert policy_ref_kl(agent, td) == cached and calls[0] == 1  # recomputed: the same number
 
     td = collect(agent, tok, seed=1)

@@ -49,13 +49,13 @@ def test_what_reads_the_reference_at_kl_coef_0_keeps_it(tok, overrides):
 @pytest.mark.parametrize("kl_coef", [0.0, 0.05])
 def test_no_reference_forward_runs_at_kl_coef_0(tok, kl_coef, monkeypatch):
     agent = make_agent(tok, "multi_adapter_ppo", kl_coef=kl_coef)  # the reference: the base, adapters off
-    models, logprobs = [], forwards.logprobs
+    models, logprobs = [], forwards.Forwards.logprobs
 
-    def spy(agent, model, *args):
+    def spy(shared, model, *args):
         models.append(model)
-        return logprobs(agent, model, *args)
+        return logprobs(shared, model, *args)
 
-    monkeypatch.setattr(forwards, "logprobs", spy)
+    monkeypatch.setattr(forwards.Forwards, "logprobs", spy)
     collect(agent, tok)
     others = [m for m in models if m is not agent.policy]
     assert (others == []) if kl_coef == 0 else (others == [agent.ref_policy])

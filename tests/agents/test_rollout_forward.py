@@ -143,7 +143,7 @@ def test_no_reuse_with_an_old_policy_snapshot(tok):
 def test_a_kept_forward_is_dropped_when_weights_changed_since(tok):
     agent = make_agent(tok, "gae_ppo", actor_lr=1e-2)
     td = collect(agent, tok)
-    assert agent._rollout_forward is not None
+    assert agent.actor.kept is not None
     with torch.no_grad():  # someone edits the policy between the prefill and the update
         next(agent.policy.parameters()).add_(1e-3)
     calls = []
@@ -151,7 +151,7 @@ def test_a_kept_forward_is_dropped_when_weights_changed_since(tok):
     agent.update(td)
     handle.remove()
     assert calls, "the update reused a forward of weights that no longer exist"
-    assert agent._rollout_forward is None
+    assert agent.actor.kept is None
 
 
 def test_a_kept_forward_is_not_used_for_another_rollout(tok):
@@ -162,5 +162,5 @@ def test_a_kept_forward_is_not_used_for_another_rollout(tok):
     handle = agent.policy.register_forward_hook(lambda *_: calls.append(1))
     agent.update(first)
     handle.remove()
-    assert calls and agent._rollout_forward is None
+    assert calls and agent.actor.kept is None
     assert second is not first

@@ -43,8 +43,8 @@ def unchanged(agent, before) -> bool:
 
 
 def _nan_logits(agent, td, monkeypatch):
-    logits = forwards.precise_response_logits
-    monkeypatch.setattr(forwards, "precise_response_logits", lambda *args: logits(*args) * math.nan)
+    logits = forwards.Forwards.response_logits
+    monkeypatch.setattr(forwards.Forwards, "response_logits", lambda *args: logits(*args) * math.nan)
 
 
 def _nan_values(agent, td, monkeypatch):

@@ -195,7 +195,7 @@ def test_a_rollout_from_the_textrl_engine_trains_as_one_from_hf(tok, name):
     results = []
     for engine in ("hf", "textrl"):
         agent = make_agent(tok, name, generation_engine=engine, max_new_tokens=10)
-        assert agent.generation_engine.name == engine
+        assert agent.actor.engine.name == engine
         td = collect(agent, tok, prompts=AGENT_PROMPTS * 2, seed=5)
         results.append((td, agent.update(td)))
     (td_hf, stats_hf), (td_ours, stats_ours) = results
@@ -368,12 +368,12 @@ def test_auto_is_the_measured_engine_of_the_device(tok, monkeypatch):
     from tests.agents.conftest import make_agent
     from textrl.generation import base, engine_for
 
-    assert make_agent(tok, "gae_ppo").generation_engine.name == "textrl"  # the CPU's measured default
+    assert make_agent(tok, "gae_ppo").actor.engine.name == "textrl"  # the CPU's measured default
     assert engine_for("auto", "cuda").name == "textrl" and engine_for("hf", "cpu").name == "hf"
     assert engine_for("auto", "mps").name == "hf"  # a device nothing was measured on
     monkeypatch.setitem(base.AUTO, "cpu", "hf")
     assert engine_for("auto", "cpu").name == "hf"
-    assert make_agent(tok, "gae_ppo").generation_engine.name == "hf"
+    assert make_agent(tok, "gae_ppo").actor.engine.name == "hf"
 
 
 def test_auto_falls_back_to_hf_under_a_backend_that_partitions_the_weights():

@@ -1,16 +1,15 @@
-"""What every PPO-family agent shares: generation, prefill forwards, optimisers, the update loop.
+"""What every PPO-family agent shares: its declarations, its hooks, and the actor and learner it runs.
 
-An agent owns its models and optimisers and consumes one rollout TensorDict (docs/design.md, "The rollout TensorDict"):
+An agent consumes one rollout TensorDict (docs/design.md, "The rollout TensorDict"). It holds its
+models (policy, reference, critic: its ``state_dict`` is theirs) and two parts built over them
+(docs/design.md, "Actor and learner"):
 
-- :meth:`PPOAgent.act` samples responses for a batch of prompts (``model.generate`` with a KV
-  cache, in micro-batches);
-- :meth:`PPOAgent.evaluate` recomputes log-probs (and values) of given tokens in one prefill
-  forward per micro-batch;
-- :meth:`PPOAgent.process_rollout` writes the behaviour/reference log-probs, values, the shaped
-  per-token reward and the advantages into the rollout (each agent's own estimator);
-- :meth:`PPOAgent.update` runs K epochs of shuffled minibatch updates and returns metrics; steps
-  that leave NaN/inf weights are rolled back (the backend's rollback copy, staged while the
-  rollout is processed: ``Backend.stage_rollback`` / ``take_rollback`` / ``roll_back_nonfinite``).
+- the actor (:class:`textrl.agents.actor.Actor`, :attr:`PPOAgent.actor`) makes rollouts:
+  :meth:`PPOAgent.act` samples responses through the generation engine, :meth:`PPOAgent.evaluate`
+  recomputes the behaviour and reference log-probs and the values of given tokens;
+- the learner (:class:`textrl.agents.learner.Learner`, :attr:`PPOAgent.learner`) learns from them:
+  :meth:`PPOAgent.process_rollout` runs the agent's estimator, :meth:`PPOAgent.update` K epochs of
+  its loss (:func:`textrl.agents.update.update`), the optimisers and the guard against NaN/inf.
 
 Subclasses implement :meth:`~PPOAgent.estimate` (advantages) and :meth:`~PPOAgent.loss`
 (the minibatch loss); the math itself lives in :mod:`textrl.functional`. How the backward, the
@@ -22,6 +21,8 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -31,25 +32,26 @@ from torch import Tensor, nn
 from textrl.agents import build, forwards
 from textrl.agents import state as resume
 from textrl.agents import update as update_loop
+from textrl.agents.actor import Actor, Sampled, build_actor
 from textrl.agents.build import _own_lora_weights, policy_name, tokenizer_name, warmup_pairs  # noqa: F401
 from textrl.agents.forwards import (
+    Forwards,
     RolloutForward,
     attended_response,
     position_ids_for,
     sequence_inputs,
     warp_logits,
 )
-from textrl.agents.update import LossTerms, UpdateTally, total_loss
+from textrl.agents.learner import Learner, learner_attribute, process_rollout
+from textrl.agents.update import LossTerms, Objective, UpdateTally, total_loss
 from textrl.config import TrainConfig
 from textrl.env_facts import EnvFacts
 from textrl.functional import aggregate_loss, clipped_policy_loss, kl_penalty, kl_shaped_rewards
-from textrl.generation import engine_for
 from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
 from textrl.models.checkpointing import enable_gradient_checkpointing
 from textrl.models.sampling import neutralised_notice
 from textrl.parallel import Backend, SingleProcess
-from textrl.parallel.base import build_optimizers
 from textrl.precision import Precision
 
 SCORE = KEYS.score
@@ -101,7 +103,6 @@ class PPOAgent(nn.Module):
     :attr:`loss_aggregation`."""
     reuse_rollout_forward = True
     """See :func:`textrl.agents.forwards.reuses_rollout_forward`; set False to always run the update's own forward."""
-    _rollout_forward: RolloutForward | None = None
 
     # -- construction (textrl/agents/build.py) ----------------------------------------------------
     env_facts: EnvFacts | None = None
@@ -176,10 +177,11 @@ class PPOAgent(nn.Module):
         warned once here."""
         if self.sampling_notice:
             warnings.warn(self.sampling_notice, stacklevel=2)
+        precision = Precision.of(config, self.device)  # the run's: the object from_config loaded the models with
         if not build.needs_reference(config):
             ref_policy = None  # kl_coef=0: nothing reads a reference (build.needs_reference)
         elif ref_policy is None:
-            ref_policy = self.precision.frozen_copy(policy)
+            ref_policy = precision.frozen_copy(policy)
         self.ref_policy: nn.Module | None = ref_policy.eval().requires_grad_(False) if ref_policy is not None else None
         """The frozen reference of the KL penalty; None when nothing reads it (:func:`textrl.agents.build.needs_reference`)."""
         if self.needs_critic and critic is None:
@@ -187,29 +189,55 @@ class PPOAgent(nn.Module):
         self.critic = critic.eval() if critic is not None and self.needs_critic else None
         self.clip_eps = config.clip_eps if config.clip_eps is not None else self.default_clip_eps
         self.clip_eps_high = build.option(self, "clip_eps_high")
-        self.kl_ctl = make_kl_controller(config.kl_coef, config.adaptive_kl, config.kl_target, config.kl_horizon)
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.iteration = 0
-        self.nonfinite_streak = 0  # consecutive skipped (NaN/inf) updates; the trainer stops at the max
-        self.total_updates = total_updates or config.iterations * config.ppo_epochs * config.num_minibatches
         if config.gradient_checkpointing:
             for name, model in (("policy", self.policy), ("critic", self.critic)):
                 if model is not None:
                     enable_gradient_checkpointing(model, name)
-        self.generation_engine = engine_for(config.generation_engine, self.device)
-        """How :meth:`act` generates (:mod:`textrl.generation`: ``hf``, ``textrl``, or a registered one;
-        ``auto`` chosen for the policy's device when the agent is built)."""
-        self.backend: Backend = SingleProcess(device=self.device)
+        self._backend: Backend = SingleProcess(device=self.device)
+        self._actor: Actor | None = None
+        self.learner = Learner(
+            config, self.policy, self.critic, Forwards(config, precision), self._backend,
+            kl_ctl=make_kl_controller(config.kl_coef, config.adaptive_kl, config.kl_target, config.kl_horizon),
+            total_updates=total_updates or config.iterations * config.ppo_epochs * config.num_minibatches,
+        )
+        """What an update changes (:class:`textrl.agents.learner.Learner`): the trained weights, the
+        optimisers and their schedules (one AdamW per trained model), the KL controller, the counters."""
+
+    # -- the actor and the learner --------------------------------------------------------------------
+    @property
+    def actor(self) -> Actor:
+        """What makes a rollout (:class:`textrl.agents.actor.Actor`), built once for the run's backend
+        and device (:func:`textrl.agents.actor.build_actor`: where the generation engine is chosen);
+        setting :attr:`backend` builds it again."""
+        if self._actor is None or self._actor.device != self.device:
+            self._actor = build_actor(self)
+        return self._actor
+
+    @property
+    def backend(self) -> Backend:
         """How training is spread over processes (:mod:`textrl.parallel`; its process group:
-        ``backend.dist``); ``Backend.prepare`` swaps it."""
-        # actor_optimizer, critic_optimizer (None without a critic), optimizers (those that exist) and
-        # schedulers: one AdamW per trained model and its schedule; a backend that replaces the weights
-        # (FSDP's shards, DeepSpeed's engine) builds them again
-        build_optimizers(self)
+        ``backend.dist``); ``Backend.prepare`` sets it, and the actor is built for it then."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: Backend) -> None:
+        self._backend = self.learner.backend = backend
+        self._actor = None
+        self.actor  # built now: an engine that cannot generate under this backend is refused here  # noqa: B018
 
     def check_backend(self, backend: Backend) -> None:
         """Refuse a backend this agent cannot train under (``ValueError`` saying what to do instead)."""
+
+    actor_optimizer = learner_attribute("actor_optimizer", "The policy's optimiser.")
+    critic_optimizer = learner_attribute("critic_optimizer", "The critic's optimiser (None without a critic).")
+    optimizers = learner_attribute("optimizers", "The optimisers that exist (the actor's, the critic's).")
+    schedulers = learner_attribute("schedulers", "One learning-rate schedule per optimiser.")
+    kl_ctl = learner_attribute("kl_ctl", "The KL controller the estimator feeds (fixed or adaptive).")
+    iteration = learner_attribute("iteration", "Updates done.")
+    nonfinite_streak = learner_attribute("nonfinite_streak", "Consecutive skipped (NaN/inf) updates.")
+    total_updates = learner_attribute("total_updates", "Optimiser steps the learning-rate schedules span.")
 
     # -- properties -----------------------------------------------------------------------------
     @property
@@ -227,41 +255,51 @@ class PPOAgent(nn.Module):
     def precision(self) -> Precision:
         """The run's precision on the agent's device (:class:`textrl.precision.Precision`: the
         weights' dtype, the autocast every forward of the agent runs under, the attention
-        implementation), from ``config``; follows the agent when it moves (``agent.to("cuda")``)."""
-        device = self.device
-        cached = self.__dict__.get("_precision")
-        if cached is None or cached.device != device:
-            cached = self.__dict__["_precision"] = Precision.of(self.config, device)
-        return cached
+        implementation): the actor's and the learner's; follows the agent when it moves (``agent.to("cuda")``)."""
+        shared = self.learner.forwards
+        if shared.precision.device != self.device:  # moved: the same settings on the new device
+            shared.precision = Precision.of(self.config, self.device)
+        return shared.precision
 
-    # -- acting and forwards (textrl/agents/forwards.py) ---------------------------------------
+    # -- acting (the actor) ------------------------------------------------------------------------
     def act(self, input_ids: Tensor, attention_mask: Tensor, *, greedy: bool = False) -> Tensor:
         """Sample responses ``[B, T]`` (T <= max_new_tokens) for left-padded prompts ``[B, P]``.
 
         Rows that end early are padded with ``pad_token_id`` after their EOS; generation stops
         when every row has emitted EOS or after ``max_new_tokens``. The sampler applies exactly
-        the processors :func:`~textrl.agents.forwards.logprobs` computes (:func:`~textrl.agents.forwards.rollout_sampling`),
-        by :attr:`generation_engine` (``hf``: nothing of the model's own ``generation_config``).
+        the processors the log-probs compute (:meth:`textrl.agents.actor.Actor.sampling`), by
+        the actor's engine (``hf``: nothing of the model's own ``generation_config``).
         """
-        return forwards.act(self, input_ids, attention_mask, greedy=greedy)
+        return self.actor.act(input_ids, attention_mask, greedy=greedy)
+
+    @contextmanager
+    def rollout(self, *, greedy: bool = False) -> Iterator[Sampled]:
+        """One rollout's sampling (:meth:`textrl.agents.actor.Actor.rollout`: each turn's tokens and
+        the engine's log-probs, the version of the weights), after the actor loaded the learner's
+        weights (:meth:`~textrl.agents.actor.Actor.load_weights_from`: nothing to copy when it samples
+        with them). :func:`textrl.rollout.collect` opens it around an environment's episodes."""
+        actor = self.actor
+        actor.load_weights_from(self.learner)
+        with actor.rollout(greedy=greedy) as sampled:
+            yield sampled
 
     def evaluate(self, td: TensorDictBase, *, keep_graph: bool = False) -> TensorDict:
         """Recompute ``action_log_prob``, ``ref_log_prob`` (when the agent keeps a reference) and
-        ``state_value`` (with a critic) for a rollout.
+        ``state_value`` (with a critic) for a rollout (:meth:`textrl.agents.actor.Actor.evaluate`).
 
         One prefill forward per micro-batch over the finished sequences, never token by token.
         Returns a TensorDict with those keys (``[B, T]`` log-probs, ``[B, T, 1]`` values).
         With ``keep_graph`` the policy and critic forwards run with grad and their graphs are
         kept (:class:`RolloutForward`) for the one optimiser step of :meth:`update` to reuse.
         """
-        return forwards.evaluate(self, td, keep_graph=keep_graph)
+        return self.actor.evaluate(td, keep_graph=keep_graph)
 
     def behaviour_logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
         """Log-probs the ratio's denominator uses; the policy itself unless a snapshot is kept
-        (:func:`~textrl.agents.forwards.logprobs` of the model that sampled)."""
-        return forwards.logprobs(self, self.policy, input_ids, attention_mask, prompt_len, action)
+        (:meth:`textrl.agents.actor.Actor.logprobs` of the model that sampled)."""
+        return self.actor.logprobs(self.policy, input_ids, attention_mask, prompt_len, action)
 
-    # -- the estimator ----------------------------------------------------------------------------
+    # -- the estimator (the learner) -------------------------------------------------------------------
     def process_rollout(self, td: TensorDictBase, *, timings: dict[str, float] | None = None) -> TensorDictBase:
         """Fill log-probs, values, the per-token reward, ``advantage`` and ``value_target``; in place.
 
@@ -273,9 +311,10 @@ class PPOAgent(nn.Module):
         token (0 after its last: docs/design.md, "Multi-turn episodes"). The adaptive KL
         controller is then fed the mean sequence KL of this rollout. With a ``timings`` dict, the
         seconds of the prefill forwards (``forward``) and of the shaping and estimator
-        (``advantages``) are added to it.
+        (``advantages``) are added to it (:func:`textrl.agents.learner.process_rollout`).
         """
-        return forwards.process_rollout(self, td, timings=timings)
+        return process_rollout(self.actor, self.learner, td, estimate=self.estimate, reference_kl=self.reference_kl,
+                               keep_graph=forwards.reuses_rollout_forward(self), timings=timings)
 
     def task_token_rewards(self, td: TensorDictBase) -> Tensor:
         """The task reward per token before any shaping, ``[B, T]`` (0 off the agent mask).
@@ -395,7 +434,10 @@ class PPOAgent(nn.Module):
 
         The reference refresh (:meth:`after_update`) runs last, so it copies checked weights.
         """
-        return update_loop.update(self, td)
+        objective = Objective(self.loss, self.micro_weight, forwards.reuses_rollout_forward(self))
+        metrics = update_loop.update(self.learner, self.actor, td, objective)
+        self.after_update()
+        return metrics
 
     def micro_weight(self, sub: TensorDictBase, sub_mask: Tensor, mb_tokens: Tensor, micro: int, mb_size: int) -> float:
         """Share of a micro-batch in its minibatch's loss, so that accumulation equals the full batch.
@@ -426,13 +468,14 @@ class PPOAgent(nn.Module):
     def load_weights_state(self, state: dict[str, Tensor], strict: bool = True, assign: bool = False) -> Any:
         """Restore :meth:`weights_state`'s output (every process passes the same ``state``;
         :func:`textrl.agents.state.load_weights`: the reference follows this run's settings)."""
-        return resume.load_weights(self, state, strict=strict, assign=assign)
+        return resume.load_weights(self, self.backend, state, keeps_reference=self.ref_policy is not None,
+                                   strict=strict, assign=assign)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """:meth:`weights_state` plus ``agent_state`` (:func:`textrl.agents.state.agent_state`); a collective
-        where the backend gathers."""
+        """:meth:`weights_state` plus ``agent_state`` (:func:`textrl.agents.state.agent_state`: the
+        learner's); a collective where the backend gathers."""
         state = self.weights_state()
-        state["agent_state"] = resume.agent_state(self)
+        state["agent_state"] = resume.agent_state(self.learner)
         return state
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):  # type: ignore[override]
@@ -441,7 +484,7 @@ class PPOAgent(nn.Module):
         agent_state = state_dict.pop("agent_state", None)
         result = self.load_weights_state(state_dict, strict=strict, assign=assign)
         if agent_state is not None:
-            resume.load_agent_state(self, agent_state)
+            resume.load_agent_state(self.learner, agent_state)
         return result
 
 

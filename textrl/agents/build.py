@@ -208,11 +208,11 @@ def from_config(cls: type[PPOAgent], config: TrainConfig, device: torch.device |
     copy, a critic when ``needs_critic``, optimisers; the agent keeps ``env_facts`` (its episode
     budget) and what its warm-up did (``warmup_record``)."""
     config.validate(cls)
-    Precision.of(config, device)  # a precision the device cannot run is refused before any model loads
-    tokenizer = load_tokenizer(config)
     device = torch.device(device)
+    precision = Precision.of(config, device)  # the run's; one the device cannot run is refused before any model loads
+    tokenizer = load_tokenizer(config)
     if lora_rank(cls, config):
-        return _from_config_lora(cls, config, tokenizer, device, log, env_facts, own_loader)
+        return _from_config_lora(cls, config, tokenizer, precision, log, env_facts, own_loader)
     critic_from_reward_model = cls.needs_critic and config.critic_init == "reward_model"
     if critic_from_reward_model:  # before the policy loads: only the tokenizers are compared
         check_critic_tokenizer(config, tokenizer)
@@ -221,7 +221,7 @@ def from_config(cls: type[PPOAgent], config: TrainConfig, device: torch.device |
     if critic_from_reward_model:
         check_tokenizer_fits(tokenizer, critic, tokenizer_name=tokenizer_name(config),
                              model_name=str(config.reward_model))
-    reference = Precision.of(config, device).frozen_copy(policy) if needs_reference(config) else None
+    reference = precision.frozen_copy(policy) if needs_reference(config) else None
     agent = cls(policy, tokenizer, config, ref_policy=reference, critic=critic)
     return keep_construction(agent, env_facts, record)
 
@@ -246,7 +246,7 @@ def _policy_and_warmup(cls: type[PPOAgent], config: TrainConfig, tokenizer: Any,
     return load_policy(config, tokenizer, device, log, env_facts)
 
 
-def _from_config_lora(cls: type[PPOAgent], config: TrainConfig, tokenizer: Any, device: torch.device, log: Any,
+def _from_config_lora(cls: type[PPOAgent], config: TrainConfig, tokenizer: Any, precision: Precision, log: Any,
                       env_facts: EnvFacts | None, own_loader: bool) -> PPOAgent:
     """The agent with a policy LoRA (``lora_r``) on one base, as TRL does with peft: the
     reference is that base with adapters disabled; the critic (if any) a value head on the
@@ -263,14 +263,14 @@ def _from_config_lora(cls: type[PPOAgent], config: TrainConfig, tokenizer: Any, 
     from textrl.models.adapters import load_base_model, lora_config
 
     if config.load_in_4bit:
-        base = load_base_model(config.model, load_in_4bit=True, device=device,
-                               precision=Precision.of(config, device))
+        base = load_base_model(config.model, load_in_4bit=True, device=precision.device, precision=precision)
         check_tokenizer_fits(tokenizer, base, tokenizer_name=tokenizer_name(config), model_name=policy_name(config))
         record = warmup_none(config, env_facts) or {
             "asked_steps": int(config.warmup_sft_steps), "ran_steps": 0,
             "reason": "load_in_4bit=True: the 4-bit base is not warmed up"}
     else:
-        base, record, env_facts = _policy_and_warmup(cls, config, tokenizer, device, log, env_facts, own_loader)
+        base, record, env_facts = _policy_and_warmup(cls, config, tokenizer, precision.device, log, env_facts,
+                                                     own_loader)
     lora = lora_config(lora_rank(cls, config), config.lora_alpha, config.lora_dropout, config.lora_target_modules,
                        model=base)
     lora_critic = cls.needs_critic and config.critic_type == "lora"
@@ -353,13 +353,12 @@ def build_critic(config: TrainConfig, policy: nn.Module) -> nn.Module:
 
     if config.critic == "shared":
         return SharedTrunkValue.on(policy)
+    precision = Precision.of(config, next(policy.parameters()).device)  # the run's (one object a setting and device)
     if config.critic == "lora":
-        precision = Precision.of(config, next(policy.parameters()).device)
         return lora_value_model(policy, precision.frozen, precision.dtype)
     if config.critic_init == "reward_model":
         from textrl.models import load_reward_model
 
-        precision = Precision.of(config, next(policy.parameters()).device)
         return ValueModel.from_reward_model(  # its head on the backbone's device, in its dtype
             load_reward_model(config.reward_model, device=precision.device, **precision.model_kwargs()))
     return ValueModel.from_causal_lm(policy)

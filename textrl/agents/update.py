@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,40 +28,53 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor
 
-from textrl.agents.forwards import RolloutForward, take_rollout_forward, with_forward
+from textrl.agents.forwards import RolloutForward, with_forward
 from textrl.functional import kl_penalty, masked_mean
 from textrl.functional.ppo import explained_variance
 from textrl.keys import KEYS
 
 if TYPE_CHECKING:
-    from textrl.agents.base import PPOAgent
+    from textrl.agents.actor import Actor
+    from textrl.agents.learner import Learner
 
 
-def update(agent: PPOAgent, td: TensorDictBase) -> dict[str, float]:
-    """:meth:`PPOAgent.update <textrl.agents.base.PPOAgent.update>`: the epochs, under the
-    rollback guard, unless the rollout itself is not finite; then the metrics and
-    ``agent.after_update()`` (the reference refresh copies checked weights)."""
-    kl_before = kl_monitors(agent, td)
+@dataclass(frozen=True)
+class Objective:
+    """What the update asks of the agent: ``loss(mb) -> (terms, stats)`` (its ``loss``),
+    ``micro_weight(sub, sub_mask, mb_tokens, micro, mb_size) -> float`` (a micro-batch's share of
+    its minibatch's loss) and whether the actor's kept behaviour forward may serve the one step
+    (:func:`textrl.agents.forwards.reuses_rollout_forward`)."""
+
+    loss: Callable[[TensorDictBase], tuple[Any, dict[str, Tensor]]]
+    micro_weight: Callable[..., float]
+    reuse_forward: bool = False
+
+
+def update(learner: Learner, actor: Actor, td: TensorDictBase, objective: Objective) -> dict[str, float]:
+    """:meth:`PPOAgent.update <textrl.agents.base.PPOAgent.update>` without the refreshes after it:
+    the rollout's provenance and KL monitors, then the epochs under the rollback guard unless the
+    rollout itself is not finite, then the metrics."""
+    metrics = {**provenance_metrics(learner, td), **kl_monitors(actor, td)}
     tally = UpdateTally()
-    forward = take_rollout_forward(agent, td)  # the behaviour forward with its graph, or None
-    if agent.backend.dist.any(not rollout_is_finite(td)):  # every minibatch would be poisoned: skip all
-        tally.skip_nonfinite(agent)
+    kept = actor.take_kept_forward(td)  # the behaviour forward with its graph, or None
+    forward = kept if objective.reuse_forward else None
+    if learner.backend.dist.any(not rollout_is_finite(td)):  # every minibatch would be poisoned: skip all
+        tally.skip_nonfinite(learner)
     else:
-        with rolled_back_if_nonfinite(agent, tally):
-            run_epochs(agent, td, forward, tally)
-        agent.backend.zero_grad(agent)  # the last step's gradients: freed before the next rollout, not kept through it
-    metrics = {**kl_before, **update_metrics(agent, td, tally), **agent.backend.rollback_metrics()}
-    agent.after_update()
-    return metrics
+        with rolled_back_if_nonfinite(learner, tally):
+            run_epochs(learner, td, forward, tally, objective)
+        learner.backend.zero_grad(learner)  # the last step's gradients: freed before the next rollout, not kept through it
+    return {**metrics, **update_metrics(learner, actor, td, tally), **learner.backend.rollback_metrics()}
 
 
-def run_epochs(agent: PPOAgent, td: TensorDictBase, forward: RolloutForward | None, tally: UpdateTally) -> None:
+def run_epochs(learner: Learner, td: TensorDictBase, forward: RolloutForward | None, tally: UpdateTally,
+               objective: Objective) -> None:
     """``ppo_epochs`` passes of shuffled minibatches; each minibatch is one optimiser step over
-    its ``gradient_accumulation_steps`` micro-batches, each weighed by ``agent.micro_weight`` so
+    its ``gradient_accumulation_steps`` micro-batches, each weighed by ``objective.micro_weight`` so
     that they add up to the minibatch's loss. Stops early on the KL early stop or at
     ``max_nonfinite_updates`` consecutive skipped steps. ``forward`` (the kept behaviour forward)
     serves the first micro-batch only: the update is then one step over the whole rollout."""
-    cfg, backend = agent.config, agent.backend
+    cfg, backend = learner.config, learner.backend
     mask = loss_mask(td)  # [B, T]
     for _ in range(cfg.ppo_epochs):
         tally.epochs_run += 1
@@ -73,30 +86,31 @@ def run_epochs(agent: PPOAgent, td: TensorDictBase, forward: RolloutForward | No
                 stats, norms = {}, {}  # every row left out (dynamic sampling): no loss, nothing to step
             else:
                 mb_tokens = mask[idx].sum().clamp(min=1)
-                backend.zero_grad(agent)
+                backend.zero_grad(learner)
                 micro_stats: dict[str, list[Tensor]] = defaultdict(list)
                 backwards = dropped = 0
                 for sub_idx in idx.tensor_split(min(cfg.gradient_accumulation_steps, idx.numel())):
                     sub = td[sub_idx]
-                    weight = agent.micro_weight(sub, mask[sub_idx], mb_tokens, sub_idx.numel(), idx.numel())
-                    loss, sub_stats = micro_batch_loss(agent, sub, forward.rows(sub_idx) if forward else None)
+                    weight = objective.micro_weight(sub, mask[sub_idx], mb_tokens, sub_idx.numel(), idx.numel())
+                    loss, sub_stats = micro_batch_loss(objective.loss, sub, forward.rows(sub_idx) if forward else None)
                     forward = None
                     for k, v in sub_stats.items():
                         micro_stats[k].append(v.detach().float())
-                    if over_ratio_threshold(agent, loss, sub_stats):
+                    if over_ratio_threshold(learner, loss, sub_stats):
                         dropped += 1
                         continue
                     backend.backward(weight * loss)
                     backwards += 1
                 stats = backend.dist.mean({k: torch.stack(v).mean().item() for k, v in micro_stats.items()})
                 tally.ratio_threshold_skips += dropped > 0
-                norms = backend.step(agent) if backwards else {}  # None: a NaN/inf loss or gradient
+                norms = backend.step(learner) if backwards else {}  # None: a NaN/inf loss or gradient
+                learner.version  # read after each step: the version counts the steps  # noqa: B018
             forward = None
             if norms is None:
-                if skip_nonfinite_step(agent, tally):
+                if skip_nonfinite_step(learner, tally):
                     return
                 continue
-            agent.nonfinite_streak = 0
+            learner.nonfinite_streak = 0
             tally.steps += bool(norms)  # {}: every micro-batch was left out, nothing stepped
             tally.add({**stats, **norms})
             if should_stop_early(cfg, tally.stats):
@@ -132,15 +146,15 @@ def total_loss(terms: dict[str, Tensor]) -> Tensor:
     return total
 
 
-def micro_batch_loss(agent: PPOAgent, sub: TensorDictBase,
+def micro_batch_loss(loss_fn: Callable[[TensorDictBase], tuple[Any, dict[str, Tensor]]], sub: TensorDictBase,
                      forward: RolloutForward | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """``(loss [], stats)`` of a micro-batch: ``agent.loss`` on it (with the kept behaviour
+    """``(loss [], stats)`` of a micro-batch: ``loss_fn`` (an agent's ``loss``) on it (with the kept behaviour
     forward ``forward`` in it when given), its named terms summed (:func:`total_loss`, logged as
     ``loss/total``) or, for a loss that returns one tensor, that tensor. A NaN/inf loss is made to
     give NaN gradients too, so that the backend's step skips it whatever caused it."""
     if forward is not None:
         sub = with_forward(sub, forward)
-    terms, stats = agent.loss(sub)
+    terms, stats = loss_fn(sub)
     if isinstance(terms, Tensor):  # a loss written before the named terms: (loss, stats)
         loss = terms
     else:
@@ -151,7 +165,7 @@ def micro_batch_loss(agent: PPOAgent, sub: TensorDictBase,
     return loss, stats
 
 
-def over_ratio_threshold(agent: PPOAgent, loss: Tensor, stats: dict[str, Tensor]) -> bool:
+def over_ratio_threshold(learner: Learner, loss: Tensor, stats: dict[str, Tensor]) -> bool:
     """Whether a micro-batch stays out of the step: its mean ratio, averaged over processes,
     exceeds ``ratio_threshold`` (MA-RLHF: stale or broken samples) and no process has a
     NaN/inf loss (that one is back-propagated, so that every process skips the step).
@@ -159,23 +173,23 @@ def over_ratio_threshold(agent: PPOAgent, loss: Tensor, stats: dict[str, Tensor]
     Decided before the backward and alike on every process: DeepSpeed ZeRO-2/3 and FSDP
     reduce inside the backward, so every process must run the same backwards.
     """
-    threshold = agent.config.ratio_threshold
+    threshold = learner.config.ratio_threshold
     if threshold <= 0 or "ratio/mean" not in stats:
         return False
-    shared = agent.backend.dist.mean({"ratio": float(stats["ratio/mean"]), "nonfinite": float(not torch.isfinite(loss))})
+    shared = learner.backend.dist.mean({"ratio": float(stats["ratio/mean"]), "nonfinite": float(not torch.isfinite(loss))})
     return shared["nonfinite"] == 0 and shared["ratio"] > threshold
 
 
-def skip_nonfinite_step(agent: PPOAgent, tally: UpdateTally) -> bool:
+def skip_nonfinite_step(learner: Learner, tally: UpdateTally) -> bool:
     """A step skipped for a NaN/inf loss or gradient (on any process; nothing stepped): counted
-    in the tally and the agent's streak. True when the streak reached ``max_nonfinite_updates``:
+    in the tally and the learner's streak. True when the streak reached ``max_nonfinite_updates``:
     the update stops there (and the trainer stops the run)."""
-    tally.skip_nonfinite(agent)
-    return agent.nonfinite_streak >= agent.config.max_nonfinite_updates
+    tally.skip_nonfinite(learner)
+    return learner.nonfinite_streak >= learner.config.max_nonfinite_updates
 
 
 @contextmanager
-def rolled_back_if_nonfinite(agent: PPOAgent, tally: UpdateTally) -> Iterator[None]:
+def rolled_back_if_nonfinite(learner: Learner, tally: UpdateTally) -> Iterator[None]:
     """The steps inside, rolled back when they left NaN/inf weights (``nonfinite_weights='rollback'``).
 
     Before the steps the backend hands over its copy of what they change
@@ -187,13 +201,13 @@ def rolled_back_if_nonfinite(agent: PPOAgent, tally: UpdateTally) -> Iterator[No
     skipped update: the streak is the one before it plus one, whatever its minibatches counted.
     With ``nonfinite_weights='stop'`` nothing is copied and the trainer's check stops the run.
     """
-    if agent.config.nonfinite_weights != "rollback":
+    if learner.config.nonfinite_weights != "rollback":
         yield
         return
-    snapshot, streak = agent.backend.take_rollback(agent), agent.nonfinite_streak
+    snapshot, streak = learner.backend.take_rollback(learner), learner.nonfinite_streak
     yield
-    if tally.steps and agent.backend.roll_back_nonfinite(agent, snapshot):
-        tally.roll_back(agent, streak)
+    if tally.steps and learner.backend.roll_back_nonfinite(learner, snapshot):
+        tally.roll_back(learner, streak)
 
 
 def rollout_is_finite(td: TensorDictBase) -> bool:
@@ -218,31 +232,47 @@ def should_stop_early(cfg: Any, stats: dict[str, list[float]]) -> bool:
     return stats["kl/policy_old"][-1] > factor * cfg.kl_target
 
 
-def kl_monitors(agent: PPOAgent, td: TensorDictBase) -> dict[str, float]:
+def provenance_metrics(learner: Learner, td: TensorDictBase) -> dict[str, float]:
+    """Where the rollout came from, against the learner now: ``rollout/policy_lag`` (the learner's
+    weight version minus the oldest version that generated a row: 0 when the actor samples with the
+    learner's current weights) and, where the engine computed its log-probs, ``rollout/logprob_gap``
+    and ``rollout/logprob_gap_max`` (mean and largest ``|log p_engine - action_log_prob|`` over the
+    agent's tokens: floating-point noise when both are the same weights, a lag's or an old policy's
+    difference otherwise)."""
+    out: dict[str, float] = {}
+    if KEYS.policy_version in td.keys():
+        out["rollout/policy_lag"] = float(learner.version - int(td.get(KEYS.policy_version).min()))
+    generated = td.get(KEYS.generation_log_prob, None)
+    behaviour = td.get(KEYS.action_log_prob, None)
+    if generated is not None and behaviour is not None:
+        mask = td.get(KEYS.mask)
+        gap = (generated.float() - behaviour.float()).abs()  # [B, T]
+        out["rollout/logprob_gap"] = masked_mean(gap, mask).item()
+        out["rollout/logprob_gap_max"] = float(gap[mask].max()) if bool(mask.any()) else 0.0
+    return out
+
+
+def kl_monitors(actor: Actor, td: TensorDictBase) -> dict[str, float]:
     """``kl/collection`` (the rollout's behaviour log-probs) and ``kl/before_update`` (the policy
     now); none without a reference (:func:`textrl.agents.build.needs_reference`)."""
-    from textrl.agents.forwards import policy_ref_kl
-
-    if agent.ref_policy is None or KEYS.ref_log_prob not in td.keys():
+    if actor.reference is None or KEYS.ref_log_prob not in td.keys():
         return {}
-    kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind=agent.config.kl_kind)
-    return {"kl/collection": masked_mean(kl, td.get(KEYS.mask)).item(), "kl/before_update": policy_ref_kl(agent, td)}
+    kl = kl_penalty(td.get(KEYS.action_log_prob), td.get(KEYS.ref_log_prob), kind=actor.config.kl_kind)
+    return {"kl/collection": masked_mean(kl, td.get(KEYS.mask)).item(), "kl/before_update": actor.policy_ref_kl(td)}
 
 
-def update_metrics(agent: PPOAgent, td: TensorDictBase, tally: UpdateTally) -> dict[str, float]:
+def update_metrics(learner: Learner, actor: Actor, td: TensorDictBase, tally: UpdateTally) -> dict[str, float]:
     """The update's metrics: stats averaged over its steps, skip counts, learning rates, KL."""
-    from textrl.agents.forwards import policy_ref_kl
-
     metrics: dict[str, float] = {}
-    if agent.config.kl_after_update:
-        metrics["kl/after_update"] = policy_ref_kl(agent, td)
-    if KEYS.value_target in td.keys(include_nested=True) and agent.critic is not None:
+    if learner.config.kl_after_update:
+        metrics["kl/after_update"] = actor.policy_ref_kl(td)
+    if KEYS.value_target in td.keys(include_nested=True) and learner.critic is not None:
         metrics["explained_variance"] = explained_variance(
             td.get(KEYS.state_value).squeeze(-1), td.get(KEYS.value_target).squeeze(-1), td.get(KEYS.mask)
         ).item()
-    metrics.update(tally.metrics(agent.nonfinite_streak))
-    metrics.update(agent.backend.learning_rates(agent))
-    metrics["kl/coef"] = agent.kl_ctl.value
+    metrics.update(tally.metrics(learner.nonfinite_streak))
+    metrics.update(learner.backend.learning_rates(learner))
+    metrics["kl/coef"] = learner.kl_ctl.value
     return metrics
 
 
@@ -265,17 +295,17 @@ class UpdateTally:
         for k, v in step_stats.items():
             self.stats[k].append(v)
 
-    def skip_nonfinite(self, agent: PPOAgent) -> None:
-        """One update skipped for NaN/inf: counted here and in the agent's streak."""
+    def skip_nonfinite(self, learner: Learner) -> None:
+        """One update skipped for NaN/inf: counted here and in the learner's streak."""
         self.nonfinite_skips += 1
-        agent.nonfinite_streak += 1
+        learner.nonfinite_streak += 1
 
-    def roll_back(self, agent: PPOAgent, streak: int) -> None:
+    def roll_back(self, learner: Learner, streak: int) -> None:
         """The update's steps were undone (they left NaN/inf weights): the whole update counts as one
-        skipped update, and the agent's streak is ``streak`` (the one before the update) plus one."""
+        skipped update, and the learner's streak is ``streak`` (the one before the update) plus one."""
         self.rolled_back = True
         self.nonfinite_skips = 1
-        agent.nonfinite_streak = streak + 1
+        learner.nonfinite_streak = streak + 1
 
     def metrics(self, streak: int) -> dict[str, float]:
         """Stats averaged over the good steps (undone ones too: the losses and norms of the steps
@@ -291,6 +321,6 @@ class UpdateTally:
 
 
 __all__ = [
-    "LossTerms", "UpdateTally", "loss_mask", "micro_batch_loss", "over_ratio_threshold", "rolled_back_if_nonfinite",
+    "LossTerms", "Objective", "UpdateTally", "kl_monitors", "loss_mask", "provenance_metrics", "micro_batch_loss", "over_ratio_threshold", "rolled_back_if_nonfinite",
     "rollout_is_finite", "run_epochs", "skip_nonfinite_step", "total_loss", "update",
 ]

@@ -44,9 +44,11 @@ from textrl.envs.fast_path import (
 from textrl.envs.watchdog import NOTICE_AFTER, CallWatch
 from textrl.keys import KEYS
 
-Generate = Callable[[Tensor, Tensor], Tensor]
+Generate = Callable[[Tensor, Tensor], "Tensor | tuple[Tensor, Tensor | None]"]
 """``generate(input_ids int64 [n, L], attention_mask bool [n, L]) -> int64 [n, T]``: one sampled
-turn per row (left-padded contexts; a row without EOS runs to ``max_new_tokens``)."""
+turn per row (left-padded contexts; a row without EOS runs to ``max_new_tokens``); or ``(tokens,
+logp)``, with the float ``[n, T]`` log-probs the tokens were drawn with (None: not computed), which
+the rollout keeps at the agent's tokens (``KEYS.generation_log_prob``)."""
 
 
 def as_environment(env_or_reward: Environment | RewardLike) -> Environment:
@@ -128,6 +130,7 @@ class EpisodeRunner:
             index = -1 if indices is None else int(indices[b])
             states.append(self.dynamics.start(dict(batch.rows[b]), index, index))
         prompts = [ids[m].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        drawn: list[dict[int, float]] | None = [{} for _ in states]  # position -> the log-prob it was drawn with
         for turn in range(self.env.max_turns):
             running = [b for b, s in enumerate(states) if s.end is None]
             if not running:
@@ -137,11 +140,16 @@ class EpisodeRunner:
                     ids, mask = prompt_ids, prompt_mask
                 else:
                     ids, mask = self._contexts([prompts[b] + states[b].tokens for b in running], device)
-                sampled = generate(ids, mask)  # [n, T]
+                sampled, logp = split_sampled(generate(ids, mask))  # [n, T] each
             with timed(timings, "reward", device):
+                starts = [len(states[b].tokens) for b in running]
                 self._play_turns([states[b] for b in running], sampled)
+                if logp is None:
+                    drawn = None
+                elif drawn is not None:
+                    keep_drawn([states[b] for b in running], [drawn[b] for b in running], starts, logp)
         with timed(timings, "reward", device):
-            return self._rollout(batch, states, device)
+            return self._rollout(batch, states, device, drawn)
 
     def _contexts(self, sequences: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
         """Left-padded prompt + episode tokens of each row: int64 / bool ``[n, L]``."""
@@ -173,7 +181,8 @@ class EpisodeRunner:
 
     # -- the rollout ---------------------------------------------------------------------------
 
-    def _rollout(self, batch: Any, states: list[EpisodeState], device: torch.device) -> TensorDict:
+    def _rollout(self, batch: Any, states: list[EpisodeState], device: torch.device,
+                 drawn: list[dict[int, float]] | None = None) -> TensorDict:
         b = len(states)
         t = max(1, max(len(s.tokens) for s in states))
         action = torch.full((b, t), self.pad_id, dtype=torch.long)
@@ -211,9 +220,34 @@ class EpisodeRunner:
             },
             batch_size=[b],
         )
+        if drawn is not None:
+            logp = torch.zeros((b, t), dtype=torch.float32)
+            for i, positions in enumerate(drawn):
+                if positions:
+                    logp[i, list(positions)] = torch.tensor(list(positions.values()), dtype=torch.float32)
+            td.set(KEYS.generation_log_prob, logp)
         if self.reward_nonfinite != "raise":  # NaN/inf rewards counted as 0: flagged, or dropped
             td = flag_nonfinite(td, nonfinite, self.reward_nonfinite)
         return check_rollout(td.to(device))
+
+
+def split_sampled(out: Tensor | tuple[Tensor, Tensor | None]) -> tuple[Tensor, Tensor | None]:
+    """``generate``'s answer as ``(tokens [n, T], logp [n, T] or None)``."""
+    if isinstance(out, tuple):
+        tokens, logp = out
+        if logp is not None and logp.shape != tokens.shape:
+            raise ValueError(f"generate returned log-probs of shape {tuple(logp.shape)} for tokens of shape "
+                             f"{tuple(tokens.shape)}; return one log-prob per token, or None")
+        return tokens, logp
+    return out, None
+
+
+def keep_drawn(states: list[EpisodeState], drawn: list[dict[int, float]], starts: list[int], logp: Tensor) -> None:
+    """After a turn: each row's agent tokens from ``starts`` on (the sampled tokens the rules took, in
+    order) keep the log-prob ``logp [n, T]`` they were drawn with, by their position in the episode."""
+    for s, kept, start, row in zip(states, drawn, starts, logp.float().cpu().tolist()):
+        taken = [i for i in range(start, len(s.tokens)) if s.agent[i]]
+        kept.update(zip(taken, row))
 
 
 def episode_turns(td: TensorDict, tokenizer: Any) -> list[list[dict[str, str]]]:

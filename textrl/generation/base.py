@@ -48,6 +48,15 @@ class GenerationEngine:
                  **kwargs: Any) -> Tensor:
         raise NotImplementedError
 
+    def generate_with_logprobs(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
+                               **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """``(tokens, logprobs)``: :meth:`generate`'s tokens ``[B, T]`` (the same ones: the same random
+        numbers drawn) and the log-prob of each under the distribution it was drawn from ``[B, T]``
+        (float32: ``log_softmax(sampling_filter(logits / temperature))`` at the drawn token; greedy, the
+        same formula at the sampling's temperature), 0.0 after a row's EOS. Here: ``(generate(...),
+        None)``, an engine that computes no log-probs (the built-in engines compute them)."""
+        return self.generate(model, input_ids, attention_mask, sampling, **kwargs), None
+
     def check_backend(self, partitions_weights: bool) -> None:
         """Refuse a backend this engine cannot generate under (``ValueError`` naming both)."""
 

@@ -47,7 +47,6 @@ import torch
 from torch import Tensor, nn
 
 from textrl.distributed import Distributed
-from textrl.generation.base import engine_for
 from textrl.parallel.fsdp_sharding import local
 from textrl.parallel.rollback import OptimizerCopy, RollbackCopy, UpdateSnapshot, update_state
 
@@ -165,13 +164,10 @@ class Backend:
 
     # -- preparing ------------------------------------------------------------------------------
     def prepare(self, agent: Any) -> None:
-        """Train ``agent`` under this backend (on every process, once, before training)."""
+        """Train ``agent`` under this backend (on every process, once, before training): the agent
+        checks it can (``check_backend``), then takes it (``agent.backend = self``: the agent builds
+        its actor for it, where the generation engine is chosen)."""
         agent.check_backend(self)
-        engine = getattr(agent, "generation_engine", None)
-        if engine is not None and getattr(agent.config, "generation_engine", None) == "auto":
-            agent.generation_engine = engine_for("auto", agent.device, partitions_weights=self.partitions_weights)
-        elif engine is not None:
-            engine.check_backend(self.partitions_weights)
         self.invalidate_rollback()
         agent.backend = self
 

@@ -1,0 +1,278 @@
+"""The actor: what makes a rollout.
+
+An :class:`Actor` owns the weights it samples with and their version, the reference model, the
+generation engine, the run's precision and the rollout-time forwards with their caches. It has
+:meth:`~Actor.act` (sample responses), :meth:`~Actor.logprobs` (log-probs of given tokens under a
+model) and :meth:`~Actor.evaluate` (the rollout's behaviour and reference log-probs and values).
+The learner (:class:`textrl.agents.learner.Learner`) owns what an update changes; what crosses
+from one to the other is the rollout TensorDict one way and the weights the other
+(:meth:`Actor.load_weights_from`), each rollout stamped with the version of the weights that
+generated it and the log-probs the engine drew with (docs/design.md, "Actor and learner").
+
+The trainer builds the actor once, after the backend is set up
+(:meth:`textrl.agents.base.PPOAgent.actor`): that is where the generation engine is chosen
+(:func:`textrl.generation.engine_for`, ``auto`` resolved for the device and the backend) and
+where the run's precision is taken from.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import Tensor, nn
+
+from textrl.agents.forwards import Forwards, RolloutForward, micro_batches, sequence_inputs
+from textrl.functional import kl_penalty, masked_mean
+from textrl.generation import GenerationEngine, Sampling, engine_for
+from textrl.keys import KEYS
+from textrl.parallel.fsdp_sharding import local
+from textrl.versions import VersionCounter
+
+Behaviour = Callable[[Tensor, Tensor, int, Tensor], Tensor]
+"""``behaviour(input_ids [B, L], attention_mask [B, L], prompt_len, action [B, T]) -> [B, T]``: the
+log-probs the ratio's denominator uses (an agent's old-policy snapshot)."""
+
+
+@dataclass
+class Sampled:
+    """One rollout's sampling: ``generate(input_ids, attention_mask) -> (tokens [n, T], logp [n, T]
+    or None)`` for each turn (the engine's log-probs of the tokens it drew, where it computes them),
+    and the ``version`` of the weights that generated them (:attr:`Actor.version`)."""
+
+    generate: Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]
+    version: int
+
+
+@dataclass
+class Actor:
+    """What makes a rollout (see the module docstring).
+
+    ``policy`` the model it samples with (the learner's own module when they share the weights),
+    ``reference`` the frozen model of the KL penalty (None: nothing reads one), ``critic`` the value
+    model its rollout-time forwards read (None without one), ``forwards`` the run's forwards under
+    its precision, ``engine`` how :meth:`act` generates, ``backend`` the run's processes (a
+    partitioned model's forwards are collectives), ``behaviour`` an agent's own behaviour log-probs
+    (None: the policy's own).
+    """
+
+    config: Any
+    policy: nn.Module
+    reference: nn.Module | None
+    critic: nn.Module | None
+    forwards: Forwards
+    engine: GenerationEngine
+    backend: Any
+    eos_token_id: int | None
+    pad_token_id: int
+    behaviour: Behaviour | None = None
+    version: int = 0
+    """The version of the weights it samples with: the learner's when they were last loaded
+    (:meth:`load_weights_from`)."""
+    kept: RolloutForward | None = field(default=None, repr=False)
+    """The last :meth:`evaluate`'s forward with its graph (``keep_graph``), for a one-step update."""
+    own_logp: tuple[Tensor, int, int] | None = field(default=None, repr=False)
+    """The last :meth:`evaluate`'s policy log-probs, their tensor version and the policy's version then."""
+
+    def __post_init__(self) -> None:
+        self._policy_version = VersionCounter(lambda: map(local, self.policy.parameters()))
+        self._weights_version = VersionCounter(lambda: map(local, self._models_read()))
+
+    def _models_read(self) -> list[Tensor]:
+        """The weights a kept forward read: the policy's and the critic's."""
+        critic = [] if self.critic is None else list(self.critic.parameters())
+        return [*self.policy.parameters(), *critic]
+
+    @property
+    def precision(self) -> Any:
+        """The run's precision (:class:`textrl.precision.Precision`) every forward of the actor runs under."""
+        return self.forwards.precision
+
+    @property
+    def device(self) -> torch.device:
+        return self.forwards.precision.device
+
+    # -- the weights ------------------------------------------------------------------------------
+    def load_weights_from(self, learner: Any) -> None:
+        """Sample with ``learner``'s weights from now on, and take their version: nothing to copy when
+        the actor samples with the learner's own modules (one process, the same weights), a copy
+        (``backend.copy_weights``) when it holds its own."""
+        if self.policy is not learner.policy:
+            self.backend.copy_weights(self.policy, learner.policy)
+        self.version = learner.version
+
+    # -- sampling -----------------------------------------------------------------------------------
+    def sampling(self, *, greedy: bool = False) -> Sampling:
+        """What :meth:`act` draws (:class:`textrl.generation.Sampling`): greedy, or the config's
+        temperature, top-k and top-p (the warping :meth:`logprobs` applies), the length cap, the
+        tokenizer's EOS / pad ids."""
+        cfg = self.config
+        return Sampling(greedy=greedy, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                        max_new_tokens=cfg.max_new_tokens, eos_token_id=self.eos_token_id,
+                        pad_token_id=self.pad_token_id)
+
+    @torch.no_grad()
+    def act(self, input_ids: Tensor, attention_mask: Tensor, *, greedy: bool = False) -> Tensor:
+        """Sample responses ``[B, T]`` (T <= max_new_tokens) for left-padded prompts ``[B, P]``, in
+        micro-batches of ``generation_batch_size``; ``pad_token_id`` after a row's EOS."""
+        return self.sample(input_ids, attention_mask, greedy=greedy)[0]
+
+    @torch.no_grad()
+    def sample(self, input_ids: Tensor, attention_mask: Tensor, *, greedy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """:meth:`act`'s tokens ``[B, T]`` and the engine's log-probs of them ``[B, T]`` (float32, 0
+        after a row's EOS; None when the engine computes none: ``generate_with_logprobs``)."""
+        sampling = self.sampling(greedy=greedy)
+        extra = {"synced_gpus": True} if self.backend.partitions_weights else {}  # each forward is a collective
+        tokens, logps = [], []
+        for sl in micro_batches(input_ids.shape[0], self.config.generation_batch_size):
+            ids = input_ids[sl].to(self.device)
+            mask = attention_mask[sl].to(self.device)
+            with self.precision.autocast(), self.backend.gathered(self.policy), torch.no_grad():
+                try:
+                    out, logp = self.engine.generate_with_logprobs(self.policy, ids, mask.long(), sampling, **extra)
+                except RuntimeError as err:
+                    if "probability tensor contains" not in str(err):
+                        raise
+                    raise self.overflowed() from err
+            tokens.append(out)
+            logps.append(logp)
+        width = max(o.shape[1] for o in tokens)
+        out = torch.cat([nn.functional.pad(o, (0, width - o.shape[1]), value=self.pad_token_id) for o in tokens])
+        if any(logp is None for logp in logps):
+            return out, None
+        return out, torch.cat([nn.functional.pad(lp.float(), (0, width - lp.shape[1])) for lp in logps])
+
+    @contextmanager
+    def rollout(self, *, greedy: bool = False) -> Iterator[Sampled]:
+        """One rollout's turns (the engine's :meth:`~textrl.generation.GenerationEngine.rollout`: the
+        ``textrl`` engine carries each turn's KV cache to the next), sampled by :meth:`sample`, with the
+        version of the weights that generated them."""
+
+        def generate(input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor | None]:
+            return self.sample(input_ids.to(self.device), attention_mask.to(self.device), greedy=greedy)
+
+        with self.engine.rollout():
+            yield Sampled(generate, self.version)
+
+    def overflowed(self) -> ValueError:
+        """Sampling met NaN/inf probabilities: the weights are finite (checked after every update)
+        but so large that the forward overflows. A ``ValueError`` naming the largest weight and
+        the learning rate, for a one-line stop (the checkpoints on disk are intact)."""
+        largest = max((float(p.detach().abs().max()) for p in self.policy.parameters() if p.numel()), default=0.0)
+        return ValueError(
+            f"generation drew from NaN/inf probabilities: the policy's forward overflows (its largest weight "
+            f"is {largest:.3g}, actor_lr={self.config.actor_lr:g}); lower --actor-lr (or set --max-grad-norm), "
+            "then resume from a checkpoint taken before the weights grew (--resume takes the newest)")
+
+    # -- forwards -----------------------------------------------------------------------------------
+    def logprobs(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
+                 action: Tensor) -> Tensor:
+        """Log-probs ``[B, T]`` of ``action`` under the sampling distribution of ``model``
+        (:meth:`textrl.agents.forwards.Forwards.logprobs`)."""
+        return self.forwards.logprobs(model, input_ids, attention_mask, prompt_len, action)
+
+    @torch.no_grad()
+    def evaluate(self, td: TensorDictBase, *, keep_graph: bool = False) -> TensorDict:
+        """``action_log_prob``, ``ref_log_prob`` (with a reference) and ``state_value`` (with a critic)
+        of a rollout: one prefill forward per micro-batch of ``forward_batch_size``. With
+        ``keep_graph`` the policy and critic forwards run with grad and are kept (:attr:`kept`) for
+        the update's one optimiser step to reuse."""
+        input_ids, attention_mask, p = sequence_inputs(td)
+        action = td.get(KEYS.action)
+        out = defaultdict(list)
+        for sl in micro_batches(input_ids.shape[0], self.config.forward_batch_size):
+            args = (input_ids[sl], attention_mask[sl], p)
+            if keep_graph:
+                self._graph_forward(out, args, action[sl])
+            else:
+                out["logp"].append(self.behaviour_logprobs(*args, action[sl]))
+                if self.critic is not None:
+                    out["value"].append(self.forwards.values(self.critic, *args))
+            if self.reference is not None:
+                out["ref"].append(self.logprobs(self.reference, *args, action[sl]))
+        logp = torch.cat(out["logp"])
+        result = TensorDict({KEYS.action_log_prob: logp}, batch_size=td.batch_size)
+        if self.reference is not None:
+            result.set(KEYS.ref_log_prob, torch.cat(out["ref"]))
+        if self.critic is not None:
+            result.set(KEYS.state_value, torch.cat(out["value"]).unsqueeze(-1))
+        if self.behaviour is None:  # the policy's own log-probs
+            self.own_logp = (logp, logp._version, self._policy_version.now())
+        self.kept = None
+        if keep_graph:
+            with torch.enable_grad():  # a concatenation under no_grad would cut the graph
+                self.kept = RolloutForward(
+                    logp=torch.cat(out["graph_logp"]), entropy=torch.cat(out["graph_entropy"]),
+                    values=torch.cat(out["graph_value"]) if self.critic is not None else None,
+                    stored=logp, version=self._weights_version.now(),
+                )
+        return result
+
+    def _graph_forward(self, out: dict[str, list[Tensor]], args: tuple[Tensor, Tensor, int], action: Tensor) -> None:
+        """One micro-batch's policy (and critic) forward with grad, kept and detached into ``out``."""
+        with torch.enable_grad():
+            logp, entropy = self.forwards.logprobs_and_entropy(self.policy, *args, action)
+            out["graph_logp"].append(logp)
+            out["graph_entropy"].append(entropy)
+            out["logp"].append(logp.detach())
+            if self.critic is not None:
+                out["graph_value"].append(self.forwards.values(self.critic, *args))
+                out["value"].append(out["graph_value"][-1].detach())
+
+    def behaviour_logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
+        """The log-probs the ratio's denominator uses: :attr:`behaviour`'s, else the policy's own."""
+        if self.behaviour is not None:
+            return self.behaviour(input_ids, attention_mask, prompt_len, action)
+        return self.logprobs(self.policy, input_ids, attention_mask, prompt_len, action)
+
+    def take_kept_forward(self, td: TensorDictBase) -> RolloutForward | None:
+        """The kept forward of :meth:`evaluate` if it belongs to ``td`` and no weight changed since
+        (it is handed over once: a second call returns None)."""
+        kept, self.kept = self.kept, None
+        if kept is None or td.get(KEYS.action_log_prob, None) is not kept.stored:
+            return None
+        return kept if kept.version == self._weights_version.now() else None
+
+    @torch.no_grad()
+    def policy_ref_kl(self, td: TensorDictBase) -> float:
+        """Mean per-token KL(policy || ref) (``config.kl_kind``) of the rollout's actions, now.
+
+        When the rollout's ``action_log_prob`` are the policy's own (computed by :meth:`evaluate`,
+        neither they nor a policy weight changed since), they are reused instead of recomputed:
+        the forward would give the same numbers. This makes ``kl/before_update`` free.
+        """
+        input_ids, attention_mask, p = sequence_inputs(td)
+        action, mask = td.get(KEYS.action), td.get(KEYS.mask)
+        cached, cached_version, version = self.own_logp or (None, None, None)
+        logp = td.get(KEYS.action_log_prob, None)
+        if not (logp is not None and logp is cached and logp._version == cached_version
+                and version == self._policy_version.now()):
+            logp = torch.cat([
+                self.logprobs(self.policy, input_ids[sl], attention_mask[sl], p, action[sl])
+                for sl in micro_batches(td.shape[0], self.config.forward_batch_size)
+            ])
+        kl = kl_penalty(logp, td.get(KEYS.ref_log_prob), kind=self.config.kl_kind)
+        return masked_mean(kl, mask).item()
+
+
+def build_actor(agent: Any) -> Actor:
+    """``agent``'s actor for its backend and device, over its models and its forwards (the learner's,
+    one precision). The one place the generation engine is chosen: ``config.generation_engine``,
+    ``auto`` resolved for the device and for a backend that partitions the weights (its forwards are
+    collectives), and checked against the backend (``ValueError`` naming both). An agent that
+    overrides ``behaviour_logprobs`` (an old-policy snapshot) has the actor call it."""
+    backend = agent.backend
+    engine = engine_for(agent.config.generation_engine, agent.device, partitions_weights=backend.partitions_weights)
+    engine.check_backend(backend.partitions_weights)
+    own = not type(agent).overrides("behaviour_logprobs")
+    return Actor(agent.config, agent.policy, agent.ref_policy, agent.critic, agent.learner.forwards, engine, backend,
+                 eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id,
+                 behaviour=None if own else agent.behaviour_logprobs)
+
+
+__all__ = ["Actor", "Behaviour", "Sampled", "build_actor"]

@@ -1,0 +1,113 @@
+"""The learner: what an update changes.
+
+A :class:`Learner` owns the trained weights (the policy and the critic), the optimisers and their
+schedules, the KL controller the estimator feeds, the counters (iterations, the streak of skipped
+updates) and the weights' version (:class:`textrl.versions.VersionCounter`: it moves with every
+optimiser step). The agent's ``estimate`` and ``loss`` (the hooks a subclass writes) are its
+objective: :func:`process_rollout` runs the estimator over a rollout the actor evaluated, and
+:func:`textrl.agents.update.update` the epochs of the loss. How the backward, the step and the
+rollback run over processes is the backend's (:mod:`textrl.parallel`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from torch import Tensor, nn
+
+from textrl.agents.forwards import Forwards
+from textrl.functional import masked_sum, next_valid
+from textrl.keys import KEYS
+from textrl.parallel.base import build_optimizers, trained_parameters
+from textrl.parallel.fsdp_sharding import local
+from textrl.timing import timed
+from textrl.versions import VersionCounter
+
+
+@dataclass
+class Learner:
+    """What an update changes (see the module docstring). ``policy`` and ``critic`` (None without one)
+    are the trained models, ``forwards`` the run's forwards under its precision (a loss's), ``backend``
+    the run's processes, ``kl_ctl`` the KL controller, ``total_updates`` the optimiser steps the
+    learning-rate schedules span. The optimisers are built over the weights as they are
+    (:func:`textrl.parallel.base.build_optimizers`); a backend that replaces the weights builds
+    them again."""
+
+    config: Any
+    policy: nn.Module
+    critic: nn.Module | None
+    forwards: Forwards
+    backend: Any
+    kl_ctl: Any
+    total_updates: int
+    iteration: int = 0
+    """Updates done (the reference and old-policy refreshes count them)."""
+    nonfinite_streak: int = 0
+    """Consecutive skipped (NaN/inf) updates; the trainer stops at ``max_nonfinite_updates``."""
+    actor_optimizer: Any = field(default=None, repr=False)
+    critic_optimizer: Any = field(default=None, repr=False)
+    optimizers: list[Any] = field(default_factory=list, repr=False)
+    schedulers: list[Any] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._version = VersionCounter(lambda: [local(p) for _, p in trained_parameters(self)])
+        build_optimizers(self)
+
+    @property
+    def version(self) -> int:
+        """The trained weights' version now: it moves with each optimiser step (the update reads it
+        after each), a restore and a load (:class:`textrl.versions.VersionCounter`)."""
+        return self._version.now()
+
+    @property
+    def device(self) -> torch.device:
+        return self.forwards.precision.device
+
+
+def learner_attribute(name: str, doc: str) -> property:
+    """A property of the agent that reads and writes its learner's ``name`` (the optimisers, counters
+    and KL controller a backend or a checkpoint sets through the agent)."""
+    return property(lambda agent: getattr(agent.learner, name),
+                    lambda agent, value: setattr(agent.learner, name, value), doc=doc)
+
+
+Estimate = Callable[[TensorDictBase], None]
+"""An agent's estimator: writes ``("next","reward")``, ``advantage`` and ``value_target`` into a rollout."""
+ReferenceKL = Callable[..., Tensor]
+"""An agent's per-token KL to the reference, ``(logp [B, T], td, kind=) -> [B, T]``."""
+
+
+@torch.no_grad()
+def process_rollout(actor: Any, learner: Learner, td: TensorDictBase, *, estimate: Estimate,
+                    reference_kl: ReferenceKL, keep_graph: bool = False,
+                    timings: dict[str, float] | None = None) -> TensorDictBase:
+    """:meth:`PPOAgent.process_rollout <textrl.agents.base.PPOAgent.process_rollout>`: the actor's
+    forwards (behaviour and reference log-probs, values), then the estimator and the KL controller."""
+    learner.backend.stage_rollback(learner)  # the update's rollback copy, overlapping the forwards on CUDA
+    if KEYS.task_reward not in td.keys(include_nested=True):
+        td.set(KEYS.task_reward, td.get(KEYS.reward).clone())
+    if KEYS.score not in td.keys():
+        td.set(KEYS.score, td.get(KEYS.reward).squeeze(-1).sum(1).float())
+    with timed(timings, "forward", learner.device):
+        td.update(actor.evaluate(td, keep_graph=keep_graph))
+    with timed(timings, "advantages", learner.device):
+        mask = td.get(KEYS.mask)
+        if actor.critic is not None:
+            state_values = torch.where(mask, td.get(KEYS.state_value).squeeze(-1), 0.0)  # [B, T]
+            next_values = next_valid(state_values, mask)  # V(s_t+1): at the next agent token, 0 after the last
+            td.set(KEYS.state_value, state_values.unsqueeze(-1))
+            td.set(KEYS.next_state_value, next_values.unsqueeze(-1))
+        estimate(td)
+        if actor.reference is not None:  # without one the coefficient is a fixed 0
+            kl = reference_kl(td.get(KEYS.action_log_prob), td, kind="k1")
+            dist = learner.backend.dist
+            seq_kl = dist.mean({"kl": masked_sum(kl, mask, dim=1).mean().item()})["kl"]
+            learner.kl_ctl.update(seq_kl, td.shape[0] * dist.world_size)
+    return td
+
+
+__all__ = ["Estimate", "Learner", "ReferenceKL", "learner_attribute", "process_rollout"]
