@@ -316,17 +316,22 @@ def test_no_carry_outside_a_rollout_or_after_the_weights_change(tok):
 
 
 def test_a_multi_turn_run_logs_the_same_with_either_engine(tmp_path):
+    """The same metrics, but the gap between the engine's log-probs and the learner's: each engine's
+    own rounding, below 1e-3 with both."""
     from tests.runs import SMALL, metrics
     from textrl.cli import main
 
-    rows = {}
+    rows, gaps = {}, {}
     for engine in ("hf", "textrl"):
         out = tmp_path / engine
         main(["train", *SMALL, "--agent", "rloo", "--env", "guess_number", "--iterations", "2",
               "--generation-engine", engine, "--output-dir", str(out)])
-        rows[engine] = [{k: v for k, v in r.items() if not any(w in k for w in ("time", "_s", "seconds", "memory", "per_s"))}
+        rows[engine] = [{k: v for k, v in r.items()
+                         if not any(w in k for w in ("time", "_s", "seconds", "memory", "per_s", "logprob_gap"))}
                         for r in metrics(out)]
+        gaps[engine] = [r["rollout/logprob_gap_max"] for r in metrics(out)]
     assert rows["textrl"] == rows["hf"]
+    assert all(0 <= g < 1e-3 for engine in gaps for g in gaps[engine]) and len(gaps["hf"]) == 2, gaps
 
 
 def test_textrl_train_refuses_an_unknown_engine_before_any_work(tmp_path):

@@ -14,6 +14,8 @@
    distribution (:func:`~textrl.generation.draw.next_tokens`: the warping of
    :func:`textrl.functional.sampling_filter`, then the draw ``torch.multinomial`` makes, so a seeded
    run draws the same tokens as ``hf`` in the same order); a row is ``pad_token_id`` after its EOS.
+   The step also writes the drawn token's log-prob, gathered from the probabilities of the draw
+   (:meth:`DecodeEngine.generate_with_logprobs` returns them; ``generate`` drops them).
 3. **No host sync per token.** Whether every row has ended is read on the host only every
    ``check_every`` steps on a GPU; the output is then cut to the step where the last row ended, so
    the result is the shape ``generate`` returns.
@@ -31,7 +33,7 @@ from torch import Tensor, nn
 
 from textrl.generation.base import GenerationEngine, Sampling, cut_at_last_eos, register_engine
 from textrl.generation.carry import Plan, TurnCarry, cache_layers, layers_like
-from textrl.generation.draw import INVALID, next_tokens
+from textrl.generation.draw import INVALID, next_tokens, next_tokens_and_logprobs
 from textrl.generation.graph import DecodeGraph, Graphs
 from textrl.generation.static_kv import bucket, static_unsupported
 from textrl.models.kv_cache import cache_argument, new_cache
@@ -217,9 +219,23 @@ class DecodeEngine(GenerationEngine):
         state.attend(real_cols)
         return decoder, logits, context, cols
 
-    @torch.no_grad()
     def generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
                  **kwargs: Any) -> Tensor:
+        return self._generate(model, input_ids, attention_mask, sampling, False, **kwargs)[0]
+
+    def generate_with_logprobs(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
+                               **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """:meth:`generate`'s tokens ``[B, T]`` and their log-probs ``[B, T]`` (float32, 0.0 after a
+        row's EOS), each gathered from the probabilities its token was drawn from
+        (:func:`~textrl.generation.draw.next_tokens_and_logprobs`): the first token's from the prefill's
+        (or a carried turn's feed's) logits, the others' written by the decode step (``out_logp``)."""
+        return self._generate(model, input_ids, attention_mask, sampling, True, **kwargs)
+
+    @torch.no_grad()
+    def _generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
+                  logprobs: bool, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """``(tokens [B, T], their log-probs [B, T] when ``logprobs``, else None)``: the prefill (or a
+        carried turn's feed), the first token, the decode."""
         if kwargs:
             raise TypeError(f"the textrl engine takes no generate arguments; got {', '.join(sorted(kwargs))}")
         name = cache_argument(model)
@@ -240,21 +256,26 @@ class DecodeEngine(GenerationEngine):
                 decoder.state.load_context(layers, mask)
                 del cache, layers  # the prefill's cache is in the static one now
         invalid = torch.zeros(1, dtype=torch.bool, device=logits.device)  # non-finite logits met, when sampling
-        first = next_tokens(logits, sampling, invalid)
+        if logprobs:
+            first, first_logp = next_tokens_and_logprobs(logits, sampling, invalid)
+        else:
+            first, first_logp = next_tokens(logits, sampling, invalid), None
         if sampling.eos_token_id is not None:
             running = first != sampling.eos_token_id
         else:
             running = torch.ones_like(first, dtype=torch.bool)
         if decoder is not None:
-            tokens, fed, kept = self._decode_static(decoder, model, context, first, running, sampling, name, invalid)
+            tokens, logp, fed, kept = self._decode_static(decoder, model, context, first, first_logp, running,
+                                                          sampling, name, invalid)
         else:
-            tokens, fed, kept = self._decode_dynamic(model, cache, mask, first, running, sampling, name, invalid)
+            tokens, logp, fed, kept = self._decode_dynamic(model, cache, mask, first, first_logp, running, sampling,
+                                                           name, invalid)
         if not sampling.greedy and bool(invalid.any()):  # one host read a call
             raise RuntimeError(f"{INVALID}: the textrl engine drew from a model whose logits are not finite")
         tokens = cut_at_last_eos(tokens, sampling.eos_token_id)
         if self.carry is not None and real is not None and cols is not None:
             self._remember(model, kept, real, cols, tokens, fed, context, sampling.eos_token_id)
-        return tokens
+        return tokens, (logp[:, :tokens.shape[1]] if logp is not None else None)
 
     def _windows(self, device: torch.device) -> int | None:
         """The attention window's granularity on ``device`` (``attention_window``; "auto": 64 where the step
@@ -278,13 +299,19 @@ class DecodeEngine(GenerationEngine):
         every = self.check_every or (1 if running.device.type == "cpu" else 16)
         return sampling.eos_token_id is not None and (t + 1) % every == 0 and not bool(running.any())
 
-    def _decode_dynamic(self, model: nn.Module, cache: Any, mask: Tensor, first: Tensor, running: Tensor,
-                        sampling: Sampling, name: str, invalid: Tensor) -> tuple[Tensor, int, Any]:
-        """Decode over the growing cache of the prefill: ``(tokens [B, T], tokens fed back, cache)``,
+    def _decode_dynamic(self, model: nn.Module, cache: Any, mask: Tensor, first: Tensor, first_logp: Tensor | None,
+                        running: Tensor, sampling: Sampling, name: str,
+                        invalid: Tensor) -> tuple[Tensor, Tensor | None, int, Any]:
+        """Decode over the growing cache of the prefill: ``(tokens [B, T], their log-probs [B, T] (0.0
+        after EOS; None unless ``first_logp``, the first token's, is given), tokens fed back, cache)``,
         ``invalid`` or-ed with "a draw met non-finite logits"."""
         eos, pad = sampling.eos_token_id, sampling.pad_token_id
         tokens = torch.full((first.shape[0], sampling.max_new_tokens), pad, dtype=torch.long, device=first.device)
         tokens[:, 0] = first
+        logps = None
+        if first_logp is not None:
+            logps = torch.zeros(tokens.shape, dtype=torch.float32, device=first.device)
+            logps[:, 0] = first_logp
         token = first
         position = mask.sum(-1, keepdim=True)  # [B, 1]: the next token's position id (real tokens before it)
         steps = sampling.max_new_tokens
@@ -296,11 +323,16 @@ class DecodeEngine(GenerationEngine):
             out = model(input_ids=token.unsqueeze(1), attention_mask=mask, position_ids=position, use_cache=True,
                         **{name: cache})
             position = position + 1
-            token = torch.where(running, next_tokens(out.logits[:, -1], sampling, invalid), pad)
+            if logps is not None:
+                drawn, logp = next_tokens_and_logprobs(out.logits[:, -1], sampling, invalid)
+                logps[:, t] = torch.where(running, logp, 0.0)
+            else:
+                drawn = next_tokens(out.logits[:, -1], sampling, invalid)
+            token = torch.where(running, drawn, pad)
             tokens[:, t] = token
             if eos is not None:
                 running = running & (token != eos)
-        return tokens[:, :steps], steps - 1, cache
+        return tokens[:, :steps], (logps[:, :steps] if logps is not None else None), steps - 1, cache
 
     def _decoder(self, model: nn.Module, rows: int, context: int, like: list[tuple[Tensor, Tensor]],
                  sampling: Sampling, name: str) -> DecodeGraph:
@@ -316,12 +348,14 @@ class DecodeEngine(GenerationEngine):
         """Whether the decode step is captured as a CUDA graph on ``device``."""
         return self.graphs.capture and device.type == "cuda"
 
-    def _decode_static(self, decoder: DecodeGraph, model: nn.Module, context: int, first: Tensor, running: Tensor,
-                       sampling: Sampling, name: str, invalid: Tensor) -> tuple[Tensor, int, Any]:
+    def _decode_static(self, decoder: DecodeGraph, model: nn.Module, context: int, first: Tensor,
+                       first_logp: Tensor | None, running: Tensor, sampling: Sampling, name: str,
+                       invalid: Tensor) -> tuple[Tensor, Tensor | None, int, Any]:
         """Decode over the decoder's static cache, its context loaded, one captured step a token on
-        CUDA: ``(tokens [B, T], tokens fed back, a copy of the cache when carried)``."""
+        CUDA: ``(tokens [B, T], their log-probs [B, T] (the step writes them, ``out_logp``; None unless
+        ``first_logp``, the first token's, is given), tokens fed back, a copy of the cache when carried)``."""
         state = decoder.state
-        state.start(first, running, sampling.pad_token_id)
+        state.start(first, running, sampling.pad_token_id, first_logp)
         width = state.kv.width
         every = self._windows(first.device)
         steps = sampling.max_new_tokens
@@ -333,9 +367,10 @@ class DecodeEngine(GenerationEngine):
             decoder.run(model, sampling, name, min(width, bucket(context + t, every)) if every else None)
         b = first.shape[0]  # the rows past it are filler rows
         tokens = state.out[:b, :steps].clone()
+        logp = state.out_logp[:b, :steps].clone() if first_logp is not None else None
         invalid.logical_or_(state.invalid)
         kept = state.kv.snapshot(context + steps - 1, b) if self.carry is not None else None
-        return tokens, steps - 1, kept
+        return tokens, logp, steps - 1, kept
 
     def _remember(self, model: nn.Module, cache: Any, real: list[tuple[int, ...]], cols: list[list[int]],
                   tokens: Tensor, fed: int, context_width: int, eos: int | None) -> None:

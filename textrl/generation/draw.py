@@ -1,5 +1,6 @@
 """The next token drawn on the device, with no host sync: argmax when greedy, else one draw from
-the filtered distribution as ``generate`` makes it (what a captured step can hold)."""
+the filtered distribution as ``generate`` makes it (what a captured step can hold), and, when
+asked, its log-prob under that distribution."""
 
 from __future__ import annotations
 
@@ -20,7 +21,18 @@ def draw(probs: Tensor) -> Tensor:
 
 INVALID = "probability tensor contains either `inf`, `nan` or element < 0"
 """What ``torch.multinomial`` raises on non-finite probabilities, and the ``textrl`` engine with it
-(textrl.agents.forwards.act turns it into the overflow error that names the learning rate)."""
+(textrl.agents.actor.Actor.sample turns it into the overflow error that names the learning rate)."""
+
+
+def warped(logits: Tensor, sampling: Sampling) -> Tensor:
+    """``[B, V]`` logits -> float32 ``[B, V]``: ``sampling_filter(logits / temperature)``, the logits of
+    the distribution a row draws from (temperature, then top-k, then top-p; ``-inf`` on the entries
+    filtered out); the temperature 1 left out, as no division by 1 changes a value."""
+    from textrl.functional import sampling_filter
+
+    logits = logits.float()
+    z = logits / sampling.temperature if sampling.temperature != 1.0 else logits
+    return sampling_filter(z, sampling.top_k, sampling.top_p)
 
 
 def next_tokens(logits: Tensor, sampling: Sampling, invalid: Tensor | None = None) -> Tensor:
@@ -28,16 +40,33 @@ def next_tokens(logits: Tensor, sampling: Sampling, invalid: Tensor | None = Non
     ``softmax(sampling_filter(logits / temperature))`` in float32, as ``generate`` draws. When
     sampling, ``invalid`` (a bool tensor on the device) is or-ed with "some logit is not finite",
     the check ``torch.multinomial`` makes on the host, here without a sync."""
-    from textrl.functional import sampling_filter
-
     logits = logits.float()
     if sampling.greedy:
         return logits.argmax(-1)
     if invalid is not None:
         invalid.logical_or_(~torch.isfinite(logits).all())
-    z = logits / sampling.temperature if sampling.temperature != 1.0 else logits
-    z = sampling_filter(z, sampling.top_k, sampling.top_p)
-    return draw(z.softmax(-1))
+    return draw(warped(logits, sampling).softmax(-1))
 
 
-__all__ = ["INVALID", "draw", "next_tokens"]
+def next_tokens_and_logprobs(logits: Tensor, sampling: Sampling,
+                             invalid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`next_tokens`' tokens ``[B]`` (the same draw: the same random numbers, the same tokens)
+    and their log-probs ``[B]`` (float32) under the distribution drawn from: when sampling, the log
+    of the drawn token's probability, gathered from the probabilities of the draw (no second
+    softmax over the vocabulary); when greedy, the argmax's log-prob under ``sampling_filter(logits
+    / temperature)`` (0.0 at a temperature <= 0, the limit: the argmax is certain)."""
+    logits = logits.float()
+    if sampling.greedy:
+        tokens = logits.argmax(-1)
+        if not sampling.temperature > 0:
+            return tokens, torch.zeros(tokens.shape, device=logits.device)
+        z = warped(logits, sampling)
+        return tokens, z.gather(-1, tokens[:, None])[:, 0] - z.logsumexp(-1)
+    if invalid is not None:
+        invalid.logical_or_(~torch.isfinite(logits).all())
+    probs = warped(logits, sampling).softmax(-1)
+    tokens = draw(probs)
+    return tokens, probs.gather(-1, tokens[:, None])[:, 0].log()
+
+
+__all__ = ["INVALID", "draw", "next_tokens", "next_tokens_and_logprobs", "warped"]

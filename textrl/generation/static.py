@@ -22,9 +22,10 @@ from torch import Tensor, nn
 from textrl.generation.base import GenerationEngine, Sampling, cut_at_last_eos, register_engine
 from textrl.generation.casts import ambient_autocast
 from textrl.generation.graph import recent
+from textrl.generation.hf import generation_config, sample_with_logprobs
 from textrl.generation.static_kv import bucket
 from textrl.models.kv_cache import cache_argument
-from textrl.models.sampling import sample, sampling_config
+from textrl.models.sampling import sample
 
 
 @register_engine("static")
@@ -58,18 +59,30 @@ class StaticEngine(GenerationEngine):
 
     def generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
                  **kwargs: Any) -> Tensor:
+        return self._generate(model, input_ids, attention_mask, sampling, False, **kwargs)[0]
+
+    def generate_with_logprobs(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
+                               **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """:meth:`generate`'s tokens and their log-probs, recorded by a
+        :class:`~textrl.generation.hf.DrawnLogprobs` in the call (the filler rows' dropped)."""
+        return self._generate(model, input_ids, attention_mask, sampling, True, **kwargs)
+
+    def _generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
+                  logprobs: bool, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """``(tokens [B, T], their log-probs [B, T] when ``logprobs``, else None)`` over the bucketed shape."""
         b, p = input_ids.shape
         rows, width = bucket(b, self.row_bucket), bucket(p, self.width_bucket)
         ids = input_ids.new_full((rows, width), sampling.pad_token_id)
         mask = attention_mask.new_zeros((rows, width)).long()
         ids[:b, width - p:], mask[:b, width - p:] = input_ids, attention_mask.long()
         ids[b:, width - p:], mask[b:, width - p:] = input_ids[:1], attention_mask[:1].long()
-        config = sampling_config(greedy=sampling.greedy, temperature=sampling.temperature, top_k=sampling.top_k,
-                                 top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens,
-                                 eos_token_id=sampling.eos_token_id, pad_token_id=sampling.pad_token_id)
         cache = self.cache_for(model, rows, bucket(width + sampling.max_new_tokens, self.width_bucket))
+        kwargs = {**kwargs, cache_argument(model): cache}
         try:
-            out = sample(model, ids, mask, config, **{cache_argument(model): cache}, **kwargs)[:b, width:]
+            if logprobs:
+                out, drawn = sample_with_logprobs(model, ids, mask, sampling, **kwargs)
+            else:
+                out, drawn = sample(model, ids, mask, generation_config(sampling), **kwargs), None
         except RuntimeError as err:
             if "index_copy_" not in str(err) or "same dtype" not in str(err):
                 raise
@@ -78,7 +91,8 @@ class StaticEngine(GenerationEngine):
                 "generation_engine='static': this transformers' StaticCache stores values in the keys' dtype, and "
                 f"under autocast this model's keys and values differ ({err}); run with the weights in the autocast "
                 "dtype (--dtype bfloat16), a newer transformers, or --generation-engine textrl") from err
-        return cut_at_last_eos(out, sampling.eos_token_id)  # the filler rows may have run longer than the real ones
+        tokens = cut_at_last_eos(out[:b, width:], sampling.eos_token_id)  # the filler rows may have run longer
+        return tokens, (drawn.logprobs(tokens) if drawn is not None else None)
 
 
 __all__ = ["StaticEngine"]

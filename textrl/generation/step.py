@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from textrl.generation.base import Sampling
-from textrl.generation.draw import next_tokens
+from textrl.generation.draw import next_tokens_and_logprobs
 from textrl.generation.static_kv import StaticKV
 
 
@@ -20,7 +20,9 @@ class DecodeState:
     """The buffers a step reads and writes, one set per shape: ``token`` ``[B]`` (fed next),
     ``position`` ``[B, 1]`` (its position id), ``running`` ``[B]``, ``mask`` ``[B, 1, 1, L]``
     (additive: 0 on the columns a row attends to), ``out`` ``[B, L]`` (the tokens drawn, column
-    ``step``), ``step`` ``[1]``, ``invalid`` ``[1]`` (a step drew from non-finite logits), ``kv``."""
+    ``step``), ``out_logp`` ``[B, L]`` (float32: their log-probs under the distribution drawn from,
+    0.0 after a row's EOS), ``step`` ``[1]``, ``invalid`` ``[1]`` (a step drew from non-finite
+    logits), ``kv``."""
 
     kv: StaticKV
     token: Tensor
@@ -28,6 +30,7 @@ class DecodeState:
     running: Tensor
     mask: Tensor
     out: Tensor
+    out_logp: Tensor
     step: Tensor
     invalid: Tensor
 
@@ -44,14 +47,16 @@ class DecodeState:
                    running=torch.ones(rows, dtype=torch.bool, device=device),
                    mask=torch.full((rows, 1, 1, width), torch.finfo(dtype).min, dtype=dtype, device=device),
                    out=torch.zeros(rows, width, dtype=torch.long, device=device),
+                   out_logp=torch.zeros(rows, width, dtype=torch.float32, device=device),
                    step=torch.zeros(1, dtype=torch.long, device=device),
                    invalid=torch.zeros(1, dtype=torch.bool, device=device))
 
     def load(self, layers: list[tuple[Tensor, Tensor]], mask: Tensor, first: Tensor, running: Tensor,
-             pad: int) -> None:
-        """Start a call: the prefilled cache and its 2-D mask ``[B, W]``, the first token drawn ``[B]``."""
+             pad: int, first_logp: Tensor | None = None) -> None:
+        """Start a call: the prefilled cache and its 2-D mask ``[B, W]``, the first token drawn ``[B]``
+        (and its log-prob ``[B]``, :meth:`start`)."""
         self.load_context(layers, mask)
-        self.start(first, running, pad)
+        self.start(first, running, pad, first_logp)
 
     def load_context(self, layers: list[tuple[Tensor, Tensor]], mask: Tensor) -> None:
         """The prefilled cache ``[B', H, W, D]`` a layer and its 2-D mask ``[B', W]`` into the first
@@ -69,9 +74,9 @@ class DecodeState:
         self.position.zero_()
         self.position[:real.shape[0]] = real.sum(-1, keepdim=True)
 
-    def start(self, first: Tensor, running: Tensor, pad: int) -> None:
-        """The first token drawn ``[B']`` (fed by the first step) and the rows still running after it;
-        filler rows past ``B'`` feed ``pad`` and are not running."""
+    def start(self, first: Tensor, running: Tensor, pad: int, first_logp: Tensor | None = None) -> None:
+        """The first token drawn ``[B']`` (fed by the first step), its log-prob ``[B']`` (None: 0.0) and
+        the rows still running after it; filler rows past ``B'`` feed ``pad`` and are not running."""
         b = first.shape[0]
         if b == self.token.shape[0]:
             self.token.copy_(first)
@@ -83,19 +88,25 @@ class DecodeState:
             self.running[:b] = running
         self.out.fill_(pad)
         self.out[:b, 0] = first
+        self.out_logp.zero_()
+        if first_logp is not None:
+            self.out_logp[:b, 0] = first_logp
         self.step.fill_(1)
         self.invalid.fill_(False)
 
 
 def decode_step(model: nn.Module, state: DecodeState, sampling: Sampling, name: str) -> None:
     """One step, in place: feed ``state.token`` at ``state.position`` into cache column
-    ``kv.column``, draw the next token (``pad`` for a row past its EOS) into ``token`` and ``out[:, step]``."""
+    ``kv.column``, draw the next token (``pad`` for a row past its EOS) into ``token`` and ``out[:, step]``,
+    and its log-prob (0.0 past EOS) into ``out_logp[:, step]``."""
     state.mask.index_fill_(3, state.kv.column, 0.0)
     mask = state.mask if state.kv.window is None else state.mask[..., :state.kv.window]
     logits = model(input_ids=state.token[:, None], attention_mask=mask, position_ids=state.position,
                    use_cache=True, **{name: state.kv}).logits[:, -1]
-    token = torch.where(state.running, next_tokens(logits, sampling, state.invalid), sampling.pad_token_id)
+    drawn, logp = next_tokens_and_logprobs(logits, sampling, state.invalid)
+    token = torch.where(state.running, drawn, sampling.pad_token_id)
     state.out.index_copy_(1, state.step, token[:, None])
+    state.out_logp.index_copy_(1, state.step, torch.where(state.running, logp, 0.0)[:, None])
     if sampling.eos_token_id is not None:
         state.running.logical_and_(token != sampling.eos_token_id)
     state.token.copy_(token)

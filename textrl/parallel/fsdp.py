@@ -70,8 +70,9 @@ class FSDP(Replicated):
 
     def restore(self, agent: Any, snapshot: Any) -> None:
         """:meth:`Backend.restore` into this process's shards (the optimisers hold the shards), after
-        freeing every gathered unit, whose full copy would still hold the rolled-back weights."""
-        for _, model in agent.named_children():
+        freeing every gathered unit of a trained model, whose full copy would still hold the rolled-back
+        weights (the frozen models' are unchanged)."""
+        for _, model in trained_models(agent):
             fsdp_sharding.reshard(model)
         super().restore(agent, snapshot)
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from textrl.parallel.base import Backend
+from textrl.parallel.base import Backend, trained_parameters
 
 
 def parameter_checksum(module: nn.Module) -> str:
@@ -40,7 +40,7 @@ class Replicated(Backend):
 
     def sync_gradients(self, agent: Any) -> None:
         """Average every gradient over the processes (a missing one counts as zeros)."""
-        self.dist.all_reduce_grads(p for p in agent.parameters() if p.grad is not None)
+        self.dist.all_reduce_grads(p for _, p in trained_parameters(agent) if p.grad is not None)
 
     def end_of_run(self, agent: Any) -> dict[str, Any]:
         """``parameter_checksum``, after checking every process ended with the same weights."""
