@@ -51,9 +51,47 @@ class Objective:
 
 
 def update(learner: Learner, actor: Actor, td: TensorDictBase, objective: Objective) -> dict[str, float]:
-    """:meth:`PPOAgent.update <textrl.agents.base.PPOAgent.update>` without the refreshes after it:
-    the rollout's provenance and KL monitors, then the epochs under the rollback guard unless the
-    rollout itself is not finite, then the metrics."""
+    """:meth:`PPOAgent.update <textrl.agents.base.PPOAgent.update>` without the refreshes after it
+    (the agent's ``after_update``): the rollout's provenance (:func:`provenance_metrics`) and KL
+    monitors, then the epochs under the rollback guard unless the rollout itself is not finite, then
+    the metrics.
+
+    The loop of CleanRL's ppo.py: for each epoch, for each minibatch, one optimiser step
+    (:func:`textrl.agents.update.run_epochs`) over its micro-batches; the backend (:mod:`textrl.parallel`)
+    does the backward and the step, so the loop is the same on one process, replicated, FSDP
+    and DeepSpeed. The rollout is split into ``num_minibatches`` x
+    ``gradient_accumulation_steps`` as evenly as possible (uneven only when
+    ``reward_nonfinite='drop'`` removed rows).
+
+    Besides the losses (averaged over minibatches), it reports the three KL monitors,
+    each the mean per-token KL(policy || ref) of ``config.kl_kind``: ``kl/collection`` (the
+    behaviour log-probs stored in the rollout), ``kl/before_update`` and, with
+    ``config.kl_after_update``, ``kl/after_update`` (the policy re-evaluated before and after
+    this update; the first is free, the second costs a policy forward).
+
+    Skips, the same on every backend (docs/parallelism.md):
+
+    - ratio threshold (MA-RLHF): a micro-batch whose mean policy ratio, averaged over the
+      processes, exceeds ``config.ratio_threshold`` is judged before its backward and left
+      out of the step, actor and critic (its samples are stale or broken); the minibatch
+      counts once in ``ppo/ratio_threshold_skips``; when all its micro-batches are left out
+      nothing steps;
+    - numerical faults: a rollout with NaN/inf log-probs, values, rewards or advantages on
+      valid tokens is skipped as a whole (one skipped update); a minibatch with a NaN/inf
+      loss or gradient on any process is skipped (no optimiser or scheduler step, weights
+      untouched) on every process. Both count in ``nonfinite/skipped_updates`` and in
+      ``nonfinite_streak`` (consecutive skips, reset by a good step); at
+      ``config.max_nonfinite_updates`` the update stops and the trainer stops the run;
+    - steps that leave NaN/inf weights (finite gradients, a step too large):
+      with ``config.nonfinite_weights='rollback'`` (the default) the whole update is undone
+      (:func:`textrl.agents.update.rolled_back_if_nonfinite`) and counts as one skipped update, ``nonfinite/rolled_back`` = 1;
+      with ``'stop'`` the weights stay as they are and the trainer's check stops the run.
+      ``guard/bytes`` is the size of the rollback's copy on this process (0 with ``'stop'``);
+      the host seconds its staging, copy, check and restore took are not a metric (metrics
+      are deterministic): ``Backend.rollback_seconds``.
+
+    The agent's ``after_update`` (the reference refresh) runs after this, so it copies checked weights.
+    """
     metrics = {**provenance_metrics(learner, td), **kl_monitors(actor, td)}
     tally = UpdateTally()
     kept = actor.take_kept_forward(td)  # the behaviour forward with its graph, or None
