@@ -1,11 +1,11 @@
 """The shape of the code a newcomer reads: the longest functions, the largest classes (by lines
 and by methods) and the files over a line limit, for textrl/ (tests and data left out).
 
-    python benchmarks/code_shape.py [--top 10] [--file-limit 600] [--method-limit 30]
+    python benchmarks/code_shape.py [--top 10] [--file-limit 600] [--method-limit 30] [--root PATH]
 
 Prints three tables and exits 1 when a class has more methods than ``--method-limit`` or a file
-has more lines than ``--file-limit`` (docs/design.md, "Layers": the aims of the agent room). A
-script, never imported by textrl.
+has more lines than ``--file-limit`` (docs/design.md, "Layers": the aims of the agent room).
+``--root`` reads another checkout's textrl/ (default: this one). A script, never imported by textrl.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=10, help="rows of each table (default 10)")
     parser.add_argument("--file-limit", type=int, default=600, help="lines a file may have (default 600)")
     parser.add_argument("--method-limit", type=int, default=30, help="methods a class may have (default 30)")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the checkout whose textrl/ to read (default: this one)")
     args = parser.parse_args(argv)
-    found = shape()
+    found = shape(args.root.resolve())
     print(f"The {args.top} longest functions (lines):")
     for lines, name in found["functions"][: args.top]:
         print(f"  {lines:5}  {name}")

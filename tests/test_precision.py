@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,6 +81,34 @@ def test_flash_attention_is_refused_without_the_package_or_off_cuda(monkeypatch)
         check_precision(config)
     with pytest.raises(ValueError, match="runs on CUDA only"):
         Precision.of(config, "cpu")
+
+
+def test_the_same_fields_on_the_same_device_are_one_frozen_precision():
+    import dataclasses
+
+    one = Precision.of(small(dtype="bfloat16", mixed_precision="bf16"), "cpu")
+    assert Precision.of(small(dtype="bfloat16", mixed_precision="bf16", max_new_tokens=8), torch.device("cpu")) is one
+    assert Precision.of(small(dtype="bfloat16", mixed_precision="no"), "cpu") is not one
+    assert Precision.of(small(dtype="bfloat16", mixed_precision="bf16"), "meta") is not one
+    assert Precision.of(small(dtype="bfloat16", mixed_precision="bf16", frozen_dtype="float32"), "cpu") is not one
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        one.dtype = torch.float32
+
+
+def test_a_cuda_precision_follows_the_devices_bfloat16_support(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert Precision.of(small(), "cuda").autocast_dtype == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert Precision.of(small(), "cuda").autocast_dtype is None
+
+
+def test_the_stages_decide_their_precision_in_one_function():
+    from textrl.stages import common, policy, rm
+    from textrl.stages.sft import SFTConfig
+
+    assert policy.stage_precision(SFTConfig(), "cpu") is Precision.of(SFTConfig(), "cpu")
+    for module in (common, rm):
+        assert "Precision.of(" not in Path(module.__file__).read_text(), module.__name__
 
 
 def test_the_stages_take_the_same_fields():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,13 +81,24 @@ class Precision:
 
     @classmethod
     def of(cls, config: Any, device: torch.device | str) -> Precision:
-        """The precision of ``config`` (its ``dtype``, ``mixed_precision``, ``attn_implementation``;
-        a config without them gets the defaults) on ``device``. ``mixed_precision='auto'`` is bf16
-        on a CUDA device that supports it, else none; ``flash_attention_2`` needs CUDA."""
+        """The precision of ``config`` (its ``dtype``, ``mixed_precision``, ``attn_implementation``,
+        ``frozen_dtype``; a config without them gets the defaults) on ``device``.
+        ``mixed_precision='auto'`` is bf16 on a CUDA device that supports it, else none;
+        ``flash_attention_2`` needs CUDA.
+
+        The same object for the same fields on the same device (and the same answer of
+        ``torch.cuda.is_bf16_supported`` there): a :class:`Precision` is frozen, so the callers
+        that decide it share one (a refused precision is not kept; fields that cannot be hashed
+        are decided afresh each call)."""
         device = torch.device(device)
-        dtype_name = getattr(config, "dtype", "float32")
-        mixed = getattr(config, "mixed_precision", "auto")
-        impl = getattr(config, "attn_implementation", None)
+        fields = (getattr(config, "dtype", "float32"), getattr(config, "mixed_precision", "auto"),
+                  getattr(config, "attn_implementation", None), getattr(config, "frozen_dtype", "auto"))
+        key = (cls, *fields, device, device.type == "cuda" and torch.cuda.is_bf16_supported())
+        return _decided(*key) if _hashable(key) else cls._decide(*fields, device)
+
+    @classmethod
+    def _decide(cls, dtype_name: Any, mixed: Any, impl: Any, frozen: Any, device: torch.device) -> Precision:
+        """:meth:`of`'s decision from the config's four fields, uncached."""
         if mixed == "auto":
             mixed = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "no"
         wants_bf16 = mixed == "bf16" or dtype_name == "bfloat16"
@@ -97,7 +109,6 @@ class Precision:
             raise ValueError(f"attn_implementation='flash_attention_2' runs on CUDA only, and this run's device "
                              f"is {device}; use --attn-implementation sdpa (or eager)")
         autocast = torch.bfloat16 if mixed == "bf16" else None
-        frozen = getattr(config, "frozen_dtype", "auto")
         if frozen == "auto":
             frozen = "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else dtype_name
         elif frozen == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -174,6 +185,23 @@ class Precision:
                 "autocast": str(self.autocast_dtype).removeprefix("torch.") if self.autocast_dtype else "no",
                 "attn_implementation": self.attn_implementation or "default", "device": str(self.device),
                 "frozen_dtype": str(self.frozen).removeprefix("torch.")}
+
+
+@functools.lru_cache(maxsize=64)
+def _decided(cls: type[Precision], dtype_name: Any, mixed: Any, impl: Any, frozen: Any, device: torch.device,
+             has_bf16: bool) -> Precision:
+    """:meth:`Precision.of`'s cache: one :class:`Precision` per key (``has_bf16`` is part of the
+    key only, so a device whose bfloat16 support reads differently is decided again)."""
+    return cls._decide(dtype_name, mixed, impl, frozen, device)
+
+
+def _hashable(value: Any) -> bool:
+    """Whether ``value`` can key a cache (a config field may hold anything before its check)."""
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 def frozen_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

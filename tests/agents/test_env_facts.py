@@ -1,6 +1,7 @@
 """What an agent reads of the environment (``textrl.env_facts``): handed over by the trainer, or
-read through the provider ``textrl.envs`` registers, which a direct ``from_config`` imports by
-name when nothing has imported it yet."""
+read through the provider registered in ``textrl.env_facts.REGISTRY``, whose built-in module
+(``textrl.envs.registry``) a direct ``from_config`` imports on the first lookup when nothing has
+imported it yet."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import textwrap
 import pytest
 
 from textrl.config import TrainConfig
-from textrl.env_facts import EnvFacts, env_facts_of
+from textrl.env_facts import PROVIDER, REGISTRY, EnvFacts, env_facts_of, provide_env_facts
 
 SCRIPT = """
 import sys
@@ -43,3 +44,21 @@ def test_the_provider_reads_the_configs_environment():
 @pytest.mark.parametrize("tokens", [8, 40])
 def test_max_episode_tokens_is_the_budget(tokens):
     assert env_facts_of(TrainConfig(max_episode_tokens=tokens, max_new_tokens=8), warmup=False).episode_budget == tokens
+
+
+def test_the_provider_is_the_registry_entry_its_builtin_module_registers():
+    from textrl.envs.registry import env_facts
+
+    assert REGISTRY.builtins == ("textrl.envs.registry",)
+    assert REGISTRY.find(PROVIDER) is env_facts
+
+
+def test_a_provider_registered_later_replaces_the_one_before():
+    from textrl.envs.registry import env_facts
+
+    facts = EnvFacts(env_id="mine", episode_budget=3)
+    provide_env_facts(lambda config, warmup: facts)
+    try:
+        assert env_facts_of(TrainConfig(), warmup=False) is facts
+    finally:
+        provide_env_facts(env_facts)

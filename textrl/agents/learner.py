@@ -11,7 +11,7 @@ rollback run over processes is the backend's (:mod:`textrl.parallel`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,19 @@ class Learner:
     def __post_init__(self) -> None:
         self._version = VersionCounter(lambda: [local(p) for _, p in trained_parameters(self)])
         build_optimizers(self)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(name, weight)`` of the models it trains, named as in the agent's ``state_dict``
+        (``policy.*``, ``critic.*``), as ``nn.Module.named_parameters`` gives them (a backend's step
+        reads the gradients through it)."""
+        for role, model in (("policy", self.policy), ("critic", self.critic)):
+            if model is not None:
+                for name, param in model.named_parameters():
+                    yield f"{role}.{name}", param
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The weights of :meth:`named_parameters`."""
+        return (param for _, param in self.named_parameters())
 
     @property
     def version(self) -> int:

@@ -37,7 +37,6 @@ from torch import Tensor
 
 from textrl.config_io import config_values, config_yaml, save_config
 from textrl.models.adapters import write_atomically
-from textrl.precision import Precision
 from textrl.run import (
     CHECKPOINT_MARKER,
     SETTINGS_FILE,
@@ -71,6 +70,7 @@ from textrl.stages.policy import (
     model_record,
     resolve_model_path,
     save_policy,
+    stage_precision,
 )
 from textrl.stages.stage_config import StageConfig, add_stage_arguments, all_field_docs
 
@@ -269,8 +269,8 @@ def fit(
 
     ``loss_fn(rows)`` puts the model in train mode and returns the loss of a batch of rows and
     its detached stats; ``evaluate()`` returns held-out metrics (keys without prefix; they are
-    logged under ``eval/``); both run under the stage's autocast (:class:`textrl.precision.Precision`
-    of ``config`` on the parameters' device). ``save(path)`` writes the model to ``path``. Batches come from a
+    logged under ``eval/``); both run under the stage's autocast (:func:`stage_precision` of
+    ``config`` on the parameters' device). ``save(path)`` writes the model to ``path``. Batches come from a
     :class:`BatchOrder` seeded with ``config.seed``. ``resume_from`` (a verified checkpoint, see
     :func:`prepare_run`) restores the state after its step, and ``metrics.jsonl`` keeps only the
     rows up to it. SIGINT / SIGTERM finish the current step, save a checkpoint and raise
@@ -282,7 +282,7 @@ def fit(
     if not params:
         raise ValueError(f"{name}: no trainable parameters")
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
-    precision = Precision.of(config, params[0].device)
+    precision = stage_precision(config, params[0].device)
     loss_fn, evaluate = under(precision.autocast, loss_fn), under(precision.autocast, evaluate)
     state, order = StageState(params, optimizer, save), BatchOrder(train_rows, config.seed, row_names)
     start = 0 if resume_from is None else restore(resume_from, state, order)
@@ -443,6 +443,7 @@ __all__ = [
     "save_stage_checkpoint",
     "source_rows",
     "split_rows",
+    "stage_precision",
     "train_step",
     "write_atomically",
 ]

@@ -61,12 +61,21 @@ def add_lora(model: Any, config: StageConfig) -> Any:
     return get_peft_model(model, lora)
 
 
+def stage_precision(config: StageConfig, device: torch.device | str) -> Precision:
+    """A supervised stage's precision on ``device``: the one place the stages decide it (the
+    model they load, :func:`load_policy` and the reward model's scorer, and the loss and
+    evaluation :func:`textrl.stages.common.fit` runs), from the config's ``dtype``,
+    ``mixed_precision`` and ``attn_implementation`` (:meth:`textrl.precision.Precision.of`: the
+    same object for the same fields and device)."""
+    return Precision.of(config, device)
+
+
 def load_policy(config: StageConfig, device: torch.device) -> Any:
-    """The causal LM a stage trains, in the stage's precision (``dtype``, ``attn_implementation``):
-    every weight trained, or a LoRA on a (4-bit) base."""
+    """The causal LM a stage trains, in the stage's precision (``dtype``, ``attn_implementation``;
+    :func:`stage_precision`): every weight trained, or a LoRA on a (4-bit) base."""
     from textrl.models import load_causal_lm
 
-    precision = Precision.of(config, device)
+    precision = stage_precision(config, device)
     if not config.lora:
         return load_causal_lm(config.model, device=device, **precision.model_kwargs())
     from textrl.models.adapters import load_base_model
@@ -116,4 +125,4 @@ def save_policy(model: Any, tokenizer: Any, path: Path, *, config: StageConfig, 
 
 
 __all__ = ["ADAPTER_META", "adapter_base", "add_lora", "is_adapter_dir", "load_adapter_model", "load_policy",
-           "model_record", "resolve_model_path", "save_policy"]
+           "model_record", "resolve_model_path", "save_policy", "stage_precision"]

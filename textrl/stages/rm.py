@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from textrl.precision import Precision
 from textrl.run import holds_run_folder
 from textrl.run.signals import until_stopped
 from textrl.stages.common import (
@@ -39,6 +38,7 @@ from textrl.stages.common import (
     prepare_run,
     resolve_model_path,
     split_rows,
+    stage_precision,
     write_atomically,
 )
 from textrl.stages.preferences import Preference, PreferenceStageConfig, load_preferences
@@ -96,7 +96,7 @@ class RewardScorer(nn.Module):
 def build_scorer(config: RMConfig, device: torch.device, pad_token_id: int) -> RewardScorer:
     """Full: a sequence-classification model from ``--model`` (its ``score`` head). LoRA: the
     (4-bit) base with a LoRA adapter and a new ``Linear(H, 1)`` head."""
-    precision = Precision.of(config, device)
+    precision = stage_precision(config, device)
     if not config.lora:
         from textrl.models import load_reward_model
 
