@@ -15,7 +15,7 @@ from tests.arithmetic import assert_gradients_close, assert_within, rollout_rtol
 from textrl.agents import AGENTS, agent_names
 from textrl.agents.base import SCORE, UpdateTally
 from textrl.agents.build import episode_budget
-from textrl.agents.update import run_epochs
+from textrl.agents.update import Objective, run_epochs
 from textrl.config import TrainConfig
 from textrl.envs import env_ids, rollout_from_responses
 from textrl.envs.collector import EpisodeRunner
@@ -227,7 +227,7 @@ def minibatch_gradient(tok, name: str, steps: int, overrides: dict) -> tuple[dic
     _perturb(agent.policy, seed=4, scale=0.02)  # ratios != 1 once the behaviour log-probs are stored
     agent.backend.step = lambda agent: {}  # record, do not step
     with unittest.mock.patch("torch.randperm", lambda n, device=None: torch.arange(n, device=device)):
-        run_epochs(agent, td, None, UpdateTally())  # one epoch, one minibatch: rows 0..5 in order
+        run_epochs(agent.learner, td, None, UpdateTally(), Objective(agent.loss, agent.micro_weight))  # one epoch, one minibatch: rows 0..5 in order
     rtol = rollout_rtol(agent.policy.config, td)
     return {n: p.grad.clone() for n, p in agent.named_parameters() if p.grad is not None}, rtol
 
