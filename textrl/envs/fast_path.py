@@ -316,6 +316,43 @@ def _check_inputs(
         )
 
 
+def _episode_ends(
+    responses: Tensor, eos_ids: list[int], max_new_tokens: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(mask, ended_eos, terminated, truncated)`` of responses int64 ``[B, T]`` under the MDP.
+
+    mask: bool ``[B, T]``, each row valid up to and including its first EOS, else over all its
+    tokens; ended_eos: bool ``[B]``, rows that end at an EOS; terminated / truncated: bool
+    ``[B, T]``, True on the last valid token of a row that ended at EOS / without one. A row
+    without EOS shorter than ``max_new_tokens`` raises: the MDP cannot end there.
+    """
+    t = responses.shape[1]
+    mask = response_mask(responses, eos_ids, pad_token_id=None)  # [B, T]
+    lengths = mask.sum(1)  # [B]
+    last = (lengths - 1).clamp(min=0)
+    is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device))
+    ended_eos = is_eos.gather(1, last.unsqueeze(1)).squeeze(1) & (lengths > 0)  # [B]
+    short = torch.nonzero(~ended_eos & (lengths < max_new_tokens)).flatten().tolist()
+    if short:
+        raise ValueError(
+            f"rows {short[:10]} have no EOS and fewer than max_new_tokens={max_new_tokens} tokens "
+            f"(T={t}): the MDP only ends at EOS or after max_new_tokens; pass the full responses"
+        )
+    at_last = torch.arange(t, device=responses.device).unsqueeze(0) == last.unsqueeze(1)  # [B, T]
+    terminated = at_last & ended_eos.unsqueeze(1)
+    truncated = at_last & ~ended_eos.unsqueeze(1)
+    return mask, ended_eos, terminated, truncated
+
+
+def _decode_prompts(tokenizer: Any, prompt_ids: Tensor, prompt_mask: Tensor) -> list[str]:
+    """The ``B`` prompt texts of prompt_ids int64 ``[B, P]`` over prompt_mask bool ``[B, P]``
+    (special tokens skipped): what the rewards get when no raw prompts are given."""
+    return tokenizer.batch_decode(
+        [row[m].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())],
+        skip_special_tokens=True,
+    )
+
+
 def rollout_from_responses(
     prompt_ids: Tensor,
     prompt_mask: Tensor,
@@ -353,37 +390,14 @@ def rollout_from_responses(
     if reward_placement not in PLACEMENTS:
         raise ValueError(f"reward_placement={reward_placement!r}: must be one of {PLACEMENTS}")
     eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    b, t = responses.shape
-    mask = response_mask(responses, eos_ids, pad_token_id=None)  # [B, T]
-    lengths = mask.sum(1)  # [B]
-    last = (lengths - 1).clamp(min=0)
-    is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device))
-    ended_eos = is_eos.gather(1, last.unsqueeze(1)).squeeze(1) & (lengths > 0)  # [B]
-    short = torch.nonzero(~ended_eos & (lengths < max_new_tokens)).flatten().tolist()
-    if short:
-        raise ValueError(
-            f"rows {short[:10]} have no EOS and fewer than max_new_tokens={max_new_tokens} tokens "
-            f"(T={t}): the MDP only ends at EOS or after max_new_tokens; pass the full responses"
-        )
+    b = responses.shape[0]
+    mask, ended_eos, terminated, truncated = _episode_ends(responses, eos_ids, max_new_tokens)
     action = torch.where(mask, responses, torch.full_like(responses, pad_token_id))
-    at_last = torch.arange(t, device=responses.device).unsqueeze(0) == last.unsqueeze(1)  # [B, T]
-    terminated = at_last & ended_eos.unsqueeze(1)
-    truncated = at_last & ~ended_eos.unsqueeze(1)
-
     if prompt_texts is None:
-        prompt_texts = tokenizer.batch_decode(
-            [row[m].tolist() for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())],
-            skip_special_tokens=True,
-        )
+        prompt_texts = _decode_prompts(tokenizer, prompt_ids, prompt_mask)
     scores = score_completions(
-        as_reward_fn(reward_fn),
-        prompt_texts,
-        responses,
-        mask,
-        tokenizer=tokenizer,
-        truncated=~ended_eos,
-        fields=fields,
-        nonfinite=reward_nonfinite,
+        as_reward_fn(reward_fn), prompt_texts, responses, mask, tokenizer=tokenizer,
+        truncated=~ended_eos, fields=fields, nonfinite=reward_nonfinite,
     )
     rewards = place_score(scores.total.to(responses.device), mask, reward_placement)  # [B, T]
     components = TensorDict(

@@ -104,6 +104,73 @@ def longest_prompt(prompt_sets: Sequence[Any], tokenizer: Any, *, seed: int = 0,
     return best, lengths
 
 
+def _prompt_lengths(longest: Longest, measured: Sequence[int], max_prompt_length: int | None, *,
+                max_new_tokens: int, context: int | None, found: str, limit: str,
+                notes: list[str]) -> tuple[int, str, int, int]:
+    """``(max_prompt_length, truncate, prompt_room, truncated_rows)`` of :func:`resolve_lengths`:
+    the prompts' cap, its :attr:`Lengths.truncate` mode, the prompt tokens an episode must leave
+    room for, and the ``measured`` lengths over the cap. Appends the line saying a bounded cap to
+    ``notes``; ``found`` and ``limit`` are the phrases naming the longest prompt and the context."""
+    truncated = 0
+    if max_prompt_length is not None:
+        prompt_cap, truncate = int(max_prompt_length), "error"
+        prompt_room = min(prompt_cap, longest.tokens) if not longest.sampled else prompt_cap
+        return prompt_cap, truncate, prompt_room, truncated
+    truncate = "left"
+    prompt_cap = math.ceil(longest.tokens * SAMPLE_MARGIN) if longest.sampled else longest.tokens
+    if context is not None and prompt_cap + max_new_tokens > context:
+        bound = context - max_new_tokens
+        truncated = sum(n > bound for n in measured)
+        if longest.tokens > bound:
+            notes.append(f"max_prompt_length: {found}, over {limit} minus max_new_tokens="
+                         f"{max_new_tokens}: bounded to {bound}, and {truncated} of {len(measured)} prompts "
+                         "longer than that keep their last tokens (left-truncated); give a model with a "
+                         "longer context, or lower --max-new-tokens, to keep them whole")
+        else:
+            notes.append(f"max_prompt_length: {found}; with the sampling margin, bounded to {bound} by "
+                         f"{limit} minus max_new_tokens={max_new_tokens}")
+        prompt_cap = bound
+    return prompt_cap, truncate, prompt_cap, truncated
+
+
+def _episode_budget(env: Any, max_episode_tokens: int | None, default_budget: int, *, prompt_cap: int,
+                    prompt_room: int, max_new_tokens: int, context: int | None, env_id: str, limit: str,
+                    notes: list[str]) -> int:
+    """The episode's token budget of :func:`resolve_lengths`: an explicit ``max_episode_tokens``
+    (``ValueError`` naming ``--max-episode-tokens`` when it does not fit after ``prompt_room``
+    prompt tokens), else ``default_budget`` bounded to the context (``ValueError`` when nothing
+    or less than a turn is left; the line saying the bound appended to ``notes``)."""
+    if max_episode_tokens is not None:
+        budget = int(max_episode_tokens)
+        if context is not None and prompt_room + budget > context:
+            fits = context - prompt_room
+            fix = (f"lower --max-episode-tokens to {fits}" if fits >= max_new_tokens else
+                   f"lower --max-episode-tokens and --max-new-tokens to at most {fits}")
+            raise ValueError(f"max_episode_tokens={budget}: prompts of {prompt_room} tokens plus the episode "
+                             f"budget reach {prompt_room + budget} positions, more than {limit}; "
+                             f"{fix}, shorten the prompts, or choose a model with a longer context")
+        return budget
+    budget = default_budget
+    if context is not None and prompt_room + budget > context:
+        budget = context - prompt_room
+        if budget < 1:  # the prompts alone fill the context: max_new_tokens is no lever
+            raise ValueError(f"max_prompt_length={prompt_cap}: prompts of {prompt_room} tokens alone pass "
+                             f"{limit}; lower --max-prompt-length to at most {context - max_new_tokens} (or "
+                             "leave it unset: it is then fitted to the context), shorten the prompts, or "
+                             "choose a model with a longer context")
+        if budget < max_new_tokens:  # only with an explicit max_prompt_length
+            raise ValueError(f"max_prompt_length={prompt_cap}: prompts of {prompt_room} tokens leave {budget} "
+                             f"of {limit} for an episode, less than max_new_tokens={max_new_tokens}; lower "
+                             f"--max-prompt-length to {context - max_new_tokens} or --max-new-tokens to "
+                             f"{max(1, budget)}, or choose a model with a longer context")
+        turns = getattr(env, "max_turns", 1)
+        notes.append(f"max_episode_tokens: the default budget of {env_id!r} ({turns} turn(s) of max_new_tokens="
+                     f"{max_new_tokens} and their observations: {default_budget} tokens) is bounded to {budget} "
+                     f"so that prompts of {prompt_room} tokens plus the episode fit {limit}; set "
+                     "--max-episode-tokens to choose")
+    return budget
+
+
 def resolve_lengths(
     env: Any,
     prompt_sets: Sequence[Any],
@@ -135,55 +202,13 @@ def resolve_lengths(
     notes: list[str] = []
     source = {"max_prompt_length": "set" if max_prompt_length is not None else "auto",
               "max_episode_tokens": "set" if max_episode_tokens is not None else "auto"}
-    truncated = 0
-    if max_prompt_length is not None:
-        prompt_cap, truncate = int(max_prompt_length), "error"
-        prompt_room = min(prompt_cap, longest.tokens) if not longest.sampled else prompt_cap
-    else:
-        truncate = "left"
-        prompt_cap = math.ceil(longest.tokens * SAMPLE_MARGIN) if longest.sampled else longest.tokens
-        if context is not None and prompt_cap + max_new_tokens > context:
-            bound = context - max_new_tokens
-            truncated = sum(n > bound for n in measured)
-            if longest.tokens > bound:
-                notes.append(f"max_prompt_length: {found}, over {limit} minus max_new_tokens="
-                             f"{max_new_tokens}: bounded to {bound}, and {truncated} of {len(measured)} prompts "
-                             "longer than that keep their last tokens (left-truncated); give a model with a "
-                             "longer context, or lower --max-new-tokens, to keep them whole")
-            else:
-                notes.append(f"max_prompt_length: {found}; with the sampling margin, bounded to {bound} by "
-                             f"{limit} minus max_new_tokens={max_new_tokens}")
-            prompt_cap = bound
-        prompt_room = prompt_cap
+    prompt_cap, truncate, prompt_room, truncated = _prompt_lengths(
+        longest, measured, max_prompt_length, max_new_tokens=max_new_tokens, context=context,
+        found=found, limit=limit, notes=notes)
     default_budget = default_episode_tokens(env, max_new_tokens)
-    if max_episode_tokens is not None:
-        budget = int(max_episode_tokens)
-        if context is not None and prompt_room + budget > context:
-            fits = context - prompt_room
-            fix = (f"lower --max-episode-tokens to {fits}" if fits >= max_new_tokens else
-                   f"lower --max-episode-tokens and --max-new-tokens to at most {fits}")
-            raise ValueError(f"max_episode_tokens={budget}: prompts of {prompt_room} tokens plus the episode "
-                             f"budget reach {prompt_room + budget} positions, more than {limit}; "
-                             f"{fix}, shorten the prompts, or choose a model with a longer context")
-    else:
-        budget = default_budget
-        if context is not None and prompt_room + budget > context:
-            budget = context - prompt_room
-            if budget < 1:  # the prompts alone fill the context: max_new_tokens is no lever
-                raise ValueError(f"max_prompt_length={prompt_cap}: prompts of {prompt_room} tokens alone pass "
-                                 f"{limit}; lower --max-prompt-length to at most {context - max_new_tokens} (or "
-                                 "leave it unset: it is then fitted to the context), shorten the prompts, or "
-                                 "choose a model with a longer context")
-            if budget < max_new_tokens:  # only with an explicit max_prompt_length
-                raise ValueError(f"max_prompt_length={prompt_cap}: prompts of {prompt_room} tokens leave {budget} "
-                                 f"of {limit} for an episode, less than max_new_tokens={max_new_tokens}; lower "
-                                 f"--max-prompt-length to {context - max_new_tokens} or --max-new-tokens to "
-                                 f"{max(1, budget)}, or choose a model with a longer context")
-            turns = getattr(env, "max_turns", 1)
-            notes.append(f"max_episode_tokens: the default budget of {env_id!r} ({turns} turn(s) of max_new_tokens="
-                         f"{max_new_tokens} and their observations: {default_budget} tokens) is bounded to {budget} "
-                         f"so that prompts of {prompt_room} tokens plus the episode fit {limit}; set "
-                         "--max-episode-tokens to choose")
+    budget = _episode_budget(
+        env, max_episode_tokens, default_budget, prompt_cap=prompt_cap, prompt_room=prompt_room,
+        max_new_tokens=max_new_tokens, context=context, env_id=env_id, limit=limit, notes=notes)
     return Lengths(max_prompt_length=prompt_cap, max_episode_tokens=budget, truncate=truncate,
                    longest_prompt=longest.tokens, truncated_rows=truncated, notes=notes, source=source)
 

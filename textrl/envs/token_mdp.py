@@ -188,12 +188,7 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
         max_episode_tokens: int | None = None,
         max_episode_steps: int | None = None,
     ) -> None:
-        if reward_placement not in PLACEMENTS:
-            raise ValueError(f"reward_placement={reward_placement!r}: must be one of {PLACEMENTS}")
-        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
-            raise ValueError(
-                f"render_mode={render_mode!r}: must be None or one of {self.metadata['render_modes']}"
-            )
+        self._check_modes(reward_placement, render_mode)
         task, rows = environment_and_rows(env, prompts, reward)
         self._setup_mdp(
             tokenizer=tokenizer,
@@ -237,7 +232,21 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
                 "max_episode_steps": max_episode_steps,
             },
         )
+        self._make_spaces(max_prompt_length, budget)
+        self._init_state(max_prompt_length, budget)
 
+    @classmethod
+    def _check_modes(cls, reward_placement: str, render_mode: str | None) -> None:
+        if reward_placement not in PLACEMENTS:
+            raise ValueError(f"reward_placement={reward_placement!r}: must be one of {PLACEMENTS}")
+        if render_mode is not None and render_mode not in cls.metadata["render_modes"]:
+            raise ValueError(
+                f"render_mode={render_mode!r}: must be None or one of {cls.metadata['render_modes']}"
+            )
+
+    def _make_spaces(self, max_prompt_length: int, budget: int) -> None:
+        """The observation space (prompt arrays ``[max_prompt_length]``, response arrays
+        ``[budget]``) and the action space (a token id)."""
         ids = spaces.Box(0, self.vocab_size - 1, shape=(max_prompt_length,), dtype=np.int64)
         self.observation_space = spaces.Dict(
             {
@@ -250,6 +259,9 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
         )
         self.action_space = spaces.Discrete(self.vocab_size)
 
+    def _init_state(self, max_prompt_length: int, budget: int) -> None:
+        """The episode buffers (prompt ``[max_prompt_length]``, response ``[budget]``), before
+        any reset."""
         self._prompt_ids = np.full(max_prompt_length, self.pad_token_id, dtype=np.int64)
         self._prompt_mask = np.zeros(max_prompt_length, dtype=np.int8)
         self._response = np.full(budget, self.pad_token_id, dtype=np.int64)

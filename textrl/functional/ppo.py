@@ -122,6 +122,52 @@ def ratio_extremes(ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
     }
 
 
+def _check_clip_args(
+    clip_eps: float,
+    clip_eps_high: float | None,
+    normaliser: float | Tensor | None,
+    dual_clip: float | None,
+    aggregation: str,
+) -> None:
+    """Raise ``ValueError`` on the first bad scalar argument of :func:`clipped_policy_loss`."""
+    check_positive("clip_eps", clip_eps)
+    if clip_eps_high is not None:
+        check_positive("clip_eps_high", clip_eps_high)
+    _check_normaliser(normaliser)
+    if dual_clip is not None and (
+        isinstance(dual_clip, bool) or not isinstance(dual_clip, (int, float)) or not dual_clip > 1
+    ):
+        raise ValueError(f"dual_clip={dual_clip!r}: must be None or a number > 1")
+    _check_aggregation(aggregation)
+
+
+@torch.no_grad()
+def _policy_stats(
+    ratio: Tensor,
+    log_ratio: Tensor,
+    clipped: Tensor,
+    dual_active: Tensor | None,
+    mask: Tensor,
+    dtype: torch.dtype,
+) -> dict[str, Tensor]:
+    """The detached stats of :func:`clipped_policy_loss`, each ``[]``, over the bool ``mask``.
+
+    ratio, log_ratio: float ``[B, T]``; clipped: bool ``[B, T]`` where ``pg_loss2 > pg_loss1``;
+    dual_active: bool ``[B, T]`` where the dual bound was active (None: no dual clip).
+    """
+    r = ratio.detach()
+    one = torch.ones((), dtype=dtype, device=r.device)
+    stats = {
+        "clip_fraction": masked_mean(clipped.to(dtype), mask),
+        "approx_kl": masked_mean((r - 1.0) - log_ratio.detach(), mask),
+        "ratio_mean": torch.where(mask.any(), masked_mean(r, mask), one),
+        **ratio_extremes(r, mask),
+    }
+    if dual_active is not None:
+        stats["dual_clip_fraction"] = masked_mean(dual_active.to(dtype), mask)
+    return {k: v.detach() for k, v in stats.items()}
+
+
 def clipped_policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -164,15 +210,7 @@ def clipped_policy_loss(
         ``dual_clip_fraction`` (share where ``A < 0`` and the dual bound was active).
     """
     _check_token_inputs("logp", logp, mask, old_logp=old_logp, advantages=advantages)
-    check_positive("clip_eps", clip_eps)
-    if clip_eps_high is not None:
-        check_positive("clip_eps_high", clip_eps_high)
-    _check_normaliser(normaliser)
-    if dual_clip is not None and (
-        isinstance(dual_clip, bool) or not isinstance(dual_clip, (int, float)) or not dual_clip > 1
-    ):
-        raise ValueError(f"dual_clip={dual_clip!r}: must be None or a number > 1")
-    _check_aggregation(aggregation)
+    _check_clip_args(clip_eps, clip_eps_high, normaliser, dual_clip, aggregation)
 
     dtype = _compute_dtype(logp, old_logp, advantages)
     lp = _select(logp, mask, dtype)  # (B, T)
@@ -186,26 +224,15 @@ def clipped_policy_loss(
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)
     pg_loss = torch.maximum(pg_loss1, pg_loss2)  # (B, T)
+    dual_active: Tensor | None = None
     if dual_clip is not None:
         pg_loss3 = -adv * dual_clip
         dual_active = (adv < 0) & (pg_loss > pg_loss3)  # (B, T)
         pg_loss = torch.where(adv < 0, torch.minimum(pg_loss, pg_loss3), pg_loss)
 
     loss = aggregate_loss(pg_loss, mask, aggregation, normaliser)
-
-    with torch.no_grad():
-        r = ratio.detach()
-        one = torch.ones((), dtype=dtype, device=r.device)
-        stats = {
-            "clip_fraction": masked_mean((pg_loss2 > pg_loss1).to(dtype), mask),
-            "approx_kl": masked_mean((r - 1.0) - log_ratio.detach(), mask),
-            "ratio_mean": torch.where(mask.any(), masked_mean(r, mask), one),
-            **ratio_extremes(r, mask),
-        }
-        if dual_clip is not None:
-            stats["dual_clip_fraction"] = masked_mean(dual_active.to(dtype), mask)
-        stats = {k: v.detach() for k, v in stats.items()}
-    return loss, stats
+    clipped = pg_loss2 > pg_loss1  # (B, T)
+    return loss, _policy_stats(ratio, log_ratio, clipped, dual_active, mask, dtype)
 
 
 def clipped_value_loss(
