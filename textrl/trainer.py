@@ -385,6 +385,7 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     )
     eval_batches = sampler.encode_eval(eval_rows, batch_size=config.generation_batch_size)
     backend.prepare(agent)  # identical weights everywhere, this process's seed, models sharded
+    agent.actor  # built once, for this backend: the generation engine is chosen (and checked against it) here  # noqa: B018
     # held-out evaluation: the main process alone, unless the forwards are collectives (FSDP, ZeRO-3)
     evaluates = main or backend.partitions_weights
     return PPORun(config=config, agent=agent, sampler=sampler, episodes=episodes, eval_batches=eval_batches,

@@ -58,8 +58,8 @@ def test_the_engine_is_chosen_once_when_the_backend_is_set(tok, monkeypatch):
     agent = make_agent(tok, "gae_ppo")
     assert calls == []  # nothing chosen before the backend is known
     SingleProcess(device="cpu").prepare(agent)
+    engine = agent.actor.engine  # as the trainer does right after prepare
     assert len(calls) == 1 and calls[0][1] == {"partitions_weights": False}
-    engine = agent.actor.engine
     agent.update(rollout(agent, tok))
     rollout(agent, tok, seed=1)
     assert len(calls) == 1 and agent.actor.engine is engine

@@ -195,10 +195,9 @@ class PPOAgent(nn.Module):
             for name, model in (("policy", self.policy), ("critic", self.critic)):
                 if model is not None:
                     enable_gradient_checkpointing(model, name)
-        self._backend: Backend = SingleProcess(device=self.device)
         self._actor: Actor | None = None
         self.learner = Learner(
-            config, self.policy, self.critic, Forwards(config, precision), self._backend,
+            config, self.policy, self.critic, Forwards(config, precision), SingleProcess(device=self.device),
             kl_ctl=make_kl_controller(config.kl_coef, config.adaptive_kl, config.kl_target, config.kl_horizon),
             total_updates=total_updates or config.iterations * config.ppo_epochs * config.num_minibatches,
         )
@@ -210,26 +209,17 @@ class PPOAgent(nn.Module):
     def actor(self) -> Actor:
         """What makes a rollout (:class:`textrl.agents.actor.Actor`), built once for the run's backend
         and device (:func:`textrl.agents.actor.build_actor`: where the generation engine is chosen);
-        setting :attr:`backend` builds it again."""
-        if self._actor is None or self._actor.device != self.device:
-            self._actor = build_actor(self)
-        return self._actor
-
-    @property
-    def backend(self) -> Backend:
-        """How training is spread over processes (:mod:`textrl.parallel`; its process group:
-        ``backend.dist``); ``Backend.prepare`` sets it, and the actor is built for it then."""
-        return self._backend
-
-    @backend.setter
-    def backend(self, backend: Backend) -> None:
-        self._backend = self.learner.backend = backend
-        self._actor = None
-        self.actor  # built now: an engine that cannot generate under this backend is refused here  # noqa: B018
+        the trainer builds it right after ``Backend.prepare`` set :attr:`backend`, a direct agent on first use."""
+        actor = self._actor
+        if actor is None or actor.backend is not self.backend or actor.device != self.device:
+            actor = self._actor = build_actor(self)
+        return actor
 
     def check_backend(self, backend: Backend) -> None:
         """Refuse a backend this agent cannot train under (``ValueError`` saying what to do instead)."""
 
+    backend = learner_attribute("backend", "How training is spread over processes (:mod:`textrl.parallel`; its "
+                                "process group: ``backend.dist``); ``Backend.prepare`` sets it.")
     actor_optimizer = learner_attribute("actor_optimizer", "The policy's optimiser.")
     critic_optimizer = learner_attribute("critic_optimizer", "The critic's optimiser (None without a critic).")
     optimizers = learner_attribute("optimizers", "The optimisers that exist (the actor's, the critic's).")

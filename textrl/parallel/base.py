@@ -165,8 +165,8 @@ class Backend:
     # -- preparing ------------------------------------------------------------------------------
     def prepare(self, agent: Any) -> None:
         """Train ``agent`` under this backend (on every process, once, before training): the agent
-        checks it can (``check_backend``), then takes it (``agent.backend = self``: the agent builds
-        its actor for it, where the generation engine is chosen)."""
+        checks it can (``check_backend``), then takes it (``agent.backend = self``; the trainer then
+        builds the agent's actor for it, where the generation engine is chosen)."""
         agent.check_backend(self)
         self.invalidate_rollback()
         agent.backend = self
