@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from benchmarks.import_graph import type_checking_nodes
+
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"textrl": ROOT / "textrl"}
 """Import prefix -> folder (a file's path is its import name)."""
@@ -27,18 +29,10 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skip = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return skip
-
-
 def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The package modules ``name`` imports."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    skip = _type_checking_nodes(tree)
+    skip = type_checking_nodes(tree)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(tree):

@@ -13,8 +13,10 @@ themselves there, so they are not checked against the order, only for existing.
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
+
+from benchmarks.import_graph import layer_entries as read_layer_entries
+from benchmarks.import_graph import layer_of
 
 ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.md"
@@ -22,28 +24,8 @@ DESIGN = ROOT / "docs" / "design.md"
 
 def layer_entries() -> list[list[str]]:
     """The entries of the list, bottom first, each as the module names it covers."""
-    section = DESIGN.read_text().split("\n## Layers\n", 1)[1]
-    block = re.search(r"```\n(.*?)```", section, flags=re.S)[1]
-    entries: list[list[str]] = []
-    continued = False
-    for line in block.splitlines():
-        if not line or line.startswith(" "):
-            continued = False
-            continue
-        names_part = re.split(r"\s{2,}", line)[0]
-        names = [n.strip() for n in names_part.split(",") if n.strip()]
-        modules = []
-        for name in names:
-            path = name.removeprefix("textrl/").rstrip("/")
-            if path == "__init__.py":
-                modules.append("textrl")
-            else:
-                modules.append("textrl." + path.removesuffix(".py").replace("/", "."))
-        if continued:
-            entries[-1].extend(modules)
-        else:
-            entries.append(modules)
-        continued = names_part.rstrip().endswith(",")
+    entries = read_layer_entries(DESIGN)
+    assert entries, f"{DESIGN} has no list under '## Layers'"
     return entries
 
 
@@ -109,16 +91,6 @@ def registry_builtins(path: Path) -> set[str]:
                     elif isinstance(item, ast.Name) and item.id in constants:
                         found.add(constants[item.id])
     return found
-
-
-def layer_of(module: str, entries: list[list[str]]) -> int | None:
-    """The index of the entry whose name is the longest prefix of ``module``."""
-    best, best_len = None, -1
-    for index, names in enumerate(entries):
-        for name in names:
-            if (module == name or module.startswith(name + ".")) and len(name) > best_len:
-                best, best_len = index, len(name)
-    return best
 
 
 def test_every_module_is_in_the_list_and_imports_only_its_entry_and_those_above():

@@ -19,7 +19,12 @@ from torch import Tensor, nn
 
 from textrl.functional import entropy_from_logits, logprobs_from_logits, sampling_filter
 from textrl.keys import KEYS
-from textrl.models.forward import UnfusableHead, positions_from_mask, response_logits, response_logprobs
+from textrl.models.forward import (
+    UnfusableHead,
+    positions_from_mask,
+    response_logits,
+    response_logprobs,
+)
 
 SCORE = KEYS.score
 """Key of the task score per row ``[B]`` (float), before any KL shaping."""
