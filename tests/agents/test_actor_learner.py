@@ -94,6 +94,7 @@ def test_a_rollout_records_its_version_and_the_engines_log_probs(tok, engine, mu
     assert metrics["rollout/policy_lag"] == 0.0
     assert metrics["rollout/logprob_gap"] == pytest.approx(float(gap.mean()))
     assert metrics["rollout/logprob_gap_max"] == pytest.approx(float(gap.max()))
+    assert 0.0 <= metrics["rollout/logprob_kl"] < GAP and metrics["rollout/logprob_gap_fraction"] == 0.0
 
 
 def test_the_lag_counts_the_learners_steps_since_the_rollout(tok):

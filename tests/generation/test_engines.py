@@ -316,8 +316,8 @@ def test_no_carry_outside_a_rollout_or_after_the_weights_change(tok):
 
 
 def test_a_multi_turn_run_logs_the_same_with_either_engine(tmp_path):
-    """The same metrics, but the gap between the engine's log-probs and the learner's: each engine's
-    own rounding, below 1e-3 with both."""
+    """The same metrics, but the gap between the engine's log-probs and the learner's (gap, KL, share
+    past 2x): each engine's own rounding, below 1e-3 with both."""
     from tests.runs import SMALL, metrics
     from textrl.cli import main
 
@@ -327,7 +327,7 @@ def test_a_multi_turn_run_logs_the_same_with_either_engine(tmp_path):
         main(["train", *SMALL, "--agent", "rloo", "--env", "guess_number", "--iterations", "2",
               "--generation-engine", engine, "--output-dir", str(out)])
         rows[engine] = [{k: v for k, v in r.items()
-                         if not any(w in k for w in ("time", "_s", "seconds", "memory", "per_s", "logprob_gap"))}
+                         if not any(w in k for w in ("time", "_s", "seconds", "memory", "per_s", "rollout/logprob"))}
                         for r in metrics(out)]
         gaps[engine] = [r["rollout/logprob_gap_max"] for r in metrics(out)]
     assert rows["textrl"] == rows["hf"]

@@ -29,7 +29,7 @@ from tensordict import TensorDictBase
 from torch import Tensor
 
 from textrl.agents.forwards import RolloutForward, with_forward
-from textrl.functional import kl_penalty, masked_mean
+from textrl.functional import kl_penalty, masked_mean, mismatch_stats
 from textrl.functional.ppo import explained_variance
 from textrl.keys import KEYS
 
@@ -273,20 +273,22 @@ def should_stop_early(cfg: Any, stats: dict[str, list[float]]) -> bool:
 def provenance_metrics(learner: Learner, td: TensorDictBase) -> dict[str, float]:
     """Where the rollout came from, against the learner now: ``rollout/policy_lag`` (the learner's
     weight version minus the oldest version that generated a row: 0 when the actor samples with the
-    learner's current weights) and, where the engine computed its log-probs, ``rollout/logprob_gap``
-    and ``rollout/logprob_gap_max`` (mean and largest ``|log p_engine - action_log_prob|`` over the
-    agent's tokens: floating-point noise when both are the same weights, a lag's or an old policy's
-    difference otherwise)."""
+    learner's current weights) and, where the engine computed its log-probs,
+    :func:`textrl.functional.mismatch_stats` of them against ``action_log_prob`` over the agent's
+    tokens: ``rollout/logprob_gap`` and ``rollout/logprob_gap_max`` (mean and largest absolute
+    difference: floating-point noise when both are the same weights, a lag's or an old policy's
+    difference otherwise), ``rollout/logprob_kl`` (k3 estimate of KL(engine || learner)) and
+    ``rollout/logprob_gap_fraction`` (the share of tokens whose ratio is off by more than 2x)."""
     out: dict[str, float] = {}
     if KEYS.policy_version in td.keys():
         out["rollout/policy_lag"] = float(learner.version - int(td.get(KEYS.policy_version).min()))
     generated = td.get(KEYS.generation_log_prob, None)
     behaviour = td.get(KEYS.action_log_prob, None)
     if generated is not None and behaviour is not None:
-        mask = td.get(KEYS.mask)
-        gap = (generated.float() - behaviour.float()).abs()  # [B, T]
-        out["rollout/logprob_gap"] = masked_mean(gap, mask).item()
-        out["rollout/logprob_gap_max"] = float(gap[mask].max()) if bool(mask.any()) else 0.0
+        stats = mismatch_stats(behaviour.float(), generated.float(), td.get(KEYS.mask))
+        for name, key in (("abs_gap_mean", "logprob_gap"), ("abs_gap_max", "logprob_gap_max"),
+                          ("kl_k3", "logprob_kl"), ("gap_fraction", "logprob_gap_fraction")):
+            out[f"rollout/{key}"] = float(stats[name])
     return out
 
 

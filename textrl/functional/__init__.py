@@ -44,6 +44,16 @@ from textrl.functional.masking import (
     response_mask,
     uncompact,
 )
+from textrl.functional.mismatch import (
+    MISMATCH_KINDS,
+    geo_mean_weights,
+    icepop_weights,
+    mis_weights,
+    mismatch_stats,
+    mismatch_weights,
+    none_weights,
+    tis_weights,
+)
 from textrl.functional.ppo import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
@@ -65,6 +75,14 @@ from textrl.functional.zoo import (
 )
 
 __all__ = [
+    "MISMATCH_KINDS",
+    "geo_mean_weights",
+    "icepop_weights",
+    "mis_weights",
+    "mismatch_stats",
+    "mismatch_weights",
+    "none_weights",
+    "tis_weights",
     "gae_row_lambda",
     "length_adaptive_lambda",
     "LOG_RATIO_CLAMP",
