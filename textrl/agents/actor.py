@@ -27,7 +27,13 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor, nn
 
-from textrl.agents.forwards import Forwards, RolloutForward, micro_batches, sequence_inputs
+from textrl.agents.forwards import (
+    Forwards,
+    RolloutForward,
+    micro_batches,
+    own_behaviour_logprobs,
+    sequence_inputs,
+)
 from textrl.functional import kl_penalty, masked_mean
 from textrl.generation import GenerationEngine, Sampling, engine_for
 from textrl.keys import KEYS
@@ -70,6 +76,8 @@ class Actor:
     backend: Any
     eos_token_id: int | None
     pad_token_id: int
+    device: torch.device
+    """Where it generates: the policy's device when it was built (the agent builds another for another)."""
     behaviour: Behaviour | None = None
     version: int = 0
     """The version of the weights it samples with: the learner's when they were last loaded
@@ -92,10 +100,6 @@ class Actor:
     def precision(self) -> Any:
         """The run's precision (:class:`textrl.precision.Precision`) every forward of the actor runs under."""
         return self.forwards.precision
-
-    @property
-    def device(self) -> torch.device:
-        return self.forwards.precision.device
 
     # -- the weights ------------------------------------------------------------------------------
     def load_weights_from(self, learner: Any) -> None:
@@ -120,12 +124,18 @@ class Actor:
     def act(self, input_ids: Tensor, attention_mask: Tensor, *, greedy: bool = False) -> Tensor:
         """Sample responses ``[B, T]`` (T <= max_new_tokens) for left-padded prompts ``[B, P]``, in
         micro-batches of ``generation_batch_size``; ``pad_token_id`` after a row's EOS."""
-        return self.sample(input_ids, attention_mask, greedy=greedy)[0]
+        return self._generate(input_ids, attention_mask, greedy, logprobs=False)[0]
 
     @torch.no_grad()
     def sample(self, input_ids: Tensor, attention_mask: Tensor, *, greedy: bool = False) -> tuple[Tensor, Tensor | None]:
         """:meth:`act`'s tokens ``[B, T]`` and the engine's log-probs of them ``[B, T]`` (float32, 0
         after a row's EOS; None when the engine computes none: ``generate_with_logprobs``)."""
+        return self._generate(input_ids, attention_mask, greedy, logprobs=True)
+
+    def _generate(self, input_ids: Tensor, attention_mask: Tensor, greedy: bool,
+                  logprobs: bool) -> tuple[Tensor, Tensor | None]:
+        """The engine's tokens in micro-batches, with its log-probs (``generate_with_logprobs``) when
+        ``logprobs``, else none asked for (``generate``)."""
         sampling = self.sampling(greedy=greedy)
         extra = {"synced_gpus": True} if self.backend.partitions_weights else {}  # each forward is a collective
         tokens, logps = [], []
@@ -134,7 +144,10 @@ class Actor:
             mask = attention_mask[sl].to(self.device)
             with self.precision.autocast(), self.backend.gathered(self.policy), torch.no_grad():
                 try:
-                    out, logp = self.engine.generate_with_logprobs(self.policy, ids, mask.long(), sampling, **extra)
+                    if logprobs:
+                        out, logp = self.engine.generate_with_logprobs(self.policy, ids, mask.long(), sampling, **extra)
+                    else:
+                        out, logp = self.engine.generate(self.policy, ids, mask.long(), sampling, **extra), None
                 except RuntimeError as err:
                     if "probability tensor contains" not in str(err):
                         raise
@@ -269,10 +282,9 @@ def build_actor(agent: Any) -> Actor:
     backend = agent.backend
     engine = engine_for(agent.config.generation_engine, agent.device, partitions_weights=backend.partitions_weights)
     engine.check_backend(backend.partitions_weights)
-    own = not type(agent).overrides("behaviour_logprobs")
     return Actor(agent.config, agent.policy, agent.ref_policy, agent.critic, agent.learner.forwards, engine, backend,
-                 eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id,
-                 behaviour=None if own else agent.behaviour_logprobs)
+                 eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id, device=agent.device,
+                 behaviour=None if own_behaviour_logprobs(agent) else agent.behaviour_logprobs)
 
 
 __all__ = ["Actor", "Behaviour", "Sampled", "build_actor"]

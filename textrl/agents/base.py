@@ -210,8 +210,8 @@ class PPOAgent(nn.Module):
         """What makes a rollout (:class:`textrl.agents.actor.Actor`), built once for the run's backend
         and device (:func:`textrl.agents.actor.build_actor`: where the generation engine is chosen);
         the trainer builds it right after ``Backend.prepare`` set :attr:`backend`, a direct agent on first use."""
-        actor = self._actor
-        if actor is None or actor.backend is not self.backend or actor.device != self.device:
+        actor, device = self._actor, self.precision.device  # the shared precision follows a move first
+        if actor is None or actor.backend is not self.backend or actor.device != device:
             actor = self._actor = build_actor(self)
         return actor
 
