@@ -94,7 +94,9 @@ def test_a_rollout_records_its_version_and_the_engines_log_probs(tok, engine, mu
     assert metrics["rollout/policy_lag"] == 0.0
     assert metrics["rollout/logprob_gap"] == pytest.approx(float(gap.mean()))
     assert metrics["rollout/logprob_gap_max"] == pytest.approx(float(gap.max()))
-    assert 0.0 <= metrics["rollout/logprob_kl"] < GAP and metrics["rollout/logprob_gap_fraction"] == 0.0
+    # k3 = exp(d) - d - 1 is >= 0 in exact arithmetic; in float32 it cancels for |d| ~ 1e-7 and can
+    # come out a few 1e-9 below 0 (a wheel-installed run logged -5.6e-9), so its size is what is bounded
+    assert abs(metrics["rollout/logprob_kl"]) < GAP and metrics["rollout/logprob_gap_fraction"] == 0.0
 
 
 def test_the_lag_counts_the_learners_steps_since_the_rollout(tok):
