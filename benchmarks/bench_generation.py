@@ -10,7 +10,8 @@ Qwen2-0.5B's widths, hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4
 tokenizer padded to ``--vocab`` tokens generates ``--prompts`` x ``--samples`` rows of
 ``--new-tokens`` tokens after ``--prompt-tokens`` prompt tokens, every row to full length (EOS is
 out of reach), in float32 under bf16 autocast on CUDA (as textrl trains there), or in bfloat16 with
-``--weights bfloat16``. Each engine (``--engines``: the registered ones, and
+``--weights bfloat16``. Each engine (``--engines``: the registered ones, ``vllm`` where vLLM imports (vLLM's ``LLM`` in this
+process, :mod:`textrl.generation.vllm_engine`; not ``vllm-server``), and
 the ``textrl`` engine with a part off: ``textrl_unshared`` without prefix sharing,
 ``textrl_dynamic`` over transformers' growing cache, ``textrl_eager`` without the CUDA graph,
 ``textrl_graph`` with the graph of the step as written, not compiled first) runs ``--repeats`` times after a
@@ -122,6 +123,22 @@ def hardware(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     return {"bandwidth_gb_s": 2 * n * 4 / copy / 1e9, "matmul_tflop_s": 2 * m**3 / mm / 1e12}
 
 
+def runnable_here(names: list[str]) -> list[str]:
+    """The registered engines this benchmark can run by default: not ``vllm-server`` (it needs
+    servers), ``vllm`` only where vLLM imports (``--engines vllm`` asks for it regardless)."""
+    import importlib.util
+
+    from textrl.generation.base import SERVED_ENGINE
+
+    def importable() -> bool:
+        try:
+            return importlib.util.find_spec("vllm") is not None and bool(__import__("vllm"))
+        except Exception:  # noqa: BLE001 - a broken install (a mismatched torchvision) counts as absent
+            return False
+
+    return [n for n in names if n != SERVED_ENGINE and (n != "vllm" or importable())]
+
+
 def main() -> None:
     from textrl.generation import Sampling, engine_names, get_engine
     from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
@@ -153,7 +170,7 @@ def main() -> None:
     cuda = device.type == "cuda"
     prompts = args.prompts or (16 if cuda else 4)
     new_tokens = args.new_tokens or (256 if cuda else 32)
-    names = [n for n in args.engines.split(",") if n] or [*engine_names(), *VARIANTS]
+    names = [n for n in args.engines.split(",") if n] or [*runnable_here(engine_names()), *VARIANTS]
     engines = {n: VARIANTS[n]() if n in VARIANTS else get_engine(n) for n in names}
 
     tok = build_tiny_tokenizer() if args.vocab == 512 else build_tiny_tokenizer(args.vocab)

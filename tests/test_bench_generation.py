@@ -59,10 +59,11 @@ def test_bench_generation_counts_the_ops_of_each_turn_outside_the_decode_steps()
 
 
 def test_bench_generation_refuses_an_unknown_engine():
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_generation.py"), "--engines", "vllm", "--new-tokens", "2"]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_generation.py"), "--engines", "sglang", "--new-tokens", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode != 0
-    assert "generation_engine='vllm': not a registered engine; choose auto or one of hf, static, textrl" in result.stderr
+    assert ("generation_engine='sglang': not a registered engine; choose auto or one of hf, static, textrl, vllm, "
+            "vllm-server") in result.stderr
 
 
 def test_bench_generation_counts_a_decode_steps_bytes_in_each_set_up():

@@ -105,15 +105,20 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     """Set up, resume, evaluate before, iterate (:class:`RunLoop` over :class:`PPORun`), summarise."""
     check_run(config)
     run = _set_up(config, resolve_device(config.device))
-    start = run.resume()
-    before = run.evaluate_before(start)
-    loop = RunLoop(
-        "PPO", config.iterations, run.metrics, eval_every=config.eval_every,
-        checkpoint_every=config.checkpoint_every, evaluates=run.evaluates, throughput="tokens",
-        progress=config.progress and run.main, plot=run.output_dir / "curves.png", main=run.main, dist=run.dist,
-    )
-    loop.run(run, start, signals)
-    return run.summary(before)
+    try:
+        start = run.resume()
+        before = run.evaluate_before(start)
+        loop = RunLoop(
+            "PPO", config.iterations, run.metrics, eval_every=config.eval_every,
+            checkpoint_every=config.checkpoint_every, evaluates=run.evaluates, throughput="tokens",
+            progress=config.progress and run.main, plot=run.output_dir / "curves.png", main=run.main, dist=run.dist,
+        )
+        loop.run(run, start, signals)
+        return run.summary(before)
+    finally:
+        actor = getattr(run.agent, "actor", None)
+        if actor is not None:
+            actor.engine.close()  # vLLM's engine, before the process group goes
 
 
 @dataclass

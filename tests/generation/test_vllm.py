@@ -111,6 +111,13 @@ def test_the_engine_refuses_a_backend_that_partitions_the_weights():
         VLLMEngine().check_backend(True)
 
 
+def test_the_engine_in_one_of_several_processes_points_to_the_servers(tok, monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with pytest.raises(ValueError, match="inside a single training process.*--vllm-server"):
+        VLLMEngine().generate(big_heads(tok), *encode(tok, ["hi"]), spec(tok))
+
+
 # -- where vLLM imports ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine_and_model(tok):
@@ -202,3 +209,33 @@ def test_a_lora_policy_samples_with_its_adapter_after_each_update(tok):
         assert not torch.equal(first, second)
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def folder(tok, tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny32"
+    big_heads(tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("env", ["digits", "guess_number", "calculator"])
+def test_training_with_the_vllm_engine_samples_with_each_updates_weights(tmp_path, monkeypatch, folder, env):
+    """Single- and multi-turn environments: every iteration's rollout drawn by vLLM with the weights the
+    learner has then (the engine's log-probs equal the learner's up to float noise; an engine a step
+    behind would be off by the update's size, ~1e-2)."""
+    import json
+
+    from textrl.cli import main
+
+    monkeypatch.setenv("TEXTRL_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(folder), "--generation-engine", "vllm", "--env", env, "--iterations", "3",
+                 "--output-dir", str(out), "--prompts-per-iteration", "4", "--n-samples-per-prompt", "2",
+                 "--max-new-tokens", "8", "--warmup-sft-steps", "3", "--eval-size", "4", "--eval-every", "0",
+                 "--progress", "false", "--actor-lr", "3e-3"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["rollout/policy_lag"] == 0.0 and row["rollout/logprob_gap_max"] < 1e-4, row

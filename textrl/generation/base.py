@@ -64,6 +64,10 @@ class GenerationEngine:
     def check_backend(self, partitions_weights: bool) -> None:
         """Refuse a backend this engine cannot generate under (``ValueError`` naming both)."""
 
+    def close(self) -> None:
+        """Release what the engine holds outside torch's tensors (vLLM's engine); the trainer calls it
+        when the run ends. Here: nothing."""
+
     @contextmanager
     def rollout(self) -> Iterator[None]:
         """The calls inside are one rollout's turns (:func:`textrl.rollout.run_episodes` opens it):

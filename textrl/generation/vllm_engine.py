@@ -23,10 +23,12 @@ before the next call.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import struct
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -116,6 +118,30 @@ def check_lora_trainable(model: nn.Module) -> None:
         if param.requires_grad and not is_lora_name(name):
             raise ValueError(f"--generation-engine vllm: the LoRA policy also trains {name}, which vLLM's LoRA "
                              "adapters cannot carry; freeze it (no modules_to_save) or train without LoRA")
+
+
+class Fingerprint:
+    """A running hex digest of named weights: each name with the float64 sum and absolute sum of its
+    tensor. Equal weights give equal digests on every process (the same reductions of the same values)."""
+
+    def __init__(self) -> None:
+        self._digest = hashlib.sha256()
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        values = tensor.detach().double()
+        self._digest.update(name.encode())
+        self._digest.update(struct.pack("<dd", float(values.sum()), float(values.abs().sum())))
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+
+def fingerprint(weights: Iterable[tuple[str, Tensor]]) -> str:
+    """The :class:`Fingerprint` of ``(name, tensor)`` pairs, in order."""
+    running = Fingerprint()
+    for name, tensor in weights:
+        running.add(name, tensor)
+    return running.hexdigest()
 
 
 def sampling_params(sampling: Sampling, *, logprobs: bool, seed: int | None) -> dict[str, Any]:
@@ -262,6 +288,11 @@ class VLLMEngine(GenerationEngine):
             self._load(model)
 
     def _start(self, model: nn.Module, device: torch.device) -> None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError("--generation-engine vllm runs vLLM inside a single training process; under several "
+                             "processes (torchrun, accelerate launch) serve the rollouts: textrl vllm-serve MODEL and "
+                             "--vllm-server URL (docs/vllm.md)")
         check_model(model, device)
         if lora_base(model) is not None:
             check_lora_trainable(model)
@@ -329,26 +360,25 @@ class VLLMEngine(GenerationEngine):
         self._asleep = True
 
     def wake_up(self) -> None:
-        """Take the memory back after :meth:`sleep`; the weights (discarded) are loaded again."""
+        """Take the memory back after :meth:`sleep`: the weights (discarded) are loaded again, the base's
+        in full and, for a LoRA policy, its adapter as a new request (the old one went with the memory)."""
         if not self._asleep:
             return
         self.llm.wake_up(tags=["weights"])
         self._asleep = False
-        self._load_after_wake()
+        weights = [(name, value.detach()) for name, value in base_state_dict(self._model).items()]
+        self.llm.collective_rpc(reload_weights, args=(weights,))
+        if lora_base(self._model) is not None:
+            self._load(self._model)
         self.llm.wake_up(tags=["kv_cache"])
-
-    def _load_after_wake(self) -> None:
-        if lora_base(self._model) is None:
-            weights = [(name, value.detach()) for name, value in base_state_dict(self._model).items()]
-            self.llm.collective_rpc(reload_weights, args=(weights,))
-            counter = self._loaded[0]
-            self._loaded = (counter, counter.now())
-        else:
-            base = [(name, value.detach()) for name, value in base_state_dict(self._model).items()]
-            self.llm.collective_rpc(reload_weights, args=(base,))
+        counter = self._loaded[0]
+        self._loaded = (counter, counter.now())
 
     def close(self) -> None:
-        """Shut vLLM down and remove its model folder."""
+        """Shut vLLM's engine down (its distributed state with it, before the run's process teardown)
+        and remove its model folder."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
         self.llm = None
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -360,5 +390,5 @@ class VLLMEngine(GenerationEngine):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-__all__ = ["CPU_MIN_HEAD_SIZE", "VLLMEngine", "VLLM_INSTALL", "base_state_dict", "check_model", "head_size", "import_vllm",
+__all__ = ["CPU_MIN_HEAD_SIZE", "VLLMEngine", "VLLM_INSTALL", "base_state_dict", "Fingerprint", "check_model", "fingerprint", "head_size", "import_vllm",
            "prompt_token_ids", "sampling_params", "stack_outputs"]

@@ -11,10 +11,11 @@ are of the warped distribution, as in :mod:`textrl.generation.vllm_engine`).
 
 The weights go through vLLM's weight-transfer engines (``vllm.distributed.weight_transfer``): before
 a call, when the policy's weights moved since they were last sent
-(:class:`textrl.versions.VersionCounter`), every trainer rank takes part in ``send_weights`` (rank
-0 sends; a sharded weight is gathered on all) to each server, with vLLM's ``nccl`` backend on CUDA
-and textrl's ``textrl_gloo`` on the CPU (:mod:`textrl.generation.vllm_transfer`), then drops the
-servers' prefix caches. A server that does not answer, or serves another model, is a one-line error
+(:class:`textrl.versions.VersionCounter`), rank 0 sends them to each server through ``send_weights``
+(every rank takes part under FSDP or ZeRO-3, gathering each weight), with vLLM's ``nccl`` backend on
+CUDA and textrl's ``textrl_gloo`` on the CPU (:mod:`textrl.generation.vllm_transfer`), drops the
+servers' prefix caches and sets their weight version to the weights' fingerprint
+(:func:`textrl.generation.vllm_engine.fingerprint`), which the other ranks wait for. A server that does not answer, or serves another model, is a one-line error
 naming its URL; the run's last checkpoint stands.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -35,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from textrl.generation.base import SERVED_ENGINE, GenerationEngine, Sampling, register_engine
-from textrl.generation.vllm_engine import base_state_dict, import_vllm, prompt_token_ids, stack_outputs
+from textrl.generation.vllm_engine import base_state_dict, fingerprint, import_vllm, prompt_token_ids, stack_outputs
 from textrl.versions import VersionCounter
 
 TIMEOUT_S = 600.0
@@ -105,6 +107,15 @@ class Server:
                                "checkpoint stands") from None
         return json.loads(text) if text else None
 
+    def wait_for_version(self, version: str, timeout: float = TIMEOUT_S) -> None:
+        """Until the server's weight version is ``version`` (rank 0 sets it once it sent them)."""
+        deadline = time.monotonic() + timeout
+        while self.request("weight_info", timeout=30).get("weight_version") != version:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM server {self.url} did not take the new weights in {timeout:.0f} s (rank 0 "
+                                   "sends them); see rank 0's error, then --resume: the last checkpoint stands")
+            time.sleep(0.05)
+
     def connect(self, trained: str) -> None:
         """Ask the server its model (``/v1/models``): ``ValueError`` when it serves another than the run's."""
         models = self.request("v1/models", timeout=30)["data"]
@@ -116,7 +127,8 @@ class Server:
 
 class HTTPClient:
     """vLLM's weight-sync control plane of one server over its RL routes (the protocol vLLM's
-    ``TrainerWeightTransferEngine`` drives), through :meth:`Server.request` so errors name the URL."""
+    ``TrainerWeightTransferEngine`` drives), through :meth:`Server.request` so errors name the URL;
+    the server's generation paused from the start of an update to its end (``/pause``, ``/resume``)."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
@@ -125,6 +137,9 @@ class HTTPClient:
         self.server.request("init_weight_transfer_engine", {"init_info": init_info})
 
     def start_weight_update(self) -> None:
+        """Pause the server's generation first (its running requests finish on the old weights; new ones
+        wait), so that no forward runs on a half-loaded model."""
+        self.server.request("pause?mode=wait", {})
         self.server.request("start_weight_update", {})
 
     def update_weights(self, update_info: Any) -> None:
@@ -132,6 +147,7 @@ class HTTPClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.server.request("finish_weight_update", {} if weight_version is None else {"weight_version": weight_version})
+        self.server.request("resume", {})
 
 
 def free_port() -> int:
@@ -165,6 +181,7 @@ class VLLMServerEngine(GenerationEngine):
         self._sent: tuple[VersionCounter, int] | None = None
         self._senders: list[Any] = []
         self._next = 0
+        self.partitioned = False
 
     def configure(self, config: Any) -> None:
         self.servers = [Server(url) for url in server_urls(config.vllm_server)]
@@ -172,7 +189,9 @@ class VLLMServerEngine(GenerationEngine):
         self.seed = int(getattr(config, "seed", 0))
 
     def check_backend(self, partitions_weights: bool) -> None:
-        """Any backend: a partitioned policy's weights are gathered as they are sent."""
+        """Any backend: a partitioned policy's weights are gathered as they are sent (every rank then
+        takes part in sending them)."""
+        self.partitioned = partitions_weights
 
     def generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
                  **kwargs: Any) -> Tensor:
@@ -206,7 +225,7 @@ class VLLMServerEngine(GenerationEngine):
 
     # -- the weights --------------------------------------------------------------------------------
     def _ready(self, model: nn.Module) -> None:
-        """Connect at the first call (each server's model checked) and send the weights that moved."""
+        """Connect at the first call (each server's model checked); when the weights moved, sync them."""
         if self._model is None:
             for server in self.servers:
                 server.connect(self.trained)
@@ -216,23 +235,33 @@ class VLLMServerEngine(GenerationEngine):
             raise ValueError("the vllm-server engine was started on another model; build one engine per policy")
         counter, seen = self._sent
         if counter.now() != seen:
-            self._send(model)
+            self._sync(model)
             self._sent = (counter, counter.now())
 
-    def _send(self, model: nn.Module) -> None:
-        """Every trainer rank: the weights to each server through vLLM's weight transfer, then the
-        servers' prefix caches dropped; the other ranks wait until rank 0 is done."""
+    def _sync(self, model: nn.Module) -> None:
+        """The servers take this rank's weights. Rank 0 sends them through vLLM's weight transfer (under
+        a backend that partitions them every rank takes part, gathering each weight as it is sent:
+        their generation calls are collectives, so they come here together), then drops the servers'
+        prefix caches and sets their weight version to the weights' fingerprint; every other rank
+        waits until each server reports its own weights' fingerprint (the ranks' generation calls
+        need not line up: an evaluation may call more often on one rank than on another)."""
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if not self._senders:
-            self._senders = [self._open(server, model, rank) for server in self.servers]
-        for sender in self._senders:
-            sender.send_weights()
+        if rank == 0 or self.partitioned:
+            if not self._senders:
+                self._senders = [self._open(server, model, rank) for server in self.servers]
+            for sender in self._senders:
+                sender.send_weights()
+            version = self._senders[0].source.fingerprint
+        else:
+            version = fingerprint(base_state_dict(model).items())
         if rank == 0:
             for server in self.servers:
                 server.request("reset_prefix_cache", {})
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+                server.request("update_weight_version", {"new_version": version})
+            return
+        for server in self.servers:
+            server.wait_for_version(version)
 
     def _open(self, server: Server, model: nn.Module, rank: int) -> Any:
         """vLLM's trainer-side weight-transfer engine to ``server`` (``nccl`` on CUDA, ``textrl_gloo`` on the CPU)."""

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from textrl.generation.vllm_engine import import_vllm
+from textrl.generation.vllm_engine import Fingerprint, import_vllm
 
 import_vllm()  # where vLLM is missing: one ImportError saying what to install
 from vllm.distributed.weight_transfer.base import (  # noqa: E402
@@ -131,17 +131,23 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
 class NamedTensors(WeightSource):
     """A :class:`~vllm.distributed.weight_transfer.base.WeightSource` over ``weights()``, a fresh
-    ``{name: tensor}`` each round (a sharded tensor gathered when it is sent)."""
+    ``{name: tensor}`` each round (a sharded tensor gathered when it is sent); ``fingerprint``: the
+    :func:`~textrl.generation.vllm_engine.fingerprint` of the last whole pass's full tensors."""
 
     def __init__(self, weights: Any) -> None:
         self._weights = weights
+        self.fingerprint: str | None = None
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._weights().items()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        running = Fingerprint()
         for name, tensor in self._weights().items():
-            yield name, materialize_full_tensor(tensor)
+            full = materialize_full_tensor(tensor)
+            running.add(name, full)
+            yield name, full
+        self.fingerprint = running.hexdigest()
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):

@@ -1,0 +1,219 @@
+"""Served rollouts (``textrl train --vllm-server``) against real vLLM servers on localhost started
+with ``textrl vllm-serve``: two servers and a trainer in two gloo processes, the weights pushed after
+every update (the logged gap stays at float noise), resume, a server serving another model, and a
+server killed mid-run. Marked ``vllm`` (and ``slow``: each server takes 30-90 s to start); the
+errors for a server that does not answer run everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.runs import metrics
+from textrl.cli import main
+from textrl.generation.vllm_server import choice_rows, completion_request, same_model, server_urls
+from textrl.run import latest_checkpoint
+
+SMALL = [
+    "--prompts-per-iteration", "4", "--n-samples-per-prompt", "2", "--max-new-tokens", "8",
+    "--warmup-sft-steps", "3", "--eval-size", "4", "--eval-every", "0", "--progress", "false",
+    "--ppo-epochs", "1", "--num-minibatches", "2", "--device", "cpu",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- everywhere ---------------------------------------------------------------------------------------
+def test_server_urls_take_a_comma_separated_list():
+    assert server_urls("localhost:8000, http://h:9/") == ["http://localhost:8000", "http://h:9"]
+    with pytest.raises(ValueError, match="comma-separated list"):
+        server_urls("http://a:1,,http://b:2")
+
+
+def test_a_completion_request_draws_what_the_agents_describe():
+    from textrl.generation import Sampling
+
+    sampling = Sampling(greedy=False, temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=6, eos_token_id=3,
+                        pad_token_id=0)
+    body = completion_request("m", [1, 2], 4, sampling, seed=9, logprobs=True)
+    assert body["n"] == 4 and body["prompt"] == [1, 2] and body["seed"] == 9 and body["logprobs"] == 0
+    assert (body["temperature"], body["top_k"], body["top_p"]) == (0.7, 5, 0.9)
+    assert body["stop_token_ids"] == [3] and body["ignore_eos"] and body["return_token_ids"]
+    answer = {"choices": [{"index": 1, "token_ids": [7], "logprobs": {"token_logprobs": [-0.5]}},
+                          {"index": 0, "token_ids": [5, 3], "logprobs": {"token_logprobs": [-1.0, -2.0]}}]}
+    assert choice_rows(answer, True) == [([5, 3], [-1.0, -2.0]), ([7], [-0.5])]
+
+
+def test_same_model_compares_the_last_part_of_a_folder_or_hub_id():
+    assert same_model("/srv/models/qwen", "/home/me/qwen/") and same_model("Qwen/Qwen2.5-0.5B", "Qwen2.5-0.5B")
+    assert not same_model("/srv/models/llama", "/home/me/qwen")
+
+
+def test_a_server_that_does_not_answer_stops_the_run_naming_its_url(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TEXTRL_CACHE", str(tmp_path / "cache"))
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--iterations", "1", "--output-dir", str(tmp_path / "run"), "--vllm-server", url, *SMALL,
+              "--warmup-sft-steps", "0"])
+    assert url in str(stop.value) and "does not answer" in str(stop.value) and "--resume" in str(stop.value)
+
+
+def test_servers_with_another_engine_are_refused(tmp_path):
+    with pytest.raises(SystemExit, match="--vllm-server samples from vLLM servers, but --generation-engine hf"):
+        main(["train", "--output-dir", str(tmp_path / "run"), "--vllm-server", "http://a:1", "--generation-engine", "hf"])
+
+
+# -- against vLLM servers -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The tiny model with heads of 32 (vLLM's CPU attention refuses 16) and its tokenizer."""
+    from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("model") / "tiny32"
+    tok = build_tiny_tokenizer()
+    build_tiny_causal_lm(tok, num_attention_heads=2).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def start_server(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "textrl.cli", "vllm-serve", str(model), "--port", str(port), "--dtype", "float32",
+           "--max-model-len", "512", "--kv-cache-memory-bytes", str(128 << 20), "--enforce-eager"]
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=5):
+                return
+        except OSError:
+            time.sleep(1.0)
+    raise RuntimeError(f"the vLLM server at {url} did not start in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def servers(folder, tmp_path_factory):
+    """Two vLLM servers on localhost, started at once (each 30-90 s), stopped after the module."""
+    logs = tmp_path_factory.mktemp("servers")
+    started = [start_server(folder, logs / f"server{i}.log") for i in range(2)]
+    try:
+        for i, (proc, url) in enumerate(started):
+            wait_ready(proc, url, logs / f"server{i}.log")
+        yield [url for _, url in started]
+    finally:
+        for proc, _ in started:
+            stop(proc)
+
+
+def train(out: Path, folder: Path, servers: list[str], *args: str, processes: int = 1,
+          check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TEXTRL_CACHE": str(out.parent / "cache"), "OMP_NUM_THREADS": "1"}
+    launch = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
+               f"--master_port={free_port()}", "-m", "textrl.cli"] if processes > 1 else [sys.executable, "-m", "textrl.cli"])
+    cmd = [*launch, "train", "--output-dir", str(out), "--model", str(folder), "--vllm-server", ",".join(servers),
+           *SMALL, *args]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_two_servers_and_two_trainer_processes_train_with_the_new_weights_each_iteration(tmp_path, folder, servers):
+    out = tmp_path / "run"
+    train(out, folder, servers, "--iterations", "3", processes=2)
+    rows = metrics(out)
+    assert [r["iteration"] for r in rows] == [1, 2, 3] and all(r["samples"] == 8 for r in rows)
+    for row in rows:  # stale weights on a server would show as a gap of the update's size (~1e-2)
+        assert row["rollout/policy_lag"] == 0.0
+        assert row["rollout/logprob_gap_max"] < 1e-4, row
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["processes"] == 2
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_served_run_resumes_with_its_checkpoints_weights_on_the_servers(tmp_path, folder, servers):
+    """The servers hold another run's weights when the run resumes: its first rollout must come from
+    the checkpoint's (sent at the first call), or the logged gap would be of a whole run's training.
+    Not bitwise the run it continues: a server batches concurrent requests as they arrive, and a
+    batch of another shape sums its float32 products in another order (docs/vllm.md)."""
+    part, other = tmp_path / "part", tmp_path / "other"
+    train(part, folder, servers, "--iterations", "2")
+    train(other, folder, servers, "--iterations", "3", "--actor-lr", "3e-2", "--seed", "1")  # the servers move on
+    train(part, folder, servers, "--iterations", "3", "--resume")
+    rows = metrics(part)
+    assert [r["iteration"] for r in rows] == [1, 2, 3] and rows[2]["samples"] == 8
+    assert rows[2]["rollout/policy_lag"] == 0.0 and rows[2]["rollout/logprob_gap_max"] < 1e-4, rows[2]
+    assert metrics(other)[0]["rollout/logprob_gap_max"] < 1e-4  # the other run's first rollout: its own weights too
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_server_serving_another_model_is_named(tmp_path, folder, servers):
+    other = tmp_path / "other-model"
+    other.symlink_to(folder, target_is_directory=True)
+    result = train(tmp_path / "run", other, servers[:1], "--iterations", "1", check=False)
+    assert result.returncode == 1
+    assert f"vLLM server {servers[0]} serves" in result.stderr and "other-model" in result.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_server_killed_mid_run_stops_it_naming_the_url_and_the_last_checkpoint_stands(tmp_path, folder):
+    proc, url = start_server(folder, tmp_path / "server.log")
+    try:
+        wait_ready(proc, url, tmp_path / "server.log")
+        out = tmp_path / "run"
+        env = {**os.environ, "TEXTRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+        run = subprocess.Popen([sys.executable, "-m", "textrl.cli", "train", "--output-dir", str(out), "--model",
+                                str(folder), "--vllm-server", url, *SMALL, "--iterations", "200", "--checkpoint-every", "1"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while latest_checkpoint(out) is None or latest_checkpoint(out).name < "iter_000002":
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+            time.sleep(0.2)
+        stop(proc, signal.SIGKILL)
+        _, stderr = run.communicate(timeout=600)
+    finally:
+        stop(proc, signal.SIGKILL)
+    assert run.returncode == 1
+    assert url in stderr and "--resume" in stderr, stderr[-3000:]
+    checkpoint = latest_checkpoint(out)
+    rows = metrics(out)
+    assert int(checkpoint.name.removeprefix("iter_")) == rows[-1]["iteration"]  # metrics and checkpoint agree
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(checkpoint / "policy")  # intact
