@@ -43,6 +43,7 @@ from textrl.config_io import add_config_arguments as _add_config_arguments
 from textrl.config_io import add_trl_names as _add_trl_names
 from textrl.config_io import build_config as _build_config
 from textrl.config_io import load_yaml as _load_yaml
+from textrl.functional.mismatch import MISMATCH_KINDS, mismatch_bounds
 from textrl.generation.base import engine_named, run_engine_name
 from textrl.precision import check_memory_options, check_precision
 from textrl.reward_option import check_reward_shape
@@ -231,6 +232,16 @@ class TrainConfig:
     """Normalise advantages to mean 0, std 1 over valid tokens."""
     loss_aggregation: str = "token_mean"
     """token_mean | seq_mean | seq_mean_token_sum."""
+    rollout_correction: str = "none"
+    """Weigh the policy loss by rho_t = p_learner / p_engine of each token (rollout/training mismatch):
+    none | tis (min(rho_t, cap)) | mis (the row's prod rho_t, or the row is rejected outside the bounds)
+    | geo_mean (rows whose geometric-mean rho is outside the bounds rejected) | icepop (rho_t, or the
+    token rejected outside the bounds). Rejected tokens leave the loss; needs the engine's log-probs."""
+    rollout_correction_upper: float | None = None
+    """tis's cap, the upper bound of mis, geo_mean and icepop (None = the kind's default: tis 2,
+    mis 2, geo_mean 1.001, icepop 5)."""
+    rollout_correction_lower: float | None = None
+    """Lower bound of mis, geo_mean and icepop (None = the kind's default: 1 / upper, icepop 0.5)."""
     kl_coef: float = 0.02
     """beta: initial KL coefficient."""
     kl_kind: str = "k1"
@@ -349,6 +360,7 @@ class TrainConfig:
             "max_prompt_length", "warmup_sft_steps", "warmup_sft_lr", "warmup_sft_batch_size",
             "warmup_answer_accuracy", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
             "temperature", "top_k", "top_p", "gamma", "lam", "whiten_advantages", "loss_aggregation",
+            "rollout_correction", "rollout_correction_upper", "rollout_correction_lower",
             "kl_kind", "kl_in", "adaptive_kl", "kl_hinge", "reward_placement", "critic_init",
             "lam_critic", "lam_length_alpha", "critic_warmup_iterations", "dynamic_sampling", "overlong_buffer",
             "reward_adapter", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
@@ -364,6 +376,7 @@ class TrainConfig:
         _check_types(self)
         agent = agent if agent is not None else agent_class(self.agent)
         _check_choices(self)
+        _check_rollout_correction(self)
         _check_counts(self)
         _check_task(self)
         _check_coefficients(self)
@@ -388,6 +401,16 @@ class TrainConfig:
         value = getattr(self, name)
         return value == _DEFAULTS[name] or value in FORMER_DEFAULTS.get(name, ())
 
+    def rollout_correction_bounds(self) -> dict[str, float]:
+        """The keyword bounds of :func:`textrl.functional.mismatch_weights` for ``rollout_correction``:
+        ``{"cap": upper}`` for tis, ``{"upper": ..., "lower": ...}`` for the others, the unset ones
+        left out (the kind's defaults)."""
+        if self.rollout_correction == "tis":
+            given = {"cap": self.rollout_correction_upper}
+        else:
+            given = {"upper": self.rollout_correction_upper, "lower": self.rollout_correction_lower}
+        return {name: value for name, value in given.items() if value is not None}
+
     @property
     def rollout_batch_size(self) -> int:
         """Rows per rollout: prompts_per_iteration x n_samples_per_prompt."""
@@ -409,8 +432,8 @@ AGENT_OPTIONS = frozenset({
     "ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "clip_eps", "clip_eps_high", "dual_clip",
     "value_clip_eps", "lam_critic", "lam_length_alpha", "critic_warmup_iterations", "dynamic_sampling",
     "overlong_buffer", "vf_coef", "entropy_coef", "gamma", "lam", "whiten_advantages",
-    "loss_aggregation", "kl_coef", "kl_kind", "kl_in", "adaptive_kl", "kl_target", "kl_horizon",
-    "kl_hinge", "kl_early_stop", "reward_placement", "ratio_threshold", "kl_after_update",
+    "loss_aggregation", "rollout_correction", "rollout_correction_upper", "rollout_correction_lower",
+    "kl_coef", "kl_kind", "kl_in", "adaptive_kl", "kl_target", "kl_horizon", "kl_hinge", "kl_early_stop", "reward_placement", "ratio_threshold", "kl_after_update",
     "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr", "lr_schedule",
     "lr_warmup_steps", "max_grad_norm", "critic_init", "reward_adapter", "load_in_4bit", "lora_r",
     "lora_alpha", "lora_dropout", "lora_target_modules", "critic_type", "critic",
@@ -454,6 +477,29 @@ def _check_choices(config: TrainConfig) -> None:
     check_choice("rollback_copy", config.rollback_copy, ("auto", "device", "host"))
     check_precision(config)
     check_reward_shape(config.reward, config.reward_weights)  # the names in a spec: when the run builds its env
+
+
+def _check_rollout_correction(config: TrainConfig) -> None:
+    """The mismatch correction's kind, bounds only where the kind takes them, and a band that keeps something."""
+    kind, upper, lower = config.rollout_correction, config.rollout_correction_upper, config.rollout_correction_lower
+    check_choice("rollout_correction", kind, MISMATCH_KINDS)
+    for name, value in (("rollout_correction_upper", upper), ("rollout_correction_lower", lower)):
+        if value is not None:
+            check_positive(name, value)
+    takes = mismatch_bounds(kind)
+    if not takes and (upper is not None or lower is not None):
+        raise ValueError("rollout_correction_upper / rollout_correction_lower are bounds of a correction, and "
+                         "rollout_correction='none': choose --rollout-correction tis, mis, geo_mean or icepop, or drop them")
+    if lower is not None and "lower" not in takes:
+        raise ValueError(f"rollout_correction_lower={lower!r}: {kind} truncates from above only (its cap is "
+                         "--rollout-correction-upper); drop --rollout-correction-lower")
+    if "lower" in takes:
+        hi = upper if upper is not None else takes["upper"]
+        lo = lower if lower is not None else takes["lower"]
+        lo = 1.0 / hi if lo is None else lo
+        if lo > hi:
+            raise ValueError(f"rollout_correction={kind!r} keeps ratios in [lower, upper] = [{lo:g}, {hi:g}], which is "
+                             "empty: raise --rollout-correction-upper or lower --rollout-correction-lower")
 
 
 def _check_counts(config: TrainConfig) -> None:

@@ -36,6 +36,10 @@ class RolloutKeys:
     generation_log_prob: NestedKey = ("generation", "log_prob")
     """float ``[B, T]``: the log-prob the generation engine drew each agent token with (0 on the
     environment's tokens and after the episode); absent when the engine computes none."""
+    correction_weight: NestedKey = "correction_weight"
+    """float ``[B, T]``: the rollout / training mismatch correction's weight of each agent token
+    (``rollout_correction``; 0 where the token or its row is rejected, and off the agent mask),
+    which multiplies the per-token policy loss; absent with ``rollout_correction='none'``."""
     policy_version: NestedKey = "policy_version"
     """int64 ``[B]``: the version of the weights that generated each row (the learner's, as the actor
     last loaded them); the update logs its lag behind the learner."""

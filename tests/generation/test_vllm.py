@@ -239,3 +239,19 @@ def test_training_with_the_vllm_engine_samples_with_each_updates_weights(tmp_pat
     assert [r["iteration"] for r in rows] == [1, 2, 3]
     for row in rows:
         assert row["rollout/policy_lag"] == 0.0 and row["rollout/logprob_gap_max"] < 1e-4, row
+
+
+def test_a_lora_policys_merged_weights_are_its_outputs(tok):
+    """What a server without the adapter gets: the base with each adapter's delta added, the policy untouched."""
+    from peft import LoraConfig, get_peft_model
+
+    from textrl.generation.vllm_engine import merged_state_dict
+
+    lora = get_peft_model(big_heads(tok, seed=4), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    before = {k: v.clone() for k, v in lora.state_dict().items()}
+    plain = big_heads(tok, seed=4)
+    plain.load_state_dict(merged_state_dict(lora))
+    ids, mask = encode(tok, PROMPTS)
+    with torch.no_grad():
+        assert torch.allclose(plain(ids, attention_mask=mask).logits, lora(input_ids=ids, attention_mask=mask).logits, atol=1e-5)
+    assert all(torch.equal(v, lora.state_dict()[k]) for k, v in before.items())

@@ -182,6 +182,17 @@ def test_a_served_run_resumes_with_its_checkpoints_weights_on_the_servers(tmp_pa
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_a_lora_policy_is_served_merged_with_its_adapter(tmp_path, folder, servers):
+    """A server has no adapter: it gets the base with the adapter merged in after each update (the base
+    alone would be off by the adapter's trained delta in the logged gap)."""
+    out = tmp_path / "run"
+    train(out, folder, servers, "--iterations", "3", "--lora-r", "4", "--actor-lr", "3e-2")
+    for row in metrics(out):
+        assert row["rollout/logprob_gap_max"] < 1e-4, row
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_a_server_serving_another_model_is_named(tmp_path, folder, servers):
     other = tmp_path / "other-model"
     other.symlink_to(folder, target_is_directory=True)

@@ -46,7 +46,13 @@ from textrl.agents.learner import Learner, learner_attribute, process_rollout
 from textrl.agents.update import LossTerms, Objective, UpdateTally, total_loss
 from textrl.config import TrainConfig
 from textrl.env_facts import EnvFacts
-from textrl.functional import aggregate_loss, clipped_policy_loss, kl_penalty, kl_shaped_rewards
+from textrl.functional import (
+    MISMATCH_KINDS,
+    aggregate_loss,
+    clipped_policy_loss,
+    kl_penalty,
+    kl_shaped_rewards,
+)
 from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
 from textrl.models.checkpointing import enable_gradient_checkpointing
@@ -61,8 +67,10 @@ SHARED_OPTIONS = frozenset({
     "ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "clip_eps", "dual_clip", "kl_coef",
     "kl_kind", "adaptive_kl", "kl_target", "kl_horizon", "kl_early_stop", "ratio_threshold",
     "kl_after_update", "ref_refresh_every", "actor_lr", "lr_schedule", "lr_warmup_steps", "max_grad_norm",
+    "rollout_correction", "rollout_correction_upper", "rollout_correction_lower",
 })
-"""Options :class:`PPOAgent`'s own machinery reads for every agent (update loop, KL control, optimisers)."""
+"""Options :class:`PPOAgent`'s own machinery reads for every agent (update loop, KL control, optimisers,
+the rollout correction's weights)."""
 POLICY_OBJECTIVE_OPTIONS = frozenset({"entropy_coef", "loss_aggregation", "kl_in", "kl_hinge", "clip_eps_high"})
 """Options of :meth:`PPOAgent.policy_objective` (the token-level clipped surrogate)."""
 CRITIC_OPTIONS = frozenset({"critic_lr", "vf_coef", "critic_init", "critic"})
@@ -101,6 +109,9 @@ class PPOAgent(nn.Module):
     aggregation: str | None = None
     """The loss aggregation the algorithm fixes (None: ``config.loss_aggregation``); see
     :attr:`loss_aggregation`."""
+    rollout_corrections: tuple[str, ...] = MISMATCH_KINDS
+    """The ``rollout_correction`` kinds its policy loss applies (:data:`textrl.functional.MISMATCH_KINDS`);
+    another one is refused."""
     reuse_rollout_forward = True
     """See :func:`textrl.agents.forwards.reuses_rollout_forward`; set False to always run the update's own forward."""
 
@@ -344,12 +355,19 @@ class PPOAgent(nn.Module):
         ``kl_in='loss'``, hinged at ``kl_target`` with ``kl_hinge``): ``(terms, stats)``, the
         terms ``policy``, ``entropy`` (``-entropy_coef * H``) and, in the loss, ``kl``.
 
+        With a rollout correction the surrogate gets its weights (``KEYS.correction_weight``);
+        the entropy and KL terms are not weighted, and every term leaves out the rejected tokens
+        (:func:`textrl.agents.update.loss_mask`).
+
         The policy part of every token-level agent's loss; a critic agent adds its value loss.
         """
         cfg = self.config
-        mask = update_loop.loss_mask(mb)  # [B, T]
+        mask = update_loop.loss_mask(mb)  # [B, T]: without the tokens the rollout correction rejected
         logp, entropy = forwards.forward_policy(self, mb)  # [B, T] each: the kept behaviour forward, or a new one
-        pg_loss, stats = self.surrogate(logp, mb.get(KEYS.action_log_prob), mb.get(KEYS.advantage).squeeze(-1), mask)
+        weights = mb.get(KEYS.correction_weight, None)  # [B, T], or None: rollout_correction='none'
+        corrected = {} if weights is None else {"weights": weights}
+        pg_loss, stats = self.surrogate(logp, mb.get(KEYS.action_log_prob), mb.get(KEYS.advantage).squeeze(-1), mask,
+                                        **corrected)
         entropy_loss = self.aggregate(entropy, mask)
         terms = LossTerms(policy=pg_loss, entropy=-cfg.entropy_coef * entropy_loss)
         stats = {"loss/policy": pg_loss, "entropy": entropy_loss, **stats}
@@ -369,21 +387,31 @@ class PPOAgent(nn.Module):
             return torch.zeros_like(logp)
         return kl_penalty(logp, ref, kind=kind or self.config.kl_kind)
 
-    def surrogate(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def surrogate(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                  weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """The policy-gradient loss of a (micro-)batch, all ``[B, T]``: PPO's clipped surrogate
-        (clip-higher with ``clip_eps_high``), reduced by :attr:`loss_aggregation`. Returns
+        (clip-higher with ``clip_eps_high``), each token's times its rollout correction weight
+        (``weights``; passed only with a correction), reduced by :attr:`loss_aggregation`. Returns
         ``(loss [], stats)`` with the stats named as the update logs them (``clip_fraction``,
         ``kl/policy_old``, ``ratio/mean``: the ratio threshold reads it)."""
         pg_loss, pg_stats = clipped_policy_loss(
             logp, old_logp, advantages, mask, clip_eps=self.clip_eps, dual_clip=self.config.dual_clip,
             aggregation=self.loss_aggregation, clip_eps_high=self.clip_eps_high,
+            normaliser=self.rows_normaliser(mask), weights=weights,
         )
         return pg_loss, ppo_stats(pg_stats)
 
     def aggregate(self, loss_mat: Tensor, mask: Tensor) -> Tensor:
         """A token loss ``[B, T]`` (entropy, KL in the loss) reduced as the surrogate is, so that
         :meth:`micro_weight` makes every term of the loss add up over micro-batches. ``[]``."""
-        return aggregate_loss(loss_mat, mask, self.loss_aggregation)
+        return aggregate_loss(loss_mat, mask, self.loss_aggregation, self.rows_normaliser(mask))
+
+    def rows_normaliser(self, mask: Tensor) -> int | None:
+        """The denominator of a mean over rows (``seq_mean``, ``seq_mean_token_sum``): the rows of
+        the (micro-)batch ``mask`` ``[B, T]``, a row left without tokens in the loss (the rollout
+        correction rejected it) among them, so that rows-share micro-weights add up exactly; None
+        for ``token_mean`` (its count of tokens)."""
+        return None if self.loss_aggregation == "token_mean" else max(1, mask.shape[0])
 
     def update(self, td: TensorDictBase) -> dict[str, float]:
         """K epochs of shuffled minibatch updates with gradient accumulation; returns metrics: the

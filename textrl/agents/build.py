@@ -92,8 +92,8 @@ def episode_budget(agent: PPOAgent) -> int:
 
 # -- validation -----------------------------------------------------------------------------------
 def validate_config(cls: type[PPOAgent], config: TrainConfig) -> None:
-    """Check ``config`` against ``cls``'s declarations (samples per prompt, options read, LoRA,
-    sharding); ``ValueError`` names the agent, the option and what to do."""
+    """Check ``config`` against ``cls``'s declarations (samples per prompt, options read, rollout
+    corrections, LoRA, sharding); ``ValueError`` names the agent, the option and what to do."""
     agent = config.agent
     if config.n_samples_per_prompt < cls.min_samples_per_prompt:
         raise ValueError(
@@ -103,6 +103,9 @@ def validate_config(cls: type[PPOAgent], config: TrainConfig) -> None:
     for option in sorted(AGENT_OPTIONS - cls.options):
         if not config.is_default(option):
             raise ValueError(_ignored_option(cls, agent, option, getattr(config, option)))
+    if config.rollout_correction not in cls.rollout_corrections:
+        raise ValueError(f"rollout_correction={config.rollout_correction!r}: {agent} applies "
+                         f"{', '.join(cls.rollout_corrections)} only; choose one of them, or another --agent")
     if "critic_init" in cls.options and config.critic_init == "reward_model" and not config.reward_model:
         raise ValueError("critic_init='reward_model' needs --reward-model PATH")
     if config.ref_refresh_every and not needs_reference(config):

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from textrl.agent_registry import register_agent
 from textrl.agents import build, forwards
+from textrl.agents import update as update_loop
 from textrl.agents.base import (
     CRITIC_OPTIONS,
     LORA_OPTIONS,
@@ -111,16 +112,19 @@ class GAEPPO(PPOAgent):
 
     def loss(self, mb: TensorDictBase) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """:meth:`policy_objective`'s terms (clipped policy loss, - entropy bonus [, + beta * KL])
-        and ``value``: vf_coef * clipped value loss."""
+        and ``value``: vf_coef * clipped value loss, over the loss's tokens (not weighted by a
+        rollout correction, but without the tokens it rejected, as the micro-batch weights count)."""
         cfg = self.config
         terms, stats = self.policy_objective(mb)
+        mask = update_loop.loss_mask(mb)  # [B, T]
         v_loss, v_stats = clipped_value_loss(
             forwards.forward_values(self, mb),  # [B, T]
             mb.get(KEYS.state_value).squeeze(-1),
             mb.get(KEYS.value_target).squeeze(-1),
-            mb.get(KEYS.mask),
+            mask,
             clip_eps=cfg.value_clip_eps,
             aggregation=self.loss_aggregation,
+            normaliser=self.rows_normaliser(mask),
         )
         if self.critic_warming_up():  # VAPO's value pre-training: zero policy gradient, the policy stays
             terms = LossTerms(critic_warmup=0.0 * total_loss(terms))

@@ -20,7 +20,7 @@ from tensordict import TensorDictBase
 from torch import Tensor, nn
 
 from textrl.agents.forwards import Forwards
-from textrl.functional import masked_sum, next_valid
+from textrl.functional import masked_sum, mismatch_weights, next_valid
 from textrl.keys import KEYS
 from textrl.parallel.base import build_optimizers, trained_parameters
 from textrl.parallel.fsdp_sharding import local
@@ -99,7 +99,8 @@ def process_rollout(actor: Any, learner: Learner, td: TensorDictBase, *, estimat
                     reference_kl: ReferenceKL, keep_graph: bool = False,
                     timings: dict[str, float] | None = None) -> TensorDictBase:
     """:meth:`PPOAgent.process_rollout <textrl.agents.base.PPOAgent.process_rollout>`: the actor's
-    forwards (behaviour and reference log-probs, values), then the estimator and the KL controller."""
+    forwards (behaviour and reference log-probs, values), the rollout correction's weights
+    (:func:`correct_rollout`), then the estimator and the KL controller."""
     learner.backend.stage_rollback(learner)  # the update's rollback copy, overlapping the forwards on CUDA
     if KEYS.task_reward not in td.keys(include_nested=True):
         td.set(KEYS.task_reward, td.get(KEYS.reward).clone())
@@ -107,6 +108,7 @@ def process_rollout(actor: Any, learner: Learner, td: TensorDictBase, *, estimat
         td.set(KEYS.score, td.get(KEYS.reward).squeeze(-1).sum(1).float())
     with timed(timings, "forward", learner.device):
         td.update(actor.evaluate(td, keep_graph=keep_graph))
+    correct_rollout(td, learner.config)
     with timed(timings, "advantages", learner.device):
         mask = td.get(KEYS.mask)
         if actor.critic is not None:
@@ -123,4 +125,27 @@ def process_rollout(actor: Any, learner: Learner, td: TensorDictBase, *, estimat
     return td
 
 
-__all__ = ["Estimate", "Learner", "ReferenceKL", "learner_attribute", "process_rollout"]
+def correct_rollout(td: TensorDictBase, config: Any) -> None:
+    """Write the rollout correction's weights ``KEYS.correction_weight`` float ``[B, T]``, once per
+    rollout: :func:`textrl.functional.mismatch_weights` of ``config.rollout_correction`` (bounds
+    ``config.rollout_correction_bounds()``) from the learner's behaviour log-probs
+    (``KEYS.action_log_prob``) against the engine's (``KEYS.generation_log_prob``) over the agent's
+    tokens. Nothing with ``'none'`` (a stale weight is dropped). A rollout without the engine's
+    log-probs is refused: the correction is never skipped in silence."""
+    kind = config.rollout_correction
+    if kind == "none":
+        td.pop(KEYS.correction_weight, None)
+        return
+    engine = td.get(KEYS.generation_log_prob, None)  # [B, T]
+    if engine is None:
+        raise ValueError(
+            f"rollout_correction={kind!r} compares the engine's log-probs with the learner's, and this rollout has "
+            f"none (generation_engine={config.generation_engine!r} computed none): sample with an engine that "
+            "computes them (every built-in one does), or use --rollout-correction none"
+        )
+    weights = mismatch_weights(kind, td.get(KEYS.action_log_prob), engine, td.get(KEYS.mask),
+                               **config.rollout_correction_bounds())
+    td.set(KEYS.correction_weight, weights)
+
+
+__all__ = ["Estimate", "Learner", "ReferenceKL", "correct_rollout", "learner_attribute", "process_rollout"]

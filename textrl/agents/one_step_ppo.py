@@ -4,6 +4,10 @@
 logp_old)`` against a frozen old-policy snapshot refreshed every ``old_policy_refresh_every``
 iterations, ``loss = -mean(min(ratio A, clip(ratio, 1 +- eps) A)) + vf_coef * MSE(V_last, R)
 + kl_coef * mean(sum_t (logp - logp_ref))``. Clip epsilon 0.1 by default; no whitening.
+
+Its action is the whole response, so it applies the sequence-level rollout corrections only
+(``mis``, ``geo_mean``: one weight per row, which multiplies the row's policy loss; a rejected row
+counts 0 in the mean over rows); the value and KL terms are not corrected.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class OneStepPPO(PPOAgent):
         "load_in_4bit": "it trains every weight of the policy, which a 4-bit base would freeze",
     }
     default_clip_eps = 0.1
+    rollout_corrections = ("none", "mis", "geo_mean")
+    """One action per response: a token-level correction (tis, icepop) has no token to weigh."""
 
     def __init__(self, policy: nn.Module, tokenizer: Any, config: TrainConfig | None = None, **kwargs: Any) -> None:
         super().__init__(policy, tokenizer, config, **kwargs)
@@ -96,6 +102,8 @@ class OneStepPPO(PPOAgent):
             clip_eps=self.clip_eps,
             dual_clip=cfg.dual_clip,
             aggregation="token_mean",
+            normaliser=rows.shape[0],  # every row, a rejected one too: micro-batches weigh their share of rows
+            weights=row_weights(mb.get(KEYS.correction_weight, None), mask),
         )
         value_last = last_valid(forwards.forward_values(self, mb), mask)  # [B]
         v_loss = torch.nn.functional.mse_loss(value_last, mb.get(SCORE).to(value_last.dtype))
@@ -124,4 +132,12 @@ class OneStepPPO(PPOAgent):
             self.backend.copy_weights(self.old_policy, self.policy)
 
 
-__all__ = ["OneStepPPO"]
+def row_weights(weights: Tensor | None, mask: Tensor) -> Tensor | None:
+    """A sequence-level correction's one weight per row, ``[B, T] -> [B, 1]`` (its value on the row's
+    agent tokens ``mask``, 0 for a rejected row); None stays None."""
+    if weights is None:
+        return None
+    return torch.where(mask, weights, 0.0).amax(dim=1, keepdim=True)
+
+
+__all__ = ["OneStepPPO", "row_weights"]

@@ -29,7 +29,7 @@ from tensordict import TensorDictBase
 from torch import Tensor
 
 from textrl.agents.forwards import RolloutForward, with_forward
-from textrl.functional import kl_penalty, masked_mean, mismatch_stats
+from textrl.functional import kept_mask, kl_penalty, masked_mean, mismatch_stats
 from textrl.functional.ppo import explained_variance
 from textrl.keys import KEYS
 
@@ -120,8 +120,8 @@ def run_epochs(learner: Learner, td: TensorDictBase, forward: RolloutForward | N
         for idx in order.tensor_split(cfg.num_minibatches):  # [b] rows of one minibatch
             if idx.numel() == 0:
                 continue
-            if KEYS.loss_mask in td.keys() and not backend.dist.any(bool(mask[idx].any())):
-                stats, norms = {}, {}  # every row left out (dynamic sampling): no loss, nothing to step
+            if leaves_tokens_out(td) and not backend.dist.any(bool(mask[idx].any())):
+                stats, norms = {}, {}  # every token left out (dynamic sampling, rejection): no loss, nothing to step
             else:
                 mb_tokens = mask[idx].sum().clamp(min=1)
                 backend.zero_grad(learner)
@@ -158,9 +158,19 @@ def run_epochs(learner: Learner, td: TensorDictBase, forward: RolloutForward | N
 
 def loss_mask(td: TensorDictBase) -> Tensor:
     """The tokens the loss counts, bool ``[B, T]``: ``KEYS.loss_mask`` where the estimator
-    left rows out (DAPO's dynamic sampling), else the agent mask ``KEYS.mask``."""
+    left rows out (DAPO's dynamic sampling), else the agent mask ``KEYS.mask``; without the
+    tokens the rollout correction rejected (``KEYS.correction_weight`` 0), so that they count in
+    no term and no micro-batch weight."""
     mask = td.get(KEYS.loss_mask, None)
-    return td.get(KEYS.mask) if mask is None else mask
+    mask = td.get(KEYS.mask) if mask is None else mask
+    return kept_mask(mask, td.get(KEYS.correction_weight, None))
+
+
+def leaves_tokens_out(td: TensorDictBase) -> bool:
+    """Whether :func:`loss_mask` may leave every token of a minibatch out (dynamic sampling, the
+    rollout correction's rejections), which :func:`run_epochs` must then check before a step."""
+    keys = td.keys()
+    return KEYS.loss_mask in keys or KEYS.correction_weight in keys
 
 
 class LossTerms(dict):
@@ -249,11 +259,11 @@ def rolled_back_if_nonfinite(learner: Learner, tally: UpdateTally) -> Iterator[N
 
 
 def rollout_is_finite(td: TensorDictBase) -> bool:
-    """The rollout's log-probs, values, rewards and advantages are finite on valid tokens."""
+    """The rollout's log-probs, values, rewards, advantages and correction weights are finite on valid tokens."""
     mask = td.get(KEYS.mask)  # [B, T]
     present = set(td.keys(include_nested=True))
     for key in (KEYS.action_log_prob, KEYS.ref_log_prob, KEYS.state_value, KEYS.reward,
-                KEYS.advantage, KEYS.value_target):
+                KEYS.advantage, KEYS.value_target, KEYS.correction_weight):
         if key in present:
             x = td.get(key)
             x = x.squeeze(-1) if x.dim() == 3 else x  # [B, T]
@@ -278,7 +288,8 @@ def provenance_metrics(learner: Learner, td: TensorDictBase) -> dict[str, float]
     tokens: ``rollout/logprob_gap`` and ``rollout/logprob_gap_max`` (mean and largest absolute
     difference: floating-point noise when both are the same weights, a lag's or an old policy's
     difference otherwise), ``rollout/logprob_kl`` (k3 estimate of KL(engine || learner)) and
-    ``rollout/logprob_gap_fraction`` (the share of tokens whose ratio is off by more than 2x)."""
+    ``rollout/logprob_gap_fraction`` (the share of tokens whose ratio is off by more than 2x); with a
+    rollout correction, :func:`correction_metrics`."""
     out: dict[str, float] = {}
     if KEYS.policy_version in td.keys():
         out["rollout/policy_lag"] = float(learner.version - int(td.get(KEYS.policy_version).min()))
@@ -289,7 +300,22 @@ def provenance_metrics(learner: Learner, td: TensorDictBase) -> dict[str, float]
         for name, key in (("abs_gap_mean", "logprob_gap"), ("abs_gap_max", "logprob_gap_max"),
                           ("kl_k3", "logprob_kl"), ("gap_fraction", "logprob_gap_fraction")):
             out[f"rollout/{key}"] = float(stats[name])
-    return out
+    return {**out, **correction_metrics(td)}
+
+
+def correction_metrics(td: TensorDictBase) -> dict[str, float]:
+    """With a rollout correction (``KEYS.correction_weight`` ``[B, T]``), over the agent's tokens:
+    ``rollout/correction_weight_mean`` (the mean weight of the tokens it keeps) and
+    ``rollout/correction_rejected_fraction`` (the share it rejects: weight 0); none without one."""
+    weights = td.get(KEYS.correction_weight, None)
+    if weights is None:
+        return {}
+    mask = td.get(KEYS.mask)  # [B, T]
+    kept = kept_mask(mask, weights)  # [B, T]
+    return {
+        "rollout/correction_weight_mean": float(masked_mean(weights.float(), kept)),
+        "rollout/correction_rejected_fraction": float(masked_mean((mask & ~kept).float(), mask)),
+    }
 
 
 def kl_monitors(actor: Actor, td: TensorDictBase) -> dict[str, float]:
@@ -361,6 +387,7 @@ class UpdateTally:
 
 
 __all__ = [
-    "LossTerms", "Objective", "UpdateTally", "kl_monitors", "loss_mask", "provenance_metrics", "micro_batch_loss", "over_ratio_threshold", "rolled_back_if_nonfinite",
+    "LossTerms", "Objective", "UpdateTally", "correction_metrics", "kl_monitors", "leaves_tokens_out", "loss_mask",
+    "provenance_metrics", "micro_batch_loss", "over_ratio_threshold", "rolled_back_if_nonfinite",
     "rollout_is_finite", "run_epochs", "skip_nonfinite_step", "total_loss", "update",
 ]

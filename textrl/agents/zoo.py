@@ -60,12 +60,14 @@ class DrGRPO(GroupPPO):
         """``r_i - mean_g(r)``. ``[B] -> [B]``."""
         return dr_grpo_advantage(rewards, group_size)
 
-    def surrogate(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """The clipped surrogate ``[B, T]`` summed over valid tokens / (B x budget)."""
+    def surrogate(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                  weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """The clipped surrogate ``[B, T]`` (times the correction ``weights``) summed over valid
+        tokens / (B x budget)."""
         loss, stats = clipped_policy_loss(
             logp, old_logp, advantages, mask, clip_eps=self.clip_eps, dual_clip=self.config.dual_clip,
             aggregation="seq_mean_token_sum", clip_eps_high=self.clip_eps_high,
-            normaliser=mask.shape[0] * build.episode_budget(self),
+            normaliser=mask.shape[0] * build.episode_budget(self), weights=weights,
         )
         return loss, ppo_stats(stats)
 
@@ -167,10 +169,12 @@ class GSPO(GRPO):
     not_read = {**GRPO.not_read, "loss_aggregation": f"{FIXED_AGGREGATION}: a mean over sequences",
                 "dual_clip": "its ratio is per sequence, clipped by clip_eps / clip_eps_high"}
 
-    def surrogate(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """``gspo_loss`` over the rows ``[B]`` of a (micro-)batch, divided by its row count."""
+    def surrogate(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                  weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """``gspo_loss`` over the rows ``[B]`` of a (micro-)batch, divided by its row count; with the
+        correction ``weights`` ``[B, T]``, GSPO's token-level form weighs each token."""
         loss, stats = gspo_loss(logp, old_logp, _rows_advantage(advantages, mask), mask, clip_eps_low=self.clip_eps,
-                                clip_eps_high=self.clip_eps_high, num_seqs=max(1, mask.shape[0]))
+                                clip_eps_high=self.clip_eps_high, num_seqs=max(1, mask.shape[0]), weights=weights)
         return loss, {
             "clip_fraction": stats["clip_fraction"], "kl/policy_old": stats["approx_kl"],
             "ratio/mean": stats["seq_ratio_mean"], "ratio/max": stats["seq_ratio_max"],
@@ -197,10 +201,12 @@ class CISPO(GRPO):
     not_read = {**GRPO.not_read, "loss_aggregation": f"{FIXED_AGGREGATION}: a token-level mean",
                 "dual_clip": "its importance weight is clipped and detached, never the loss"}
 
-    def surrogate(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """``cispo_loss`` (token mean of this micro-batch; weighted by its token share)."""
+    def surrogate(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                  weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """``cispo_loss`` (token mean of this micro-batch, each token times its correction weight;
+        weighted by its token share)."""
         loss, stats = cispo_loss(logp, old_logp, advantages, mask, clip_eps_low=self.clip_eps,
-                                 clip_eps_high=self.clip_eps_high)
+                                 clip_eps_high=self.clip_eps_high, weights=weights)
         return loss, ppo_stats(stats)
 
 

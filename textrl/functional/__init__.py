@@ -49,6 +49,7 @@ from textrl.functional.mismatch import (
     geo_mean_weights,
     icepop_weights,
     mis_weights,
+    mismatch_bounds,
     mismatch_stats,
     mismatch_weights,
     none_weights,
@@ -60,6 +61,7 @@ from textrl.functional.ppo import (
     clipped_policy_loss,
     clipped_value_loss,
     explained_variance,
+    kept_mask,
 )
 from textrl.functional.vapo import gae_row_lambda, length_adaptive_lambda
 from textrl.functional.zoo import (
@@ -79,6 +81,7 @@ __all__ = [
     "geo_mean_weights",
     "icepop_weights",
     "mis_weights",
+    "mismatch_bounds",
     "mismatch_stats",
     "mismatch_weights",
     "none_weights",
@@ -104,6 +107,7 @@ __all__ = [
     "compaction_index",
     "entropy_from_logits",
     "explained_variance",
+    "kept_mask",
     "gae",
     "grpo_advantage",
     "kl_abs",

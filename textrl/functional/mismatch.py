@@ -194,6 +194,21 @@ _WEIGHTS = {
 }
 
 
+def _check_kind(kind: str) -> None:
+    if kind not in _WEIGHTS:
+        raise ValueError(f"kind={kind!r}: must be one of {', '.join(MISMATCH_KINDS)}")
+
+
+def mismatch_bounds(kind: str) -> dict[str, float | None]:
+    """The bounds ``kind`` (one of ``MISMATCH_KINDS``) takes, each with its default (``None``:
+    ``1 / upper``): ``{"cap": 2.0}`` for ``tis``, ``{}`` for ``none``."""
+    _check_kind(kind)
+    fn, names = _WEIGHTS[kind]
+    args = fn.__code__.co_varnames[: fn.__code__.co_argcount]  # the positional parameters; the bounds last
+    defaults = dict(zip(args[len(args) - len(fn.__defaults__ or ()):], fn.__defaults__ or (), strict=True))
+    return {name: defaults[name] for name in names}
+
+
 def mismatch_weights(
     kind: str, logp_learner: Tensor, logp_engine: Tensor, mask: Tensor, **bounds: float | None
 ) -> Tensor:
@@ -203,8 +218,7 @@ def mismatch_weights(
     ``tis``: ``cap``; ``mis``, ``geo_mean``, ``icepop``: ``upper``, ``lower``; ``none``: none.
     An unknown kind or a bound the kind does not take raises ``ValueError`` naming it.
     """
-    if kind not in _WEIGHTS:
-        raise ValueError(f"kind={kind!r}: must be one of {', '.join(MISMATCH_KINDS)}")
+    _check_kind(kind)
     fn, allowed = _WEIGHTS[kind]
     extra = sorted(set(bounds) - set(allowed))
     if extra:

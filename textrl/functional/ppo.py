@@ -4,6 +4,12 @@ Each loss returns ``(loss, stats)``: ``loss`` is a scalar with grad, ``stats`` a
 scalar tensors for logging (CleanRL names: ``clip_fraction``, ``approx_kl``, ...).
 Inputs are selected with ``torch.where(mask, x, 0)`` before any math, so NaN/inf in masked
 positions reach neither the loss nor its gradient.
+
+The policy losses take optional per-token ``weights`` ``[B, T]`` (the rollout / training mismatch
+correction, :mod:`textrl.functional.mismatch`): the per-token policy loss is multiplied by them
+before aggregation, and a token of weight 0 (rejected) leaves the mask, so it counts in no
+denominator and no stat (verl's ``rollout_is_weights`` and rejection mask). ``None`` leaves the
+loss exactly as it is without them.
 """
 
 from __future__ import annotations
@@ -51,6 +57,23 @@ def _compute_dtype(*xs: Tensor) -> torch.dtype:
     for x in xs:
         dtype = torch.promote_types(dtype, x.dtype)
     return dtype
+
+
+def _check_weights(weights: Tensor | None, ref_name: str, ref: Tensor, mask: Tensor) -> None:
+    """``weights`` is None, or float with the shape of ``ref`` and no negative value on ``mask``."""
+    if weights is None:
+        return
+    check_same_shape("weights", weights, ref_name, ref)
+    check_float("weights", weights)
+    if bool((torch.where(mask, weights, 0.0) < 0).any()):
+        raise ValueError("weights must be >= 0 on the mask (a correction weight; 0 rejects the token)")
+
+
+def kept_mask(mask: Tensor, weights: Tensor | None) -> Tensor:
+    """The tokens a weighted loss counts, bool ``[B, T]``: ``mask`` without the rejected tokens
+    (weight 0); ``mask`` itself when ``weights`` is None. mask: bool ``[B, T]``; weights: float
+    ``[B, T]`` or None."""
+    return mask if weights is None else mask & (weights != 0)
 
 
 def _check_normaliser(normaliser: float | Tensor | None, name: str = "normaliser") -> None:
@@ -178,6 +201,7 @@ def clipped_policy_loss(
     aggregation: str = "token_mean",
     clip_eps_high: float | None = None,
     normaliser: float | Tensor | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7), optionally dual-clipped.
 
@@ -191,7 +215,8 @@ def clipped_policy_loss(
     ``pg_loss = max(pg_loss1, pg_loss2)``. With ``dual_clip = c > 1`` (Ye et al. 2020,
     "Mastering Complex Control in MOBA Games with Deep RL"), for ``A < 0``:
     ``pg_loss = min(pg_loss, -A * c)`` (bounds the loss when the ratio explodes; verl
-    ``compute_policy_loss``).
+    ``compute_policy_loss``). With ``weights``, ``pg_loss * w`` is aggregated over the tokens of
+    nonzero weight (verl ``compute_policy_loss_vanilla(rollout_is_weights=...)``).
 
     Args:
         logp: float ``[B, T]``, log-prob of each action under the current policy (with grad).
@@ -201,6 +226,8 @@ def clipped_policy_loss(
         clip_eps: > 0, the lower clip (and the upper one unless ``clip_eps_high`` is given).
         dual_clip: ``None`` or > 1. aggregation: one of ``LOSS_AGGREGATIONS``.
         clip_eps_high: ``None`` or > 0. normaliser: ``None`` or > 0, see ``aggregate_loss``.
+        weights: ``None`` or float ``[B, T]`` >= 0 on the mask, detached correction weights;
+            a token of weight 0 is off the mask.
 
     Returns:
         ``(loss, stats)``; ``loss`` is ``[]``. ``stats`` (detached, over valid tokens):
@@ -211,6 +238,8 @@ def clipped_policy_loss(
     """
     _check_token_inputs("logp", logp, mask, old_logp=old_logp, advantages=advantages)
     _check_clip_args(clip_eps, clip_eps_high, normaliser, dual_clip, aggregation)
+    _check_weights(weights, "logp", logp, mask)
+    mask = kept_mask(mask, weights)  # (B, T)
 
     dtype = _compute_dtype(logp, old_logp, advantages)
     lp = _select(logp, mask, dtype)  # (B, T)
@@ -230,6 +259,8 @@ def clipped_policy_loss(
         dual_active = (adv < 0) & (pg_loss > pg_loss3)  # (B, T)
         pg_loss = torch.where(adv < 0, torch.minimum(pg_loss, pg_loss3), pg_loss)
 
+    if weights is not None:
+        pg_loss = pg_loss * _select(weights.detach(), mask, dtype)  # (B, T)
     loss = aggregate_loss(pg_loss, mask, aggregation, normaliser)
     clipped = pg_loss2 > pg_loss1  # (B, T)
     return loss, _policy_stats(ratio, log_ratio, clipped, dual_active, mask, dtype)
@@ -242,6 +273,7 @@ def clipped_value_loss(
     mask: Tensor,
     clip_eps: float | None = 0.2,
     aggregation: str = "token_mean",
+    normaliser: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped value loss ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)``.
 
@@ -252,7 +284,7 @@ def clipped_value_loss(
     Args:
         values: float ``[B, T]``, V(s_t) of the current value head (with grad).
         old_values: float ``[B, T]``, V at rollout time. returns: float ``[B, T]``, value targets.
-        mask: bool ``[B, T]``. clip_eps: > 0 or ``None``. aggregation: see ``aggregate_loss``.
+        mask: bool ``[B, T]``. clip_eps: > 0 or ``None``. aggregation, normaliser: see ``aggregate_loss``.
 
     Returns:
         ``(loss, stats)``; ``loss`` is ``[]``. ``stats`` (detached): ``value_clip_fraction``
@@ -263,6 +295,7 @@ def clipped_value_loss(
     if clip_eps is not None:
         check_positive("clip_eps", clip_eps)
     _check_aggregation(aggregation)
+    _check_normaliser(normaliser)
 
     dtype = _compute_dtype(values, old_values, returns)
     v = _select(values, mask, dtype)  # (B, T)
@@ -278,7 +311,7 @@ def clipped_value_loss(
         vf_loss2 = (v_clipped - ret) ** 2
         vf_loss = 0.5 * torch.maximum(vf_loss1, vf_loss2)
         clipped = vf_loss2 > vf_loss1
-    loss = aggregate_loss(vf_loss, mask, aggregation)
+    loss = aggregate_loss(vf_loss, mask, aggregation, normaliser)
 
     with torch.no_grad():
         vd = v.detach()

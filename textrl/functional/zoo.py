@@ -7,7 +7,9 @@
 - ``dr_grpo_advantage``, ``dr_grpo_aggregate``: Dr. GRPO (Liu et al. 2025).
 - ``reinforce_pp_advantages``: REINFORCE++ and REINFORCE++-baseline (Hu 2025).
 
-Every loss takes an optional normaliser (``num_tokens`` or ``num_seqs``): the minibatch's count.
+Every loss takes an optional normaliser (``num_tokens`` or ``num_seqs``): the minibatch's count,
+and optional per-token correction ``weights`` (as :func:`~textrl.functional.ppo.clipped_policy_loss`:
+the per-token loss times ``w_t``, a token of weight 0 off the mask; None: unchanged).
 A caller that splits a minibatch into micro-batches passes the minibatch's count to each call and
 sums the micro-batch losses (or their gradients); the result equals the loss of the whole
 minibatch, whatever the split. Without it each call normalises by its own count, which is right
@@ -37,9 +39,11 @@ from textrl.functional.ppo import (
     LOG_RATIO_CLAMP,
     _check_normaliser,
     _check_token_inputs,
+    _check_weights,
     _compute_dtype,
     _select,
     aggregate_loss,
+    kept_mask,
     ratio_extremes,
 )
 
@@ -62,6 +66,7 @@ def gspo_loss(
     clip_eps_low: float = 3e-4,
     clip_eps_high: float = 4e-4,
     num_seqs: float | Tensor | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO clipped surrogate at the sequence level (Zheng et al. 2025, "Group Sequence Policy
     Optimization", arXiv:2507.18071, eqs. 5-7).
@@ -72,6 +77,12 @@ def gspo_loss(
     of ``s_i`` is ``s_i * mean_t grad logp_t``: every token of a sequence gets the same weight.
     The defaults are the paper's clip range (3e-4, 4e-4), far narrower than PPO's.
 
+    With ``weights`` the loss is GSPO's token-level form (verl ``compute_policy_loss_gspo``):
+    ``s_{i,t} = sg(s_i) * exp(logp_t - sg(logp_t))`` (the value of ``s_i``, the gradient
+    ``s_i * grad logp_t``), ``l_{i,t} = max(-A_i s_{i,t}, -A_i clip(s_{i,t}))``, and
+    ``loss_i = mean_t w_t * l_{i,t}`` over the row's tokens of nonzero weight (``s_i`` too is
+    over those): each token's gradient is weighted, which a per-row factor could not do.
+
     Args:
         logp: float ``[B, T]``, log-prob of each action under the current policy (with grad).
         old_logp: float ``[B, T]``, behaviour-policy log-prob.
@@ -80,6 +91,7 @@ def gspo_loss(
         clip_eps_low, clip_eps_high: > 0.
         num_seqs: ``None`` (the non-empty rows of this batch) or > 0, the minibatch's count of
             non-empty rows when this batch is one micro-batch of it.
+        weights: ``None`` or float ``[B, T]`` >= 0 on the mask (0: the token is off the mask).
 
     Returns:
         ``(loss, stats)``; ``loss`` is ``[]``. ``stats`` (detached, over non-empty rows):
@@ -92,6 +104,8 @@ def gspo_loss(
     check_positive("clip_eps_low", clip_eps_low)
     check_positive("clip_eps_high", clip_eps_high)
     _check_normaliser(num_seqs, "num_seqs")
+    _check_weights(weights, "logp", logp, mask)
+    mask = kept_mask(mask, weights)  # (B, T)
 
     dtype = _compute_dtype(logp, old_logp, advantages)
     log_ratio = _select(logp, mask, dtype) - _select(old_logp, mask, dtype)  # (B, T)
@@ -102,7 +116,13 @@ def gspo_loss(
     loss1 = -adv * seq_ratio  # (B,)
     loss2 = -adv * torch.clamp(seq_ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)  # (B,)
     per_seq = torch.maximum(loss1, loss2)  # (B,)
-    loss = masked_sum(per_seq, rows) / num_seqs if num_seqs is not None else masked_mean(per_seq, rows)
+    if weights is None:
+        loss = masked_sum(per_seq, rows) / num_seqs if num_seqs is not None else masked_mean(per_seq, rows)
+    else:
+        lp = _select(logp, mask, dtype)  # (B, T)
+        token_loss = _gspo_token_loss(lp, seq_ratio, adv, clip_eps_low, clip_eps_high)  # (B, T)
+        weighted = token_loss * _select(weights.detach(), mask, dtype)  # (B, T)
+        loss = aggregate_loss(weighted, mask, "seq_mean", num_seqs)
 
     with torch.no_grad():
         r = seq_ratio.detach()
@@ -119,6 +139,15 @@ def gspo_loss(
     return loss, stats
 
 
+def _gspo_token_loss(lp: Tensor, seq_ratio: Tensor, adv: Tensor, clip_eps_low: float, clip_eps_high: float) -> Tensor:
+    """GSPO's per-token loss ``[B, T]``: ``s_{i,t} = sg(s_i) * exp(lp_t - sg(lp_t))`` (value ``s_i``,
+    gradient ``s_i * grad lp_t``), ``max(-A_i s_{i,t}, -A_i clip(s_{i,t}))``. lp: ``[B, T]``,
+    seq_ratio and adv: ``[B]``."""
+    token_ratio = seq_ratio.detach()[:, None] * torch.exp(lp - lp.detach())  # (B, T)
+    a = adv[:, None]  # (B, 1)
+    return torch.maximum(-a * token_ratio, -a * torch.clamp(token_ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high))
+
+
 def cispo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -127,6 +156,7 @@ def cispo_loss(
     clip_eps_low: float | None = None,
     clip_eps_high: float = 0.28,
     num_tokens: float | Tensor | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO: clipped importance-sampling weight policy optimisation (MiniMax 2025, "MiniMax-M1:
     Scaling Test-Time Compute Efficiently with Lightning Attention", arXiv:2506.13585, eq. 4).
@@ -146,6 +176,8 @@ def cispo_loss(
         clip_eps_low: ``None`` or > 0. clip_eps_high: > 0.
         num_tokens: ``None`` (this batch's valid tokens) or > 0, the minibatch's count of valid
             tokens when this batch is one micro-batch of it.
+        weights: ``None`` or float ``[B, T]`` >= 0 on the mask: ``-w_t * sg(clip(r_t)) A_t logp_t``
+            (verl ``compute_policy_loss_cispo``'s ``rollout_is_weights``); 0: off the mask.
 
     Returns:
         ``(loss, stats)``; ``loss`` is ``[]`` (its value is a surrogate: only its gradient is
@@ -158,6 +190,8 @@ def cispo_loss(
         check_positive("clip_eps_low", clip_eps_low)
     check_positive("clip_eps_high", clip_eps_high)
     _check_normaliser(num_tokens, "num_tokens")
+    _check_weights(weights, "logp", logp, mask)
+    mask = kept_mask(mask, weights)  # (B, T)
 
     dtype = _compute_dtype(logp, old_logp, advantages)
     lp = _select(logp, mask, dtype)  # (B, T)
@@ -167,7 +201,10 @@ def cispo_loss(
         ratio = torch.exp(log_ratio)  # (B, T)
         low = None if clip_eps_low is None else 1.0 - clip_eps_low
         weight = torch.clamp(ratio, min=low, max=1.0 + clip_eps_high)  # (B, T)
-    loss = aggregate_loss(-weight * adv * lp, mask, "token_mean", num_tokens)
+    token_loss = -weight * adv * lp  # (B, T)
+    if weights is not None:
+        token_loss = token_loss * _select(weights.detach(), mask, dtype)
+    loss = aggregate_loss(token_loss, mask, "token_mean", num_tokens)
 
     with torch.no_grad():
         stats = {

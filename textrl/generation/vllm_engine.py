@@ -67,8 +67,8 @@ def head_size(config: Any) -> int:
     explicit = getattr(config, "head_dim", None)
     if explicit:
         return int(explicit)
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
     return int(hidden) // int(heads)
 
 
@@ -109,6 +109,23 @@ def base_state_dict(model: nn.Module) -> dict[str, Tensor]:
     if base is None:
         return dict(model.state_dict())
     return {name.replace(".base_layer", ""): value for name, value in base.state_dict().items() if not is_lora_name(name)}
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """:func:`base_state_dict` with a LoRA policy's adapters merged in (``W + delta``, peft's
+    ``get_delta_weight`` of each active adapter, new tensors: the policy is untouched), what a vLLM
+    server without the adapter samples the policy with; the policy's own for any other model."""
+    weights = base_state_dict(model)
+    base = lora_base(model)
+    if base is None:
+        return weights
+    for name, module in base.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
+            key = f"{name}.weight"
+            for adapter in module.active_adapters:
+                if adapter in getattr(module, "lora_A", {}):
+                    weights[key] = weights[key] + module.get_delta_weight(adapter).to(weights[key].dtype)
+    return weights
 
 
 def check_lora_trainable(model: nn.Module) -> None:
@@ -189,7 +206,10 @@ def drawn_logprobs(output: Any) -> list[float] | None:
 def reload_weights(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
     """Run in vLLM's worker (``LLM.collective_rpc``): load ``weights`` (transformers names) into its
     model through vLLM's layerwise reload, which re-does the processing vLLM applied after loading."""
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
 
     model = worker.get_model()
     initialize_layerwise_reload(model)
@@ -390,5 +410,5 @@ class VLLMEngine(GenerationEngine):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-__all__ = ["CPU_MIN_HEAD_SIZE", "VLLMEngine", "VLLM_INSTALL", "base_state_dict", "Fingerprint", "check_model", "fingerprint", "head_size", "import_vllm",
+__all__ = ["CPU_MIN_HEAD_SIZE", "VLLMEngine", "VLLM_INSTALL", "base_state_dict", "Fingerprint", "check_model", "fingerprint", "merged_state_dict", "head_size", "import_vllm",
            "prompt_token_ids", "sampling_params", "stack_outputs"]

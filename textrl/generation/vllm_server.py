@@ -9,7 +9,8 @@ OpenAI-compatible ``/v1/completions`` with token ids in and out (``return_token_
 tokens' log-probs (``logprobs: 0``; the servers run ``--logprobs-mode processed_logprobs``, so they
 are of the warped distribution, as in :mod:`textrl.generation.vllm_engine`).
 
-The weights go through vLLM's weight-transfer engines (``vllm.distributed.weight_transfer``): before
+The weights (a LoRA policy's merged with its adapter: :func:`~textrl.generation.vllm_engine.merged_state_dict`)
+go through vLLM's weight-transfer engines (``vllm.distributed.weight_transfer``): before
 a call, when the policy's weights moved since they were last sent
 (:class:`textrl.versions.VersionCounter`), rank 0 sends them to each server through ``send_weights``
 (every rank takes part under FSDP or ZeRO-3, gathering each weight), with vLLM's ``nccl`` backend on
@@ -37,7 +38,13 @@ import torch
 from torch import Tensor, nn
 
 from textrl.generation.base import SERVED_ENGINE, GenerationEngine, Sampling, register_engine
-from textrl.generation.vllm_engine import base_state_dict, fingerprint, import_vllm, prompt_token_ids, stack_outputs
+from textrl.generation.vllm_engine import (
+    fingerprint,
+    import_vllm,
+    merged_state_dict,
+    prompt_token_ids,
+    stack_outputs,
+)
 from textrl.versions import VersionCounter
 
 TIMEOUT_S = 600.0
@@ -101,7 +108,7 @@ class Server:
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:300]
             raise RuntimeError(f"vLLM server {self.url} refused /{path} (HTTP {err.code}: {detail})") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout) as err:
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
             raise RuntimeError(f"vLLM server {self.url} does not answer /{path} ({getattr(err, 'reason', err)}); "
                                "start it (textrl vllm-serve MODEL) or fix --vllm-server, then --resume: the last "
                                "checkpoint stands") from None
@@ -254,7 +261,7 @@ class VLLMServerEngine(GenerationEngine):
                 sender.send_weights()
             version = self._senders[0].source.fingerprint
         else:
-            version = fingerprint(base_state_dict(model).items())
+            version = fingerprint(merged_state_dict(model).items())
         if rank == 0:
             for server in self.servers:
                 server.request("reset_prefix_cache", {})
@@ -272,7 +279,7 @@ class VLLMServerEngine(GenerationEngine):
 
         register()
         world = 1 + int(server.request("get_world_size?include_dp=true", timeout=30)["world_size"]) if rank == 0 else 0
-        source = NamedTensors(lambda: base_state_dict(model))
+        source = NamedTensors(lambda: merged_state_dict(model))
         if next(model.parameters()).device.type == "cuda":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 

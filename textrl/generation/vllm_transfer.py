@@ -201,7 +201,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 def register() -> None:
     """Register ``textrl_gloo`` in vLLM's weight-transfer factories (worker and trainer side), once;
     the ``vllm.general_plugins`` entry point calls it in every vLLM process."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
 
     for factory, cls in ((WeightTransferEngineFactory, GlooWeightTransferEngine),
                          (WeightTransferTrainerFactory, GlooTrainerWeightTransferEngine)):
