@@ -339,9 +339,9 @@ def test_textrl_train_refuses_an_unknown_engine_before_any_work(tmp_path):
 
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as err:
-        main(["train", "--generation-engine", "vllm", "--iterations", "1", "--output-dir", str(out)])
-    assert str(err.value.code) == ("textrl train: generation_engine='vllm': not a registered engine; choose auto or "
-                                   "one of hf, static, textrl")
+        main(["train", "--generation-engine", "sglang", "--iterations", "1", "--output-dir", str(out)])
+    assert str(err.value.code) == ("textrl train: generation_engine='sglang': not a registered engine; choose auto or "
+                                   "one of hf, static, textrl, vllm, vllm-server")
     assert not out.exists()  # refused before the warm-up wrote anything
 
 

@@ -182,6 +182,23 @@ def test_a_served_run_resumes_with_its_checkpoints_weights_on_the_servers(tmp_pa
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_two_runs_on_one_server_are_stopped_not_mixed(tmp_path, folder, servers):
+    """A second run's weights arriving on a server the first samples from stop the first in one line
+    (each would otherwise sample with the other's policy)."""
+    env = {**os.environ, "TEXTRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "textrl.cli", "train", "--model", str(folder), "--vllm-server", servers[0], *SMALL,
+           "--iterations", "15"]
+    first = subprocess.Popen([*cmd, "--output-dir", str(tmp_path / "a")], env=env, stderr=subprocess.PIPE, text=True)
+    second = subprocess.Popen([*cmd, "--output-dir", str(tmp_path / "b"), "--seed", "1"], env=env,
+                              stderr=subprocess.PIPE, text=True)
+    errors = [first.communicate(timeout=900)[1], second.communicate(timeout=900)[1]]
+    assert first.returncode == 1 or second.returncode == 1, errors
+    stopped = errors[0] if first.returncode == 1 else errors[1]
+    assert f"vLLM server {servers[0]} holds weights this run did not send" in stopped, stopped[-2000:]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_a_lora_policy_is_served_merged_with_its_adapter(tmp_path, folder, servers):
     """A server has no adapter: it gets the base with the adapter merged in after each update (the base
     alone would be off by the adapter's trained delta in the logged gap)."""

@@ -190,6 +190,7 @@ class VLLMServerEngine(GenerationEngine):
         self._senders: list[Any] = []
         self._next = 0
         self.partitioned = False
+        self._version: str | None = None
 
     def configure(self, config: Any) -> None:
         self.servers = [Server(url) for url in server_urls(config.vllm_server)]
@@ -226,14 +227,26 @@ class VLLMServerEngine(GenerationEngine):
         out: list[tuple[list[int], list[float] | None]] = [([], None)] * len(prompts)
         with ThreadPoolExecutor(max_workers=min(32, len(jobs))) as pool:
             answers = list(pool.map(lambda job: job[0].request("v1/completions", job[2]), jobs))
+        self._check_versions()  # after the answers too: no other trainer's weights came in meanwhile
         for (_, rows, _), answer in zip(jobs, answers, strict=True):
             for row, result in zip(rows, choice_rows(answer, logprobs), strict=True):
                 out[row] = result
         return stack_outputs(out, sampling, input_ids.device)
 
     # -- the weights --------------------------------------------------------------------------------
+    def _check_versions(self) -> None:
+        """``ValueError`` naming a server whose weights are not this run's last (another trainer sent its
+        own: two runs share the server, and each would sample with the other's policy)."""
+        for server in self.servers:
+            held = server.request("weight_info", timeout=30).get("weight_version")
+            if held != self._version:
+                raise ValueError(f"vLLM server {server.url} holds weights this run did not send (weight version "
+                                 f"{str(held)[:12]}, this run's {str(self._version)[:12]}): another run sends it its "
+                                 "own; give each run servers of its own, then --resume")
+
     def _ready(self, model: nn.Module) -> None:
-        """Connect at the first call (each server's model checked); when the weights moved, sync them."""
+        """Connect at the first call (each server's model checked); when the weights moved, sync them;
+        then every server must hold this run's weights (:meth:`_check_versions`)."""
         if self._model is None:
             for server in self.servers:
                 server.connect(self.trained)
@@ -243,16 +256,18 @@ class VLLMServerEngine(GenerationEngine):
             raise ValueError("the vllm-server engine was started on another model; build one engine per policy")
         counter, seen = self._sent
         if counter.now() != seen:
-            self._sync(model)
+            self._version = self._sync(model)
             self._sent = (counter, counter.now())
+        self._check_versions()
 
-    def _sync(self, model: nn.Module) -> None:
+    def _sync(self, model: nn.Module) -> str:
         """The servers take this rank's weights. Rank 0 sends them through vLLM's weight transfer (under
         a backend that partitions them every rank takes part, gathering each weight as it is sent:
         their generation calls are collectives, so they come here together), then drops the servers'
         prefix caches and sets their weight version to the weights' fingerprint; every other rank
         waits until each server reports its own weights' fingerprint (the ranks' generation calls
-        need not line up: an evaluation may call more often on one rank than on another)."""
+        need not line up: an evaluation may call more often on one rank than on another). Returns
+        the fingerprint."""
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if rank == 0 or self.partitioned:
@@ -267,9 +282,10 @@ class VLLMServerEngine(GenerationEngine):
             for server in self.servers:
                 server.request("reset_prefix_cache", {})
                 server.request("update_weight_version", {"new_version": version})
-            return
+            return version
         for server in self.servers:
             server.wait_for_version(version)
+        return version
 
     def _open(self, server: Server, model: nn.Module, rank: int) -> Any:
         """vLLM's trainer-side weight-transfer engine to ``server`` (``nccl`` on CUDA, ``textrl_gloo`` on the CPU)."""
