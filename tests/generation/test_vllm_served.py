@@ -183,8 +183,9 @@ def test_a_served_run_resumes_with_its_checkpoints_weights_on_the_servers(tmp_pa
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_two_runs_on_one_server_are_stopped_not_mixed(tmp_path, folder, servers):
-    """A second run's weights arriving on a server the first samples from stop the first in one line
-    (each would otherwise sample with the other's policy)."""
+    """A second run's weights arriving on a server the first samples from stop one of them in one line
+    (each would otherwise sample with the other's policy): seen at the next call's version check, or
+    at a weight update that meets the other's still running."""
     env = {**os.environ, "TEXTRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "textrl.cli", "train", "--model", str(folder), "--vllm-server", servers[0], *SMALL,
            "--iterations", "15"]
@@ -194,7 +195,10 @@ def test_two_runs_on_one_server_are_stopped_not_mixed(tmp_path, folder, servers)
     errors = [first.communicate(timeout=900)[1], second.communicate(timeout=900)[1]]
     assert first.returncode == 1 or second.returncode == 1, errors
     stopped = errors[0] if first.returncode == 1 else errors[1]
-    assert f"vLLM server {servers[0]} holds weights this run did not send" in stopped, stopped[-2000:]
+    line = [ln for ln in stopped.splitlines() if ln.startswith("textrl train: ")]
+    assert line and f"vLLM server {servers[0]}" in line[-1], stopped[-2000:]  # one line naming the server
+    # which check meets the other run first depends on timing: mostly the version check or an update that
+    # finds the other's running ("another run sends"); the server may refuse a step of a crossed update too
 
 
 @pytest.mark.vllm

@@ -148,7 +148,13 @@ class HTTPClient:
         """Pause the server's generation first (its running requests finish on the old weights; new ones
         wait), so that no forward runs on a half-loaded model."""
         self.server.request("pause?mode=wait", {})
-        self.server.request("start_weight_update", {})
+        try:
+            self.server.request("start_weight_update", {})
+        except ConnectionError as err:
+            if "already active" not in str(err):
+                raise
+            raise ValueError(f"vLLM server {self.server.url} is taking weights another run sends (a weight update is "
+                             "already active there): give each run servers of its own, then --resume") from None
 
     def update_weights(self, update_info: Any) -> None:
         self.server.request("update_weights", {"update_info": update_info})
