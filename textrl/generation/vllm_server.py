@@ -279,8 +279,13 @@ class VLLMServerEngine(GenerationEngine):
         if rank == 0 or self.partitioned:
             if not self._senders:
                 self._senders = [self._open(server, model, rank) for server in self.servers]
-            for sender in self._senders:
-                sender.send_weights()
+            for server, sender in zip(self.servers, self._senders, strict=True):
+                try:
+                    sender.send_weights()
+                except RuntimeError as err:  # the transfer's own group broke: the server's side went away
+                    raise ConnectionError(f"vLLM server {server.url}: the weight transfer broke "
+                                          f"({str(err).splitlines()[0][:160]}); it crashed, or another run sends it "
+                                          "its own: see its log, then --resume (the last checkpoint stands)") from None
             version = self._senders[0].source.fingerprint
         else:
             version = fingerprint(merged_state_dict(model).items())
