@@ -314,7 +314,11 @@ class VLLMServerEngine(GenerationEngine):
             info: Any = NCCLTrainerInitInfo(own_address(server.url), free_port(), world, rank=rank)
         else:
             info = GlooTrainerInitInfo(own_address(server.url), free_port(), world, rank=rank)
-        return WeightTransferTrainerFactory.trainer_init(info, client=HTTPClient(server), source=source)
+        try:
+            return WeightTransferTrainerFactory.trainer_init(info, client=HTTPClient(server), source=source)
+        except RuntimeError as err:  # the transfer's group could not form (the server's side went away)
+            raise ConnectionError(f"vLLM server {server.url}: the weight transfer could not start "
+                                  f"({str(err).splitlines()[0][:160]}); see its log, then --resume") from None
 
 
 def serve_command(model: str, extra: Sequence[str], *, cuda: bool) -> tuple[list[str], dict[str, str]]:
