@@ -255,10 +255,12 @@ class VLLMEngine(GenerationEngine):
         self.llm: Any = None
         self.folder: Path | None = None
         self.gpu_memory_utilization = 0.3
-        self.max_model_len: int | None = None
         self.seed = 0
         self._model: nn.Module | None = None
-        self._loaded: tuple[VersionCounter, int] | None = None
+        self._weights: VersionCounter | None = None
+        """The policy's weights' version (:meth:`_ready` compares it with :attr:`_loaded`)."""
+        self._loaded = -1
+        """Their version when vLLM last took them."""
         self._lora: Any = None
         self._lora_count = 0
         self._asleep = False
@@ -320,8 +322,7 @@ class VLLMEngine(GenerationEngine):
         elif model is not self._model:
             raise ValueError("the vllm engine was started on another model; build one engine per policy")
         self.wake_up()
-        counter, seen = self._loaded
-        if counter.now() != seen:
+        if self._weights.now() != self._loaded:
             self._load(model)
 
     def _start(self, model: nn.Module, device: torch.device) -> None:
@@ -365,8 +366,8 @@ class VLLMEngine(GenerationEngine):
         finally:
             torch.set_num_threads(threads)  # vLLM lowers the process's torch threads for serving
         self._model = model
-        self._loaded = (VersionCounter(model.parameters), -1)
-        self._loaded = (self._loaded[0], self._loaded[0].now())
+        self._weights = VersionCounter(model.parameters)
+        self._loaded = self._weights.now()  # the folder vLLM started on holds them
         if lora_base(model) is not None:
             self._load(model)
 
@@ -383,11 +384,14 @@ class VLLMEngine(GenerationEngine):
             if self._lora_count > 1:
                 shutil.rmtree(self.folder / f"adapter-{self._lora_count - 1}", ignore_errors=True)
         else:
-            weights = [(name, value.detach()) for name, value in base_state_dict(model).items()]
-            self.llm.collective_rpc(reload_weights, args=(weights,))
+            self._reload_base(model)
         self.llm.reset_prefix_cache()
-        counter = self._loaded[0]
-        self._loaded = (counter, counter.now())
+        self._loaded = self._weights.now()
+
+    def _reload_base(self, model: nn.Module) -> None:
+        """The base's full weights (the policy's own, or a LoRA policy's base) into vLLM (:func:`reload_weights`)."""
+        weights = [(name, value.detach()) for name, value in base_state_dict(model).items()]
+        self.llm.collective_rpc(reload_weights, args=(weights,))
 
     # -- memory -------------------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -404,13 +408,11 @@ class VLLMEngine(GenerationEngine):
             return
         self.llm.wake_up(tags=["weights"])
         self._asleep = False
-        weights = [(name, value.detach()) for name, value in base_state_dict(self._model).items()]
-        self.llm.collective_rpc(reload_weights, args=(weights,))
+        self._reload_base(self._model)
         if lora_base(self._model) is not None:
             self._load(self._model)
         self.llm.wake_up(tags=["kv_cache"])
-        counter = self._loaded[0]
-        self._loaded = (counter, counter.now())
+        self._loaded = self._weights.now()
 
     def close(self) -> None:
         """Shut vLLM's engine down (its distributed state with it, before the run's process teardown)

@@ -192,7 +192,10 @@ class VLLMServerEngine(GenerationEngine):
         self.trained = ""
         self.seed = 0
         self._model: nn.Module | None = None
-        self._sent: tuple[VersionCounter, int] | None = None
+        self._weights: VersionCounter | None = None
+        """The policy's weights' version (:meth:`_ready` compares it with :attr:`_sent`)."""
+        self._sent: int | None = None
+        """Their version when they were last sent (None: never)."""
         self._senders: list[Any] = []
         self._next = 0
         self.partitioned = False
@@ -257,13 +260,12 @@ class VLLMServerEngine(GenerationEngine):
             for server in self.servers:
                 server.connect(self.trained)
             self._model = model
-            self._sent = (VersionCounter(model.parameters), None)
+            self._weights = VersionCounter(model.parameters)
         elif model is not self._model:
             raise ValueError("the vllm-server engine was started on another model; build one engine per policy")
-        counter, seen = self._sent
-        if counter.now() != seen:
+        if self._weights.now() != self._sent:
             self._version = self._sync(model)
-            self._sent = (counter, counter.now())
+            self._sent = self._weights.now()
         self._check_versions()
 
     def _sync(self, model: nn.Module) -> str:
