@@ -242,6 +242,18 @@ class TrainConfig:
     mis 2, geo_mean 1.001, icepop 5)."""
     rollout_correction_lower: float | None = None
     """Lower bound of mis, geo_mean and icepop (None = the kind's default: 1 / upper, icepop 0.5)."""
+    max_staleness: int = 0
+    """Asynchronous RL: the actor draws the rollouts of the next iterations while the learner updates,
+    rollout n from the weights of iteration max(0, n - K), never more than K updates old (0: the
+    synchronous loop; docs/async.md)."""
+    partial_rollouts: str = "finish"
+    """With max_staleness > 0, a multi-turn episode in flight when the weights move on: 'finish' (with
+    the weights it started with) or 'continue' (each turn with the next weights, at most the
+    iteration's own; every token tagged with the weights that sampled it)."""
+    old_logprobs: str = "recompute"
+    """The PPO ratio's denominator: 'recompute' (the learner's prefill before the update, the proximal
+    policy; with a rollout correction against the engine's log-probs, the decoupled objective) or
+    'engine' (the engine's log-probs of the weights that drew the tokens: the bypass objective)."""
     kl_coef: float = 0.02
     """beta: initial KL coefficient."""
     kl_kind: str = "k1"
@@ -361,6 +373,7 @@ class TrainConfig:
             "warmup_answer_accuracy", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
             "temperature", "top_k", "top_p", "gamma", "lam", "whiten_advantages", "loss_aggregation",
             "rollout_correction", "rollout_correction_upper", "rollout_correction_lower",
+            "max_staleness", "partial_rollouts", "old_logprobs",
             "kl_kind", "kl_in", "adaptive_kl", "kl_hinge", "reward_placement", "critic_init",
             "lam_critic", "lam_length_alpha", "critic_warmup_iterations", "dynamic_sampling", "overlong_buffer",
             "reward_adapter", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
@@ -377,6 +390,7 @@ class TrainConfig:
         agent = agent if agent is not None else agent_class(self.agent)
         _check_choices(self)
         _check_rollout_correction(self)
+        _check_async(self)
         _check_counts(self)
         _check_task(self)
         _check_coefficients(self)
@@ -477,6 +491,25 @@ def _check_choices(config: TrainConfig) -> None:
     check_choice("rollback_copy", config.rollback_copy, ("auto", "device", "host"))
     check_precision(config)
     check_reward_shape(config.reward, config.reward_weights)  # the names in a spec: when the run builds its env
+
+
+def _check_async(config: TrainConfig) -> None:
+    """``max_staleness`` >= 0; ``partial_rollouts`` and ``old_logprobs`` among their choices, and not
+    asked where they change nothing."""
+    from textrl.agents.async_actor import PARTIAL_ROLLOUTS
+
+    if isinstance(config.max_staleness, bool) or not isinstance(config.max_staleness, int) or config.max_staleness < 0:
+        raise ValueError(f"max_staleness={config.max_staleness!r}: the most updates a rollout's weights may lag "
+                         "behind the learner's, an integer >= 0 (0: the synchronous loop)")
+    check_choice("partial_rollouts", config.partial_rollouts, PARTIAL_ROLLOUTS)
+    check_choice("old_logprobs", config.old_logprobs, ("recompute", "engine"))
+    if config.partial_rollouts == "continue" and config.max_staleness == 0:
+        raise ValueError("partial_rollouts='continue' lets an episode in flight take newer weights, and with "
+                         "max_staleness=0 no weights move during a rollout: set --max-staleness K >= 1, or drop it")
+    if config.old_logprobs == "engine" and config.rollout_correction != "none":
+        raise ValueError(f"old_logprobs='engine' makes the engine's log-probs the ratio's denominator, so "
+                         f"rollout_correction={config.rollout_correction!r} (the learner's against the engine's) would "
+                         "weigh every token by 1: drop one of the two (--old-logprobs recompute keeps the correction)")
 
 
 def _check_rollout_correction(config: TrainConfig) -> None:

@@ -36,6 +36,9 @@ class RolloutKeys:
     generation_log_prob: NestedKey = ("generation", "log_prob")
     """float ``[B, T]``: the log-prob the generation engine drew each agent token with (0 on the
     environment's tokens and after the episode); absent when the engine computes none."""
+    proximal_log_prob: NestedKey = "proximal_log_prob"
+    """float ``[B, T]``: with ``old_logprobs='engine'``, the learner's own prefill log-probs before the
+    update (``action_log_prob`` holds the engine's then); absent otherwise."""
     correction_weight: NestedKey = "correction_weight"
     """float ``[B, T]``: the rollout / training mismatch correction's weight of each agent token
     (``rollout_correction``; 0 where the token or its row is rejected, and off the agent mask),
@@ -43,6 +46,12 @@ class RolloutKeys:
     policy_version: NestedKey = "policy_version"
     """int64 ``[B]``: the version of the weights that generated each row (the learner's, as the actor
     last loaded them); the update logs its lag behind the learner."""
+    policy_iteration: NestedKey = ("provenance", "iteration")
+    """int64 ``[B]``: with ``max_staleness`` > 0, the learner iteration (updates done) whose weights drew
+    the row's first turn; the update logs its staleness behind the learner (``rollout/staleness``)."""
+    token_iteration: NestedKey = ("provenance", "token_iteration")
+    """int64 ``[B, T]``: with ``partial_rollouts='continue'``, the iteration whose weights sampled each
+    agent token (-1 off the agent's tokens)."""
     state_value: NestedKey = "state_value"
     """float ``[B, T, 1]``: V(s_t)."""
     next_state_value: NestedKey = ("next", "state_value")

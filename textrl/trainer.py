@@ -24,6 +24,8 @@ Only the main process writes files, holding the run folder's lock (:mod:`textrl.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ from textrl.config import TrainConfig, config_values, config_yaml, save_config
 from textrl.distributed import Distributed
 from textrl.keys import KEYS
 from textrl.parallel import Backend, setup_backend
+from textrl.checks import check_rollout
 from textrl.rollout import collect
 from textrl.run import (
     SETTINGS_FILE,
@@ -116,6 +119,8 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
         loop.run(run, start, signals)
         return run.summary(before)
     finally:
+        if run.async_run is not None:
+            run.async_run.close()  # the producer thread and its engine
         actor = getattr(run.agent, "actor", None)
         if actor is not None:
             actor.engine.close()  # vLLM's engine, before the process group goes
@@ -153,6 +158,9 @@ class PPORun:
     user_code: dict[str, str | None] | None = None
     """sha256 of the user's files the run imported (:func:`textrl.run.user_code.user_code_digest`),
     read at set-up: each checkpoint records these, not a later edit."""
+    async_run: Any = None
+    """With ``max_staleness`` > 0, the actor drawing the rollouts beside the learner
+    (:class:`textrl.async_training.AsyncTraining`); None for the synchronous loop."""
 
     # -- the PPO iteration ---------------------------------------------------------------------
 
@@ -161,13 +169,18 @@ class PPORun:
         from textrl.envs.prompts import placing_rows
 
         config, agent = self.config, self.agent
-        # collect: the same global batch in every process, of which each takes whole prompt
-        # groups; generate and score, then estimate (agent.process_rollout: log-probs, values,
-        # KL shaping, advantages); timed inside as generation, reward, forward, advantages
-        batch = self.sampler.next_batch()
-        batch = batch.select(self.dist.shard(len(batch)))
-        with placing_rows(f"iteration {iteration}", lambda: self.sampler.batch_rows(batch)):  # a reward's error: FILE:LINE
-            td = collect(agent, batch, self.episodes, timings=timings, check_finite=False)  # update() skips NaN
+        if self.async_run is not None:  # --max-staleness K: drawn beside the last updates, then estimated here
+            td, n_rows = self.async_run.next_rollout(iteration, timings)
+            td = check_rollout(agent.process_rollout(td, timings=timings), finite=False)
+        else:
+            # collect: the same global batch in every process, of which each takes whole prompt
+            # groups; generate and score, then estimate (agent.process_rollout: log-probs, values,
+            # KL shaping, advantages); timed inside as generation, reward, forward, advantages
+            batch = self.sampler.next_batch()
+            batch = batch.select(self.dist.shard(len(batch)))
+            n_rows = len(batch)
+            with placing_rows(f"iteration {iteration}", lambda: self.sampler.batch_rows(batch)):  # a reward's error: FILE:LINE
+                td = collect(agent, batch, self.episodes, timings=timings, check_finite=False)  # update() skips NaN
         # update: K epochs of minibatch steps; one that left NaN/inf weights is rolled back inside
         # it (before the reference refresh), or with nonfinite_weights='stop' stops the run here
         with timed(timings, "update", agent.device):
@@ -180,7 +193,7 @@ class PPORun:
                      "skipped updates)")
         # log: the metrics row over every process
         with timed(timings, "bookkeeping", agent.device):
-            return self.metrics_row(iteration, td, len(batch), update_metrics)
+            return self.metrics_row(iteration, td, n_rows, update_metrics)
 
     def evaluate(self, iteration: int, timings: dict[str, float]) -> dict[str, float]:
         """Held-out rewards (``eval/*``) and greedy samples (``samples.jsonl``); none from NaN/inf weights."""
@@ -188,13 +201,23 @@ class PPORun:
             return {}
         from textrl.envs.prompts import placing_rows
 
-        with timed(timings, "eval", self.agent.device):
+        with timed(timings, "eval", self.agent.device), self.sampling_agent() as agent:
             batches = self.stoppable_batches()
             with placing_rows(f"the held-out evaluation of iteration {iteration}", batches.rows):
-                row = evaluate(self.agent, batches, self.episodes, self.config.seed + iteration,
+                row = evaluate(agent, batches, self.episodes, self.config.seed + iteration,
                                reward_nonfinite=self.config.reward_nonfinite)
-            self.samples.write(iteration, sample_completions(self.agent, self.eval_batches[0], self.episodes))
+            self.samples.write(iteration, sample_completions(agent, self.eval_batches[0], self.episodes))
         return row
+
+    @contextmanager
+    def sampling_agent(self) -> Iterator[Any]:
+        """What the held-out evaluation samples with: the agent, or with ``max_staleness`` > 0 the
+        asynchronous actor holding the learner's weights (its engine: one per run), quiesced."""
+        if self.async_run is None:
+            yield self.agent
+        else:
+            with self.async_run.learner_weights() as view:
+                yield view
 
     def stoppable_batches(self) -> Any:
         """The held-out batches, in one process ended between two by a stop signal
@@ -212,15 +235,26 @@ class PPORun:
         """Every process's RNGs and (FSDP, ZeRO) the gathered state; the main process saves.
         Stopping with NaN/inf weights saves nothing (the last good checkpoint stays newest)."""
         dist, agent = self.dist, self.agent
+        if self.async_run is not None:
+            self.async_run.pipeline.quiesce()  # the actor's RNG and prompts stand still while they are saved
         rng_per_process = dist.gather_object(rng_state()) if dist.enabled else None
         if stopping and not self.backend.weights_finite(agent):
             return None
         state = agent.state_dict() if self.backend.gathers_state else None  # a gather all processes join
         if not self.main:
             return None
-        return save_checkpoint(self.output_dir, iteration, agent, self.sampler, self.config.keep_checkpoints,
+        return save_checkpoint(self.output_dir, iteration, agent, self.checkpointed_sampler(), self.config.keep_checkpoints,
                                rng_per_process=rng_per_process, agent_state=state,
                                files=self.record_files())
+
+    def checkpointed_sampler(self) -> Any:
+        """What a checkpoint saves as the sampler: the prompt sampler, or with ``max_staleness`` > 0
+        the asynchronous actor's state too (:class:`textrl.async_training.CheckpointedSampler`)."""
+        if self.async_run is None:
+            return self.sampler
+        from textrl.async_training import CheckpointedSampler
+
+        return CheckpointedSampler(self.async_run)
 
     def record_files(self) -> dict[str, str]:
         """The run's record in each checkpoint: ``config.yaml`` and ``user_code.json``."""
@@ -267,7 +301,9 @@ class PPORun:
 
         start = 0
         if self.resume_from is not None:
-            start = load_checkpoint(self.resume_from, self.agent, self.sampler, verify=False, dist=self.dist)
+            start = load_checkpoint(self.resume_from, self.agent, self.checkpointed_sampler(), verify=False, dist=self.dist)
+            if self.async_run is not None:
+                self.async_run.restored()  # the rollout in flight at the checkpoint is drawn again from its start
             take_changed_settings(self.agent.learner, set(self.resumed_changes))
             if self.edited_rows():  # rows fixed since the checkpoint (as many, in the same order)
                 from textrl.envs.prompts import describe_edited
@@ -306,14 +342,14 @@ class PPORun:
         if not self.evaluates:
             return None
         with stop_phase("the current batch of the held-out evaluation before iteration 1",
-                        "stopping (nothing is saved before iteration 1)"):
+                        "stopping (nothing is saved before iteration 1)"), self.sampling_agent() as agent:
             batches = self.stoppable_batches()
             with placing_rows("the held-out evaluation before iteration 1", batches.rows):
-                before = evaluate(self.agent, batches, self.episodes, self.config.seed,
+                before = evaluate(agent, batches, self.episodes, self.config.seed,
                                   reward_nonfinite=self.config.reward_nonfinite)
+            self.samples.write(0, sample_completions(agent, self.eval_batches[0], self.episodes))
         if self.main:
             path.write_text(json.dumps(before, indent=2) + "\n")
-        self.samples.write(0, sample_completions(self.agent, self.eval_batches[0], self.episodes))
         return before
 
     def summary(self, before: dict[str, float] | None) -> dict[str, Any]:
@@ -391,14 +427,29 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     eval_batches = sampler.encode_eval(eval_rows, batch_size=config.generation_batch_size)
     backend.prepare(agent)  # identical weights everywhere, this process's seed, models sharded
     agent.actor  # built once, for this backend: the generation engine is chosen (and checked against it) here  # noqa: B018
+    async_run = asynchronous_actor(config, agent, sampler, episodes, backend)
     # held-out evaluation: the main process alone, unless the forwards are collectives (FSDP, ZeRO-3)
     evaluates = main or backend.partitions_weights
     return PPORun(config=config, agent=agent, sampler=sampler, episodes=episodes, eval_batches=eval_batches,
                   backend=backend, dist=dist, main=main, evaluates=evaluates, output_dir=output_dir,
-                  resume_from=checkpoint, resumed_changes=changes, log=log, user_code=user_code)
+                  resume_from=checkpoint, resumed_changes=changes, log=log, user_code=user_code, async_run=async_run)
 
 
 # -- set-up --------------------------------------------------------------------------------------
+
+
+def asynchronous_actor(config: TrainConfig, agent, sampler, episodes, backend: Backend):
+    """With ``max_staleness`` > 0 the actor that draws the rollouts beside the learner
+    (:class:`textrl.async_training.AsyncTraining`), else None. Refused under several processes."""
+    if config.max_staleness == 0:
+        return None
+    if backend.dist.world_size > 1:
+        raise ValueError(f"--max-staleness {config.max_staleness} runs its actor beside the learner in one training "
+                         f"process, and this run has {backend.dist.world_size}; train in one process (the rollouts "
+                         "may come from vLLM servers: --vllm-server), or drop --max-staleness")
+    from textrl.async_training import AsyncTraining
+
+    return AsyncTraining(config, agent, sampler, episodes, backend.dist.shard)
 
 
 def check_run(config: TrainConfig) -> None:

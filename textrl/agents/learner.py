@@ -52,6 +52,9 @@ class Learner:
     critic_optimizer: Any = field(default=None, repr=False)
     optimizers: list[Any] = field(default_factory=list, repr=False)
     schedulers: list[Any] = field(default_factory=list, repr=False)
+    generator: torch.Generator | None = field(default=None, repr=False)
+    """The minibatch shuffles' generator: None, the global RNG (the synchronous loop); a private one
+    with ``max_staleness`` > 0, whose actor draws from the global RNG in its own thread."""
 
     def __post_init__(self) -> None:
         self._version = VersionCounter(lambda: [local(p) for _, p in trained_parameters(self)])
@@ -108,6 +111,8 @@ def process_rollout(actor: Any, learner: Learner, td: TensorDictBase, *, estimat
         td.set(KEYS.score, td.get(KEYS.reward).squeeze(-1).sum(1).float())
     with timed(timings, "forward", learner.device):
         td.update(actor.evaluate(td, keep_graph=keep_graph))
+    if learner.config.old_logprobs == "engine":
+        bypass_recompute(td)
     correct_rollout(td, learner.config)
     with timed(timings, "advantages", learner.device):
         mask = td.get(KEYS.mask)
@@ -123,6 +128,20 @@ def process_rollout(actor: Any, learner: Learner, td: TensorDictBase, *, estimat
             seq_kl = dist.mean({"kl": masked_sum(kl, mask, dim=1).mean().item()})["kl"]
             learner.kl_ctl.update(seq_kl, td.shape[0] * dist.world_size)
     return td
+
+
+def bypass_recompute(td: TensorDictBase) -> None:
+    """``old_logprobs='engine'`` (the bypass objective): the engine's log-probs of the weights that drew
+    the tokens (``KEYS.generation_log_prob``) become the ratio's denominator (``KEYS.action_log_prob``);
+    the learner's prefill stays as ``KEYS.proximal_log_prob`` for the mismatch metrics. A rollout
+    without the engine's log-probs is refused."""
+    engine = td.get(KEYS.generation_log_prob, None)
+    if engine is None:
+        raise ValueError("old_logprobs='engine' takes the engine's log-probs as the behaviour policy's, and this "
+                         "rollout has none (an engine that computes none): sample with a built-in engine, or use "
+                         "--old-logprobs recompute")
+    td.set(KEYS.proximal_log_prob, td.get(KEYS.action_log_prob))
+    td.set(KEYS.action_log_prob, engine.clone())
 
 
 def correct_rollout(td: TensorDictBase, config: Any) -> None:
@@ -148,4 +167,4 @@ def correct_rollout(td: TensorDictBase, config: Any) -> None:
     td.set(KEYS.correction_weight, weights)
 
 
-__all__ = ["Estimate", "Learner", "ReferenceKL", "correct_rollout", "learner_attribute", "process_rollout"]
+__all__ = ["Estimate", "Learner", "ReferenceKL", "bypass_recompute", "correct_rollout", "learner_attribute", "process_rollout"]

@@ -116,7 +116,7 @@ def run_epochs(learner: Learner, td: TensorDictBase, forward: RolloutForward | N
     mask = loss_mask(td)  # [B, T]
     for _ in range(cfg.ppo_epochs):
         tally.epochs_run += 1
-        order = torch.randperm(td.shape[0], device=td.device)
+        order = torch.randperm(td.shape[0], device=td.device, generator=learner.generator)
         for idx in order.tensor_split(cfg.num_minibatches):  # [b] rows of one minibatch
             if idx.numel() == 0:
                 continue
@@ -293,14 +293,30 @@ def provenance_metrics(learner: Learner, td: TensorDictBase) -> dict[str, float]
     out: dict[str, float] = {}
     if KEYS.policy_version in td.keys():
         out["rollout/policy_lag"] = float(learner.version - int(td.get(KEYS.policy_version).min()))
+    if KEYS.policy_iteration in td.keys(include_nested=True):
+        out.update(staleness_metrics(learner.iteration, td))
     generated = td.get(KEYS.generation_log_prob, None)
-    behaviour = td.get(KEYS.action_log_prob, None)
+    behaviour = td.get(KEYS.proximal_log_prob, td.get(KEYS.action_log_prob, None))
     if generated is not None and behaviour is not None:
         stats = mismatch_stats(behaviour.float(), generated.float(), td.get(KEYS.mask))
         for name, key in (("abs_gap_mean", "logprob_gap"), ("abs_gap_max", "logprob_gap_max"),
                           ("kl_k3", "logprob_kl"), ("gap_fraction", "logprob_gap_fraction")):
             out[f"rollout/{key}"] = float(stats[name])
     return {**out, **correction_metrics(td)}
+
+
+def staleness_metrics(iteration: int, td: TensorDictBase) -> dict[str, float]:
+    """With asynchronous rollouts: ``rollout/staleness`` (the mean over the agent's tokens of the
+    updates between the weights that sampled them and the learner's, ``iteration`` updates done) and
+    ``rollout/staleness_max``; per token with partial rollouts (``KEYS.token_iteration``), else per row."""
+    mask = td.get(KEYS.mask)
+    per_token = td.get(KEYS.token_iteration, None)
+    if per_token is None:
+        per_token = td.get(KEYS.policy_iteration).unsqueeze(1).expand_as(mask)
+    lag = (iteration - per_token)[mask].float()
+    if lag.numel() == 0:
+        return {}
+    return {"rollout/staleness": float(lag.mean()), "rollout/staleness_max": float(lag.max())}
 
 
 def correction_metrics(td: TensorDictBase) -> dict[str, float]:

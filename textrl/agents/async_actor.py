@@ -1,0 +1,305 @@
+"""Asynchronous rollouts: the actor generates the next rollouts while the learner updates, never
+from weights more than ``max_staleness`` (K) updates old.
+
+The schedule is exact, so a run is reproducible and a comparison measures the cost of exactly K:
+
+- rollout ``n`` (the one iteration ``n`` trains on) is drawn with the weights of iteration
+  :func:`behaviour_iteration` ``(n, K) = max(0, n - K)`` (the weights after that many updates);
+- with ``partial_rollouts='continue'``, turn ``t`` of a multi-turn episode is drawn with the
+  weights of iteration :func:`turn_iteration` ``= min(n, max(0, n - K) + t)``: an episode in flight
+  when the learner's weights move on continues with the new ones (verl's partial rollouts), each
+  token tagged with the iteration that sampled it (:func:`token_iterations`); with ``'finish'``
+  (the default) every turn keeps the episode's first weights.
+
+So while the learner runs update ``j`` the actor draws rollout ``j + K`` from the weights the
+learner had before it (one step off-policy at K=1, as prime-rl and verl's one-step overlap). The
+machinery is :class:`AsyncRollouts`: a producer thread that calls ``produce(n, weights)`` for
+``n = first, first + 1, ...``, where ``weights.use(i)`` blocks until the learner has published the
+weights of iteration ``i`` (:meth:`AsyncRollouts.publish`, at the start of each iteration) and
+loads them into the actor's own copy of the policy (:class:`AsyncActor`); the learner takes
+rollout ``n`` with :meth:`AsyncRollouts.take`. :meth:`AsyncRollouts.quiesce` waits until the
+producer waits for weights not yet published, the one state in which the held-out evaluation and a
+checkpoint may run (nothing else touches the actor's RNG then); :meth:`AsyncRollouts.state_dict`
+holds the rollouts done and not yet trained on, the start of the one in flight (its RNG and prompt
+sampler state: a resume draws it again, identically) and the weights it and the queued turns need.
+
+The producer owns the process's global RNG (the engines draw from it); with K > 0 the learner
+shuffles its minibatches with a private generator (:attr:`textrl.agents.learner.Learner.generator`).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+PARTIAL_ROLLOUTS = ("finish", "continue")
+"""``partial_rollouts``: an episode in flight when the weights move on is finished with the weights it
+started with (``finish``) or continues with the new ones (``continue``)."""
+
+
+def behaviour_iteration(n: int, max_staleness: int) -> int:
+    """The learner iteration whose weights draw rollout ``n``: ``max(0, n - K)``."""
+    return max(0, int(n) - int(max_staleness))
+
+
+def turn_iteration(n: int, max_staleness: int, turn: int, partial_rollouts: str = "finish") -> int:
+    """The iteration whose weights draw turn ``turn`` (0-based) of rollout ``n``: the rollout's
+    (:func:`behaviour_iteration`) with ``'finish'``; with ``'continue'`` one newer per turn, never
+    newer than ``n`` (the learner has not made later weights when rollout ``n`` is drawn)."""
+    first = behaviour_iteration(n, max_staleness)
+    if partial_rollouts == "continue":
+        return min(int(n), first + int(turn))
+    return first
+
+
+def token_iterations(mask: Tensor, turn_iters: list[int]) -> Tensor:
+    """``mask`` bool ``[B, T]`` (the agent's tokens, one contiguous stretch per turn, the environment's
+    observations between) -> int64 ``[B, T]``: the iteration of the weights that sampled each agent
+    token, ``turn_iters[k]`` on a row's ``k``-th stretch, -1 off the agent's tokens. ``ValueError``
+    when a row has more stretches than turns were drawn."""
+    starts = mask & ~torch.nn.functional.pad(mask[:, :-1], (1, 0), value=False)  # [B, T] first token of a stretch
+    stretch = starts.long().cumsum(1) - 1  # [B, T]
+    if bool(mask.any()) and int(stretch[mask].max()) >= len(turn_iters):
+        raise ValueError(f"a row has {int(stretch[mask].max()) + 1} stretches of agent tokens and {len(turn_iters)} "
+                         "turns were drawn")
+    table = torch.tensor(list(turn_iters) or [-1], dtype=torch.long, device=mask.device)
+    return torch.where(mask, table[stretch.clamp(min=0)], -1)
+
+
+# -- the actor's own copy of the policy ---------------------------------------------------------------
+
+
+def trainable_state(policy: nn.Module) -> dict[str, Tensor]:
+    """A detached copy of ``policy``'s trained weights (``requires_grad``): what the learner publishes."""
+    return {name: p.detach().clone() for name, p in policy.named_parameters() if p.requires_grad}
+
+
+def policy_copy(policy: nn.Module) -> nn.Module:
+    """A copy of ``policy`` for the actor: its trained weights copied, its frozen weights and buffers
+    shared (a LoRA policy's base, a 4-bit base: one copy in memory)."""
+    memo: dict[int, Any] = {id(p): p for p in policy.parameters() if not p.requires_grad}
+    memo.update({id(b): b for b in policy.buffers()})
+    twin = copy.deepcopy(policy, memo)
+    return twin.eval().requires_grad_(False)
+
+
+@dataclass
+class AsyncActor:
+    """The actor that draws the asynchronous rollouts: an :class:`textrl.agents.actor.Actor` over its
+    own copy of the policy (:func:`policy_copy`) and its own generation engine, loaded with the
+    weights of one learner iteration at a time (:meth:`load`). ``iteration`` is the one it holds."""
+
+    actor: Any
+    trained: dict[str, nn.Parameter] = field(default_factory=dict, repr=False)
+    iteration: int = -1
+
+    @classmethod
+    def of(cls, agent: Any) -> AsyncActor:
+        """``agent``'s actor (:attr:`PPOAgent.actor`) re-built over a copy of its policy, with no
+        reference and no critic (the learner evaluates the rollouts) and an engine of its own."""
+        from textrl.agents.actor import Actor, build_actor
+
+        main = agent.actor
+        twin = policy_copy(main.policy)
+        engine = build_actor(agent).engine  # a new engine of the run's kind, configured and checked
+        actor = Actor(main.config, twin, None, None, main.forwards, engine, main.backend,
+                      eos_token_id=main.eos_token_id, pad_token_id=main.pad_token_id, device=main.device)
+        trained = {name: p for name, p in twin.named_parameters()
+                   if dict(main.policy.named_parameters())[name].requires_grad}
+        return cls(actor, trained)
+
+    @torch.no_grad()
+    def load(self, iteration: int, weights: dict[str, Tensor], version: int) -> None:
+        """Sample with the published ``weights`` of ``iteration`` (``version``: the learner's weight
+        version then, stamped on the rows as ``KEYS.policy_version``); nothing when it holds them."""
+        if iteration == self.iteration:
+            return
+        for name, param in self.trained.items():
+            param.copy_(weights[name])
+        self.iteration, self.actor.version = iteration, int(version)
+
+
+# -- the pipeline --------------------------------------------------------------------------------------
+
+
+class Weights:
+    """What ``produce(n, weights)`` gets: :meth:`use` blocks until iteration ``i``'s weights are
+    published, then loads them (``load(i, weights, version)``) and records the iteration."""
+
+    def __init__(self, pipeline: AsyncRollouts) -> None:
+        self._pipeline = pipeline
+
+    def use(self, iteration: int) -> int:
+        """Sample with the weights of ``iteration`` from now on; returns the learner's weight version."""
+        return self._pipeline._use(iteration)
+
+
+@dataclass
+class Queued:
+    """A rollout done and not yet trained on: its index, the item ``produce`` returned."""
+
+    n: int
+    item: Any
+
+
+class AsyncRollouts:
+    """The producer thread and its hand-over (module docstring).
+
+    ``produce(n, weights) -> item`` draws rollout ``n`` (in the producer thread); ``load(i, weights,
+    version)`` loads published weights into the actor; ``start_state()`` / ``restore_start(state)``
+    capture and restore what a rollout's draw depends on besides the weights (the RNGs, the prompt
+    sampler): taken before each rollout, so one in flight at a checkpoint is drawn again on resume.
+    ``first`` is the first rollout to draw, ``queued`` rollouts already done (a resume's)."""
+
+    def __init__(self, produce: Callable[[int, Weights], Any], *, max_staleness: int,
+                 load: Callable[[int, dict[str, Tensor], int], None], start_state: Callable[[], Any],
+                 first: int = 0, queued: list[Queued] | None = None) -> None:
+        if max_staleness < 1:
+            raise ValueError(f"max_staleness={max_staleness}: asynchronous rollouts need K >= 1 (K=0 is the synchronous loop)")
+        self.max_staleness = int(max_staleness)
+        self._produce, self._load, self._start_state = produce, load, start_state
+        self._cond = threading.Condition()
+        self._queue: list[Queued] = list(queued or [])
+        self._next = first + len(self._queue)  # the rollout the producer draws next
+        self._snapshots: dict[int, tuple[dict[str, Tensor], int]] = {}
+        self._published = -1
+        self._waiting_for: int | None = None  # the iteration whose weights the producer waits for
+        self._in_flight: tuple[int, Any] | None = None  # (n, start state) of the rollout being drawn
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # -- the learner's side -------------------------------------------------------------------------
+    def publish(self, iteration: int, weights: dict[str, Tensor], version: int) -> None:
+        """The weights of ``iteration`` (after that many updates; ``version`` the learner's weight
+        version), a copy the learner will not write; starts the producer at the first call."""
+        with self._cond:
+            if iteration <= self._published:
+                return
+            self._snapshots[iteration] = (weights, int(version))
+            self._published = iteration
+            self._prune()
+            self._cond.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="textrl-async-actor", daemon=True)
+            self._thread.start()
+
+    def take(self, n: int) -> Any:
+        """Rollout ``n`` (in order), waiting for the producer; re-raises the producer's error."""
+        with self._cond:
+            while not (self._queue and self._queue[0].n == n):
+                self._raise_error()
+                if self._queue and self._queue[0].n != n:
+                    raise RuntimeError(f"asynchronous rollouts: rollout {n} asked, {self._queue[0].n} is next")
+                self._cond.wait(timeout=1.0)
+            item = self._queue.pop(0).item
+            self._cond.notify_all()
+            return item
+
+    def quiesce(self) -> None:
+        """Wait until the producer waits for weights not yet published (it touches nothing then)."""
+        with self._cond:
+            while self._thread is not None and not self._idle():
+                self._raise_error()
+                self._cond.wait(timeout=1.0)
+            self._raise_error()
+
+    @contextmanager
+    def holding(self, iteration: int, weights: dict[str, Tensor], version: int) -> Iterator[None]:
+        """The actor holds ``weights`` (the learner's now, for a held-out evaluation) inside; the
+        producer, quiesced first, loads its own again when it goes on."""
+        self.quiesce()
+        self._load(iteration, weights, version)
+        yield
+
+    def close(self) -> None:
+        """Stop the producer (a rollout in flight is left unfinished) and wait for it."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Quiesced: the rollouts done and not trained on, the start state of the one in flight, and
+        the published weights it and the next rollouts still read."""
+        self.quiesce()
+        with self._cond:
+            return {"queued": [(q.n, q.item) for q in self._queue], "in_flight": self._in_flight,
+                    "snapshots": dict(self._snapshots), "published": self._published, "next": self._next}
+
+    def load_state_dict(self, state: dict[str, Any], restore_start: Callable[[Any], None]) -> None:
+        """Before the producer starts: the queued rollouts and kept weights of :meth:`state_dict`; the
+        in-flight rollout's start state restored by ``restore_start`` (it is drawn again)."""
+        with self._cond:
+            self._queue = [Queued(n, item) for n, item in state["queued"]]
+            self._snapshots.update(state["snapshots"])
+            self._published = int(state["published"])
+            in_flight = state["in_flight"]
+            self._next = in_flight[0] if in_flight is not None else state["next"]
+        if in_flight is not None:
+            restore_start(in_flight[1])
+
+    # -- the producer's side ------------------------------------------------------------------------
+    def _idle(self) -> bool:
+        return self._waiting_for is not None and self._waiting_for > self._published
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _use(self, iteration: int) -> int:
+        with self._cond:
+            self._waiting_for = iteration
+            self._cond.notify_all()
+            while iteration > self._published and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                raise _Closed
+            self._waiting_for = None
+            weights, version = self._snapshots[iteration]
+        self._load(iteration, weights, version)
+        return version
+
+    def _prune(self) -> None:
+        """Drop the weights no rollout from the next one on reads (each reads iterations >= n - K)."""
+        first = self._next if self._in_flight is None else self._in_flight[0]
+        oldest = behaviour_iteration(first, self.max_staleness)
+        for i in [i for i in self._snapshots if i < oldest]:
+            del self._snapshots[i]
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:  # the weights it waits for bound the queue: at most K + 1 rollouts ahead
+                    if self._closed:
+                        return
+                    n = self._next
+                    self._in_flight = (n, self._start_state())
+                item = self._produce(n, Weights(self))
+                with self._cond:
+                    self._queue.append(Queued(n, item))
+                    self._next, self._in_flight = n + 1, None
+                    self._prune()
+                    self._cond.notify_all()
+        except _Closed:
+            return
+        except BaseException as err:  # handed to the learner's next take / quiesce
+            with self._cond:
+                self._error = err
+                self._cond.notify_all()
+
+
+class _Closed(Exception):
+    """The pipeline closed while the producer waited."""
+
+
+__all__ = ["PARTIAL_ROLLOUTS", "AsyncActor", "AsyncRollouts", "Queued", "Weights", "behaviour_iteration",
+           "policy_copy", "token_iterations", "trainable_state", "turn_iteration"]

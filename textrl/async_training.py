@@ -1,0 +1,218 @@
+"""``textrl train --max-staleness K``: the run's rollouts drawn by an actor beside the learner.
+
+:class:`AsyncTraining` is what the trainer holds when K > 0 (docs/async.md): the actor with its own
+copy of the policy and its own engine (:class:`textrl.agents.async_actor.AsyncActor`), the producer
+thread (:class:`textrl.agents.async_actor.AsyncRollouts`) that draws rollout ``n`` with the weights
+of iteration ``max(0, n - K)`` (each turn's with ``partial_rollouts='continue'``), and what a
+checkpoint holds of it. The trainer's iteration then reads as the synchronous one: publish the
+weights, take the rollout, estimate, update.
+
+Rollout ``n`` is the one ``textrl train``'s iteration ``n + 1`` trains on (iterations count from 1);
+"the weights of iteration ``i``" are the learner's after ``i`` updates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from textrl.agents.async_actor import (
+    AsyncActor,
+    AsyncRollouts,
+    Weights,
+    token_iterations,
+    trainable_state,
+    turn_iteration,
+)
+from textrl.keys import KEYS
+from textrl.run.rng import rng_state, set_rng_state
+
+LEARNER_SEED_OFFSET = 7919
+"""The learner's minibatch generator is seeded with ``seed + LEARNER_SEED_OFFSET`` (the actor's draws
+keep the global RNG seeded with ``seed``)."""
+
+
+HELD_OUT = -2
+"""The iteration the actor says it holds while the held-out evaluation samples with the learner's
+weights: none the producer asks for, so it loads its own again."""
+
+
+class ActorView:
+    """The agent as :func:`textrl.rollout.run_episodes` and the held-out evaluation read it, sampling
+    through the asynchronous actor (its engine: one engine per run)."""
+
+    def __init__(self, agent: Any, actor: Any) -> None:
+        self._agent, self._actor = agent, actor
+        self.config, self.tokenizer, self.device = agent.config, agent.tokenizer, actor.device
+        self.eos_token_id, self.pad_token_id = agent.eos_token_id, agent.pad_token_id
+
+    def rollout(self, *, greedy: bool = False) -> Any:
+        return self._actor.rollout(greedy=greedy)
+
+    def act(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, greedy: bool = False) -> torch.Tensor:
+        return self._actor.act(input_ids, attention_mask, greedy=greedy)
+
+
+class AsyncTraining:
+    """The asynchronous actor of one run (module docstring). ``sampler`` the run's
+    :class:`textrl.envs.PromptSampler` (the actor's alone from here on), ``episodes`` its
+    :class:`textrl.envs.collector.EpisodeRunner`, ``shard`` the rows of a batch this process takes."""
+
+    def __init__(self, config: Any, agent: Any, sampler: Any, episodes: Any, shard: Any) -> None:
+        self.config, self.agent, self.sampler, self.episodes, self.shard = config, agent, sampler, episodes, shard
+        self.max_staleness = int(config.max_staleness)
+        self.actor = AsyncActor.of(agent)
+        self.view = ActorView(agent, self.actor.actor)
+        generator = torch.Generator(device=agent.device)
+        generator.manual_seed(int(config.seed) + LEARNER_SEED_OFFSET)
+        agent.learner.generator = generator  # the learner's shuffles leave the global RNG to the actor
+        self._restored_start: Any = None
+        self.pipeline = self._pipeline(first=0)
+
+    def _pipeline(self, first: int) -> AsyncRollouts:
+        return AsyncRollouts(self._produce, max_staleness=self.max_staleness, load=self.actor.load,
+                             start_state=self._start_state, first=first)
+
+    # -- the learner's side ---------------------------------------------------------------------
+    def next_rollout(self, iteration: int, timings: dict[str, float]) -> tuple[Any, int]:
+        """Publish the learner's weights (``iteration - 1`` updates done), then take the rollout that
+        iteration trains on: ``(rollout, rows of its prompt batch)`` (the rollout with
+        ``KEYS.policy_iteration``, and ``KEYS.token_iteration`` with partial rollouts); its generation
+        and reward seconds go to ``timings``, and ``wait``, the seconds the learner waited for it."""
+        learner = self.agent.learner
+        self.pipeline.publish(iteration - 1, trainable_state(learner.policy), learner.version)
+        started = time.perf_counter()
+        td, drawn, rows = self.pipeline.take(iteration - 1)
+        timings["wait"] = time.perf_counter() - started
+        timings.update(drawn)
+        return td, rows
+
+    @contextmanager
+    def learner_weights(self) -> Iterator[ActorView]:
+        """The actor sampling with the learner's weights now (the held-out evaluation), the producer
+        quiesced; it loads its own again when it goes on."""
+        learner = self.agent.learner
+        with self.pipeline.holding(HELD_OUT, trainable_state(learner.policy), learner.version):
+            yield self.view
+
+    def close(self) -> None:
+        """Stop the producer and the actor's engine."""
+        self.pipeline.close()
+        self.actor.actor.engine.close()
+
+    # -- the producer's side --------------------------------------------------------------------
+    def _start_state(self) -> dict[str, Any]:
+        return {"rng": rng_state(), "sampler": self.sampler.state_dict()}
+
+    def _produce(self, n: int, weights: Weights) -> tuple[Any, dict[str, float], int]:
+        """Rollout ``n``: the next prompt batch (this process's rows), its episodes, every turn drawn
+        with the weights :func:`turn_iteration` names; the engine's rollout context is re-opened
+        when the weights change between two turns (a carried KV cache is of the old ones)."""
+        from textrl.envs.prompts import placing_rows
+
+        cfg, actor = self.config, self.actor.actor
+        timings: dict[str, float] = {}
+        turns: list[int] = []
+        versions: list[int] = []
+        state: dict[str, Any] = {"iteration": None, "context": None}
+
+        def generate(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            need = turn_iteration(n, self.max_staleness, len(turns), cfg.partial_rollouts)
+            if need != state["iteration"]:
+                close_context(state)
+                versions.append(weights.use(need))
+                state["iteration"], state["context"] = need, actor.engine.rollout()
+                state["context"].__enter__()
+            else:
+                versions.append(versions[-1])
+            turns.append(need)
+            return actor.sample(input_ids.to(actor.device), attention_mask.to(actor.device))
+
+        batch = self.sampler.next_batch()
+        batch = batch.select(self.shard(len(batch)))
+        try:
+            with placing_rows(f"the rollout of iteration {n + 1}", lambda: self.sampler.batch_rows(batch)):
+                td = self.episodes.run(generate, batch.to(actor.device), timings=timings)
+        finally:
+            close_context(state)
+        rows = td.batch_size
+        td.set(KEYS.policy_version, torch.full(rows, versions[0], dtype=torch.long, device=td.device))
+        td.set(KEYS.policy_iteration, torch.full(rows, turns[0], dtype=torch.long, device=td.device))
+        if cfg.partial_rollouts == "continue":
+            td.set(KEYS.token_iteration, token_iterations(td.get(KEYS.mask), turns))
+        if td.device is not None and td.device.type == "cuda":
+            torch.cuda.current_stream(td.device).synchronize()
+        return td, timings, len(batch)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds of the actor (quiesced first): the prompt sampler's position, the
+        rollouts drawn and not trained on, the start of the one in flight, the weights they read,
+        the learner's generator; weight versions kept relative to the learner's now (a resumed
+        learner counts its versions from another start)."""
+        now = self.agent.learner.version
+        state = self.pipeline.state_dict()
+        state["queued"] = [(n, (rebased(td, -now), drawn, rows)) for n, (td, drawn, rows) in state["queued"]]
+        state["snapshots"] = {i: (w, v - now) for i, (w, v) in state["snapshots"].items()}
+        return {"prompts": self.sampler.state_dict(), "async": state,
+                "learner_generator": self.agent.learner.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """:meth:`state_dict` back, with the producer not started: the in-flight rollout's start
+        (its RNGs and prompts) is applied by :meth:`restored`, after the checkpoint's RNGs."""
+        now = self.agent.learner.version
+        pipe = state["async"]
+        pipe["queued"] = [(n, (rebased(td, now), drawn, rows)) for n, (td, drawn, rows) in pipe["queued"]]
+        pipe["snapshots"] = {i: (w, v + now) for i, (w, v) in pipe["snapshots"].items()}
+        self.sampler.load_state_dict(state["prompts"])
+        self.agent.learner.generator.set_state(state["learner_generator"])
+        self.pipeline = self._pipeline(first=0)
+        self.pipeline.load_state_dict(pipe, self._restore_start)
+
+    def _restore_start(self, start: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(start["sampler"])
+        self._restored_start = start["rng"]
+
+    def restored(self) -> None:
+        """After the checkpoint's RNGs were set: the in-flight rollout's RNGs at its start."""
+        if self._restored_start is not None:
+            set_rng_state(self._restored_start)
+            self._restored_start = None
+
+
+def rebased(td: Any, offset: int) -> Any:
+    """A copy of rollout ``td`` whose ``KEYS.policy_version`` is moved by ``offset`` (the live one untouched)."""
+    td = td.clone()
+    td.set(KEYS.policy_version, td.get(KEYS.policy_version) + offset)
+    return td
+
+
+def close_context(state: dict[str, Any]) -> None:
+    """Leave the engine's rollout context of ``state`` if one is open."""
+    context, state["context"] = state["context"], None
+    if context is not None:
+        context.__exit__(None, None, None)
+
+
+class CheckpointedSampler:
+    """What :func:`textrl.run.save_checkpoint` saves as the run's sampler when K > 0: the prompt
+    sampler's position and the asynchronous actor's state (:meth:`AsyncTraining.state_dict`)."""
+
+    def __init__(self, training: AsyncTraining) -> None:
+        self.training = training
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.training.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "async" not in state:
+            raise ValueError("this checkpoint was saved by a run without --max-staleness; resume it with its own "
+                             "max_staleness (a fixed setting)")
+        self.training.load_state_dict(state)
+
+
+__all__ = ["ActorView", "AsyncTraining", "CheckpointedSampler"]
