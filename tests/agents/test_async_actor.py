@@ -1,0 +1,173 @@
+"""The asynchronous actor's bookkeeping (textrl.agents.async_actor), with hypothesis drawing schedules
+of slow and fast generation and updates: no rollout is drawn from weights older than K updates, every
+turn (and token) is drawn with the weights the schedule names and the actor actually held, and a
+pipeline saved at any iteration and restored draws what an uninterrupted one draws."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from textrl.agents.async_actor import (
+    AsyncRollouts,
+    behaviour_iteration,
+    policy_copy,
+    token_iterations,
+    turn_iteration,
+)
+
+
+class FakeActor:
+    """Weights = one number, the iteration they were published at; ``draws`` counts rollouts started,
+    the stand-in of the RNG a resume restores."""
+
+    def __init__(self) -> None:
+        self.held = None
+        self.draws = 0
+
+    def load(self, iteration, weights, version):
+        assert int(weights["w"]) == iteration and version == 10 * iteration
+        self.held = int(weights["w"])
+
+
+def pipeline(actor, k, partial, turns, delays, first=0):
+    def produce(n, weights):
+        actor.draws += 1
+        seen = []
+        for t in range(turns):
+            need = turn_iteration(n, k, t, partial)
+            weights.use(need)
+            time.sleep(delays[(n + t) % len(delays)])  # generation of this turn
+            seen.append(actor.held)  # the weights the turn was drawn with
+        return {"n": n, "turns": seen, "draw": actor.draws}
+
+    return AsyncRollouts(produce, max_staleness=k, load=actor.load, start_state=lambda: actor.draws, first=first)
+
+
+def run(pipe, actor, start, stop, update_delays):
+    taken = []
+    for i in range(start, stop):
+        pipe.publish(i, {"w": torch.tensor(i)}, 10 * i)
+        item = pipe.take(i)
+        taken.append(item)
+        time.sleep(update_delays[i % len(update_delays)])  # the learner's update
+    return taken
+
+
+schedules = st.lists(st.sampled_from([0.0, 0.0, 0.0005, 0.002]), min_size=1, max_size=5)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(k=st.integers(1, 4), partial=st.sampled_from(["finish", "continue"]), turns=st.integers(1, 3),
+       iterations=st.integers(1, 9), gen=schedules, upd=schedules)
+def test_every_turn_is_drawn_with_the_weights_the_schedule_names(k, partial, turns, iterations, gen, upd):
+    actor = FakeActor()
+    pipe = pipeline(actor, k, partial, turns, gen)
+    try:
+        taken = run(pipe, actor, 0, iterations, upd)
+    finally:
+        pipe.close()
+    for i, item in enumerate(taken):
+        assert item["n"] == i
+        assert item["turns"] == [turn_iteration(i, k, t, partial) for t in range(turns)]
+        assert all(i - k <= v <= i for v in item["turns"])  # never more than K updates old, never ahead
+        assert item["turns"][0] == behaviour_iteration(i, k)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(k=st.integers(1, 3), partial=st.sampled_from(["finish", "continue"]), turns=st.integers(1, 3),
+       cut=st.integers(1, 6), more=st.integers(1, 4), gen=schedules, upd=schedules)
+def test_a_pipeline_saved_and_restored_draws_what_an_uninterrupted_one_draws(k, partial, turns, cut, more, gen, upd):
+    whole_actor = FakeActor()
+    whole = pipeline(whole_actor, k, partial, turns, gen)
+    try:
+        expected = run(whole, whole_actor, 0, cut + more, upd)
+    finally:
+        whole.close()
+
+    actor = FakeActor()
+    first = pipeline(actor, k, partial, turns, gen)
+    try:
+        before = run(first, actor, 0, cut, upd)
+        state = first.state_dict()  # quiesced: the producer waits for the weights of iteration `cut`
+    finally:
+        first.close()
+    assert all(q[0] >= cut for q in state["queued"])
+    resumed_actor = FakeActor()
+    resumed = pipeline(resumed_actor, k, partial, turns, gen)
+
+    def restore(draws):
+        resumed_actor.draws = draws
+
+    resumed_actor.draws = actor.draws  # the "RNG" as the checkpoint saw it; the in-flight start wins
+    resumed.load_state_dict(state, restore)
+    try:
+        after = run(resumed, resumed_actor, cut, cut + more, upd)
+    finally:
+        resumed.close()
+    assert before + after == expected
+
+
+def test_a_producer_error_reaches_the_learner():
+    def produce(n, weights):
+        weights.use(behaviour_iteration(n, 1))
+        raise ValueError("the reward failed")
+
+    pipe = AsyncRollouts(produce, max_staleness=1, load=lambda *a: None, start_state=lambda: None)
+    pipe.publish(0, {}, 0)
+    with pytest.raises(ValueError, match="the reward failed"):
+        pipe.take(0)
+    pipe.close()
+
+
+def test_k_zero_is_the_synchronous_loop_and_refused_here():
+    with pytest.raises(ValueError, match="K >= 1"):
+        AsyncRollouts(lambda n, w: None, max_staleness=0, load=lambda *a: None, start_state=lambda: None)
+
+
+def _token_iterations_reference(mask, turn_iters):
+    out = torch.full(mask.shape, -1, dtype=torch.long)
+    for b in range(mask.shape[0]):
+        stretch, inside = -1, False
+        for t in range(mask.shape[1]):
+            if mask[b, t] and not inside:
+                stretch += 1
+            inside = bool(mask[b, t])
+            if inside:
+                out[b, t] = turn_iters[stretch]
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 3)), min_size=1, max_size=4),
+                     min_size=1, max_size=4),
+       turn_iters=st.lists(st.integers(0, 9), min_size=4, max_size=4))
+def test_token_iterations_tag_each_turns_tokens_as_a_loop_does(rows, turn_iters):
+    width = max(sum(a + o for a, o in row) for row in rows) + 2
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for b, row in enumerate(rows):
+        t = 0
+        for agent, obs in row:  # a turn's tokens, then the environment's observation
+            mask[b, t:t + agent] = True
+            t += agent + obs
+    assert torch.equal(token_iterations(mask, turn_iters), _token_iterations_reference(mask, turn_iters))
+
+
+def test_token_iterations_refuse_more_stretches_than_turns():
+    with pytest.raises(ValueError, match="stretches"):
+        token_iterations(torch.tensor([[True, False, True]]), [3])
+
+
+def test_the_actors_copy_shares_the_frozen_weights_and_copies_the_trained():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    model[0].requires_grad_(False)
+    twin = policy_copy(model)
+    assert twin[0].weight is model[0].weight  # frozen: one copy in memory
+    assert twin[1].weight is not model[1].weight and torch.equal(twin[1].weight, model[1].weight)
+    with torch.no_grad():
+        model[1].weight.add_(1.0)
+    assert not torch.equal(twin[1].weight, model[1].weight)
