@@ -261,3 +261,33 @@ def test_a_lora_policys_merged_weights_are_its_outputs(tok):
     with torch.no_grad():
         assert torch.allclose(plain(ids, attention_mask=mask).logits, lora(input_ids=ids, attention_mask=mask).logits, atol=1e-5)
     assert all(torch.equal(v, lora.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("env, options", [("digits", []),
+                                          ("guess_number", ["--partial-rollouts", "continue"]),
+                                          ("digits", ["--lora-r", "4", "--actor-lr", "3e-2"])],
+                         ids=["digits", "guess_number-partial", "digits-lora"])
+def test_asynchronous_rollouts_from_vllm_are_exactly_k_updates_behind(tmp_path, monkeypatch, folder, env, options):
+    """--max-staleness 2: vLLM (one engine, the actor's, holding its own copy of the weights) draws
+    rollout n with the weights of iteration max(0, n - 2); the first rollout's log-probs equal the
+    learner's up to float noise, a later one's are off by two updates (on digits: the tiny model
+    scores 0 on guess_number, where the policy does not move; there the turns' own iterations count)."""
+    import json
+
+    from textrl.cli import main
+
+    monkeypatch.setenv("TEXTRL_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(folder), "--generation-engine", "vllm", "--env", env, "--iterations", "4",
+                 "--output-dir", str(out), "--prompts-per-iteration", "4", "--n-samples-per-prompt", "2",
+                 "--max-new-tokens", "8", "--warmup-sft-steps", "3", "--eval-size", "4", "--eval-every", "2",
+                 "--progress", "false", "--actor-lr", "3e-3", "--max-staleness", "2", *options]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["rollout/staleness"] == 0.0 and rows[0]["rollout/logprob_gap_max"] < 1e-4, rows[0]
+    assert rows[-1]["rollout/staleness_max"] == 2.0, rows[-1]
+    if env == "digits":
+        assert rows[-1]["rollout/staleness"] == 2.0 and rows[-1]["rollout/logprob_gap"] > 1e-4, rows[-1]
+    else:  # turns 0, 1, 2, 2 of rollout 2 drawn with iterations 0, 1, 2, 2
+        assert 0.0 < rows[2]["rollout/staleness"] < 2.0, rows[2]
+    assert "eval/greedy/reward/mean" in rows[1]

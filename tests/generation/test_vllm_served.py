@@ -182,6 +182,21 @@ def test_a_served_run_resumes_with_its_checkpoints_weights_on_the_servers(tmp_pa
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_served_asynchronous_rollouts_are_exactly_k_updates_behind(tmp_path, folder, servers):
+    """--max-staleness 1 with two servers: the actor's engine (one per run) sends the servers the
+    weights of iteration n - 1 before drawing rollout n, while the learner trains on rollout n - 1;
+    the held-out evaluation samples from the servers with the learner's weights."""
+    out = tmp_path / "run"
+    train(out, folder, servers, "--iterations", "3", "--max-staleness", "1", "--eval-every", "3")
+    rows = metrics(out)
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert rows[0]["rollout/logprob_gap_max"] < 1e-4, rows[0]
+    assert rows[2]["rollout/logprob_gap"] > 1e-4, rows[2]  # a step behind: the update's size
+    assert "eval/greedy/reward/mean" in rows[2]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_two_runs_on_one_server_are_stopped_not_mixed(tmp_path, folder, servers):
     """A second run's weights arriving on a server the first samples from stop one of them in one line
     (each would otherwise sample with the other's policy): seen at the next call's version check, or
