@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -498,6 +499,150 @@ def test_iterations_spend_the_same_token_budget_per_episode_cap():
     assert bench.iterations_for(320, TrainConfig(**TINY, max_episode_tokens=16), max_turns=4) == 5
 
 
+# -- arms: agents x max_staleness x rollout_correction (asynchronous-RL variants) ----------------
+
+
+def _plan_of(agents, output_dir, seeds=(0, 1), envs=("digits",), **axes):
+    """The plan of ``agents`` (crossed with ``axes``: ``max_staleness``, ``rollout_correction``)
+    as :func:`compare_agents` makes it, without running anything."""
+    from textrl.bench import plan as bench_plan
+
+    common = bench_plan.run_settings(TINY)
+    names, _ = bench_plan.resolve_agents(list(agents), common)
+    arms, skipped = bench_plan.resolve_arms(names, common, axes.get("max_staleness"), axes.get("rollout_correction"))
+    env_info = bench_plan.describe_envs(list(envs), common)
+    return bench_plan.plan(arms, env_info, list(seeds), output_dir, TINY, 256, True), arms, skipped
+
+
+def test_arms_have_their_labels_folders_and_configs_and_share_the_warm_ups(tmp_path):
+    from textrl.bench.plan import arm_label
+
+    jobs, arms, skipped = _plan_of(["grpo", "rloo"], tmp_path, max_staleness=[0, 1, 4],
+                                   rollout_correction=["none", "tis"])
+    labels = [arm.label for arm in arms]
+    assert labels == [f"{a}@K{k}+{c}" for a in ("grpo", "rloo") for k in (0, 1, 4) for c in ("none", "tis")]
+    assert not skipped and all(re.fullmatch(r"[A-Za-z0-9_.@+-]+", label) for label in labels)  # safe folder names
+    runs = jobs["runs"]
+    assert len(runs) == 12 * 2 and len(jobs["warmups"]) == 2  # one warm-up per (env, seed), shared by every arm
+    for run in runs:
+        arm, config = run["arm"], run["config"]
+        assert run["agent"] == arm.label
+        assert run["folder"] == tmp_path / "runs" / "digits" / arm.label / f"seed{run['seed']}"
+        assert (config.agent, config.max_staleness, config.rollout_correction) == (arm.agent, arm.max_staleness,
+                                                                                   arm.rollout_correction)
+        assert run["warmup"] == tmp_path / "warmup" / "digits" / f"seed{run['seed']}"
+        assert config.model == str(run["warmup"]) and config.warmup_sft_steps == 0
+    assert len({run["config"].iterations for run in runs}) == 1  # the same token budget for every arm
+    assert len({run["fingerprint"] for run in runs}) == len(runs)
+    # one axis alone labels by that axis only
+    assert [a.label for a in _plan_of(["grpo"], tmp_path, max_staleness=[0, 1])[1]] == ["grpo@K0", "grpo@K1"]
+    assert [a.label for a in _plan_of(["grpo"], tmp_path, rollout_correction=["tis"])[1]] == ["grpo+tis"]
+    assert arm_label("my_agents.py:MyGRPO", 2, "icepop") == "MyGRPO@K2+icepop"
+
+
+def test_without_the_axes_the_plan_is_the_agents_plan(tmp_path):
+    from textrl.bench.plan import Arm, job_key
+
+    jobs, arms, _ = _plan_of(["gae_ppo", "grpo"], tmp_path)
+    assert arms == [Arm("gae_ppo"), Arm("grpo")] and [a.label for a in arms] == ["gae_ppo", "grpo"]
+    from textrl.bench import plan as bench_plan
+
+    env_info = bench_plan.describe_envs(["digits"], {})
+    plain = bench_plan.plan(["gae_ppo", "grpo"], env_info, [0, 1], tmp_path, TINY, 256, True)  # agent specs
+    assert [(j["agent"], j["folder"], j["fingerprint"], j["config"]) for j in jobs["runs"]] == [
+        (j["agent"], j["folder"], j["fingerprint"], j["config"]) for j in plain["runs"]]
+    for run in jobs["runs"]:
+        assert run["folder"] == tmp_path / "runs" / "digits" / run["config"].agent / f"seed{run['seed']}"
+        assert (run["config"].max_staleness, run["config"].rollout_correction) == (0, "none")
+        warm = next(w for w in jobs["warmups"] if w["folder"] == run["warmup"])
+        described = {k: v for k, v in run["config"].to_dict().items() if k != "output_dir"}
+        described.update(model=warm["config"].model, warmup_sft_steps=warm["config"].warmup_sft_steps)
+        assert run["fingerprint"] == job_key({**described, "warmup": warm["fingerprint"]})  # the formula as before
+    # the K=0, 'none' arm trains the same config as the agent alone, in a folder of its own
+    arm_jobs, _, _ = _plan_of(["gae_ppo"], tmp_path, max_staleness=[0], rollout_correction=["none"])
+    arm_run = arm_jobs["runs"][0]
+    folder = tmp_path / "runs" / "digits" / "gae_ppo@K0+none" / "seed0"
+    assert arm_run["config"].to_dict() == {**jobs["runs"][0]["config"].to_dict(), "output_dir": str(folder)}
+
+
+def test_an_arm_that_does_not_validate_is_refused_or_skipped_with_all(tmp_path):
+    from textrl.bench.plan import resolve_arms, run_settings
+
+    common = run_settings(TINY)
+    with pytest.raises(ValueError, match=r"^arm 'one_step_ppo@K0\+tis': rollout_correction='tis': one_step_ppo "):
+        resolve_arms(["grpo", "one_step_ppo"], common, [0, 1], ["none", "tis"])
+    arms, skipped = resolve_arms(["grpo", "one_step_ppo"], common, [1], ["none", "tis"], every=True)
+    assert [a.label for a in arms] == ["grpo@K1+none", "grpo@K1+tis", "one_step_ppo@K1+none"]
+    assert list(skipped) == ["one_step_ppo@K1+tis"] and "one_step_ppo applies none" in skipped["one_step_ppo@K1+tis"]
+    with pytest.raises(ValueError, match="none of the arms"):
+        resolve_arms(["one_step_ppo"], common, None, ["tis"], every=True)
+    with pytest.raises(ValueError, match=r"max_staleness=1 for every run and the max_staleness axis \[0, 1\]"):
+        compare_agents(["grpo"], [0], tmp_path / "bench", staleness=[0, 1], max_staleness=1, **QUIET, **TINY)
+    assert not (tmp_path / "bench").exists()
+
+
+@pytest.mark.parametrize("args, culprit", [
+    (["--agents", "one_step_ppo", "--rollout-correction", "none,tis"],
+     "arm 'one_step_ppo+tis': rollout_correction='tis': one_step_ppo applies none, mis, geo_mean only"),
+    (["--max-staleness", "0,1,0"], "max_staleness [0, 1, 0]: 0 repeated; give each value once"),
+    (["--max-staleness", "0,-1"], "max_staleness -1: each value must be an integer >= 0"),
+    (["--max-staleness", ","], "max_staleness is empty; give at least one value"),
+    (["--rollout-correction", "none,nope"], "rollout_correction 'nope': must be one of none, tis, mis"),
+])
+def test_bad_axes_are_one_line_naming_the_culprit(tmp_path, capsys, args, culprit):
+    assert main([*args, "--output-dir", str(tmp_path / "bench")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("textrl bench: ") and culprit in err and err.count("\n") == 1
+    assert not (tmp_path / "bench").exists()
+
+
+def test_arms_are_reported_as_agents_with_their_wall_clock(tmp_path, fake_training):
+    out = tmp_path / "bench"
+    result, _ = fake_compare(out, agents=("gae_ppo", "grpo"), staleness=[0, 2])
+    labels = ["gae_ppo@K0", "gae_ppo@K2", "grpo@K0", "grpo@K2"]
+    assert sorted(fake_training["runs"]) == sorted((a, e, s) for a in ("gae_ppo", "grpo") for _ in (0, 2)
+                                                   for e in ("digits", "guess_number") for s in (0, 1))
+    assert len(fake_training["warmups"]) == 4  # shared by the arms
+    assert [a["agent"] for a in result["agents"]] == labels and result["agents"][1] == {
+        "agent": "gae_ppo@K2", "spec": "gae_ppo", "max_staleness": 2}
+    assert result["report"]["agents"] == labels
+    verdicts = {(p["x"], p["y"]): p["verdict"] for p in result["report"]["pairs"]}
+    assert len(verdicts) == 6 and verdicts[("gae_ppo@K2", "grpo@K2")] == "grpo@K2 better"
+    text = result["markdown"]
+    assert "4 arms (2 agents x max_staleness [0, 2], labelled `AGENT@K<max_staleness>`)" in text
+    # fake iterations of 0.1 s: 8 on digits, 2 on guess_number (4 turns), so 0.8 s and 0.2 s a run
+    assert "## Wall clock per arm" in text and "| `grpo@K2` | 4 | 0.50 ± 0.35 | 1.00x |" in text
+    assert "| arm | seeds |" in text and "| 0.100 ± 0.000 | 0.80 ± 0.00 | 320 ± 0 |" in text  # s / it, training s
+    for run in result["runs"]:
+        assert run["train_s"] == pytest.approx(0.1 * len(run["iterations"]))
+        assert Path(run["output_dir"]).parent.name == run["agent"]
+    _, log = fake_compare(out, agents=("gae_ppo", "grpo"), staleness=[0, 2])
+    assert len(fake_training["runs"]) == 16 and "reused" in log  # resumable like agents
+
+
+def test_without_the_axes_the_report_has_no_arms(tmp_path, fake_training):
+    result, _ = fake_compare(tmp_path / "bench")
+    text = result["markdown"]
+    assert "2 agents x 2 environments x 2 seeds" in text and "| agent | seeds |" in text
+    assert "Wall clock per arm" not in text and "| arm |" not in text and "training s" not in text
+    assert result["agents"] == [{"agent": "gae_ppo", "spec": "gae_ppo"}, {"agent": "grpo", "spec": "grpo"}]
+    assert "train_s" not in result["tables"]["digits"][0]
+
+
+def test_the_wall_clock_table_times_each_arm_against_its_k0_arm():
+    runs = [{**record(arm, env, seed, 1.0), "train_s": seconds}
+            for arm, seconds in (("grpo@K0", 10.0), ("grpo@K1", 5.0), ("grpo@K4", 4.0)) for env in ("a", "b")
+            for seed in (0, 1)]
+    runs[-1] = record("grpo@K4", "b", 1, 0, error="boom")  # a failed run: timed on the pairs both finished
+    table = bench_report.wall_clock_table(runs, ["grpo@K0", "grpo@K1", "grpo@K4"],
+                                          {"grpo@K0": "grpo@K0", "grpo@K1": "grpo@K0", "grpo@K4": "grpo@K0"})
+    assert table.splitlines()[2:] == ["| `grpo@K0` | 4 | 10.00 ± 0.00 | 1.00x |",
+                                      "| `grpo@K1` | 4 | 5.00 ± 0.00 | 2.00x |",
+                                      "| `grpo@K4` | 3 | 4.00 ± 0.00 | 2.50x |"]
+    assert "speed-up" not in bench_report.wall_clock_table(runs, ["grpo@K0"])
+    assert bench_report.wall_clock_table(runs, ["grpo@K1"], {"grpo@K1": None}).splitlines()[2].endswith("| - |")
+
+
 # -- end to end ----------------------------------------------------------------------------------
 
 
@@ -534,3 +679,22 @@ def test_command_line_runs_jobs_in_parallel_subprocesses(tmp_path):
     job = json.loads((folder / bench_runs.JOB_FILE).read_text())
     assert job["config"]["warmup_sft_steps"] == 0 and job["config"]["model"].endswith("seed0")  # the shared warm-up
     assert (out / "report.md").is_file()
+
+
+def test_two_staleness_arms_end_to_end(tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = ["--agents", "grpo", "--max-staleness", "0,1", "--seeds", "0", "--envs", "digits", "--in-process",
+            "--token-budget", "64", "--reps", "50", "--output-dir", str(out)]
+    args += [a for k, v in TINY.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    assert main(args) == 0
+    text = (out / "report.md").read_text()
+    assert "Not significant: `grpo@K0` vs `grpo@K1` (one seed gives no interval; run more seeds)" in text
+    assert "## Wall clock per arm" in text and "| `grpo@K1` | 1 |" in text
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["report"]["agents"] == ["grpo@K0", "grpo@K1"]
+    for k in (0, 1):
+        job = json.loads((out / "runs" / "digits" / f"grpo@K{k}" / "seed0" / bench_runs.JOB_FILE).read_text())
+        assert job["config"]["max_staleness"] == k
+        assert job["config"]["model"] == str(out / "warmup" / "digits" / "seed0")  # the one shared warm-up
+    assert [p.name for p in (out / "warmup" / "digits").iterdir()] == ["seed0"]
+    assert all(r["train_s"] > 0 and len(r["iterations"]) == 2 for r in saved["runs"])

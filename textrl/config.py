@@ -435,6 +435,10 @@ class TrainConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+PARTIAL_ROLLOUTS = ("finish", "continue")
+"""``partial_rollouts``: an episode in flight when the weights move on is finished with the weights it
+started with (``finish``) or continues with the new ones (``continue``)."""
+
 _DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
 FORMER_DEFAULTS: dict[str, tuple[Any, ...]] = {"lora_target_modules": ("q_proj,k_proj,v_proj,o_proj",)}
 """Defaults of earlier releases, still an option left unset where an agent does not read it (a
@@ -496,8 +500,6 @@ def _check_choices(config: TrainConfig) -> None:
 def _check_async(config: TrainConfig) -> None:
     """``max_staleness`` >= 0; ``partial_rollouts`` and ``old_logprobs`` among their choices, and not
     asked where they change nothing."""
-    from textrl.agents.async_actor import PARTIAL_ROLLOUTS
-
     if isinstance(config.max_staleness, bool) or not isinstance(config.max_staleness, int) or config.max_staleness < 0:
         raise ValueError(f"max_staleness={config.max_staleness!r}: the most updates a rollout's weights may lag "
                          "behind the learner's, an integer >= 0 (0: the synchronous loop)")

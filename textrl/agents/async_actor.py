@@ -39,11 +39,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-PARTIAL_ROLLOUTS = ("finish", "continue")
-"""``partial_rollouts``: an episode in flight when the weights move on is finished with the weights it
-started with (``finish``) or continues with the new ones (``continue``)."""
-
-
 def behaviour_iteration(n: int, max_staleness: int) -> int:
     """The learner iteration whose weights draw rollout ``n``: ``max(0, n - K)``."""
     return max(0, int(n) - int(max_staleness))
@@ -301,5 +296,5 @@ class _Closed(Exception):
     """The pipeline closed while the producer waited."""
 
 
-__all__ = ["PARTIAL_ROLLOUTS", "AsyncActor", "AsyncRollouts", "Queued", "Weights", "behaviour_iteration",
+__all__ = ["AsyncActor", "AsyncRollouts", "Queued", "Weights", "behaviour_iteration",
            "policy_copy", "token_iterations", "trainable_state", "turn_iteration"]

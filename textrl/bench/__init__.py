@@ -15,6 +15,19 @@ each run in its own process, ``--jobs`` at a time, and writes to ``output_dir``:
 - ``results.json``: every run's figures, the statistics' report, the config fingerprints;
 - ``warmup/<env>/seed<k>/`` and ``runs/<env>/<agent>/seed<k>/``: the jobs' own folders.
 
+Arms (asynchronous-RL variants): ``--max-staleness 0,1,4`` and ``--rollout-correction none,tis``
+(comma lists; either or both) cross every agent with those values of the TrainConfig fields
+``max_staleness`` and ``rollout_correction``. Each combination is an *arm*, labelled
+``<agent>@K<k>`` for the staleness axis and ``+<kind>`` for the correction axis (``grpo@K1``,
+``grpo+tis``, ``grpo@K1+tis``; an axis not given adds nothing), its runs in
+``runs/<env>/<label>/seed<k>/``. Arms are compared exactly as agents are (scores, IQM and
+intervals, pairs); the report adds the wall clock per arm (training seconds: the sum of each run's
+``time/iteration_s``, with the speed-up against the same agent and correction at K=0) and a
+``training s`` column to the raw tables. All arms of an (env, seed) share its warm-up and its
+iterations. An arm whose config does not validate (an agent without that correction) is refused
+naming it, or skipped with the reason with ``--agents all``. Without either option nothing changes:
+labels, folders, fingerprints and tables are those of the agents.
+
 Scores (:mod:`textrl.bench.report`): a run's normalised score is the share of the gap it closed,
 ``(final held-out reward - start) / (max_reward - start)``, where start is its (env, seed)'s shared
 warmed-up policy's held-out reward: 0 = no progress, 1 = the environment's maximum. An environment
@@ -45,6 +58,7 @@ Command line (``textrl bench`` wires :func:`add_arguments` and :func:`run`)::
     textrl bench                                    # DEFAULT_BENCH: within 15 min on 2 CPU cores
     textrl bench --agents gae_ppo,grpo --envs digits,guess_number --seeds 0,1,2 --token-budget 100000
     textrl bench --agents all --envs arithmetic --jobs 4 --threads 1 --fresh
+    textrl bench --agents grpo,rloo --max-staleness 0,1,4 --rollout-correction none,tis
 """
 
 # The package is: plan.py (the defaults and every job), jobs.py (a job's folder, record, lock and

@@ -21,15 +21,19 @@ from textrl.bench import jobs as bench_jobs
 from textrl.bench import report as bench_report
 from textrl.bench.jobs import read_run
 from textrl.bench.plan import (
+    ALL_AGENTS,
+    AXES,
     BENCH_OUTPUT_DIR,
     DEFAULT_BENCH,
+    Arm,
+    check_axes,
     comma_list,
     describe_envs,
     job_state,
     pending,
     plan,
     resolve_agents,
-    run_label,
+    resolve_arms,
     run_settings,
 )
 from textrl.config import TrainConfig
@@ -101,6 +105,8 @@ def compare_agents(
     output_dir: str | Path = BENCH_OUTPUT_DIR,
     *,
     envs: Sequence[str] | None = None,
+    staleness: Sequence[int] | None = None,
+    corrections: Sequence[str] | None = None,
     token_budget: int | None = None,
     jobs: int | None = None,
     isolate: bool = True,
@@ -111,7 +117,7 @@ def compare_agents(
     log: Any = print,
     **settings: Any,
 ) -> dict[str, Any]:
-    """Train each agent on each environment with each seed; write the report, plots and results.
+    """Train each agent (or arm) on each environment with each seed; write the report, plots and results.
 
     Args:
         agents: registered names or ``file.py:Class`` specs, or ``["all"]`` (every registered agent
@@ -120,6 +126,13 @@ def compare_agents(
         output_dir: where everything goes (see the module docstring).
         envs: environment specs (default ``DEFAULT_BENCH["envs"]``; ``env=`` in ``settings`` is
             one environment).
+        staleness: the ``max_staleness`` axis (``--max-staleness 0,1,4``): each value an arm of
+            every agent, labelled ``<agent>@K<k>``; None: no axis (``max_staleness=`` in
+            ``settings`` then applies to every run, unlabelled, as before).
+        corrections: the ``rollout_correction`` axis (``--rollout-correction none,tis``): each
+            value an arm of every agent, labelled ``<agent>+<kind>`` (``<agent>@K<k>+<kind>`` with
+            ``staleness``); None: no axis. An arm that does not validate is an error naming it
+            (with ``agents=["all"]``: skipped with the reason). Arms are compared as agents are.
         token_budget: generated tokens per run (sets ``iterations`` per env; None: the
             ``iterations`` setting).
         jobs: runs at a time (default :func:`default_jobs`); ``isolate=False`` runs in this
@@ -131,9 +144,9 @@ def compare_agents(
         log: progress messages.
         **settings: :class:`TrainConfig` fields for every run.
 
-    Returns ``{"agents": [{"agent", "spec"}], "tables": {env: raw table rows}, "runs": every run's
-    figures, "report": the statistics (None when none), "normalisation", "skipped", "markdown",
-    "fingerprints", "files", "wall_s"}``.
+    Returns ``{"agents": [{"agent", "spec", and an arm's axis fields}], "tables": {env: raw table
+    rows}, "runs": every run's figures, "report": the statistics (None when none), "normalisation",
+    "skipped", "markdown", "fingerprints", "files", "wall_s"}``.
     """
     from textrl.run.lock import RunFolderLock
 
@@ -159,17 +172,36 @@ def compare_agents(
         raise ValueError(f"token_budget={token_budget!r}: must be an int >= 1, the generated tokens per run "
                          "(--token-budget 460800), or leave it out and give --iterations")
     env_list = comma_list(DEFAULT_BENCH["envs"]) if envs is None else list(envs)
+    axes = _axes(settings, staleness, corrections)
     common = run_settings(settings)
     names, skipped = resolve_agents(agents, common)
+    arms, skipped_arms = resolve_arms(names, common, axes.get("max_staleness"), axes.get("rollout_correction"),
+                                      every=agents is not None and list(agents) == [ALL_AGENTS])
+    skipped.update(skipped_arms)
     for name, why in skipped.items():
         log(f"skipping {name}: {why}")
     env_info = describe_envs(env_list, common)
     output_dir = Path(output_dir)
     with RunFolderLock(output_dir):
-        jobs_plan = plan(names, env_info, seeds, output_dir, settings, token_budget, warm_start_policy)
+        jobs_plan = plan(arms, env_info, seeds, output_dir, settings, token_budget, warm_start_policy)
         runs = _execute(jobs_plan, fresh, jobs, isolate, threads, log)
-        return _report(runs, names, env_list, env_info, seeds, jobs_plan, skipped, output_dir, reps,
-                       time.perf_counter() - start, log)
+        return _report(runs, arms, env_list, env_info, seeds, jobs_plan, skipped, output_dir, reps,
+                       time.perf_counter() - start, log, axes)
+
+
+def _axes(settings: dict[str, Any], staleness: Sequence[int] | None,
+          corrections: Sequence[str] | None) -> dict[str, list[Any]]:
+    """The axes given, ``{TrainConfig field: values}`` (checked by :func:`textrl.bench.plan.check_axes`);
+    ``ValueError`` when a field is both an axis and a setting of every run."""
+    check_axes(staleness, corrections)
+    given = dict(zip(AXES, (staleness, corrections), strict=True))
+    axes = {name: list(values) for name, values in given.items() if values is not None}
+    for name, values in axes.items():
+        if name in settings:
+            raise ValueError(f"{name}={settings[name]!r} for every run and the {name} axis {values} are both "
+                             f"given; list every value in the axis (--{name.replace('_', '-')} "
+                             f"{','.join(map(str, values))})")
+    return axes
 
 
 def _execute(jobs_plan: dict[str, Any], fresh: bool, jobs: int | None, isolate: bool, threads: int | None,
@@ -213,7 +245,7 @@ def _figures(job: dict[str, Any], warm_errors: dict[Path, str], errors: dict[Pat
             run["failed_job"] = str(folder)
         else:
             run.update(wall_s=record.get("wall_s"), peak_rss_mib=record.get("peak_rss_mib"), **figures,
-                       reward_change=figures["reward"] - figures["reward_start"])
+                       reward_change=figures["reward"] - figures["reward_start"], train_s=figures["elapsed_s"][-1])
     return run
 
 
@@ -236,19 +268,32 @@ def failure_summary(runs: Sequence[dict[str, Any]]) -> str | None:
             "rerun the same command to retry only these")
 
 
-def setup_line(jobs_plan: dict[str, Any], env_list: Sequence[str], seeds: Sequence[int], wall_s: float) -> str:
-    """The report's set-up sentence: agents, seeds, environments with iterations, budget, wall clock."""
+def setup_line(jobs_plan: dict[str, Any], env_list: Sequence[str], seeds: Sequence[int], wall_s: float,
+               axes: dict[str, list[Any]] | None = None) -> str:
+    """The report's set-up sentence: agents (or arms and their axes), seeds, environments with
+    iterations, budget, wall clock."""
     runs, token_budget = jobs_plan["runs"], jobs_plan["token_budget"]
     c = runs[0]["config"]
     per_env = ", ".join(f"`{env}` {next(r['config'].iterations for r in runs if r['env'] == env)} iterations"
                         for env in env_list)
     agents = list(dict.fromkeys(r["agent"] for r in runs))
-    return (f"{len(agents)} agents x {len(env_list)} environments x {len(seeds)} seeds (seeds {list(seeds)}); "
+    compared = f"{len(agents)} agents"
+    if axes:
+        specs = list(dict.fromkeys(r["config"].agent for r in runs))
+        crossed = "".join(f" x {name} {values}" for name, values in axes.items())
+        compared = f"{len(agents)} arms ({len(specs)} agents{crossed}, labelled {_label_scheme(axes)})"
+    return (f"{compared} x {len(env_list)} environments x {len(seeds)} seeds (seeds {list(seeds)}); "
             f"each iteration {c.rollout_batch_size} episodes ({c.prompts_per_iteration} prompts x "
             f"{c.n_samples_per_prompt}) of at most {c.max_new_tokens} tokens a turn; {per_env} ("
             + (f"a budget of {token_budget} generated tokens per run at most-length episodes" if token_budget
                else "iterations as set") + f"); {c.eval_size} held-out prompts; "
             f"wall clock {wall_s / 60:.1f} min ({_run_minutes(jobs_plan)} of runs and warm-ups, one core each).")
+
+
+def _label_scheme(axes: dict[str, list[Any]]) -> str:
+    """How the arms of ``axes`` are named, e.g. ``AGENT@K<max_staleness>+<rollout_correction>``."""
+    return "`AGENT" + ("@K<max_staleness>" if "max_staleness" in axes else "") + (
+        "+<rollout_correction>" if "rollout_correction" in axes else "") + "`"
 
 
 def _run_minutes(jobs_plan: dict[str, Any]) -> str:
@@ -262,22 +307,25 @@ def _run_minutes(jobs_plan: dict[str, Any]) -> str:
     return f"{total / 60:.1f} min"
 
 
-def _report(runs: list[dict[str, Any]], names: Sequence[str], env_list: Sequence[str],
+def _report(runs: list[dict[str, Any]], arms: Sequence[Arm], env_list: Sequence[str],
             env_info: dict[str, dict[str, Any]], seeds: Sequence[int], jobs_plan: dict[str, Any],
-            skipped: dict[str, str], output_dir: Path, reps: int, elapsed: float, log: Any) -> dict[str, Any]:
-    """Normalise, compare, write ``report.md``, the plots and ``results.json``."""
-    agents = [run_label(a) for a in names]
-    normalised = bench_report.normalised_scores(runs, agents, env_list, seeds,
+            skipped: dict[str, str], output_dir: Path, reps: int, elapsed: float, log: Any,
+            axes: dict[str, list[Any]] | None = None) -> dict[str, Any]:
+    """Normalise, compare (arms as agents), write ``report.md``, the plots and ``results.json``."""
+    labels = [arm.label for arm in arms]
+    normalised = bench_report.normalised_scores(runs, labels, env_list, seeds,
                                                 {e: i["max_reward"] for e, i in env_info.items()})
     report = bench_report.compare_scores(normalised, reps=reps)
     plots = bench_report.write_plots(runs, env_list, report, output_dir)
-    text = bench_report.markdown(setup_line(jobs_plan, env_list, seeds, elapsed), runs, env_list, normalised,
-                                 report, skipped, [p.name for p in plots])
+    wall_clock = bench_report.wall_clock_table(runs, labels, _baselines(arms, axes)) if axes else None
+    text = bench_report.markdown(setup_line(jobs_plan, env_list, seeds, elapsed, axes), runs, env_list, normalised,
+                                 report, skipped, [p.name for p in plots], wall_clock=wall_clock)
     (output_dir / "report.md").write_text(text)
     files = [output_dir / "report.md", *plots, output_dir / "results.json"]
+    columns = bench_report.ARM_COLUMNS if axes else bench_report.COLUMNS
     result = {
-        "agents": [{"agent": run_label(spec), "spec": spec} for spec in names],
-        "tables": {env: bench_report.aggregate([r for r in runs if r["env"] == env]) for env in env_list},
+        "agents": [{"agent": arm.label, "spec": arm.agent, **arm.overrides()} for arm in arms],
+        "tables": {env: bench_report.aggregate([r for r in runs if r["env"] == env], columns) for env in env_list},
         "runs": runs, "report": report, "skipped": skipped, "markdown": text, "wall_s": elapsed,
         "normalisation": {"envs": normalised["envs"], "highs": normalised["highs"], "notes": normalised["notes"],
                           "seeds": normalised["seeds"]},
@@ -291,10 +339,21 @@ def _report(runs: list[dict[str, Any]], names: Sequence[str], env_list: Sequence
     return result
 
 
+def _baselines(arms: Sequence[Arm], axes: dict[str, list[Any]]) -> dict[str, str | None] | None:
+    """With the staleness axis, ``{arm: the arm of the same agent and correction at K=0, or None
+    when K=0 is not compared}`` (what its speed-up is against); None without that axis."""
+    if "max_staleness" not in axes:
+        return None
+    labels = {arm.label for arm in arms}
+    synchronous = {arm.label: Arm(arm.agent, 0, arm.rollout_correction).label for arm in arms}
+    return {label: base if base in labels else None for label, base in synchronous.items()}
+
+
 # -- command line --------------------------------------------------------------------------------
 
 
 def _seeds(text: str) -> list[int]:
+    """The integers of a comma-separated option (``--seeds``, ``--max-staleness``)."""
     try:
         return [int(x) for x in comma_list(text)]
     except ValueError:
@@ -332,6 +391,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     add_config_arguments(parser)
     _bench_defaults_in_help(parser)
+    _axes_options(parser)
+
+
+AXIS_HELP = {
+    "max_staleness": ("K,K", _seeds,
+                      "comma-separated max_staleness values to compare (0: synchronous): each an arm of "
+                      "every agent, labelled AGENT@K<k> (grpo@K1), its runs in runs/<env>/AGENT@K<k>/ "
+                      "(default: 0; no axis, every run synchronous and labelled by its agent)"),
+    "rollout_correction": ("KIND,KIND", comma_list,
+                           "comma-separated rollout corrections to compare (none, tis, mis, geo_mean, icepop): "
+                           "each an arm of every agent, labelled AGENT+KIND (grpo+tis; with --max-staleness "
+                           "grpo@K1+tis); an arm its agent cannot run is refused, or skipped with --agents all "
+                           "(default: 'none'; no axis, every run uncorrected and labelled by its agent)"),
+}
+"""The ``textrl train`` options that ``textrl bench`` makes axes: metavar, type, help."""
+
+
+def _axes_options(parser: argparse.ArgumentParser) -> None:
+    """``--max-staleness`` and ``--rollout-correction`` take comma lists: the arms' axes
+    (:data:`AXIS_HELP`) instead of one value for every run."""
+    for action in parser._actions:
+        if action.dest in AXIS_HELP:
+            action.metavar, action.type, action.help = AXIS_HELP[action.dest]
 
 
 def _bench_defaults_in_help(parser: argparse.ArgumentParser) -> None:
@@ -369,16 +451,18 @@ def run(args: argparse.Namespace) -> int:
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
     output_dir = overrides.pop("output_dir", BENCH_OUTPUT_DIR)
     overrides.pop("progress", None)
+    staleness, corrections = (overrides.pop(name, None) for name in AXES)
     try:
         for name in ("agent", "seed"):
             if name in overrides:
                 raise ValueError(f"--{name} is set per run by the comparison; use --{name}s")
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs {args.jobs}: give at least 1")
-        result = compare_agents(args.agents, args.seeds, output_dir, envs=args.envs,
-                                token_budget=args.token_budget, jobs=args.jobs, isolate=not args.in_process,
-                                threads=args.threads or None, warm_start_policy=not args.no_warm_start,
-                                fresh=args.fresh, reps=args.reps, **overrides)
+        result = compare_agents(args.agents, args.seeds, output_dir, envs=args.envs, staleness=staleness,
+                                corrections=corrections, token_budget=args.token_budget, jobs=args.jobs,
+                                isolate=not args.in_process, threads=args.threads or None,
+                                warm_start_policy=not args.no_warm_start, fresh=args.fresh, reps=args.reps,
+                                **overrides)
     except ValueError as err:
         print(f"textrl bench: {err}", file=sys.stderr)
         return 2

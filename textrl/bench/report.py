@@ -167,10 +167,17 @@ COLUMNS = (
     ("tokens", "tokens generated", ".0f"),
 )
 """(key, column title, format of mean and std) of the raw table."""
+WALL_COLUMN = ("train_s", "training s", ".2f")
+"""The raw table's column of a run's training seconds (the sum of its iterations'
+``time/iteration_s``), shown when arms cross the agents with ``max_staleness`` or
+``rollout_correction`` (:data:`ARM_COLUMNS`), so each arm's wall clock can be read off."""
+ARM_COLUMNS = (*COLUMNS[:7], WALL_COLUMN, *COLUMNS[7:])
+"""The raw table's columns for arms: :data:`COLUMNS` with :data:`WALL_COLUMN` after the speeds."""
 
 
-def aggregate(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per agent (in run order): ``{"agent", "seeds", "errors", key: (mean, std) for COLUMNS}``."""
+def aggregate(runs: Sequence[dict[str, Any]],
+              columns: Sequence[tuple[str, str, str]] = COLUMNS) -> list[dict[str, Any]]:
+    """Per agent or arm (in run order): ``{"agent", "seeds", "errors", key: (mean, std) for columns}``."""
     out: dict[str, dict[str, Any]] = {}
     for run in runs:
         row = out.setdefault(run["agent"], {"agent": run["agent"], "runs": [], "errors": []})
@@ -178,7 +185,7 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in out.values():
         good = row.pop("runs")
         row["seeds"] = len(good)
-        for key, _, _ in COLUMNS:
+        for key, _, _ in columns:
             row[key] = mean_std([r.get(key, math.nan) for r in good])
         row["errors"] = [f"seed {r['seed']}: {r['error']}" for r in row["errors"]]
     return list(out.values())
@@ -189,22 +196,54 @@ def _cell(value: tuple[float, float], spec: str) -> str:
     return "-" if math.isnan(mean) else f"{mean:{spec}} ± {std:{spec.lstrip('+')}}"
 
 
-def markdown_table(rows: list[dict[str, Any]], skipped: Mapping[str, str] | None = None) -> str:
-    """The raw table (mean ± std over seeds), a row per agent; failed and skipped agents noted."""
-    head = ["agent", "seeds", *(title for _, title, _ in COLUMNS)]
+def markdown_table(rows: list[dict[str, Any]], skipped: Mapping[str, str] | None = None,
+                   columns: Sequence[tuple[str, str, str]] = COLUMNS, name: str = "agent") -> str:
+    """The raw table (mean ± std over seeds), a row per agent (or arm: ``name``); failed and
+    skipped ones noted."""
+    head = [name, "seeds", *(title for _, title, _ in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        cells = [f"`{row['agent']}`", str(row["seeds"])] + [_cell(row[key], spec) for key, _, spec in COLUMNS]
+        cells = [f"`{row['agent']}`", str(row["seeds"])] + [_cell(row[key], spec) for key, _, spec in columns]
         lines.append("| " + " | ".join(cells) + " |")
     notes = [f"- `{row['agent']}` failed: {err}" for row in rows for err in row["errors"]]
     notes += [f"- `{name}` skipped: {why}" for name, why in (skipped or {}).items()]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
+def wall_clock_table(runs: Sequence[dict[str, Any]], arms: Sequence[str],
+                     baselines: Mapping[str, str | None] | None = None) -> str:
+    """Per arm: its finished runs and their training seconds (``train_s``: the sum of the
+    iterations' ``time/iteration_s``), mean ± std over every environment and seed; with
+    ``baselines`` ({arm: the arm it is timed against, or None}) a speed-up column: the baseline's
+    seconds over the arm's, summed over the (env, seed) pairs both finished (``2.00x``: it took
+    half the time; ``-`` without a baseline or a common finished pair)."""
+    finished = {(r["agent"], r["env"], r["seed"]): r["train_s"] for r in runs
+                if not r["error"] and isinstance(r.get("train_s"), (int, float)) and math.isfinite(r["train_s"])}
+    head = ["arm", "runs", "training s", *(["speed-up"] if baselines is not None else [])]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm in arms:
+        own = {(e, s): v for (a, e, s), v in finished.items() if a == arm}
+        cells = [f"`{arm}`", str(len(own)), _cell(mean_std(list(own.values())), WALL_COLUMN[2])]
+        if baselines is not None:
+            cells.append(_speed_up(own, {(e, s): v for (a, e, s), v in finished.items() if a == baselines.get(arm)}))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _speed_up(own: Mapping[tuple[str, int], float], base: Mapping[tuple[str, int], float]) -> str:
+    """``base``'s seconds over ``own``'s on their common (env, seed) pairs, e.g. ``"1.52x"``; ``"-"`` when none."""
+    pairs = sorted(set(own) & set(base))
+    spent = sum(own[p] for p in pairs)
+    return f"{sum(base[p] for p in pairs) / spent:.2f}x" if pairs and spent > 0 else "-"
+
+
 def markdown(setup: str, runs: Sequence[dict[str, Any]], envs: Sequence[str], normalised: dict[str, Any],
              report: dict[str, Any] | None, skipped: Mapping[str, str] | None = None,
-             plots: Sequence[str] = ()) -> str:
-    """``report.md``: set-up line, verdicts in words, the statistics, notes, raw tables per env."""
+             plots: Sequence[str] = (), wall_clock: str | None = None) -> str:
+    """``report.md``: set-up line, verdicts in words, the statistics, notes, raw tables per env.
+    With arms (``wall_clock``: :func:`wall_clock_table`'s table), the wall clock per arm before
+    the raw tables, whose rows are arms with :data:`ARM_COLUMNS`."""
+    columns, name = (COLUMNS, "agent") if wall_clock is None else (ARM_COLUMNS, "arm")
     parts = ["# textrl bench", "", setup, ""]
     if report is not None:
         parts += ["## Which differences are significant", "", *significance_summary(report), "",
@@ -215,11 +254,17 @@ def markdown(setup: str, runs: Sequence[dict[str, Any]], envs: Sequence[str], no
     parts += ["Normalised score = (final held-out reward - start) / (high - start), where start is the "
               f"(env, seed)'s shared warmed-up policy and high: {highs}.", ""]
     parts += [f"- {note}" for note in normalised["notes"]] + ([""] if normalised["notes"] else [])
+    if wall_clock is not None:
+        parts += ["## Wall clock per arm", "", "Training seconds of a run: the sum of its iterations' "
+                  "`time/iteration_s` (loading and the held-out evaluations before and after are not in it).", "",
+                  wall_clock]
     for env in envs:
         env_runs = [r for r in runs if r["env"] == env]
-        parts += [f"## Raw results on `{env}` (mean ± std over seeds)", "", markdown_table(aggregate(env_runs))]
+        parts += [f"## Raw results on `{env}` (mean ± std over seeds)", "",
+                  markdown_table(aggregate(env_runs, columns), columns=columns, name=name)]
     if skipped:
-        parts += ["Skipped agents:", ""] + [f"- `{n}`: {why}" for n, why in skipped.items()] + [""]
+        what = "agents" if wall_clock is None else "agents and arms"
+        parts += [f"Skipped {what}:", ""] + [f"- `{n}`: {why}" for n, why in skipped.items()] + [""]
     if plots:
         parts += ["Plots: " + ", ".join(f"`{p}`" for p in plots), ""]
     return "\n".join(parts)
@@ -362,7 +407,7 @@ def write_plots(runs: Sequence[dict[str, Any]], envs: Sequence[str], report: dic
     return paths
 
 
-__all__ = ["AGGREGATE_TITLES", "COLUMNS", "aggregate", "compare_scores", "interval_figure", "interval_layout",
-           "markdown", "markdown_table", "mean_std", "normalised_score", "normalised_scores", "plot_intervals",
-           "plot_learning_curves", "plot_profiles", "profile_figure", "profile_taus", "reference_highs",
-           "significance_summary", "write_plots"]
+__all__ = ["AGGREGATE_TITLES", "ARM_COLUMNS", "COLUMNS", "WALL_COLUMN", "aggregate", "compare_scores",
+           "interval_figure", "interval_layout", "markdown", "markdown_table", "mean_std", "normalised_score",
+           "normalised_scores", "plot_intervals", "plot_learning_curves", "plot_profiles", "profile_figure",
+           "profile_taus", "reference_highs", "significance_summary", "wall_clock_table", "write_plots"]
