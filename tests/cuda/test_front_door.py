@@ -7,7 +7,7 @@ through ``textrl.cli.main`` (argument parsing, config validation, ``train``, the
 process, the console script and the benchmark scripts as subprocesses.
 
 Covered: ``textrl train`` for every registered agent, a multi-turn environment, a LoRA policy on
-a 4-bit base, a resume, ``sft`` / ``rm`` / ``dpo`` (and a LoRA stage on a 4-bit base),
+a 4-bit base, a resume, an asynchronous run (``--max-staleness``) and its resume, ``sft`` / ``rm`` / ``dpo`` (and a LoRA stage on a 4-bit base),
 ``pipeline``, ``bench``, the benchmark scripts that compute with models (the others,
 ``bench_env``, ``bench_functional``, ``bench_prompts``, ``fault_catalogue`` and
 ``code_shape``, time Python, tokenisation or the CPU functions and take no device), the
@@ -121,6 +121,25 @@ def test_a_resumed_run_continues_as_the_uninterrupted_one(tmp_path, run_device):
     textrl("train", "--config", cut / "config.yaml", "--resume", "--iterations", "4")
     a, b = check_run(whole, run_device, 4), check_run(cut, run_device, 4)
     for x, y in zip(a, b):  # float atomics in some CUDA backward kernels: equal up to rounding
+        assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-6)
+        assert x["loss/policy"] == pytest.approx(y["loss/policy"], rel=1e-3, abs=1e-4)
+
+
+@pytest.mark.parametrize("options", [["--env", "digits"], ["--env", "guess_number", "--partial-rollouts", "continue"]],
+                         ids=["digits", "guess_number-partial"])
+def test_an_asynchronous_run_is_k_behind_and_resumes_as_the_uninterrupted_one(tmp_path, run_device, options):
+    """--max-staleness 2 on the device: the actor's thread draws rollout n with the weights of iteration
+    max(0, n - 2) while the learner updates (docs/async.md); a resume continues it."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    common = ["--device", run_device, "--agent", "gae_ppo", "--checkpoint-every", "2", "--max-staleness", "2",
+              *SMALL, *options]
+    textrl("train", "--iterations", "4", "--output-dir", whole, *common)
+    textrl("train", "--iterations", "2", "--output-dir", cut, *common)
+    textrl("train", "--config", cut / "config.yaml", "--resume", "--iterations", "4")
+    a, b = check_run(whole, run_device, 4), check_run(cut, run_device, 4)
+    assert a[0]["rollout/staleness"] == 0.0 and a[3]["rollout/staleness_max"] == 2.0
+    for x, y in zip(a, b):  # float atomics in some CUDA backward kernels: equal up to rounding
+        assert x["rollout/staleness"] == y["rollout/staleness"]
         assert x["reward/mean"] == pytest.approx(y["reward/mean"], abs=1e-6)
         assert x["loss/policy"] == pytest.approx(y["loss/policy"], rel=1e-3, abs=1e-4)
 
