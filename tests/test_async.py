@@ -10,10 +10,6 @@ import torch
 from textrl.cli import main
 from tests.runs import SMALL, checkpoint_tensors, metrics
 
-SAME = ("reward/mean", "loss/policy", "loss/value", "kl/collection", "rollout/staleness", "rollout/policy_lag",
-        "rollout/logprob_gap", "entropy")
-
-
 def _train(out, *args, iterations=3, resume=False):
     extra = ["--resume"] if resume else []
     assert main(["train", *SMALL, "--iterations", str(iterations), "--output-dir", str(out), *args, *extra]) == 0
@@ -48,10 +44,10 @@ def test_resume_reproduces_an_uninterrupted_asynchronous_run(tmp_path, options):
     _train(part, *options, iterations=2)
     b = _train(part, *options, iterations=4, resume=True)
     assert [r["iteration"] for r in b] == [1, 2, 3, 4]
-    for ra, rb in zip(a, b, strict=True):
-        for key in SAME:
-            if key in ra:
-                assert ra[key] == pytest.approx(rb[key], abs=1e-6), (ra["iteration"], key)
+    # every training metric (the short run's last iteration evaluated, a NaN is equal to itself)
+    trained = lambda row: {k: str(v) for k, v in row.items()  # noqa: E731
+                           if not k.startswith(("time/", "memory/", "eval/")) and k != "tokens_per_second"}
+    assert [trained(r) for r in a] == [trained(r) for r in b]
     last = sorted((full / "checkpoints").iterdir())[-1].name
     sa, sb = checkpoint_tensors(full / "checkpoints" / last), checkpoint_tensors(part / "checkpoints" / last)
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

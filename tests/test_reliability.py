@@ -42,13 +42,15 @@ def _cli(*args):
 
 
 @pytest.mark.slow
-def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("options", [[], ["--max-staleness", "2"]], ids=["sync", "async-k2"])
+def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path, options):
+    """With --max-staleness the checkpoint holds the actor's rollouts drawn ahead (docs/async.md)."""
     full, part = tmp_path / "full", tmp_path / "part"
     # one thread: two OpenMP threads on a busy 2-core machine make each run many times slower
     env = {**os.environ, "TEXTRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    subprocess.run(_cli("--output-dir", str(full)), env=env, check=True, capture_output=True)
+    subprocess.run(_cli("--output-dir", str(full), *options), env=env, check=True, capture_output=True)
 
-    proc = subprocess.Popen(_cli("--output-dir", str(part)), env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_cli("--output-dir", str(part), *options), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not ((part / "metrics.jsonl").exists() and (part / "metrics.jsonl").read_text().strip()):
@@ -63,7 +65,7 @@ def test_sigterm_then_resume_matches_an_uninterrupted_run(tmp_path):
     assert f"--config {part / 'config.yaml'} --resume" in err
     assert latest_checkpoint(part).name == f"iter_{stopped_at:06d}"
 
-    subprocess.run(_cli("--output-dir", str(part), "--resume"), env=env, check=True, capture_output=True)
+    subprocess.run(_cli("--output-dir", str(part), "--resume", *options), env=env, check=True, capture_output=True)
     untimed = lambda row: {k: v for k, v in row.items() if not k.startswith(("time/", "memory/")) and k != "tokens_per_second"}  # noqa: E731
     assert [untimed(r) for r in _metrics(part)] == [untimed(r) for r in _metrics(full)]
     a, b = _state(latest_checkpoint(full)), _state(latest_checkpoint(part))
