@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from textrl.cli import main
 from tests.runs import SMALL, checkpoint_tensors, metrics
+from textrl.cli import main
+
 
 def _train(out, *args, iterations=3, resume=False):
     extra = ["--resume"] if resume else []

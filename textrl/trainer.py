@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
+from textrl.checks import check_rollout
 from textrl.config import TrainConfig, config_values, config_yaml, save_config
 from textrl.distributed import Distributed
 from textrl.keys import KEYS
 from textrl.parallel import Backend, setup_backend
-from textrl.checks import check_rollout
 from textrl.rollout import collect
 from textrl.run import (
     SETTINGS_FILE,

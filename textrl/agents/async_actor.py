@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+
 def behaviour_iteration(n: int, max_staleness: int) -> int:
     """The learner iteration whose weights draw rollout ``n``: ``max(0, n - K)``."""
     return max(0, int(n) - int(max_staleness))
