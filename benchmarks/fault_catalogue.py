@@ -245,9 +245,9 @@ def two_runs(trial: Trial, base: Path) -> None:
           kept=first.returncode == 0 and run_folder_sound(out, 60), expect="is in use by process")
 
 
-def _kill_during_run(trial: Trial, name: str, sig: int) -> None:
+def _kill_during_run(trial: Trial, name: str, sig: int, extra: tuple[str, ...] = ()) -> None:
     out = trial.folder(name)
-    args = [sys.executable, "-m", "textrl.cli", "train", *SMALL, "--iterations", "4", "--checkpoint-every", "1",
+    args = [sys.executable, "-m", "textrl.cli", "train", *SMALL, *extra, "--iterations", "4", "--checkpoint-every", "1",
             "--output-dir", str(out)]
     proc = subprocess.Popen(args, env=trial.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -257,7 +257,7 @@ def _kill_during_run(trial: Trial, name: str, sig: int) -> None:
         time.sleep(0.02)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=300)
-    resumed = trial.textrl("train", *SMALL, "--iterations", "4", "--checkpoint-every", "1", "--resume",
+    resumed = trial.textrl("train", *SMALL, *extra, "--iterations", "4", "--checkpoint-every", "1", "--resume",
                            "--output-dir", str(out))
     expect = "Resume with: textrl train --config" if sig == signal.SIGTERM else ""
     stopped = subprocess.CompletedProcess(args, proc.returncode, "", err)
@@ -270,6 +270,17 @@ def _kill_during_run(trial: Trial, name: str, sig: int) -> None:
 def signals(trial: Trial, base: Path) -> None:
     _kill_during_run(trial, "SIGTERM, then --resume", signal.SIGTERM)
     _kill_during_run(trial, "kill -9, then --resume", signal.SIGKILL)
+
+
+ASYNC = ("--max-staleness", "2")
+"""An asynchronous run: its checkpoints hold the rollouts drawn ahead (docs/async.md)."""
+
+
+@case("asynchronous runs")
+def asynchronous(trial: Trial, base: Path) -> None:
+    _kill_during_run(trial, "--max-staleness 2: SIGTERM, then --resume", signal.SIGTERM, ASYNC)
+    _kill_during_run(trial, "--max-staleness 2: kill -9, then --resume", signal.SIGKILL, ASYNC)
+    _disk_full(trial, "--max-staleness 2: disk full during a checkpoint, then --resume", ASYNC)
 
 
 @case("damaged run folders")
@@ -315,17 +326,21 @@ def read_only(trial: Trial, base: Path) -> None:
 
 @case("disk full")
 def disk_full(trial: Trial, base: Path) -> None:
+    _disk_full(trial, "disk full during a checkpoint, then --resume")
+
+
+def _disk_full(trial: Trial, name: str, extra: tuple[str, ...] = ()) -> None:
     """A real full disk: the run folder on an 8 MiB tmpfs (needs root and mount), then enlarged
     and resumed."""
-    mount = trial.root / "small_disk"
+    mount = trial.root / ("small_disk" + "_async" * bool(extra))
     mount.mkdir(exist_ok=True)
     if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
                                            capture_output=True).returncode != 0:
-        trial.outcomes.append(Outcome("disk full during a checkpoint", 0, [], False, True, True, "skipped: no mount"))
+        trial.outcomes.append(Outcome(name, 0, [], False, True, True, "skipped: no mount"))
         return
     try:
         out = mount / "run"
-        flags = [*SMALL, "--iterations", "6", "--checkpoint-every", "1", "--keep-checkpoints", "3",
+        flags = [*SMALL, *extra, "--iterations", "6", "--checkpoint-every", "1", "--keep-checkpoints", "3",
                  "--output-dir", str(out)]
         full = trial.textrl("train", *flags)
         from textrl.run import latest_checkpoint
@@ -334,7 +349,7 @@ def disk_full(trial: Trial, base: Path) -> None:
         subprocess.run(["mount", "-o", "remount,size=256m", str(mount)], check=True)
         resumed = trial.textrl("train", *flags, "--resume")
         kept = intact is not None and resumed.returncode == 0 and run_folder_sound(out, 6)
-        judge(trial, "disk full during a checkpoint, then --resume", full, refused=True, kept=kept,
+        judge(trial, name, full, refused=True, kept=kept,
               expect="is intact", note=f"resume rc={resumed.returncode}")
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
