@@ -1,0 +1,74 @@
+"""The rollout corrections and the bypass objective on rollouts drawn with stale weights (what
+``--max-staleness K`` hands the learner, docs/async.md): hypothesis draws how far the learner's
+weights moved since the engine drew the tokens (a lag of several updates, a gap of their size), the
+correction and its bounds; the weights the learner writes are ``mismatch_weights`` of its own
+log-probs now against the stale engine's, and ``old_logprobs='engine'`` makes the stale log-probs the
+ratio's denominator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.agents.test_zoo_agents import hand_rollout, uneven_responses, zoo_agent
+from textrl.agents.learner import bypass_recompute
+from textrl.functional import mismatch_weights
+from textrl.keys import KEYS
+
+BOUNDS = {"tis": ("cap", st.floats(1.05, 4.0)), "icepop": ("upper", st.floats(1.05, 6.0)),
+          "mis": ("upper", st.floats(1.05, 4.0)), "geo_mean": ("upper", st.floats(1.0005, 1.2))}
+
+
+def stale_rollout(agent, tok, lag: int, scale: float):
+    """The hand rollout with the engine's log-probs of the agent's weights now, then the policy moved
+    by ``lag`` perturbations of ``scale`` (the updates since): ``(rollout, stale log-probs [B, T])``."""
+    raw = hand_rollout(tok, uneven_responses(tok.eos_token_id))
+    with torch.no_grad():
+        stale = agent.evaluate(raw.clone()).get(KEYS.action_log_prob)
+        mask = raw.get(KEYS.mask)
+        raw.set(KEYS.generation_log_prob, torch.where(mask, stale, 0.0))
+        gen = torch.Generator().manual_seed(lag)
+        for _ in range(lag):
+            for p in agent.policy.parameters():
+                p.add_(scale * torch.randn(p.shape, generator=gen))
+    return raw, stale
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(sorted(BOUNDS)), lag=st.integers(0, 4), scale=st.sampled_from([1e-3, 1e-2, 5e-2]),
+       data=st.data())
+def test_a_correction_weighs_a_stale_rollout_by_the_learners_log_probs_now_against_the_engines(tok, kind, lag, scale, data):
+    name, bounds = BOUNDS[kind]
+    value = data.draw(bounds)
+    agent = zoo_agent(tok, "grpo", rollout_correction=kind, rollout_correction_upper=value)
+    raw, stale = stale_rollout(agent, tok, lag, scale)
+    td = agent.process_rollout(raw)
+    mask = td.get(KEYS.mask)
+    now = td.get(KEYS.action_log_prob)
+    assert torch.equal(td.get(KEYS.correction_weight), mismatch_weights(kind, now, td.get(KEYS.generation_log_prob),
+                                                                        mask, **{name: value}))
+    if lag == 0:
+        assert torch.allclose(now[mask], stale[mask], atol=1e-6)
+    else:
+        assert not torch.allclose(now[mask], stale[mask], atol=1e-6)  # the lag shows as a gap
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(lag=st.integers(1, 4))
+def test_the_bypass_objective_takes_the_stale_engines_log_probs_as_the_old_policys(tok, lag):
+    agent = zoo_agent(tok, "grpo", old_logprobs="engine")
+    raw, stale = stale_rollout(agent, tok, lag, 1e-2)
+    td = agent.process_rollout(raw)
+    mask = td.get(KEYS.mask)
+    assert torch.equal(td.get(KEYS.action_log_prob)[mask], stale[mask])
+    proximal = td.get(KEYS.proximal_log_prob)  # the learner's own, kept for the gap metrics
+    assert not torch.allclose(proximal[mask], stale[mask], atol=1e-6)
+    metrics = agent.update(td)
+    assert metrics["rollout/logprob_gap"] > 0.0
+
+
+def test_the_bypass_refuses_a_rollout_without_the_engines_log_probs(tok):
+    with pytest.raises(ValueError, match="old_logprobs='engine'"):
+        bypass_recompute(hand_rollout(tok, uneven_responses(tok.eos_token_id)))
