@@ -247,7 +247,7 @@ def markdown(setup: str, runs: Sequence[dict[str, Any]], envs: Sequence[str], no
     parts = ["# textrl bench", "", setup, ""]
     if report is not None:
         parts += ["## Which differences are significant", "", *significance_summary(report), "",
-                  stats.markdown_report(report)]
+                  stats.markdown_report(report, label=name)]
     else:
         parts += ["No statistics: no environment or agent has a finished run with a gap to close.", ""]
     highs = "; ".join(f"`{e}`: {h:.3f} ({src})" for e, (h, src) in normalised["highs"].items())

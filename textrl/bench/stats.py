@@ -415,8 +415,9 @@ def _sentence(pair: dict[str, Any], level: str) -> str:
     return f"- `{winner}` scores higher than `{loser}` ({figures}; {pair['reason']} at {level})."
 
 
-def markdown_report(report: dict[str, Any]) -> str:
-    """The :func:`compare` report as Markdown: aggregates, per-task scores, pairwise verdicts."""
+def markdown_report(report: dict[str, Any], label: str = "agent") -> str:
+    """The :func:`compare` report as Markdown: aggregates, per-task scores, pairwise verdicts; ``label``
+    names what is compared in the tables' first column (``"arm"`` for agents crossed with settings)."""
     level = f"{round(100 * report['confidence'])}%"
     agents, tasks = report["agents"], report["tasks"]
     lines = [
@@ -427,14 +428,14 @@ def markdown_report(report: dict[str, Any]) -> str:
         "50% of all runs x tasks; mean and median: over tasks of the per-task mean; optimality gap: "
         f"shortfall from {report['threshold']:g} (lower is better).",
         "",
-        "| agent | runs | IQM | mean | median | optimality gap |",
+        f"| {label} | runs | IQM | mean | median | optimality gap |",
         "|---|---|---|---|---|---|",
     ]
     for name in agents:
         stats = report["aggregates"][name]
         cells = " | ".join(_cell(stats[key]) for key in AGGREGATES)
         lines.append(f"| `{name}` | {report['runs'][name]} | {cells} |")
-    lines += ["", "Per task (mean over runs):", "", "| agent | " + " | ".join(f"`{t}`" for t in tasks) + " |",
+    lines += ["", "Per task (mean over runs):", "", f"| {label} | " + " | ".join(f"`{t}`" for t in tasks) + " |",
               "|---|" + "---|" * len(tasks)]
     for name in agents:
         lines.append(f"| `{name}` | " + " | ".join(_cell(report["per_task"][name][t]) for t in tasks) + " |")
