@@ -116,7 +116,8 @@ def run_epochs(learner: Learner, td: TensorDictBase, forward: RolloutForward | N
     mask = loss_mask(td)  # [B, T]
     for _ in range(cfg.ppo_epochs):
         tally.epochs_run += 1
-        order = torch.randperm(td.shape[0], device=td.device, generator=learner.generator)
+        private = {} if learner.generator is None else {"generator": learner.generator}  # max_staleness > 0
+        order = torch.randperm(td.shape[0], device=td.device, **private)
         for idx in order.tensor_split(cfg.num_minibatches):  # [b] rows of one minibatch
             if idx.numel() == 0:
                 continue
