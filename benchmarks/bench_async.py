@@ -5,8 +5,8 @@ much of generation the actor's thread actually hides behind the learner's update
     python benchmarks/bench_async.py --hidden 256 --intermediate 1024 --layers 4   # a larger policy
     python benchmarks/bench_async.py --device cuda --hidden 768 --intermediate 3072 --layers 12 --heads 12
 
-Each K trains the embedded default's task (``digits``, the default agent and batch; no warm-up, no
-evaluation) for ``--iterations`` in this process, the runs of the K's interleaved ``--repeats`` times
+Each K trains the embedded default's task (``digits``, or ``--env``; the default agent and batch; no
+warm-up, no evaluation) for ``--iterations`` in this process, the runs of the K's interleaved ``--repeats`` times
 (so a loaded machine slows each alike); a run's first ``--skip`` iterations are left out. Per K it
 prints the median seconds per iteration, ``speedup`` (K=0's median over this K's), the actor's
 seconds per rollout (``generation`` + ``reward``, in its thread), the learner's (``forward`` +
@@ -46,7 +46,7 @@ def run(k: int, root: Path, args: argparse.Namespace, model: str | None) -> list
 
     out = root / f"k{k}-{len(list(root.iterdir()))}"
     extra = {"model": model, "tokenizer": model} if model else {}
-    config = TrainConfig(output_dir=str(out), iterations=args.iterations, max_staleness=k, warmup_sft_steps=0,
+    config = TrainConfig(output_dir=str(out), iterations=args.iterations, max_staleness=k, warmup_sft_steps=0, env=args.env,
                          eval_every=0, eval_size=8, progress=False, device=args.device, seed=0, **extra)
     train(config)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--env", default="digits", help="the environment (guess_number: multi-turn)")
     parser.add_argument("--hidden", type=int, default=None, help="a Llama of these sizes instead of the tiny default")
     parser.add_argument("--intermediate", type=int, default=None)
     parser.add_argument("--layers", type=int, default=2)
@@ -99,7 +100,7 @@ def main() -> None:
         r["speedup"] = base / r["seconds_per_iteration"]
         print(f"{k:>3} {r['seconds_per_iteration']:8.3f} {r['speedup']:8.2f} {r['actor_s']:8.3f} "
               f"{r['learner_s']:9.3f} {r['wait_s']:7.3f} {r['hidden']:7.2f}")
-    print(json.dumps({"threads": torch.get_num_threads(), "hidden": args.hidden or "tiny",
+    print(json.dumps({"threads": torch.get_num_threads(), "hidden": args.hidden or "tiny", "env": args.env,
                       **{f"k{k}/{name}": round(v, 4) for k, r in result.items() for name, v in r.items()}}))
 
 
