@@ -227,3 +227,17 @@ def test_a_grouped_run_that_succeeded_ends_its_process_without_the_interpreters_
         result = subprocess.run([sys.executable, "-c", script.format(hard)], capture_output=True, text=True, timeout=120)
         assert result.returncode == 3 and result.stdout.startswith("ran")  # the unflushed output kept
         assert ("teardown ran" in result.stdout) is teardown
+
+
+def test_version_and_python_dash_m_are_the_command(capsys):
+    import subprocess
+    import sys
+
+    from textrl import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"textrl {__version__}"
+    run = subprocess.run([sys.executable, "-m", "textrl", "--version"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == f"textrl {__version__}", run.stderr
+

@@ -221,8 +221,11 @@ def _list_agents_in_help(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from textrl import __version__
+
     parser = argparse.ArgumentParser(prog="textrl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"textrl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     from textrl.config import TrainConfig, add_config_arguments, add_trl_names
