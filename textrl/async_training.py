@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -71,11 +71,11 @@ class AsyncTraining:
         generator.manual_seed(int(config.seed) + LEARNER_SEED_OFFSET)
         agent.learner.generator = generator  # the learner's shuffles leave the global RNG to the actor
         self._restored_start: Any = None
-        self.pipeline = self._pipeline(first=0)
+        self.pipeline = self._pipeline()
 
-    def _pipeline(self, first: int) -> AsyncRollouts:
+    def _pipeline(self) -> AsyncRollouts:
         return AsyncRollouts(self._produce, max_staleness=self.max_staleness, load=self.actor.load,
-                             start_state=self._start_state, first=first)
+                             start_state=self._start_state)
 
     # -- the learner's side ---------------------------------------------------------------------
     def next_rollout(self, iteration: int, timings: dict[str, float]) -> tuple[Any, int]:
@@ -116,29 +116,23 @@ class AsyncTraining:
 
         cfg, actor = self.config, self.actor.actor
         timings: dict[str, float] = {}
-        turns: list[int] = []
-        versions: list[int] = []
-        state: dict[str, Any] = {"iteration": None, "context": None}
+        turns: list[int] = []  # the iteration of each turn's weights
+        versions: list[int] = []  # their weight version, once per change
+        context = ExitStack()  # the engine's rollout context over the turns of one set of weights
 
         def generate(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             need = turn_iteration(n, self.max_staleness, len(turns), cfg.partial_rollouts)
-            if need != state["iteration"]:
-                close_context(state)
+            if not turns or need != turns[-1]:
+                context.close()
                 versions.append(weights.use(need))
-                state["iteration"], state["context"] = need, actor.engine.rollout()
-                state["context"].__enter__()
-            else:
-                versions.append(versions[-1])
+                context.enter_context(actor.engine.rollout())
             turns.append(need)
             return actor.sample(input_ids.to(actor.device), attention_mask.to(actor.device))
 
         batch = self.sampler.next_batch()
         batch = batch.select(self.shard(len(batch)))
-        try:
-            with placing_rows(f"the rollout of iteration {n + 1}", lambda: self.sampler.batch_rows(batch)):
-                td = self.episodes.run(generate, batch.to(actor.device), timings=timings)
-        finally:
-            close_context(state)
+        with context, placing_rows(f"the rollout of iteration {n + 1}", lambda: self.sampler.batch_rows(batch)):
+            td = self.episodes.run(generate, batch.to(actor.device), timings=timings)
         rows = td.batch_size
         td.set(KEYS.policy_version, torch.full(rows, versions[0], dtype=torch.long, device=td.device))
         td.set(KEYS.policy_iteration, torch.full(rows, turns[0], dtype=torch.long, device=td.device))
@@ -170,7 +164,7 @@ class AsyncTraining:
         pipe["snapshots"] = {i: (w, v + now) for i, (w, v) in pipe["snapshots"].items()}
         self.sampler.load_state_dict(state["prompts"])
         self.agent.learner.generator.set_state(state["learner_generator"])
-        self.pipeline = self._pipeline(first=0)
+        self.pipeline = self._pipeline()
         self.pipeline.load_state_dict(pipe, self._restore_start)
 
     def _restore_start(self, start: dict[str, Any]) -> None:
@@ -189,13 +183,6 @@ def rebased(td: Any, offset: int) -> Any:
     td = td.clone()
     td.set(KEYS.policy_version, td.get(KEYS.policy_version) + offset)
     return td
-
-
-def close_context(state: dict[str, Any]) -> None:
-    """Leave the engine's rollout context of ``state`` if one is open."""
-    context, state["context"] = state["context"], None
-    if context is not None:
-        context.__exit__(None, None, None)
 
 
 class CheckpointedSampler:

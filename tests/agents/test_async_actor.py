@@ -34,7 +34,7 @@ class FakeActor:
         self.held = int(weights["w"])
 
 
-def pipeline(actor, k, partial, turns, delays, first=0):
+def pipeline(actor, k, partial, turns, delays):
     def produce(n, weights):
         actor.draws += 1
         seen = []
@@ -45,7 +45,7 @@ def pipeline(actor, k, partial, turns, delays, first=0):
             seen.append(actor.held)  # the weights the turn was drawn with
         return {"n": n, "turns": seen, "draw": actor.draws}
 
-    return AsyncRollouts(produce, max_staleness=k, load=actor.load, start_state=lambda: actor.draws, first=first)
+    return AsyncRollouts(produce, max_staleness=k, load=actor.load, start_state=lambda: actor.draws)
 
 
 def run(pipe, actor, start, stop, update_delays):

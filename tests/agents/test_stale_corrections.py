@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from tests.agents.test_zoo_agents import hand_rollout, uneven_responses, zoo_agent
 from textrl.agents.learner import bypass_recompute
+from textrl.config import TrainConfig
 from textrl.functional import mismatch_weights
 from textrl.keys import KEYS
 
@@ -71,4 +72,4 @@ def test_the_bypass_objective_takes_the_stale_engines_log_probs_as_the_old_polic
 
 def test_the_bypass_refuses_a_rollout_without_the_engines_log_probs(tok):
     with pytest.raises(ValueError, match="old_logprobs='engine'"):
-        bypass_recompute(hand_rollout(tok, uneven_responses(tok.eos_token_id)))
+        bypass_recompute(hand_rollout(tok, uneven_responses(tok.eos_token_id)), TrainConfig(old_logprobs="engine"))

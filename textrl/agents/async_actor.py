@@ -107,9 +107,8 @@ class AsyncActor:
         engine = build_actor(agent).engine  # a new engine of the run's kind, configured and checked
         actor = Actor(main.config, twin, None, None, main.forwards, engine, main.backend,
                       eos_token_id=main.eos_token_id, pad_token_id=main.pad_token_id, device=main.device)
-        trained = {name: p for name, p in twin.named_parameters()
-                   if dict(main.policy.named_parameters())[name].requires_grad}
-        return cls(actor, trained)
+        names = {name for name, p in main.policy.named_parameters() if p.requires_grad}
+        return cls(actor, {name: p for name, p in twin.named_parameters() if name in names})
 
     @torch.no_grad()
     def load(self, iteration: int, weights: dict[str, Tensor], version: int) -> None:
@@ -152,18 +151,17 @@ class AsyncRollouts:
     version)`` loads published weights into the actor; ``start_state()`` / ``restore_start(state)``
     capture and restore what a rollout's draw depends on besides the weights (the RNGs, the prompt
     sampler): taken before each rollout, so one in flight at a checkpoint is drawn again on resume.
-    ``first`` is the first rollout to draw, ``queued`` rollouts already done (a resume's)."""
+    It draws from rollout 0, or where :meth:`load_state_dict` (a resume) says."""
 
     def __init__(self, produce: Callable[[int, Weights], Any], *, max_staleness: int,
-                 load: Callable[[int, dict[str, Tensor], int], None], start_state: Callable[[], Any],
-                 first: int = 0, queued: list[Queued] | None = None) -> None:
+                 load: Callable[[int, dict[str, Tensor], int], None], start_state: Callable[[], Any]) -> None:
         if max_staleness < 1:
             raise ValueError(f"max_staleness={max_staleness}: asynchronous rollouts need K >= 1 (K=0 is the synchronous loop)")
         self.max_staleness = int(max_staleness)
         self._produce, self._load, self._start_state = produce, load, start_state
         self._cond = threading.Condition()
-        self._queue: list[Queued] = list(queued or [])
-        self._next = first + len(self._queue)  # the rollout the producer draws next
+        self._queue: list[Queued] = []
+        self._next = 0  # the rollout the producer draws next
         self._snapshots: dict[int, tuple[dict[str, Tensor], int]] = {}
         self._published = -1
         self._waiting_for: int | None = None  # the iteration whose weights the producer waits for

@@ -112,7 +112,7 @@ def process_rollout(actor: Any, learner: Learner, td: TensorDictBase, *, estimat
     with timed(timings, "forward", learner.device):
         td.update(actor.evaluate(td, keep_graph=keep_graph))
     if learner.config.old_logprobs == "engine":
-        bypass_recompute(td)
+        bypass_recompute(td, learner.config)
     correct_rollout(td, learner.config)
     with timed(timings, "advantages", learner.device):
         mask = td.get(KEYS.mask)
@@ -130,16 +130,26 @@ def process_rollout(actor: Any, learner: Learner, td: TensorDictBase, *, estimat
     return td
 
 
-def bypass_recompute(td: TensorDictBase) -> None:
+def engine_logprobs(td: TensorDictBase, config: Any, reads: str, instead: str) -> Tensor:
+    """The engine's log-probs of the rollout (``KEYS.generation_log_prob`` ``[B, T]``) that the setting
+    ``reads`` (its text, e.g. ``"rollout_correction='tis' compares ..."``) needs; a rollout without them
+    is refused, naming ``instead`` (the setting that needs none): nothing is skipped in silence."""
+    engine = td.get(KEYS.generation_log_prob, None)
+    if engine is None:
+        raise ValueError(
+            f"{reads}, and this rollout has none (generation_engine={config.generation_engine!r} computed none): "
+            f"sample with an engine that computes them (every built-in one does), or use {instead}"
+        )
+    return engine
+
+
+def bypass_recompute(td: TensorDictBase, config: Any) -> None:
     """``old_logprobs='engine'`` (the bypass objective): the engine's log-probs of the weights that drew
     the tokens (``KEYS.generation_log_prob``) become the ratio's denominator (``KEYS.action_log_prob``);
     the learner's prefill stays as ``KEYS.proximal_log_prob`` for the mismatch metrics. A rollout
-    without the engine's log-probs is refused."""
-    engine = td.get(KEYS.generation_log_prob, None)
-    if engine is None:
-        raise ValueError("old_logprobs='engine' takes the engine's log-probs as the behaviour policy's, and this "
-                         "rollout has none (an engine that computes none): sample with a built-in engine, or use "
-                         "--old-logprobs recompute")
+    without the engine's log-probs is refused (:func:`engine_logprobs`)."""
+    engine = engine_logprobs(td, config, "old_logprobs='engine' takes the engine's log-probs as the behaviour "
+                             "policy's", "--old-logprobs recompute")
     td.set(KEYS.proximal_log_prob, td.get(KEYS.action_log_prob))
     td.set(KEYS.action_log_prob, engine.clone())
 
@@ -155,16 +165,11 @@ def correct_rollout(td: TensorDictBase, config: Any) -> None:
     if kind == "none":
         td.pop(KEYS.correction_weight, None)
         return
-    engine = td.get(KEYS.generation_log_prob, None)  # [B, T]
-    if engine is None:
-        raise ValueError(
-            f"rollout_correction={kind!r} compares the engine's log-probs with the learner's, and this rollout has "
-            f"none (generation_engine={config.generation_engine!r} computed none): sample with an engine that "
-            "computes them (every built-in one does), or use --rollout-correction none"
-        )
+    engine = engine_logprobs(td, config, f"rollout_correction={kind!r} compares the engine's log-probs with the "
+                             "learner's", "--rollout-correction none")  # [B, T]
     weights = mismatch_weights(kind, td.get(KEYS.action_log_prob), engine, td.get(KEYS.mask),
                                **config.rollout_correction_bounds())
     td.set(KEYS.correction_weight, weights)
 
 
-__all__ = ["Estimate", "Learner", "ReferenceKL", "bypass_recompute", "correct_rollout", "learner_attribute", "process_rollout"]
+__all__ = ["Estimate", "Learner", "ReferenceKL", "bypass_recompute", "correct_rollout", "engine_logprobs", "learner_attribute", "process_rollout"]
