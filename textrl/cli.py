@@ -300,7 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # every error: one line (two: its type and the --debug hint), no traceback
         if debug_requested(getattr(args, "debug", False)):
             raise
-        raise SystemExit(user_error_message(args.command, err)) from None
+        from textrl.config_io import name_config_sources  # a value from --config's file: edit it there
+
+        raise SystemExit(name_config_sources(user_error_message(args.command, err),
+                                             getattr(args, "config_sources", {}))) from None
     except KeyboardInterrupt:
         if debug_requested(getattr(args, "debug", False)):
             raise

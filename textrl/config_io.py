@@ -358,17 +358,63 @@ def _yaml_problem(err: Exception) -> str:
 
 
 def build_config(namespace: argparse.Namespace, cls: type) -> Any:
-    """Defaults, then the YAML file of ``namespace.config`` (if any), then explicit flags."""
+    """Defaults, then the YAML file of ``namespace.config`` (if any), then explicit flags. A run's
+    own ``config.yaml`` read from a folder the run was moved or copied to resumes the run in that
+    folder (:func:`moved_run_folder`). ``namespace.config_sources`` is set to ``{field: YAML file}``
+    for each value the file gave and no flag overrode (:func:`name_config_sources`)."""
     values: dict[str, Any] = {}
     config_path = getattr(namespace, "config", None)
     if config_path:
         values.update(load_yaml(config_path, cls))
     known = {f.name for f in fields(cls)}
-    values.update({k: v for k, v in vars(namespace).items() if k in known})
+    flags = {k: v for k, v in vars(namespace).items() if k in known}
+    namespace.config_sources = {name: str(config_path) for name in values if name not in flags}
+    values.update(flags)
+    if config_path and "output_dir" in namespace.config_sources:
+        values["output_dir"] = moved_run_folder(Path(config_path), values["output_dir"], bool(values.get("resume")))
     try:
         return cls(**values)
     except TypeError as err:  # pragma: no cover - dataclass signature mismatch
         raise ValueError(str(err)) from err
+
+
+RUN_RECORD = "config.yaml"
+"""The name of the record a run folder keeps of its settings (:data:`textrl.run.SETTINGS_FILE`)."""
+
+
+def moved_run_folder(config_path: Path, output_dir: Any, resume: bool) -> Any:
+    """The run folder a ``--config`` file asks for: ``output_dir`` as it says, unless the file is a
+    run's own record (``config.yaml`` beside a ``checkpoints/`` folder) whose ``output_dir`` names
+    another folder (the run was moved or copied there, or is read from another working folder):
+    then ``--resume`` continues the run in the folder the file is in (said in a line), and a fresh
+    run is refused in one line naming both folders, rather than written to the recorded one."""
+    folder = config_path.parent
+    if config_path.name != RUN_RECORD or not (folder / "checkpoints").is_dir() or not isinstance(output_dir, str):
+        return output_dir
+    if Path(output_dir).expanduser().resolve() == folder.resolve():
+        return output_dir
+    if resume:
+        print(f"--config {config_path}: this run's record names output_dir={output_dir!r}, and the run is in "
+              f"{folder}: resuming it there (pass --output-dir to choose another folder)")
+        return str(folder)
+    raise ValueError(f"--config {config_path} is the record of the run in {folder}, written when it was in "
+                     f"{output_dir!r}: pass --resume to continue that run in {folder}, or --output-dir "
+                     "for a new run with its settings")
+
+
+def name_config_sources(message: str, sources: dict[str, str]) -> str:
+    """An error ``message`` that names flags (``drop --critic``) reworded for the values that came
+    from a YAML file (``sources``: field -> file): ``drop --critic`` becomes ``remove critic: from
+    FILE``, and any other flag it names is followed by where its value is set."""
+    for name in sorted(sources, key=len, reverse=True):
+        flag = "--" + name.replace("_", "-")
+        pattern = re.compile(re.escape(flag) + r"(?![\w-])")
+        if not pattern.search(message):
+            continue
+        message = re.sub(r"drop " + re.escape(flag) + r"(?![\w-])", f"remove {name}: from {sources[name]}", message)
+        if pattern.search(message):
+            message = pattern.sub(f"{flag} ({name}: is set in {sources[name]})", message, count=1)
+    return message
 
 
 OBJECT_FIELDS = ("model", "tokenizer", "dataset", "env", "reward")
@@ -417,8 +463,11 @@ def save_config(config: Any, path: str | Path) -> None:
 
 def config_values(config: Any) -> dict[str, Any]:
     """Each field of a config dataclass as ``config.yaml`` holds it (:func:`yaml_value`)."""
+    from textrl.user_files import absolute_paths
+
     recorded = {"reward": reward_record, "reward_weights": lambda w: None if w is None else [float(x) for x in w]}
-    return {f.name: recorded.get(f.name, yaml_value)(getattr(config, f.name)) for f in fields(config)}
+    # relative local paths recorded absolute: the record names the same files from any working folder
+    return absolute_paths({f.name: recorded.get(f.name, yaml_value)(getattr(config, f.name)) for f in fields(config)})
 
 
 def config_yaml(config: Any) -> str:
@@ -451,6 +500,7 @@ def with_trl_hints(cls: type) -> type:
 __all__ = [
     "NEGATIVE_NUMBER",
     "OBJECT_FIELDS",
+    "RUN_RECORD",
     "ResumeRules",
     "add_config_arguments",
     "add_trl_names",
@@ -470,6 +520,8 @@ __all__ = [
     "describe_object",
     "field_docs",
     "load_yaml",
+    "moved_run_folder",
+    "name_config_sources",
     "parse_value",
     "refuse_saved_object",
     "save_config",

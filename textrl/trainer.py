@@ -76,6 +76,7 @@ from textrl.train_records import (  # noqa: F401 - also importable from here, as
     stop_message,
     warmup_record,
 )
+from textrl.warmup import keeping_warmup
 
 BEFORE_FILE = "eval_before.json"
 """The held-out evaluation before the first iteration (kept so a resumed run's summary has it)."""
@@ -400,7 +401,9 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     env = environment(config)
     train_rows, eval_rows = split_rows(env, config.eval_size, config.seed)
     facts = env_facts(config, env, train_rows=train_rows)  # the warm-up pairs and the episode budget
-    agent = build_agent(config, device, log, facts)  # its models, critic (if any) and optimisers (and warm-up)
+    # its models, critic (if any) and optimisers; the warm-up, or on --resume the start the run kept after it
+    with keeping_warmup(output_dir, load=config.resume, save=main):
+        agent = build_agent(config, device, log, facts)
     if getattr(agent, "precision", None) is not None:
         log(f"precision: {agent.precision}")
     warmup = warmup_record(config, agent, env)

@@ -61,4 +61,53 @@ def import_path(fn: Any) -> str | None:
     return f"{module}.{qualname}" if obj is fn else None
 
 
-__all__ = ["import_file", "import_path", "module_name"]
+LOCAL_PATH_FIELDS = ("model", "tokenizer", "reward_model", "dataset")
+"""Config fields whose value may be a local file or folder (else a hub id or a name): recorded as an
+absolute path when it names one relative to the working folder."""
+
+
+def absolute_file(path: str) -> str:
+    """``path`` made absolute when it is relative and names a file seen from the working folder;
+    else as it is."""
+    file = Path(path).expanduser()
+    return str(file.resolve()) if not file.is_absolute() and file.is_file() else path
+
+
+def absolute_spec(text: str) -> str:
+    """``text`` with each comma-separated ``PATH.py:NAME`` entry whose relative ``PATH.py`` is a file
+    (seen from the working folder) written with its absolute path: ``badrew.py:fn`` ->
+    ``/home/u/proj/badrew.py:fn``. Other entries (names, ``module:NAME``, absolute paths) are kept,
+    as is the spacing of a spec without a relative file."""
+    entries = text.split(",")
+    changed = False
+    for i, entry in enumerate(entries):
+        stripped = entry.strip()
+        cut = stripped.find(".py:")
+        if cut <= 0:
+            continue
+        file = absolute_file(stripped[:cut + 3])
+        if file != stripped[:cut + 3]:
+            entries[i] = f"{file}{stripped[cut + 3:]}"
+            changed = True
+    return ",".join(entries) if changed else text
+
+
+def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (field -> value of a config) with relative local paths made absolute, so that the
+    run's record (``config.yaml``, ``user_code.json``) names the same files from any working folder:
+    a ``--resume`` started elsewhere, or from a moved run folder, finds them. ``PATH.py:NAME``
+    entries of any string field (:func:`absolute_spec`), and the local files or folders of
+    :data:`LOCAL_PATH_FIELDS`; hub ids, names and objects are kept."""
+    out = dict(values)
+    for name, value in values.items():
+        if not isinstance(value, str):
+            continue
+        out[name] = absolute_spec(value)
+        if name in LOCAL_PATH_FIELDS and out[name] == value:
+            path = Path(value).expanduser()
+            if not path.is_absolute() and value.strip() and path.exists():
+                out[name] = str(path.resolve())
+    return out
+
+
+__all__ = ["LOCAL_PATH_FIELDS", "absolute_file", "absolute_paths", "absolute_spec", "import_file", "import_path", "module_name"]

@@ -12,9 +12,14 @@ loss (the prompt's labels are ``-100``), as in TRL's ``completion_only_loss``.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -179,4 +184,111 @@ def _train_steps(model: torch.nn.Module, tokenizer: Any, pairs: Sequence[tuple[s
     return losses
 
 
-__all__ = ["IGNORE_INDEX", "build_sft_batch", "encode_sft_example", "sft_warmup"]
+# -- the warmed-up start, kept in the run folder ------------------------------------------------------
+
+KEPT_WARMUP = "warmup"
+"""The folder in a run folder that keeps the warmed-up policy (``policy.pt``: its state dict) and
+``record.json`` (the warm-up's settings, its statistics and the sha256 of ``policy.pt``)."""
+
+
+@dataclass(frozen=True)
+class WarmupStore:
+    """Where a run keeps its warmed-up start (``folder``: ``RUN/warmup``), whether this process
+    loads it when it is there (``load``: a ``--resume``) and whether it writes it after a warm-up
+    (``save``: the main process)."""
+
+    folder: Path
+    load: bool
+    save: bool
+
+
+_STORE: ContextVar[WarmupStore | None] = ContextVar("textrl_warmup_store", default=None)
+
+
+@contextmanager
+def keeping_warmup(output_dir: str | Path, *, load: bool, save: bool) -> Iterator[WarmupStore]:
+    """Within the block, :func:`warm_up` loads the start kept in ``output_dir`` (``load``) instead of
+    running the warm-up again, and keeps the one it runs (``save``): a resumed run never repeats
+    the warm-up, and its reference model is the same copy of the same start."""
+    store = WarmupStore(Path(output_dir) / KEPT_WARMUP, load=load, save=save)
+    token = _STORE.set(store)
+    try:
+        yield store
+    finally:
+        _STORE.reset(token)
+
+
+def warmup_settings(model: str, pairs: Sequence[tuple[Prompt, str]], **settings: Any) -> dict[str, Any]:
+    """What defines a warm-up's result, as ``record.json`` holds it: the model, the settings
+    (steps, lr, batch size, seed, dtype) and the sha256 of the (prompt, completion) pairs."""
+    text = json.dumps([list(p) for p in pairs], sort_keys=True, default=str)
+    return {"model": model, **settings, "pairs_sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def warm_up(model: torch.nn.Module, tokenizer: Any, pairs: Sequence[tuple[Prompt, str]], *, steps: int, lr: float,
+            batch_size: int, seed: int, settings: dict[str, Any], log: Callable[[str], Any] = print,
+            autocast: Callable[[], AbstractContextManager[Any]] = nullcontext) -> dict[str, float]:
+    """:func:`sft_warmup` of ``model`` in place, or, within :func:`keeping_warmup` with ``load``, the
+    weights a run kept after the same warm-up (``settings``, :func:`warmup_settings`, and the file's
+    sha256 must match; otherwise it runs, saying why). Logs one line; returns the statistics
+    (``loaded``: 1.0 when the weights were loaded)."""
+    store = _STORE.get()
+    if store is not None and store.load:
+        kept = _load_kept(model, store.folder, settings, log)
+        if kept is not None:
+            log(f"warm-up: loaded from {store.folder} ({int(kept['steps'])} SFT steps, the start this run "
+                f"trained from; not run again)")
+            return kept
+    stats = sft_warmup(model, tokenizer, pairs, steps=steps, lr=lr, batch_size=batch_size, seed=seed, autocast=autocast)
+    log(f"warm-up: {stats['steps']} SFT steps on the format, loss {stats['loss_first']:.2f} -> "
+        f"{stats['loss_last']:.2f} in {stats['seconds']:.1f}s")
+    if store is not None and store.save:
+        _keep(model, store.folder, settings, stats)
+    return {**stats, "loaded": 0.0}
+
+
+def _keep(model: torch.nn.Module, folder: Path, settings: dict[str, Any], stats: dict[str, float]) -> None:
+    """Write ``folder`` (atomically: a temporary sibling, renamed): ``policy.pt`` and ``record.json``."""
+    from textrl.run.atomic import write_folder
+
+    def write(tmp: Path) -> None:
+        torch.save(model.state_dict(), tmp / "policy.pt")
+        record = {"settings": settings, "stats": stats, "policy_sha256": _sha256(tmp / "policy.pt")}
+        (tmp / "record.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    write_folder(folder, write)
+
+
+def _load_kept(model: torch.nn.Module, folder: Path, settings: dict[str, Any],
+               log: Callable[[str], Any]) -> dict[str, float] | None:
+    """The kept warm-up's statistics after loading its weights into ``model``; None (and a line
+    saying why, when a kept start is there but unusable) when the warm-up must run."""
+    record_file, weights = folder / "record.json", folder / "policy.pt"
+    if not record_file.is_file():
+        return None
+    try:
+        record = json.loads(record_file.read_text())
+        why = ("its settings differ from this run's" if record["settings"] != json.loads(json.dumps(settings))
+               else "policy.pt is missing or corrupt (its sha256 differs from record.json's)"
+               if not weights.is_file() or _sha256(weights) != record["policy_sha256"] else None)
+    except (ValueError, KeyError, TypeError) as err:
+        why = f"record.json cannot be read ({type(err).__name__}: {err})"
+    if why is None:
+        state = torch.load(weights, map_location=next(model.parameters()).device, weights_only=True)
+        model.load_state_dict(state)
+        model.eval()
+        return {**record["stats"], "loaded": 1.0}
+    log(f"warm-up: the start kept in {folder} is not used ({why}); running the warm-up again")
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+__all__ = ["IGNORE_INDEX", "KEPT_WARMUP", "WarmupStore", "build_sft_batch", "encode_sft_example", "keeping_warmup",
+           "sft_warmup", "warm_up", "warmup_settings"]

@@ -38,6 +38,7 @@ from textrl.run.user_code import (
     user_code_changes,
     user_code_digest,
 )
+from textrl.user_files import absolute_paths
 
 SETTINGS_FILE = "config.yaml"
 """The settings a checkpoint was trained with (inside the checkpoint folder), and the run's own."""
@@ -108,6 +109,7 @@ def check_resume_settings(config: Any, given: dict[str, Any], checkpoint: Path, 
         log(f"--resume: {checkpoint} records no settings (no {SETTINGS_FILE}); they cannot be compared")
         return {}
     saved, source = found
+    saved = absolute_paths(saved)  # a relative path an older textrl recorded, seen from here
     changes = settings_changes(saved, given, type(config).RESUME_RULES)
     if changes.refused:
         listed = "; ".join(f"{name}: {old!r} -> {new!r}" for name, (old, new) in changes.refused.items())

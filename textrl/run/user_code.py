@@ -21,6 +21,8 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from textrl.user_files import absolute_file, absolute_spec
+
 USER_CODE_FILE = "user_code.json"
 """In each checkpoint (and the run folder): ``{path as the config writes it: sha256 hex}`` of the
 user's files the run imported; a path that was missing is recorded as ``null``."""
@@ -29,7 +31,7 @@ user's files the run imported; a path that was missing is recorded as ``null``."
 def user_code_paths(config: Any) -> list[str]:
     """The ``PATH.py`` of every ``PATH.py:NAME`` in the string fields of ``config`` (a config
     dataclass or a mapping of field -> value), a reward spec's entries each, in field order,
-    each path once."""
+    each path once; a relative path that names a file from the working folder is made absolute."""
     values = ([getattr(config, f.name) for f in fields(config)] if is_dataclass(config)
               else list(dict(config).values()))
     paths: list[str] = []
@@ -39,7 +41,7 @@ def user_code_paths(config: Any) -> list[str]:
             if not isinstance(text, str):
                 continue
             for entry in text.split(","):
-                entry = entry.strip()
+                entry = absolute_spec(entry.strip())  # the record names the file from any working folder
                 cut = entry.find(".py:")
                 if cut > 0 and entry[:cut + 3] not in paths:
                     paths.append(entry[:cut + 3])
@@ -89,6 +91,7 @@ def saved_user_code(checkpoint: Path) -> dict[str, str | None] | None:
 def user_code_changes(saved: dict[str, str | None], now: dict[str, str | None]) -> dict[str, tuple[Any, Any]]:
     """``{path: (saved sha256, current sha256)}`` of each file the run used whose contents differ
     now (``None``: missing). A path only one side names is a changed setting, refused elsewhere."""
+    saved = {absolute_file(path): old for path, old in saved.items()}  # recorded relative by an older textrl
     return {path: (old, now[path]) for path, old in saved.items() if path in now and now[path] != old}
 
 
