@@ -177,3 +177,37 @@ def test_relative_paths_become_absolute_only_for_local_files(tmp_path, monkeypat
     assert {k: out[k] for k in ("model", "env", "output_dir", "seed")} == {
         "model": "tiny", "env": "digits", "output_dir": "runs/x", "seed": 1}
     assert os.path.isabs(out["dataset"])
+
+
+# -- what ran is recorded ---------------------------------------------------------------------------
+
+
+def test_summary_and_the_first_lines_say_the_engine_the_precision_and_the_device(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train("--iterations", "1", "--output-dir", str(out), "--generation-engine", "auto") == 0
+    log = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["generation_engine"] == {"asked": "auto", "ran": "textrl"}
+    assert summary["device"] == "cpu" and summary["precision"]["dtype"] == "float32"
+    assert "running on cpu: generation engine textrl (--generation-engine auto); precision: weights float32" in log
+    assert log.index("running on cpu") < log.index("held-out metric")  # said at the start
+
+
+def test_a_run_with_its_environments_reward_prints_and_records_the_share_of_the_gap_closed(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train("--iterations", "1", "--output-dir", str(out), "--agent", "rloo") == 0
+    summary = json.loads((out / "summary.json").read_text())
+    gap = summary["gap_closed"]
+    before, after = summary["before"]["eval/sampled/reward/mean"], summary["after"]["eval/sampled/reward/mean"]
+    assert gap["max_reward"] == 2.5 and gap["share"] == pytest.approx((after - before) / (2.5 - before))
+    assert f"closed {gap['share']:.0%} of the gap" in capsys.readouterr().out
+
+
+def test_gap_closed_is_unknown_without_a_maximum_or_room_to_close():
+    from textrl.train_records import gap_closed
+
+    key = "eval/sampled/reward/mean"
+    assert gap_closed({key: 1.0}, {key: 2.0}, None) is None
+    assert gap_closed({key: 2.5}, {key: 2.5}, 2.5) is None
+    assert gap_closed({key: 1.0}, {key: 0.5}, 2.0)["share"] == pytest.approx(-0.5)
+    assert gap_closed(None, {key: 2.0}, 2.0) is None

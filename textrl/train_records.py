@@ -1,11 +1,12 @@
 """What a ``textrl train`` run records and tells: ``summary.json``'s record of what ran (the
-lengths in use, the warm-up as the agent's construction kept it), the metrics row of an
-iteration, the peak memory, the message of an early stop, and the before / after table of the
-held-out metrics. :mod:`textrl.trainer` runs the iteration and calls these.
+lengths in use, the warm-up as the agent's construction kept it, the generation engine and the
+device), the metrics row of an iteration, the peak memory, the message of an early stop, and the
+before / after table of the held-out metrics with the share of the gap to the maximum closed. :mod:`textrl.trainer` runs the iteration and calls these.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,41 @@ def run_records(run: Any) -> dict[str, Any]:
                "max_episode_tokens": run.episodes.max_episode_tokens,
                "source": {name: "auto" if getattr(config, name) is None else "set"
                           for name in ("max_prompt_length", "max_episode_tokens")}}
-    return {"lengths": lengths, "warmup": warmup_record(config, run.agent, run.episodes.env)}
+    records = {"lengths": lengths, "warmup": warmup_record(config, run.agent, run.episodes.env)}
+    return {**records, **engine_record(config, run.agent)}
+
+
+def engine_record(config: TrainConfig, agent) -> dict[str, Any]:
+    """What generated and where: ``generation_engine`` (``asked``: the option, ``ran``: the engine
+    ``auto`` resolved to) and the ``device`` (``summary.json``; the start of the run says the same)."""
+    actor = getattr(agent, "actor", None)
+    ran = getattr(getattr(actor, "engine", None), "name", None)
+    return {"generation_engine": {"asked": config.generation_engine, "ran": ran}, "device": str(agent.device)}
+
+
+def describe_run_start(config: TrainConfig, agent) -> str:
+    """The line a run starts with: the device, the precision and the generation engine that run."""
+    record = engine_record(config, agent)
+    engine = record["generation_engine"]
+    asked = "" if engine["asked"] == engine["ran"] else f" (--generation-engine {engine['asked']})"
+    precision = getattr(agent, "precision", None)
+    return (f"running on {record['device']}: generation engine {engine['ran']}{asked}"
+            + (f"; precision: {precision}" if precision is not None else ""))
+
+
+def gap_closed(before: dict[str, float] | None, after: dict[str, float], max_reward: float | None,
+               key: str = "eval/sampled/reward/mean") -> dict[str, float] | None:
+    """The share of the gap between the held-out reward before training and the environment's
+    maximum that the run closed, ``(after - before) / (max_reward - before)`` (1: reached the
+    maximum, 0: no progress, negative: worse), with the three values; None when the maximum is
+    unknown (a reward other than the environment's own) or the start is already at it."""
+    if max_reward is None or not before or key not in before or key not in after:
+        return None
+    start, end = float(before[key]), float(after[key])
+    if not math.isfinite(start) or not math.isfinite(end) or max_reward - start <= 0:
+        return None
+    return {"share": (end - start) / (max_reward - start), "before": start, "after": end, "max_reward": float(max_reward),
+            "metric": key}
 
 
 def warmup_record(config: TrainConfig, agent, env) -> dict[str, Any]:
@@ -121,8 +156,9 @@ def _newest_good(output_dir: str) -> str:
     return f"the newest good one is {newest}" if newest else "none was written before either"
 
 
-def format_summary(before: dict[str, float] | None, after: dict[str, float]) -> str:
-    """A small before/after table of the held-out metrics."""
+def format_summary(before: dict[str, float] | None, after: dict[str, float], gap: dict[str, float] | None = None) -> str:
+    """A small before/after table of the held-out metrics, and the share of the gap to the
+    environment's maximum the run closed (``gap``: :func:`gap_closed`) when known."""
     keys = [k for k in ("reward/mean", "format_rate", "accuracy", "response_length/mean")]
     lines = [f"{'held-out metric':<34}{'before':>10}{'after':>10}"]
     for mode in ("sampled", "greedy"):
@@ -132,10 +168,13 @@ def format_summary(before: dict[str, float] | None, after: dict[str, float]) -> 
                 continue
             b = f"{before[full]:.3f}" if before and full in before else "-"
             lines.append(f"{mode + ' ' + key:<34}{b:>10}{after[full]:>10.3f}")
+    if gap is not None:
+        lines.append(f"closed {gap['share']:.0%} of the gap between the held-out sampled reward before training "
+                     f"({gap['before']:.3f}) and the environment's maximum ({gap['max_reward']:g})")
     return "\n".join(lines)
 
 
 __all__ = [
-    "format_summary", "iteration_metrics", "nonfinite_rows", "peak_memory_mib", "run_records", "stop_message",
+    "describe_run_start", "engine_record", "format_summary", "gap_closed", "iteration_metrics", "nonfinite_rows", "peak_memory_mib", "run_records", "stop_message",
     "warmup_record",
 ]

@@ -68,7 +68,9 @@ from textrl.run.signals import Stoppable, StopRequested, stop_before_loop, stop_
 from textrl.run.user_code import USER_CODE_FILE, user_code_digest, user_code_json
 from textrl.timing import timed
 from textrl.train_records import (  # noqa: F401 - also importable from here, as before
+    describe_run_start,
     format_summary,
+    gap_closed,
     iteration_metrics,
     nonfinite_rows,
     peak_memory_mib,
@@ -353,9 +355,17 @@ class PPORun:
             path.write_text(json.dumps(before, indent=2) + "\n")
         return before
 
+    def max_reward(self) -> float | None:
+        """The environment's maximum reward when the run scores with the environment's own reward
+        (no ``--reward``, no ``--reward-model``); None otherwise."""
+        if self.config.reward is not None or self.config.reward_model:
+            return None
+        return getattr(self.episodes.env, "max_reward", None)
+
     def summary(self, before: dict[str, float] | None) -> dict[str, Any]:
-        """``summary.json``: held-out metrics before and after, processes, sharding, peak memory
-        per process, the precision that ran, and the check that data-parallel processes ended
+        """``summary.json``: held-out metrics before and after (and the share of the gap to the
+        environment's maximum closed), processes, sharding, peak memory per process, the precision,
+        the generation engine and the device that ran, and the check that data-parallel processes ended
         with the same weights."""
         rows = self.metrics.rows
         after = {k: v for k, v in (rows[-1] if rows else {}).items() if k.startswith("eval/")}
@@ -366,8 +376,11 @@ class PPORun:
         if getattr(self.agent, "precision", None) is not None:
             summary["precision"] = self.agent.precision.record()  # what ran: dtype, autocast, attention
         summary.update(self.backend.end_of_run(self.agent))  # weights held (sharded) or the replicas' checksum
+        gap = gap_closed(before, after, self.max_reward())
+        if gap is not None:
+            summary["gap_closed"] = gap
         if self.main:
-            self.log(format_summary(before, after))
+            self.log(format_summary(before, after, gap))
             (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.dist.barrier()  # every process ends together, after the main one wrote its files
         return summary
@@ -404,8 +417,6 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     # its models, critic (if any) and optimisers; the warm-up, or on --resume the start the run kept after it
     with keeping_warmup(output_dir, load=config.resume, save=main):
         agent = build_agent(config, device, log, facts)
-    if getattr(agent, "precision", None) is not None:
-        log(f"precision: {agent.precision}")
     warmup = warmup_record(config, agent, env)
     if warmup["ran_steps"] == 0 and warmup["asked_steps"] > 0:
         log(f"warm-up: none ({warmup['reason']}; warmup_sft_steps={warmup['asked_steps']} asked, 0 steps ran)")
@@ -430,6 +441,7 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     eval_batches = sampler.encode_eval(eval_rows, batch_size=config.generation_batch_size)
     backend.prepare(agent)  # identical weights everywhere, this process's seed, models sharded
     agent.actor  # built once, for this backend: the generation engine is chosen (and checked against it) here  # noqa: B018
+    log(describe_run_start(config, agent))  # the device, the precision and the engine that run
     async_run = asynchronous_actor(config, agent, sampler, episodes, backend)
     # held-out evaluation: the main process alone, unless the forwards are collectives (FSDP, ZeRO-3)
     evaluates = main or backend.partitions_weights
