@@ -698,3 +698,13 @@ def test_two_staleness_arms_end_to_end(tmp_path, capsys):
         assert job["config"]["model"] == str(out / "warmup" / "digits" / "seed0")  # the one shared warm-up
     assert [p.name for p in (out / "warmup" / "digits").iterdir()] == ["seed0"]
     assert all(r["train_s"] > 0 and len(r["iterations"]) == 2 for r in saved["runs"])
+
+
+def test_the_report_says_which_engine_and_precision_ran_and_flags_a_mixed_comparison():
+    same = [{"engine": "textrl", "precision": "float32", "error": None}] * 3
+    assert bench_compare.what_ran(same) == "Generation engine `textrl` in float32 in every run."
+    mixed = [*same, {"engine": "hf", "precision": "bfloat16", "error": None},
+             {"engine": "vllm", "precision": "float32", "error": "it failed"}]
+    line = bench_compare.what_ran(mixed)
+    assert "differ" in line and "`textrl` in float32 (3 runs)" in line and "`hf` in bfloat16 (1 runs)" in line
+    assert "vllm" not in line  # a failed run ran nothing to compare

@@ -290,6 +290,24 @@ def setup_line(jobs_plan: dict[str, Any], env_list: Sequence[str], seeds: Sequen
             f"wall clock {wall_s / 60:.1f} min ({_run_minutes(jobs_plan)} of runs and warm-ups, one core each).")
 
 
+def what_ran(runs: Sequence[dict[str, Any]]) -> str:
+    """The report's sentence on the generation engine and precision its runs ran with: one for all
+    (a fair comparison), or each with its count (runs of different engines or precisions can
+    differ in their greedy text: docs/generation.md, "Comparing engines")."""
+    kinds: dict[str, int] = {}
+    for r in runs:
+        if not r.get("error"):
+            key = f"`{r.get('engine') or 'unrecorded'}` in {r.get('precision') or 'unrecorded precision'}"
+            kinds[key] = kinds.get(key, 0) + 1
+    if not kinds:
+        return ""
+    if len(kinds) == 1:
+        return f"Generation engine {next(iter(kinds))} in every run."
+    listed = ", ".join(f"{k} ({n} runs)" for k, n in kinds.items())
+    return (f"**The runs differ in generation engine or precision**: {listed}; greedy text can differ between "
+            "them, so compare runs of one engine and precision.")
+
+
 def _label_scheme(axes: dict[str, list[Any]]) -> str:
     """How the arms of ``axes`` are named, e.g. ``AGENT@K<max_staleness>+<rollout_correction>``."""
     return "`AGENT" + ("@K<max_staleness>" if "max_staleness" in axes else "") + (
@@ -318,7 +336,8 @@ def _report(runs: list[dict[str, Any]], arms: Sequence[Arm], env_list: Sequence[
     report = bench_report.compare_scores(normalised, reps=reps)
     plots = bench_report.write_plots(runs, env_list, report, output_dir)
     wall_clock = bench_report.wall_clock_table(runs, labels, _baselines(arms, axes)) if axes else None
-    text = bench_report.markdown(setup_line(jobs_plan, env_list, seeds, elapsed, axes), runs, env_list, normalised,
+    setup = f"{setup_line(jobs_plan, env_list, seeds, elapsed, axes)} {what_ran(runs)}"
+    text = bench_report.markdown(setup, runs, env_list, normalised,
                                  report, skipped, [p.name for p in plots], wall_clock=wall_clock)
     (output_dir / "report.md").write_text(text)
     files = [output_dir / "report.md", *plots, output_dir / "results.json"]

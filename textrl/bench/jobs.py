@@ -264,7 +264,8 @@ def run_jobs(job_files: Sequence[Path], jobs: int, execute: Callable[[Path], str
 def read_run(output_dir: str | Path) -> dict[str, Any]:
     """A finished run's figures from its ``metrics.jsonl`` and ``summary.json``.
 
-    Scalars: ``reward`` / ``accuracy`` / ``response_length`` (held-out, sampled, at the end),
+    ``engine`` and ``precision``: the generation engine and the weights' dtype that ran. Scalars:
+    ``reward`` / ``accuracy`` / ``response_length`` (held-out, sampled, at the end),
     ``reward_start`` (held-out before training), ``kl`` (``kl/before_update`` of the last
     iteration), ``seconds_per_iteration`` (median, evaluation time excluded), ``tokens_per_second``
     and ``tokens`` (generated, in total). Curves, one value per iteration: ``iterations``,
@@ -286,6 +287,8 @@ def read_run(output_dir: str | Path) -> dict[str, Any]:
         elapsed.append(total_s)
         tokens.append(total_tokens)
     return {
+        "engine": (summary.get("generation_engine") or {}).get("ran"),  # None: a run of an older textrl
+        "precision": (summary.get("precision") or {}).get("dtype"),
         "reward": after.get("eval/sampled/reward/mean", nan),
         "reward_start": before.get("eval/sampled/reward/mean", nan),
         "accuracy": after.get("eval/sampled/accuracy", nan),
