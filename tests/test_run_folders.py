@@ -211,3 +211,13 @@ def test_gap_closed_is_unknown_without_a_maximum_or_room_to_close():
     assert gap_closed({key: 2.5}, {key: 2.5}, 2.5) is None
     assert gap_closed({key: 1.0}, {key: 0.5}, 2.0)["share"] == pytest.approx(-0.5)
     assert gap_closed(None, {key: 2.0}, 2.0) is None
+
+
+def test_a_refusal_keeps_the_flags_of_what_the_command_asks(finished_run):
+    """``--resume`` and ``--output-dir`` describe the command, not a setting of the file: a refusal
+    that names them keeps the flags, though the run's config.yaml records both."""
+    moved = finished_run.with_name("b")
+    shutil.move(finished_run, moved)
+    with pytest.raises(SystemExit) as err:
+        _train("--config", str(moved / "config.yaml"))
+    assert "pass --resume to continue" in str(err.value) and "is set in" not in str(err.value)

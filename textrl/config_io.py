@@ -361,16 +361,19 @@ def build_config(namespace: argparse.Namespace, cls: type) -> Any:
     """Defaults, then the YAML file of ``namespace.config`` (if any), then explicit flags. A run's
     own ``config.yaml`` read from a folder the run was moved or copied to resumes the run in that
     folder (:func:`moved_run_folder`). ``namespace.config_sources`` is set to ``{field: YAML file}``
-    for each value the file gave and no flag overrode (:func:`name_config_sources`)."""
+    for each setting the file gave and no flag overrode (:func:`name_config_sources`; not the
+    fields that describe one invocation, ``output_dir``, ``resume``, ...)."""
     values: dict[str, Any] = {}
     config_path = getattr(namespace, "config", None)
     if config_path:
         values.update(load_yaml(config_path, cls))
     known = {f.name for f in fields(cls)}
     flags = {k: v for k, v in vars(namespace).items() if k in known}
-    namespace.config_sources = {name: str(config_path) for name in values if name not in flags}
+    invocation = getattr(getattr(cls, "RESUME_RULES", None), "invocation", frozenset())  # what this command asks
+    namespace.config_sources = {name: str(config_path) for name in values if name not in flags and name not in invocation}
+    from_file = set(values) - set(flags)
     values.update(flags)
-    if config_path and "output_dir" in namespace.config_sources:
+    if config_path and "output_dir" in from_file:
         values["output_dir"] = moved_run_folder(Path(config_path), values["output_dir"], bool(values.get("resume")))
     try:
         return cls(**values)
