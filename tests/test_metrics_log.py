@@ -90,3 +90,81 @@ def test_a_run_passes_its_kl_kind_to_the_curves(tmp_path):
     log.plot(tmp_path / "curves.png")
     log.close()
     assert log.kl_kind == "k3" and (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def strict_loads(line):
+    """``json.loads`` as a strict JSON reader (jq, JavaScript's JSON.parse): no NaN / Infinity."""
+    def reject(name):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(line, parse_constant=reject)
+
+
+def test_non_finite_values_are_written_as_strict_json_and_read_back_as_nan(tmp_path):
+    """``explained_variance`` is NaN when the returns are constant: metrics.jsonl holds null, which
+    every JSON reader takes, and a resume (and the bench's reader) reads it back as NaN."""
+    import math
+
+    from textrl.bench.jobs import read_run
+
+    log = MetricsLog(tmp_path, enabled=True, resume_after=None)
+    bad = {"explained_variance": float("nan"), "loss/value": float("inf"), "kl/collection": float("-inf")}
+    log.write({"iteration": 1, "reward/mean": 0.5, **bad, "time/iteration_s": 1.0, "tokens": 4})
+    log.write({"iteration": 2, "reward/mean": 0.25, "explained_variance": 0.5, "kl/before_update": float("nan"),
+               "time/iteration_s": 1.0, "tokens": 4})
+    log.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    first = strict_loads(lines[0])
+    assert [first[k] for k in bad] == [None, None, None] and first["reward/mean"] == 0.5
+    assert strict_loads(lines[1])["explained_variance"] == 0.5
+
+    resumed = MetricsLog(tmp_path, enabled=True, resume_after=2)
+    resumed.close()
+    assert all(math.isnan(resumed.rows[0][k]) for k in bad) and resumed.rows[1]["explained_variance"] == 0.5
+    assert all(strict_loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())  # rewritten strict
+
+    (tmp_path / "summary.json").write_text("{}")
+    figures = read_run(tmp_path)  # the bench's reader: a number, NaN, not None
+    assert isinstance(figures["kl"], float) and math.isnan(figures["kl"]) and figures["train_reward"] == [0.5, 0.25]
+
+
+def test_the_samples_log_is_strict_json_and_an_older_bare_nan_still_reads(tmp_path):
+    import math
+
+    from textrl.run.metrics import rows_up_to
+
+    SamplesLog(tmp_path, enabled=True, resume_after=None).write(0, [{"prompt": "p", "completion": "c",
+                                                                      "score": float("nan")}])
+    assert strict_loads((tmp_path / "samples.jsonl").read_text())["score"] is None
+    old = tmp_path / "old.jsonl"
+    old.write_text('{"iteration": 1, "explained_variance": NaN}\n')  # written by an older textrl
+    assert math.isnan(rows_up_to(old, 1)[0]["explained_variance"])
+
+
+def test_the_curves_show_the_evaluation_before_training_at_iteration_0(tmp_path, monkeypatch):
+    """curves.png's held-out line starts at iteration 0 with eval_before.json's reward."""
+    from textrl.run.metrics import EVAL_BEFORE_FILE, curves_figure
+
+    (tmp_path / EVAL_BEFORE_FILE).write_text(json.dumps({"eval/sampled/reward/mean": 0.125,
+                                                         "eval/greedy/reward/mean": 0.25}))
+    log = MetricsLog(tmp_path, enabled=True, resume_after=None)
+    for i in (1, 2):
+        log.write({"iteration": i, "reward/mean": 0.5, "kl/collection": 0.0,
+                   **({"eval/sampled/reward/mean": 0.75} if i == 2 else {})})
+    import matplotlib.pyplot as plt
+
+    import textrl.run.metrics as metrics
+
+    figures = []
+    monkeypatch.setattr(metrics, "curves_figure", lambda *a, **k: figures.append(curves_figure(*a, **k)) or figures[-1])
+    log.plot(tmp_path / "curves.png")  # the figure MetricsLog saves as curves.png
+    log.close()
+    reward_ax = figures[0].axes[0]
+    held_out = next(line for line in reward_ax.get_lines() if line.get_label() == "held-out (sampled)")
+    assert list(held_out.get_xdata()) == [0, 2] and list(held_out.get_ydata()) == [0.125, 0.75]
+    plt.close(figures[0])
+    # without eval_before.json (a run with no evaluation): the line as before
+    fig = curves_figure(log.rows)
+    (rollout, held_out) = fig.axes[0].get_lines()
+    assert list(held_out.get_xdata()) == [2]
+    plt.close(fig)

@@ -119,3 +119,87 @@ def test_two_textrl_train_commands_on_one_folder(tmp_path):
         first.kill()
     rows = [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows == list(range(1, len(rows) + 1))
+
+
+def test_a_lock_released_by_its_run_leaves_no_lock_file(tmp_path):
+    """A run that ends (here by an error) removes ``.textrl.lock`` as it lets go; the folder is
+    free for the next run, which removes its own file when it ends."""
+    from textrl.run.lock import holds_run_folder, take_run_folder
+
+    class Config:
+        output_dir = str(tmp_path / "run")
+
+    @holds_run_folder
+    def run(config, fail):
+        take_run_folder(config.output_dir)
+        assert (tmp_path / "run" / LOCK_FILE).is_file()
+        if fail:
+            raise RuntimeError("a bad row")
+        return "done"
+
+    with pytest.raises(RuntimeError, match="a bad row"):
+        run(Config(), fail=True)
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
+    assert run(Config(), fail=False) == "done"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == []
+
+
+def test_a_run_stopped_by_a_signal_removes_its_lock_file(holder):
+    """Ctrl-C (SIGINT): the holder's ``with`` block ends by the exception and removes the file."""
+    folder, proc = holder
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) != 0
+    assert not (folder / LOCK_FILE).exists()
+
+
+def test_a_lock_file_left_by_kill_9_is_taken_over_and_then_removed(holder):
+    folder, proc = holder
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (folder / LOCK_FILE).is_file()  # kill -9: nothing ran to remove it
+    from textrl.run import refuse_busy_folder
+
+    refuse_busy_folder(folder)  # not in use: the probe says nothing
+    with RunFolderLock(folder):
+        assert json.loads((folder / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert not (folder / LOCK_FILE).exists()
+
+
+def test_a_taker_that_locked_a_removed_lock_file_locks_the_path_again(tmp_path, monkeypatch):
+    """The race of removing a lock file: B opens the file just before its holder A removes it and
+    lets go, then C takes the path's new file. B's flock on the removed file is granted, but B sees
+    it is not the path's file any more and tries again: C holds the path, so B is refused (without
+    the check, B and C would both believe they hold the folder)."""
+    import textrl.run.lock as lock_module
+
+    folder = tmp_path / "run"
+    a = RunFolderLock(folder)
+    a.acquire()
+    stale = os.open(folder / LOCK_FILE, os.O_RDWR)  # B's open, before A removes the file
+    a.release()
+    assert not (folder / LOCK_FILE).exists()
+    c = RunFolderLock(folder)
+    c.acquire()
+    real_open, opened = os.open, []
+
+    def b_open(path, flags, mode=0o777):
+        opened.append(path)
+        return stale if len(opened) == 1 else real_open(path, flags, mode)
+
+    monkeypatch.setattr(lock_module.os, "open", b_open)
+    with pytest.raises(RunFolderBusy, match=f"in use by process {os.getpid()}"):
+        RunFolderLock(folder).acquire()
+    assert len(opened) == 2  # the removed file, then the path's
+    c.release()
+    # with nobody at the path, B's second try creates the file anew and holds it
+    stale = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    os.unlink(folder / LOCK_FILE)
+    opened.clear()
+    b = RunFolderLock(folder)
+    b.acquire()
+    assert len(opened) == 2 and (folder / LOCK_FILE).is_file()
+    monkeypatch.undo()
+    with pytest.raises(RunFolderBusy):
+        RunFolderLock(folder).acquire()
+    b.release()  # (B closed the removed file's descriptor when it tried again)
+    assert not (folder / LOCK_FILE).exists()

@@ -35,10 +35,30 @@ def _entries(reward: Any) -> list[Any]:
     return [reward]
 
 
-def _has_weight(entry: str) -> bool:
-    """Whether a spec entry ends in ``:NUMBER`` (``accuracy:2``, ``a.py:f:0.5``)."""
+def split_weight_text(entry: str) -> tuple[str, str | None]:
+    """(the reward, the text of its weight or None) of one spec entry ``REWARD[:WEIGHT]``.
+
+    The weight is what follows the last ``:``, unless what precedes it is a ``.py`` file and what
+    follows is a name: ``PATH.py:NAME`` is a function in a file even when NAME reads as a number
+    (a function called ``nan`` or ``inf``). A weight's text is checked by the caller.
+
+    >>> split_weight_text("accuracy:2"), split_weight_text("a.py:f:0.5"), split_weight_text("accuracy")
+    (('accuracy', '2'), ('a.py:f', '0.5'), ('accuracy', None))
+    >>> split_weight_text("badrew.py:nan"), split_weight_text("accuracy:nan")
+    (('badrew.py:nan', None), ('accuracy', 'nan'))
+    """
     head, sep, tail = entry.rpartition(":")
-    if not sep or not head:
+    if not sep:
+        return entry, None
+    if head.strip().endswith(".py") and tail.strip().isidentifier():
+        return entry, None
+    return head, tail
+
+
+def _has_weight(entry: str) -> bool:
+    """Whether a spec entry ends in ``:NUMBER`` (``accuracy:2``, ``a.py:f:0.5``; not ``a.py:nan``)."""
+    head, tail = split_weight_text(entry)
+    if tail is None or not head:
         return False
     try:
         float(tail)
@@ -140,4 +160,4 @@ def refuse_recorded_callable(value: Any) -> None:
             raise ValueError(f"reward: {entry!r} is neither a reward name nor a recorded function")
 
 
-__all__ = ["check_reward_shape", "refuse_recorded_callable", "reward_record"]
+__all__ = ["check_reward_shape", "refuse_recorded_callable", "reward_record", "split_weight_text"]

@@ -23,7 +23,6 @@ Only the main process writes files, holding the run folder's lock (:mod:`textrl.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -62,6 +61,7 @@ from textrl.run import (
     seed_everything,
     take_run_folder,
 )
+from textrl.run.metrics import EVAL_BEFORE_FILE, json_text, loads_row
 from textrl.run.records import set_aside_earlier_records
 from textrl.run.resume import checkpoint_iteration, refuse_shorter_run
 from textrl.run.signals import Stoppable, StopRequested, stop_before_loop, stop_phase
@@ -80,7 +80,7 @@ from textrl.train_records import (  # noqa: F401 - also importable from here, as
 )
 from textrl.warmup import keeping_warmup
 
-BEFORE_FILE = "eval_before.json"
+BEFORE_FILE = EVAL_BEFORE_FILE
 """The held-out evaluation before the first iteration (kept so a resumed run's summary has it)."""
 
 
@@ -341,7 +341,7 @@ class PPORun:
 
         path = self.output_dir / BEFORE_FILE
         if start > 0:
-            return json.loads(path.read_text()) if path.is_file() else None
+            return loads_row(path.read_text()) if path.is_file() else None  # null read back as NaN
         if not self.evaluates:
             return None
         with stop_phase("the current batch of the held-out evaluation before iteration 1",
@@ -352,7 +352,7 @@ class PPORun:
                                   reward_nonfinite=self.config.reward_nonfinite)
             self.samples.write(0, sample_completions(agent, self.eval_batches[0], self.episodes))
         if self.main:
-            path.write_text(json.dumps(before, indent=2) + "\n")
+            path.write_text(json_text(before, indent=2) + "\n")  # strict JSON: a NaN as null
         return before
 
     def max_reward(self) -> float | None:
@@ -381,7 +381,7 @@ class PPORun:
             summary["gap_closed"] = gap
         if self.main:
             self.log(format_summary(before, after, gap))
-            (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            (self.output_dir / "summary.json").write_text(json_text(summary, indent=2))
         self.dist.barrier()  # every process ends together, after the main one wrote its files
         return summary
 

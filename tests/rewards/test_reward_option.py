@@ -166,3 +166,41 @@ def test_train_refuses_a_bad_row_before_any_model_loads(tmp_path, monkeypatch):
 
 def test_check_reward_option_accepts_none():
     check_reward_option(None, None)
+
+
+BADREW = '''
+def nan(prompts, completions, **kwargs):
+    return [0.25] * len(completions)
+
+
+def inf(prompts, completions, **kwargs):
+    return [0.5] * len(completions)
+'''
+
+
+def test_a_function_called_nan_in_a_reward_file_is_a_function_not_a_weight(tmp_path):
+    """``--reward badrew.py:nan``: ``PATH.py:NAME`` names a function even when NAME reads as a
+    number; a weight after it (from the entry or reward_weights) still applies."""
+    from textrl.rewards.registry import parse_reward_spec
+
+    path = tmp_path / "badrew.py"
+    path.write_text(BADREW)
+    for spec in (f"{path}:nan", f"{path}:inf"):
+        check_reward_option(spec, None)
+        TrainConfig(reward=spec).validate()
+    composite = parse_reward_spec(f"{path}:nan,{path}:inf:2")
+    assert composite.weights == {"nan": 1.0, "inf": 2.0}
+    assert composite(["q"], ["a"]).tolist() == [0.25 + 2 * 0.5]
+    assert resolve_reward(f"{path}:nan", [3.0]) == f"{path}:nan:3"  # reward_weights: no "weight given twice"
+    assert parse_reward_spec(resolve_reward(f"{path}:nan", [3.0])).weights == {"nan": 3.0}
+
+
+@pytest.mark.parametrize("entry", ["accuracy:nan", "accuracy:inf", "accuracy:-inf", "think_format:NaN"])
+def test_a_weight_that_is_not_a_finite_number_is_refused_in_one_line(entry):
+    from textrl.rewards.registry import parse_reward_spec
+
+    message = rf"reward spec entry '{entry}': weight '{entry.split(':')[1]}' is not finite; give a finite number as the weight"
+    with pytest.raises(ValueError, match=message):
+        check_reward_option(entry, None)
+    with pytest.raises(ValueError, match=message):
+        parse_reward_spec(entry)

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from textrl.run import atomic
+from textrl.run.metrics import read_rows
 
 RECORD = "bench_run.json"
 """A finished job's record in its folder: ``{"fingerprint", "wall_s", "peak_rss_mib", ...}``."""
@@ -273,7 +274,7 @@ def read_run(output_dir: str | Path) -> dict[str, Any]:
     including it) and ``elapsed_s`` (cumulative training seconds, evaluations included).
     """
     out = Path(output_dir)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_rows(out / "metrics.jsonl")  # a null (a non-finite value) read as NaN
     if not rows:
         raise ValueError(f"{out / 'metrics.jsonl'} is empty: the run logged no iteration")
     summary = json.loads((out / "summary.json").read_text())

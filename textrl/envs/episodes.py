@@ -37,7 +37,7 @@ from textrl.envs.fast_path import (
     score_completions,
 )
 from textrl.envs.observations import append_observation
-from textrl.envs.rows import row_messages
+from textrl.envs.rows import row_messages, split_reference
 from textrl.envs.watchdog import CallWatch
 from textrl.keys import END_REASONS
 
@@ -139,6 +139,7 @@ class EpisodeDynamics:
     def start(self, row: dict[str, Any], index: int, where: int | str) -> EpisodeState:
         """A new episode on ``row`` (its index in the prompts, -1 for a row given directly);
         calls ``env.start`` (an :class:`EnvError` naming the environment and row if it raises)."""
+        row = split_reference(row, where)  # a closing assistant turn: the row's reference, not the prompt
         messages, text = row_messages(row, where)  # type: ignore[arg-type]
         episode = Episode(row=dict(row), messages=list(messages), index=index, prompt_messages=len(messages))
         with self.watch(f"environment {env_name(self.env)!r} start() on row {index}"):

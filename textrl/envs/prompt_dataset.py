@@ -300,9 +300,13 @@ def check_reward_columns(rows: Any, reward: Any) -> None:
             first = dataset[missing[0]]
             what = f"has {column!r} null" if column in first else f"has no {column!r}"
             count = (f" ({len(missing)} of {len(dataset)} rows lack it)" if len(missing) > 1 else "")
+            # a conversation's closing assistant turn is the row's 'reference': say where it went
+            held = (f" (its 'reference', where a conversation's closing assistant turn goes, holds "
+                    f"{str(first['reference'])[:40]!r}: copy it to {column!r} if it is the answer)"
+                    if first.get("reference") is not None and column != "reference" else "")
             raise ValueError(
                 f"{dataset.where(missing[0])}: row {what}, which reward {names[0]!r} reads{count}; "
-                f"add it or choose another reward"
+                f"add it or choose another reward{held}"
             )
 
 

@@ -23,7 +23,7 @@ from textrl.envs.fast_path import (
     special_ids,
 )
 from textrl.envs.prompts import load_prompts
-from textrl.envs.rows import row_messages
+from textrl.envs.rows import row_messages, split_reference
 from textrl.envs.tasks import make_digits_task
 
 _CACHE_ROWS = 4096
@@ -33,10 +33,12 @@ however many rows a prompt file has (a file's rows are parsed when read, see
 
 
 def _as_row(item: Any, index: int) -> dict[str, Any]:
+    """Prompt ``index`` as a row dict; a conversation's closing assistant turn becomes its
+    ``"reference"`` (:func:`textrl.envs.rows.split_reference`), as when a prompt file loads."""
     if isinstance(item, str):
         return {"prompt": item}
     if isinstance(item, Mapping):
-        return dict(item)
+        return dict(split_reference(item, index))
     raise ValueError(f"prompt {index} is a {type(item).__name__}; give a str or a dict row")
 
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from textrl.envs.rows import keep_reference
+
 _CONVERSATION_FIELDS = ("conversations", "messages")
 
 
@@ -80,8 +82,7 @@ def _normalize_row(raw: Any, where: str, *, owned: bool = False) -> dict[str, An
         if isinstance(prompt, list):  # TRL conversational prompt
             messages, reference = _parse_messages(row.pop("prompt"), where, "prompt")
             row["messages"] = messages
-            if reference is not None:
-                row.setdefault("reference", reference)
+            keep_reference(row, reference, where, "prompt")
         elif not isinstance(prompt, str):
             raise ValueError(
                 f"{where}: 'prompt' must be a string or a list of messages, "
@@ -92,8 +93,7 @@ def _normalize_row(raw: Any, where: str, *, owned: bool = False) -> dict[str, An
     elif conv_field is not None:
         messages, reference = _parse_messages(row.pop(conv_field), where, conv_field)
         row["messages"] = messages
-        if reference is not None:
-            row.setdefault("reference", reference)
+        keep_reference(row, reference, where, conv_field)
     else:
         raise ValueError(
             f"{where}: no prompt: expected a 'prompt' field or a 'conversations' / 'messages' "

@@ -23,12 +23,14 @@ import functools
 import importlib
 import importlib.machinery
 import inspect
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from textrl.registry import Messages, Registry, first_line
+from textrl.reward_option import split_weight_text
 from textrl.rewards.base import RewardFn, check_finite_weight, reward_name
 from textrl.rewards.composite import CompositeReward
 from textrl.rewards.math_verify import math_verify_reward
@@ -212,8 +214,14 @@ _EMPTY_SPEC = ("empty reward spec {spec!r} (--reward / TrainConfig(reward=...)):
 
 
 def _split_weight(token: str) -> tuple[str, float]:
-    head, sep, tail = token.rpartition(":")
-    if not sep:
+    """(reward, weight) of one spec entry ``REWARD[:WEIGHT]`` (:func:`textrl.reward_option.split_weight_text`:
+    ``file.py:nan`` is the function ``nan``); a weight must be a finite number.
+
+    >>> _split_weight("accuracy:2"), _split_weight("badrew.py:nan")
+    (('accuracy', 2.0), ('badrew.py:nan', 1.0))
+    """
+    head, tail = split_weight_text(token)
+    if tail is None:
         return token, 1.0
     head, tail = head.strip(), tail.strip()
     try:
@@ -227,6 +235,10 @@ def _split_weight(token: str) -> tuple[str, float]:
         ) from None
     if not head:
         raise ValueError(f"reward spec entry {token!r} has a weight but no reward name")
+    if not math.isfinite(weight):
+        function = f", or, for a function called {tail!r}, name its file (file.py:{tail})" if tail.isidentifier() else ""
+        raise ValueError(f"reward spec entry {token!r}: weight {tail!r} is not finite; give a finite number as the "
+                         f"weight ({head}:2){function}")
     return head, check_finite_weight(weight, f"reward spec entry {token!r}")
 
 

@@ -3,10 +3,18 @@
 The lock is an exclusive ``flock`` on ``OUTPUT_DIR/.textrl.lock``, held for the whole run by its
 main process: a run's entry point is wrapped in :func:`holds_run_folder`, and its set-up calls
 :func:`take_run_folder` once the config and the folder are checked, before it writes anything
-(so a refused run writes nothing). The kernel releases it when the holder's process ends, however it ends (``kill -9``
-included), so a lock left by a dead process is simply taken over: there is no stale lock to clean
-up, and no cleanup that could touch another writer's files. The file itself names the holder (its
-process id, host, command and start time) for the message the next run shows.
+(so a refused run writes nothing). The file itself names the holder (its process id, host, command
+and start time) for the message the next run shows.
+
+A run that ends, normally, by an error or by a signal it handles (Ctrl-C, SIGTERM), removes the
+file while it still holds the lock, then lets go: a finished run folder holds no ``.textrl.lock``.
+Removing a lock file is safe only because a taker checks, once its ``flock`` is granted, that the
+file it locked is still the one at the path (same inode): a process that opened the file just
+before the holder removed it would otherwise lock a file no one else can see, beside a third run
+locking the new one. A taker that finds the file gone or replaced opens the path again. A
+``kill -9`` leaves the file behind, but the kernel releases the lock with the process, so the next
+run simply takes it over (and removes it when it ends): there is no stale lock to clean up by
+hand, and no cleanup that could touch another writer's files.
 """
 
 from __future__ import annotations
@@ -47,21 +55,30 @@ class RunFolderLock:
         self.release()
 
     def acquire(self) -> None:
+        """Take the lock (creating the folder and the file) and write the holder's record;
+        :class:`RunFolderBusy` when a live process holds it."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise RunFolderBusy(self._busy_message()) from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise RunFolderBusy(self._busy_message()) from None
+            if _is_file_at(fd, self.path):
+                break
+            os.close(fd)  # its holder removed it as it ended: lock the path's file, made anew if need be
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps(holder_record()).encode())
         os.fsync(fd)
         self._fd = fd
 
     def release(self) -> None:
+        """Remove the lock file, then let go of the lock (see the module docstring); idempotent."""
         if self._fd is None:
             return
+        if _is_file_at(self._fd, self.path):  # ours at the path: nobody else removes it while we hold it
+            self.path.unlink(missing_ok=True)
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
@@ -81,9 +98,10 @@ def refuse_busy_folder(folder: str | Path) -> None:
     """:class:`RunFolderBusy` when a live process holds ``folder``'s lock now; writes nothing (a
     probe before the other checks of a run, so a second run hears first that the folder is in use)."""
     lock = RunFolderLock(folder)
-    if not lock.path.is_file():
+    try:
+        fd = os.open(lock.path, os.O_RDONLY)
+    except FileNotFoundError:  # no run holds it (a run removes the file as it ends)
         return
-    fd = os.open(lock.path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -119,6 +137,17 @@ def holds_run_folder(run: Callable[..., Any]) -> Callable[..., Any]:
                 held.release()
 
     return wrapped
+
+
+def _is_file_at(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is the file at ``path`` now (same device and inode; False when
+    ``path`` is gone)."""
+    try:
+        there = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def holder_record() -> dict[str, Any]:

@@ -4,12 +4,22 @@
 The JSON-lines logs are appended a line at a time, so a crash or a full disk can leave a torn last
 line; on resume it is dropped with a warning (:func:`rows_up_to`) and the kept lines are rewritten
 atomically. TensorBoard purges the events after the resumed iteration, so each shows once.
+
+Every line is strict JSON (RFC 8259, which has no NaN or Infinity): a value that is not a finite
+number (``explained_variance`` when the returns are constant, a diverged loss) is written as
+``null``, as JavaScript's ``JSON.stringify`` does, so ``jq`` and any JSON reader take the file
+(:func:`json_text`); :func:`loads_row` reads a row's ``null`` back as NaN (an infinity too: its
+sign is not kept). Lines written by an older textrl with a bare ``NaN`` still read.
+
+``curves.png`` draws the held-out evaluation before training at iteration 0, read from the run
+folder's ``eval_before.json`` (:data:`EVAL_BEFORE_FILE`) when there is one.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import math
 import time
 import warnings
 from pathlib import Path
@@ -17,12 +27,70 @@ from typing import Any
 
 from textrl.run import atomic
 
+EVAL_BEFORE_FILE = "eval_before.json"
+"""The held-out evaluation before the first iteration, in the run folder (iteration 0 of ``curves.png``)."""
+
+
+def finite_or_null(value: Any) -> Any:
+    """``value`` with every float that is not finite (NaN, +-inf) replaced by None, in nested
+    dicts, lists and tuples too (a tuple becomes a list, as JSON has it).
+
+    >>> finite_or_null({"a": float("nan"), "b": [1.5, float("-inf")], "c": "x"})
+    {'a': None, 'b': [1.5, None], 'c': 'x'}
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(item) for item in value]
+    return value
+
+
+def json_text(value: Any, indent: int | None = None) -> str:
+    """``value`` as strict JSON text: non-finite floats as ``null`` (:func:`finite_or_null`), never
+    the ``NaN`` / ``Infinity`` that ``json.dumps`` writes by default and JSON readers refuse.
+
+    >>> json_text({"iteration": 3, "explained_variance": float("nan")})
+    '{"iteration": 3, "explained_variance": null}'
+    """
+    return json.dumps(finite_or_null(value), indent=indent, allow_nan=False)
+
+
+def loads_row(line: str) -> dict[str, Any]:
+    """One JSON row of a run's log; a top-level ``null`` (a non-finite number, :func:`json_text`)
+    reads back as NaN. ``ValueError`` when the line is not JSON, ``TypeError`` when it is not an object.
+
+    >>> loads_row('{"iteration": 3, "explained_variance": null}')
+    {'iteration': 3, 'explained_variance': nan}
+    """
+    row = json.loads(line)
+    if not isinstance(row, dict):
+        raise TypeError(f"not a JSON object: {line[:60]!r}")
+    return {key: math.nan if value is None else value for key, value in row.items()}
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Every row of a finished run's ``metrics.jsonl`` (:func:`loads_row`: ``null`` as NaN), in order."""
+    return [loads_row(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def read_eval_before(output_dir: Path) -> dict[str, Any] | None:
+    """The run folder's held-out evaluation before training (``eval_before.json``, ``null`` read as
+    NaN), or None when there is none or it does not parse (a plot is no reason to stop a run)."""
+    path = Path(output_dir) / EVAL_BEFORE_FILE
+    try:
+        return loads_row(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return None
+
 
 def rows_up_to(path: Path, iteration: int) -> list[dict[str, Any]]:
     """The JSON rows of ``path`` whose ``iteration`` is at most ``iteration``.
 
     A last line that does not parse (torn by a crash or a full disk while appending) is dropped
     with a warning; a bad line before the last is a ``ValueError`` naming the file and the line.
+    A ``null`` value reads back as NaN (:func:`loads_row`).
     """
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     rows = []
@@ -30,7 +98,7 @@ def rows_up_to(path: Path, iteration: int) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = loads_row(line)
             row["iteration"]
         except (ValueError, TypeError, KeyError):
             if number == len(lines):
@@ -62,7 +130,7 @@ def append_line(path: Path, text: str, what: str) -> None:
 def rewrite_rows(path: Path, rows: list[dict[str, Any]]) -> None:
     """Replace ``path`` by ``rows`` (one JSON object a line) atomically: a crash leaves the old
     file or the new one, never a half-written one."""
-    atomic.write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
+    atomic.write_text(path, "".join(json_text(row) + "\n" for row in rows))
 
 
 def wait_past_event_files(tb_dir: Path) -> None:
@@ -117,18 +185,19 @@ class MetricsLog:
         self.rows.append(row)
         if not self.enabled:
             return
-        append_line(self.path, json.dumps(row) + "\n", f"iteration {row['iteration']}'s row")
+        append_line(self.path, json_text(row) + "\n", f"iteration {row['iteration']}'s row")
         for key, value in row.items():
             if key != "iteration" and isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, row["iteration"])
 
     def plot(self, path: Path) -> None:
-        """``curves.png`` (:func:`curves_figure`) of the rows so far."""
+        """``curves.png`` (:func:`curves_figure`) of the rows so far, with the held-out evaluation
+        before training at iteration 0 when the run folder has ``eval_before.json``."""
         if not self.enabled or not self.rows:
             return
         import matplotlib.pyplot as plt
 
-        fig = curves_figure(self.rows, self.kl_kind)
+        fig = curves_figure(self.rows, self.kl_kind, before=read_eval_before(self.path.parent))
         fig.savefig(path, dpi=100)
         plt.close(fig)
 
@@ -153,10 +222,12 @@ def kl_axis_label(kind: str | None) -> str:
     return f"{name} at collection\n({how})"
 
 
-def curves_figure(rows: list[dict[str, Any]], kl_kind: str | None = None) -> Any:
+def curves_figure(rows: list[dict[str, Any]], kl_kind: str | None = None,
+                  before: dict[str, Any] | None = None) -> Any:
     """The figure of ``curves.png``: rollout and held-out reward, and ``kl/collection`` per
     iteration, labelled with its estimator (:func:`kl_axis_label`; a dotted line marks 0, below
-    which a k1 curve can dip)."""
+    which a k1 curve can dip). ``before``: the held-out evaluation before training (the keys of
+    ``eval_before.json``), drawn as the held-out line's point at iteration 0."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -166,6 +237,8 @@ def curves_figure(rows: list[dict[str, Any]], kl_kind: str | None = None) -> Any
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
     ax1.plot(its, [r.get("reward/mean", float("nan")) for r in rows], label="rollout reward")
     evals = [r for r in rows if "eval/sampled/reward/mean" in r]
+    if before is not None and "eval/sampled/reward/mean" in before:
+        evals = [{**before, "iteration": 0}, *(r for r in evals if r["iteration"] != 0)]
     if evals:
         ax1.plot([r["iteration"] for r in evals], [r["eval/sampled/reward/mean"] for r in evals],
                  "o-", label="held-out (sampled)")
@@ -205,8 +278,9 @@ class SamplesLog:
     def write(self, iteration: int, samples: list[dict[str, str]]) -> None:
         if not self.enabled:
             return
-        lines = "".join(json.dumps({"iteration": iteration, **sample}) + "\n" for sample in samples)
+        lines = "".join(json_text({"iteration": iteration, **sample}) + "\n" for sample in samples)
         append_line(self.path, lines, f"iteration {iteration}'s samples")
 
 
-__all__ = ["KL_ESTIMATES", "MetricsLog", "curves_figure", "SamplesLog", "kl_axis_label", "rewrite_rows", "rows_up_to"]
+__all__ = ["EVAL_BEFORE_FILE", "KL_ESTIMATES", "MetricsLog", "curves_figure", "SamplesLog", "finite_or_null", "json_text",
+           "kl_axis_label", "loads_row", "read_eval_before", "read_rows", "rewrite_rows", "rows_up_to"]

@@ -56,6 +56,7 @@ from textrl.run import (
     signal_message,
     take_run_folder,
 )
+from textrl.run.metrics import json_text
 from textrl.run.records import set_aside_earlier_records
 from textrl.run.signals import StopRequested, StopSignals, stop_before_loop, stop_phase
 from textrl.run.user_code import USER_CODE_FILE, user_code_digest, user_code_json
@@ -298,7 +299,7 @@ def fit(
     save(output_dir / MODEL_DIR)
     summary = {"stage": name, "before": state.before, "after": steps.after, "model": str(output_dir / MODEL_DIR),
                "steps": config.steps, "seconds": time.perf_counter() - began, "precision": precision.record()}
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (output_dir / "summary.json").write_text(json_text(summary, indent=2) + "\n")  # strict JSON: a NaN as null
     return summary
 
 
