@@ -159,6 +159,7 @@ IN_WORDS = {
     ("bench", "iterations"): "set per environment by --token-budget",
     ("tiny", "cache_dir"): "$TEXTRL_CACHE or ~/.cache/textrl",
     ("merge", "base_model"): "the one recorded in the adapter folder",
+    ("generate", "tokenizer"): "the model's own",
 }
 """Defaults shown in words, each checked by :func:`check_in_words`."""
 
@@ -185,6 +186,10 @@ def check_in_words(command: str, dest: str, claim: str, seen: dict[str, Any] | N
         from textrl.stages.merge import MergeConfig
 
         assert MergeConfig.base_model is None  # None: read from the adapter folder
+    elif (command, dest) == ("generate", "tokenizer"):
+        from textrl.cli import build_parser
+
+        assert build_parser("generate").parse_args(["generate"]).tokenizer is None  # None: --model's own
 
 
 def test_every_shown_default_is_the_value_used(tmp_path, monkeypatch):

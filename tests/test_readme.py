@@ -40,6 +40,7 @@ EXAMPLE_PAGES = ["README.md", "docs/environments.md", "docs/rewards.md", "docs/t
 @pytest.mark.parametrize("page", EXAMPLE_PAGES)
 def test_python_examples_run(tmp_path, monkeypatch, page):
     monkeypatch.setenv("TEXTRL_CACHE", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # what an example writes (a run folder) goes there
     text = (ROOT / page).read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks

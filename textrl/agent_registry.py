@@ -65,6 +65,18 @@ def register_agent(name: str) -> Callable[[type], type]:
     return REGISTRY.named_class(name)
 
 
+BUILTIN_AGENTS = ("cispo", "dapo", "dr_grpo", "gae_ppo", "grpo", "gspo", "multi_adapter_ppo", "one_step_ppo",
+                  "reinforce_pp", "reinforce_pp_baseline", "rloo", "vapo")
+"""The names :mod:`textrl.agents` registers, for ``--help`` to list without importing the agents
+(and torch); ``tests/test_help_topics.py`` checks it against the registry."""
+
+
+def listed_agent_names() -> list[str]:
+    """The agent names ``--help`` lists, without importing any agent: the built-ins, the agents of
+    installed packages (entry points) and any registered in this process."""
+    return sorted(set(BUILTIN_AGENTS) | set(AGENTS) | set(REGISTRY.entry_points()))
+
+
 def agent_names() -> list[str]:
     """Every agent name ``--agent`` accepts, sorted: registered classes and entry points."""
     return REGISTRY.names()
@@ -115,4 +127,5 @@ def _load_spec(spec: str) -> type:
     return cls
 
 
-__all__ = ["AGENTS", "ENTRY_POINT_GROUP", "REGISTRY", "absolute_spec", "agent_class", "agent_names", "is_spec", "register_agent"]
+__all__ = ["AGENTS", "BUILTIN_AGENTS", "ENTRY_POINT_GROUP", "REGISTRY", "absolute_spec", "agent_class", "agent_names", "is_spec",
+           "listed_agent_names", "register_agent"]

@@ -115,11 +115,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     from textrl.stages.common import is_adapter_dir, load_adapter_model
 
+    args.model = run_policy(args.model)  # a run folder or one of its checkpoints: the policy it saved
     if is_adapter_dir(args.model):  # a LoRA adapter folder: its base plus the adapter
         model = load_adapter_model(args.model, device=args.device)
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = load_tokenizer(args.tokenizer or args.model)
     else:
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = load_tokenizer(args.tokenizer or args.model)
         model = load_causal_lm(args.model, device=args.device)
     prompts = args.prompt or ["What is 2+3?"]
     _check_generate_fits(model, tokenizer, prompts, args)
@@ -148,6 +149,29 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     for prompt, completion in zip(prompts, completions):
         print(f"### prompt\n{prompt}\n### completion\n{completion}\n")
     return 0
+
+
+def run_policy(model: str) -> str:
+    """``textrl generate --model``'s path: a checkpoint of a ``textrl train`` run (``RUN/checkpoints/
+    iter_NNNNNN``) gives its ``policy/`` (the model and tokenizer it saved), a run folder its newest
+    complete checkpoint's (said on stderr); anything else is returned as it is. ``ValueError`` for a
+    run folder without a complete checkpoint, naming it."""
+    from pathlib import Path
+
+    from textrl.run.checkpoints import CHECKPOINT_MARKER, complete_checkpoints
+
+    folder = Path(model).expanduser()
+    if (folder / CHECKPOINT_MARKER).is_file() and (folder / "policy").is_dir():
+        print(f"textrl generate: the policy of checkpoint {folder}: {folder / 'policy'}", file=sys.stderr)
+        return str(folder / "policy")
+    if (folder / "checkpoints").is_dir() and not (folder / "config.json").is_file():
+        found = complete_checkpoints(folder / "checkpoints")
+        if not found:
+            raise ValueError(f"--model {model}: a run folder with no complete checkpoint in {folder / 'checkpoints'}; "
+                             "give a model folder, a hub id, or a run that saved a checkpoint")
+        print(f"textrl generate: the policy of {folder}'s newest checkpoint: {found[-1] / 'policy'}", file=sys.stderr)
+        return str(found[-1] / "policy")
+    return model
 
 
 def _check_generate_fits(model, tokenizer, prompts: list[str], args: argparse.Namespace) -> None:
@@ -183,25 +207,35 @@ def _stage_command(name: str, config_cls: type, run, describe):
     return command
 
 
-def _add_stages(sub) -> None:
-    """``sft``, ``rm``, ``dpo``, ``merge`` and ``pipeline`` from :mod:`textrl.stages`."""
-    from textrl.stages import dpo, merge, pipeline, rm, sft
-    from textrl.stages.common import add_stage_arguments
+STAGES = {
+    "sft": "supervised fine-tuning with the completion-only loss (full or LoRA)",
+    "rm": "reward-model training with the pairwise loss",
+    "dpo": "DPO (sigmoid loss) against the starting model",
+    "merge": "merge a LoRA adapter into its base and save a full model",
+    "pipeline": "SFT -> reward model -> PPO (no arguments: the offline demo)",
+}
+"""The stage subcommands (:mod:`textrl.stages`) and their one-line help."""
 
-    stages = {
-        "sft": (sft, sft.SFTConfig, sft.train_sft, sft.format_sft_summary,
-                "supervised fine-tuning with the completion-only loss (full or LoRA)"),
-        "rm": (rm, rm.RMConfig, rm.train_rm, rm.format_rm_summary,
-               "reward-model training with the pairwise loss"),
-        "dpo": (dpo, dpo.DPOConfig, dpo.train_dpo, dpo.format_dpo_summary,
-                "DPO (sigmoid loss) against the starting model"),
-        "merge": (merge, merge.MergeConfig, merge.merge, merge.format_merge_result,
-                  "merge a LoRA adapter into its base and save a full model"),
-        "pipeline": (pipeline, pipeline.PipelineConfig, pipeline.run_pipeline,
-                     pipeline.format_pipeline_summary,
-                     "SFT -> reward model -> PPO (no arguments: the offline demo)"),
-    }
-    for name, (module, config_cls, run, describe, help_text) in stages.items():
+
+def _add_stages(sub, command: str | None = None) -> None:
+    """``sft``, ``rm``, ``dpo``, ``merge`` and ``pipeline`` from :mod:`textrl.stages`; with
+    ``command``, the options of that one only (the others are listed by name and help)."""
+    for name, help_text in STAGES.items():
+        if command is not None and command != name:
+            sub.add_parser(name, help=help_text)
+            continue
+        import importlib
+
+        from textrl.stages.common import add_stage_arguments
+
+        module = importlib.import_module(f"textrl.stages.{name}")
+        config_cls, run, describe = {
+            "sft": lambda m: (m.SFTConfig, m.train_sft, m.format_sft_summary),
+            "rm": lambda m: (m.RMConfig, m.train_rm, m.format_rm_summary),
+            "dpo": lambda m: (m.DPOConfig, m.train_dpo, m.format_dpo_summary),
+            "merge": lambda m: (m.MergeConfig, m.merge, m.format_merge_result),
+            "pipeline": lambda m: (m.PipelineConfig, m.run_pipeline, m.format_pipeline_summary),
+        }[name](module)
         parser = sub.add_parser(name, help=help_text, description=module.__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
         add_stage_arguments(parser, config_cls)
@@ -209,18 +243,45 @@ def _add_stages(sub) -> None:
 
 
 def _list_agents_in_help(parser: argparse.ArgumentParser) -> None:
-    """``--agent``'s help names every registered agent (the registry is the only list) and the
-    default agent (``TrainConfig.agent``, the only place it is written)."""
-    from textrl.agents import agent_names
+    """``--agent``'s help names every agent (:func:`textrl.agent_registry.listed_agent_names`: the
+    built-ins and installed packages', without importing them) and the default agent
+    (``TrainConfig.agent``, the only place it is written)."""
+    from textrl.agent_registry import listed_agent_names
     from textrl.config import TrainConfig
 
     for action in parser._actions:
         if action.dest == "agent":
-            action.help = (f"Agent: one of {', '.join(agent_names())} (registered names), or "
+            action.help = (f"Agent: one of {', '.join(listed_agent_names())} (registered names), or "
                            f"path/to/file.py:Class for an agent of your own (default: {TrainConfig.agent!r})")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_train(sub) -> None:
+    from textrl.config import TrainConfig, add_config_arguments, add_trl_names
+
+    train = sub.add_parser("train", help="PPO training (no arguments: the embedded CPU default)",
+                           usage="textrl train [--config FILE.yaml] [OPTION VALUE ...]", description="PPO training; with no arguments, the embedded CPU default. Options by topic "
+                                       "below; a --config YAML file holds any of them (flags override it).",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    train.add_argument("--config", default=None, help="YAML file of options (flags override it)")
+    add_config_arguments(train, TrainConfig)
+    add_trl_names(train, TrainConfig)
+    _list_agents_in_help(train)
+    train.set_defaults(func=_cmd_train)
+
+
+def _add_bench(sub) -> None:
+    from textrl import bench as bench_module
+
+    bench = sub.add_parser("bench", help="compare agents x environments x seeds: significance report + plots",
+                           description=bench_module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_module.add_arguments(bench)
+    bench.set_defaults(func=bench_module.run)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``textrl`` parser. ``command``: build the options of that subcommand only (the others are
+    listed with their one-line help, their options left out), so that ``textrl train --help`` does
+    not import what ``textrl bench`` needs; None builds every subcommand's options."""
     from textrl import __version__
 
     parser = argparse.ArgumentParser(prog="textrl", description=__doc__,
@@ -228,15 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"textrl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from textrl.config import TrainConfig, add_config_arguments, add_trl_names
+    def wanted(name: str) -> bool:
+        return command is None or command == name
 
-    train = sub.add_parser("train", help="PPO training (no arguments: the embedded CPU default)",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    train.add_argument("--config", default=None, help="YAML file of options (flags override it)")
-    add_config_arguments(train, TrainConfig)
-    add_trl_names(train, TrainConfig)
-    _list_agents_in_help(train)
-    train.set_defaults(func=_cmd_train)
+    if wanted("train"):
+        _add_train(sub)
+    else:
+        sub.add_parser("train", help="PPO training (no arguments: the embedded CPU default)")
 
     envs = sub.add_parser("envs", help="list the environments `textrl train --env` takes")
     envs.set_defaults(func=_cmd_envs)
@@ -248,7 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate completions from a causal LM")
     gen.add_argument("--model", default="tiny",
-                     help="local path, hub id, 'tiny' (default), or a LoRA adapter folder")
+                     help="local path, hub id, 'tiny' (default), a LoRA adapter folder, a checkpoint of a "
+                          "textrl train run (RUN/checkpoints/iter_NNNNNN) or a run folder (its newest checkpoint)")
+    gen.add_argument("--tokenizer", default=None, help="a tokenizer folder or hub id (default: the model's own)")
     gen.add_argument("--prompt", action="append", help="a user message (repeatable)")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
@@ -265,15 +326,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="vLLM's options, e.g. --port 8001 --max-model-len 1024")
     serve.set_defaults(func=_cmd_vllm_serve)
 
-    _add_stages(sub)
+    _add_stages(sub, command)
 
-    from textrl import bench as bench_module
-
-    bench = sub.add_parser("bench", help="compare agents x environments x seeds: significance report + plots",
-                           description=bench_module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_module.add_arguments(bench)
-    bench.set_defaults(func=bench_module.run)
+    if wanted("bench"):
+        _add_bench(sub)
+    else:
+        sub.add_parser("bench", help="compare agents x environments x seeds: significance report + plots")
     return parser
+
+
+def command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is not an option); None when it names none."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
 def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
@@ -292,15 +356,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     Ctrl-C exits with 130; a ``SystemExit`` (a stopped run's status) passes as it is."""
     from textrl.errors import debug_requested, user_error_message
 
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(command_of(argv) or "")  # only the named subcommand's options are built
     _add_debug_flag(parser)
     args = parser.parse_args(argv)
+    from textrl.quiet import quiet_libraries
+
     try:
-        return int(args.func(args) or 0)
+        with quiet_libraries(debug_requested(getattr(args, "debug", False))):  # other libraries' chatter, unless --debug
+            return int(args.func(args) or 0)
+    except BrokenPipeError:  # the reader of our output closed it (`textrl envs | head -2`): end quietly
+        _stdout_to_devnull()
+        return 128 + 13  # as a Unix tool killed by SIGPIPE
     except Exception as err:  # every error: one line (two: its type and the --debug hint), no traceback
         if debug_requested(getattr(args, "debug", False)):
             raise
-        from textrl.config_io import name_config_sources  # a value from --config's file: edit it there
+        # a value that came from --config's file is named with the file (edit it there)
+        from textrl.config_io import name_config_sources
 
         raise SystemExit(name_config_sources(user_error_message(args.command, err),
                                              getattr(args, "config_sources", {}))) from None
@@ -309,6 +381,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"textrl {args.command}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def _stdout_to_devnull() -> None:
+    """Point the process's stdout at ``/dev/null``: what is left in its buffer, flushed at exit, then
+    goes nowhere instead of raising ``BrokenPipeError`` again."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def entry() -> None:

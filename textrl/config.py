@@ -43,10 +43,10 @@ from textrl.config_io import add_config_arguments as _add_config_arguments
 from textrl.config_io import add_trl_names as _add_trl_names
 from textrl.config_io import build_config as _build_config
 from textrl.config_io import load_yaml as _load_yaml
-from textrl.functional.mismatch import MISMATCH_KINDS, mismatch_bounds
-from textrl.generation.base import engine_named, run_engine_name
-from textrl.precision import check_memory_options, check_precision
 from textrl.reward_option import check_reward_shape
+
+# What validate() checks against the engines, the precision and the mismatch corrections is imported
+# where it runs: ``textrl.config`` (and ``textrl train --help``, built from it) loads without torch.
 
 KL_KINDS = ("k1", "k2", "k3", "abs")
 
@@ -290,9 +290,10 @@ class TrainConfig:
     """Optimiser steps of linear warmup."""
     max_grad_norm: float = shared("max_grad_norm")
     critic_init: str = "policy"
-    """Initialise the critic from the 'policy' or the 'reward_model'."""
+    """What a separate critic (--critic separate) starts from: a copy of the 'policy', or the
+    'reward_model' (its body under a new value head)."""
     critic: str = "separate"
-    """A fully fine-tuned policy's critic: 'separate' (a model of its own, critic_init), 'shared' (a
+    """Where a fully fine-tuned policy's critic lives: 'separate' (a model of its own, critic_init), 'shared' (a
     value head on the policy's body, which the value loss trains too) or 'lora' (a LoRA adapter and
     a value head on a frozen copy of that body, in frozen_dtype)."""
 
@@ -309,7 +310,8 @@ class TrainConfig:
     """Dropout inside LoRA layers (kept at 0 so PPO ratios are exactly 1 before the first step)."""
     lora_target_modules: str = shared("lora_target_modules")
     critic_type: str = "value_head"
-    """multi_adapter_ppo critic: 'value_head' on the policy's hidden states, or a separate 'lora' adapter."""
+    """What trains as the critic of a LoRA policy (--lora-r, multi_adapter_ppo): a 'value_head' on the
+    policy adapter's hidden states (the head alone), or a critic 'lora' adapter of its own with its head."""
 
     # -- several processes ---------------------------------------------------------------------
     fsdp: bool = False
@@ -482,6 +484,9 @@ def _check_choices(config: TrainConfig) -> None:
     check_choice("lr_schedule", config.lr_schedule, ("constant", "cosine"))
     check_choice("critic_init", config.critic_init, ("policy", "reward_model"))
     check_choice("critic_type", config.critic_type, ("value_head", "lora"))
+    from textrl.generation.base import engine_named, run_engine_name
+    from textrl.precision import check_memory_options, check_precision
+
     engine_named(config.generation_engine)  # a registered generation engine, before any work
     run_engine_name(config.generation_engine, config.vllm_server)  # servers only with a vLLM engine
     if not 0 < config.vllm_gpu_memory_utilization <= 1:
@@ -516,6 +521,8 @@ def _check_async(config: TrainConfig) -> None:
 
 def _check_rollout_correction(config: TrainConfig) -> None:
     """The mismatch correction's kind, bounds only where the kind takes them, and a band that keeps something."""
+    from textrl.functional.mismatch import MISMATCH_KINDS, mismatch_bounds
+
     kind, upper, lower = config.rollout_correction, config.rollout_correction_upper, config.rollout_correction_lower
     check_choice("rollout_correction", kind, MISMATCH_KINDS)
     for name, value in (("rollout_correction_upper", upper), ("rollout_correction_lower", lower)):

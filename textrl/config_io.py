@@ -235,23 +235,31 @@ NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One ``--field-name`` / ``--field_name`` option per dataclass field, default: not given."""
+    """One ``--field-name`` / ``--field_name`` option per dataclass field, default: not given,
+    under the heading of its topic (:mod:`textrl.help_topics`, in its order; a field without one
+    stays among the command's own options)."""
+    from textrl.help_topics import TOPICS, topic_of
+
     parser._negative_number_matcher = NEGATIVE_NUMBER  # argparse's own misses -1e-4
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
+    topics = {topic_of(f.name) for f in fields(cls)}
+    groups = {title: parser.add_argument_group(title, description)
+              for title, (description, _) in TOPICS.items() if title in topics}
     for f in fields(cls):
+        target = groups.get(topic_of(f.name) or "", parser)
         tp, optional = _base_type(hints[f.name])
         names = [f"--{f.name.replace('_', '-')}"]
         if "_" in f.name:
             names.append(f"--{f.name}")
         help_text = f"{docs.get(f.name, '')} (default: {f.default!r})"
         if tp is bool:
-            parser.add_argument(
+            target.add_argument(
                 *names, dest=f.name, nargs="?", const=True, default=argparse.SUPPRESS,
                 type=_converter(bool, optional), help=help_text, metavar="BOOL",
             )
         else:
-            parser.add_argument(
+            target.add_argument(
                 *names, dest=f.name, default=argparse.SUPPRESS, type=_converter(tp, optional),
                 help=help_text, metavar=tp.__name__.upper(),
             )

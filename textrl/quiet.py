@@ -1,0 +1,72 @@
+"""The ``textrl`` command's quiet: other libraries' chatter left out of its output unless ``--debug``.
+
+Every command used to print lines that are not about the user's run: DeepSpeed's ``Setting
+accelerator to CPU`` (when something imports it on a machine without a GPU), bitsandbytes'
+``Failed to load CPU gemm_4bit_forward from kernels-community`` (an optional faster kernel), and
+transformers' progress bars and load reports (``Loading weights``, ``Writing model shards``,
+weights newly initialised for a value head textrl adds on purpose). :func:`quiet_libraries` leaves
+their informational lines and warnings out, and keeps their errors; textrl's own lines and warnings
+are never touched. ``--debug`` (or ``TEXTRL_DEBUG=1``) shows everything. The Python API changes
+nothing: it is the command line's choice only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+NOISY_LOGGERS = ("DeepSpeed", "bitsandbytes.backends.cpu.ops")
+"""Loggers whose records below ERROR the command leaves out (filters stay on a logger whatever
+level its library sets later)."""
+
+QUIET_ENVIRONMENT = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+"""Read by huggingface_hub and transformers when they are imported: no progress bars, only errors
+from transformers' logger. A value the user set is kept."""
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
+@contextmanager
+def quiet_libraries(debug: bool = False) -> Iterator[None]:
+    """Within the block, leave the other libraries' chatter out of this process's output (module
+    docstring); with ``debug``, nothing changes. :func:`textrl.cli.main` runs a command in it; what
+    it set (the loggers' filters, the environment variables, transformers' verbosity and progress
+    bars) is as before once the block ends, so a Python caller of ``main`` keeps its own settings."""
+    if debug:
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in NOISY_LOGGERS]
+    added = [logger for logger in loggers if _errors_only not in logger.filters]
+    for logger in added:
+        logger.addFilter(_errors_only)
+    environment = {key: os.environ.get(key) for key in QUIET_ENVIRONMENT}
+    for key, value in QUIET_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    transformers_logging = None
+    if "transformers" in sys.modules:  # imported already: told directly (else it reads the environment)
+        from transformers.utils import logging as transformers_logging
+
+        verbosity, bars = transformers_logging.get_verbosity(), transformers_logging.is_progress_bar_enabled()
+        transformers_logging.set_verbosity_error()
+        transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for logger in added:
+            logger.removeFilter(_errors_only)
+        for key, value in environment.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if transformers_logging is not None:
+            transformers_logging.set_verbosity(verbosity)
+            (transformers_logging.enable_progress_bar if bars else transformers_logging.disable_progress_bar)()
+
+
+__all__ = ["NOISY_LOGGERS", "QUIET_ENVIRONMENT", "quiet_libraries"]
