@@ -12,6 +12,7 @@ One iteration, in order::
     row |= body.evaluate(i, timings)                # when due (every eval_every, and the last)
     row |= time/<phase>_s, time/<timing>_s          # (+ <throughput>_per_second)
     metrics.jsonl <- row; progress bar
+    pace: torch threads fitted to the free cores; a line if iterations crawl (textrl.run.pace)
     stop = a signal (any process; not after the last) or body.faulted()
     body.checkpoint(i, stop)                        # when due, or stopping
     stop: raise TrainingStopped(body.stop_message(...))
@@ -27,8 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from textrl.distributed import Distributed
 from textrl.run.metrics import MetricsLog
+from textrl.run.pace import Pace
 from textrl.run.progress import Progress
 from textrl.run.signals import StopRequested, StopSignals, TrainingStopped, stop_phase
 
@@ -93,15 +97,23 @@ class RunLoop:
         models load stops after the first iteration); else one is installed for the loop.
         """
         progress = Progress(self.progress, self.iterations, start, self.name)
-        with nullcontext(signals) if signals is not None else StopSignals() as signals:
-            for iteration in range(start + 1, self.iterations + 1):
-                last = iteration == self.iterations
-                with stop_phase(f"the last {self.timing}" if last else f"the current {self.timing}",
-                                "ending the run" if last else "saving a checkpoint", stoppable=not last):
-                    row = self.iteration(body, iteration)
-                    self.metrics.write(row)
-                progress.advance(body.postfix(row))
-                self.stop_or_save(body, iteration, signals, progress)
+        # the torch threads fitted to the cores other processes leave, a line when iterations crawl
+        pace = Pace(log=print if self.main else (lambda line: None), adapt=not torch.cuda.is_initialized(),
+                    unit=self.timing)
+        pace.start()
+        try:
+            with nullcontext(signals) if signals is not None else StopSignals() as signals:
+                for iteration in range(start + 1, self.iterations + 1):
+                    last = iteration == self.iterations
+                    with stop_phase(f"the last {self.timing}" if last else f"the current {self.timing}",
+                                    "ending the run" if last else "saving a checkpoint", stoppable=not last):
+                        row = self.iteration(body, iteration)
+                        self.metrics.write(row)
+                    progress.advance(body.postfix(row))
+                    pace.after(iteration, row[f"time/{self.timing}_s"] - row.get("time/eval_s", 0.0))
+                    self.stop_or_save(body, iteration, signals, progress)
+        finally:
+            torch.set_num_threads(pace.most)  # as the run found them
         progress.close()
         if self.plot is not None:
             self.metrics.plot(self.plot)

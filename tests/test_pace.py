@@ -1,0 +1,120 @@
+"""A run on a shared CPU (textrl.run.pace): its torch threads fitted to the cores other processes
+leave it, against a reference loop over drawn loads, and one line when its iterations crawl."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from textrl.run import pace
+from textrl.run.pace import CpuSample, Pace, cores_used_elsewhere, slow_window, threads_for
+
+
+@given(st.integers(1, 64), st.floats(0, 80, allow_nan=False), st.integers(1, 64))
+def test_threads_for_is_the_free_cores_rounded_within_one_and_most(cores, elsewhere, most):
+    free = cores - elsewhere
+    expected = 1
+    for n in range(1, most + 1):  # the reference: the largest count the free cores hold, rounded
+        if free >= n - 0.5:
+            expected = n
+    assert threads_for(cores, elsewhere, most) == expected
+
+
+def test_cores_used_elsewhere_is_the_machines_busy_time_less_this_process():
+    a = CpuSample(machine=100.0, own=10.0, wall=50.0)
+    b = CpuSample(machine=104.0, own=12.0, wall=52.0)  # 4 core-seconds busy in 2 s, 2 of them ours
+    assert cores_used_elsewhere(a, b) == 1.0
+    assert cores_used_elsewhere(b, a) == 0.0 and cores_used_elsewhere(a, a) == 0.0
+
+
+@given(st.lists(st.floats(0.01, 10, allow_nan=False), min_size=0, max_size=30))
+def test_slow_window_matches_its_definition(seconds):
+    found = slow_window(seconds)
+    if len(seconds) < 11:
+        assert found is None
+        return
+    start, recent = statistics.median(seconds[1:6]), statistics.median(seconds[-5:])
+    assert (found is not None) == (recent > 3 * start)
+    if found is not None:
+        assert found == (recent, start)
+
+
+def _fake_machine(monkeypatch, elsewhere_per_iteration):
+    """cpu_sample() as a machine where other processes use the given cores during each iteration
+    (one second each), this process one core."""
+    state = {"t": 0.0, "machine": 0.0, "own": 0.0, "loads": iter(elsewhere_per_iteration)}
+
+    def sample():
+        sample = CpuSample(machine=state["machine"], own=state["own"], wall=state["t"])
+        load = next(state["loads"], 0.0)
+        state["t"] += 1.0
+        state["own"] += 1.0
+        state["machine"] += 1.0 + load
+        return sample
+
+    monkeypatch.setattr(pace, "cpu_sample", sample)
+
+
+def test_the_threads_go_down_while_another_process_is_busy_and_back_after(monkeypatch):
+    previous = torch.get_num_threads()
+    lines: list[str] = []
+    _fake_machine(monkeypatch, [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    try:
+        run = Pace(log=lines.append, cores=2, most=2)
+        torch.set_num_threads(2)
+        run.start()
+        threads = []
+        for i in range(1, 9):
+            run.after(i, 0.3)
+            threads.append(torch.get_num_threads())
+        assert threads == [2, 2, 2, 1, 1, 1, 1, 2]  # two iterations agreeing before each change
+        assert lines[0] == "iteration 4: other processes keep 1.0 of the 2 cores busy: 1 torch thread(s) from here (was 2)"
+        assert "2 torch thread(s) from here (was 1)" in lines[1]
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_a_run_that_may_not_adapt_keeps_its_threads_and_a_run_alone_never_changes(monkeypatch):
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        _fake_machine(monkeypatch, [1.0] * 10)
+        run = Pace(log=lambda line: None, adapt=False, cores=2, most=2)
+        run.start()
+        for i in range(1, 6):
+            run.after(i, 0.3)
+        assert torch.get_num_threads() == 2
+        _fake_machine(monkeypatch, [0.2] * 10)
+        run = Pace(log=lambda line: None, cores=2, most=2)
+        run.start()
+        for i in range(1, 6):
+            run.after(i, 0.3)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_crawling_iterations_get_one_line_naming_the_cause_and_the_lever(monkeypatch):
+    _fake_machine(monkeypatch, [1.5] * 30)
+    lines: list[str] = []
+    run = Pace(log=lines.append, adapt=False, cores=2, most=1)
+    run.start()
+    times = [2.0] + [0.3] * 5 + [1.2] * 8
+    for i, seconds in enumerate(times, start=1):
+        run.after(i, seconds)
+    hints = [line for line in lines if "slower than" in line]
+    assert hints == ["iterations 7-11 took 1.20 s each, 4.0x slower than the run's first ones (0.30 s): other "
+                     "processes use 1.5 of this machine's 2 cores (the run uses "
+                     f"{torch.get_num_threads()} torch thread(s)); free the cores, or lower the run's threads "
+                     "with OMP_NUM_THREADS"]
+
+
+def test_a_real_sample_reads_this_machine():
+    sample = pace.cpu_sample()
+    if sample is not None:  # Linux
+        later = pace.cpu_sample()
+        assert later.machine >= sample.machine and later.own >= sample.own
+        assert cores_used_elsewhere(sample, later) >= 0.0
