@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -112,11 +113,10 @@ def tail(proc: subprocess.CompletedProcess) -> str:
 def check_cuda_tests(sizes: Sizes, budget_s: float) -> Result:
     tests = ROOT / "tests" if (ROOT / "tests").is_dir() else Path.cwd() / "tests"
     marker = "cuda and not slow"
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-m", marker, str(tests)]
-    if not sizes.gpu:
-        args.append("--collect-only")
+    options = ["-q", "-p", "no:randomly", "-m", marker] + ([] if sizes.gpu else ["--collect-only"])
+    args = [sys.executable, "-m", "pytest", *options, str(tests)]
     proc, seconds = run(args, budget_s)
-    command = " ".join(args[1:])
+    command = shlex.join(["python", "-m", "pytest", *options, "tests"])
     if proc is None:
         return Result("cuda_tests", "failed", f"ran past its {budget_s:.0f} s budget", command=command, seconds=seconds)
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected|selected)",
