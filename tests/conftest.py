@@ -10,7 +10,8 @@ Under pytest-xdist (CI: ``-n auto``) each worker's torch, and every process a te
 the worker's share of the cores (``OMP_NUM_THREADS``, unless it is set already): with torch's
 default of one thread per core, two workers on 2 cores ran four spinning OpenMP threads, and
 tests/agents' test_agents, test_learning and test_group_ppo took 54-79 s on two workers instead
-of 15 s.
+of 15 s. Without xdist the variable is set to the cores: set, the threads count as chosen, and a
+run keeps them (``textrl.run.pace`` fits only unchosen threads to a busy machine's free cores).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ REHEARSE = "TEXTRL_CUDA_TESTS_ON"
 
 def pytest_configure(config):
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")  # set in each xdist worker
-    if workers and "OMP_NUM_THREADS" not in os.environ:
+    if "OMP_NUM_THREADS" not in os.environ:
+        # chosen, so that a run's threads stay fixed (textrl.run.pace fits unchosen ones to the free
+        # cores): two runs a test compares bit for bit never differ by a busy machine's thread count
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = max(1, cores // int(workers))
+        threads = max(1, cores // int(workers or 1))
         os.environ["OMP_NUM_THREADS"] = str(threads)  # the processes the tests start
         torch.set_num_threads(threads)
 

@@ -118,3 +118,56 @@ def test_a_real_sample_reads_this_machine():
         later = pace.cpu_sample()
         assert later.machine >= sample.machine and later.own >= sample.own
         assert cores_used_elsewhere(sample, later) >= 0.0
+
+
+def test_chosen_threads_and_vllm_engine_processes_keep_the_runs_threads(monkeypatch):
+    from textrl.run.pace import threads_chosen
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert threads_chosen()
+    monkeypatch.setenv("OMP_NUM_THREADS", " ")
+    assert not threads_chosen()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert not threads_chosen()
+
+
+def test_the_loop_fits_threads_only_when_it_may(monkeypatch, tmp_path):
+    from textrl.run import loop as loop_module
+    from textrl.run.loop import RunLoop
+    from textrl.run.metrics import MetricsLog
+
+    seen = []
+
+    def Spy(**kwargs):  # noqa: N802 - stands for the class
+        seen.append(kwargs["adapt"])
+        return Pace(**kwargs)
+
+    class Body:
+        def step(self, i, timings):
+            return {"iteration": i}
+
+        def evaluate(self, i, timings):
+            return {}
+
+        def checkpoint(self, i, stopping):
+            return None
+
+        def faulted(self):
+            return False
+
+        def stop_message(self, i, signum, saved):
+            return ""
+
+        def postfix(self, row):
+            return {}
+
+    monkeypatch.setattr(loop_module, "Pace", Spy)
+    for chosen, fit in ((None, True), ("1", True), (None, False)):
+        if chosen is None:
+            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("OMP_NUM_THREADS", chosen)
+        folder = tmp_path / str(len(seen))
+        folder.mkdir()
+        RunLoop("x", 1, MetricsLog(folder, True, None), fit_threads=fit).run(Body(), 0)
+    assert seen == [True, False, False]

@@ -118,6 +118,7 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
             "PPO", config.iterations, run.metrics, eval_every=config.eval_every,
             checkpoint_every=config.checkpoint_every, evaluates=run.evaluates, throughput="tokens",
             progress=config.progress and run.main, plot=run.output_dir / "curves.png", main=run.main, dist=run.dist,
+            fit_threads=not run.engine_process(),
         )
         loop.run(run, start, signals)
         return run.summary(before)
@@ -354,6 +355,12 @@ class PPORun:
         if self.main:
             path.write_text(json_text(before, indent=2) + "\n")  # strict JSON: a NaN as null
         return before
+
+    def engine_process(self) -> bool:
+        """Whether the rollouts come from a vLLM engine in processes of its own (busy by design
+        while this one waits for them): the run's threads then stay as they are."""
+        engine = getattr(getattr(getattr(self.agent, "actor", None), "engine", None), "name", "")
+        return str(engine).startswith("vllm")
 
     def max_reward(self) -> float | None:
         """The environment's maximum reward when the run scores with the environment's own reward

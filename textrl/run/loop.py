@@ -32,7 +32,7 @@ import torch
 
 from textrl.distributed import Distributed
 from textrl.run.metrics import MetricsLog
-from textrl.run.pace import Pace
+from textrl.run.pace import Pace, threads_chosen
 from textrl.run.progress import Progress
 from textrl.run.signals import StopRequested, StopSignals, TrainingStopped, stop_phase
 
@@ -71,7 +71,7 @@ class RunLoop:
     iteration's wall-clock seconds are logged as ``time/<timing>_s``; ``throughput``: a row key
     also logged per second of that (``tokens`` -> ``tokens_per_second``). ``plot``: where the
     metrics log draws its curves at the end (None: no plot). ``main``: this process writes the
-    stop message; ``dist``: a signal to any process stops them all.
+    stop message; ``dist``: a signal to any process stops them all. ``fit_threads``: see the field.
     """
 
     name: str
@@ -87,6 +87,8 @@ class RunLoop:
     plot: Path | None = None
     main: bool = True
     dist: Distributed = field(default_factory=Distributed)
+    fit_threads: bool = True
+    """Whether the torch threads follow the cores other processes leave (:mod:`textrl.run.pace`)."""
     evaluation_cut: str | None = None
     """How far the evaluation of the current iteration got when a signal cut it (None: it ran whole)."""
 
@@ -98,8 +100,8 @@ class RunLoop:
         """
         progress = Progress(self.progress, self.iterations, start, self.name)
         # the torch threads fitted to the cores other processes leave, a line when iterations crawl
-        pace = Pace(log=print if self.main else (lambda line: None), adapt=not torch.cuda.is_initialized(),
-                    unit=self.timing)
+        pace = Pace(log=print if self.main else (lambda line: None), unit=self.timing,
+                    adapt=self.fit_threads and not torch.cuda.is_initialized() and not threads_chosen())
         pace.start()
         try:
             with nullcontext(signals) if signals is not None else StopSignals() as signals:

@@ -13,8 +13,10 @@ So each iteration, :class:`Pace` reads how much CPU the other processes of the m
 cannot hold the run's threads, lowers them (:func:`threads_for`); it raises them back, up to the
 number the run started with, when the others are gone. A change needs two iterations agreeing and
 is said in one line. Results can differ in the last bits between thread counts (reductions split
-otherwise); a run whose machine is not shared never changes its threads. Without ``/proc/stat``
-(not Linux) only the slow-iteration hint runs.
+otherwise); a run whose machine is not shared never changes its threads, and neither does one whose
+threads were chosen (``OMP_NUM_THREADS`` set: :func:`threads_chosen`) or whose rollouts come from a
+vLLM engine process (busy by design while the run waits for it). Without ``/proc/stat`` (not
+Linux) only the slow-iteration hint runs.
 """
 
 from __future__ import annotations
@@ -94,6 +96,11 @@ def slow_window(seconds: Sequence[float], first: int = 5, window: int = 5, skip:
     return (recent, start) if start > 0 and recent > factor * start else None
 
 
+def threads_chosen() -> bool:
+    """Whether the user chose the torch threads (``OMP_NUM_THREADS`` set): then they stay as chosen."""
+    return bool(os.environ.get("OMP_NUM_THREADS", "").strip())
+
+
 @dataclass
 class Pace:
     """The pace of one process's run (module docstring). ``log``: where its lines go (the main
@@ -149,4 +156,5 @@ class Pace:
         return elsewhere
 
 
-__all__ = ["SLOW_FACTOR", "CpuSample", "Pace", "cores_used_elsewhere", "cpu_sample", "slow_window", "threads_for"]
+__all__ = ["SLOW_FACTOR", "CpuSample", "Pace", "cores_used_elsewhere", "cpu_sample", "slow_window", "threads_chosen",
+           "threads_for"]
