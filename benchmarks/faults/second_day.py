@@ -114,3 +114,37 @@ def closed_pipe(trial: Trial, base: Path) -> None:
     proc = subprocess.run(["bash", "-c", shell], env=trial.env, capture_output=True, text=True, timeout=120)
     judge(trial, "second day: textrl envs | head -2", proc, refused=False,
           kept="BrokenPipe" not in proc.stderr and len(proc.stdout.splitlines()) == 2)
+
+
+@case("second day: --reward badrew.py:nan")
+def reward_named_nan(trial: Trial, base: Path) -> None:
+    reward = _write(trial, "badrew.py", "def nan(completions, **kwargs):\n    return [1.0 for _ in completions]\n")
+    out = trial.folder("reward_nan")
+    proc = trial.textrl("train", *SMALL, "--iterations", "1", "--reward", f"{reward}:nan", "--output-dir", str(out))
+    rows = (out / "metrics.jsonl").read_text() if (out / "metrics.jsonl").is_file() else ""
+    judge(trial, "second day: --reward badrew.py:nan", proc, refused=False,
+          kept=run_folder_sound(out, 1) and "reward_components/nan" in rows)
+    out = trial.folder("weight_nan")
+    proc = trial.textrl("train", *SMALL, "--reward", "accuracy:nan", "--output-dir", str(out))
+    judge(trial, "second day: --reward accuracy:nan", proc, refused=True, kept=not out.exists(), expect="not finite")
+
+
+@case("second day: messages rows ending with an assistant turn")
+def trailing_assistant(trial: Trial, base: Path) -> None:
+    rows = [{"messages": [{"role": "user", "content": f"Say {i}"}, {"role": "assistant", "content": str(i)}],
+             "reference": "other" if i == 3 else str(i)} for i in range(8)]
+    data = _write(trial, "chat.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    out = trial.folder("messages")
+    proc = trial.textrl("train", *SMALL, "--dataset", str(data), "--reward", "think_format", "--output-dir", str(out))
+    judge(trial, "second day: messages rows ending with an assistant turn", proc, refused=True,
+          kept=not (out / "checkpoints").exists(), expect="chat.jsonl:4")
+
+
+@case("second day: textrl generate --model RUN/checkpoints/iter_N")
+def generate_checkpoint(trial: Trial, base: Path) -> None:
+    checkpoint = sorted((base / "checkpoints").iterdir())[-1]
+    before = snapshot(base)
+    proc = trial.textrl("generate", "--model", str(checkpoint), "--max-new-tokens", "4", "--greedy")
+    judge(trial, "second day: textrl generate --model RUN/checkpoints/iter_N", proc, refused=False,
+          kept=_unchanged(before, snapshot(base)) and "### completion" in proc.stdout,
+          expect="the policy of checkpoint")
