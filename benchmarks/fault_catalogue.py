@@ -385,6 +385,9 @@ def main() -> int:
     for name, run in CASES.items():
         if args.only in name:
             run(trial, base)
+    if not trial.outcomes:
+        print(f"no case's name contains {args.only!r}; the cases: {', '.join(CASES)}")
+        return 1
     width = max(len(o.name) for o in trial.outcomes)
     for o in trial.outcomes:
         verdict = ("clear" if o.clear else "UNCLEAR") + (" kept" if o.kept else " LOST")

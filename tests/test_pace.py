@@ -171,3 +171,24 @@ def test_the_loop_fits_threads_only_when_it_may(monkeypatch, tmp_path):
         folder.mkdir()
         RunLoop("x", 1, MetricsLog(folder, True, None), fit_threads=fit).run(Body(), 0)
     assert seen == [True, False, False]
+
+
+def test_the_set_up_runs_on_the_cores_others_leave_unless_the_threads_were_chosen(monkeypatch):
+    previous = torch.get_num_threads()
+    lines: list[str] = []
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(pace, "_STARTING_THREADS", [2])
+        monkeypatch.setattr(pace.time, "sleep", lambda s: None)
+        monkeypatch.setattr(pace.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        _fake_machine(monkeypatch, [1.0, 1.0])
+        assert pace.fit_threads_now(lines.append) is None and torch.get_num_threads() == 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        _fake_machine(monkeypatch, [1.0, 1.0])
+        assert pace.fit_threads_now(lines.append) == 1 and torch.get_num_threads() == 1
+        assert lines == ["other processes keep 1.0 of the 2 cores busy: 1 torch thread(s) for the set-up (was 2); "
+                         "the iterations fit them again as the machine changes"]
+        assert Pace(log=lines.append, cores=2).most == 2  # a run may go back up to the threads it started with
+    finally:
+        torch.set_num_threads(previous)

@@ -62,6 +62,7 @@ from textrl.run import (
     take_run_folder,
 )
 from textrl.run.metrics import EVAL_BEFORE_FILE, json_text, loads_row
+from textrl.run.pace import fit_threads_now
 from textrl.run.records import set_aside_earlier_records
 from textrl.run.resume import checkpoint_iteration, refuse_shorter_run
 from textrl.run.signals import Stoppable, StopRequested, stop_before_loop, stop_phase
@@ -412,6 +413,8 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     if main:  # one writer per run folder, until _train returns; a second run is refused here
         take_run_folder(output_dir)
     seed_everything(config.seed)
+    if not config.vllm_server and not str(config.generation_engine).startswith("vllm"):
+        fit_threads_now(log)  # the warm-up and the first evaluation too run on the cores others leave
     checkpoint = resume_checkpoint(config, log)  # verified before any model loads
     changes = {} if checkpoint is None else check_resume_settings(config, config_values(config), checkpoint,
                                                                     "train", log)

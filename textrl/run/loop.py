@@ -115,7 +115,7 @@ class RunLoop:
                     pace.after(iteration, row[f"time/{self.timing}_s"] - row.get("time/eval_s", 0.0))
                     self.stop_or_save(body, iteration, signals, progress)
         finally:
-            torch.set_num_threads(pace.most)  # as the run found them
+            torch.set_num_threads(pace.most)  # as the process started
         progress.close()
         if self.plot is not None:
             self.metrics.plot(self.plot)

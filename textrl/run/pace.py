@@ -96,6 +96,41 @@ def slow_window(seconds: Sequence[float], first: int = 5, window: int = 5, skip:
     return (recent, start) if start > 0 and recent > factor * start else None
 
 
+_STARTING_THREADS: list[int] = []
+"""torch's thread count before this process first fitted it (:func:`fit_threads_now`)."""
+
+
+def starting_threads() -> int:
+    """The torch threads this process started with, before any fitting: the most a run goes back up to."""
+    return _STARTING_THREADS[0] if _STARTING_THREADS else torch.get_num_threads()
+
+
+def fit_threads_now(log: Callable[[str], Any] = print, seconds: float = 0.25) -> int | None:
+    """Before a run's set-up work (the models' loading, the supervised warm-up): watch the machine
+    for ``seconds`` while this process waits, and fit the torch threads to the cores the others
+    leave (unless chosen: :func:`threads_chosen`), saying so in a line when they change. The
+    threads set; None where ``/proc/stat`` cannot be read."""
+    if not _STARTING_THREADS:
+        _STARTING_THREADS.append(torch.get_num_threads())
+    if threads_chosen() or torch.cuda.is_initialized():
+        return None
+    before = cpu_sample()
+    if before is None:
+        return None
+    time.sleep(seconds)
+    after = cpu_sample()
+    if after is None:
+        return None
+    elsewhere = cores_used_elsewhere(before, after)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    wanted, current = threads_for(cores, elsewhere, starting_threads()), torch.get_num_threads()
+    if wanted != current:
+        torch.set_num_threads(wanted)
+        log(f"other processes keep {elsewhere:.1f} of the {cores} cores busy: {wanted} torch thread(s) for the "
+            f"set-up (was {current}); the iterations fit them again as the machine changes")
+    return wanted
+
+
 def threads_chosen() -> bool:
     """Whether the user chose the torch threads (``OMP_NUM_THREADS`` set): then they stay as chosen."""
     return bool(os.environ.get("OMP_NUM_THREADS", "").strip())
@@ -111,7 +146,9 @@ class Pace:
     unit: str = "iteration"
     cores: int = field(default_factory=lambda: len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                        else (os.cpu_count() or 1))
-    most: int = field(default_factory=torch.get_num_threads)
+    most: int = field(default_factory=lambda: starting_threads())
+    window: int = 5
+    """Iterations compared with the run's first ones (:func:`slow_window`)."""
     seconds: list[float] = field(default_factory=list)
     hinted: bool = False
     _sample: CpuSample | None = None
@@ -126,13 +163,13 @@ class Pace:
         the iterations have become far slower than the first ones."""
         self.seconds.append(seconds)
         elsewhere = self._fit_threads(iteration)
-        slow = slow_window(self.seconds)
+        slow = slow_window(self.seconds, window=self.window)
         if slow is not None and not self.hinted:
             self.hinted = True
             recent, start = slow
             busy = (f"other processes use {elsewhere:.1f} of this machine's {self.cores} cores"
                     if elsewhere is not None else "the machine may be busy with other processes")
-            self.log(f"{self.unit}s {iteration - 4}-{iteration} took {recent:.2f} s each, {recent / start:.1f}x slower "
+            self.log(f"{self.unit}s {iteration - self.window + 1}-{iteration} took {recent:.2f} s each, {recent / start:.1f}x slower "
                      f"than the run's first ones ({start:.2f} s): {busy} (the run uses {torch.get_num_threads()} torch "
                      "thread(s)); free the cores, or lower the run's threads with OMP_NUM_THREADS")
 
@@ -156,5 +193,5 @@ class Pace:
         return elsewhere
 
 
-__all__ = ["SLOW_FACTOR", "CpuSample", "Pace", "cores_used_elsewhere", "cpu_sample", "slow_window", "threads_chosen",
-           "threads_for"]
+__all__ = ["SLOW_FACTOR", "CpuSample", "Pace", "cores_used_elsewhere", "cpu_sample", "fit_threads_now", "slow_window",
+           "starting_threads", "threads_chosen", "threads_for"]
