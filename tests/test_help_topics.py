@@ -7,8 +7,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
+import shutil
 import subprocess
 import sys
+import warnings
 from dataclasses import fields
 
 import pytest
@@ -44,8 +47,13 @@ def test_train_help_lists_each_option_under_its_topic():
     titles = [g.title for g in train._action_groups]
     assert titles[2:] == list(TOPICS)  # after argparse's positionals and options, in TOPICS' order
     for group in train._action_groups[2:]:
-        dests = {a.dest for a in group._group_actions}
+        dests = [a.dest for a in group._group_actions]
         assert dests and all(FIELD_TOPIC[d] == group.title for d in dests)
+        assert dests == [name for name in TOPICS[group.title][1] if name in dests]  # in the order listed
+    agent = next(g for g in train._action_groups if g.title == "agent")
+    dests = [a.dest for a in agent._group_actions]
+    at = dests.index("critic")
+    assert dests[at:at + 3] == ["critic", "critic_init", "critic_type"]  # side by side, as the description tells them
     assert "--critic-type" in train.format_help() and "each for another case" in train.format_help()
 
 
@@ -84,13 +92,35 @@ def test_other_libraries_chatter_is_left_out_and_errors_stay_within_the_command_
     assert logger.filter(warn) and "TRANSFORMERS_VERBOSITY" not in os.environ  # as before, after the command
 
 
+def test_other_libraries_deprecations_are_left_out_and_textrl_s_stay():
+    from textrl import quiet
+
+    def warn(category: type[Warning], module: str) -> None:
+        warnings.warn_explicit(f"from {module}", category, "f.py", 1, module=module)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with quiet.quiet_libraries():
+            warn(FutureWarning, "transformers.modeling_utils")  # peft reading a deprecated property
+            warn(DeprecationWarning, "peft.peft_model")
+            warn(UserWarning, "transformers.generation.utils")  # not a deprecation: stays
+            warn(FutureWarning, "textrl.trainer")  # textrl's own: stays
+            warn(FutureWarning, "transformers_addon")  # another package whose name starts alike: stays
+        warn(FutureWarning, "transformers.modeling_utils")  # after the command: as before
+    assert [str(w.message) for w in seen] == ["from transformers.generation.utils", "from textrl.trainer",
+                                              "from transformers_addon", "from transformers.modeling_utils"]
+
+
 def test_a_command_prints_no_third_party_chatter_unless_debug(tmp_path):
     out = tmp_path / "run"
-    args = ["-m", "textrl", "train", *SMALL, "--iterations", "1", "--output-dir", str(out)]
+    # a LoRA policy: peft imports bitsandbytes (its CPU kernel message) and reads a deprecated
+    # transformers property (a FutureWarning)
+    args = ["-m", "textrl", "train", *SMALL, "--lora-r", "4", "--iterations", "1", "--output-dir", str(out)]
     quiet = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300)
     assert quiet.returncode == 0, quiet.stderr[-800:]
     text = quiet.stdout + quiet.stderr
-    for noise in ("Setting accelerator to CPU", "Loading weights", "Writing model shards", "gemm_4bit_forward"):
+    for noise in ("Setting accelerator to CPU", "Loading weights", "Writing model shards", "gemm_4bit_forward",
+                  "FutureWarning"):
         assert noise not in text, noise
     assert "running on cpu" in text and "held-out metric" in text  # textrl's own lines stay
     loud = subprocess.run([sys.executable, *args, "--output-dir", str(tmp_path / "loud"), "--debug"],
@@ -98,10 +128,18 @@ def test_a_command_prints_no_third_party_chatter_unless_debug(tmp_path):
     assert loud.returncode == 0 and "Loading weights" in loud.stdout + loud.stderr
 
 
-def test_a_closed_pipe_ends_the_command_quietly():
-    proc = subprocess.run(["bash", "-c", f"{sys.executable} -m textrl envs | head -1; exit ${{PIPESTATUS[0]}}"],
-                          capture_output=True, text=True, timeout=120)
-    assert len(proc.stdout.splitlines()) == 1
+@pytest.mark.parametrize("args", [["envs"], ["--help"], ["--version"]], ids=" ".join)
+def test_a_closed_pipe_ends_the_command_quietly(args):
+    # the reader is gone before the command writes (`textrl envs | head -1` once head has exited);
+    # stdout block-buffered as in a user's shell, so the write fails when the buffer is flushed
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "textrl", *args], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120, env=env)
+    finally:
+        os.close(write)
     assert proc.stderr == "" and proc.returncode == 141
 
 
@@ -110,13 +148,22 @@ def test_generate_takes_a_runs_checkpoint_or_the_run_folder(tmp_path, capsys):
     assert main(["train", *SMALL, "--iterations", "1", "--checkpoint-every", "1", "--output-dir", str(out)]) == 0
     checkpoint = next((out / "checkpoints").iterdir())
     capsys.readouterr()
-    for given, said in ((checkpoint, f"the policy of checkpoint {checkpoint}"), (out, f"the policy of {out}'s newest")):
+    newest = f"the policy of {out}'s newest checkpoint: {checkpoint / 'policy'}"
+    for given, said in ((checkpoint, f"the policy of checkpoint {checkpoint}: {checkpoint / 'policy'}"),
+                        (out, newest), (out / "checkpoints", newest)):
         assert main(["generate", "--model", str(given), "--max-new-tokens", "4", "--greedy"]) == 0
         captured = capsys.readouterr()
         assert said in captured.err and "### completion" in captured.out
     with pytest.raises(SystemExit, match="no complete checkpoint"):
         (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
         main(["generate", "--model", str(tmp_path / "empty")])
+    partial = tmp_path / "partial" / "checkpoints" / checkpoint.name  # a save that did not finish
+    shutil.copytree(checkpoint, partial)
+    (partial / "manifest.json").unlink()
+    with pytest.raises(SystemExit, match=f"without manifest.json .*--model {re.escape(str(partial / 'policy'))} to load"):
+        main(["generate", "--model", str(partial)])
+    with pytest.raises(SystemExit, match="no complete checkpoint"):
+        main(["generate", "--model", str(partial.parent.parent)])
 
 
 def test_generate_has_the_tokenizer_option_its_errors_suggest(tmp_path):

@@ -153,25 +153,35 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def run_policy(model: str) -> str:
     """``textrl generate --model``'s path: a checkpoint of a ``textrl train`` run (``RUN/checkpoints/
-    iter_NNNNNN``) gives its ``policy/`` (the model and tokenizer it saved), a run folder its newest
-    complete checkpoint's (said on stderr); anything else is returned as it is. ``ValueError`` for a
-    run folder without a complete checkpoint, naming it."""
+    iter_NNNNNN``) gives its ``policy/`` (the model and tokenizer it saved); a run folder, or its
+    ``checkpoints/`` folder, the newest complete checkpoint's (:func:`textrl.run.checkpoints.
+    complete_checkpoints`); either is said in one line on stderr. Anything else (a model folder, a
+    hub id, ``tiny``, an adapter folder) is returned as it is. ``ValueError`` naming the folder for a
+    checkpoint whose save did not finish and for a run without a complete checkpoint."""
     from pathlib import Path
 
     from textrl.run.checkpoints import CHECKPOINT_MARKER, complete_checkpoints
 
     folder = Path(model).expanduser()
-    if (folder / CHECKPOINT_MARKER).is_file() and (folder / "policy").is_dir():
+    if not folder.is_dir() or (folder / "config.json").is_file():
+        return model
+    if (folder / "policy").is_dir():  # a checkpoint: policy/ beside its manifest
+        if not (folder / CHECKPOINT_MARKER).is_file():
+            raise ValueError(f"--model {model}: a checkpoint without {CHECKPOINT_MARKER} (its save did not finish); "
+                             f"give the run folder for its newest complete checkpoint, or --model {folder / 'policy'} "
+                             "to load that folder as it is")
         print(f"textrl generate: the policy of checkpoint {folder}: {folder / 'policy'}", file=sys.stderr)
         return str(folder / "policy")
-    if (folder / "checkpoints").is_dir() and not (folder / "config.json").is_file():
-        found = complete_checkpoints(folder / "checkpoints")
-        if not found:
-            raise ValueError(f"--model {model}: a run folder with no complete checkpoint in {folder / 'checkpoints'}; "
-                             "give a model folder, a hub id, or a run that saved a checkpoint")
-        print(f"textrl generate: the policy of {folder}'s newest checkpoint: {found[-1] / 'policy'}", file=sys.stderr)
-        return str(found[-1] / "policy")
-    return model
+    root = folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
+    if root is folder and not any(folder.glob("iter_*")):
+        return model
+    found = complete_checkpoints(root)
+    if not found:
+        raise ValueError(f"--model {model}: a run folder with no complete checkpoint in {root}; "
+                         "give a model folder, a hub id, or a run that saved a checkpoint")
+    run = folder if root is not folder else folder.parent
+    print(f"textrl generate: the policy of {run}'s newest checkpoint: {found[-1] / 'policy'}", file=sys.stderr)
+    return str(found[-1] / "policy")
 
 
 def _check_generate_fits(model, tokenizer, prompts: list[str], args: argparse.Namespace) -> None:
@@ -353,21 +363,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run a subcommand; any error exits with status 1 and one line (textrl's own checks: the
     culprit and the fix) or two (another error: its type and message, then how to see the
     traceback: :func:`textrl.errors.user_error_message`); ``--debug``: the traceback. A second
-    Ctrl-C exits with 130; a ``SystemExit`` (a stopped run's status) passes as it is."""
+    Ctrl-C exits with 130; a ``SystemExit`` (a stopped run's status) passes as it is. A stdout its
+    reader closed (``textrl envs | head -1``) ends the command quietly with 141, as SIGPIPE would."""
     from textrl.errors import debug_requested, user_error_message
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(command_of(argv) or "")  # only the named subcommand's options are built
     _add_debug_flag(parser)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit:  # --help, --version or a usage error, printed: argparse ignores a closed stdout
+        if _stdout_closed():
+            raise SystemExit(CLOSED_PIPE_STATUS) from None
+        raise
     from textrl.quiet import quiet_libraries
 
     try:
         with quiet_libraries(debug_requested(getattr(args, "debug", False))):  # other libraries' chatter, unless --debug
-            return int(args.func(args) or 0)
+            code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed stdout is met here, not in the interpreter's exit (status 120 and a message)
+        return code
     except BrokenPipeError:  # the reader of our output closed it (`textrl envs | head -2`): end quietly
         _stdout_to_devnull()
-        return 128 + 13  # as a Unix tool killed by SIGPIPE
+        return CLOSED_PIPE_STATUS
     except Exception as err:  # every error: one line (two: its type and the --debug hint), no traceback
         if debug_requested(getattr(args, "debug", False)):
             raise
@@ -381,6 +399,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"textrl {args.command}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+CLOSED_PIPE_STATUS = 128 + 13
+"""The status of a command whose reader closed its output: a Unix tool's, killed by SIGPIPE."""
+
+
+def _stdout_closed() -> bool:
+    """Flush stdout; True when its reader had closed it (stdout then goes to ``/dev/null``)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return True
+    return False
 
 
 def _stdout_to_devnull() -> None:

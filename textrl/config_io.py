@@ -236,17 +236,18 @@ NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """One ``--field-name`` / ``--field_name`` option per dataclass field, default: not given,
-    under the heading of its topic (:mod:`textrl.help_topics`, in its order; a field without one
-    stays among the command's own options)."""
-    from textrl.help_topics import TOPICS, topic_of
+    under the heading of its topic (:mod:`textrl.help_topics`: the topics and the fields in each in
+    its order; a field without one stays among the command's own options)."""
+    from textrl.help_topics import FIELD_TOPIC, TOPICS, topic_of
 
     parser._negative_number_matcher = NEGATIVE_NUMBER  # argparse's own misses -1e-4
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     topics = {topic_of(f.name) for f in fields(cls)}
-    groups = {title: parser.add_argument_group(title, description)
+    groups = {title: parser.add_argument_group(title, textwrap.fill(description, 76))  # stages' help is raw
               for title, (description, _) in TOPICS.items() if title in topics}
-    for f in fields(cls):
+    listed = {name: i for i, name in enumerate(FIELD_TOPIC)}
+    for f in sorted(fields(cls), key=lambda f: listed.get(f.name, len(listed))):
         target = groups.get(topic_of(f.name) or "", parser)
         tp, optional = _base_type(hints[f.name])
         names = [f"--{f.name.replace('_', '-')}"]

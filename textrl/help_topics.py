@@ -30,7 +30,7 @@ TOPICS: dict[str, tuple[str, tuple[str, ...]]] = {
          "rollout_correction", "rollout_correction_upper", "rollout_correction_lower", "old_logprobs", "kl_coef",
          "kl_kind", "kl_in", "adaptive_kl", "kl_target", "kl_horizon", "kl_hinge", "kl_early_stop",
          "ratio_threshold", "kl_after_update", "ref_refresh_every", "old_policy_refresh_every", "actor_lr",
-         "critic_lr", "lr_schedule", "lr_warmup_steps", "max_grad_norm", "critic", "critic_type", "critic_init",
+         "critic_lr", "lr_schedule", "lr_warmup_steps", "max_grad_norm", "critic", "critic_init", "critic_type",
          "steps", "batch_size", "lr", "beta", "sft_steps", "sft_lr", "rm_steps", "rm_lr", "ppo_iterations"),
     ),
     "sampling": (
@@ -61,7 +61,7 @@ TOPICS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
 }
 """Topic -> (its description under the heading, the config fields it holds), in the order ``--help``
-prints them."""
+prints them (the topics, and the options under each)."""
 
 FIELD_TOPIC: dict[str, str] = {name: topic for topic, (_, names) in TOPICS.items() for name in names}
 """Config field -> its topic."""

@@ -4,9 +4,10 @@ Every command used to print lines that are not about the user's run: DeepSpeed's
 accelerator to CPU`` (when something imports it on a machine without a GPU), bitsandbytes'
 ``Failed to load CPU gemm_4bit_forward from kernels-community`` (an optional faster kernel), and
 transformers' progress bars and load reports (``Loading weights``, ``Writing model shards``,
-weights newly initialised for a value head textrl adds on purpose). :func:`quiet_libraries` leaves
-their informational lines and warnings out, and keeps their errors; textrl's own lines and warnings
-are never touched. ``--debug`` (or ``TEXTRL_DEBUG=1``) shows everything. The Python API changes
+weights newly initialised for a value head textrl adds on purpose), and one library's deprecation
+warnings about another's API (peft reads transformers' ``is_gradient_checkpointing`` on every LoRA
+model). :func:`quiet_libraries` leaves their informational lines and warnings out, and keeps their
+errors; textrl's own lines and warnings are never touched. ``--debug`` (or ``TEXTRL_DEBUG=1``) shows everything. The Python API changes
 nothing: it is the command line's choice only.
 """
 
@@ -15,12 +16,18 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 NOISY_LOGGERS = ("DeepSpeed", "bitsandbytes.backends.cpu.ops")
 """Loggers whose records below ERROR the command leaves out (filters stay on a logger whatever
 level its library sets later)."""
+
+DEPRECATIONS_FROM = ("transformers", "peft", "accelerate", "deepspeed", "bitsandbytes")
+"""Packages whose ``FutureWarning`` and ``DeprecationWarning`` raised in their own code (one library
+calling another's deprecated API: nothing a user of textrl can change) the command leaves out.
+Their other warnings stay, and so does a deprecation a library attributes to textrl's call."""
 
 QUIET_ENVIRONMENT = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
 """Read by huggingface_hub and transformers when they are imported: no progress bars, only errors
@@ -35,11 +42,24 @@ def _errors_only(record: logging.LogRecord) -> bool:
 def quiet_libraries(debug: bool = False) -> Iterator[None]:
     """Within the block, leave the other libraries' chatter out of this process's output (module
     docstring); with ``debug``, nothing changes. :func:`textrl.cli.main` runs a command in it; what
-    it set (the loggers' filters, the environment variables, transformers' verbosity and progress
-    bars) is as before once the block ends, so a Python caller of ``main`` keeps its own settings."""
+    it set (the loggers' filters, the warnings filters, the environment variables, transformers'
+    verbosity and progress bars) is as before once the block ends, so a Python caller of ``main``
+    keeps its own settings."""
     if debug:
         yield
         return
+    with ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())  # the filters below are undone at the end
+        for package in DEPRECATIONS_FROM:
+            for category in (FutureWarning, DeprecationWarning):
+                warnings.filterwarnings("ignore", category=category, module=rf"{package}(\.|$)")
+        stack.enter_context(_quiet_logging())
+        yield
+
+
+@contextmanager
+def _quiet_logging() -> Iterator[None]:
+    """The loggers, environment variables and transformers settings of :func:`quiet_libraries`."""
     loggers = [logging.getLogger(name) for name in NOISY_LOGGERS]
     added = [logger for logger in loggers if _errors_only not in logger.filters]
     for logger in added:
@@ -69,4 +89,4 @@ def quiet_libraries(debug: bool = False) -> Iterator[None]:
             (transformers_logging.enable_progress_bar if bars else transformers_logging.disable_progress_bar)()
 
 
-__all__ = ["NOISY_LOGGERS", "QUIET_ENVIRONMENT", "quiet_libraries"]
+__all__ = ["DEPRECATIONS_FROM", "NOISY_LOGGERS", "QUIET_ENVIRONMENT", "quiet_libraries"]

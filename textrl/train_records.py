@@ -169,7 +169,7 @@ def format_summary(before: dict[str, float] | None, after: dict[str, float], gap
             b = f"{before[full]:.3f}" if before and full in before else "-"
             lines.append(f"{mode + ' ' + key:<34}{b:>10}{after[full]:>10.3f}")
     if gap is not None:
-        lines.append(f"closed {gap['share']:.0%} of the gap between the held-out sampled reward before training "
+        lines.append(f"closed {round(gap['share'] * 100)}% of the gap between the held-out sampled reward before training "
                      f"({gap['before']:.3f}) and the environment's maximum ({gap['max_reward']:g})")
     return "\n".join(lines)
 

@@ -240,7 +240,7 @@ def warm_up(model: torch.nn.Module, tokenizer: Any, pairs: Sequence[tuple[Prompt
                 f"trained from; not run again)")
             return kept
     stats = sft_warmup(model, tokenizer, pairs, steps=steps, lr=lr, batch_size=batch_size, seed=seed, autocast=autocast)
-    log(f"warm-up: {stats['steps']} SFT steps on the format, loss {stats['loss_first']:.2f} -> "
+    log(f"warm-up: {int(stats['steps'])} SFT steps on the format, loss {stats['loss_first']:.2f} -> "
         f"{stats['loss_last']:.2f} in {stats['seconds']:.1f}s")
     if store is not None and store.save:
         _keep(model, store.folder, settings, stats)
