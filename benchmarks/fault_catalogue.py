@@ -80,6 +80,12 @@ def snapshot(folder: Path) -> dict[str, bytes]:
         if folder.exists() else {}
 
 
+def unchanged(before: dict[str, bytes], after: dict[str, bytes]) -> bool:
+    """Two :func:`snapshot` s hold the same files, byte for byte, the run folder's lock file aside."""
+    return {k: v for k, v in after.items() if k != ".textrl.lock"} == \
+        {k: v for k, v in before.items() if k != ".textrl.lock"}
+
+
 def run_folder_sound(folder: Path, iterations: int | None = None) -> bool:
     """Every complete checkpoint verifies, each iteration is in metrics.jsonl once (1..n in order),
     and config.yaml exists."""
@@ -132,10 +138,7 @@ def _refusal(name: str, args: list[str], expect: str, on_base: bool = False) -> 
         before = snapshot(out)
         proc = trial.textrl(*[a.replace("{out}", str(out)).replace("{root}", str(trial.root)) for a in args],
                             "--output-dir", str(out))
-        after = snapshot(out)
-        unchanged = {k: v for k, v in after.items() if k != ".textrl.lock"} == \
-            {k: v for k, v in before.items() if k != ".textrl.lock"}
-        judge(trial, name, proc, refused=True, kept=unchanged, expect=expect)
+        judge(trial, name, proc, refused=True, kept=unchanged(before, snapshot(out)), expect=expect)
 
 
 def _write(trial: Trial, name: str, text: str | bytes) -> Path:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from textrl.run.signals import stop_phase, until_stopped
+from textrl.run.user_code import file_sha256
 
 IGNORE_INDEX = -100
 """Label of tokens left out of the loss (``torch.nn.CrossEntropyLoss``'s ``ignore_index``)."""
@@ -253,7 +254,7 @@ def _keep(model: torch.nn.Module, folder: Path, settings: dict[str, Any], stats:
 
     def write(tmp: Path) -> None:
         torch.save(model.state_dict(), tmp / "policy.pt")
-        record = {"settings": settings, "stats": stats, "policy_sha256": _sha256(tmp / "policy.pt")}
+        record = {"settings": settings, "stats": stats, "policy_sha256": file_sha256(tmp / "policy.pt")}
         (tmp / "record.json").write_text(json.dumps(record, indent=2) + "\n")
 
     write_folder(folder, write)
@@ -270,7 +271,7 @@ def _load_kept(model: torch.nn.Module, folder: Path, settings: dict[str, Any],
         record = json.loads(record_file.read_text())
         why = ("its settings differ from this run's" if record["settings"] != json.loads(json.dumps(settings))
                else "policy.pt is missing or corrupt (its sha256 differs from record.json's)"
-               if not weights.is_file() or _sha256(weights) != record["policy_sha256"] else None)
+               if file_sha256(weights) != record["policy_sha256"] else None)
     except (ValueError, KeyError, TypeError) as err:
         why = f"record.json cannot be read ({type(err).__name__}: {err})"
     if why is None:
@@ -280,14 +281,6 @@ def _load_kept(model: torch.nn.Module, folder: Path, settings: dict[str, Any],
         return {**record["stats"], "loaded": 1.0}
     log(f"warm-up: the start kept in {folder} is not used ({why}); running the warm-up again")
     return None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 __all__ = ["IGNORE_INDEX", "KEPT_WARMUP", "WarmupStore", "build_sft_batch", "encode_sft_example", "keeping_warmup",

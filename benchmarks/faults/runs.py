@@ -19,16 +19,12 @@ from fault_catalogue import (
     judge,
     run_folder_sound,
     snapshot,
+    unchanged,
 )
 
 _refusal("runs: --resume --iterations 1 after 2", [*RESUME, "--iterations", "1"], "past iterations=1", on_base=True)
 _refusal("runs: --config is a folder", ["train", "--config", "{root}"], "is a folder, not a file")
 _refusal("runs: prompt file is a folder", ["train", "--dataset", "{root}"], "is a folder, not a file")
-
-
-def _unchanged(before: dict, after: dict) -> bool:
-    return {k: v for k, v in after.items() if k != ".textrl.lock"} == \
-        {k: v for k, v in before.items() if k != ".textrl.lock"}
 
 
 @case("runs: a key twice in --config")
@@ -63,7 +59,7 @@ def edited_reward(trial: Trial, base: Path) -> None:
     before = snapshot(out)
     proc = trial.textrl("train", *flags, "--iterations", "2", "--resume")
     judge(trial, "runs: the reward file edited, then --resume", proc, refused=True,
-          kept=_unchanged(before, snapshot(out)), expect="plus_reward.py: edited (sha256")
+          kept=unchanged(before, snapshot(out)), expect="plus_reward.py: edited (sha256")
 
 
 @case("runs: a fresh run after deleting checkpoints/")

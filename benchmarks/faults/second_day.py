@@ -10,14 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fault_catalogue import SMALL, Trial, _write, case, judge, run_folder_sound, snapshot
+from fault_catalogue import SMALL, Trial, _write, case, judge, run_folder_sound, snapshot, unchanged
 
 RUN = [*SMALL, "--checkpoint-every", "1"]
-
-
-def _unchanged(before: dict, after: dict) -> bool:
-    return {k: v for k, v in after.items() if k != ".textrl.lock"} == \
-        {k: v for k, v in before.items() if k != ".textrl.lock"}
 
 
 def _project(trial: Trial, name: str) -> tuple[Path, Path]:
@@ -47,7 +42,7 @@ def copied(trial: Trial, base: Path) -> None:
     before = snapshot(run)
     proc = trial.textrl("train", "--config", "runs/c/config.yaml", "--resume", "--iterations", "3", cwd=proj)
     judge(trial, "second day: a copied run folder, --resume", proc, refused=False,
-          kept=run_folder_sound(run.with_name("c"), 3) and _unchanged(before, snapshot(run)),
+          kept=run_folder_sound(run.with_name("c"), 3) and unchanged(before, snapshot(run)),
           expect="resuming it there")
 
 
@@ -58,7 +53,7 @@ def fresh_from_moved(trial: Trial, base: Path) -> None:
     before = snapshot(run.with_name("b"))
     proc = trial.textrl("train", "--config", "runs/b/config.yaml", cwd=proj)
     judge(trial, "second day: a fresh run from a moved run's config.yaml", proc, refused=True,
-          kept=_unchanged(before, snapshot(run.with_name("b"))) and not run.exists(), expect="pass --resume")
+          kept=unchanged(before, snapshot(run.with_name("b"))) and not run.exists(), expect="pass --resume")
 
 
 @case("second day: --resume from another working folder, relative reward file")
@@ -146,5 +141,5 @@ def generate_checkpoint(trial: Trial, base: Path) -> None:
     before = snapshot(base)
     proc = trial.textrl("generate", "--model", str(checkpoint), "--max-new-tokens", "4", "--greedy")
     judge(trial, "second day: textrl generate --model RUN/checkpoints/iter_N", proc, refused=False,
-          kept=_unchanged(before, snapshot(base)) and "### completion" in proc.stdout,
+          kept=unchanged(before, snapshot(base)) and "### completion" in proc.stdout,
           expect="the policy of checkpoint")
