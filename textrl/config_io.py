@@ -391,7 +391,8 @@ def build_config(namespace: argparse.Namespace, cls: type) -> Any:
 
 
 RUN_RECORD = "config.yaml"
-"""The name of the record a run folder keeps of its settings (:data:`textrl.run.SETTINGS_FILE`)."""
+"""The name of the record a run folder keeps of its settings (and each checkpoint of a run:
+:data:`textrl.run.SETTINGS_FILE` is this name)."""
 
 
 def moved_run_folder(config_path: Path, output_dir: Any, resume: bool) -> Any:

@@ -119,7 +119,7 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
             "PPO", config.iterations, run.metrics, eval_every=config.eval_every,
             checkpoint_every=config.checkpoint_every, evaluates=run.evaluates, throughput="tokens",
             progress=config.progress and run.main, plot=run.output_dir / "curves.png", main=run.main, dist=run.dist,
-            fit_threads=not run.engine_process(),
+            fit_threads=not vllm_engine_processes(config),
         )
         loop.run(run, start, signals)
         return run.summary(before)
@@ -357,12 +357,6 @@ class PPORun:
             path.write_text(json_text(before, indent=2) + "\n")  # strict JSON: a NaN as null
         return before
 
-    def engine_process(self) -> bool:
-        """Whether the rollouts come from a vLLM engine in processes of its own (busy by design
-        while this one waits for them): the run's threads then stay as they are."""
-        engine = getattr(getattr(getattr(self.agent, "actor", None), "engine", None), "name", "")
-        return str(engine).startswith("vllm")
-
     def max_reward(self) -> float | None:
         """The environment's maximum reward when the run scores with the environment's own reward
         (no ``--reward``, no ``--reward-model``); None otherwise."""
@@ -413,7 +407,7 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     if main:  # one writer per run folder, until _train returns; a second run is refused here
         take_run_folder(output_dir)
     seed_everything(config.seed)
-    if not config.vllm_server and not str(config.generation_engine).startswith("vllm"):
+    if not vllm_engine_processes(config):
         fit_threads_now(log)  # the warm-up and the first evaluation too run on the cores others leave
     checkpoint = resume_checkpoint(config, log)  # verified before any model loads
     changes = {} if checkpoint is None else check_resume_settings(config, config_values(config), checkpoint,
@@ -475,6 +469,15 @@ def asynchronous_actor(config: TrainConfig, agent, sampler, episodes, backend: B
     from textrl.async_training import AsyncTraining
 
     return AsyncTraining(config, agent, sampler, episodes, backend.dist.shard)
+
+
+def vllm_engine_processes(config: TrainConfig) -> bool:
+    """Whether the run's rollouts come from vLLM engine processes (in-process ``vllm``' engine core,
+    or servers), busy by design while the run waits for them: its torch threads then stay as they
+    are (:mod:`textrl.run.pace`). ``auto`` never resolves to vLLM."""
+    from textrl.generation.base import run_engine_name
+
+    return run_engine_name(config.generation_engine, config.vllm_server).startswith("vllm")
 
 
 def check_run(config: TrainConfig) -> None:

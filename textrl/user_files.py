@@ -73,6 +73,13 @@ def absolute_file(path: str) -> str:
     return str(file.resolve()) if not file.is_absolute() and file.is_file() else path
 
 
+def absolute_local(value: str) -> str:
+    """``value`` made absolute when it is relative and names a file or folder seen from the working
+    folder (a local model, tokenizer or dataset); else as it is (a hub id, a name)."""
+    path = Path(value).expanduser()
+    return str(path.resolve()) if value.strip() and not path.is_absolute() and path.exists() else value
+
+
 def absolute_spec(text: str) -> str:
     """``text`` with each comma-separated ``PATH.py:NAME`` entry whose relative ``PATH.py`` is a file
     (seen from the working folder) written with its absolute path: ``badrew.py:fn`` ->
@@ -104,10 +111,8 @@ def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
             continue
         out[name] = absolute_spec(value)
         if name in LOCAL_PATH_FIELDS and out[name] == value:
-            path = Path(value).expanduser()
-            if not path.is_absolute() and value.strip() and path.exists():
-                out[name] = str(path.resolve())
+            out[name] = absolute_local(value)
     return out
 
 
-__all__ = ["LOCAL_PATH_FIELDS", "absolute_file", "absolute_paths", "absolute_spec", "import_file", "import_path", "module_name"]
+__all__ = ["LOCAL_PATH_FIELDS", "absolute_file", "absolute_local", "absolute_paths", "absolute_spec", "import_file", "import_path", "module_name"]

@@ -227,12 +227,15 @@ def warmup_settings(model: str, pairs: Sequence[tuple[Prompt, str]], **settings:
 
 
 def warm_up(model: torch.nn.Module, tokenizer: Any, pairs: Sequence[tuple[Prompt, str]], *, steps: int, lr: float,
-            batch_size: int, seed: int, settings: dict[str, Any], log: Callable[[str], Any] = print,
+            batch_size: int, seed: int, model_name: str, log: Callable[[str], Any] = print,
             autocast: Callable[[], AbstractContextManager[Any]] = nullcontext) -> dict[str, float]:
     """:func:`sft_warmup` of ``model`` in place, or, within :func:`keeping_warmup` with ``load``, the
-    weights a run kept after the same warm-up (``settings``, :func:`warmup_settings`, and the file's
-    sha256 must match; otherwise it runs, saying why). Logs one line; returns the statistics
-    (``loaded``: 1.0 when the weights were loaded)."""
+    weights a run kept after the same warm-up (its :func:`warmup_settings`: ``model_name``, the
+    pairs, the steps, lr, batch size, seed and the weights' dtype; and the file's sha256 must match;
+    otherwise it runs, saying why). Logs one line; returns the statistics (``loaded``: 1.0 when the
+    weights were loaded)."""
+    settings = warmup_settings(model_name, pairs, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
+                               dtype=str(next(model.parameters()).dtype))
     store = _STORE.get()
     if store is not None and store.load:
         kept = _load_kept(model, store.folder, settings, log)

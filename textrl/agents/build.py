@@ -320,15 +320,13 @@ def load_policy(config: TrainConfig, tokenizer: Any, device: torch.device, log: 
         env_facts = env_facts_of(config)
     record = warmup_none(config, env_facts)
     if record is None:  # the warm-up, or (a resumed run) the start the run kept after it
-        from textrl.user_files import absolute_paths
-        from textrl.warmup import warm_up, warmup_settings
+        from textrl.user_files import absolute_local
+        from textrl.warmup import warm_up
 
-        steps, lr, batch = config.warmup_sft_steps, config.warmup_sft_lr, config.warmup_sft_batch_size
-        settings = warmup_settings(absolute_paths({"model": policy_name(config)})["model"], env_facts.warmup_pairs, steps=steps, lr=lr, batch_size=batch,
-                                   seed=config.seed, dtype=str(next(policy.parameters()).dtype))
-        stats = warm_up(policy, tokenizer, env_facts.warmup_pairs, steps=steps, lr=lr, batch_size=batch,
-                        seed=config.seed, settings=settings, log=log, autocast=precision.autocast)
-        record = {"asked_steps": int(steps), "ran_steps": int(stats["steps"]), "reason": None,
+        stats = warm_up(policy, tokenizer, env_facts.warmup_pairs, steps=config.warmup_sft_steps,
+                        lr=config.warmup_sft_lr, batch_size=config.warmup_sft_batch_size, seed=config.seed,
+                        model_name=absolute_local(policy_name(config)), log=log, autocast=precision.autocast)
+        record = {"asked_steps": int(config.warmup_sft_steps), "ran_steps": int(stats["steps"]), "reason": None,
                   "loaded": bool(stats["loaded"])}
     return policy.eval(), record, env_facts
 

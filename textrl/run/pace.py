@@ -68,6 +68,11 @@ def cores_used_elsewhere(before: CpuSample, after: CpuSample) -> float:
     return max(0.0, ((after.machine - before.machine) - (after.own - before.own)) / elapsed)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the platform says, else every core)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def threads_for(cores: int, elsewhere: float, most: int) -> int:
     """The torch threads a run should use on ``cores`` cores of which ``elsewhere`` are busy with
     other processes: the free cores, rounded to the nearest, at least 1 and at most ``most``.
@@ -122,7 +127,7 @@ def fit_threads_now(log: Callable[[str], Any] = print, seconds: float = 0.25) ->
     if after is None:
         return None
     elsewhere = cores_used_elsewhere(before, after)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     wanted, current = threads_for(cores, elsewhere, starting_threads()), torch.get_num_threads()
     if wanted != current:
         torch.set_num_threads(wanted)
@@ -144,8 +149,7 @@ class Pace:
     log: Callable[[str], Any] = print
     adapt: bool = True
     unit: str = "iteration"
-    cores: int = field(default_factory=lambda: len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                       else (os.cpu_count() or 1))
+    cores: int = field(default_factory=lambda: usable_cores())
     most: int = field(default_factory=lambda: starting_threads())
     window: int = 5
     """Iterations compared with the run's first ones (:func:`slow_window`)."""
@@ -194,4 +198,4 @@ class Pace:
 
 
 __all__ = ["SLOW_FACTOR", "CpuSample", "Pace", "cores_used_elsewhere", "cpu_sample", "fit_threads_now", "slow_window",
-           "starting_threads", "threads_chosen", "threads_for"]
+           "starting_threads", "threads_chosen", "threads_for", "usable_cores"]

@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from textrl.config_io import RUN_RECORD
 from textrl.run.checkpoints import (
     CHECKPOINT_MARKER,
     CheckpointError,
@@ -40,7 +41,7 @@ from textrl.run.user_code import (
 )
 from textrl.user_files import absolute_paths
 
-SETTINGS_FILE = "config.yaml"
+SETTINGS_FILE = RUN_RECORD
 """The settings a checkpoint was trained with (inside the checkpoint folder), and the run's own."""
 
 RESUMES_FILE = "resumes.jsonl"
