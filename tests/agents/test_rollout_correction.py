@@ -132,6 +132,31 @@ def test_the_hand_shift_rejects_the_tokens_and_rows_it_says(tok):
     assert rejected == {"tis": [], "icepop": [4], "mis": [1, 4], "geo_mean": [0, 1, 3, 4]}
 
 
+def test_a_correction_that_rejects_nearly_everything_says_so_once(tok, recwarn):
+    """icepop in [0.99, 1.01] against the hand shift rejects every token but row 5's (18 of 21, 86%: under
+    the 90% that counts): no warning however long; with the engine off by 0.5 on every token, the third
+    rollout in a row warns once, and the fourth and fifth say nothing more."""
+    from textrl.functional.mismatch import REJECTION_WARNING_ITERATIONS
+
+    raw, logp = learner_logp(tok, "grpo")
+    agent = zoo_agent(tok, "grpo", rollout_correction="icepop", rollout_correction_upper=1.01,
+                      rollout_correction_lower=0.99)
+    for _ in range(REJECTION_WARNING_ITERATIONS + 1):
+        agent.process_rollout(with_engine(raw, logp))
+    assert not [w for w in recwarn if "rollout_correction" in str(w.message)]
+    said = []
+    for _ in range(REJECTION_WARNING_ITERATIONS + 2):
+        td = agent.process_rollout(with_engine(raw, logp, shift=torch.full_like(SHIFT, 0.5)))
+        said.append([str(w.message) for w in recwarn if "rollout_correction" in str(w.message)])
+        recwarn.clear()
+    assert float(td.get(KEYS.correction_weight).abs().sum()) == 0.0
+    assert [len(s) for s in said] == [0] * (REJECTION_WARNING_ITERATIONS - 1) + [1, 0, 0]
+    message = said[REJECTION_WARNING_ITERATIONS - 1][0]
+    assert message.startswith("rollout_correction='icepop' rejected 100% or more of the agent's tokens in each of "
+                              f"the last {REJECTION_WARNING_ITERATIONS} iterations (it keeps a token whose "
+                              "p_learner / p_engine lies in [0.99, 1.01])")
+
+
 def test_a_rollout_without_engine_log_probs_is_refused_naming_the_option(tok):
     agent = zoo_agent(tok, "grpo", rollout_correction="icepop")
     with pytest.raises(ValueError, match=r"^rollout_correction='icepop' compares the engine's log-probs with the "

@@ -23,6 +23,13 @@ from textrl.functional import (
     none_weights,
     tis_weights,
 )
+from textrl.functional.mismatch import (
+    REJECTION_WARNING_ITERATIONS,
+    REJECTION_WARNING_SHARE,
+    rejected_share,
+    rejection_warning,
+    resolved_bounds,
+)
 from textrl.testing import unit_roundoff
 
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -222,6 +229,48 @@ def test_hand_case_each_kind():
     geo = geo_mean_weights(d, engine, mask, upper=1.2)  # row 0: 0.75 ** (1/3) = 0.909; row 1: e^0.1
     assert torch.equal(geo, torch.tensor([[1.0] * 3, [1.0, 1.0, 0.0]], dtype=torch.float64))
     assert torch.equal(geo_mean_weights(d, engine, mask), torch.zeros(2, 3, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------ the defaults and the warning
+
+
+def test_the_default_bounds_follow_one_rule():
+    """The peer's defaults, an unset lower bound 1 / upper (symmetric in log space) except icepop's,
+    which OpenRLHF fixes at 0.5 under an upper bound of 5 (docs/training.md, "Rollout corrections")."""
+    assert {kind: resolved_bounds(kind) for kind in MISMATCH_KINDS} == {
+        "none": {}, "tis": {"cap": 2.0}, "mis": {"upper": 2.0, "lower": 0.5},
+        "geo_mean": {"upper": 1.001, "lower": 1 / 1.001}, "icepop": {"lower": 0.5, "upper": 5.0}}
+    assert resolved_bounds("mis", upper=4.0) == {"upper": 4.0, "lower": 0.25}
+    assert resolved_bounds("icepop", upper=4.0) == {"lower": 0.5, "upper": 4.0}
+    assert resolved_bounds("geo_mean", upper=None, lower=0.9) == {"upper": 1.001, "lower": 0.9}
+
+
+@SETTINGS
+@given(batch=mismatch_batch(), kind=st.sampled_from(MISMATCH_KINDS))
+def test_the_rejected_share_counts_the_zero_weights_of_the_agents_tokens(batch, kind):
+    learner, engine, _, _, mask = batch
+    w = mismatch_weights(kind, learner, engine, mask)
+    tokens = [(i, t) for i, ts in enumerate(_rows(mask)) for t in ts]
+    want = sum(float(w[i, t]) == 0.0 for i, t in tokens) / len(tokens) if tokens else 0.0
+    assert float(rejected_share(w, mask)) == pytest.approx(want, abs=1e-7)
+
+
+def test_rejecting_nearly_everything_for_several_iterations_is_said_once_in_one_line():
+    n, high = REJECTION_WARNING_ITERATIONS, REJECTION_WARNING_SHARE + 0.05
+    assert n >= 2 and 0.5 < REJECTION_WARNING_SHARE < 1
+    assert rejection_warning("icepop", {}, [high] * (n - 1)) is None  # not yet several iterations
+    assert rejection_warning("icepop", {}, [high] * (n - 1) + [REJECTION_WARNING_SHARE]) is None  # not above
+    assert rejection_warning("icepop", {}, [high, REJECTION_WARNING_SHARE] + [high] * (n - 1)) is None  # interrupted
+    message = rejection_warning("icepop", {}, [0.1] + [0.97] + [high] * (n - 1))
+    assert message is not None and "\n" not in message
+    assert message.startswith("rollout_correction='icepop' rejected 95% or more of the agent's tokens in each of "
+                              f"the last {n} iterations")
+    assert "[0.5, 5]" in message and "widen the bounds" in message and "weights" in message and "precision" in message
+    mis = rejection_warning("mis", {"upper": 4.0, "lower": None}, [1.0] * n)
+    assert "product" in mis and "[0.25, 4]" in mis and "100%" in mis
+    assert "geometric mean" in rejection_warning("geo_mean", {"upper": 1.01}, [1.0] * n)
+    assert rejection_warning("mis", {}, [0.99] * n, share=0.995) is None  # the threshold is the argument
+    assert rejection_warning("mis", {}, [0.99] * 2, iterations=2) is not None
 
 
 def test_bounds_are_inclusive():

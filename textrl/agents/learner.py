@@ -11,6 +11,7 @@ rollback run over processes is the backend's (:mod:`textrl.parallel`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 
 from textrl.agents.forwards import Forwards
 from textrl.functional import masked_sum, mismatch_weights, next_valid
+from textrl.functional.mismatch import REJECTION_WARNING_ITERATIONS, rejected_share, rejection_warning
 from textrl.keys import KEYS
 from textrl.parallel.base import build_optimizers, trained_parameters
 from textrl.parallel.fsdp_sharding import local
@@ -48,6 +50,11 @@ class Learner:
     """Updates done (the reference and old-policy refreshes count them)."""
     nonfinite_streak: int = 0
     """Consecutive skipped (NaN/inf) updates; the trainer stops at ``max_nonfinite_updates``."""
+    rejected_shares: list[float] = field(default_factory=list, repr=False)
+    """The rollout correction's rejected share of the agent's tokens in the last rollouts, oldest
+    first (:func:`watch_rejections`)."""
+    rejection_warned: bool = False
+    """Whether the correction said it rejects nearly everything (once a run: nothing is counted after)."""
     actor_optimizer: Any = field(default=None, repr=False)
     critic_optimizer: Any = field(default=None, repr=False)
     optimizers: list[Any] = field(default_factory=list, repr=False)
@@ -114,6 +121,7 @@ def process_rollout(actor: Any, learner: Learner, td: TensorDictBase, *, estimat
     if learner.config.old_logprobs == "engine":
         bypass_recompute(td, learner.config)
     correct_rollout(td, learner.config)
+    watch_rejections(learner, td)
     with timed(timings, "advantages", learner.device):
         mask = td.get(KEYS.mask)
         if actor.critic is not None:
@@ -172,4 +180,21 @@ def correct_rollout(td: TensorDictBase, config: Any) -> None:
     td.set(KEYS.correction_weight, weights)
 
 
-__all__ = ["Estimate", "Learner", "ReferenceKL", "bypass_recompute", "correct_rollout", "engine_logprobs", "learner_attribute", "process_rollout"]
+def watch_rejections(learner: Learner, td: TensorDictBase) -> None:
+    """With a rollout correction, warn once in one line when it rejected nearly every agent token in
+    several consecutive rollouts (:func:`textrl.functional.mismatch.rejection_warning`); the share is
+    averaged over the processes (one collective per rollout until it has warned)."""
+    weights = td.get(KEYS.correction_weight, None)  # [B, T], None without a correction
+    if weights is None or learner.rejection_warned:
+        return
+    share = float(rejected_share(weights, td.get(KEYS.mask)))
+    share = learner.backend.dist.mean({"rejected": share})["rejected"]
+    learner.rejected_shares = [*learner.rejected_shares, share][-REJECTION_WARNING_ITERATIONS:]
+    config = learner.config
+    message = rejection_warning(config.rollout_correction, config.rollout_correction_bounds(), learner.rejected_shares)
+    if message is not None:
+        learner.rejection_warned = True
+        warnings.warn(message, stacklevel=2)
+
+
+__all__ = ["Estimate", "Learner", "ReferenceKL", "bypass_recompute", "correct_rollout", "engine_logprobs", "learner_attribute", "process_rollout", "watch_rejections"]

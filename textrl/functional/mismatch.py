@@ -19,7 +19,17 @@ token or a whole row is rejected and off the mask), from the log-ratio
 - ``none_weights``: 1 on the mask.
 
 ``mismatch_weights(kind, ...)`` dispatches on ``MISMATCH_KINDS``; ``mismatch_stats`` gives the gap
-statistics peers log. Masked positions may hold NaN/inf and are selected away before any math;
+statistics peers log; ``rejected_share`` and ``rejection_warning`` say when a correction rejects
+nearly every token, iteration after iteration (the trainer warns once, in one line).
+
+Default bounds, one rule: each kind takes the defaults of the peer whose arithmetic it is, and a
+lower bound left unset is ``1 / upper`` (the band symmetric in log space) except where that peer fixes
+it: tis cap 2 and mis ``[1/2, 2]`` (verl's ``rollout_is_threshold=2.0``), geo_mean ``[1/1.001, 1.001]``
+(verl's geometric preset), icepop ``[0.5, 5]`` (OpenRLHF's ``vllm_is_truncated_threshold``). The numbers differ
+because the quantity bounded differs: per token (tis, icepop: ``|log rho_t|`` up to ~0.7, icepop
+lets a token's ratio rise to 5), over the whole row's sum (mis: ``|sum_t log rho_t| <= log 2``, so a
+long row with a small per-token gap is rejected) or its mean (geo_mean: ``|mean_t log rho_t| <= 1e-3``,
+a bound on the per-token gap that does not grow with length). Masked positions may hold NaN/inf and are selected away before any math;
 log-ratios are clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` (20, verl's ``SAFETY_BOUND``)
 before ``exp``. Bounds are inclusive (``lower <= rho <= upper`` is kept), as in verl and OpenRLHF.
 """
@@ -207,6 +217,59 @@ def mismatch_bounds(kind: str) -> dict[str, float | None]:
     args = fn.__code__.co_varnames[: fn.__code__.co_argcount]  # the positional parameters; the bounds last
     defaults = dict(zip(args[len(args) - len(fn.__defaults__ or ()):], fn.__defaults__ or (), strict=True))
     return {name: defaults[name] for name in names}
+
+
+def resolved_bounds(kind: str, **given: float | None) -> dict[str, float]:
+    """The bounds ``kind`` applies: ``given`` (None or absent: the default of :func:`mismatch_bounds`),
+    an unset ``lower`` read as ``1 / upper``. ``{}`` for ``none``."""
+    out = mismatch_bounds(kind)
+    out.update({name: value for name, value in given.items() if value is not None and name in out})
+    if out.get("lower", 0.0) is None:
+        out["lower"] = 1.0 / out["upper"]
+    return out
+
+
+REJECTION_WARNING_SHARE = 0.9
+"""The share of the agent's tokens a correction rejects above which an iteration counts toward
+:func:`rejection_warning`."""
+REJECTION_WARNING_ITERATIONS = 3
+"""Consecutive iterations past :data:`REJECTION_WARNING_SHARE` before the correction says so."""
+
+_BOUNDED = {
+    "tis": "caps each token's ratio p_learner / p_engine at {cap:g}",
+    "mis": "keeps a row whose product of p_learner / p_engine lies in [{lower:g}, {upper:g}]",
+    "geo_mean": "keeps a row whose geometric mean of p_learner / p_engine lies in [{lower:g}, {upper:g}]",
+    "icepop": "keeps a token whose p_learner / p_engine lies in [{lower:g}, {upper:g}]",
+}
+
+
+def rejected_share(weights: Tensor, mask: Tensor) -> Tensor:
+    """The share of the agent's tokens a correction rejected (weight 0) -> float ``[]`` (0 for an empty
+    mask). weights: float ``[B, T]`` (:func:`mismatch_weights`); mask: bool ``[B, T]``."""
+    return masked_mean((weights == 0).to(torch.float32), mask)
+
+
+def rejection_warning(
+    kind: str,
+    bounds: dict[str, float | None],
+    shares: list[float],
+    *,
+    share: float = REJECTION_WARNING_SHARE,
+    iterations: int = REJECTION_WARNING_ITERATIONS,
+) -> str | None:
+    """The one-line warning when ``kind`` rejected more than ``share`` of the agent's tokens in each of
+    the last ``iterations`` consecutive iterations (``shares``: one :func:`rejected_share` per iteration,
+    oldest first); None otherwise. ``bounds`` as :func:`mismatch_weights` takes them (unset: the kind's
+    defaults). It names the correction, its bounds, the share and what to do."""
+    recent = shares[-iterations:]
+    if len(recent) < iterations or not all(s > share for s in recent):
+        return None
+    what = _BOUNDED[kind].format(**resolved_bounds(kind, **bounds))
+    return (f"rollout_correction={kind!r} rejected {min(recent):.0%} or more of the agent's tokens in each of "
+            f"the last {iterations} iterations (it {what}), so the updates learn from almost nothing: widen "
+            "the bounds (--rollout-correction-upper / --rollout-correction-lower), or check that the engine "
+            "samples with the learner's weights at the learner's precision (rollout/logprob_gap should be "
+            "near 0 at --max-staleness 0)")
 
 
 def mismatch_weights(
