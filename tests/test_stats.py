@@ -287,8 +287,131 @@ def test_compare_with_a_single_run_gives_points_and_no_claims():
 
 def test_verdict_rules():
     diff = lambda lo, hi: {"point": (lo + hi) / 2, "low": lo, "high": hi}  # noqa: E731
-    assert stats._verdict("a", "b", diff(0.1, 0.2), diff(0.4, 0.6)) == (
-        "a better", "IQM difference interval excludes 0")
-    assert stats._verdict("a", "b", diff(-0.1, 0.2), diff(0.2, 0.4))[0] == "b better"
-    assert stats._verdict("a", "b", diff(0.0, 0.0), diff(0.5, 0.5))[0] == "not distinguishable"
-    assert stats._verdict("a", "b", diff(0.1, 0.2), diff(0.1, 0.4))[0] == "conflicting"
+    passes = {"p": 0.01, "min_p": 0.001, "seeds_needed": 3, "alpha": 0.05}
+    fails = {**passes, "p": 0.2}
+    assert stats._verdict("a", "b", diff(0.1, 0.2), diff(0.4, 0.6), passes) == (
+        "a better", "IQM difference interval excludes 0; exact rank test p = 0.01")
+    assert stats._verdict("a", "b", diff(-0.1, 0.2), diff(0.2, 0.4), passes)[0] == "b better"
+    assert stats._verdict("a", "b", diff(0.0, 0.0), diff(0.5, 0.5), passes)[0] == "not distinguishable"
+    assert stats._verdict("a", "b", diff(0.1, 0.2), diff(0.1, 0.4), passes)[0] == "conflicting"
+    # both intervals exclude no difference, the exact test does not: no claim
+    assert stats._verdict("a", "b", diff(0.1, 0.2), diff(0.6, 0.9), fails) == (
+        "not distinguishable", "IQM difference interval excludes 0; P(improvement) interval excludes 0.5, "
+        "but the exact rank test p = 0.2 > 0.05")
+    # the intervals favour a, P(improvement)'s point (and so the rank test) b
+    assert stats._verdict("a", "b", diff(0.1, 0.2), diff(0.3, 0.5), passes)[0] == "conflicting"
+    # runs too few for the test to reach the level: whatever the intervals say
+    few = {"p": 0.333, "runs": [2, 2], "min_p": 0.333, "seeds_needed": 4, "alpha": 0.05}
+    assert stats._verdict("a", "b", diff(0.5, 0.9), diff(1.0, 1.0), few) == (
+        "not enough runs", "n=2 a side can reach p >= 0.333 at best (exact rank test), above 0.05; "
+        "4 seeds a side are needed")
+
+
+# -- the exact rank test that gates a verdict -------------------------------------------------------
+
+
+def stratified_permutation_loop(x, y):
+    """Reference p-value: every relabelling of each task's pooled runs (tasks independently), the
+    statistic P(X > Y) (:func:`improvement_loop`), two-sided as scipy.stats.permutation_test."""
+    from itertools import combinations, product
+
+    n_x, tasks = x.shape
+    pooled = [np.concatenate([x[:, t], y[:, t]]) for t in range(tasks)]
+    splits = list(combinations(range(len(pooled[0])), n_x))
+    observed = improvement_loop(x, y)
+    null = []
+    for choice in product(splits, repeat=tasks):
+        xs = np.stack([pooled[t][list(c)] for t, c in enumerate(choice)], axis=1)
+        ys = np.stack([np.delete(pooled[t], list(c)) for t, c in enumerate(choice)], axis=1)
+        null.append(improvement_loop(xs, ys))
+    null = np.array(null)
+    greater, less = np.mean(null >= observed - 1e-12), np.mean(null <= observed + 1e-12)
+    return min(1.0, 2 * min(greater, less))
+
+
+TIES = st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0])
+"""Few distinct values: tied runs are common."""
+
+
+def runs_of(n_runs, tasks):
+    return arrays(np.float64, (n_runs, tasks), elements=TIES)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data(), st.integers(1, 4), st.integers(1, 4), st.integers(1, 2))
+def test_rank_test_p_equals_the_stratified_permutation_loop(data, n_x, n_y, tasks):
+    x, y = data.draw(runs_of(n_x, tasks)), data.draw(runs_of(n_y, tasks))
+    test = stats.rank_test(x, y)
+    assert test["p"] == pytest.approx(stratified_permutation_loop(x, y), abs=1e-12)
+    assert test["min_p"] - 1e-12 <= test["p"] <= 1.0  # no data beats the bound the run counts set
+    assert test["p"] == pytest.approx(stats.rank_test(y, x)["p"])  # two-sided: the order does not matter
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.integers(2, 5), st.integers(2, 5))  # scipy takes two runs a side at least
+def test_rank_test_p_equals_scipys_exact_permutation_test_on_one_task(data, n_x, n_y):
+    scipy_stats = pytest.importorskip("scipy.stats")
+    x, y = data.draw(runs_of(n_x, 1)), data.draw(runs_of(n_y, 1))
+
+    def u(a, b, axis):  # Mann-Whitney U of a over b, ties 1/2
+        left, right = a[..., :, None], b[..., None, :]
+        return (left > right).sum((-2, -1)) + 0.5 * (left == right).sum((-2, -1))
+
+    expected = scipy_stats.permutation_test((x[:, 0], y[:, 0]), u, permutation_type="independent",
+                                            n_resamples=np.inf, vectorized=True).pvalue
+    assert stats.rank_test(x, y)["p"] == pytest.approx(expected, abs=1e-12)
+
+
+def test_rank_test_without_ties_is_scipys_exact_mann_whitney():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(4)
+    for n_x, n_y in ((2, 2), (3, 4), (6, 5), (9, 9)):
+        x, y = rng.normal(size=(n_x, 1)), rng.normal(0.8, size=(n_y, 1))
+        expected = scipy_stats.mannwhitneyu(x[:, 0], y[:, 0], method="exact").pvalue
+        assert stats.rank_test(x, y)["p"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_smallest_p_and_the_seeds_a_verdict_needs():
+    from math import comb
+
+    assert stats.smallest_p(2, 2) == pytest.approx(2 / 6)  # the issue's `--seeds 0,1`: 1/3 at best
+    assert stats.smallest_p(3, 3, tasks=2) == pytest.approx(2 / 400)
+    assert [stats.seeds_needed(tasks) for tasks in (1, 2, 3, 6)] == [4, 3, 2, 1]
+    assert stats.seeds_needed(1, alpha=0.01) == 5  # 2 / C(10, 5) = 0.0079; 2 / C(8, 4) = 0.029
+    for tasks in (1, 2, 3):
+        n = stats.seeds_needed(tasks)
+        assert 2 / comb(2 * n, n) ** tasks <= 0.05 < 2 / comb(2 * n - 2, n - 1) ** tasks or n == 1
+    # the bound is reached: every run of x above every run of y on every task, untied
+    x, y = np.arange(4.0, 8.0)[:, None] + [0, 10], np.arange(4.0)[:, None] + [0, 10]
+    assert stats.rank_test(x, y)["p"] == pytest.approx(stats.smallest_p(4, 4, tasks=2))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.integers(1, 4), st.integers(1, 4), st.integers(1, 3))
+def test_no_verdict_at_tiny_samples_is_significant_unless_the_test_can_reach_the_level(data, n_x, n_y, tasks):
+    x = data.draw(arrays(np.float64, (n_x, tasks), elements=st.floats(-1, 2) | TIES))
+    y = data.draw(arrays(np.float64, (n_y, tasks), elements=st.floats(-1, 2) | TIES))
+    pair = stats.compare({"x": x, "y": y}, reps=200, seed=data.draw(st.integers(0, 3)))["pairs"][0]
+    test = pair["rank_test"]
+    if pair["verdict"].endswith(" better"):
+        assert test["min_p"] <= test["p"] <= 0.05 and min(n_x, n_y) >= 2
+    if test["min_p"] > 0.05:
+        assert pair["verdict"] in ("not enough runs", "no interval (one run)")
+    if n_x == n_y and stats.smallest_p(n_x, n_y, tasks) > 0.05:
+        assert n_x < stats.seeds_needed(tasks)
+
+
+def test_two_runs_a_side_that_never_overlap_are_not_enough_and_say_so():
+    """The issue's case: `--seeds 0,1`, one environment, every run of one above every run of the
+    other: P(improvement) 1.000 [1.000, 1.000], which 2 runs a side cannot make significant."""
+    report = stats.compare({"grpo@K0": [[0.9], [0.8]], "grpo@K1": [[0.1], [0.2]]}, reps=300)
+    pair = report["pairs"][0]
+    assert pair["probability_of_improvement"] == {"point": 1.0, "low": 1.0, "high": 1.0}
+    assert pair["verdict"] == "not enough runs" and report["seeds_needed"] == 4
+    assert pair["rank_test"]["p"] == pytest.approx(1 / 3) and pair["rank_test"]["min_p"] == pytest.approx(1 / 3)
+    text = stats.markdown_report(report)
+    assert "not enough runs for a verdict" in text and "n=2 a side can reach p >= 0.333 at best" in text
+    assert "4 seeds a side are needed" in text
+    assert "[1.000, 1.000] is not certainty" in text and "scores higher" not in text
+    four = stats.compare({"a": [[0.9], [0.8], [0.7], [0.95]], "b": [[0.1], [0.2], [0.3], [0.0]]}, reps=300)
+    assert four["pairs"][0]["verdict"] == "a better" and four["pairs"][0]["rank_test"]["p"] == pytest.approx(2 / 70)

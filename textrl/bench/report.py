@@ -137,12 +137,21 @@ def significance_summary(report: dict[str, Any]) -> list[str]:
         loser = p["y"] if winner == p["x"] else p["x"]
         lines.append(f"- **Significant**: `{winner}` beats `{loser}` ({p['reason']}, {level} intervals).")
     for p in others:
-        why = {"not distinguishable": "both intervals include no difference",
+        if p["verdict"] == "not enough runs":
+            lines.append(f"- Not enough runs: `{p['x']}` vs `{p['y']}` ({p['reason']}).")
+            continue
+        why = {"not distinguishable": p["reason"],
                "conflicting": "the two criteria disagree",
                "no interval (one run)": "one seed gives no interval; run more seeds"}.get(p["verdict"], p["verdict"])
         lines.append(f"- Not significant: `{p['x']}` vs `{p['y']}` ({why}).")
     if not report["pairs"]:
         lines.append("- One agent only: nothing to compare.")
+    elif any(p["verdict"] in ("not enough runs", "no interval (one run)") for p in report["pairs"]):
+        runs = sorted(set(report["runs"].values()))
+        lines.append(f"- A verdict needs {report['seeds_needed']} seeds a side on {len(report['tasks'])} "
+                     f"environment(s) (the exact rank test's smallest p-value must reach "
+                     f"{1 - report['confidence']:.2g}); these have {runs[0] if len(runs) == 1 else f'{runs[0]} to {runs[-1]}'}. "
+                     "Their bootstrap intervals resample those few runs: narrow ones are not certainty.")
     return lines
 
 

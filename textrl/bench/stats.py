@@ -14,6 +14,12 @@ shaped ``[..., runs, tasks]``, so that a stack of bootstrap replicates is aggreg
   averaged over tasks;
 - :func:`run_score_profile`: fraction of runs scoring above each tau, averaged over tasks.
 
+Whether a difference is *significant* is gated by an exact test (:func:`rank_test`): the stratified
+permutation test of P(X > Y) (a rank-sum test per task, ties at mid-rank, summed over tasks), whose
+p-value cannot fall below ``2 / C(n_x + n_y, n_x) ** tasks`` (:func:`smallest_p`). Below the runs
+that bound allows (:func:`seeds_needed`) no pair is called significant, whatever the bootstrap
+intervals say: with 2 runs a side they resample 2 values and can read ``[1.000, 1.000]``.
+
 Uncertainty comes from the stratified bootstrap (:func:`stratified_bootstrap_ci`,
 :func:`probability_of_improvement_ci`, :func:`performance_profile`): runs are resampled with
 replacement within each task independently (never across tasks), and the interval is the
@@ -31,6 +37,7 @@ Typical use (``raw[agent]``: final held-out rewards ``[seeds, environments]``)::
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -295,6 +302,93 @@ def performance_profile(
     return {"taus": taus, **band[name]}
 
 
+# -- the exact rank test that gates a verdict -----------------------------------------------------
+
+
+def doubled_midranks(values: Any) -> np.ndarray:
+    """Twice the rank of each of ``values`` ``[N]`` in their pooled order, tied values sharing
+    their mean rank (integers, so that sums compare exactly): ``[N]`` ints.
+
+    >>> doubled_midranks([0.3, 0.1, 0.3, 0.2]).tolist()
+    [7, 2, 7, 4]
+    """
+    _, inverse, counts = np.unique(np.asarray(values, dtype=float), return_inverse=True, return_counts=True)
+    before = np.concatenate([[0], np.cumsum(counts)[:-1]])  # values below each distinct value
+    return (2 * before + counts + 1)[inverse.reshape(-1)]
+
+
+def rank_sum_distribution(doubled: Any, n_x: int) -> np.ndarray:
+    """The exact null distribution of the sum of ``n_x`` of the ``doubled`` mid-ranks ``[N]``
+    (:func:`doubled_midranks`) drawn without replacement, every draw equally likely (labels
+    permuted): ``[top + 1]`` probabilities, entry ``s`` being P(sum = s). Counted by groups of tied
+    ranks (``C(c, m)`` ways to take ``m`` of ``c`` tied ones), so ties are exact and the cost is
+    ``N * n_x * top``, not ``C(N, n_x)``."""
+    ranks = np.asarray(doubled, dtype=np.int64)
+    if not 0 <= n_x <= ranks.size:
+        raise ValueError(f"n_x={n_x} must lie between 0 and the {ranks.size} pooled values")
+    top = int(np.sort(ranks)[::-1][:n_x].sum())
+    ways = np.zeros((n_x + 1, top + 1))  # ways[k, s]: draws of k ranks summing to s, over the groups so far
+    ways[0, 0] = 1.0
+    values, counts = np.unique(ranks, return_counts=True)
+    for rank, count in zip(values.tolist(), counts.tolist(), strict=True):
+        grown = ways.copy()  # none of this group taken
+        for m in range(1, min(count, n_x) + 1):
+            shift = m * rank
+            if shift > top:
+                break
+            grown[m:, shift:] += math.comb(count, m) * ways[: n_x + 1 - m, : top + 1 - shift]
+        ways = grown
+    return ways[n_x] / math.comb(ranks.size, n_x)
+
+
+def smallest_p(n_x: int, n_y: int, tasks: int = 1) -> float:
+    """The smallest two-sided p-value :func:`rank_test` can give with ``n_x`` and ``n_y`` runs on
+    each of ``tasks`` tasks: ``2 / C(n_x + n_y, n_x) ** tasks`` (every run of one side above every
+    run of the other on every task, untied; one arrangement of the labels in that many), at most 1.
+
+    >>> round(smallest_p(2, 2), 4), round(smallest_p(4, 4), 4), round(smallest_p(2, 2, tasks=2), 4)
+    (0.3333, 0.0286, 0.0556)
+    """
+    return min(1.0, 2 / math.comb(n_x + n_y, n_x) ** tasks)
+
+
+def seeds_needed(tasks: int = 1, alpha: float = 0.05) -> int:
+    """The fewest runs a side (seeds) with which :func:`rank_test` can reach ``alpha`` on ``tasks``
+    tasks: the smallest ``n`` with ``smallest_p(n, n, tasks) <= alpha`` (4 for one task at 5%)."""
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must lie strictly between 0 and 1, got {alpha}")
+    n = 1
+    while smallest_p(n, n, tasks) > alpha:
+        n += 1
+    return n
+
+
+def rank_test(x: Any, y: Any, alpha: float = 0.05) -> dict[str, Any]:
+    """The exact two-sided permutation test of P(X > Y) (:func:`probability_of_improvement`)
+    stratified by task: within each task the labels of the pooled ``x`` ``[runs_x, tasks]`` and
+    ``y`` ``[runs_y, tasks]`` runs are permuted (never across tasks), and the statistic is the sum
+    over tasks of x's rank sum, an affine function of P(X > Y). Its null distribution is the
+    convolution of the tasks' exact ones (:func:`rank_sum_distribution`); with one task it is the
+    exact Mann-Whitney (Wilcoxon rank-sum) test. ``p = min(1, 2 min(P(S >= s), P(S <= s)))``, as
+    ``scipy.stats.permutation_test`` has it.
+
+    Returns ``{"p", "runs", "min_p", "seeds_needed", "alpha"}``: the p-value, ``[runs_x, runs_y]``,
+    the smallest p-value these run counts can give (:func:`smallest_p`) and the runs a side that ``alpha`` needs (:func:`seeds_needed`).
+    """
+    xs, ys = as_scores(x, "x"), as_scores(y, "y")
+    if xs.ndim != 2 or ys.ndim != 2 or xs.shape[1] != ys.shape[1]:
+        raise ValueError(f"x and y must be shaped [runs, tasks] over the same tasks, got {xs.shape} and {ys.shape}")
+    n_x, tasks = xs.shape
+    null, observed = np.ones(1), 0
+    for task in range(tasks):
+        doubled = doubled_midranks(np.concatenate([xs[:, task], ys[:, task]]))
+        observed += int(doubled[:n_x].sum())
+        null = np.convolve(null, rank_sum_distribution(doubled, n_x))
+    greater, less = float(null[observed:].sum()), float(null[: observed + 1].sum())
+    return {"p": min(1.0, 2 * min(greater, less)), "runs": [n_x, int(ys.shape[0])], "min_p": smallest_p(n_x, ys.shape[0], tasks),
+            "seeds_needed": seeds_needed(tasks, alpha), "alpha": alpha}
+
+
 # -- the report ----------------------------------------------------------------------------------
 
 
@@ -303,19 +397,38 @@ def _statistics(threshold: float) -> dict[str, Statistic]:
             "optimality_gap": lambda s: optimality_gap(s, threshold)}
 
 
-def _verdict(x: str, y: str, difference: dict[str, Any], improvement: dict[str, Any]) -> tuple[str, str]:
-    """(verdict, reason): ``"x better"``, ``"y better"``, ``"not distinguishable"`` or ``"conflicting"``."""
+def _verdict(x: str, y: str, difference: dict[str, Any], improvement: dict[str, Any],
+             test: dict[str, Any]) -> tuple[str, str]:
+    """(verdict, reason): ``"x better"``, ``"y better"``, ``"not distinguishable"``,
+    ``"conflicting"`` or ``"not enough runs"``.
+
+    A pair is ``better`` only when a bootstrap interval (the IQM difference's excludes 0, or
+    P(improvement)'s excludes 0.5) and the exact rank test (``test``: :func:`rank_test`, p at most
+    its ``alpha``) agree on the winner. When the run counts cannot bring the test's p-value down
+    to ``alpha`` at all (``min_p > alpha``) the verdict is ``"not enough runs"`` whatever the data:
+    with few runs the bootstrap resamples the same few values and its intervals say nothing."""
+    alpha = test["alpha"]
+    if test["min_p"] > alpha:
+        n_x, n_y = test["runs"]
+        sides = f"n={n_x} a side" if n_x == n_y else f"n={n_x} and {n_y} runs"
+        return "not enough runs", (f"{sides} can reach p >= {test['min_p']:.3g} at best (exact rank test), "
+                                   f"above {alpha:g}; {test['seeds_needed']} seeds a side are needed")
     votes = []
     if difference["low"] > 0 or difference["high"] < 0:
         votes.append(("IQM difference interval excludes 0", difference["low"] > 0))
     if improvement["low"] > 0.5 or improvement["high"] < 0.5:
         votes.append(("P(improvement) interval excludes 0.5", improvement["low"] > 0.5))
+    tested = f"exact rank test p = {test['p']:.3g}"
     if not votes:
-        return "not distinguishable", "both intervals include no difference"
+        return "not distinguishable", f"both intervals include no difference; {tested}"
     if len({favours_x for _, favours_x in votes}) > 1:
         return "conflicting", "the IQM difference and P(improvement) intervals point opposite ways"
-    winner = x if votes[0][1] else y
-    return f"{winner} better", "; ".join(reason for reason, _ in votes)
+    reasons = "; ".join(reason for reason, _ in votes)
+    if test["p"] > alpha:
+        return "not distinguishable", f"{reasons}, but the {tested} > {alpha:g}"
+    if improvement["point"] != 0.5 and (improvement["point"] > 0.5) != votes[0][1]:  # the test's side
+        return "conflicting", f"{reasons}, but the rank test favours the other ({tested})"
+    return f"{x if votes[0][1] else y} better", f"{reasons}; {tested}"
 
 
 def compare(
@@ -329,12 +442,15 @@ def compare(
 ) -> dict[str, Any]:
     """Every statistic of the benchmark for agents' ``[runs, tasks]`` normalised scores.
 
-    Returns a JSON-ready dict: ``agents``, ``tasks``, ``runs`` (per agent), the settings;
+    Returns a JSON-ready dict: ``agents``, ``tasks``, ``runs`` (per agent), the settings,
+    ``seeds_needed`` (the runs a side any verdict needs on these tasks: :func:`seeds_needed`);
     ``aggregates[agent][stat]`` for stat in :data:`AGGREGATES` and ``per_task[agent][task]``, each
     ``{"point", "low", "high"}``; ``profiles[agent]`` (:func:`performance_profile`); ``pairs``: for
     each pair of agents (in the given order) the IQM difference x - y and P(x > y) with intervals,
-    and ``verdict`` / ``reason`` (:func:`_verdict`). An agent with a single run gets point
-    estimates with ``low``/``high`` None and its pairs the verdict ``"no interval (one run)"``.
+    ``rank_test`` (:func:`rank_test` at ``alpha = 1 - confidence``: the p-value, the smallest one
+    the run counts allow, the seeds a side a verdict needs) and ``verdict`` / ``reason``
+    (:func:`_verdict`). An agent with a single run gets point estimates with ``low``/``high`` None
+    and its pairs the verdict ``"no interval (one run)"``.
     """
     _check_confidence(confidence)
     if not scores_by_agent:
@@ -357,6 +473,7 @@ def compare(
     report: dict[str, Any] = {
         "agents": list(arrays), "tasks": tasks, "runs": {n: int(a.shape[0]) for n, a in arrays.items()},
         "reps": int(reps), "confidence": confidence, "seed": int(seed), "threshold": threshold,
+        "seeds_needed": seeds_needed(len(tasks), 1.0 - confidence),
         "aggregates": {}, "per_task": {}, "profiles": {}, "pairs": [],
     }
     for name, array in arrays.items():
@@ -378,7 +495,7 @@ def compare(
     for i, x in enumerate(names):
         for y in names[i + 1 :]:
             xs, ys = arrays[x], arrays[y]
-            pair: dict[str, Any] = {"x": x, "y": y}
+            pair: dict[str, Any] = {"x": x, "y": y, "rank_test": rank_test(xs, ys, alpha=1.0 - confidence)}
             if min(xs.shape[0], ys.shape[0]) < 2:
                 pair["iqm_difference"] = {"point": float(iqm(xs) - iqm(ys)), "low": None, "high": None}
                 pair["probability_of_improvement"] = {
@@ -389,7 +506,7 @@ def compare(
                 pair["probability_of_improvement"] = probability_of_improvement_ci(
                     xs, ys, reps, confidence, seed, (x, y))
                 pair["verdict"], pair["reason"] = _verdict(
-                    x, y, pair["iqm_difference"], pair["probability_of_improvement"])
+                    x, y, pair["iqm_difference"], pair["probability_of_improvement"], pair["rank_test"])
             report["pairs"].append(pair)
     return report
 
@@ -400,14 +517,24 @@ def _cell(entry: dict[str, Any], spec: str = ".3f") -> str:
     return f"{entry['point']:{spec}} [{entry['low']:{spec}}, {entry['high']:{spec}}]"
 
 
+def few_runs(pair: dict[str, Any]) -> str:
+    """What the bootstrap intervals of a pair with too few runs for a verdict are not (said beside them)."""
+    return ("The bootstrap resamples the same few runs, so its intervals understate the uncertainty: "
+            "an interval such as [1.000, 1.000] is not certainty.")
+
+
 def _sentence(pair: dict[str, Any], level: str) -> str:
     x, y, verdict = f"`{pair['x']}`", f"`{pair['y']}`", pair["verdict"]
     figures = (f"IQM difference {_cell(pair['iqm_difference'], '+.3f')}, "
                f"P({pair['x']} > {pair['y']}) {_cell(pair['probability_of_improvement'])}")
     if verdict == "not distinguishable":
-        return f"- {x} vs {y}: not distinguishable at this budget ({figures}; both {level} intervals include no difference)."
+        return f"- {x} vs {y}: not distinguishable at this budget ({figures}; {pair['reason']}, {level} intervals)."
+    if verdict == "not enough runs":
+        return (f"- {x} vs {y}: not enough runs for a verdict ({figures}): {pair['reason']}. "
+                f"{few_runs(pair)}")
     if verdict == "no interval (one run)":
-        return f"- {x} vs {y}: no claim possible with a single run ({figures}); run more seeds."
+        return (f"- {x} vs {y}: no claim possible with a single run ({figures}); run more seeds "
+                f"({pair['rank_test']['seeds_needed']} a side are needed).")
     if verdict == "conflicting":
         return f"- {x} vs {y}: the two criteria disagree ({figures}); treat as not distinguishable."
     winner = verdict.removesuffix(" better")
@@ -440,8 +567,12 @@ def markdown_report(report: dict[str, Any], label: str = "agent") -> str:
     for name in agents:
         lines.append(f"| `{name}` | " + " | ".join(_cell(report["per_task"][name][t]) for t in tasks) + " |")
     if report["pairs"]:
+        alpha = 1.0 - report["confidence"]
         lines += ["", "Pairwise comparisons (a difference counts as significant when the interval of the "
-                  "IQM difference excludes 0 or the interval of P(improvement) excludes 0.5):", ""]
+                  "IQM difference excludes 0 or the interval of P(improvement) excludes 0.5, and the exact "
+                  f"rank test of P(improvement), stratified by task, gives p <= {alpha:.2g}; that test needs "
+                  f"{report['seeds_needed']} seeds a side on {len(tasks)} task(s) to reach it at all, and below "
+                  "that no pair is called significant):", ""]
         lines += [_sentence(pair, level) for pair in report["pairs"]]
         lines += ["", f"Each interval is a {level} interval for one pair; with several pairs some may "
                   "exclude no-difference by chance (no correction for multiple comparisons)."]
