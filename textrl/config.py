@@ -488,7 +488,7 @@ def _check_choices(config: TrainConfig) -> None:
     from textrl.precision import check_memory_options, check_precision
 
     engine_named(config.generation_engine)  # a registered generation engine, before any work
-    run_engine_name(config.generation_engine, config.vllm_server)  # servers only with a vLLM engine
+    _check_vllm_base(config, run_engine_name(config.generation_engine, config.vllm_server))  # servers only with vLLM
     if not 0 < config.vllm_gpu_memory_utilization <= 1:
         raise ValueError(f"vllm_gpu_memory_utilization={config.vllm_gpu_memory_utilization}: a share of the GPU's memory, in (0, 1]")
     check_choice("critic", config.critic, ("separate", "shared", "lora"))
@@ -602,6 +602,21 @@ def _check_lora(config: TrainConfig) -> None:
         raise ValueError("lora_target_modules='': name at least one module (e.g. q_proj,v_proj), 'auto' or 'all-linear'")
     if config.load_in_4bit:
         check_bitsandbytes("load_in_4bit")
+
+
+def _check_vllm_base(config: TrainConfig, engine: str) -> None:
+    """No vLLM engine (in this process or served) over a bitsandbytes-quantised base (``load_in_4bit``, or
+    a model object loaded in 4 or 8 bits): vLLM would hold the base in full precision, another policy
+    than the learner's; refused before any model loads."""
+    from textrl.generation.base import SERVED_ENGINE
+
+    quantised = config.load_in_4bit or any(getattr(config.model, f"is_loaded_in_{bits}bit", False) for bits in (4, 8))
+    if engine in ("vllm", SERVED_ENGINE) and quantised:
+        flag = "--vllm-server" if engine == SERVED_ENGINE else "--generation-engine vllm"
+        raise ValueError(f"{flag} with a 4-bit base (--load-in-4bit): vLLM holds the base in full precision (the "
+                         "LoRA merged into it or sent beside it), the learner a bitsandbytes-quantised one, so the engine "
+                         "would sample another policy, and textrl hands vLLM no quantised weights: drop --load-in-4bit, "
+                         "or use --generation-engine textrl or hf")
 
 
 def _check_batches(config: TrainConfig) -> None:

@@ -77,6 +77,29 @@ def test_servers_with_another_engine_are_refused(tmp_path):
         main(["train", "--output-dir", str(tmp_path / "run"), "--vllm-server", "http://a:1", "--generation-engine", "hf"])
 
 
+@pytest.mark.parametrize("engine", [["--vllm-server", "http://a:1"], ["--generation-engine", "vllm-server"],
+                                    ["--generation-engine", "vllm"]], ids=["served", "served-engine", "vllm"])
+@pytest.mark.parametrize("agent", [["--lora-r", "8"], ["--agent", "multi_adapter_ppo"]], ids=["lora", "multi-adapter"])
+def test_a_lora_policy_on_a_4bit_base_with_vllm_is_refused_in_one_line_before_any_work(tmp_path, engine, agent):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--output-dir", str(tmp_path / "run"), *agent, "--load-in-4bit", "true", *engine])
+    message = str(stop.value)
+    assert "\n" not in message.strip() and "with a 4-bit base (--load-in-4bit)" in message
+    assert message.count("--generation-engine vllm" if engine[-1] == "vllm" else "--vllm-server") >= 1
+    assert "drop --load-in-4bit, or use --generation-engine textrl or hf" in message
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_4bit_model_object_with_vllm_is_refused():
+    from textrl.config import TrainConfig
+
+    class Quantised:  # what transformers marks a bitsandbytes model with
+        is_loaded_in_4bit = True
+
+    with pytest.raises(ValueError, match=r"^--vllm-server with a 4-bit base"):
+        TrainConfig(model=Quantised(), vllm_server="http://a:1").validate()
+
+
 # -- against vLLM servers -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
