@@ -13,7 +13,8 @@ float rounding of another batch shape.
 
 The carry holds only while the weights are those that filled it: a row is matched only for the
 same model object and the same ``(data_ptr, _version)`` of every parameter (an optimiser step,
-an in-place edit or a load changes them).
+an in-place edit or a load changes them; a write through ``.data`` is marked by its writer:
+:func:`textrl.versions.mark_written`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ KEY = 8
 
 
 def weights_version(model: nn.Module) -> tuple[Any, ...]:
-    """``(id, (data_ptr, _version) of every parameter)``: changes when a weight changes in place or is replaced."""
+    """``(id, (data_ptr, _version) of every parameter)``: changes when a weight changes in place, is
+    marked written (:func:`textrl.versions.mark_written`) or is replaced."""
     return (id(model), tensor_versions(model.parameters()))
 
 

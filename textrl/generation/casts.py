@@ -49,8 +49,9 @@ class WeightCasts:
         self.versions = tensor_versions(p for _, _, p, _ in self.entries)
 
     def changed(self) -> bool:
-        """Whether a weight was changed in place (an optimiser step, a load) since the last :meth:`refresh`.
-        A write through ``.data`` is not seen: the engine refreshes at the start of every rollout anyway."""
+        """Whether a weight was changed in place (an optimiser step, a load) or marked written
+        (:func:`textrl.versions.mark_written`: a step or a load through ``.data``, as DeepSpeed's) since
+        the last :meth:`refresh`. The engine refreshes at the start of every rollout anyway."""
         return tensor_versions(p for _, _, p, _ in self.entries) != self.versions
 
     @contextmanager

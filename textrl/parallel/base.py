@@ -10,7 +10,8 @@ rest of a training step, so the agent's update loop is the same on every backend
   accumulate until the step);
 - :meth:`Backend.step` synchronises the gradients, clips them, steps every optimiser and
   scheduler and returns the pre-clip gradient norms; it returns ``None`` and steps nothing
-  (gradients dropped) when a gradient is NaN/inf on any process;
+  (gradients dropped) when a gradient is NaN/inf on any process; after a step it marks the
+  weights written (:func:`textrl.versions.mark_written`), however the optimiser wrote them;
 - :meth:`Backend.gathered` holds a model's full weights for a block (generation),
   :meth:`Backend.copy_weights` copies one model's weights into another (reference and
   old-policy refreshes);
@@ -49,6 +50,7 @@ from torch import Tensor, nn
 from textrl.distributed import Distributed
 from textrl.parallel.fsdp_sharding import local
 from textrl.parallel.rollback import OptimizerCopy, RollbackCopy, UpdateSnapshot, update_state
+from textrl.versions import mark_written
 
 
 def trained_models(agent: Any) -> list[tuple[str, nn.Module]]:
@@ -177,11 +179,35 @@ class Backend:
         loss.backward()
 
     def step(self, agent: Any) -> dict[str, float] | None:
-        """Clip and apply the accumulated gradients; return ``grad_norm/<role>`` (pre-clip).
+        """Clip and apply the accumulated gradients (:meth:`apply_step`); return ``grad_norm/<role>``
+        (pre-clip), or None when nothing was stepped (a NaN/inf gradient).
 
-        Returns None, steps nothing and drops the gradients when a norm is NaN/inf (the norms
-        are of synchronised gradients, so every process decides alike).
+        After a step it applied, the weights it wrote are marked written
+        (:func:`textrl.versions.mark_written` of :meth:`stepped_weights`): whatever wrote them
+        (torch's AdamW in place, DeepSpeed through ``.data``, bitsandbytes' kernels through their
+        memory), every reader of their version (the learner's, the actor's caches, an engine's own
+        copy) sees the step. The one place a step is stated; a subclass overrides :meth:`apply_step`.
         """
+        norms = self.apply_step(agent)
+        if norms is not None:
+            mark_written(self.stepped_weights(agent))
+        return norms
+
+    def stepped_weights(self, agent: Any) -> list[Tensor]:
+        """The trained weights as their readers hold them: each parameter (what the engines read) and,
+        where it is another tensor, its local part (an FSDP shard, a ZeRO-3 partition: what the
+        learner's version reads)."""
+        out = []
+        for _, param in trained_parameters(agent):
+            part = local(param)
+            out += [param] if part is param else [param, part]
+        return out
+
+    def apply_step(self, agent: Any) -> dict[str, float] | None:
+        """:meth:`step`'s work: synchronise the gradients, clip them per model, step every optimiser
+        and scheduler; ``grad_norm/<role>`` (pre-clip). Returns None, steps nothing and drops the
+        gradients when a norm is NaN/inf (the norms are of synchronised gradients, so every process
+        decides alike)."""
         self.sync_gradients(agent)
         max_norm = agent.config.max_grad_norm if agent.config.max_grad_norm > 0 else math.inf
         norms = {}

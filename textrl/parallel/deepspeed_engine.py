@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from textrl.parallel.fsdp_sharding import _env_flag
+from textrl.versions import mark_written
 
 STAGES = (1, 2, 3)
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -205,12 +206,20 @@ def gathered(model: nn.Module) -> AbstractContextManager[Any]:
 
 
 def copy_weights(dst: nn.Module, src: nn.Module) -> None:
-    """``dst.load_state_dict(src.state_dict())`` for (possibly partitioned) models of one architecture."""
+    """``dst.load_state_dict(src.state_dict())`` for (possibly partitioned) models of one architecture;
+    each tensor of ``dst`` marked written (:func:`mark_held_written`)."""
     source = src.state_dict(keep_vars=True)
     for key, d in dst.state_dict(keep_vars=True).items():
         s = source[key]
         with _gather([d, s], modifier_rank=0), torch.no_grad():
             d.data.copy_(s.data)
+        mark_held_written(d)
+
+
+def mark_held_written(tensor: Tensor) -> None:
+    """Mark ``tensor`` written through ``.data`` (:func:`textrl.versions.mark_written`): the tensor
+    and, partitioned, this process's partition of it (what the learner's version reads)."""
+    mark_written([tensor, tensor.ds_tensor] if is_partitioned(tensor) else [tensor])
 
 
 def full_model_state(model: nn.Module, keep: bool) -> dict[str, Tensor]:
@@ -252,8 +261,9 @@ def _set_full_fp32(param: nn.Parameter, value: Tensor, optim_state_key: str | No
 
 
 def load_full_model_state(model: nn.Module, state: dict[str, Tensor]) -> None:
-    """Copy full tensors into ``model``'s weights and into DeepSpeed's float32 master copies of the
-    trained ones (every process passes the same ``state``; a collective under stage 3)."""
+    """Copy full tensors into ``model``'s weights (each marked written: :func:`mark_held_written`) and
+    into DeepSpeed's float32 master copies of the trained ones (every process passes the same
+    ``state``; a collective under stage 3)."""
     own = model.state_dict(keep_vars=True)
     missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
     if missing or unexpected:
@@ -264,6 +274,7 @@ def load_full_model_state(model: nn.Module, state: dict[str, Tensor]) -> None:
             value = state[key]
             with _gather([tensor], modifier_rank=0):
                 tensor.data.copy_(value)
+            mark_held_written(tensor)
             if isinstance(tensor, nn.Parameter) and tensor.requires_grad:
                 _set_full_fp32(tensor, value)
 
@@ -350,6 +361,7 @@ __all__ = [
     "is_partitioned",
     "load_full_model_state",
     "load_full_optimizer_state",
+    "mark_held_written",
     "read_zero_section",
     "require_deepspeed",
 ]

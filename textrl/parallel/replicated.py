@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from textrl.parallel.base import Backend, trained_parameters
+from textrl.versions import mark_written
 
 
 def parameter_checksum(module: nn.Module) -> str:
@@ -35,7 +36,8 @@ class Replicated(Backend):
         """Rank 0's weights everywhere, then this process's own sampling seed ``seed + 1_000_003 x rank``."""
         super().prepare(agent)
         if self.dist.enabled:
-            self.dist.broadcast_module(agent)
+            self.dist.broadcast_module(agent)  # through .data: marked, as every such write
+            mark_written([*agent.parameters(), *agent.buffers()])
             torch.manual_seed(agent.config.seed + 1_000_003 * self.dist.rank)
 
     def sync_gradients(self, agent: Any) -> None:

@@ -18,7 +18,8 @@ agent's update uses a :class:`RollbackCopy` instead, which
   hands it to the update behind a device-side wait (a CUDA event; no host sync). The copy is
   made again, at once, when nothing was staged or what it copies changed since: an explicit
   :meth:`RollbackCopy.invalidate` (loads, restores) or a changed ``(data_ptr, _version)`` of a
-  copied tensor (an optimiser step, an in-place edit; an edit through ``.data`` is not seen).
+  copied tensor (an optimiser step, an in-place edit, a write through ``.data`` its writer marked:
+  :func:`textrl.versions.mark_written`).
 
 Scheduler states, learning rates and any optimiser state that is not a tensor are small: they
 are deep-copied when the update takes the copy.

@@ -5,6 +5,12 @@ with its learning rate), the way TRL wraps policy and value model together. Stag
 the AdamW states, stage 2 the gradients too (reduced inside the backward), stage 3 the weights
 too. ``engine.step`` clips the *joint* actor + critic norm (``grad_norm/total``) and skips the
 step when a gradient is NaN/inf on any process (DeepSpeed's overflow check).
+
+DeepSpeed writes the weights through ``.data`` (its step's copy of the float32 masters into them,
+textrl's loads and stage-3 copies): ``_version`` does not move, so each such write is marked
+(:func:`textrl.versions.mark_written`; the step's by :meth:`~textrl.parallel.Backend.step`, the
+others where they write), and the learner's version, the actor's caches and the engines that hold
+their own copy of the weights (the ``vllm`` engines) see it.
 """
 
 from __future__ import annotations
@@ -61,9 +67,11 @@ class DeepSpeedZero(Replicated):
         deepspeed_engine.backward(self.engine, loss)
         self._backwards_pending += 1
 
-    def step(self, agent: Any) -> dict[str, float] | None:
+    def apply_step(self, agent: Any) -> dict[str, float] | None:
         """One engine step: ``grad_norm/total`` (the joint pre-clip norm), None when DeepSpeed
-        skipped it for a NaN/inf gradient (it drops the gradients itself)."""
+        skipped it for a NaN/inf gradient (it drops the gradients itself). The engine copies its
+        float32 masters into the weights through ``.data``, which autograd's counter does not see:
+        :meth:`~textrl.parallel.Backend.step` marks them written after it."""
         self._backwards_pending = 0
         self.engine.step()
         if not self.engine.was_step_applied():
