@@ -398,7 +398,7 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     from textrl.agents.build import task_reward
     from textrl.envs import PromptSampler
     from textrl.envs.collector import EpisodeRunner
-    from textrl.envs.registry import env_facts, split_rows
+    from textrl.envs.registry import check_chat_template, env_facts, split_rows
 
     backend = setup_backend(config, device)  # single, replicated, FSDP or ZeRO
     dist, device, main = backend.dist, backend.device, backend.is_main
@@ -416,6 +416,7 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
 
     # the environment and its rows before any model loads: a bad file or row is named in seconds
     env = environment(config)
+    check_chat_template(config, env)  # multi-turn: a template that is not append-only is refused here
     train_rows, eval_rows = split_rows(env, config.eval_size, config.seed)
     facts = env_facts(config, env, train_rows=train_rows)  # the warm-up pairs and the episode budget
     # its models, critic (if any) and optimisers; the warm-up, or on --resume the start the run kept after it

@@ -201,7 +201,7 @@ def test_an_environment_that_raises_is_named_with_the_row(tok):
 
 
 
-def test_sampled_tokens_are_kept_when_the_template_drops_think_blocks(tok):
+def test_a_template_that_drops_think_blocks_is_refused_before_any_episode(tok):
     import copy
 
     dropping = copy.deepcopy(tok)
@@ -213,12 +213,6 @@ def test_sampled_tokens_are_kept_when_the_template_drops_think_blocks(tok):
         "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
         "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
     )
-    env = Echo(max_turns=2)
-    batch = batch_of(dropping, env.rows())
-    turn = "<think>\nhmm\n</think>\ncat"
-    gen = scripted(dropping, [[turn, "cat"], [turn, "dog"], [turn, "sun"]])
-    td = EpisodeRunner(env, tokenizer=dropping, max_new_tokens=16).run(gen, batch)
-    sampled = dropping(turn, add_special_tokens=False)["input_ids"] + [dropping.eos_token_id]
-    assert td.get(KEYS.action)[0, : len(sampled)].tolist() == sampled  # <think> kept, as sampled
-    second_context = gen.calls["contexts"][3]
-    assert sampled == second_context[len(batch.input_ids[0][batch.attention_mask[0]]) :][: len(sampled)]
+    with pytest.raises(ValueError, match="environment 'echo' is multi-turn and the chat template is not append-only: "
+                                         "it drops the <think> block"):
+        EpisodeRunner(Echo(max_turns=2), tokenizer=dropping, max_new_tokens=16)

@@ -166,7 +166,22 @@ def test_stop_string_ends_the_turn_at_the_token_completing_it():
     assert steps[-1][4]["end_reason"] == "done"
 
 
-def test_agent_tokens_are_never_retokenised_when_the_template_drops_think_blocks():
+def test_agent_tokens_are_kept_and_are_what_the_template_renders():
+    # the tiny template is append-only: the state after a turn with a <think> block is, token for
+    # token, the template's rendering of the conversation (the sampled tokens, never re-tokenised)
+    env = TokenMDPEnv(tokenizer=TOK, env=Echo(done_after=2), max_new_tokens=8)
+    think = TOK.convert_tokens_to_ids(["<think>", "</think>"])
+    turn = [think[0], Z, think[1], A, EOS]
+    obs, *_ = feed(env, turn)[-1]
+    n = obs["response_length"]
+    assert obs["response_ids"][: len(turn)].tolist() == turn  # the sampled tokens, <think> kept
+    assert obs["response_ids"][len(turn) : n].tolist() == observation_ids(TOK, AGAIN, [EOS])
+    state = obs["prompt_ids"][obs["prompt_mask"] == 1].tolist() + obs["response_ids"][:n].tolist()
+    rendered = TOK.apply_chat_template(env._state.episode.messages, tokenize=False, add_generation_prompt=True)
+    assert "<think>" in rendered and TOK(rendered, add_special_tokens=False)["input_ids"] == state
+
+
+def test_a_template_that_drops_think_blocks_is_refused():
     tok = build_tiny_tokenizer()
     # a Qwen3-style template: earlier assistant turns lose their <think> block when re-rendered
     tok.chat_template = (
@@ -175,17 +190,9 @@ def test_agent_tokens_are_never_retokenised_when_the_template_drops_think_blocks
         "{{- '<|im_start|>' + m['role'] + '\n' + c + '<|im_end|>\n' -}}{%- endfor -%}"
         "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
     )
-    env = TokenMDPEnv(tokenizer=tok, env=Echo(done_after=2), max_new_tokens=8)
-    think = tok.convert_tokens_to_ids(["<think>", "</think>"])
-    turn = [think[0], Z, think[1], A, EOS]
-    obs, *_ = feed(env, turn)[-1]
-    n = obs["response_length"]
-    assert obs["response_ids"][: len(turn)].tolist() == turn  # the sampled tokens, <think> kept
-    assert obs["response_ids"][len(turn) : n].tolist() == observation_ids(tok, AGAIN, [EOS])
-    state = obs["prompt_ids"][obs["prompt_mask"] == 1].tolist() + obs["response_ids"][:n].tolist()
-    rendered = tok.apply_chat_template(env._state.episode.messages, tokenize=False, add_generation_prompt=True)
-    assert "<think>" not in rendered  # re-rendering the history would have dropped them
-    assert tok(rendered, add_special_tokens=False)["input_ids"] != state
+    with pytest.raises(ValueError, match="environment 'echo' is multi-turn and the chat template is not append-only"):
+        TokenMDPEnv(tokenizer=tok, env=Echo(done_after=2), max_new_tokens=8)
+    TokenMDPEnv(tokenizer=tok, env=Echo(max_turns=1), max_new_tokens=8)  # one turn: no history to re-render
 
 
 class Broken(Echo):

@@ -36,7 +36,7 @@ from textrl.envs.fast_path import (
     reward_component_names,
     score_completions,
 )
-from textrl.envs.observations import append_observation
+from textrl.envs.observations import append_observation, check_append_only
 from textrl.envs.rows import row_messages, split_reference
 from textrl.envs.watchdog import CallWatch
 from textrl.keys import END_REASONS
@@ -53,6 +53,29 @@ def default_episode_tokens(env: Environment, max_new_tokens: int) -> int:
     ``max_observation_tokens`` (the environment's attribute, else 32) per observation."""
     obs = int(getattr(env, "max_observation_tokens", 32))
     return env.max_turns * max_new_tokens + (env.max_turns - 1) * obs
+
+
+def steps_env(env: Environment) -> bool:
+    """Whether the environment's ``step`` is called: it overrides the base one (which answers every
+    turn with done and no reward) or has stop strings."""
+    return type(env).step is not Environment.step or bool(env.stop_strings)
+
+
+def is_multi_turn(env: Environment) -> bool:
+    """Whether an episode of ``env`` can hold more than one agent turn (and observations)."""
+    return env.max_turns > 1 and steps_env(env)
+
+
+def check_episode_template(env: Environment, tokenizer: Any, eos_token_ids: Sequence[int]) -> None:
+    """``ValueError`` naming ``env`` when it is multi-turn and the chat template of ``tokenizer`` is
+    not append-only (:func:`textrl.envs.observations.check_append_only`): its episodes would train
+    on contexts the template never renders. Nothing for a single-turn environment."""
+    if not is_multi_turn(env):
+        return
+    try:
+        check_append_only(tokenizer, eos_token_ids)
+    except ValueError as error:
+        raise ValueError(f"environment {env_name(env)!r} is multi-turn and {error}") from None
 
 
 @dataclass
@@ -130,8 +153,9 @@ class EpisodeDynamics:
         self.max_episode_tokens = max_episode_tokens
         self.max_episode_steps = max_episode_steps
         # the base step answers every turn with done and no reward: it is not called (as in the collector)
-        self.steps_env = type(env).step is not Environment.step or bool(env.stop_strings)
-        self.multi_turn = env.max_turns > 1 and self.steps_env
+        self.steps_env = steps_env(env)
+        self.multi_turn = is_multi_turn(env)
+        check_episode_template(env, tokenizer, self.eos_ids)  # multi-turn: only an append-only template renders its episodes
         self.answers_cut_turns = self.multi_turn and bool(getattr(env, "answers_truncated_turns", True))
 
     # -- an episode ----------------------------------------------------------------------------
@@ -309,4 +333,4 @@ def turn_reward_row(s: EpisodeState, width: int) -> torch.Tensor:
 
 
 __all__ = ["CONTEXT", "DONE", "LENGTH", "MAX_TURNS", "TURN_REWARDS", "EpisodeDynamics", "EpisodeState",
-           "default_episode_tokens", "turn_reward_row"]
+           "check_episode_template", "default_episode_tokens", "is_multi_turn", "steps_env", "turn_reward_row"]

@@ -1,7 +1,10 @@
 """Tokenising an environment's observation once, as the chat template renders it after a history.
 
 The history is never re-rendered (docs/design.md, "Multi-turn episodes"): the agent's tokens stay
-the tokens it sampled. :func:`observation_ids` renders a fixed stand-in history that ends with an
+the tokens it sampled. That is the context the chat template renders only when the template is
+append-only (each rendering of a conversation starts with the rendering of every shorter one);
+:func:`check_append_only` refuses, before any model work, a template that is not (one that drops
+earlier ``<think>`` blocks, as Qwen3's does). :func:`observation_ids` renders a fixed stand-in history that ends with an
 assistant turn, then the same history followed by the new messages and the generation prompt; the
 tokens after the stand-in's last end-of-turn token are the observation's. With ChatML that is
 ``"\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n"``: the newline the template
@@ -14,6 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 _STAND_IN = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+NO_EOS = ("the chat template renders an assistant turn without the tokenizer's EOS; set eos_token_id to the "
+          "template's end-of-turn token")
 
 
 def _template_ids(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
@@ -42,8 +47,7 @@ def observation_ids(tokenizer: Any, messages: Sequence[dict[str, str]], eos_toke
     eos = set(int(e) for e in eos_token_ids)
     ends = [i for i, t in enumerate(before) if t in eos]
     if not ends:
-        raise ValueError("the chat template renders an assistant turn without the tokenizer's EOS; set "
-                         "eos_token_id to the template's end-of-turn token")
+        raise ValueError(NO_EOS)
     cut = ends[-1] + 1
     if after[:cut] != before[:cut]:
         raise ValueError("the chat template renders the earlier turns differently once new messages follow, "
@@ -62,6 +66,102 @@ def turn_observation(tokenizer: Any, messages: Sequence[dict[str, str]], eos_tok
     except ValueError as error:
         raise ValueError(f"environment {env_id!r}: its observation on row {row} cannot be tokenised: {error}") from error
     return ids if last_token in eos_token_ids else [int(eos_token_ids[0]), *ids]
+
+
+PROBE: tuple[dict[str, str], ...] = (
+    {"role": "user", "content": "Guess my number from 1 to 8."},
+    {"role": "assistant", "content": "<think>\nStart in the middle.\n</think>\n<answer>4</answer>"},
+    {"role": "user", "content": "higher"},
+    {"role": "assistant", "content": "<answer>6</answer>"},
+    {"role": "user", "content": "lower"},
+)
+"""The conversation :func:`check_append_only` renders: two agent turns, the first with a
+``<think>`` block, each answered by a ``user`` message."""
+
+END_THINK = "</think>"
+
+
+def _render(tokenizer: Any, messages: Sequence[dict[str, str]], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def observation_text(tokenizer: Any, messages: Sequence[dict[str, str]], eos_texts: Sequence[str]) -> str:
+    """The text of :func:`observation_ids`, cut as it cuts the tokens: what the template renders
+    after the stand-in history's last end-of-turn text (one of ``eos_texts``). ``ValueError`` when
+    the template renders that history differently once messages follow."""
+    before = _render(tokenizer, _STAND_IN, False)
+    after = _render(tokenizer, [*_STAND_IN, *messages], True)
+    cut = max((before.rfind(e) + len(e) for e in eos_texts if e and e in before), default=-1)
+    if cut < 0:
+        raise ValueError(NO_EOS)
+    if after[:cut] != before[:cut]:
+        raise ValueError("it renders a conversation differently once new messages follow it "
+                         f"({_first_difference(before, after, 'alone', 'followed by messages')})")
+    return after[cut:]
+
+
+def _first_difference(one: str, other: str, one_is: str, other_is: str, width: int = 24) -> str:
+    """Where two renderings part: a few characters of each from just before the first difference."""
+    i = next((i for i, (a, b) in enumerate(zip(one, other)) if a != b), min(len(one), len(other)))
+    start = max(0, i - 8)
+    return f"{one_is} {one[start : i + width]!r}, {other_is} {other[start : i + width]!r}"
+
+
+def _eos_texts(tokenizer: Any, eos_token_ids: Sequence[int]) -> list[str]:
+    return [tokenizer.decode([int(e)], skip_special_tokens=False) for e in eos_token_ids]
+
+
+def episode_contexts(tokenizer: Any, eos_token_ids: Sequence[int],
+                     conversation: Sequence[dict[str, str]] = PROBE) -> list[tuple[str, str]]:
+    """Per agent turn after the first of ``conversation`` (alternating ``user`` / ``assistant``
+    messages, a ``user`` one last): ``(built, rendered)``, the text of the context a multi-turn
+    episode builds before that turn (the prompt's rendering, then each agent turn as sampled, its
+    EOS and :func:`observation_text`) and the chat template's rendering of the conversation up to
+    it with the generation prompt. Equal for every turn when the template is append-only."""
+    eos_texts = _eos_texts(tokenizer, eos_token_ids)
+    built = _render(tokenizer, conversation[:1], True)
+    pairs = []
+    for k in range(1, len(conversation) - 1, 2):
+        built += conversation[k]["content"] + eos_texts[0] + observation_text(tokenizer, conversation[k + 1 : k + 2],
+                                                                              eos_texts)
+        pairs.append((built, _render(tokenizer, conversation[: k + 2], True)))
+    return pairs
+
+
+
+
+def check_append_only(tokenizer: Any, eos_token_ids: Sequence[int]) -> None:
+    """``ValueError`` (one line: what the template does, and what to do) unless the chat template
+    of ``tokenizer`` is append-only on :data:`PROBE`: the context a multi-turn episode builds
+    before each agent turn (:func:`episode_contexts`) is, character for character, the template's
+    rendering of the conversation so far. A tokenizer without a chat template passes (its
+    observations are plain lines). A few renders of a 5-message conversation: cheap enough to run
+    whenever a multi-turn episode runner is built."""
+    if not getattr(tokenizer, "chat_template", None):
+        return
+    fix = ("give the run a tokenizer whose chat template keeps earlier turns as they were sampled (--tokenizer DIR "
+           "with that chat_template in its tokenizer_config.json; in Python, tokenizer.chat_template = ...)")
+    try:
+        renders = [_render(tokenizer, PROBE[: k + 2], True) for k in range(1, len(PROBE) - 1, 2)]
+    except Exception as error:  # noqa: BLE001 - a template's own error (jinja2's TemplateError, a raise_exception)
+        raise ValueError(f"the chat template cannot render a conversation of alternating user and assistant "
+                         f"turns ({type(error).__name__}: {error}); {fix}") from None
+    thought = PROBE[1]["content"]  # the first agent turn: a <think> block, then its answer
+    if any(thought not in r and thought.split(END_THINK)[-1].strip() in r for r in renders):
+        raise ValueError("the chat template is not append-only: it drops the <think> block of an earlier assistant "
+                         "turn once later turns follow (as Qwen3's does), so an episode, which keeps the tokens the "
+                         f"policy sampled, would train on contexts the template never renders; {fix}")
+    if not any(e and e in _render(tokenizer, _STAND_IN, False) for e in _eos_texts(tokenizer, eos_token_ids)):
+        raise ValueError(NO_EOS)
+    try:
+        pairs = episode_contexts(tokenizer, eos_token_ids)
+    except ValueError as error:  # the stand-in history renders differently once messages follow
+        raise ValueError(f"the chat template is not append-only: {error}; {fix}") from None
+    for built, rendered in pairs:
+        if built != rendered:
+            raise ValueError(f"the chat template is not append-only: it renders earlier turns differently once "
+                             f"later turns follow ({_first_difference(built, rendered, 'the episode holds', 'the template renders')}); "
+                             f"{fix}")
 
 
 def append_observation(record: Any, messages: list[dict[str, str]], *, tokenizer: Any, eos_token_ids: Sequence[int],
@@ -86,4 +186,5 @@ def append_observation(record: Any, messages: list[dict[str, str]], *, tokenizer
     return True
 
 
-__all__ = ["append_observation", "observation_ids", "turn_observation"]
+__all__ = ["PROBE", "append_observation", "check_append_only", "episode_contexts", "observation_ids", "observation_text",
+           "turn_observation"]

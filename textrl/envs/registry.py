@@ -308,8 +308,24 @@ def env_facts(config: Any, env: Environment | None = None, *, warmup: bool = Tru
     return EnvFacts(env_id=env.id, episode_budget=int(budget), warmup_pairs=pairs)
 
 
+def check_chat_template(config: Any, env: Environment) -> None:
+    """Refuse, before any model loads, the run's chat template when ``env`` is multi-turn and the
+    template is not append-only (:func:`textrl.envs.episodes.check_episode_template`, with the run's
+    tokenizer and its EOS, as the episode runner will be built). Loads the tokenizer only for a
+    multi-turn environment."""
+    from textrl.envs.episodes import check_episode_template, is_multi_turn
+
+    if not is_multi_turn(env):
+        return
+    from textrl.agents.build import load_tokenizer
+
+    tokenizer = load_tokenizer(config)
+    if tokenizer.eos_token_id is not None:  # none: the episode runner names it
+        check_episode_template(env, tokenizer, [tokenizer.eos_token_id])
+
+
 provide_env_facts(env_facts)  # a direct Agent.from_config(config) reads the environment through it
 
 
-__all__ = ["DATASET_REWARD", "DEFAULT_ENV", "ENVS", "ENV_LOADERS", "REGISTRY", "env_facts", "env_ids", "gym_id", "make_env", "register_env", "env_settings", "parse_env_args", "register_env_loader", "split_rows",
+__all__ = ["DATASET_REWARD", "check_chat_template", "DEFAULT_ENV", "ENVS", "ENV_LOADERS", "REGISTRY", "env_facts", "env_ids", "gym_id", "make_env", "register_env", "env_settings", "parse_env_args", "register_env_loader", "split_rows",
            "task_environment"]
