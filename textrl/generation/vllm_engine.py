@@ -129,19 +129,22 @@ def base_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 
 def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """:func:`base_state_dict` with a LoRA policy's adapters merged in (``W + delta``, peft's
-    ``get_delta_weight`` of the policy's adapter, new tensors: the policy is untouched), what a vLLM
+    """:func:`base_state_dict` with a LoRA policy's adapters merged in (``W + scaling B A`` of the
+    policy's adapter computed in float32, then cast once to ``W``'s dtype:
+    :func:`textrl.models.adapters.merged_weight`; new tensors: the policy is untouched), what a vLLM
     server without the adapter samples the policy with; the policy's own for any other model."""
+    from textrl.models.adapters import lora_delta, merged_weight
+
     weights = base_state_dict(model)
     base = lora_base(model)
     if base is None:
         return weights
-    for name, module in base.named_modules():
-        if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
-            key = f"{name}.weight"
-            adapter = lora_of(model)[1]
-            if adapter in getattr(module, "lora_A", {}):
-                weights[key] = weights[key] + module.get_delta_weight(adapter).detach().to(weights[key].dtype)
+    adapter = lora_of(model)[1]
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if hasattr(module, "base_layer") and adapter in getattr(module, "lora_A", {}):
+                key = f"{name}.weight"
+                weights[key] = merged_weight(weights[key], lora_delta(module, adapter))
     return weights
 
 

@@ -425,12 +425,50 @@ def load_reward_adapter(
 # -- merging --------------------------------------------------------------------------------------
 
 
+def lora_delta(layer: nn.Module, adapter: str) -> Tensor:
+    """The weight update of ``adapter`` on peft LoRA ``layer`` in float32, shaped as the base layer's
+    weight: ``scaling * B @ A`` (transposed where the base is a GPT-2 ``Conv1D``: ``fan_in_fan_out``),
+    from the adapter's weights whatever their dtype (peft's ``get_delta_weight`` rounds it to theirs).
+    ``ValueError`` for a layer whose merge is more than ``W + B A`` (DoRA and other variants, a LoRA bias,
+    embedding and convolution LoRAs)."""
+    lora_a = getattr(layer, "lora_A", {})
+    plain = (adapter in lora_a and lora_a[adapter].weight.dim() == 2 and adapter not in getattr(layer, "lora_variant", {})
+             and not getattr(layer, "lora_bias", {}).get(adapter, False))
+    if not plain:
+        raise ValueError(f"{type(layer).__name__} of adapter {adapter!r} is not a plain linear LoRA (W + B A): "
+                         "textrl merges only those (no DoRA, LoRA bias, embedding or convolution adapters)")
+    delta = layer.lora_B[adapter].weight.float() @ lora_a[adapter].weight.float()  # [out, in]
+    return (delta.T if layer.fan_in_fan_out else delta) * layer.scaling[adapter]
+
+
+def merged_weight(weight: Tensor, delta: Tensor) -> Tensor:
+    """``weight + delta`` computed in float32 and cast once to ``weight``'s dtype: a bfloat16 weight is
+    rounded once, at the end, not at the delta and again at the sum. ``delta``: :func:`lora_delta`."""
+    return (weight.float() + delta.float()).to(weight.dtype)
+
+
+def merge_in_float32(layer: nn.Module, adapter: str) -> None:
+    """Merge ``adapter`` into peft LoRA ``layer``'s base weights in place, the arithmetic in float32:
+    the layer (base and adapters) is cast to float32, merged by peft (every kind of LoRA layer), and its
+    base cast back to the dtypes it had, so each merged weight is rounded once."""
+    base = layer.get_base_layer()
+    dtypes = {name: param.dtype for name, param in base.named_parameters()}
+    layer.float()
+    layer.merge(adapter_names=[adapter])
+    for name, param in base.named_parameters():
+        param.data = param.data.to(dtypes[name])
+
+
 def merge_adapter(peft_model: PeftModel, adapter_name: str = "default") -> PreTrainedModel:
     """Merge LoRA ``adapter_name`` into the base weights and return the plain base model.
 
     In place: the PeftModel is consumed (every adapter is unloaded, only ``adapter_name`` is
-    merged). Needs a full-precision base: merging into NF4 weights would re-quantise them.
+    merged). Each layer merges in float32 and is cast back to its dtype (:func:`merge_in_float32`),
+    so a bfloat16 base is rounded once per weight, whatever the adapter's dtype. Needs a
+    full-precision base: merging into NF4 weights would re-quantise them.
     """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     if adapter_name not in peft_model.peft_config:
         raise ValueError(f"the model has no adapter {adapter_name!r}; it has {sorted(peft_model.peft_config)}")
     if is_quantized(peft_model):
@@ -438,7 +476,9 @@ def merge_adapter(peft_model: PeftModel, adapter_name: str = "default") -> PreTr
             "merge_adapter: the base is quantised (4-bit); load it in full precision "
             "(load_base_model(..., load_in_4bit=False)) and load the adapter on it to merge"
         )
-    return peft_model.merge_and_unload(adapter_names=[adapter_name])
+    for layer in [m for m in peft_model.modules() if isinstance(m, BaseTunerLayer) and hasattr(m, "base_layer")]:
+        merge_in_float32(layer, adapter_name)
+    return peft_model.unload()
 
 
 def save_merged_model(
@@ -527,8 +567,11 @@ __all__ = [
     "load_base_model",
     "load_reward_adapter",
     "lora_config",
+    "lora_delta",
     "merge_adapter",
+    "merge_in_float32",
     "merge_info",
+    "merged_weight",
     "read_reward_meta",
     "save_adapter",
     "save_merged_model",

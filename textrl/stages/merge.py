@@ -1,7 +1,9 @@
 """``textrl merge``: fold a policy LoRA adapter into its base and save a full causal LM.
 
-The base is loaded in full precision (an adapter trained on a 4-bit base merges into the
-unquantised weights, the usual QLoRA practice). The output folder holds the merged model, the
+The base is loaded unquantised in the dtype of its checkpoint (an adapter trained on a 4-bit base
+merges into the unquantised weights, the usual QLoRA practice); each weight is merged in float32,
+``W + scaling B A``, and cast once back to that dtype (:func:`textrl.models.adapters.merge_adapter`),
+so a bfloat16 base gives a bfloat16 merged model rounded once per weight. The output folder holds the merged model, the
 tokenizer and ``textrl_merged.json`` ``{"base_model", "adapter"}`` (also kept in
 ``config.textrl_merged``), so that a later stage that treats "the base with adapters disabled"
 as its reference can warn that this base is no longer the model before the merge
@@ -55,13 +57,13 @@ def merge(config: MergeConfig) -> dict[str, Any]:
     """Merge and save; return ``{"base_model", "adapter", "output_dir"}``."""
     from peft import PeftModel
 
-    from textrl.models import load_tokenizer
-    from textrl.models.adapters import load_base_model, merge_adapter, save_merged_model
+    from textrl.models import load_causal_lm, load_tokenizer
+    from textrl.models.adapters import merge_adapter, save_merged_model
     from textrl.run import resolve_device
 
     config.validate()
     base_name = config.base_model or adapter_base(config.adapter)
-    base = load_base_model(base_name, load_in_4bit=False, device=resolve_device(config.device))
+    base = load_causal_lm(base_name, dtype="auto", device=resolve_device(config.device)).eval()  # the checkpoint's dtype
     peft_model = PeftModel.from_pretrained(base, config.adapter)
     merged = merge_adapter(peft_model, "default")
     has_tokenizer = (Path(config.adapter) / "tokenizer_config.json").is_file()
