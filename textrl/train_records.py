@@ -1,7 +1,9 @@
 """What a ``textrl train`` run records and tells: ``summary.json``'s record of what ran (the
 lengths in use, the warm-up as the agent's construction kept it, the generation engine and the
-device), the metrics row of an iteration, the peak memory, the message of an early stop, and the
-before / after table of the held-out metrics with the share of the gap to the maximum closed. :mod:`textrl.trainer` runs the iteration and calls these.
+device), the metrics row of an iteration, the peak memory, the message of an early stop, how
+the run ended and the updates it skipped (:func:`run_end`, whatever the end: completed, stopped,
+failed), and the before / after table of the held-out metrics with the share of the gap to the
+maximum closed and a line for the skipped updates. :mod:`textrl.trainer` runs the iteration and calls these.
 """
 
 from __future__ import annotations
@@ -150,15 +152,58 @@ def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak
     return signal_message("train", "iteration", iteration, config.iterations, signum, saved, config_path)
 
 
+def skipped_updates(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The updates a run skipped for NaN/inf, from its metrics rows (``summary.json``'s
+    ``skipped_updates``): ``count``, the sum of ``nonfinite/skipped_updates`` (one per minibatch
+    step skipped, per rollout skipped whole, per update rolled back); ``iterations``, those whose
+    update skipped anything; ``rolled_back``, those whose update was undone
+    (``nonfinite/rolled_back``); ``of_iterations``, the rows (a resumed run's earlier ones too)."""
+
+    def value(row: dict[str, Any], key: str) -> float:
+        found = row.get(key, 0.0)
+        return float(found) if isinstance(found, (int, float)) and math.isfinite(found) else 0.0
+
+    return {"count": sum(value(row, "nonfinite/skipped_updates") for row in rows),
+            "iterations": [int(row["iteration"]) for row in rows if value(row, "nonfinite/skipped_updates") > 0],
+            "rolled_back": [int(row["iteration"]) for row in rows if value(row, "nonfinite/rolled_back") > 0],
+            "of_iterations": len(rows)}
+
+
+def run_end(rows: list[dict[str, Any]], end: dict[str, Any] | None) -> dict[str, Any]:
+    """``summary.json``'s record of how the run ended: ``ended`` (``completed``, ``stopped`` or
+    ``failed``), ``iteration`` (the last whose row metrics.jsonl holds) and, for a stop or a
+    failure, ``reason`` and the rest of ``end`` (:attr:`textrl.run.RunLoop.end`: ``stopped_by``,
+    ``checkpoint``; ``failed_in``, ``where``); then ``skipped_updates`` (:func:`skipped_updates`).
+    ``end`` None: a run that completed (``iteration``: its last row)."""
+    record = dict(end) if end is not None else {"ended": "completed",
+                                                "iteration": int(rows[-1]["iteration"]) if rows else 0}
+    return {**record, "skipped_updates": skipped_updates(rows)}
+
+
+def skipped_line(skipped: dict[str, Any], most: int = 12) -> str | None:
+    """The closing line that says which iterations skipped updates (:func:`skipped_updates`);
+    None when none did. At most ``most`` iterations are listed."""
+    its = skipped["iterations"]
+    if not its:
+        return None
+    listed = ", ".join(map(str, its[:most])) + (f", ... ({len(its) - most} more)" if len(its) > most else "")
+    rolled = f"; {len(skipped['rolled_back'])} updates rolled back" if skipped["rolled_back"] else ""
+    return (f"skipped updates: {len(its)} of the {skipped['of_iterations']} iterations skipped NaN/inf updates "
+            f"(iterations {listed}: {skipped['count']:g} minibatch steps or whole updates skipped{rolled}), so "
+            "their rollouts trained the policy in part or not at all; see nonfinite/* in metrics.jsonl")
+
+
 def _newest_good(output_dir: str) -> str:
     """For a stop that wrote no checkpoint: the newest good one (not "None" when there is none)."""
     newest = latest_checkpoint(output_dir)
     return f"the newest good one is {newest}" if newest else "none was written before either"
 
 
-def format_summary(before: dict[str, float] | None, after: dict[str, float], gap: dict[str, float] | None = None) -> str:
-    """A small before/after table of the held-out metrics, and the share of the gap to the
-    environment's maximum the run closed (``gap``: :func:`gap_closed`) when known."""
+def format_summary(before: dict[str, float] | None, after: dict[str, float], gap: dict[str, float] | None = None,
+                   skipped: dict[str, Any] | None = None) -> str:
+    """A small before/after table of the held-out metrics, the share of the gap to the
+    environment's maximum the run closed (``gap``: :func:`gap_closed`) when known, and the
+    iterations that skipped updates for NaN/inf (``skipped``: :func:`skipped_updates`) when any did."""
     keys = [k for k in ("reward/mean", "format_rate", "accuracy", "response_length/mean")]
     lines = [f"{'held-out metric':<34}{'before':>10}{'after':>10}"]
     for mode in ("sampled", "greedy"):
@@ -171,10 +216,13 @@ def format_summary(before: dict[str, float] | None, after: dict[str, float], gap
     if gap is not None:
         lines.append(f"closed {round(gap['share'] * 100)}% of the gap between the held-out sampled reward before training "
                      f"({gap['before']:.3f}) and the environment's maximum ({gap['max_reward']:g})")
+    line = skipped_line(skipped) if skipped is not None else None
+    if line is not None:
+        lines.append(line)
     return "\n".join(lines)
 
 
 __all__ = [
-    "describe_run_start", "engine_record", "format_summary", "gap_closed", "iteration_metrics", "nonfinite_rows", "peak_memory_mib", "run_records", "stop_message",
-    "warmup_record",
+    "describe_run_start", "engine_record", "format_summary", "gap_closed", "iteration_metrics", "nonfinite_rows", "peak_memory_mib", "run_end",
+    "run_records", "skipped_line", "skipped_updates", "stop_message", "warmup_record",
 ]

@@ -46,6 +46,7 @@ from textrl.run import (
     SamplesLog,
     StopSignals,
     TrainingStopped,
+    atomic,
     check_resume_settings,
     complete_checkpoints,
     holds_run_folder,
@@ -75,6 +76,7 @@ from textrl.train_records import (  # noqa: F401 - also importable from here, as
     iteration_metrics,
     nonfinite_rows,
     peak_memory_mib,
+    run_end,
     run_records,
     stop_message,
     warmup_record,
@@ -121,8 +123,16 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
             progress=config.progress and run.main, plot=run.output_dir / "curves.png", main=run.main, dist=run.dist,
             fit_threads=not vllm_engine_processes(config),
         )
-        loop.run(run, start, signals)
-        return run.summary(before)
+        try:
+            loop.run(run, start, signals)
+        except BaseException:
+            if loop.end is not None:  # stopped or failed in the loop: summary.json says how and where
+                try:
+                    run.summary(before, loop.end)
+                except Exception as err:  # the stop's message or the failure goes on up, not this
+                    run.log(f"summary.json not written: {type(err).__name__}: {err}")
+            raise
+        return run.summary(before, loop.end)
     finally:
         if run.async_run is not None:
             run.async_run.close()  # the producer thread and its engine
@@ -364,27 +374,35 @@ class PPORun:
             return None
         return getattr(self.episodes.env, "max_reward", None)
 
-    def summary(self, before: dict[str, float] | None) -> dict[str, Any]:
+    def summary(self, before: dict[str, float] | None, end: dict[str, Any] | None = None) -> dict[str, Any]:
         """``summary.json``: held-out metrics before and after (and the share of the gap to the
         environment's maximum closed), processes, sharding, peak memory per process, the precision,
-        the generation engine and the device that ran, and the check that data-parallel processes ended
-        with the same weights."""
+        the generation engine and the device that ran, the check that data-parallel processes ended
+        with the same weights, how the run ended and the updates it skipped (``end``:
+        :attr:`textrl.run.RunLoop.end`, :func:`run_end`). The table (and the skipped updates) is
+        printed at a completed end; a failure in this process joins no collective (the others may not be here)."""
         rows = self.metrics.rows
         after = {k: v for k, v in (rows[-1] if rows else {}).items() if k.startswith("eval/")}
+        together = end is None or end["ended"] != "failed"  # every process is here
         summary: dict[str, Any] = {"before": before, "after": after, "processes": self.dist.world_size,
                                    "fsdp": self.config.fsdp, "zero_stage": self.config.zero_stage}
-        summary["peak_memory_mib"] = self.dist.gather_object(peak_memory_mib(self.agent.device))  # one per process
+        peak = peak_memory_mib(self.agent.device)
+        summary["peak_memory_mib"] = self.dist.gather_object(peak) if together else [peak]  # one per process
         summary.update(run_records(self))  # the lengths and the warm-up that ran
         if getattr(self.agent, "precision", None) is not None:
             summary["precision"] = self.agent.precision.record()  # what ran: dtype, autocast, attention
-        summary.update(self.backend.end_of_run(self.agent))  # weights held (sharded) or the replicas' checksum
+        if together:
+            summary.update(self.backend.end_of_run(self.agent))  # weights held (sharded) or the replicas' checksum
         gap = gap_closed(before, after, self.max_reward())
         if gap is not None:
             summary["gap_closed"] = gap
+        summary.update(run_end(rows, end))  # ended, iteration (reason, ...), skipped_updates
         if self.main:
-            self.log(format_summary(before, after, gap))
-            (self.output_dir / "summary.json").write_text(json_text(summary, indent=2))
-        self.dist.barrier()  # every process ends together, after the main one wrote its files
+            if summary["ended"] == "completed":
+                self.log(format_summary(before, after, gap, summary["skipped_updates"]))
+            atomic.write_text(self.output_dir / "summary.json", json_text(summary, indent=2))
+        if together:
+            self.dist.barrier()  # every process ends together, after the main one wrote its files
         return summary
 
 

@@ -16,6 +16,13 @@ One iteration, in order::
     stop = a signal (any process; not after the last) or body.faulted()
     body.checkpoint(i, stop)                        # when due, or stopping
     stop: raise TrainingStopped(body.stop_message(...))
+
+However it ends, :attr:`RunLoop.end` says how (:func:`completed`, :func:`stopped`, :func:`failed`:
+``ended``, ``iteration``, and for a stop or a failure the ``reason``) and ``curves.png`` is drawn
+from the rows written: a run stopped by a signal, by its own fault (repeated NaN/inf updates) or
+by an exception out of its body (an engine's failure) leaves the same records as a finished one,
+and the caller writes its summary from :attr:`RunLoop.end` (``textrl train``: ``summary.json``).
+No row is written twice: the row of an iteration is written once, before its checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
+import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +43,30 @@ from textrl.run.metrics import MetricsLog
 from textrl.run.pace import Pace, threads_chosen
 from textrl.run.progress import Progress
 from textrl.run.signals import StopRequested, StopSignals, TrainingStopped, stop_phase
+
+
+def completed(iteration: int) -> dict[str, Any]:
+    """:attr:`RunLoop.end` of a run that did all its iterations (``iteration``: the last)."""
+    return {"ended": "completed", "iteration": iteration}
+
+
+def stopped(iteration: int, reason: str, signum: int | None, saved: Path | None) -> dict[str, Any]:
+    """:attr:`RunLoop.end` of a stop after ``iteration`` (its row written): ``stopped_by`` the
+    signal's name or ``"fault"`` (the body's own, :meth:`LoopBody.faulted`), the stop message as
+    ``reason``, the ``checkpoint`` it saved (None: none, e.g. NaN/inf weights)."""
+    return {"ended": "stopped", "stopped_by": signal.Signals(signum).name if signum else "fault",
+            "reason": reason, "iteration": iteration, "checkpoint": None if saved is None else str(saved)}
+
+
+def failed(err: BaseException, iteration: int, done: int) -> dict[str, Any]:
+    """:attr:`RunLoop.end` of an exception raised out of ``iteration``: ``iteration`` is ``done``,
+    the last iteration whose row was written (``iteration`` itself when it raised after its row,
+    in its checkpoint; the one before when it raised in its step or evaluation), ``failed_in`` the
+    one that raised, ``reason`` the exception's type and message, ``where`` its innermost frame."""
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].name})" if frames else None
+    return {"ended": "failed", "reason": f"{type(err).__name__}: {err}", "iteration": done, "failed_in": iteration,
+            "where": where}
 
 
 class LoopBody(Protocol):
@@ -91,6 +123,9 @@ class RunLoop:
     """Whether the torch threads follow the cores other processes leave (:mod:`textrl.run.pace`)."""
     evaluation_cut: str | None = None
     """How far the evaluation of the current iteration got when a signal cut it (None: it ran whole)."""
+    end: dict[str, Any] | None = None
+    """How the last :meth:`run` ended (:func:`completed`, :func:`stopped` or :func:`failed`); None
+    while it runs, and after an abort (a second signal: ``KeyboardInterrupt``)."""
 
     def run(self, body: LoopBody, start: int, signals: StopSignals | None = None) -> None:
         """Iterations ``start + 1 .. iterations`` of ``body``; :class:`TrainingStopped` on a stop.
@@ -98,11 +133,13 @@ class RunLoop:
         ``signals``: the run's handler when it was installed before set-up (so a signal while
         models load stops after the first iteration); else one is installed for the loop.
         """
+        self.end = None
         progress = Progress(self.progress, self.iterations, start, self.name)
         # the torch threads fitted to the cores other processes leave, a line when iterations crawl
         pace = Pace(log=print if self.main else (lambda line: None), unit=self.timing,
                     adapt=self.fit_threads and not torch.cuda.is_initialized() and not threads_chosen())
         pace.start()
+        iteration = start
         try:
             with nullcontext(signals) if signals is not None else StopSignals() as signals:
                 for iteration in range(start + 1, self.iterations + 1):
@@ -114,12 +151,43 @@ class RunLoop:
                     progress.advance(body.postfix(row))
                     pace.after(iteration, row[f"time/{self.timing}_s"] - row.get("time/eval_s", 0.0))
                     self.stop_or_save(body, iteration, signals, progress)
+        except TrainingStopped as stop:
+            if self.end is None:  # raised by the body itself, not by stop_or_save (which set the end, closed the logs)
+                self.end = stopped(self.last_row(start), str(stop), None, None)
+                progress.close()
+                self.metrics.close()
+            self.draw(quietly=True)
+            raise
+        except Exception as err:  # the body's (an engine's failure, a full disk): the records say so, then it goes on up
+            self.end = failed(err, iteration, self.last_row(start))
+            progress.close()
+            self.metrics.close()
+            self.draw(quietly=True)
+            raise
         finally:
             torch.set_num_threads(pace.most)  # as the process started
         progress.close()
-        if self.plot is not None:
-            self.metrics.plot(self.plot)
+        self.end = completed(max(start, self.iterations))
+        self.draw()
         self.metrics.close()
+
+    def last_row(self, start: int) -> int:
+        """The iteration of the last row written (``start`` when none was)."""
+        return int(self.metrics.rows[-1]["iteration"]) if self.metrics.rows else start
+
+    def draw(self, quietly: bool = False) -> None:
+        """``curves.png`` (:attr:`plot`) of the rows written. ``quietly`` (a stop or a failure, whose
+        own message must reach the user): a plot that fails is a line on stderr, not an exception."""
+        if self.plot is None:
+            return
+        if not quietly:
+            self.metrics.plot(self.plot)
+            return
+        try:
+            self.metrics.plot(self.plot)
+        except Exception as err:  # noqa: BLE001 - the stop's message, not the plot's, is what the user needs
+            if self.main:
+                print(f"{self.plot} not drawn: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
 
     def iteration(self, body: LoopBody, iteration: int) -> dict[str, Any]:
         """One step of ``body`` with its evaluation when due; the timed metrics row."""
@@ -159,9 +227,10 @@ class RunLoop:
         message = body.stop_message(iteration, signals.received, saved)
         if self.evaluation_cut is not None:
             message += f" ({self.evaluation_cut} was cut short: the row of {self.timing} {iteration} has no eval/ metrics)"
+        self.end = stopped(iteration, message, None if faulted else signals.received or signal.SIGTERM, saved)
         if self.main:
             print(message, file=sys.stderr, flush=True)
         raise TrainingStopped(message, 1 if faulted else 128 + (signals.received or signal.SIGTERM))
 
 
-__all__ = ["LoopBody", "RunLoop"]
+__all__ = ["LoopBody", "RunLoop", "completed", "failed", "stopped"]
