@@ -598,6 +598,15 @@ def test_bad_axes_are_one_line_naming_the_culprit(tmp_path, capsys, args, culpri
     assert not (tmp_path / "bench").exists()
 
 
+def test_a_bench_with_too_few_seeds_says_so_before_it_runs(tmp_path, fake_training):
+    _, log = fake_compare(tmp_path / "bench")  # 2 seeds on 2 environments: 3 are needed
+    assert log.splitlines()[0] == ("note: 2 seed(s) on 2 environment(s) can tell no two agents apart at 0.05: the "
+                                   "exact rank test reaches p >= 0.0556 at best; a verdict needs 3 seeds a side "
+                                   "(the report gives the figures, without verdicts)")
+    assert bench_compare.seeds_too_few(3, 2) is None and bench_compare.seeds_too_few(4, 1) is None
+    assert "p >= 0.333 at best; a verdict needs 4" in bench_compare.seeds_too_few(2, 1)
+
+
 def test_arms_are_reported_as_agents_with_their_wall_clock(tmp_path, fake_training):
     out = tmp_path / "bench"
     result, _ = fake_compare(out, agents=("gae_ppo", "grpo"), staleness=[0, 2])

@@ -19,6 +19,7 @@ from typing import Any
 
 from textrl.bench import jobs as bench_jobs
 from textrl.bench import report as bench_report
+from textrl.bench import stats
 from textrl.bench.jobs import read_run
 from textrl.bench.plan import (
     ALL_AGENTS,
@@ -180,6 +181,8 @@ def compare_agents(
     skipped.update(skipped_arms)
     for name, why in skipped.items():
         log(f"skipping {name}: {why}")
+    if len(arms) > 1 and seeds_too_few(len(seeds), len(env_list)):
+        log(seeds_too_few(len(seeds), len(env_list)))
     env_info = describe_envs(env_list, common)
     output_dir = Path(output_dir)
     with RunFolderLock(output_dir):
@@ -187,6 +190,17 @@ def compare_agents(
         runs = _execute(jobs_plan, fresh, jobs, isolate, threads, log)
         return _report(runs, arms, env_list, env_info, seeds, jobs_plan, skipped, output_dir, reps,
                        time.perf_counter() - start, log, axes)
+
+
+def seeds_too_few(seeds: int, envs: int, alpha: float = 0.05) -> str | None:
+    """The line a bench starts with when its seeds cannot support any verdict on its environments
+    (:func:`textrl.bench.stats.seeds_needed`); None when they can."""
+    needed = stats.seeds_needed(envs, alpha)
+    if seeds >= needed:
+        return None
+    return (f"note: {seeds} seed(s) on {envs} environment(s) can tell no two agents apart at {alpha:g}: the exact "
+            f"rank test reaches p >= {stats.smallest_p(seeds, seeds, envs):.3g} at best; a verdict needs {needed} "
+            "seeds a side (the report gives the figures, without verdicts)")
 
 
 def _axes(settings: dict[str, Any], staleness: Sequence[int] | None,
