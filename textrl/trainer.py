@@ -413,7 +413,7 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     then the agent prepared for the backend, in this order
     (every process holds the same weights before FSDP / ZeRO partition them). ``config.yaml`` is
     written by :meth:`PPORun.resume`, once the checkpoint has loaded."""
-    from textrl.agents.build import task_reward
+    from textrl.agents.build import load_tokenizer, task_reward
     from textrl.envs import PromptSampler
     from textrl.envs.collector import EpisodeRunner
     from textrl.envs.registry import check_chat_template, env_facts, split_rows
@@ -434,7 +434,7 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
 
     # the environment and its rows before any model loads: a bad file or row is named in seconds
     env = environment(config)
-    check_chat_template(config, env)  # multi-turn: a template that is not append-only is refused here
+    check_chat_template(env, lambda: load_tokenizer(config))  # multi-turn: one not append-only is refused
     train_rows, eval_rows = split_rows(env, config.eval_size, config.seed)
     facts = env_facts(config, env, train_rows=train_rows)  # the warm-up pairs and the episode budget
     # its models, critic (if any) and optimisers; the warm-up, or on --resume the start the run kept after it

@@ -9,6 +9,9 @@ default system turn and ``tool`` messages wrapped in a ``user`` turn, as Qwen's 
   its ``<think>...</think>`` block, and the assistant turns after it (the current tool-calling
   exchange) with theirs; the last assistant turn gets an empty ``<think>`` block when it has none
   (Qwen3's history handling). Not append-only.
+- :data:`LLAMA3_STYLE` is Llama 3's layout (a header line per message, contents trimmed, BOS
+  first), with the tiny tokenizer's ``<|im_end|>`` as its end of turn. Append-only for contents
+  without leading or trailing whitespace.
 - :data:`STRIP_THINK` only drops ``<think>`` blocks from assistant turns that are not the last
   message (the template the issue was found with).
 """
@@ -55,6 +58,13 @@ QWEN3_STYLE = (
     + _TOOL
     + "{%- endif -%}{%- endfor -%}"
     + _PROMPT
+)
+
+LLAMA3_STYLE = (
+    "{%- for m in messages -%}"
+    "{%- set c = '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + '<|im_end|>' -%}"
+    "{%- if loop.index0 == 0 -%}{%- set c = bos_token + c -%}{%- endif -%}{{- c -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
 )
 
 STRIP_THINK = (

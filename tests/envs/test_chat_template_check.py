@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.envs.chat_templates import QWEN3_STYLE, QWEN25_STYLE, STRIP_THINK, SYSTEM, with_template
+from tests.envs.chat_templates import (
+    LLAMA3_STYLE,
+    QWEN3_STYLE,
+    QWEN25_STYLE,
+    STRIP_THINK,
+    SYSTEM,
+    with_template,
+)
 from tests.envs.test_collector import batch_of, scripted
 from textrl.envs import TokenMDPEnv
 from textrl.envs.collector import EpisodeRunner
@@ -38,13 +45,13 @@ WINDOW = _chatml("messages[-3:]")
 @pytest.fixture(scope="module")
 def templates(tok):
     return {name: with_template(tok, t) for name, t in
-            {"qwen2.5": QWEN25_STYLE, "qwen3": QWEN3_STYLE, "strip": STRIP_THINK, "counting": COUNTING,
+            {"qwen2.5": QWEN25_STYLE, "llama3": LLAMA3_STYLE, "qwen3": QWEN3_STYLE, "strip": STRIP_THINK, "counting": COUNTING,
              "window": WINDOW}.items()}
 
 
 def test_append_only_templates_pass_and_build_what_they_render(tok, templates):
     no_template = with_template(tok, None)
-    for tokenizer in (tok, templates["qwen2.5"], no_template):
+    for tokenizer in (tok, templates["qwen2.5"], templates["llama3"], no_template):
         check_append_only(tokenizer, [tok.eos_token_id])
     for built, rendered in episode_contexts(templates["qwen2.5"], [tok.eos_token_id]):
         assert built == rendered and "<think>" in built
@@ -95,12 +102,17 @@ def test_a_single_turn_environment_takes_any_template(templates):
     EpisodeRunner(make_env("guess_number", max_turns=1), tokenizer=templates["qwen3"], max_new_tokens=8)
 
 
-def _rendered_ids(tokenizer, messages):
+def _is_rendering(tokenizer, context, messages, template):
+    """Whether ``context`` (token ids) is the template's rendering of ``messages``: token for token
+    under ChatML; as text under the Llama 3 layout, whose generation prompt ends in ``"\n\n"``, one
+    token when it ends the text and two before a word (a tokenisation of the same text)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if template == "llama3":
+        return tokenizer.decode(context, skip_special_tokens=False) == text
+    return context == tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-@pytest.mark.parametrize("template", ["tiny", "qwen2.5"])
+@pytest.mark.parametrize("template", ["tiny", "qwen2.5", "llama3"])
 def test_guess_number_contexts_are_the_templates_rendering(tok, templates, template):
     tokenizer = tok if template == "tiny" else templates[template]
     env = make_env("guess_number")
@@ -112,10 +124,10 @@ def test_guess_number_contexts_are_the_templates_rendering(tok, templates, templ
     messages = [{"role": "user", "content": row["prompt"]}]
     for k, said in enumerate(["higher", "lower"]):
         messages += [{"role": "assistant", "content": turns[k]}, {"role": "user", "content": said}]
-        assert gen.calls["contexts"][k + 1] == _rendered_ids(tokenizer, messages)
+        assert _is_rendering(tokenizer, gen.calls["contexts"][k + 1], messages, template)
 
 
-@pytest.mark.parametrize("template", ["tiny", "qwen2.5"])
+@pytest.mark.parametrize("template", ["tiny", "qwen2.5", "llama3"])
 def test_calculator_contexts_are_the_templates_rendering(tok, templates, template):
     tokenizer = tok if template == "tiny" else templates[template]
     env = make_env("calculator", n_rows=4, n_eval=0)
@@ -124,14 +136,15 @@ def test_calculator_contexts_are_the_templates_rendering(tok, templates, templat
     call = f"<think>\nUse the tool.\n</think>\n<tool>{a}*{b}</tool>"
     turns = [call, "no tool", f"<answer>{row['answer']}</answer>"]
     gen = scripted(tokenizer, [turns], eos=[[False, True, True]])  # the first turn ends at the stop string
-    td = EpisodeRunner(env, tokenizer=tokenizer, max_new_tokens=40).run(gen, batch_of(tokenizer, [row]))
+    td = EpisodeRunner(env, tokenizer=tokenizer, max_new_tokens=40, max_episode_tokens=400).run(
+        gen, batch_of(tokenizer, [row]))
     assert td.get("score").tolist() == [1.0]
     messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": call},
                 {"role": "tool", "content": row["answer"]}]
-    assert gen.calls["contexts"][1] == _rendered_ids(tokenizer, messages)
+    assert _is_rendering(tokenizer, gen.calls["contexts"][1], messages, template)
     messages += [{"role": "assistant", "content": "no tool"},
                  {"role": "user", "content": f"No tool call or answer. {env.INSTRUCTION}"}]
-    assert gen.calls["contexts"][2] == _rendered_ids(tokenizer, messages)
+    assert _is_rendering(tokenizer, gen.calls["contexts"][2], messages, template)
 
 
 def _no_model(*args, **kwargs):

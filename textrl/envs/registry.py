@@ -308,18 +308,16 @@ def env_facts(config: Any, env: Environment | None = None, *, warmup: bool = Tru
     return EnvFacts(env_id=env.id, episode_budget=int(budget), warmup_pairs=pairs)
 
 
-def check_chat_template(config: Any, env: Environment) -> None:
-    """Refuse, before any model loads, the run's chat template when ``env`` is multi-turn and the
-    template is not append-only (:func:`textrl.envs.episodes.check_episode_template`, with the run's
-    tokenizer and its EOS, as the episode runner will be built). Loads the tokenizer only for a
-    multi-turn environment."""
+def check_chat_template(env: Environment, run_tokenizer: Callable[[], Any]) -> None:
+    """Refuse the run's chat template when ``env`` is multi-turn and the template is not
+    append-only (:func:`textrl.envs.episodes.check_episode_template`, with the tokenizer's EOS, as
+    the episode runner will be built): ``textrl train`` calls it before any model loads.
+    ``run_tokenizer()`` gives the run's tokenizer; it is called only for a multi-turn environment."""
     from textrl.envs.episodes import check_episode_template, is_multi_turn
 
     if not is_multi_turn(env):
         return
-    from textrl.agents.build import load_tokenizer
-
-    tokenizer = load_tokenizer(config)
+    tokenizer = run_tokenizer()
     if tokenizer.eos_token_id is not None:  # none: the episode runner names it
         check_episode_template(env, tokenizer, [tokenizer.eos_token_id])
 
