@@ -4,11 +4,15 @@ the synchronous loop."""
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
 
 from tests.runs import SMALL, checkpoint_tensors, metrics
 from textrl.cli import main
+from textrl.keys import KEYS
 
 
 def _train(out, *args, iterations=3, resume=False):
@@ -17,9 +21,51 @@ def _train(out, *args, iterations=3, resume=False):
     return metrics(out)
 
 
+def record_updates(monkeypatch):
+    """Patch the agent's update to keep, at each call, the rollout it is handed and the policy's weights
+    before it (the weights of iteration n: n updates done), copied: ``(rollouts, weights, agents)``."""
+    from textrl.agents.base import PPOAgent
+
+    rollouts, weights, agents = [], [], []
+    update = PPOAgent.update
+
+    def recording(agent, td):
+        rollouts.append(td.clone())
+        weights.append({k: v.detach().clone() for k, v in agent.policy.state_dict().items()})
+        agents.append(agent)
+        return update(agent, td)
+
+    monkeypatch.setattr(PPOAgent, "update", recording)
+    return rollouts, weights, agents
+
+
+def prefill(agent, state, td):
+    """The log-probs ``[B, T]`` of the rollout's tokens under a copy of the policy holding ``state``,
+    through the run's own forwards (its precision and temperature)."""
+    from textrl.agents import forwards
+
+    model = copy.deepcopy(agent.policy)
+    model.load_state_dict(state)
+    input_ids, attention_mask, p = forwards.sequence_inputs(td)
+    with torch.no_grad():
+        return forwards.logprobs(agent, model, input_ids, attention_mask, p, td.get(KEYS.action))
+
+
 @pytest.mark.parametrize("staleness", [1, 2])
-def test_each_rollout_is_drawn_exactly_k_updates_behind(tmp_path, staleness):
+def test_each_rollout_is_drawn_exactly_k_updates_behind(tmp_path, monkeypatch, staleness):
+    rollouts, weights, agents = record_updates(monkeypatch)
     rows = _train(tmp_path / "run", "--max-staleness", str(staleness), iterations=4)
+    # rollout n's engine log-probs are a prefill with the weights of iteration n - K, kept here from the
+    # learner (not the producer's tag): within float32 noise of those, off those the learner holds now
+    moved = 0
+    for n, td in enumerate(rollouts):
+        mask, engine = td.get(KEYS.mask), td.get(KEYS.generation_log_prob)
+        drawn = prefill(agents[n], weights[max(0, n - staleness)], td)
+        assert (engine - drawn)[mask].abs().max() < 2e-5, f"rollout {n}"
+        if any(not torch.equal(weights[n][k], v) for k, v in weights[max(0, n - staleness)].items()):
+            moved += 1  # the learner moved on since (the first update may change nothing: all rewards 0)
+            assert (engine - prefill(agents[n], weights[n], td))[mask].abs().max() > 1e-4, f"rollout {n}"
+    assert moved >= 2
     assert [r["rollout/staleness"] for r in rows] == [float(min(i, staleness)) for i in range(4)]
     assert all(r["rollout/staleness_max"] == r["rollout/staleness"] for r in rows)
     assert rows[0]["rollout/logprob_gap"] < 1e-5  # drawn with the weights the learner still has
@@ -77,9 +123,23 @@ def test_the_corrections_weigh_stale_rollouts(tmp_path, correction):
 
 
 def test_the_bypass_objective_takes_the_engines_logprobs(tmp_path):
-    rows = _train(tmp_path / "b", "--max-staleness", "1", "--old-logprobs", "engine", iterations=3)
-    assert rows[-1]["rollout/logprob_gap"] > 1e-4  # the learner's prefill against the stale engine's, logged
-    assert all(r["loss/policy"] == r["loss/policy"] for r in rows)
+    """One step per update (one epoch, one minibatch): its ratio is the first epoch's. With recompute that
+    ratio is pi_theta / pi_proximal = 1 on every token (the learner's weights are the proximal policy's);
+    with the bypass it is pi_theta / pi_engine = exp(d_t), d_t = the learner's prefill minus the stale
+    engine's log-prob, so its largest |log ratio| is the logged rollout/logprob_gap_max."""
+    one_step = ["--max-staleness", "1", "--num-minibatches", "1", "--ppo-epochs", "1"]
+    recompute = _train(tmp_path / "r", *one_step, iterations=4)
+    bypass = _train(tmp_path / "b", *one_step, "--old-logprobs", "engine", iterations=4)
+    for row in recompute:
+        assert row["ratio/min"] == pytest.approx(1.0, abs=1e-6) and row["ratio/max"] == pytest.approx(1.0, abs=1e-6)
+    # iteration 1 draws with the learner's weights in both runs: the same rollout, the same ratio to noise
+    assert bypass[0]["ratio/mean"] == pytest.approx(recompute[0]["ratio/mean"], abs=1e-5)
+    stale = [row for row in bypass if row["rollout/logprob_gap_max"] > 1e-3]
+    assert len(stale) >= 2  # the engine one update behind (the first update may change nothing)
+    for row in stale:
+        log_ratio = max(abs(math.log(row["ratio/max"])), abs(math.log(row["ratio/min"])))
+        assert log_ratio == pytest.approx(row["rollout/logprob_gap_max"], abs=2e-5)
+        assert abs(row["ratio/mean"] - 1.0) > 1e-5
 
 
 @pytest.mark.parametrize(

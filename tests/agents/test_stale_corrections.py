@@ -73,3 +73,57 @@ def test_the_bypass_objective_takes_the_stale_engines_log_probs_as_the_old_polic
 def test_the_bypass_refuses_a_rollout_without_the_engines_log_probs(tok):
     with pytest.raises(ValueError, match="old_logprobs='engine'"):
         bypass_recompute(hand_rollout(tok, uneven_responses(tok.eos_token_id)), TrainConfig(old_logprobs="engine"))
+
+
+def areal_decoupled_loss(logp, proximal, behaviour, advantages, mask, clip_eps, cap=None):
+    """AReaL's decoupled PPO objective (``ppo_actor_loss_fn``), written out over ``[B, T]``: the ratio to
+    the proximal policy ``r = pi_theta / pi_prox`` clipped as PPO clips it, each token's loss times the
+    behaviour weight ``w = pi_prox / pi_behav`` (0 above ``cap`` when one is given), summed over the
+    agent's tokens and divided by their count (a rejected token stays in the count)."""
+    r = torch.exp(logp - proximal)
+    loss = torch.maximum(-advantages * r, -advantages * r.clamp(1 - clip_eps, 1 + clip_eps))
+    w = torch.exp(proximal - behaviour)
+    kept = mask if cap is None else mask & (w <= cap)
+    loss = loss * torch.where(kept, w, torch.zeros_like(w))
+    return torch.where(mask, loss, torch.zeros_like(loss)).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("kind, bounds, cap", [("tis", {"rollout_correction_upper": 1e6}, None),
+                                               ("icepop", {"rollout_correction_upper": 1.02,
+                                                           "rollout_correction_lower": 1e-6}, 1.02)],
+                         ids=["uncapped", "capped"])
+def test_the_decoupled_gradient_is_areals_proximal_anchor_times_behaviour_weight(tok, kind, bounds, cap):
+    """A rollout drawn 3 updates ago (its engine log-probs pi_behav), evaluated by the learner now (the
+    proximal policy), then the policy moved again (r != 1, some tokens clipped): the gradient of the
+    agent's policy loss is autograd's of AReaL's formula over the same tokens. Uncapped (tis with a cap
+    no weight reaches) they are the same objective; with a cap (icepop keeping [1e-6, cap], AReaL's
+    ``behav_imp_weight_cap``) textrl divides by the kept tokens where AReaL divides by all of them
+    (docs/training.md, "Rollout corrections"), so the gradients differ by that ratio of counts."""
+    from tests.agents.test_zoo_agents import _perturb
+    from tests.arithmetic import assert_gradients_close, rollout_rtol
+    from textrl.agents import forwards
+
+    agent = zoo_agent(tok, "grpo", rollout_correction=kind, kl_coef=0.0, entropy_coef=0.0, **bounds)
+    raw, _ = stale_rollout(agent, tok, lag=3, scale=5e-3)
+    td = agent.process_rollout(raw)
+    _perturb(agent.policy, seed=4, scale=0.02)  # the policy now: apart from the proximal one
+    mask, behaviour, proximal = td.get(KEYS.mask), td.get(KEYS.generation_log_prob), td.get(KEYS.action_log_prob)
+    advantages = td.get(KEYS.advantage).squeeze(-1)
+    params = {n: p for n, p in agent.policy.named_parameters() if p.requires_grad}
+
+    terms, _ = agent.loss(td)
+    got = dict(zip(params, torch.autograd.grad(terms["policy"], list(params.values()), allow_unused=True)))
+    input_ids, attention_mask, p = forwards.sequence_inputs(td)
+    logp = forwards.logprobs(agent, agent.policy, input_ids, attention_mask, p, td.get(KEYS.action))
+    reference = areal_decoupled_loss(logp, proximal, behaviour, advantages, mask, agent.clip_eps, cap)
+    want = dict(zip(params, torch.autograd.grad(reference, list(params.values()), allow_unused=True)))
+
+    r = torch.exp(logp.detach() - proximal)[mask]
+    assert ((r < 1 - agent.clip_eps) | (r > 1 + agent.clip_eps)).any() and (r != 1).all()  # clipping acts
+    w = torch.exp(proximal - behaviour)[mask]
+    kept = int(mask.sum()) if cap is None else int((w <= cap).sum())
+    if cap is not None:
+        assert 0 < kept < int(mask.sum())  # the cap rejects some tokens, not all
+    scale = int(mask.sum()) / kept  # textrl's token mean over the kept tokens against AReaL's over all
+    want = {n: None if g is None else g * scale for n, g in want.items()}
+    assert_gradients_close(got, want, rollout_rtol(agent.policy.config, td), what=f"decoupled {kind}: ")
