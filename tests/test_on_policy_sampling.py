@@ -92,17 +92,21 @@ def test_samples_ignore_the_folders_generation_config(tmp_path, tok):
     assert any(len(set(row.tolist())) < len(row) for row in many)
 
 
-def test_logprobs_are_those_of_the_warped_logits_at_the_sampled_tokens(tmp_path, tok):
+def test_the_engines_distribution_is_the_warped_logits_and_the_learners_the_tempered_ones(tmp_path, tok):
     agent = _agent(tok, _folder(tmp_path, tok, OFF_POLICY))
     ids, mask = _prompts(tok)
     response = _act(agent, ids, mask)
     full = torch.cat([ids, response], 1)
     attn = torch.cat([mask, torch.ones_like(response, dtype=torch.bool)], 1)
-    logp = logprobs(agent, agent.policy, full, attn, ids.shape[1], response)  # [B, T]
+    # the engine's distribution (the weight check's prefill); the learner's log-probs are the policy's at
+    # the temperature alone (docs/training.md, "Sampling settings and the log-probs")
+    logp = agent.learner.forwards.filtered_logprobs(agent.policy, full, attn, ids.shape[1], response)  # [B, T]
+    learner = logprobs(agent, agent.policy, full, attn, ids.shape[1], response)  # [B, T]
     with torch.no_grad():  # the reference computation, by hand: HF's warpers in HF's order
         positions = (attn.long().cumsum(1) - 1).clamp(min=0)
         logits = agent.policy(input_ids=full, attention_mask=attn.long(), position_ids=positions).logits
         logits = logits[:, ids.shape[1] - 1: -1].float() / 0.7
+        tempered = logits.log_softmax(-1).gather(-1, response.unsqueeze(-1)).squeeze(-1)
         kth = logits.topk(40, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
         sorted_logits, order = logits.sort(-1)
@@ -117,6 +121,7 @@ def test_logprobs_are_those_of_the_warped_logits_at_the_sampled_tokens(tmp_path,
             valid[row, int(eos[0]) + 1:] = False
     torch.testing.assert_close(logp[valid], expected[valid], rtol=1e-4, atol=1e-4)
     assert bool(torch.isfinite(logp[valid]).all())  # every sampled token is inside the top-k / top-p set
+    torch.testing.assert_close(learner[valid], tempered[valid], rtol=1e-4, atol=1e-4)
 
 
 def test_lora_agents_sample_without_the_folders_settings_too(tmp_path, tok):

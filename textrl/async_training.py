@@ -133,6 +133,8 @@ class AsyncTraining:
         batch = batch.select(self.shard(len(batch)))
         with context, placing_rows(f"the rollout of iteration {n + 1}", lambda: self.sampler.batch_rows(batch)):
             td = self.episodes.run(generate, batch.to(actor.device), timings=timings)
+        drawn_now = None if len(set(turns)) == 1 else token_iterations(td.get(KEYS.mask), turns) == turns[-1]
+        actor.check_weights(td, drawn_now)  # the engine drew with the weights the actor holds: the last turn's
         rows = td.batch_size
         td.set(KEYS.policy_version, torch.full(rows, versions[0], dtype=torch.long, device=td.device))
         td.set(KEYS.policy_iteration, torch.full(rows, turns[0], dtype=torch.long, device=td.device))

@@ -242,6 +242,11 @@ class TrainConfig:
     mis 2, geo_mean 1.001, icepop 5)."""
     rollout_correction_lower: float | None = None
     """Lower bound of mis, geo_mean and icepop (None = the kind's default: 1 / upper, icepop 0.5)."""
+    max_weight_gap: float | None = None
+    """The check that the engine samples with the weights the actor claims: after every hand-over, the
+    mean |log-prob| gap per token between the engine's log-probs of its own draws and a prefill of those
+    weights (a few rows) may be at most this, else the run stops (None: the precision's bound, float32
+    1e-3, bfloat16 2e-2; 0: no check; docs/training.md, "Does the engine have the learner's weights?")."""
     max_staleness: int = 0
     """Asynchronous RL: the actor draws the rollouts of the next iterations while the learner updates,
     rollout n from the weights of iteration max(0, n - K), never more than K updates old (0: the
@@ -509,6 +514,10 @@ def _check_async(config: TrainConfig) -> None:
         raise ValueError(f"max_staleness={config.max_staleness!r}: the most updates a rollout's weights may lag "
                          "behind the learner's, an integer >= 0 (0: the synchronous loop)")
     check_choice("partial_rollouts", config.partial_rollouts, PARTIAL_ROLLOUTS)
+    gap = config.max_weight_gap
+    if gap is not None and (isinstance(gap, bool) or not isinstance(gap, (int, float)) or not gap >= 0):
+        raise ValueError(f"max_weight_gap={gap!r}: the largest mean log-prob gap per token between the engine and "
+                         "a prefill of its weights, a number >= 0 (0: no check; unset: the precision's bound)")
     check_choice("old_logprobs", config.old_logprobs, ("recompute", "engine"))
     if config.partial_rollouts == "continue" and config.max_staleness == 0:
         raise ValueError("partial_rollouts='continue' lets an episode in flight take newer weights, and with "

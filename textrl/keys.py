@@ -36,6 +36,15 @@ class RolloutKeys:
     generation_log_prob: NestedKey = ("generation", "log_prob")
     """float ``[B, T]``: the log-prob the generation engine drew each agent token with (0 on the
     environment's tokens and after the episode); absent when the engine computes none."""
+    weight_gap_sum: NestedKey = ("weight_check", "gap_sum")
+    """float64 ``[B]``: the sum over a row's checked tokens of ``|generation_log_prob - prefill|``, the
+    prefill of the weights the engine should hold under its own top-k / top-p
+    (:mod:`textrl.agents.weight_check`); 0 on rows not checked; absent without the engine's log-probs."""
+    weight_gap_tokens: NestedKey = ("weight_check", "tokens")
+    """int64 ``[B]``: the tokens :attr:`weight_gap_sum` adds up (0 on rows not checked)."""
+    weight_gap_outside: NestedKey = ("weight_check", "outside")
+    """int64 ``[B]``: the row's checked tokens the prefill's top-k / top-p drops (a draw the weights
+    it should hold could not have made)."""
     proximal_log_prob: NestedKey = "proximal_log_prob"
     """float ``[B, T]``: with ``old_logprobs='engine'``, the learner's own prefill log-probs before the
     update (``action_log_prob`` holds the engine's then); absent otherwise."""

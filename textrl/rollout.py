@@ -83,7 +83,9 @@ def run_episodes(agent: Any, batch: Any, runner: Any, greedy: bool, timings: dic
     """The runner's episodes of ``batch``, the agent generating every turn: inside ``agent.rollout()``
     when the agent has one (it hands each turn's tokens with the log-probs its engine drew them with,
     and the version of the weights, which the rollout records: ``KEYS.generation_log_prob``,
-    ``KEYS.policy_version``), else by ``agent.act``."""
+    ``KEYS.policy_version``), else by ``agent.act``. A sampled rollout is then checked against the
+    weights the agent handed over (``agent.check_weights``, where it has one:
+    :meth:`textrl.agents.actor.Actor.check_weights`)."""
     device = torch.device(agent.device)
     opened = getattr(agent, "rollout", None)
     if not callable(opened):
@@ -94,6 +96,9 @@ def run_episodes(agent: Any, batch: Any, runner: Any, greedy: bool, timings: dic
     with opened(greedy=greedy) as sampled:
         td = runner.run(sampled.generate, batch.to(device), timings=timings)
     td.set(KEYS.policy_version, torch.full(td.batch_size, int(sampled.version), dtype=torch.long, device=td.device))
+    check = getattr(agent, "check_weights", None)
+    if not greedy and callable(check):  # the engine sampled with the weights handed over (agent.check_weights)
+        check(td)
     return td
 
 

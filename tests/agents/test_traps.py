@@ -21,6 +21,7 @@ from tests.agents.conftest import PROMPTS, collect, make_agent
 from tests.arithmetic import model_rtol
 from tests.rewards.test_neural import char_tokenizer
 from textrl.agents import forwards
+from textrl.agents.forwards import sequence_inputs
 from textrl.envs import rollout_from_responses
 from textrl.functional import clipped_policy_loss, grpo_advantage, rloo_advantage
 from textrl.keys import KEYS
@@ -124,7 +125,7 @@ def test_rows_dropped_for_a_nan_reward_leave_uneven_minibatches_that_still_updat
     [dict(temperature=0.7, top_k=20, top_p=0.9), dict(temperature=1.3, top_k=0, top_p=1.0)],
     ids=["t0.7-k20-p0.9", "t1.3"],
 )
-def test_evaluate_reproduces_the_sampler_and_policy_equal_reference_has_zero_kl(tok, sampling):
+def test_the_check_reproduces_the_sampler_and_policy_equal_reference_has_zero_kl(tok, sampling):
     agent = make_agent(tok, max_new_tokens=8, generation_engine="hf", **sampling)  # generate's processed scores
     agent.ref_policy = build_tiny_causal_lm(tok, seed=0).eval()  # an independent copy of the policy
     scores, generate = [], agent.policy.generate
@@ -150,8 +151,20 @@ def test_evaluate_reproduces_the_sampler_and_policy_equal_reference_has_zero_kl(
     out = agent.evaluate(td)
     # one prefill against a decode step by step on a KV cache: other kernels, other sums (tests/arithmetic.py)
     rtol = model_rtol(agent.policy.config, enc["input_ids"].numel() + responses.numel())
-    assert_close_normwise(out.get(KEYS.action_log_prob)[mask], sampler_logp.squeeze(-1)[mask], rtol=rtol, name="logp")
-    k1 = (sampler_logp.squeeze(-1) - out.get(KEYS.ref_log_prob))[mask]  # a ~ sampler, so E[k1] = KL
+    # the engine's distribution, reproduced by the weight check's prefill (temperature, top-k, top-p)
+    input_ids, attention_mask, p = sequence_inputs(td)
+    filtered = agent.learner.forwards.filtered_logprobs(agent.policy, input_ids, attention_mask, p, responses)
+    assert_close_normwise(filtered[mask], sampler_logp.squeeze(-1)[mask], rtol=rtol, name="logp")
+    # the learner's (and the reference's) log-probs are the policy's at the temperature, no filter: the
+    # sampler's exceed them by -log(the nucleus's mass) >= 0, equal without a filter
+    learner = out.get(KEYS.action_log_prob)
+    assert bool(torch.isfinite(learner[mask]).all()) and bool(torch.isfinite(out.get(KEYS.ref_log_prob)[mask]).all())
+    lifted = (sampler_logp.squeeze(-1) - learner)[mask]
+    assert float(lifted.min()) > -1e-4
+    if sampling["top_k"] == 0 and sampling["top_p"] == 1.0:
+        assert_close_normwise(learner[mask], sampler_logp.squeeze(-1)[mask], rtol=rtol, name="logp")
+    # a ~ sampler, so E[log pi - log ref] = 0 for a reference equal to the policy: KL(pi || ref) = 0
+    k1 = (learner - out.get(KEYS.ref_log_prob))[mask]
     assert k1.numel() > 100
     assert abs(k1.mean().item()) <= 3 * k1.std().item() / math.sqrt(k1.numel()) + 1e-6
 

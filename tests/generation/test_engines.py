@@ -317,7 +317,7 @@ def test_no_carry_outside_a_rollout_or_after_the_weights_change(tok):
 
 def test_a_multi_turn_run_logs_the_same_with_either_engine(tmp_path):
     """The same metrics, but the gap between the engine's log-probs and the learner's (gap, KL, share
-    past 2x): each engine's own rounding, below 1e-3 with both."""
+    past 2x, the weight check's gap): each engine's own rounding, below 1e-3 with both."""
     from tests.runs import SMALL, metrics
     from textrl.cli import main
 
@@ -327,11 +327,11 @@ def test_a_multi_turn_run_logs_the_same_with_either_engine(tmp_path):
         main(["train", *SMALL, "--agent", "rloo", "--env", "guess_number", "--iterations", "2",
               "--generation-engine", engine, "--output-dir", str(out)])
         rows[engine] = [{k: v for k, v in r.items()
-                         if not any(w in k for w in ("time", "_s", "seconds", "memory", "per_s", "rollout/logprob"))}
+                         if not any(w in k for w in ("time", "_s", "seconds", "memory", "per_s", "rollout/logprob", "rollout/weight_gap"))}
                         for r in metrics(out)]
-        gaps[engine] = [r["rollout/logprob_gap_max"] for r in metrics(out)]
+        gaps[engine] = [r[k] for r in metrics(out) for k in ("rollout/logprob_gap_max", "rollout/weight_gap")]
     assert rows["textrl"] == rows["hf"]
-    assert all(0 <= g < 1e-3 for engine in gaps for g in gaps[engine]) and len(gaps["hf"]) == 2, gaps
+    assert all(0 <= g < 1e-3 for engine in gaps for g in gaps[engine]) and len(gaps["hf"]) == 4, gaps
 
 
 def test_textrl_train_refuses_an_unknown_engine_before_any_work(tmp_path):

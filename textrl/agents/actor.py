@@ -17,6 +17,7 @@ where the run's precision is taken from.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,6 +35,7 @@ from textrl.agents.forwards import (
     own_behaviour_logprobs,
     sequence_inputs,
 )
+from textrl.agents.weight_check import WEIGHT_CHECK_ROWS, mean_gap, weight_gap, weight_gap_bound, weight_gap_error
 from textrl.functional import kl_penalty, masked_mean
 from textrl.generation import GenerationEngine, Sampling, engine_for
 from textrl.generation.base import run_engine_name
@@ -83,6 +85,8 @@ class Actor:
     version: int = 0
     """The version of the weights it samples with: the learner's when they were last loaded
     (:meth:`load_weights_from`)."""
+    updates: int = 0
+    """The learner's updates done when the weights it samples with were loaded (named by the weight check)."""
     kept: RolloutForward | None = field(default=None, repr=False)
     """The last :meth:`evaluate`'s forward with its graph (``keep_graph``), for a one-step update."""
     own_logp: tuple[Tensor, int, int] | None = field(default=None, repr=False)
@@ -109,7 +113,7 @@ class Actor:
         (``backend.copy_weights``) when it holds its own."""
         if self.policy is not learner.policy:
             self.backend.copy_weights(self.policy, learner.policy)
-        self.version = learner.version
+        self.version, self.updates = learner.version, learner.iteration
 
     # -- sampling -----------------------------------------------------------------------------------
     def sampling(self, *, greedy: bool = False) -> Sampling:
@@ -173,6 +177,39 @@ class Actor:
         with self.engine.rollout():
             yield Sampled(generate, self.version)
 
+    @torch.no_grad()
+    def check_weights(self, td: TensorDictBase, tokens: Tensor | None = None) -> None:
+        """The check that the engine sampled ``td`` with the weights this actor holds
+        (:mod:`textrl.agents.weight_check`): the first :data:`~textrl.agents.weight_check.WEIGHT_CHECK_ROWS`
+        rows prefilled with :attr:`policy` under the engine's own distribution (temperature, top-k,
+        top-p), compared with ``KEYS.generation_log_prob`` over ``tokens`` (bool ``[B, T]``; default the
+        agent's tokens). Writes the per-row statistics into ``td`` (``KEYS.weight_gap_*``) and raises
+        :class:`~textrl.agents.weight_check.WeightGapError` past the run's bound. Nothing without the
+        engine's log-probs or with ``max_weight_gap=0``."""
+        engine_logp = td.get(KEYS.generation_log_prob, None)
+        bound = weight_gap_bound(self.config, self.precision.compute_dtype)
+        if engine_logp is None or math.isinf(bound) or td.shape[0] == 0:
+            return
+        mask = td.get(KEYS.mask) if tokens is None else tokens
+        rows = slice(0, min(td.shape[0], WEIGHT_CHECK_ROWS))
+        input_ids, attention_mask, p = sequence_inputs(td[rows])
+        prefill = self.forwards.filtered_logprobs(self.policy, input_ids, attention_mask, p, td.get(KEYS.action)[rows])
+        gap_sum, n_tokens, outside = (torch.zeros(td.shape[0], dtype=dt, device=engine_logp.device)
+                                      for dt in (torch.float64, torch.long, torch.long))
+        gap_sum[rows], n_tokens[rows], outside[rows] = weight_gap(engine_logp[rows].float(), prefill.float(), mask[rows])
+        td.set(KEYS.weight_gap_sum, gap_sum)
+        td.set(KEYS.weight_gap_tokens, n_tokens)
+        td.set(KEYS.weight_gap_outside, outside)
+        shared = self.backend.dist.mean({"sum": float(gap_sum.sum()), "tokens": float(n_tokens.sum()),
+                                         "outside": float(outside.sum())})  # the same decision on every process
+        error = weight_gap_error(engine=self.engine.name, updates=self.updates,
+                                 gap=mean_gap(shared["sum"], shared["tokens"]),
+                                 tokens=round(shared["tokens"] * self.backend.dist.world_size),
+                                 outside=round(shared["outside"] * self.backend.dist.world_size), bound=bound,
+                                 dtype=self.precision.compute_dtype)
+        if error is not None:
+            raise error
+
     def overflowed(self) -> ValueError:
         """Sampling met NaN/inf probabilities: the weights are finite (checked after every update)
         but so large that the forward overflows. A ``ValueError`` naming the largest weight and
@@ -186,7 +223,7 @@ class Actor:
     # -- forwards -----------------------------------------------------------------------------------
     def logprobs(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
                  action: Tensor) -> Tensor:
-        """Log-probs ``[B, T]`` of ``action`` under the sampling distribution of ``model``
+        """Log-probs ``[B, T]`` of ``action`` under ``model`` at the run's temperature (no filter)
         (:meth:`textrl.agents.forwards.Forwards.logprobs`)."""
         return self.forwards.logprobs(model, input_ids, attention_mask, prompt_len, action)
 

@@ -118,7 +118,7 @@ class AsyncActor:
             return
         for name, param in self.trained.items():
             param.copy_(weights[name])
-        self.iteration, self.actor.version = iteration, int(version)
+        self.iteration, self.actor.version, self.actor.updates = iteration, int(version), iteration
 
 
 # -- the pipeline --------------------------------------------------------------------------------------

@@ -284,6 +284,11 @@ class PPOAgent(nn.Module):
         with actor.rollout(greedy=greedy) as sampled:
             yield sampled
 
+    def check_weights(self, td: TensorDictBase) -> None:
+        """Stop when the engine did not sample ``td`` with the weights handed to it
+        (:meth:`textrl.agents.actor.Actor.check_weights`; :func:`textrl.rollout.run_episodes` calls it)."""
+        self.actor.check_weights(td)
+
     def evaluate(self, td: TensorDictBase, *, keep_graph: bool = False) -> TensorDict:
         """Recompute ``action_log_prob``, ``ref_log_prob`` (when the agent keeps a reference) and
         ``state_value`` (with a critic) for a rollout (:meth:`textrl.agents.actor.Actor.evaluate`).

@@ -108,7 +108,7 @@ def with_forward(mb: TensorDictBase, forward: RolloutForward) -> TensorDictBase:
 
 # -- the run's forwards ------------------------------------------------------------------------------
 class Forwards:
-    """The forwards of a run's models under its precision: the sampling distribution's log-probs of
+    """The forwards of a run's models under its precision: the policy's log-probs (at the temperature, no filter) of
     given tokens (fused with the LM head in chunks where it can), the entropy, the values. The actor
     runs them at rollout time, a loss at update time (:func:`forward_policy`, :func:`forward_values`);
     every one runs under ``precision.autocast()`` (:class:`textrl.precision.Precision`: the one
@@ -136,12 +136,20 @@ class Forwards:
         return out[:, prompt_len - 1 : -1].float()
 
     def sampling_logprobs(self, logits: Tensor, action: Tensor) -> Tensor:
-        """Log-probs ``[B, T]`` of ``action`` under the sampling distribution (temperature, top-k, top-p)."""
+        """Log-probs ``[B, T]`` of ``action`` under the policy at the run's temperature, with no top-k
+        or top-p filter: the learner's, the reference's and the old policy's log-probs (docs/training.md,
+        "Sampling settings and the log-probs": the truncation belongs to the behaviour policy)."""
+        return logprobs_from_logits(logits, action, temperature=self.config.temperature)
+
+    def filtered_logprobs(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
+                          action: Tensor) -> Tensor:
+        """Log-probs ``[B, T]`` of ``action`` under the distribution the engine draws from: temperature,
+        then top-k, then top-p (:func:`warp_logits`; ``-inf`` on a token the filter drops). Only the
+        weight check reads them (:func:`textrl.agents.weight_check.weight_gap`), never a loss."""
         cfg = self.config
+        logits = self.response_logits(model, input_ids, attention_mask, prompt_len)  # [B, T, V]
         warped = warp_logits(logits, cfg.temperature, cfg.top_k, cfg.top_p)
-        # warp_logits already divided by the temperature when it filtered; otherwise do it here.
-        temperature = cfg.temperature if warped is logits else 1.0
-        return logprobs_from_logits(warped, action, temperature=temperature)
+        return logprobs_from_logits(warped, action, temperature=cfg.temperature if warped is logits else 1.0)
 
     def fused_chunk(self) -> int | None:
         """Response positions per chunk of the fused LM head + log-softmax: ``config.logprob_chunk_size``
@@ -166,8 +174,7 @@ class Forwards:
         try:
             with self.precision.autocast():
                 return response_logprobs(model, input_ids, attention_mask, prompt_len, action,
-                                         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                                         chunk_size=chunk, entropy=entropy)
+                                         temperature=cfg.temperature, chunk_size=chunk, entropy=entropy)
         except UnfusableHead as err:
             if cfg.logprob_chunk_size is not None and not self.unfused_warned:
                 self.unfused_warned = True
@@ -178,8 +185,8 @@ class Forwards:
 
     def logprobs(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
                  action: Tensor) -> Tensor:
-        """Log-probs of the response tokens under the sampling distribution of ``model``: ``[B, T]``
-        (:meth:`fused_logprobs` when it is on)."""
+        """Log-probs of the response tokens under ``model`` at the run's temperature (no top-k / top-p:
+        :meth:`sampling_logprobs`): ``[B, T]`` (:meth:`fused_logprobs` when it is on)."""
         fused = self.fused_logprobs(model, input_ids, attention_mask, prompt_len, action, entropy="none")
         if fused is not None:
             return fused[0]
@@ -206,7 +213,7 @@ class Forwards:
 # -- a loss's forwards ----------------------------------------------------------------------------
 def logprobs(agent: Any, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
              action: Tensor) -> Tensor:
-    """Log-probs ``[B, T]`` of ``action`` under the sampling distribution of ``model``, under the
+    """Log-probs ``[B, T]`` of ``action`` under ``model`` at the run's temperature, under the
     agent's precision (:meth:`Forwards.logprobs`): a behaviour forward of a snapshot, or a loss's."""
     return agent.learner.forwards.logprobs(model, input_ids, attention_mask, prompt_len, action)
 

@@ -289,8 +289,11 @@ def provenance_metrics(learner: Learner, td: TensorDictBase) -> dict[str, float]
     tokens: ``rollout/logprob_gap`` and ``rollout/logprob_gap_max`` (mean and largest absolute
     difference: floating-point noise when both are the same weights, a lag's or an old policy's
     difference otherwise), ``rollout/logprob_kl`` (k3 estimate of KL(engine || learner)) and
-    ``rollout/logprob_gap_fraction`` (the share of tokens whose ratio is off by more than 2x); with a
-    rollout correction, :func:`correction_metrics`."""
+    ``rollout/logprob_gap_fraction`` (the share of tokens whose ratio is off by more than 2x); where the
+    actor checked the engine's weights (:meth:`textrl.agents.actor.Actor.check_weights`),
+    ``rollout/weight_gap`` (the mean gap per token against a prefill of the weights it should hold,
+    under its own top-k / top-p) and ``rollout/weight_gap_outside`` (the share of those tokens the
+    prefill's filter drops); with a rollout correction, :func:`correction_metrics`."""
     out: dict[str, float] = {}
     if KEYS.policy_version in td.keys():
         out["rollout/policy_lag"] = float(learner.version - int(td.get(KEYS.policy_version).min()))
@@ -303,6 +306,10 @@ def provenance_metrics(learner: Learner, td: TensorDictBase) -> dict[str, float]
         for name, key in (("abs_gap_mean", "logprob_gap"), ("abs_gap_max", "logprob_gap_max"),
                           ("kl_k3", "logprob_kl"), ("gap_fraction", "logprob_gap_fraction")):
             out[f"rollout/{key}"] = float(stats[name])
+    tokens = td.get(KEYS.weight_gap_tokens, None)
+    if tokens is not None and int(tokens.sum()):
+        out["rollout/weight_gap"] = float(td.get(KEYS.weight_gap_sum).sum()) / int(tokens.sum())
+        out["rollout/weight_gap_outside"] = float(td.get(KEYS.weight_gap_outside).sum()) / int(tokens.sum())
     return {**out, **correction_metrics(td)}
 
 
