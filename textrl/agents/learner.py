@@ -22,7 +22,11 @@ from torch import Tensor, nn
 
 from textrl.agents.forwards import Forwards
 from textrl.functional import masked_sum, mismatch_weights, next_valid
-from textrl.functional.mismatch import REJECTION_WARNING_ITERATIONS, rejected_share, rejection_warning
+from textrl.functional.mismatch import (
+    REJECTION_WARNING_ITERATIONS,
+    rejected_share,
+    rejection_warning,
+)
 from textrl.keys import KEYS
 from textrl.parallel.base import build_optimizers, trained_parameters
 from textrl.parallel.fsdp_sharding import local
