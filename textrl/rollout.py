@@ -79,13 +79,15 @@ def episode_runner(
     )
 
 
-def run_episodes(agent: Any, batch: Any, runner: Any, greedy: bool, timings: dict[str, float] | None) -> TensorDictBase:
+def run_episodes(agent: Any, batch: Any, runner: Any, greedy: bool, timings: dict[str, float] | None,
+                 check_weights: bool = False) -> TensorDictBase:
     """The runner's episodes of ``batch``, the agent generating every turn: inside ``agent.rollout()``
     when the agent has one (it hands each turn's tokens with the log-probs its engine drew them with,
     and the version of the weights, which the rollout records: ``KEYS.generation_log_prob``,
-    ``KEYS.policy_version``), else by ``agent.act``. A sampled rollout is then checked against the
-    weights the agent handed over (``agent.check_weights``, where it has one:
-    :meth:`textrl.agents.actor.Actor.check_weights`)."""
+    ``KEYS.policy_version``), else by ``agent.act``. With ``check_weights`` (a training rollout: every
+    process draws one, so the check's forward and its shared decision run in step) a sampled rollout
+    is then checked against the weights the agent handed over (``agent.check_weights``, where it has
+    one: :meth:`textrl.agents.actor.Actor.check_weights`)."""
     device = torch.device(agent.device)
     opened = getattr(agent, "rollout", None)
     if not callable(opened):
@@ -97,7 +99,7 @@ def run_episodes(agent: Any, batch: Any, runner: Any, greedy: bool, timings: dic
         td = runner.run(sampled.generate, batch.to(device), timings=timings)
     td.set(KEYS.policy_version, torch.full(td.batch_size, int(sampled.version), dtype=torch.long, device=td.device))
     check = getattr(agent, "check_weights", None)
-    if not greedy and callable(check):  # the engine sampled with the weights handed over (agent.check_weights)
+    if check_weights and not greedy and callable(check):  # the engine sampled with the weights handed over
         check(td)
     return td
 
@@ -139,7 +141,7 @@ def collect(
     # 1.-2. rollout and rewards: every turn generated (timed as generation), the environment's
     # answers and the final reward (timed as reward)
     runner = episode_runner(agent, batch, env, reward_placement, max_new_tokens, reward_nonfinite)
-    td = run_episodes(agent, batch, runner, greedy=False, timings=timings)
+    td = run_episodes(agent, batch, runner, greedy=False, timings=timings, check_weights=True)
     # 3. log-probs, values, advantages
     process = getattr(agent, "process_rollout", None)
     if callable(process):
