@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import os
 import signal
 import subprocess
@@ -152,7 +153,9 @@ def test_consecutive_nonfinite_updates_stop_the_run_with_the_last_good_weights(t
         main(["train", "--iterations", "5", "--output-dir", str(out), "--checkpoint-every", "1",
               "--keep-checkpoints", "5", "--max-nonfinite-updates", "2", *SMALL])
     assert stop.value.code == 1
-    assert "weights of the last good update are saved in" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "weights of the last good update are saved in" in err
+    assert "the last one saw the loss's policy (nan)" in err  # what it saw, term by term
     rows = _metrics(out)
     assert [r["nonfinite/skipped_updates"] for r in rows] == [0.0, 2.0]
     assert latest_checkpoint(out).name == "iter_000002"
@@ -210,12 +213,37 @@ def test_an_update_that_leaves_nonfinite_weights_is_rolled_back_and_the_run_goes
     assert any(not torch.equal(two[k], three[k]) for k in two if k.startswith("policy."))  # iteration 3 trained
 
 
+def test_the_stop_names_the_quantity_and_the_tokens_it_saw_not_a_learning_rate(tmp_path, monkeypatch, capsys):
+    """A reference that gives one token probability 0 (what a top-p filter on the reference's log-probs
+    did to every --top-p run): the stop names ref_log_prob, the tokens and a cause that fits."""
+    from textrl.agents.actor import Actor
+
+    logprobs = Actor.logprobs
+
+    def zero_probability_under_the_reference(self, model, *args):
+        out = logprobs(self, model, *args)
+        if model is self.reference:
+            out = out.clone()
+            out[0, 0] = -math.inf
+        return out
+
+    monkeypatch.setattr(Actor, "logprobs", zero_probability_under_the_reference)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingStopped) as stop:
+        main(["train", *SMALL, "--iterations", "4", "--output-dir", str(out), "--max-nonfinite-updates", "2"])
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert re.search(r"the last one saw the reference's log-probs \(ref_log_prob\): -inf on 1 of \d+ agent tokens, "
+                     r"first at row 0, position 0 \(token id \d+\)", err), err
+    assert "probability 0" in err and "learning rate" not in err
+
+
 def test_consecutive_rolled_back_updates_stop_the_run_with_a_checkpoint_of_finite_weights(tmp_path, monkeypatch, capsys):
     poison_updates(monkeypatch, lambda agent: agent.iteration >= 1)
     out = tmp_path / "run"
     with pytest.raises(TrainingStopped, match=r"stopped after iteration 3: 2 consecutive updates were skipped "
-                       r"for NaN/inf .*steps that left NaN/inf weights, rolled back.*; the weights of the last "
-                       r"good update are saved in .*iter_000003") as stop:
+                       r"for NaN/inf; the last one saw the update's steps left NaN/inf weights \(rolled back\).*; "
+                       r"the weights of the last good update are saved in .*iter_000003") as stop:
         main(["train", *SMALL, "--iterations", "5", "--output-dir", str(out), "--checkpoint-every", "1",
               "--keep-checkpoints", "5", "--max-nonfinite-updates", "2"])
     assert stop.value.code == 1

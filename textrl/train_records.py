@@ -128,8 +128,29 @@ def nonfinite_rows(td, n_rows: int) -> float:
     return float(n_rows - td.shape[0] + flagged)
 
 
+NONFINITE_HINTS = (
+    ("log-probs", "a token its model gives probability 0 (a -inf logit: a logits bias or processor in the model, "
+                  "a reference with another vocabulary) or logits that overflow in the run's precision"),
+    ("values", "a critic that diverges: lower --critic-lr, set --max-grad-norm or --value-clip-eps"),
+    ("value targets", "a critic that diverges: lower --critic-lr, set --max-grad-norm or --value-clip-eps"),
+    ("rewards", "a reward function or reward model that returns NaN/inf (--reward-nonfinite zero drops such rows)"),
+    ("advantages", "rewards or values that overflow"),
+    ("correction", "an engine log-prob of -inf (a token it could not have drawn)"),
+)
+"""What usually makes each quantity of the rollout NaN/inf (the first match in the skipped update's
+cause); a loss, gradients or weights: a learning rate too high or no gradient clipping."""
+
+
+def nonfinite_hint(cause: str | None) -> str:
+    """The usual causes of what a skipped update saw (:data:`NONFINITE_HINTS`)."""
+    for word, hint in NONFINITE_HINTS:
+        if cause and word in cause.split(":")[0]:
+            return hint
+    return "a learning rate too high, max_grad_norm=0, a reward model that overflows"
+
+
 def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak: int,
-                 saved: Path | None, weights_poisoned: bool = False) -> str:
+                 saved: Path | None, weights_poisoned: bool = False, cause: str | None = None) -> str:
     """What the user reads when the run stops early: why, where the checkpoint is, how to resume."""
     config_path = Path(config.output_dir) / SETTINGS_FILE
     if weights_poisoned:
@@ -143,11 +164,10 @@ def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak
         kept = (f"the weights of the last good update are saved in {saved}" if saved else
                 "the weights themselves are NaN/inf, so no checkpoint was written; "
                 f"{_newest_good(config.output_dir)}")
+        saw = f"; the last one saw {cause}" if cause else ""
         return (f"textrl train: stopped after iteration {iteration}: {streak} consecutive updates "
-                "were skipped for NaN/inf (loss, gradients, log-probs, values or advantages, or "
-                "steps that left NaN/inf weights, rolled back; see nonfinite/skipped_updates and "
-                f"nonfinite/rolled_back in metrics.jsonl); {kept}. Usual causes: a learning rate "
-                f"too high, max_grad_norm=0, a reward model that overflows. Resume with: "
+                f"were skipped for NaN/inf{saw} (see nonfinite/skipped_updates and nonfinite/rolled_back in "
+                f"metrics.jsonl); {kept}. Usual causes: {nonfinite_hint(cause)}. Resume with: "
                 f"{resume_command('train', config_path)}")
     return signal_message("train", "iteration", iteration, config.iterations, signum, saved, config_path)
 

@@ -282,7 +282,8 @@ class PPORun:
 
     def stop_message(self, iteration: int, signum: int | None, saved: Path | None) -> str:
         """:func:`stop_message`: why the run stopped, where its checkpoint is, how to resume."""
-        return stop_message(self.config, iteration, signum, self.nonfinite_streak, saved, self.weights_poisoned)
+        return stop_message(self.config, iteration, signum, self.nonfinite_streak, saved, self.weights_poisoned,
+                            getattr(getattr(self.agent, "learner", None), "nonfinite_cause", None))
 
     def postfix(self, row: dict[str, Any]) -> dict[str, str]:
         """The progress bar's rollout reward and KL at collection (left out where no reference is kept)."""

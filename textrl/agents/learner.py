@@ -54,6 +54,9 @@ class Learner:
     """Updates done (the reference and old-policy refreshes count them)."""
     nonfinite_streak: int = 0
     """Consecutive skipped (NaN/inf) updates; the trainer stops at ``max_nonfinite_updates``."""
+    nonfinite_cause: str | None = None
+    """What the last skipped update saw not finite (:func:`textrl.agents.update.nonfinite_in_rollout`,
+    :func:`~textrl.agents.update.nonfinite_loss`): the stop's message names it."""
     rejected_shares: list[float] = field(default_factory=list, repr=False)
     """The rollout correction's rejected share of the agent's tokens in the last rollouts, oldest
     first (:func:`watch_rejections`)."""

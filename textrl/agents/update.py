@@ -96,8 +96,9 @@ def update(learner: Learner, actor: Actor, td: TensorDictBase, objective: Object
     tally = UpdateTally()
     kept = actor.take_kept_forward(td)  # the behaviour forward with its graph, or None
     forward = kept if objective.reuse_forward else None
-    if learner.backend.dist.any(not rollout_is_finite(td)):  # every minibatch would be poisoned: skip all
-        tally.skip_nonfinite(learner)
+    poisoned = nonfinite_in_rollout(td)
+    if learner.backend.dist.any(poisoned is not None):  # every minibatch would be poisoned: skip all
+        tally.skip_nonfinite(learner, poisoned or "the rollout of another process (its log-probs, values or advantages)")
     else:
         with rolled_back_if_nonfinite(learner, tally):
             run_epochs(learner, td, forward, tally, objective)
@@ -128,10 +129,12 @@ def run_epochs(learner: Learner, td: TensorDictBase, forward: RolloutForward | N
                 backend.zero_grad(learner)
                 micro_stats: dict[str, list[Tensor]] = defaultdict(list)
                 backwards = dropped = 0
+                seen: list[str] = []  # what of a micro-batch's loss was NaN/inf (micro_batch_loss)
                 for sub_idx in idx.tensor_split(min(cfg.gradient_accumulation_steps, idx.numel())):
                     sub = td[sub_idx]
                     weight = objective.micro_weight(sub, mask[sub_idx], mb_tokens, sub_idx.numel(), idx.numel())
-                    loss, sub_stats = micro_batch_loss(objective.loss, sub, forward.rows(sub_idx) if forward else None)
+                    loss, sub_stats = micro_batch_loss(objective.loss, sub, forward.rows(sub_idx) if forward else None,
+                                                       seen=seen)
                     forward = None
                     for k, v in sub_stats.items():
                         micro_stats[k].append(v.detach().float())
@@ -146,7 +149,8 @@ def run_epochs(learner: Learner, td: TensorDictBase, forward: RolloutForward | N
                 learner.version  # read after each step: the version counts the steps  # noqa: B018
             forward = None
             if norms is None:
-                if skip_nonfinite_step(learner, tally):
+                cause = seen[0] if seen else "the gradients (the loss was finite on this process)"
+                if skip_nonfinite_step(learner, tally, cause):
                     return
                 continue
             learner.nonfinite_streak = 0
@@ -196,7 +200,7 @@ def total_loss(terms: dict[str, Tensor]) -> Tensor:
 
 
 def micro_batch_loss(loss_fn: Callable[[TensorDictBase], tuple[Any, dict[str, Tensor]]], sub: TensorDictBase,
-                     forward: RolloutForward | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                     forward: RolloutForward | None = None, seen: list[str] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """``(loss [], stats)`` of a micro-batch: ``loss_fn`` (an agent's ``loss``) on it (with the kept behaviour
     forward ``forward`` in it when given), its named terms summed (:func:`total_loss`, logged as
     ``loss/total``) or, for a loss that returns one tensor, that tensor. A NaN/inf loss is made to
@@ -210,8 +214,20 @@ def micro_batch_loss(loss_fn: Callable[[TensorDictBase], tuple[Any, dict[str, Te
         loss = total_loss(terms)
         stats = {**stats, "loss/total": loss.detach()}
     if not bool(torch.isfinite(loss)):
+        if seen is not None:
+            seen.append(nonfinite_loss(terms, loss))
         loss = loss * math.nan
     return loss, stats
+
+
+def nonfinite_loss(terms: Any, loss: Tensor) -> str:
+    """What of a NaN/inf loss was not finite, for the stop's message: its named terms that are not
+    (``the loss's kl term (inf)``), else the loss itself."""
+    if isinstance(terms, dict):
+        bad = [f"{name} ({float(term)})" for name, term in terms.items() if not bool(torch.isfinite(term))]
+        if bad:
+            return f"the loss's {', '.join(bad)} term{'s' if len(bad) > 1 else ''}"
+    return f"the loss ({float(loss)})"
 
 
 def over_ratio_threshold(learner: Learner, loss: Tensor, stats: dict[str, Tensor]) -> bool:
@@ -229,11 +245,11 @@ def over_ratio_threshold(learner: Learner, loss: Tensor, stats: dict[str, Tensor
     return shared["nonfinite"] == 0 and shared["ratio"] > threshold
 
 
-def skip_nonfinite_step(learner: Learner, tally: UpdateTally) -> bool:
-    """A step skipped for a NaN/inf loss or gradient (on any process; nothing stepped): counted
-    in the tally and the learner's streak. True when the streak reached ``max_nonfinite_updates``:
-    the update stops there (and the trainer stops the run)."""
-    tally.skip_nonfinite(learner)
+def skip_nonfinite_step(learner: Learner, tally: UpdateTally, cause: str = "the loss or gradients") -> bool:
+    """A step whose loss or gradient was NaN/inf (``cause`` says which, for the stop's message) is
+    skipped: counted in the tally and the learner's streak. True when the streak reached
+    ``max_nonfinite_updates``: the update stops there."""
+    tally.skip_nonfinite(learner, cause)
     return learner.nonfinite_streak >= learner.config.max_nonfinite_updates
 
 
@@ -259,18 +275,42 @@ def rolled_back_if_nonfinite(learner: Learner, tally: UpdateTally) -> Iterator[N
         tally.roll_back(learner, streak)
 
 
-def rollout_is_finite(td: TensorDictBase) -> bool:
-    """The rollout's log-probs, values, rewards, advantages and correction weights are finite on valid tokens."""
+ROLLOUT_QUANTITIES = {
+    KEYS.action_log_prob: "the old policy's log-probs (action_log_prob)",
+    KEYS.ref_log_prob: "the reference's log-probs (ref_log_prob)",
+    KEYS.state_value: "the critic's values (state_value)",
+    KEYS.reward: "the per-token rewards (reward, task reward plus KL shaping)",
+    KEYS.advantage: "the advantages",
+    KEYS.value_target: "the value targets (returns)",
+    KEYS.correction_weight: "the rollout correction's weights",
+}
+"""The rollout's quantities an update reads, in the order they are made, with what the stop calls them."""
+
+
+def nonfinite_in_rollout(td: TensorDictBase) -> str | None:
+    """None when the rollout's log-probs, values, rewards, advantages and correction weights are
+    finite on the agent's tokens; else what is not, for the stop's message: the first quantity (in the
+    order :data:`ROLLOUT_QUANTITIES` makes them: an upstream NaN spreads downstream), on how many
+    tokens, and the first one (row, position, the token id)."""
     mask = td.get(KEYS.mask)  # [B, T]
     present = set(td.keys(include_nested=True))
-    for key in (KEYS.action_log_prob, KEYS.ref_log_prob, KEYS.state_value, KEYS.reward,
-                KEYS.advantage, KEYS.value_target, KEYS.correction_weight):
+    for key, name in ROLLOUT_QUANTITIES.items():
         if key in present:
             x = td.get(key)
             x = x.squeeze(-1) if x.dim() == 3 else x  # [B, T]
-            if not bool(torch.isfinite(x[mask]).all()):
-                return False
-    return True
+            bad = mask & ~torch.isfinite(x)
+            if bool(bad.any()):
+                row, pos = (int(i) for i in bad.nonzero()[0])
+                value = float(x[row, pos])
+                return (f"{name}: {value} on {int(bad.sum())} of {int(mask.sum())} agent tokens, first at row {row}, "
+                        f"position {pos} (token id {int(td.get(KEYS.action)[row, pos])})")
+    return None
+
+
+def rollout_is_finite(td: TensorDictBase) -> bool:
+    """The rollout's log-probs, values, rewards, advantages and correction weights are finite on valid
+    tokens (:func:`nonfinite_in_rollout` finds nothing)."""
+    return nonfinite_in_rollout(td) is None
 
 
 def should_stop_early(cfg: Any, stats: dict[str, list[float]]) -> bool:
@@ -385,10 +425,12 @@ class UpdateTally:
         for k, v in step_stats.items():
             self.stats[k].append(v)
 
-    def skip_nonfinite(self, learner: Learner) -> None:
-        """One update skipped for NaN/inf: counted here and in the learner's streak."""
+    def skip_nonfinite(self, learner: Learner, cause: str) -> None:
+        """One update skipped for NaN/inf (``cause``: what was not finite): counted here and in the
+        learner's streak, the cause kept for the stop's message (``learner.nonfinite_cause``)."""
         self.nonfinite_skips += 1
         learner.nonfinite_streak += 1
+        learner.nonfinite_cause = cause
 
     def roll_back(self, learner: Learner, streak: int) -> None:
         """The update's steps were undone (they left NaN/inf weights): the whole update counts as one
@@ -396,6 +438,7 @@ class UpdateTally:
         self.rolled_back = True
         self.nonfinite_skips = 1
         learner.nonfinite_streak = streak + 1
+        learner.nonfinite_cause = "the update's steps left NaN/inf weights (rolled back)"
 
     def metrics(self, streak: int) -> dict[str, float]:
         """Stats averaged over the good steps (undone ones too: the losses and norms of the steps
@@ -412,6 +455,6 @@ class UpdateTally:
 
 __all__ = [
     "LossTerms", "Objective", "UpdateTally", "correction_metrics", "kl_monitors", "leaves_tokens_out", "loss_mask",
-    "provenance_metrics", "micro_batch_loss", "over_ratio_threshold", "rolled_back_if_nonfinite",
-    "rollout_is_finite", "run_epochs", "skip_nonfinite_step", "total_loss", "update",
+    "provenance_metrics", "micro_batch_loss", "nonfinite_in_rollout", "nonfinite_loss", "over_ratio_threshold",
+    "rolled_back_if_nonfinite", "rollout_is_finite", "run_epochs", "skip_nonfinite_step", "total_loss", "update",
 ]
