@@ -122,3 +122,12 @@ def test_every_trl_option_maps_to_a_field_and_the_doc_holds_the_table():
     assert all(ours in fields_ for _, ours, _ in TRL_OPTIONS.values() if ours)
     doc = (Path(__file__).resolve().parents[1] / "docs" / "migrating-from-trl.md").read_text()
     assert markdown_table() in doc
+
+
+def test_lora_dropout_is_refused_by_train():
+    """textrl train keeps the policy in eval mode (the ratio is exactly 1 before the first step), so a
+    LoRA dropout would act on no forward: refused in one line rather than ignored."""
+    with pytest.raises(ValueError, match=r"lora_dropout=0.1: textrl train runs the policy in eval mode") as err:
+        TrainConfig(lora_dropout=0.1, lora_r=4).validate()
+    assert "\n" not in str(err.value)
+    TrainConfig(lora_dropout=0.0, lora_r=4).validate()

@@ -312,7 +312,8 @@ class TrainConfig:
     weight trained for the others; a rank trains a policy LoRA whose reference is the base)."""
     lora_alpha: int = shared("lora_alpha")
     lora_dropout: float = 0.0
-    """Dropout inside LoRA layers (kept at 0 so PPO ratios are exactly 1 before the first step)."""
+    """Dropout inside LoRA layers: must stay 0 (textrl train runs the policy in eval mode, so PPO ratios are exactly
+    1 before the first step, and refuses more); the sft and dpo stages take it."""
     lora_target_modules: str = shared("lora_target_modules")
     critic_type: str = "value_head"
     """What trains as the critic of a LoRA policy (--lora-r, multi_adapter_ppo): a 'value_head' on the
@@ -607,6 +608,10 @@ def _check_coefficients(config: TrainConfig) -> None:
 def _check_lora(config: TrainConfig) -> None:
     """LoRA's dropout and target modules; bitsandbytes for a 4-bit base."""
     check_in_range("lora_dropout", config.lora_dropout, 0.0, 1.0)
+    if config.lora_dropout > 0:
+        raise ValueError(f"lora_dropout={config.lora_dropout}: textrl train runs the policy in eval mode (PPO's ratio "
+                         "must be exactly 1 before the first step), so LoRA dropout would act on no forward; drop "
+                         "--lora-dropout (the sft and dpo stages take it)")
     if not config.lora_target_modules.strip():
         raise ValueError("lora_target_modules='': name at least one module (e.g. q_proj,v_proj), 'auto' or 'all-linear'")
     if config.load_in_4bit:

@@ -128,6 +128,7 @@ def run_epochs(learner: Learner, td: TensorDictBase, forward: RolloutForward | N
                 mb_tokens = mask[idx].sum().clamp(min=1)
                 backend.zero_grad(learner)
                 micro_stats: dict[str, list[Tensor]] = defaultdict(list)
+                micro_weights: list[float] = []  # each micro-batch's share of the minibatch's loss
                 backwards = dropped = 0
                 seen: list[str] = []  # what of a micro-batch's loss was NaN/inf (micro_batch_loss)
                 for sub_idx in idx.tensor_split(min(cfg.gradient_accumulation_steps, idx.numel())):
@@ -138,12 +139,13 @@ def run_epochs(learner: Learner, td: TensorDictBase, forward: RolloutForward | N
                     forward = None
                     for k, v in sub_stats.items():
                         micro_stats[k].append(v.detach().float())
+                    micro_weights.append(float(weight))
                     if over_ratio_threshold(learner, loss, sub_stats):
                         dropped += 1
                         continue
                     backend.backward(weight * loss)
                     backwards += 1
-                stats = backend.dist.mean({k: torch.stack(v).mean().item() for k, v in micro_stats.items()})
+                stats = backend.dist.mean(combined_micro_stats(micro_stats, micro_weights))
                 tally.ratio_threshold_skips += dropped > 0
                 norms = backend.step(learner) if backwards else {}  # None: a NaN/inf loss or gradient
                 learner.version  # read after each step: the version counts the steps  # noqa: B018
@@ -159,6 +161,26 @@ def run_epochs(learner: Learner, td: TensorDictBase, forward: RolloutForward | N
             if should_stop_early(cfg, tally.stats):
                 tally.early_stopped = True
                 return
+
+
+def combined_micro_stats(stats: dict[str, list[Tensor]], weights: list[float]) -> dict[str, float]:
+    """A minibatch's stats from its micro-batches', as one pass over the minibatch would give them:
+    a ``.../min`` the smallest, a ``.../max`` the largest, any other the mean weighed by each
+    micro-batch's share of the loss (``weights``: its tokens under a token mean, its rows under a row
+    mean), so that ``gradient_accumulation_steps`` changes no logged number (docs/design.md,
+    "micro-batches add up"). A stat a micro-batch did not report is averaged over those that did."""
+    out = {}
+    for key, values in stats.items():
+        v = torch.stack(values)  # [m]
+        if key.endswith("/min") or key.endswith("_min"):
+            out[key] = float(v.min())
+        elif key.endswith("/max") or key.endswith("_max"):
+            out[key] = float(v.max())
+        else:
+            w = torch.tensor(weights[: len(values)] if len(values) == len(weights) else [1.0] * len(values))
+            total = float(w.sum())
+            out[key] = float((v * w).sum() / total) if total > 0 else float(v.mean())
+    return out
 
 
 def loss_mask(td: TensorDictBase) -> Tensor:
@@ -454,7 +476,7 @@ class UpdateTally:
 
 
 __all__ = [
-    "LossTerms", "Objective", "UpdateTally", "correction_metrics", "kl_monitors", "leaves_tokens_out", "loss_mask",
+    "LossTerms", "Objective", "UpdateTally", "combined_micro_stats", "correction_metrics", "kl_monitors", "leaves_tokens_out", "loss_mask",
     "provenance_metrics", "micro_batch_loss", "nonfinite_in_rollout", "nonfinite_loss", "over_ratio_threshold",
     "rolled_back_if_nonfinite", "rollout_is_finite", "run_epochs", "skip_nonfinite_step", "total_loss", "update",
 ]
