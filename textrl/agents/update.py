@@ -171,13 +171,13 @@ def combined_micro_stats(stats: dict[str, list[Tensor]], weights: list[float]) -
     "micro-batches add up"). A stat a micro-batch did not report is averaged over those that did."""
     out = {}
     for key, values in stats.items():
-        v = torch.stack(values)  # [m]
+        v = torch.stack(values).double()  # [m]
         if key.endswith("/min") or key.endswith("_min"):
             out[key] = float(v.min())
         elif key.endswith("/max") or key.endswith("_max"):
             out[key] = float(v.max())
         else:
-            w = torch.tensor(weights[: len(values)] if len(values) == len(weights) else [1.0] * len(values))
+            w = torch.tensor(weights if len(values) == len(weights) else [1.0] * len(values), dtype=torch.float64)
             total = float(w.sum())
             out[key] = float((v * w).sum() / total) if total > 0 else float(v.mean())
     return out
