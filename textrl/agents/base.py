@@ -268,7 +268,7 @@ class PPOAgent(nn.Module):
 
         Rows that end early are padded with ``pad_token_id`` after their EOS; generation stops
         when every row has emitted EOS or after ``max_new_tokens``. The sampler applies exactly
-        the processors the log-probs compute (:meth:`textrl.agents.actor.Actor.sampling`), by
+        the processors textrl accounts for (:meth:`textrl.agents.actor.Actor.sampling`), by
         the actor's engine (``hf``: nothing of the model's own ``generation_config``).
         """
         return self.actor.act(input_ids, attention_mask, greedy=greedy)

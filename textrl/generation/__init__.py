@@ -2,7 +2,8 @@
 
 Every rollout's tokens come from one call, :meth:`GenerationEngine.generate`: contexts
 ``[B, P]`` (left-padded) in, response tokens ``[B, T]`` out, padded after EOS, sampled from the
-distribution the agents' log-probs compute (temperature, then top-k, then top-p: :class:`Sampling`);
+behaviour distribution (temperature, then top-k, then top-p: :class:`Sampling`; the learner's log-probs
+are the policy's at the temperature alone, docs/training.md);
 :meth:`GenerationEngine.generate_with_logprobs` returns the same tokens and the log-prob of each
 under that distribution (None from an engine that computes none).
 Engines are registered by name (:func:`register_engine`) and chosen by ``--generation-engine``:

@@ -1,11 +1,12 @@
-"""On-policy sampling: ``generate`` with exactly the logits processors textrl's log-probs compute.
+"""On-policy sampling: ``generate`` with exactly the logits processors textrl accounts for.
 
 transformers merges a model's ``generation_config`` (a folder's ``generation_config.json``:
 Qwen2.5-Instruct's ``repetition_penalty=1.05``, others' ``no_repeat_ngram_size``, ``min_length``,
 ``suppress_tokens``, ...) into every ``generate`` call: each field a call leaves unset is taken from
 it, so passing a fresh ``GenerationConfig`` is not enough. A rollout drawn that way comes from a
-distribution whose log-probs the agents never compute (they apply temperature, top-k and top-p:
-:func:`textrl.agents.base.warp_logits`), and the PPO ratio is off from the first token.
+distribution textrl never accounts for (the engine's log-probs and the weight check apply temperature,
+top-k and top-p: :func:`textrl.agents.base.warp_logits`; the learner's the temperature), and the PPO
+ratio is off from the first token.
 
 :func:`sample` therefore builds the whole configuration itself (:func:`sampling_config`: sampling
 or greedy, temperature, top-k, top-p, the length cap, EOS / pad ids, one beam) and, for the
@@ -24,7 +25,7 @@ from typing import Any
 from torch import Tensor, nn
 
 LOGPROB_SETTINGS = ("do_sample", "temperature", "top_k", "top_p")
-"""The generation settings textrl's log-probs account for (``warp_logits``: temperature, then
+"""The generation settings textrl accounts for (``warp_logits``: temperature, then
 top-k, then top-p, HF's order); always set by textrl, never taken from a model's config."""
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {
