@@ -100,6 +100,43 @@ def test_resume_reproduces_an_uninterrupted_asynchronous_run(tmp_path, options):
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def test_the_asynchronous_path_adds_nothing_but_the_staleness(tmp_path, monkeypatch):
+    """K=1 with its actor made to draw rollout n from the learner's weights of iteration n (staleness
+    0) is the synchronous run, metric for metric and weight for weight: the learner's values, returns,
+    reference KL, proximal log-probs, schedules and held-out evaluation are the same on the
+    asynchronous path; what K=1 changes is which weights drew the tokens and nothing else. The K=0
+    run shuffles its minibatches with the private generator a K >= 1 learner uses (the global RNG
+    then carries only the sampling in both). gae_ppo on guess_number: a critic, multi-turn returns."""
+    import textrl.agents.async_actor as async_actor
+    import textrl.trainer as trainer
+    from textrl.async_training import LEARNER_SEED_OFFSET
+
+    options = ["--env", "guess_number", "--eval-every", "2", "--ppo-epochs", "2", "--warmup-sft-steps", "20"]
+    sync_actor = trainer.asynchronous_actor
+
+    def private_generator(config, agent, *args):
+        agent.learner.generator = torch.Generator().manual_seed(int(config.seed) + LEARNER_SEED_OFFSET)
+        return sync_actor(config, agent, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "asynchronous_actor", private_generator)
+        sync = _train(tmp_path / "k0", *options, iterations=4)
+    with monkeypatch.context() as patch:
+        patch.setattr(async_actor, "behaviour_iteration", lambda n, max_staleness: int(n))
+        fresh = _train(tmp_path / "k1", *options, "--max-staleness", "1", iterations=4)
+    assert [r["rollout/staleness"] for r in fresh] == [0.0] * 4
+    engine_noise = ("rollout/logprob", "rollout/weight_gap")  # the actor's engine against the learner's prefill
+    same = lambda row: {k: v for k, v in row.items()  # noqa: E731
+                        if not k.startswith(("time/", "memory/", "rollout/staleness", *engine_noise))
+                        and k != "tokens_per_second"}
+    assert [same(r) for r in sync] == [same(r) for r in fresh]
+    # it trained: rewards, the critic's loss, the policy's gradient and the reference KL all moved
+    assert all(any(r[k] != 0 for r in sync) for k in ("reward/mean", "loss/value", "grad_norm/actor", "kl/collection"))
+    assert "eval/sampled/reward/mean" in sync[1]
+    a, b = (checkpoint_tensors(sorted((tmp_path / run / "checkpoints").iterdir())[-1]) for run in ("k0", "k1"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_partial_rollouts_tag_the_turns_with_newer_weights(tmp_path):
     rows = _train(tmp_path / "p", "--max-staleness", "2", "--env", "guess_number", "--partial-rollouts", "continue",
                   iterations=4)
