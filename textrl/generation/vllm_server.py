@@ -4,7 +4,7 @@ servers on other GPUs or machines, the weights pushed to them after each update.
 The servers are vLLM's own (``textrl vllm-serve MODEL``: ``vllm serve`` with the settings weight
 updates need, :func:`serve_command`). A call's rows are grouped by context (the
 ``n_samples_per_prompt`` copies of a prompt are one request with ``n`` samples and one seed drawn from
-torch's generator) and the groups dealt round-robin over the servers, sent concurrently to vLLM's
+torch's generator, none when greedy: :func:`~textrl.generation.vllm_engine.row_seeds`) and the groups dealt round-robin over the servers, sent concurrently to vLLM's
 OpenAI-compatible ``/v1/completions`` with token ids in and out (``return_token_ids``) and the drawn
 tokens' log-probs (``logprobs: 0``; the servers run ``--logprobs-mode processed_logprobs``, so they
 are of the warped distribution, as in :mod:`textrl.generation.vllm_engine`).
@@ -18,6 +18,10 @@ CUDA and textrl's ``textrl_gloo`` on the CPU (:mod:`textrl.generation.vllm_trans
 servers' prefix caches and sets their weight version to the weights' fingerprint
 (:func:`textrl.generation.vllm_engine.fingerprint`), which the other ranks wait for. A server that does not answer, or serves another model, is a one-line error
 naming its URL; the run's last checkpoint stands.
+
+The run's random stream, as with the colocated engine: a call takes the seeds of its groups and
+nothing else (the weight transfer, vLLM imported on this side, runs under
+:func:`textrl.run.rng.keeping_rng`).
 """
 
 from __future__ import annotations
@@ -43,8 +47,10 @@ from textrl.generation.vllm_engine import (
     import_vllm,
     merged_state_dict,
     prompt_token_ids,
+    row_seeds,
     stack_outputs,
 )
+from textrl.run.rng import keeping_rng
 from textrl.versions import VersionCounter
 
 TIMEOUT_S = 600.0
@@ -60,16 +66,19 @@ def server_urls(spec: str) -> list[str]:
     return [url if "://" in url else f"http://{url}" for url in urls]
 
 
-def completion_request(model: str, prompt: list[int], n: int, sampling: Sampling, seed: int,
+def completion_request(model: str, prompt: list[int], n: int, sampling: Sampling, seed: int | None,
                        logprobs: bool) -> dict[str, Any]:
     """The ``/v1/completions`` body drawing ``n`` responses to ``prompt`` (token ids) as
-    ``sampling`` describes (:func:`textrl.generation.vllm_engine.sampling_params`' settings)."""
+    ``sampling`` describes (:func:`textrl.generation.vllm_engine.sampling_params`' settings); no
+    ``seed`` key where ``seed`` is None (greedy)."""
     body: dict[str, Any] = {
-        "model": model, "prompt": prompt, "n": n, "max_tokens": sampling.max_new_tokens, "seed": seed,
+        "model": model, "prompt": prompt, "n": n, "max_tokens": sampling.max_new_tokens,
         "temperature": 0.0 if sampling.greedy else sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
         "ignore_eos": True, "stop_token_ids": [] if sampling.eos_token_id is None else [sampling.eos_token_id],
         "skip_special_tokens": False, "return_token_ids": True, "repetition_penalty": 1.0, "min_p": 0.0,
     }
+    if seed is not None:
+        body["seed"] = seed
     if logprobs:
         body["logprobs"] = 0
     return body
@@ -222,12 +231,13 @@ class VLLMServerEngine(GenerationEngine):
 
     def _sample(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling, *,
                 logprobs: bool) -> tuple[Tensor, Tensor | None]:
-        self._ready(model)
+        with keeping_rng():  # the weight transfer (vLLM's code on this side) draws nothing of the run's
+            self._ready(model)
         prompts = prompt_token_ids(input_ids, attention_mask)
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
         for row, ids in enumerate(prompts):
             groups[tuple(ids)].append(row)
-        seeds = torch.randint(0, 2**31 - 1, (len(groups),)).tolist()  # torch's generator: a seeded run repeats
+        seeds = row_seeds(len(groups), sampling)  # all this call takes of the run's random stream
         jobs = []
         for (ids, rows), seed in zip(groups.items(), seeds, strict=True):
             server = self.servers[self._next % len(self.servers)]

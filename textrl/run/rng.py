@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -37,4 +39,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-__all__ = ["rng_state", "seed_everything", "set_rng_state"]
+@contextmanager
+def keeping_rng() -> Iterator[None]:
+    """Every generator :func:`rng_state` captures as it was on entry, whatever the body draws from or
+    reseeds them with: a library's own seeding and draws (vLLM seeds Python, NumPy and torch with its
+    own seed when it starts, and may draw from torch's for a row without a seed) leave the run's
+    random stream where they found it. Unlike ``torch.random.fork_rng``, Python's and NumPy's too."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
+__all__ = ["keeping_rng", "rng_state", "seed_everything", "set_rng_state"]
