@@ -100,7 +100,7 @@ def test_resume_reproduces_an_uninterrupted_asynchronous_run(tmp_path, options):
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_the_asynchronous_path_adds_nothing_but_the_staleness(tmp_path, monkeypatch):
+def test_the_asynchronous_path_adds_nothing_but_the_staleness(tmp_path, monkeypatch, capsys):
     """K=1 with its actor made to draw rollout n from the learner's weights of iteration n (staleness
     0) is the synchronous run, metric for metric and weight for weight: the learner's values, returns,
     reference KL, proximal log-probs, schedules and held-out evaluation are the same on the
@@ -121,9 +121,11 @@ def test_the_asynchronous_path_adds_nothing_but_the_staleness(tmp_path, monkeypa
     with monkeypatch.context() as patch:
         patch.setattr(trainer, "asynchronous_actor", private_generator)
         sync = _train(tmp_path / "k0", *options, iterations=4)
+    assert "without a correction" not in capsys.readouterr().out
     with monkeypatch.context() as patch:
         patch.setattr(async_actor, "behaviour_iteration", lambda n, max_staleness: int(n))
         fresh = _train(tmp_path / "k1", *options, "--max-staleness", "1", iterations=4)
+    assert capsys.readouterr().out.count("--max-staleness 1 without a correction") == 1  # said once, at the start
     assert [r["rollout/staleness"] for r in fresh] == [0.0] * 4
     engine_noise = ("rollout/logprob", "rollout/weight_gap")  # the actor's engine against the learner's prefill
     same = lambda row: {k: v for k, v in row.items()  # noqa: E731
@@ -135,6 +137,19 @@ def test_the_asynchronous_path_adds_nothing_but_the_staleness(tmp_path, monkeypa
     assert "eval/sampled/reward/mean" in sync[1]
     a, b = (checkpoint_tensors(sorted((tmp_path / run / "checkpoints").iterdir())[-1]) for run in ("k0", "k1"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_stale_run_without_a_correction_says_what_its_objective_is(k):
+    from textrl.async_training import staleness_note
+    from textrl.config import TrainConfig
+
+    note = staleness_note(TrainConfig(max_staleness=k))
+    assert note.startswith(f"--max-staleness {k} without a correction") and "\n" not in note
+    assert f"up to {k} update" in note and "proximal" in note and "--rollout-correction icepop" in note
+    for quiet in (TrainConfig(), TrainConfig(max_staleness=k, rollout_correction="tis"),
+                  TrainConfig(max_staleness=k, old_logprobs="engine")):
+        assert staleness_note(quiet) is None  # synchronous, corrected, or the bypass objective
 
 
 def test_partial_rollouts_tag_the_turns_with_newer_weights(tmp_path):

@@ -99,6 +99,10 @@ class AsyncTraining:
         with self.pipeline.holding(HELD_OUT, trainable_state(learner.policy), learner.version):
             yield self.view
 
+    def note(self) -> str | None:
+        """The line the run starts with (:func:`staleness_note`), or None."""
+        return staleness_note(self.config)
+
     def close(self) -> None:
         """Stop the producer and the actor's engine."""
         self.pipeline.close()
@@ -180,6 +184,20 @@ class AsyncTraining:
             self._restored_start = None
 
 
+def staleness_note(config: Any) -> str | None:
+    """The line a run with ``max_staleness`` K >= 1 and no rollout correction starts with: what its
+    objective is (the rollout drawn by weights up to K updates old, the ratio's denominator the
+    learner's proximal policy, no importance weight for the staleness) and the correction to weigh
+    it with; None with K=0, a correction or the bypass objective (``old_logprobs='engine'``)."""
+    k = int(config.max_staleness)
+    if k < 1 or config.rollout_correction != "none" or config.old_logprobs != "recompute":
+        return None
+    return (f"--max-staleness {k} without a correction: each rollout is drawn by weights up to {k} "
+            f"update{'s' if k > 1 else ''} older than the learner's, the PPO ratio's denominator is the learner's "
+            "own log-probs before the update (the proximal policy), and nothing weighs the tokens for the staleness; "
+            "--rollout-correction icepop does (docs/async.md, \"What staleness costs\")")
+
+
 def rebased(td: Any, offset: int) -> Any:
     """A copy of rollout ``td`` whose ``KEYS.policy_version`` is moved by ``offset`` (the live one untouched)."""
     td = td.clone()
@@ -204,4 +222,4 @@ class CheckpointedSampler:
         self.training.load_state_dict(state)
 
 
-__all__ = ["ActorView", "AsyncTraining", "CheckpointedSampler"]
+__all__ = ["ActorView", "AsyncTraining", "CheckpointedSampler", "staleness_note"]

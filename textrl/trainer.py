@@ -467,6 +467,8 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     agent.actor  # built once, for this backend: the generation engine is chosen (and checked against it) here  # noqa: B018
     log(describe_run_start(config, agent))  # the device, the precision and the engine that run
     async_run = asynchronous_actor(config, agent, sampler, episodes, backend)
+    if async_run is not None and (note := async_run.note()):
+        log(note)  # K >= 1 without a correction: what the objective then is, once
     # held-out evaluation: the main process alone, unless the forwards are collectives (FSDP, ZeRO-3)
     evaluates = main or backend.partitions_weights
     return PPORun(config=config, agent=agent, sampler=sampler, episodes=episodes, eval_batches=eval_batches,
