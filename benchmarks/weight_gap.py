@@ -12,7 +12,6 @@ to the floor and of the stale gap to the bound.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -25,34 +24,12 @@ import torch  # noqa: E402
 
 from textrl import TrainConfig, train  # noqa: E402
 from textrl.agents.weight_check import WEIGHT_GAP_BOUNDS  # noqa: E402
-from textrl.generation import get_engine, register_engine  # noqa: E402
-from textrl.generation.base import GenerationEngine  # noqa: E402
+from textrl.testing.engines import register_stale_engine  # noqa: E402
 
 
 def stale_engine(inner_name: str) -> str:
-    """Register (once) an engine that samples with a copy of the model taken at its first call."""
-    name = f"stale-{inner_name}"
-    inner_cls = type(get_engine(inner_name))
-
-    class Stale(inner_cls):  # type: ignore[misc, valid-type]
-        frozen = None
-
-        def _model(self, model):
-            if self.frozen is None:
-                self.frozen = copy.deepcopy(model)
-            return self.frozen
-
-        def generate(self, model, *args, **kwargs):
-            return super().generate(self._model(model), *args, **kwargs)
-
-        def generate_with_logprobs(self, model, *args, **kwargs):
-            return super().generate_with_logprobs(self._model(model), *args, **kwargs)
-
-    try:
-        register_engine(name)(Stale)
-    except ValueError:
-        pass
-    return name
+    """An engine that samples with a copy of the model taken at its first call (textrl.testing.engines)."""
+    return register_stale_engine(f"stale-{inner_name}", inner_name)
 
 
 def gaps(engine: str, precision: str, top_p: float, iterations: int) -> list[float]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-import re
 import os
+import re
 import signal
 import subprocess
 import sys

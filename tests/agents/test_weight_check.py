@@ -9,7 +9,6 @@ built-in engines pass it under every filter; ``--max-weight-gap 0`` turns it off
 
 from __future__ import annotations
 
-import copy
 import math
 import re
 
@@ -26,8 +25,7 @@ from textrl.agents.weight_check import (
     weight_gap_bound,
     weight_gap_error,
 )
-from textrl.generation import register_engine
-from textrl.generation.decode import DecodeEngine
+from textrl.testing.engines import register_stale_engine
 
 # -- the statistics ---------------------------------------------------------------------------------
 
@@ -79,23 +77,9 @@ def test_the_stop_names_the_engine_the_update_the_gap_and_the_bound():
 # -- end to end --------------------------------------------------------------------------------------
 
 
-@register_engine("test-stale")
-class StaleEngine(DecodeEngine):
-    """The ``textrl`` engine sampling with a copy of the model taken at its first call: a weight sync
-    that never happens."""
-
-    frozen = None
-
-    def _model(self, model):
-        if self.frozen is None:
-            self.frozen = copy.deepcopy(model)
-        return self.frozen
-
-    def generate(self, model, *args, **kwargs):
-        return super().generate(self._model(model), *args, **kwargs)
-
-    def generate_with_logprobs(self, model, *args, **kwargs):
-        return super().generate_with_logprobs(self._model(model), *args, **kwargs)
+STALE = register_stale_engine("test-stale")
+"""The ``textrl`` engine sampling with a copy of the model taken at its first call: a weight sync that
+never happens."""
 
 
 def tiny(tmp_path, **overrides) -> TrainConfig:

@@ -35,7 +35,13 @@ from textrl.agents.forwards import (
     own_behaviour_logprobs,
     sequence_inputs,
 )
-from textrl.agents.weight_check import WEIGHT_CHECK_ROWS, mean_gap, weight_gap, weight_gap_bound, weight_gap_error
+from textrl.agents.weight_check import (
+    WEIGHT_CHECK_ROWS,
+    mean_gap,
+    weight_gap,
+    weight_gap_bound,
+    weight_gap_error,
+)
 from textrl.functional import kl_penalty, masked_mean
 from textrl.generation import GenerationEngine, Sampling, engine_for
 from textrl.generation.base import run_engine_name
