@@ -1,7 +1,7 @@
 """Served rollouts (``textrl train --vllm-server``) against real vLLM servers on localhost started
 with ``textrl vllm-serve``: two servers and a trainer in two gloo processes, the weights pushed after
-every update (the logged gap stays at float noise), resume, a server serving another model, and a
-server killed mid-run. Marked ``vllm`` (and ``slow``: each server takes 30-90 s to start); the
+every update (the logged gap stays at float noise), resume, a call's draws from the run's random
+stream, a server serving another model, and a server killed mid-run. Marked ``vllm`` (and ``slow``: each server takes 30-90 s to start); the
 errors for a server that does not answer run everywhere.
 """
 
@@ -51,6 +51,7 @@ def test_a_completion_request_draws_what_the_agents_describe():
                         pad_token_id=0)
     body = completion_request("m", [1, 2], 4, sampling, seed=9, logprobs=True)
     assert body["n"] == 4 and body["prompt"] == [1, 2] and body["seed"] == 9 and body["logprobs"] == 0
+    assert "seed" not in completion_request("m", [1, 2], 1, sampling, seed=None, logprobs=False)  # greedy: none
     assert (body["temperature"], body["top_k"], body["top_p"]) == (0.7, 5, 0.9)
     assert body["stop_token_ids"] == [3] and body["ignore_eos"] and body["return_token_ids"]
     answer = {"choices": [{"index": 1, "token_ids": [7], "logprobs": {"token_logprobs": [-0.5]}},
@@ -266,6 +267,57 @@ def test_a_server_killed_mid_run_stops_it_naming_the_url_and_the_last_checkpoint
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(checkpoint / "policy")  # intact
+
+
+STREAM_PROBE = """
+import json, random, sys
+import numpy as np, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from textrl.generation import Sampling
+from textrl.generation.vllm_server import VLLMServerEngine
+
+folder, url = sys.argv[1], sys.argv[2]
+model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+engine = VLLMServerEngine([url])
+engine.trained = folder
+enc = tok(["hi", "hi", "a b c", "Count to 3"], return_tensors="pt", padding=True)  # 3 distinct contexts
+
+def streams():
+    return repr((random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state().tolist()))
+
+def seeded():
+    random.seed(11); np.random.seed(11); torch.manual_seed(11)
+
+out = []
+for greedy in (True, False, True):  # the first call connects and sends the weights
+    sampling = Sampling(greedy=greedy, temperature=1.0, top_k=0, top_p=0.9, max_new_tokens=4,
+                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    seeded()
+    if not greedy:
+        torch.randint(0, 2**31 - 1, (3,))  # one seed per distinct context: all a call may take
+    expected = streams()
+    seeded()
+    with torch.no_grad():
+        tokens = engine.generate_with_logprobs(model, enc["input_ids"], enc["attention_mask"], sampling)[0]
+    out.append(streams() == expected)
+    if greedy:  # one request (vLLM refuses n > 1 when greedy), its answer both rows'
+        out.append(torch.equal(tokens[0], tokens[1]) and tokens.shape[1] > 0)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_served_call_takes_only_its_groups_seeds_from_the_runs_random_stream(tmp_path, folder, servers):
+    """A greedy call (the held-out evaluation's, samples.jsonl's) takes nothing of the run's random
+    stream, a sampled one one seed per distinct context; the first call's weight transfer nothing
+    (in a process of its own: the transfer's group lives until the process ends). A greedy call with
+    a context twice asks for it once."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", STREAM_PROBE, str(folder), servers[0]], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [True] * 5
 
 
 @pytest.mark.vllm

@@ -4,7 +4,7 @@ servers on other GPUs or machines, the weights pushed to them after each update.
 The servers are vLLM's own (``textrl vllm-serve MODEL``: ``vllm serve`` with the settings weight
 updates need, :func:`serve_command`). A call's rows are grouped by context (the
 ``n_samples_per_prompt`` copies of a prompt are one request with ``n`` samples and one seed drawn from
-torch's generator, none when greedy: :func:`~textrl.generation.vllm_engine.row_seeds`) and the groups dealt round-robin over the servers, sent concurrently to vLLM's
+torch's generator; greedy, one answer for them all and no seed: :func:`~textrl.generation.vllm_engine.row_seeds`) and the groups dealt round-robin over the servers, sent concurrently to vLLM's
 OpenAI-compatible ``/v1/completions`` with token ids in and out (``return_token_ids``) and the drawn
 tokens' log-probs (``logprobs: 0``; the servers run ``--logprobs-mode processed_logprobs``, so they
 are of the warped distribution, as in :mod:`textrl.generation.vllm_engine`).
@@ -242,13 +242,15 @@ class VLLMServerEngine(GenerationEngine):
         for (ids, rows), seed in zip(groups.items(), seeds, strict=True):
             server = self.servers[self._next % len(self.servers)]
             self._next += 1
-            jobs.append((server, rows, completion_request(server.model, list(ids), len(rows), sampling, seed, logprobs)))
+            n = 1 if sampling.greedy else len(rows)  # vLLM refuses n > 1 when greedy: one answer, every row's
+            jobs.append((server, rows, completion_request(server.model, list(ids), n, sampling, seed, logprobs)))
         out: list[tuple[list[int], list[float] | None]] = [([], None)] * len(prompts)
         with ThreadPoolExecutor(max_workers=min(32, len(jobs))) as pool:
             answers = list(pool.map(lambda job: job[0].request("v1/completions", job[2]), jobs))
         self._check_versions()  # after the answers too: no other trainer's weights came in meanwhile
         for (_, rows, _), answer in zip(jobs, answers, strict=True):
-            for row, result in zip(rows, choice_rows(answer, logprobs), strict=True):
+            results = choice_rows(answer, logprobs)
+            for row, result in zip(rows, results * len(rows) if sampling.greedy else results, strict=True):
                 out[row] = result
         return stack_outputs(out, sampling, input_ids.device)
 
