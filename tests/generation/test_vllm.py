@@ -22,6 +22,7 @@ from textrl.generation.draw import warped
 from textrl.generation.vllm_engine import (
     CPU_MIN_HEAD_SIZE,
     VLLMEngine,
+    WeightFingerprintError,
     base_state_dict,
     check_model,
     import_vllm,
@@ -235,6 +236,75 @@ def test_weights_after_an_update_are_in_the_next_rollout(tok, engine_and_model):
     after = generate(engine, model, ids, mask, sampling)[0]
     assert torch.equal(after, generate(HFEngine(), model, ids, mask, sampling)[0])
     assert not torch.equal(after, before)
+
+
+def bump(model):
+    """Change the policy's weights in place (the engine's version counter sees it)."""
+    with torch.no_grad():
+        next(model.parameters()).add_(1e-3)
+
+
+@pytest.mark.vllm
+def test_a_load_takes_exactly_what_was_sent_and_writes_every_parameter(tok, engine_and_model):
+    """The worker's report of a load equals the sender's fingerprint bit for bit, tensor count and all,
+    with no parameter left unwritten; and the engine's loads pass that check."""
+    from textrl.generation.vllm_engine import fingerprint, reload_weights
+
+    engine, model = engine_and_model
+    ids, mask = encode(tok, PROMPTS)
+    generate(engine, model, ids, mask, spec(tok))
+    weights = [(name, value.detach()) for name, value in base_state_dict(model).items()]
+    report = engine.llm.collective_rpc(reload_weights, args=(weights,))[0]
+    assert report == {"fingerprint": fingerprint(weights), "tensors": len(weights), "missing": []}
+    before = engine._handovers
+    bump(model)
+    generate(engine, model, ids, mask, spec(tok))
+    assert engine._handovers == before + 1
+
+
+@pytest.mark.vllm
+def test_a_hand_over_that_changes_a_tensor_stops_in_one_line(tok, engine_and_model, monkeypatch):
+    """One weight changed by one ulp between the sender and the worker's load: the run stops naming
+    the engine, the hand-over, both fingerprints and what to do."""
+    engine, model = engine_and_model
+    ids, mask = encode(tok, PROMPTS)
+    rpc = engine.llm.collective_rpc
+
+    def corrupting(method, args=(), **kwargs):
+        weights = list(args[0])
+        name, value = weights[-1]
+        weights[-1] = (name, torch.nextafter(value, torch.full_like(value, float("inf"))))
+        return rpc(method, args=(weights,), **kwargs)
+
+    generate(engine, model, ids, mask, spec(tok))
+    monkeypatch.setattr(engine.llm, "collective_rpc", corrupting)
+    bump(model)
+    with pytest.raises(WeightFingerprintError) as err:
+        generate(engine, model, ids, mask, spec(tok))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"--generation-engine vllm: at weight hand-over {engine._handovers} ")
+    sent, taken = (message.split(f"{key} ")[1][:12] for key in ("sent", "taken"))
+    assert sent != taken and "--resume" in message
+    monkeypatch.undo()
+    generate(engine, model, ids, mask, spec(tok))  # the next call loads again, and passes
+
+
+@pytest.mark.vllm
+def test_a_load_that_skips_a_weight_stops_naming_it(tok, engine_and_model, monkeypatch):
+    """vLLM's model drops one weight in its load (its layerwise reload would keep the old values with a
+    warning): the report names the parameter never written and the run stops."""
+    engine, model = engine_and_model
+    ids, mask = encode(tok, PROMPTS)
+    generate(engine, model, ids, mask, spec(tok))
+    vllm_model = type(engine.llm.collective_rpc(lambda worker: worker.get_model())[0])
+    load = vllm_model.load_weights
+    monkeypatch.setattr(vllm_model, "load_weights",
+                        lambda self, weights: load(self, ((n, w) for n, w in weights if n != "model.norm.weight")))
+    bump(model)
+    with pytest.raises(WeightFingerprintError, match=r"tensors; not loaded: model\.norm\.weight\)"):
+        generate(engine, model, ids, mask, spec(tok))
+    monkeypatch.undo()
+    generate(engine, model, ids, mask, spec(tok))
 
 
 @pytest.mark.vllm

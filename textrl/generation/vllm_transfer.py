@@ -11,6 +11,9 @@ plugin entry point (``vllm.general_plugins``, installed with textrl), so ``vllm 
 --weight-transfer-config '{"backend": "textrl_gloo"}'`` knows it. On CUDA textrl uses vLLM's
 ``nccl``. This module imports vLLM: without it, its import is an ``ImportError`` saying what to
 install.
+
+:class:`WeightWatch` is the servers' worker extension: it fingerprints the weights each load takes
+in the worker, so the trainer compares them with what it sent (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from textrl.generation.vllm_engine import Fingerprint, import_vllm
+from textrl.generation.vllm_engine import Fingerprint, LoadWatch, import_vllm
 
 import_vllm()  # where vLLM is missing: one ImportError saying what to install
 from vllm.distributed.weight_transfer.base import (  # noqa: E402
@@ -138,17 +141,39 @@ class NamedTensors(WeightSource):
     def __init__(self, weights: Any) -> None:
         self._weights = weights
         self.fingerprint: str | None = None
+        self.count = 0
+        """How many tensors that pass sent."""
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._weights().items()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         running = Fingerprint()
+        count = 0
         for name, tensor in self._weights().items():
             full = materialize_full_tensor(tensor)
             running.add(name, full)
+            count += 1
             yield name, full
-        self.fingerprint = running.hexdigest()
+        self.fingerprint, self.count = running.hexdigest(), count
+
+
+class WeightWatch:
+    """vLLM worker extension (``--worker-extension-cls``, set by ``textrl vllm-serve``): methods the
+    trainer calls on each worker through the server's ``/collective_rpc``, whatever the transfer
+    backend (they all load through the model's ``load_weights``)."""
+
+    def textrl_watch_loads(self) -> None:
+        """Wrap the worker's model's ``load_weights`` in a :class:`~textrl.generation.vllm_engine.LoadWatch`, once."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        if getattr(model, "_textrl_watch", None) is None:
+            watch, original = LoadWatch(model), model.load_weights
+            model.load_weights = lambda weights: watch.load(original, weights)
+            model._textrl_watch = watch
+
+    def textrl_weight_report(self) -> dict[str, Any]:
+        """The watch's report of the loads since the last one (:meth:`~textrl.generation.vllm_engine.LoadWatch.report`)."""
+        return self.model_runner.get_model()._textrl_watch.report()  # type: ignore[attr-defined]
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
@@ -232,4 +257,4 @@ def register() -> None:
 
 
 __all__ = ["GLOO_BACKEND", "GlooInitInfo", "GlooTrainerInitInfo", "GlooTrainerWeightTransferEngine", "GlooUpdateInfo",
-           "GlooWeightTransferEngine", "NamedTensors", "register"]
+           "GlooWeightTransferEngine", "NamedTensors", "WeightWatch", "register"]
