@@ -36,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import struct
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
