@@ -135,7 +135,11 @@ class FakeLLM:
         self.reloads = 0
 
     def collective_rpc(self, function, args):
+        """A worker that takes what it is sent: its load report is the sent weights' fingerprint."""
+        from textrl.generation.vllm_engine import fingerprint
+
         self.reloads += 1
+        return [{"fingerprint": fingerprint(args[0]), "tensors": len(args[0]), "missing": []}]
 
     def reset_prefix_cache(self) -> None:
         pass
