@@ -146,7 +146,7 @@ def test_a_stale_run_without_a_correction_says_what_its_objective_is(k):
 
     note = staleness_note(TrainConfig(max_staleness=k))
     assert note.startswith(f"--max-staleness {k} without a correction") and "\n" not in note
-    assert f"up to {k} update" in note and "proximal" in note and "--rollout-correction icepop" in note
+    assert f"up to {k} update" in note and "proximal" in note and "--rollout-correction tis" in note
     for quiet in (TrainConfig(), TrainConfig(max_staleness=k, rollout_correction="tis"),
                   TrainConfig(max_staleness=k, old_logprobs="engine")):
         assert staleness_note(quiet) is None  # synchronous, corrected, or the bypass objective

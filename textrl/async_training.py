@@ -195,7 +195,7 @@ def staleness_note(config: Any) -> str | None:
     return (f"--max-staleness {k} without a correction: each rollout is drawn by weights up to {k} "
             f"update{'s' if k > 1 else ''} older than the learner's, the PPO ratio's denominator is the learner's "
             "own log-probs before the update (the proximal policy), and nothing weighs the tokens for the staleness; "
-            "--rollout-correction icepop does (docs/async.md, \"What staleness costs\")")
+            "--rollout-correction tis does (docs/async.md, \"Staleness without a correction\")")
 
 
 def rebased(td: Any, offset: int) -> Any:
