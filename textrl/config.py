@@ -462,7 +462,7 @@ AGENT_OPTIONS = frozenset({
     "kl_coef", "kl_kind", "kl_in", "adaptive_kl", "kl_target", "kl_horizon", "kl_hinge", "kl_early_stop", "reward_placement", "ratio_threshold", "kl_after_update",
     "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr", "lr_schedule",
     "lr_warmup_steps", "max_grad_norm", "critic_init", "reward_adapter", "load_in_4bit", "lora_r",
-    "lora_alpha", "lora_dropout", "lora_target_modules", "critic_type", "critic",
+    "lora_alpha", "lora_target_modules", "critic_type", "critic",
 })
 """The fields an agent reads (the algorithm's options); each agent declares the ones it reads
 (``options``), and one it does not read, set to another value than its default, is refused."""

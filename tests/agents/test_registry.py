@@ -28,7 +28,7 @@ NON_DEFAULT = {
     "kl_early_stop": "target", "reward_placement": "uniform", "ratio_threshold": 0.0, "kl_after_update": True,
     "ref_refresh_every": 2, "old_policy_refresh_every": 2, "actor_lr": 1e-3, "critic_lr": 1e-4,
     "lr_schedule": "cosine", "lr_warmup_steps": 2, "max_grad_norm": 0.5, "critic_init": "reward_model",
-    "reward_adapter": "x", "load_in_4bit": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.1,
+    "reward_adapter": "x", "load_in_4bit": True, "lora_r": 4, "lora_alpha": 8,
     "lora_target_modules": "q_proj", "critic_type": "lora", "critic": "shared", "clip_eps_high": 0.3, "lam_critic": 1.0,
     "lam_length_alpha": 0.05, "critic_warmup_iterations": 2, "dynamic_sampling": False, "overlong_buffer": 4,
     "rollout_correction": "tis", "rollout_correction_upper": 3.0, "rollout_correction_lower": 0.5,

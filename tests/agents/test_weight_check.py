@@ -25,6 +25,7 @@ from textrl.agents.weight_check import (
     weight_gap_bound,
     weight_gap_error,
 )
+from textrl.generation.base import ENGINES
 from textrl.testing.engines import register_stale_engine
 
 # -- the statistics ---------------------------------------------------------------------------------
@@ -77,9 +78,12 @@ def test_the_stop_names_the_engine_the_update_the_gap_and_the_bound():
 # -- end to end --------------------------------------------------------------------------------------
 
 
-STALE = register_stale_engine("test-stale")
-"""The ``textrl`` engine sampling with a copy of the model taken at its first call: a weight sync that
-never happens."""
+@pytest.fixture
+def stale():
+    """The ``textrl`` engine sampling with a copy of the model taken at its first call (a weight sync that
+    never happens), registered for one test only."""
+    yield register_stale_engine("test-stale")
+    ENGINES.pop("test-stale", None)
 
 
 def tiny(tmp_path, **overrides) -> TrainConfig:
@@ -91,9 +95,10 @@ def tiny(tmp_path, **overrides) -> TrainConfig:
 
 @pytest.mark.parametrize("staleness", [0, 1])
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
-def test_an_engine_that_never_receives_the_updates_is_stopped_at_its_first_stale_rollout(tmp_path, staleness, top_p):
+def test_an_engine_that_never_receives_the_updates_is_stopped_at_its_first_stale_rollout(tmp_path, stale, staleness,
+                                                                                          top_p):
     with pytest.raises(WeightGapError) as stop:
-        train(tiny(tmp_path, generation_engine="test-stale", max_staleness=staleness, top_p=top_p))
+        train(tiny(tmp_path, generation_engine=stale, max_staleness=staleness, top_p=top_p))
     message = str(stop.value)
     found = re.search(r"'test-stale' engine does not sample with the weights after update (\d+)", message)
     assert found and "bound 0.001 for float32" in message, message
@@ -106,8 +111,8 @@ def test_an_engine_that_never_receives_the_updates_is_stopped_at_its_first_stale
     assert len(rows) == updates + staleness
 
 
-def test_the_check_turned_off_lets_a_stale_engine_train(tmp_path):
-    summary = train(tiny(tmp_path, generation_engine="test-stale", max_weight_gap=0, iterations=3))
+def test_the_check_turned_off_lets_a_stale_engine_train(tmp_path, stale):
+    summary = train(tiny(tmp_path, generation_engine=stale, max_weight_gap=0, iterations=3))
     assert summary is not None
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 3 and "rollout/weight_gap" not in rows[-1]

@@ -75,7 +75,8 @@ POLICY_OBJECTIVE_OPTIONS = frozenset({"entropy_coef", "loss_aggregation", "kl_in
 """Options of :meth:`PPOAgent.policy_objective` (the token-level clipped surrogate)."""
 CRITIC_OPTIONS = frozenset({"critic_lr", "vf_coef", "critic_init", "critic"})
 """Options of an agent with a critic (:attr:`PPOAgent.needs_critic`)."""
-LORA_OPTIONS = frozenset({"lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit"})
+LORA_OPTIONS = frozenset({"lora_r", "lora_alpha", "lora_target_modules", "load_in_4bit"})
+"""(``lora_dropout`` is no agent's: ``textrl train`` refuses any value but 0, its policy runs in eval mode.)"""
 """Options of a policy LoRA (``lora`` 'required' or 'optional')."""
 
 

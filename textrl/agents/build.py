@@ -132,7 +132,7 @@ def _validate_lora(cls: type[PPOAgent], config: TrainConfig) -> None:
         if config.load_in_4bit:
             raise ValueError("load_in_4bit=True freezes the base model, so only a LoRA policy can train on it: "
                              f"add --lora-r 8 (with --agent {agent}), or drop --load-in-4bit")
-        for option in ("lora_alpha", "lora_dropout", "lora_target_modules", "critic_type"):
+        for option in ("lora_alpha", "lora_target_modules", "critic_type"):
             if option in cls.options and not config.is_default(option):
                 raise ValueError(f"{option}={getattr(config, option)!r} is read only with a LoRA policy: "
                                  f"add --lora-r 8, or drop --{option.replace('_', '-')}")

@@ -54,7 +54,7 @@ class OneStepPPO(PPOAgent):
         "reward_adapter": "its reward comes from --reward / --reward-model",
         "critic_type": "its critic is a full value model (critic_init)",
         "lora_r": "its old-policy snapshot is a copy of the whole policy",
-        "lora_alpha": "it trains every weight of the policy", "lora_dropout": "it trains every weight of the policy",
+        "lora_alpha": "it trains every weight of the policy",
         "lora_target_modules": "it trains every weight of the policy",
         "load_in_4bit": "it trains every weight of the policy, which a 4-bit base would freeze",
     }
