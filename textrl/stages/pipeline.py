@@ -341,15 +341,17 @@ def _run(config: PipelineConfig) -> dict[str, Any]:
 
 
 def _stage(config: PipelineConfig, name: str, run: Any) -> dict[str, Any]:
-    """Run one stage (``run(resume) -> summary``). Resuming: a finished stage (its ``summary.json``)
-    is read back, not rerun; an interrupted one continues from its newest checkpoint. A signal
+    """Run one stage (``run(resume) -> summary``). Resuming: a finished stage (its ``summary.json``
+    saying it completed) is read back, not rerun; an interrupted one continues from its newest checkpoint. A signal
     stopping the stage stops the pipeline with the command that resumes it."""
     from textrl.run import TrainingStopped
 
     stage_dir = Path(config.output_dir) / name
-    if config.resume and (stage_dir / "summary.json").is_file():
+    kept = json.loads((stage_dir / "summary.json").read_text()) if (stage_dir / "summary.json").is_file() else None
+    # a stage that stopped or failed writes summary.json too, saying so (``ended``): only a completed one is kept
+    if config.resume and kept is not None and kept.get("ended", "completed") == "completed":
         print(f"{name}: finished in the interrupted run; kept", flush=True)
-        return json.loads((stage_dir / "summary.json").read_text())
+        return kept
     try:
         return run(config.resume and _has_checkpoints(stage_dir))
     except TrainingStopped as stop:
