@@ -370,6 +370,7 @@ class TrainConfig:
             "deepspeed_config", "reward_nonfinite", "env_timeout", "max_nonfinite_updates", "nonfinite_weights", "rollback_copy",
             "mixed_precision", "attn_implementation", "eval_every", "frozen_dtype", "gradient_checkpointing", "logprob_chunk_size",
             "generation_engine", "vllm_server", "vllm_gpu_memory_utilization",  # the same distribution either way (docs/generation.md)
+            "max_weight_gap",  # the weight check's bound: a check, not the run's arithmetic
             "checkpoint_every", "keep_checkpoints",
             "load_in_4bit",  # the frozen base's quantisation: the trained LoRA weights carry over
         }),

@@ -25,8 +25,7 @@ from textrl.agents.weight_check import (
     weight_gap_bound,
     weight_gap_error,
 )
-from textrl.generation.base import ENGINES
-from textrl.testing.engines import register_stale_engine
+from textrl.testing.engines import stale_engine
 
 # -- the statistics ---------------------------------------------------------------------------------
 
@@ -82,8 +81,8 @@ def test_the_stop_names_the_engine_the_update_the_gap_and_the_bound():
 def stale():
     """The ``textrl`` engine sampling with a copy of the model taken at its first call (a weight sync that
     never happens), registered for one test only."""
-    yield register_stale_engine("test-stale")
-    ENGINES.pop("test-stale", None)
+    with stale_engine("test-stale") as name:
+        yield name
 
 
 def tiny(tmp_path, **overrides) -> TrainConfig:

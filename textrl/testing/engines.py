@@ -6,6 +6,8 @@ Not imported by :mod:`textrl.testing` itself (it reaches the engines' registry).
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from textrl.generation.base import ENGINES, get_engine, register_engine
@@ -38,4 +40,15 @@ def register_stale_engine(name: str = "stale", inner: str = "textrl") -> str:
     return name
 
 
-__all__ = ["register_stale_engine"]
+@contextmanager
+def stale_engine(name: str = "stale", inner: str = "textrl") -> Iterator[str]:
+    """:func:`register_stale_engine` for the block only: the engine's name inside, unregistered after."""
+    added = name not in ENGINES
+    try:
+        yield register_stale_engine(name, inner)
+    finally:
+        if added:
+            ENGINES.pop(name, None)
+
+
+__all__ = ["register_stale_engine", "stale_engine"]
