@@ -26,6 +26,22 @@ from textrl.parallel.base import trained_parameters  # noqa: E402
 from textrl.testing import assert_close_normwise  # noqa: E402
 
 
+def forget_deepspeed_groups() -> None:
+    """DeepSpeed keeps the groups it made (and its communication backend) in module globals; after the
+    process group is destroyed they name a dead group, which the next module's new group would meet."""
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.utils import groups
+
+    ds_comm.cdb = None
+    for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
+                 "_ALL_TO_ALL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP"):
+        if getattr(groups, name, None) is not None:
+            setattr(groups, name, None)
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP"):
+        if isinstance(getattr(groups, name, None), dict):
+            getattr(groups, name).clear()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
     """DeepSpeed needs a process group: one gloo process, torn down after this module."""
@@ -39,6 +55,7 @@ def process_group():
     os.environ["LOCAL_RANK"] = "0"  # DeepSpeed reads it (torchrun and accelerate set it)
     yield
     torch.distributed.destroy_process_group()
+    forget_deepspeed_groups()
     if local_rank is None:
         del os.environ["LOCAL_RANK"]
     else:
