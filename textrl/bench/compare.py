@@ -194,7 +194,10 @@ def compare_agents(
 
 def seeds_too_few(seeds: int, envs: int, alpha: float = 0.05) -> str | None:
     """The line a bench starts with when its seeds cannot support any verdict on its environments
-    (:func:`textrl.bench.stats.seeds_needed`); None when they can."""
+    (:func:`textrl.bench.stats.seeds_needed`); None when they can, or with no environment (refused
+    by name elsewhere)."""
+    if envs < 1 or seeds < 1:
+        return None
     needed = stats.seeds_needed(envs, alpha)
     if seeds >= needed:
         return None

@@ -357,6 +357,8 @@ def seeds_needed(tasks: int = 1, alpha: float = 0.05) -> int:
     tasks: the smallest ``n`` with ``smallest_p(n, n, tasks) <= alpha`` (4 for one task at 5%)."""
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha must lie strictly between 0 and 1, got {alpha}")
+    if tasks < 1:
+        raise ValueError(f"tasks={tasks}: a comparison needs at least one task (environment)")
     n = 1
     while smallest_p(n, n, tasks) > alpha:
         n += 1
