@@ -154,7 +154,20 @@ def test_pipeline_stopped_in_ppo_resumes_to_the_uninterrupted_result(tmp_path, m
     assert (part / "sft" / "model" / "model.safetensors").stat().st_mtime_ns == sft_model  # kept, not rerun
     a, b = (json.loads((d / "summary.json").read_text()) for d in (full, part))
     assert a["sft"]["eval_loss"] == b["sft"]["eval_loss"] and a["rm"]["eval_accuracy"] == b["rm"]["eval_accuracy"]
-    assert a["ppo"]["eval"] == b["ppo"]["eval"]  # before (kept in eval_before.json) and after
+    # before (kept in eval_before.json) and after: the same tokens (the rules' rewards equal
+    # exactly); the reward model's float32 scores of them within two orders of its sums (the
+    # CPU's kernels may block a batch's buffers at other addresses differently: CI saw 2 ulps)
+    from transformers import AutoConfig
+
+    from tests.arithmetic import model_rtol
+
+    rtol = model_rtol(AutoConfig.from_pretrained(part / "rm" / "model"))
+    assert a["ppo"]["eval"].keys() == b["ppo"]["eval"].keys()
+    for name, before_after in a["ppo"]["eval"].items():
+        if "reward_model" in name:
+            assert b["ppo"]["eval"][name] == pytest.approx(before_after, rel=rtol, abs=rtol), name
+        else:
+            assert b["ppo"]["eval"][name] == before_after, name
 
 
 def test_pipeline_resume_refuses_other_settings_or_no_run(tmp_path):
