@@ -23,6 +23,15 @@ DEBUG_VARIABLE = "TEXTRL_DEBUG"
 TRACEBACK_HINT = f"(for the traceback, rerun with --debug or {DEBUG_VARIABLE}=1)"
 
 
+class EngineFailed(ConnectionError):
+    """A generation engine cannot go on (no vLLM server left, a weight transfer that broke, an
+    asynchronous producer that died): raised out of a rollout, its message names the engine (a
+    server's URL) and what happened. The run saves a checkpoint of its last finished iteration
+    before it stops (:mod:`textrl.run.loop`), so nothing is lost; the command prints the message
+    and how to resume in one line (a ``ConnectionError``: an ``OSError``, one of
+    :func:`user_errors`)."""
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     """The exceptions a command reports as one line: textrl's checks and the file system's."""
     from textrl.run import CheckpointError
@@ -132,5 +141,5 @@ def user_error_message(command: str, err: BaseException) -> str:
     return f"textrl {command}: {type(err).__name__}: {text}{'; ' + lever if lever else ''}\n{TRACEBACK_HINT}"
 
 
-__all__ = ["DEBUG_VARIABLE", "MEMORY_LEVERS", "TRACEBACK_HINT", "cache_roots", "debug_requested", "raised_by_textrl",
+__all__ = ["DEBUG_VARIABLE", "EngineFailed", "MEMORY_LEVERS", "TRACEBACK_HINT", "cache_roots", "debug_requested", "raised_by_textrl",
            "remedy", "user_error_message", "user_errors"]
