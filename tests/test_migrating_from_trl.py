@@ -72,7 +72,8 @@ def test_every_trl_name_gets_a_hint_on_the_command_line_in_yaml_and_in_python(na
 @pytest.mark.parametrize("flag, says", [
     ("--bf16", "textrl calls it mixed_precision"), ("--fp16", "use bf16"),
     ("--torch-dtype", "textrl calls it dtype"),
-    ("--use-vllm", "no vLLM generation yet"), ("--vllm-mode", "no vLLM generation yet"),
+    ("--use-vllm", "textrl calls it vllm_server"), ("--vllm-mode", "textrl calls it generation_engine"),
+    ("--vllm-server-base-url", "textrl calls it vllm_server"),
     ("--per-device-train-batch-size", "textrl calls it prompts_per_iteration"),
 ])
 def test_trl_precision_memory_and_vllm_flags_get_a_hint(flag, says, capsys):
@@ -80,6 +81,43 @@ def test_trl_precision_memory_and_vllm_flags_get_a_hint(flag, says, capsys):
         main(["train", flag])
     err = capsys.readouterr().err
     assert says in err and "unrecognized arguments" not in err
+
+
+@pytest.mark.parametrize("trl, says, ours, engine", [
+    (["--use-vllm", "--vllm-mode", "colocate"], "colocate is --generation-engine vllm",
+     ["--generation-engine", "vllm"], "vllm"),
+    (["--vllm-mode", "colocate"], "colocate -> --generation-engine vllm", ["--generation-engine", "vllm"], "vllm"),
+    (["--vllm-mode", "server", "--vllm-server-base-url", "http://h:8000"], "server (TRL's default) -> --vllm-server",
+     ["--vllm-server", "http://h:8000"], "vllm-server"),
+    (["--vllm-server-host", "h", "--vllm-server-port", "8000"], "--vllm-server http://HOST:PORT",
+     ["--vllm-server", "http://h:8000"], "vllm-server"),
+    (["--use-vllm"], "no default (TRL's 0.0.0.0:8000 is http://localhost:8000)",
+     ["--vllm-server", "http://localhost:8000"], "vllm-server"),
+])
+def test_trl_vllm_options_name_the_textrl_options_that_pick_the_same_engine(trl, says, ours, engine, capsys):
+    """TRL's vLLM options are refused in one line naming textrl's (no vLLM starts); the options it
+    names resolve to the engine TRL's mode runs: colocated vLLM, or the served one at that URL."""
+    from textrl.config import build_config
+    from textrl.generation.base import run_engine_name
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", *trl])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert stopped.value.code == 2 and len(errors) == 1 and says in errors[0]
+    config = build_config(build_parser("train").parse_args(["train", *ours]), TrainConfig).validate()
+    assert run_engine_name(config.generation_engine, config.vllm_server) == engine
+    assert config.vllm_server == (ours[1] if engine == "vllm-server" else None)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--generation-engine", "hf", "--vllm-server", "http://h:8000"],
+     "--vllm-server samples from vLLM servers, but --generation-engine hf asks for another engine; drop one of the two"),
+    (["--vllm-gpu-memory-utilization", "0"], "vllm_gpu_memory_utilization=0.0: a share of the GPU's memory, in (0, 1]"),
+])
+def test_a_vllm_combination_textrl_cannot_run_is_one_line_before_any_model_loads(argv, says):
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", *argv])
+    assert stopped.value.code == f"textrl train: {says}"
 
 
 def test_the_agent_table_names_registered_agents_and_existing_options():

@@ -89,8 +89,19 @@ TRL_OPTIONS: dict[str, tuple[str, str, str]] = {
     "attn_implementation": ("ModelConfig", "attn_implementation", "same name: sdpa, eager, flash_attention_2"),
     "gradient_checkpointing": ("PPO, GRPO", "gradient_checkpointing", "same name: the policy's and the critic's layers"),
     "optim": ("PPO, GRPO", "optim", "same name: adamw_torch, adamw_bnb_8bit, adamw_anyprecision"),
-    "use_vllm": ("GRPO", "", "no vLLM generation yet (the policy generates with transformers' generate)"),
-    "vllm_mode": ("GRPO", "", "no vLLM generation yet (the policy generates with transformers' generate)"),
+    "use_vllm": ("GRPO", "vllm_server", "TRL's default vllm_mode is server: --vllm-server URL of a textrl vllm-serve "
+                                        "server, which has no default (TRL's 0.0.0.0:8000 is http://localhost:8000); "
+                                        "colocate is --generation-engine vllm"),
+    "vllm_mode": ("GRPO", "generation_engine", "colocate -> --generation-engine vllm; server (TRL's default) -> "
+                                               "--vllm-server URL[,URL...]"),
+    "vllm_server_base_url": ("GRPO", "vllm_server", "the same URL, of a textrl vllm-serve server; several, "
+                                                    "comma-separated, share the rollouts"),
+    "vllm_server_host": ("GRPO", "vllm_server", "--vllm-server http://HOST:PORT (TRL's 0.0.0.0:8000 is "
+                                                "http://localhost:8000)"),
+    "vllm_server_port": ("GRPO", "vllm_server", "--vllm-server http://HOST:PORT (TRL's 0.0.0.0:8000 is "
+                                                "http://localhost:8000)"),
+    "vllm_gpu_memory_utilization": ("GRPO", "vllm_gpu_memory_utilization",
+                                    "same name and default (0.3); colocated vLLM only (--generation-engine vllm)"),
 }
 """TRL option -> (the TRL config(s) that have it, our TrainConfig field or '', note)."""
 
