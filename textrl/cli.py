@@ -33,10 +33,12 @@ from collections.abc import Sequence
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from textrl.config import TrainConfig, build_config
+    from textrl.errors import alike_in_every_process
     from textrl.trainer import check_run, train
 
-    config: TrainConfig = build_config(args, TrainConfig)
-    check_run(config)  # every field, the reward names, the output folder: before any model loads
+    with alike_in_every_process(getattr(args, "debug", False)):  # under torchrun: said once, not by every process
+        config: TrainConfig = build_config(args, TrainConfig)
+        check_run(config)  # every field, the reward names, the output folder: before any model loads
     global _HARD_EXIT
     try:
         train(config)

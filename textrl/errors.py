@@ -8,14 +8,19 @@ The command prints that message after ``textrl COMMAND:``, no traceback. Any oth
 its message cut to its first line, and a second line saying how to see the traceback: ``--debug``
 on any subcommand, or ``TEXTRL_DEBUG=1``, lets every error propagate with its traceback. A few
 are named with their lever (:func:`remedy`): out of memory, a full disk, a model cache that is
-corrupt.
+corrupt. Under torchrun / ``accelerate launch`` a refusal of ``textrl train``'s checks, which every
+process makes alike before any model loads, is said once a machine (:func:`alike_in_every_process`).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 DEBUG_VARIABLE = "TEXTRL_DEBUG"
 """Environment variable: set to 1 for the traceback of every error (as ``--debug``)."""
@@ -121,6 +126,40 @@ def remedy(command: str, err: BaseException) -> str:
     return ""
 
 
+ALIKE_ERROR_WAIT_S = 30.0
+"""How long a process of a launch other than the first holds an error every process meets alike
+(:func:`alike_in_every_process`) before it says it after all."""
+
+
+def reports_alike_errors(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process says at once an error every process of its launch meets alike: yes in a
+    single process (``WORLD_SIZE`` unset or 1), and in the first process of each machine of a
+    torchrun / ``accelerate launch`` run (``LOCAL_RANK`` 0, or ``RANK`` 0 where ``LOCAL_RANK`` is
+    unset). One a machine, not one in all: a file another machine lacks is still said there."""
+    environ = os.environ if environ is None else environ
+    size = environ.get("WORLD_SIZE", "").strip()
+    rank = environ.get("LOCAL_RANK", environ.get("RANK", "0")).strip()
+    return not (size.isdigit() and int(size) > 1) or rank in ("", "0")
+
+
+@contextmanager
+def alike_in_every_process(debug: bool = False, wait: Callable[[float], Any] = time.sleep) -> Iterator[None]:
+    """Around the checks every process of a torchrun / ``accelerate launch`` run makes alike (the
+    same command line, settings and files) before the processes join a group, so that their error
+    is said once a machine, not by every process: the first process (:func:`reports_alike_errors`)
+    raises it at once; another waits :data:`ALIKE_ERROR_WAIT_S` first, in which the launcher ends it
+    (SIGTERM) as the first exits on the same error, then raises it too (the first got past the
+    checks: the error is this process's alone). Exiting silently instead would race the first: a
+    launcher ends the other processes as soon as one fails, the first before it printed, the
+    error then said by none. ``--debug`` (:func:`debug_requested`): every process raises at once."""
+    try:
+        yield
+    except Exception:
+        if not (debug_requested(debug) or reports_alike_errors()):
+            wait(ALIKE_ERROR_WAIT_S)
+        raise
+
+
 def _first_line(text: str, limit: int = 400) -> str:
     """The first non-empty line of ``text``, at most ``limit`` characters."""
     line = next((line.strip() for line in text.splitlines() if line.strip()), "")
@@ -141,5 +180,5 @@ def user_error_message(command: str, err: BaseException) -> str:
     return f"textrl {command}: {type(err).__name__}: {text}{'; ' + lever if lever else ''}\n{TRACEBACK_HINT}"
 
 
-__all__ = ["DEBUG_VARIABLE", "EngineFailed", "MEMORY_LEVERS", "TRACEBACK_HINT", "cache_roots", "debug_requested", "raised_by_textrl",
-           "remedy", "user_error_message", "user_errors"]
+__all__ = ["ALIKE_ERROR_WAIT_S", "DEBUG_VARIABLE", "EngineFailed", "MEMORY_LEVERS", "TRACEBACK_HINT", "alike_in_every_process", "cache_roots",
+           "debug_requested", "raised_by_textrl", "remedy", "reports_alike_errors", "user_error_message", "user_errors"]

@@ -23,6 +23,7 @@ Only the main process writes files, holding the run folder's lock (:mod:`textrl.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -481,13 +482,10 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
 
 def asynchronous_actor(config: TrainConfig, agent, sampler, episodes, backend: Backend):
     """With ``max_staleness`` > 0 the actor that draws the rollouts beside the learner
-    (:class:`textrl.async_training.AsyncTraining`), else None. Refused under several processes."""
+    (:class:`textrl.async_training.AsyncTraining`), else None (several processes were refused by
+    :func:`refuse_async_processes`, before any model loaded)."""
     if config.max_staleness == 0:
         return None
-    if backend.dist.world_size > 1:
-        raise ValueError(f"--max-staleness {config.max_staleness} runs its actor beside the learner in one training "
-                         f"process, and this run has {backend.dist.world_size}; train in one process (the rollouts "
-                         "may come from vLLM servers: --vllm-server), or drop --max-staleness")
     from textrl.async_training import AsyncTraining
 
     return AsyncTraining(config, agent, sampler, episodes, backend.dist.shard)
@@ -511,6 +509,7 @@ def check_run(config: TrainConfig) -> None:
     from textrl.rewards import check_reward_spec
 
     config.validate()
+    refuse_async_processes(config)
     refuse_busy_folder(config.output_dir)  # another run writes there now: say that first
     refuse_earlier_run(config)
     refuse_changed_settings(config)
@@ -520,6 +519,26 @@ def check_run(config: TrainConfig) -> None:
     pays_turns = type(env).step is not Environment.step or callable(env.reward)  # rewards of its own
     if spec.strip() or not (pays_turns or _agent_scores_alone(config, spec)):
         check_reward_spec(spec)  # an empty spec with nothing else to score the episodes is refused
+
+
+def launched_processes() -> int:
+    """How many training processes this one is of, known before it joins their process group: the
+    size of a group already joined, else ``WORLD_SIZE`` as torchrun and ``accelerate launch`` set it
+    for :func:`textrl.parallel.setup.process_group` to read (1 when unset or not a number)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    size = os.environ.get("WORLD_SIZE", "").strip()
+    return int(size) if size.isdigit() else 1
+
+
+def refuse_async_processes(config: TrainConfig) -> None:
+    """``max_staleness`` > 0 runs its actor beside the learner in one training process: under
+    several (:func:`launched_processes`) a ``ValueError``, said before any model loads."""
+    processes = launched_processes()
+    if config.max_staleness and processes > 1:
+        raise ValueError(f"--max-staleness {config.max_staleness} runs its actor beside the learner in one training "
+                         f"process, and this run has {processes}; train in one process (the rollouts may come from "
+                         "vLLM servers: --vllm-server), or drop --max-staleness")
 
 
 def check_env_reward_columns(env) -> None:
