@@ -172,6 +172,21 @@ def stop_message(config: TrainConfig, iteration: int, signum: int | None, streak
     return signal_message("train", "iteration", iteration, config.iterations, signum, saved, config_path)
 
 
+def engine_stop_message(config: TrainConfig, err: BaseException, done: int, saved: Path | None) -> str:
+    """What the user reads when an engine could not go on after iteration ``done`` was finished:
+    the engine's own line (which names it), the checkpoint that holds iteration ``done`` (saved
+    now, or earlier), or the newest there is when none could be saved, and how to resume."""
+    config_path = Path(config.output_dir) / SETTINGS_FILE
+    if saved is not None:
+        kept = f"iteration {done} is saved in {saved}"
+    elif done == 0:
+        kept = "no iteration had finished, so nothing was saved"
+    else:
+        kept = f"iteration {done} was not saved now; {_newest_good(config.output_dir)}"
+    return (f"textrl train: stopped after iteration {done}: {str(err).rstrip('.')}; {kept}. Fix the engine, "
+            f"then resume with: {resume_command('train', config_path)}")
+
+
 def skipped_updates(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The updates a run skipped for NaN/inf, from its metrics rows (``summary.json``'s
     ``skipped_updates``): ``count``, the sum of ``nonfinite/skipped_updates`` (one per minibatch
@@ -243,6 +258,7 @@ def format_summary(before: dict[str, float] | None, after: dict[str, float], gap
 
 
 __all__ = [
+    "engine_stop_message",
     "describe_run_start", "engine_record", "format_summary", "gap_closed", "iteration_metrics", "nonfinite_rows", "peak_memory_mib", "run_end",
     "run_records", "skipped_line", "skipped_updates", "stop_message", "warmup_record",
 ]

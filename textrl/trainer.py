@@ -61,6 +61,7 @@ from textrl.run import (
     rng_state,
     save_checkpoint,
     seed_everything,
+    set_rng_state,
     take_run_folder,
 )
 from textrl.run.metrics import EVAL_BEFORE_FILE, json_text, loads_row
@@ -72,6 +73,7 @@ from textrl.run.user_code import USER_CODE_FILE, user_code_digest, user_code_jso
 from textrl.timing import timed
 from textrl.train_records import (  # noqa: F401 - also importable from here, as before
     describe_run_start,
+    engine_stop_message,
     format_summary,
     gap_closed,
     iteration_metrics,
@@ -177,6 +179,10 @@ class PPORun:
     async_run: Any = None
     """With ``max_staleness`` > 0, the actor drawing the rollouts beside the learner
     (:class:`textrl.async_training.AsyncTraining`); None for the synchronous loop."""
+    collecting: bool = False
+    """Whether the iteration under way is still collecting its rollout (:meth:`rewind`)."""
+    step_start: dict[str, Any] | None = None
+    """The random state and prompt sampler's as the synchronous iteration under way found them."""
 
     # -- the PPO iteration ---------------------------------------------------------------------
 
@@ -185,18 +191,22 @@ class PPORun:
         from textrl.envs.prompts import placing_rows
 
         config, agent = self.config, self.agent
+        self.collecting = True  # until the estimate: an engine's failure leaves nothing of this iteration (rewind)
         if self.async_run is not None:  # --max-staleness K: drawn beside the last updates, then estimated here
             td, n_rows = self.async_run.next_rollout(iteration, timings)
+            self.collecting = False
             td = check_rollout(agent.process_rollout(td, timings=timings), finite=False)
         else:
             # collect: the same global batch in every process, of which each takes whole prompt
             # groups; generate and score, then estimate (agent.process_rollout: log-probs, values,
             # KL shaping, advantages); timed inside as generation, reward, forward, advantages
+            self.step_start = {"rng": rng_state(), "prompts": self.sampler.state_dict()}
             batch = self.sampler.next_batch()
             batch = batch.select(self.dist.shard(len(batch)))
             n_rows = len(batch)
             with placing_rows(f"iteration {iteration}", lambda: self.sampler.batch_rows(batch)):  # a reward's error: FILE:LINE
                 td = collect(agent, batch, self.episodes, timings=timings, check_finite=False)  # update() skips NaN
+            self.collecting = False
         # update: K epochs of minibatch steps; one that left NaN/inf weights is rolled back inside
         # it (before the reference refresh), or with nonfinite_weights='stop' stops the run here
         with timed(timings, "update", agent.device):
@@ -285,6 +295,24 @@ class PPORun:
         """:func:`stop_message`: why the run stopped, where its checkpoint is, how to resume."""
         return stop_message(self.config, iteration, signum, self.nonfinite_streak, saved, self.weights_poisoned,
                             getattr(getattr(self.agent, "learner", None), "nonfinite_cause", None))
+
+    def rewind(self, iteration: int) -> bool:
+        """After an engine failed collecting ``iteration``'s rollout: the random state and the prompt
+        sampler as the iteration found them (the asynchronous actor's rollout in flight is drawn
+        again from its start on resume: its checkpoint says so), so a checkpoint now is that of
+        ``iteration - 1`` and a resume repeats the run exactly. False past the collection (the
+        estimate fed the KL controller), or under several processes (the checkpoint's gathers
+        would wait for processes whose engines may still run)."""
+        if not self.collecting or self.dist.enabled:
+            return False
+        if self.async_run is None:
+            set_rng_state(self.step_start["rng"])
+            self.sampler.load_state_dict(self.step_start["prompts"])
+        return True
+
+    def engine_message(self, err: BaseException, done: int, saved: Path | None) -> str:
+        """The engine's line, then what was saved and how to resume (:func:`engine_stop_message`)."""
+        return engine_stop_message(self.config, err, done, saved)
 
     def postfix(self, row: dict[str, Any]) -> dict[str, str]:
         """The progress bar's rollout reward and KL at collection (left out where no reference is kept)."""

@@ -167,6 +167,7 @@ class AsyncRollouts:
         self._waiting_for: int | None = None  # the iteration whose weights the producer waits for
         self._in_flight: tuple[int, Any] | None = None  # (n, start state) of the rollout being drawn
         self._error: BaseException | None = None
+        self._error_raised = False  # the learner was told (take / quiesce): the producer is gone
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -175,12 +176,11 @@ class AsyncRollouts:
         """The weights of ``iteration`` (after that many updates; ``version`` the learner's weight
         version), a copy the learner will not write; starts the producer at the first call."""
         with self._cond:
-            if iteration <= self._published:
-                return
-            self._snapshots[iteration] = (weights, int(version))
-            self._published = iteration
-            self._prune()
-            self._cond.notify_all()
+            if iteration > self._published:  # a resumed pipeline may hold it already (saved after it was published)
+                self._snapshots[iteration] = (weights, int(version))
+                self._published = iteration
+                self._prune()
+                self._cond.notify_all()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="textrl-async-actor", daemon=True)
             self._thread.start()
@@ -198,12 +198,14 @@ class AsyncRollouts:
             return item
 
     def quiesce(self) -> None:
-        """Wait until the producer waits for weights not yet published (it touches nothing then)."""
+        """Wait until the producer waits for weights not yet published (it touches nothing then).
+        The producer's error is raised here or by :meth:`take`, once: after that the producer is
+        gone, nothing moves, and this returns (a checkpoint of the learner's state may follow)."""
         with self._cond:
-            while self._thread is not None and not self._idle():
-                self._raise_error()
+            while self._thread is not None and not self._idle() and not self._error_raised:
+                self._raise_error(once=True)
                 self._cond.wait(timeout=1.0)
-            self._raise_error()
+            self._raise_error(once=True)
 
     @contextmanager
     def holding(self, iteration: int, weights: dict[str, Tensor], version: int) -> Iterator[None]:
@@ -245,8 +247,10 @@ class AsyncRollouts:
     def _idle(self) -> bool:
         return self._waiting_for is not None and self._waiting_for > self._published
 
-    def _raise_error(self) -> None:
-        if self._error is not None:
+    def _raise_error(self, once: bool = False) -> None:
+        """The producer's error, if it failed (``once``: unless the learner was told already)."""
+        if self._error is not None and not (once and self._error_raised):
+            self._error_raised = True
             raise self._error
 
     def _use(self, iteration: int) -> int:

@@ -17,6 +17,13 @@ One iteration, in order::
     body.checkpoint(i, stop)                        # when due, or stopping
     stop: raise TrainingStopped(body.stop_message(...))
 
+An engine that cannot go on (:class:`textrl.errors.EngineFailed`) loses nothing: raised in the
+step, before its update, the body rewinds to the end of the iteration before (:meth:`LoopBody.rewind`:
+its random state and prompts as they were) and that iteration is checkpointed, unless it was
+already; raised in the evaluation, after the update, the row is written without its ``eval/``
+metrics and the iteration checkpointed. Then the run stops (:class:`TrainingStopped`, status 1) with
+the engine's line, what was saved and how to resume (:meth:`LoopBody.engine_message`).
+
 However it ends, :attr:`RunLoop.end` says how (:func:`completed`, :func:`stopped`, :func:`failed`:
 ``ended``, ``iteration``, and for a stop or a failure the ``reason``) and ``curves.png`` is drawn
 from the rows written: a run stopped by a signal, by its own fault (repeated NaN/inf updates) or
@@ -39,6 +46,7 @@ from typing import Any, Protocol
 import torch
 
 from textrl.distributed import Distributed
+from textrl.errors import EngineFailed
 from textrl.run.metrics import MetricsLog
 from textrl.run.pace import Pace, threads_chosen
 from textrl.run.progress import Progress
@@ -56,6 +64,13 @@ def stopped(iteration: int, reason: str, signum: int | None, saved: Path | None)
     ``reason``, the ``checkpoint`` it saved (None: none, e.g. NaN/inf weights)."""
     return {"ended": "stopped", "stopped_by": signal.Signals(signum).name if signum else "fault",
             "reason": reason, "iteration": iteration, "checkpoint": None if saved is None else str(saved)}
+
+
+def engine_failed(err: BaseException, iteration: int, done: int, saved: Path | None) -> dict[str, Any]:
+    """:attr:`RunLoop.end` of an engine that could not go on (:class:`~textrl.errors.EngineFailed`)
+    in ``iteration``: :func:`failed`'s, with the ``checkpoint`` of iteration ``done`` saved
+    (None: none could be, e.g. no iteration had finished)."""
+    return failed(err, iteration, done) | {"checkpoint": None if saved is None else str(saved)}
 
 
 def failed(err: BaseException, iteration: int, done: int) -> dict[str, Any]:
@@ -92,6 +107,17 @@ class LoopBody(Protocol):
     def postfix(self, row: dict[str, Any]) -> dict[str, str]:
         """What the progress bar shows after an iteration (``{"loss": "0.512"}``)."""
 
+    # Optional (a body whose steps use no engine leaves them out):
+
+    def rewind(self, iteration: int) -> bool:
+        """After an engine's failure in ``step(iteration)``: put back what the step changed (its
+        random state, the prompts it drew), so the state is that at the end of ``iteration - 1``;
+        False where it cannot (the step's update had begun)."""
+
+    def engine_message(self, err: BaseException, done: int, saved: Path | None) -> str:
+        """What the user reads when an engine failed after iteration ``done`` (``saved``: its
+        checkpoint, or None): the engine's line, what was saved, how to resume."""
+
 
 @dataclass
 class RunLoop:
@@ -123,6 +149,12 @@ class RunLoop:
     """Whether the torch threads follow the cores other processes leave (:mod:`textrl.run.pace`)."""
     evaluation_cut: str | None = None
     """How far the evaluation of the current iteration got when a signal cut it (None: it ran whole)."""
+    engine_failure: BaseException | None = None
+    """The engine's failure that cut the evaluation of the current iteration (None: none)."""
+    saved: int = 0
+    """The iteration of the newest checkpoint (the run's start until it saves one)."""
+    saved_path: Path | None = None
+    """That checkpoint's folder, where this loop saved it (None before it saves one)."""
     end: dict[str, Any] | None = None
     """How the last :meth:`run` ended (:func:`completed`, :func:`stopped` or :func:`failed`); None
     while it runs, and after an abort (a second signal: ``KeyboardInterrupt``)."""
@@ -140,13 +172,17 @@ class RunLoop:
                     adapt=self.fit_threads and not torch.cuda.is_initialized() and not threads_chosen())
         pace.start()
         iteration = start
+        self.saved, self.saved_path = start, None
         try:
             with nullcontext(signals) if signals is not None else StopSignals() as signals:
                 for iteration in range(start + 1, self.iterations + 1):
                     last = iteration == self.iterations
                     with stop_phase(f"the last {self.timing}" if last else f"the current {self.timing}",
                                     "ending the run" if last else "saving a checkpoint", stoppable=not last):
-                        row = self.iteration(body, iteration)
+                        try:
+                            row = self.iteration(body, iteration)
+                        except EngineFailed as err:  # in the step, before its update: nothing of it stands
+                            self.engine_stop(body, err, iteration, progress)
                         self.metrics.write(row)
                     progress.advance(body.postfix(row))
                     pace.after(iteration, row[f"time/{self.timing}_s"] - row.get("time/eval_s", 0.0))
@@ -195,12 +231,15 @@ class RunLoop:
         timings: dict[str, float] = {}
         row = body.step(iteration, timings)
         self.evaluation_cut = None
+        self.engine_failure = None
         if self.evaluates and self.due(iteration, self.eval_every):
             try:
                 with stop_phase("the current evaluation batch"):
                     row.update(body.evaluate(iteration, timings))
             except StopRequested as err:  # a signal: the evaluation ends between batches, unlogged
                 self.evaluation_cut = err.where
+            except EngineFailed as err:  # after the update: the row stands, unevaluated, and is saved
+                self.engine_failure = err
         row.update({f"time/{phase}_s": seconds for phase, seconds in timings.items()})
         row[f"time/{self.timing}_s"] = time.perf_counter() - t0
         if self.throughput is not None:
@@ -215,10 +254,18 @@ class RunLoop:
         """A checkpoint when due; on a signal (to any process, before the last iteration) or a
         fault of ``body``: a checkpoint, then :class:`TrainingStopped`."""
         interrupted = self.dist.any(signals.received is not None) and iteration < self.iterations
+        if self.dist.any(self.engine_failure is not None) and self.engine_failure is None:  # all stop together
+            self.engine_failure = EngineFailed("the engine of another process failed in the evaluation (its "
+                                               "line is in that process's output)")
         faulted = body.faulted()
-        stop = interrupted or faulted
+        stop = interrupted or faulted or self.engine_failure is not None
         due = self.due(iteration, self.checkpoint_every) and (self.checkpoint_last or iteration < self.iterations)
         saved = body.checkpoint(iteration, stop) if stop or due else None
+        if saved is not None:
+            self.saved, self.saved_path = iteration, saved
+        if self.engine_failure is not None:
+            self.dist.barrier()
+            self.finish_engine_stop(body, self.engine_failure, iteration, iteration, saved, progress)
         if not stop:
             return
         self.dist.barrier()  # the others wait for the main process's checkpoint before exiting
@@ -233,4 +280,27 @@ class RunLoop:
         raise TrainingStopped(message, 1 if faulted else 128 + (signals.received or signal.SIGTERM))
 
 
-__all__ = ["LoopBody", "RunLoop", "completed", "failed", "stopped"]
+    def engine_stop(self, body: LoopBody, err: EngineFailed, iteration: int, progress: Progress) -> None:
+        """An engine failed in ``body.step(iteration)``: iteration ``iteration - 1`` checkpointed
+        (unless it was, or none had finished since ``start``, or the body cannot rewind), then the stop."""
+        done = iteration - 1
+        saved = self.saved_path if done == self.saved else None
+        rewind = getattr(body, "rewind", None)
+        if done > self.saved and rewind is not None and rewind(iteration):
+            saved = body.checkpoint(done, True)
+        self.finish_engine_stop(body, err, iteration, done, saved, progress)
+
+    def finish_engine_stop(self, body: LoopBody, err: EngineFailed, iteration: int, done: int, saved: Path | None,
+                           progress: Progress) -> None:
+        """Close the logs, say what happened and what was saved, raise :class:`TrainingStopped` (status 1)."""
+        progress.close()
+        self.metrics.close()
+        describe = getattr(body, "engine_message", None)
+        message = describe(err, done, saved) if describe is not None else str(err)
+        self.end = engine_failed(err, iteration, done, saved)
+        if self.main:
+            print(message, file=sys.stderr, flush=True)
+        raise TrainingStopped(message, 1) from err
+
+
+__all__ = ["LoopBody", "RunLoop", "completed", "engine_failed", "failed", "stopped"]

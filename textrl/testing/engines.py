@@ -1,5 +1,7 @@
-"""Engine doubles for tests of a run's weight handling: :func:`register_stale_engine`, an engine
-whose weight sync never happens (the fault :mod:`textrl.agents.weight_check` stops a run for).
+"""Engine doubles for tests of a run's faults: :func:`register_stale_engine`, an engine whose weight
+sync never happens (the fault :mod:`textrl.agents.weight_check` stops a run for), and
+:func:`failing_engine`, one that stops answering after some calls (a vLLM server that died: the
+run saves its last finished iteration and stops, :mod:`textrl.run.loop`).
 
 Not imported by :mod:`textrl.testing` itself (it reaches the engines' registry)."""
 
@@ -10,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from textrl.errors import EngineFailed
 from textrl.generation.base import ENGINES, get_engine, register_engine
 
 
@@ -51,4 +54,46 @@ def stale_engine(name: str = "stale", inner: str = "textrl") -> Iterator[str]:
             ENGINES.pop(name, None)
 
 
-__all__ = ["register_stale_engine", "stale_engine"]
+class FailingEngine:
+    """The calls the engine :func:`failing_engine` registered answers before it fails (``calls``:
+    a generation call answered, counting all of them: rollouts, held-out evaluations, warm-up
+    samples). Set ``fail_after`` to the number of calls to answer; None: never fail."""
+
+    def __init__(self, fail_after: int | None) -> None:
+        self.fail_after = fail_after
+        self.calls = 0
+
+    def answer(self) -> None:
+        if self.fail_after is not None and self.calls >= self.fail_after:
+            raise EngineFailed(f"engine double: no engine answers after {self.calls} calls (as a vLLM server that died)")
+        self.calls += 1
+
+
+@contextmanager
+def failing_engine(fail_after: int | None, name: str = "failing", inner: str = "textrl") -> Iterator[FailingEngine]:
+    """Register, for the block only, the engine ``name``: the registered engine ``inner`` raising
+    :class:`~textrl.errors.EngineFailed` from its call number ``fail_after + 1`` on. Yields the
+    :class:`FailingEngine` counter (``fail_after`` may be changed inside the block)."""
+    if name in ENGINES:
+        raise ValueError(f"an engine named {name!r} is registered already")
+    counter = FailingEngine(fail_after)
+    base = type(get_engine(inner))
+
+    class Failing(base):  # type: ignore[misc, valid-type]
+        def generate(self, *args: Any, **kwargs: Any) -> Any:
+            counter.answer()
+            return super().generate(*args, **kwargs)
+
+        def generate_with_logprobs(self, *args: Any, **kwargs: Any) -> Any:
+            counter.answer()
+            return super().generate_with_logprobs(*args, **kwargs)
+
+    Failing.__name__ = Failing.__qualname__ = f"Failing{base.__name__}"
+    register_engine(name)(Failing)
+    try:
+        yield counter
+    finally:
+        ENGINES.pop(name, None)
+
+
+__all__ = ["FailingEngine", "failing_engine", "register_stale_engine", "stale_engine"]
