@@ -13,20 +13,25 @@ plugin entry point (``vllm.general_plugins``, installed with textrl), so ``vllm 
 install.
 
 :class:`WeightWatch` is the servers' worker extension: it fingerprints the weights each load takes
-in the worker, so the trainer compares them with what it sent (docs/vllm.md).
+in the worker, so the trainer compares them with what it sent; it says what model the worker holds
+(by its config) and which run holds the server (its claim: docs/vllm.md).
+
+The trainer's side of a transfer never waits on a server that went away: it waits for each
+broadcast in slices (:mod:`textrl.generation.gloo`), stopping as soon as the server's
+``/update_weights`` or ``/init_weight_transfer_engine`` fails or the engine, whose health check
+found the server dead, sets the client's ``stop``; it still reads the rest of the weights (a
+sharded weight's gather is a collective of every rank), but sends nothing more.
 """
 
 from __future__ import annotations
 
-import datetime
-import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from textrl.generation.gloo import WAIT_SLICE, Call, broadcast, gloo_group, stopped
 from textrl.generation.vllm_engine import Fingerprint, LoadWatch, import_vllm
 
 import_vllm()  # where vLLM is missing: one ImportError saying what to install
@@ -43,8 +48,6 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
 
 GLOO_BACKEND = "textrl_gloo"
 """The backend's name in vLLM's weight-transfer factories."""
-
-TIMEOUT = datetime.timedelta(minutes=10)
 
 
 @dataclass
@@ -75,20 +78,6 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-
-
-def gloo_group(address: str, port: int, rank: int, world_size: int) -> Any:
-    """A gloo process group of its own over a TCP store the trainer (rank 0) hosts: no default
-    process group is needed or touched (the trainer's and vLLM's stay as they are)."""
-    store = torch.distributed.TCPStore(address, port, world_size, is_master=rank == 0, timeout=TIMEOUT)
-    return torch.distributed.ProcessGroupGloo(store, rank, world_size, TIMEOUT)
-
-
-def broadcast(group: Any, tensor: torch.Tensor) -> None:
-    """Rank 0's ``tensor`` into every rank's (a CPU tensor), in place."""
-    options = torch.distributed.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([tensor], options).wait()
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -175,32 +164,67 @@ class WeightWatch:
         """The watch's report of the loads since the last one (:meth:`~textrl.generation.vllm_engine.LoadWatch.report`)."""
         return self.model_runner.get_model()._textrl_watch.report()  # type: ignore[attr-defined]
 
+    def textrl_model_config(self) -> dict[str, Any]:
+        """What the trainer checks before any work: the essentials of the worker's model's config
+        (:func:`~textrl.generation.vllm_worker.model_essentials`) and the server's weight-transfer
+        backend (None: started without one)."""
+        from textrl.generation.vllm_worker import model_essentials
+
+        vllm_config = self.vllm_config  # type: ignore[attr-defined]
+        transfer = getattr(vllm_config, "weight_transfer_config", None)
+        return {"config": model_essentials(vllm_config.model_config.hf_config),
+                "weight_transfer": getattr(transfer, "backend", None)}
+
+    def textrl_claim(self, run: str, lease_s: float) -> dict[str, Any]:
+        """Claim the server for ``run`` (:meth:`~textrl.generation.vllm_worker.LeaseBook.claim`): granted
+        to the run holding it, to any when none does or the holder's claim is stale, else refused
+        naming the holder. The worker runs its calls one at a time, so a claim is one step."""
+        return self._textrl_leases().claim(run, lease_s)
+
+    def textrl_release(self, run: str) -> bool:
+        """Give the server up if ``run`` holds it."""
+        return self._textrl_leases().release(run)
+
+    def _textrl_leases(self) -> Any:
+        from textrl.generation.vllm_worker import LeaseBook
+
+        if getattr(self, "_textrl_lease_book", None) is None:
+            self._textrl_lease_book = LeaseBook()
+        return self._textrl_lease_book
+
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
     """The trainer side: rank 0 opens the group with the server's workers and, each round, drives
     the server's update routes while it broadcasts every weight (the other trainer ranks only
-    iterate the source, which gathers a sharded weight with them)."""
+    iterate the source, which gathers a sharded weight with them). It stops waiting on the server as
+    soon as its side fails, or ``client.stop`` is set (module docstring)."""
 
     init_info_cls = GlooTrainerInitInfo
 
     def __init__(self, *, client: Any, source: WeightSource, is_sender: bool = True) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.group: Any = None
-        self._failure: Exception | None = None
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any,
                      source: WeightSource | None = None) -> GlooTrainerWeightTransferEngine:
+        """The group with the server's workers: they join it (``/init_weight_transfer_engine``) while
+        this side hosts its store; a failure of the route, or ``client.stop``, ends the wait at once."""
         if source is None:
             raise ValueError(f"{GLOO_BACKEND}: the trainer side needs a WeightSource")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         if not engine.is_sender:
             return engine
         worker = GlooInitInfo(init_info.master_address, init_info.master_port, 1, init_info.world_size)
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            joined = pool.submit(client.init_weight_transfer_engine, asdict(worker))
-            engine.group = gloo_group(init_info.master_address, init_info.master_port, 0, init_info.world_size)
-            joined.result()
+        joined = Call(lambda: client.init_weight_transfer_engine(asdict(worker)))
+        group = Call(lambda: gloo_group(init_info.master_address, init_info.master_port, 0, init_info.world_size))
+        while not group.wait(WAIT_SLICE.total_seconds()):
+            failure = joined.failure() or stopped(client)
+            if failure is not None:
+                raise failure
+        engine.group = group.result()
+        joined.wait()
+        joined.result()
         return engine
 
     def send_weights(self) -> None:
@@ -212,29 +236,28 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         info = GlooUpdateInfo([m.name for m in meta], [str(m.dtype).removeprefix("torch.") for m in meta],
                               [list(m.shape) for m in meta])
         self.client.start_weight_update()
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            received = pool.submit(self.client.update_weights, asdict(info))
-            sent = threading.Thread(target=self._broadcast, args=(meta,), daemon=True)
-            sent.start()
-            while sent.is_alive():  # a server that fails mid-update leaves the broadcast waiting: stop on its error
-                sent.join(0.1)
-                if received.done() and received.exception() is not None:
-                    received.result()
-            if self._failure is not None:
-                raise self._failure
-            received.result()
-        self.client.finish_weight_update()
+        received = Call(lambda: self.client.update_weights(asdict(info)))
 
-    def _broadcast(self, meta: list[ParamMeta]) -> None:
-        """Every weight of a pass over the source, broadcast in order (run on a thread of its own)."""
-        self._failure = None
-        try:
-            for (name, tensor), m in zip(self.source, meta, strict=True):
-                if name != m.name or tuple(tensor.shape) != m.shape:
-                    raise ValueError(f"{GLOO_BACKEND}: the weights changed while they were sent ({name})")
-                broadcast(self.group, tensor.detach().to("cpu").contiguous())
-        except Exception as err:  # noqa: BLE001 - handed to the caller's thread
-            self._failure = err
+        def failed() -> BaseException | None:
+            return received.failure() or stopped(self.client)
+
+        failure: BaseException | None = None
+        for (name, tensor), m in zip(self.source, meta, strict=True):  # every weight read, even after a failure
+            if name != m.name or tuple(tensor.shape) != m.shape:
+                raise ValueError(f"{GLOO_BACKEND}: the weights changed while they were sent ({name})")
+            if failure is None:
+                try:
+                    broadcast(self.group, tensor.detach().to("cpu").contiguous(), failed)
+                except Exception as err:  # noqa: BLE001 - raised once the pass is read
+                    failure = err
+        if failure is not None:
+            raise failure
+        while not received.wait(WAIT_SLICE.total_seconds()):
+            abandoned = stopped(self.client)
+            if abandoned is not None:
+                raise abandoned
+        received.result()
+        self.client.finish_weight_update()
 
     def shutdown(self) -> None:
         self.group = None
