@@ -211,3 +211,60 @@ def test_resume_with_another_staleness_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="max_staleness"):
         main(["train", *SMALL, "--iterations", "2", "--output-dir", str(tmp_path / "r"), "--max-staleness", "2",
               "--resume"])
+
+
+def slow_engine(patch, seconds: float) -> None:
+    """The textrl engine, each generation call ``seconds`` longer (a slow server)."""
+    import time
+
+    from textrl.generation.base import get_engine
+
+    engine = type(get_engine("textrl"))
+    generate = engine.generate_with_logprobs
+
+    def slow(self, *args, **kwargs):
+        time.sleep(seconds)
+        return generate(self, *args, **kwargs)
+
+    patch.setattr(engine, "generate_with_logprobs", slow)
+
+
+def test_a_checkpoint_or_evaluation_cancels_the_rollout_in_flight_and_the_run_is_unchanged(tmp_path, monkeypatch):
+    """K=2 with a slow engine (4 generation calls a rollout): every checkpoint and evaluation finds the
+    actor drawing and cancels it at its next call rather than waiting for up to K rollouts; the
+    rollout is drawn again from its start, so the run equals one that never rested."""
+    from textrl.agents.async_actor import AsyncRollouts
+
+    cancelled = []
+    rest = AsyncRollouts._rest
+
+    def counting(self, n):
+        cancelled.append(n)
+        return rest(self, n)
+
+    options = ["--max-staleness", "2", "--generation-batch-size", "2"]
+    with monkeypatch.context() as patch:
+        slow_engine(patch, 0.15)
+        patch.setattr(AsyncRollouts, "_rest", counting)
+        calm = _train(tmp_path / "calm", *options, "--checkpoint-every", "0", iterations=5)
+        calm_cancelled = len(cancelled)
+        rested = _train(tmp_path / "rested", *options, "--checkpoint-every", "1", "--eval-every", "1", iterations=5)
+    assert len(cancelled) - calm_cancelled >= 3  # the cadence found it drawing (calm: only the last checkpoint)
+    trained = lambda row: {k: str(v) for k, v in row.items()  # noqa: E731
+                           if not k.startswith(("time/", "memory/", "eval/")) and k != "tokens_per_second"}
+    assert [trained(r) for r in calm] == [trained(r) for r in rested]
+    a = checkpoint_tensors(tmp_path / "calm" / "checkpoints" / "iter_000005")
+    b = checkpoint_tensors(tmp_path / "rested" / "checkpoints" / "iter_000005")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_from_a_checkpoint_that_cancelled_a_rollout_is_exact(tmp_path, monkeypatch):
+    options = ["--max-staleness", "2", "--generation-batch-size", "2"]
+    with monkeypatch.context() as patch:
+        slow_engine(patch, 0.15)
+        full = _train(tmp_path / "full", *options, iterations=4)
+        _train(tmp_path / "part", *options, iterations=2)
+        part = _train(tmp_path / "part", *options, iterations=4, resume=True)
+    trained = lambda row: {k: str(v) for k, v in row.items()  # noqa: E731
+                           if not k.startswith(("time/", "memory/", "eval/")) and k != "tokens_per_second"}
+    assert [trained(r) for r in full] == [trained(r) for r in part]

@@ -75,7 +75,7 @@ class AsyncTraining:
 
     def _pipeline(self) -> AsyncRollouts:
         return AsyncRollouts(self._produce, max_staleness=self.max_staleness, load=self.actor.load,
-                             start_state=self._start_state)
+                             start_state=self._start_state, rewind=self._rewind)
 
     # -- the learner's side ---------------------------------------------------------------------
     def next_rollout(self, iteration: int, timings: dict[str, float]) -> tuple[Any, int]:
@@ -112,6 +112,11 @@ class AsyncTraining:
     def _start_state(self) -> dict[str, Any]:
         return {"rng": rng_state(), "sampler": self.sampler.state_dict()}
 
+    def _rewind(self, start: dict[str, Any]) -> None:
+        """A cancelled rollout's start put back (the producer draws it again from there)."""
+        self.sampler.load_state_dict(start["sampler"])
+        set_rng_state(start["rng"])
+
     def _produce(self, n: int, weights: Weights) -> tuple[Any, dict[str, float], int]:
         """Rollout ``n``: the next prompt batch (this process's rows), its episodes, every turn drawn
         with the weights :func:`turn_iteration` names; the engine's rollout context is re-opened
@@ -125,6 +130,7 @@ class AsyncTraining:
         context = ExitStack()  # the engine's rollout context over the turns of one set of weights
 
         def generate(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            weights.check()  # the learner asked for rest (a checkpoint, an evaluation, a stop): drawn again later
             need = turn_iteration(n, self.max_staleness, len(turns), cfg.partial_rollouts)
             if not turns or need != turns[-1]:
                 context.close()

@@ -17,9 +17,14 @@ machinery is :class:`AsyncRollouts`: a producer thread that calls ``produce(n, w
 ``n = first, first + 1, ...``, where ``weights.use(i)`` blocks until the learner has published the
 weights of iteration ``i`` (:meth:`AsyncRollouts.publish`, at the start of each iteration) and
 loads them into the actor's own copy of the policy (:class:`AsyncActor`); the learner takes
-rollout ``n`` with :meth:`AsyncRollouts.take`. :meth:`AsyncRollouts.quiesce` waits until the
-producer waits for weights not yet published, the one state in which the held-out evaluation and a
-checkpoint may run (nothing else touches the actor's RNG then); :meth:`AsyncRollouts.state_dict`
+rollout ``n`` with :meth:`AsyncRollouts.take`. :meth:`AsyncRollouts.quiesce` brings the producer
+to rest, the one state in which the held-out evaluation and a checkpoint may run (nothing else
+touches the actor's RNG then): a rollout in flight is cancelled at its next generation call
+(between two requests or turns: :meth:`Weights.check`), its RNG and prompt sampler put back as it
+found them, and drawn again from there once the learner goes on (:meth:`AsyncRollouts.publish`, or
+the end of :meth:`AsyncRollouts.holding`), so a checkpoint, an evaluation or a SIGTERM waits for
+one generation call, not for up to K rollouts, and the run draws what it would have drawn
+uncancelled; :meth:`AsyncRollouts.state_dict`
 holds the rollouts done and not yet trained on, the start of the one in flight (its RNG and prompt
 sampler state: a resume draws it again, identically) and the weights it and the queued turns need.
 
@@ -135,6 +140,12 @@ class Weights:
         """Sample with the weights of ``iteration`` from now on; returns the learner's weight version."""
         return self._pipeline._use(iteration)
 
+    def check(self) -> None:
+        """Before each generation call: raises :class:`Cancelled` when the learner asked the producer
+        to rest (:meth:`AsyncRollouts.quiesce`); the rollout is then drawn again from its start."""
+        if self._pipeline._cancel:
+            raise Cancelled
+
 
 @dataclass
 class Queued:
@@ -150,15 +161,17 @@ class AsyncRollouts:
     ``produce(n, weights) -> item`` draws rollout ``n`` (in the producer thread); ``load(i, weights,
     version)`` loads published weights into the actor; ``start_state()`` / ``restore_start(state)``
     capture and restore what a rollout's draw depends on besides the weights (the RNGs, the prompt
-    sampler): taken before each rollout, so one in flight at a checkpoint is drawn again on resume.
+    sampler): taken before each rollout, so one in flight at a checkpoint is drawn again on resume;
+    ``rewind(state)`` puts it back in this process (a cancelled rollout, drawn again at once).
     It draws from rollout 0, or where :meth:`load_state_dict` (a resume) says."""
 
     def __init__(self, produce: Callable[[int, Weights], Any], *, max_staleness: int,
-                 load: Callable[[int, dict[str, Tensor], int], None], start_state: Callable[[], Any]) -> None:
+                 load: Callable[[int, dict[str, Tensor], int], None], start_state: Callable[[], Any],
+                 rewind: Callable[[Any], None] | None = None) -> None:
         if max_staleness < 1:
             raise ValueError(f"max_staleness={max_staleness}: asynchronous rollouts need K >= 1 (K=0 is the synchronous loop)")
         self.max_staleness = int(max_staleness)
-        self._produce, self._load, self._start_state = produce, load, start_state
+        self._produce, self._load, self._start_state, self._rewind = produce, load, start_state, rewind
         self._cond = threading.Condition()
         self._queue: list[Queued] = []
         self._next = 0  # the rollout the producer draws next
@@ -168,6 +181,10 @@ class AsyncRollouts:
         self._in_flight: tuple[int, Any] | None = None  # (n, start state) of the rollout being drawn
         self._error: BaseException | None = None
         self._error_raised = False  # the learner was told (take / quiesce): the producer is gone
+        self._cancel = False  # the learner asks the producer to rest: the rollout in flight is cancelled
+        self._resting = False  # the producer rests after a cancelled rollout, its start put back
+        self.cancelled = 0
+        """Rollouts cancelled so far (each drawn again from its start)."""
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -180,7 +197,8 @@ class AsyncRollouts:
                 self._snapshots[iteration] = (weights, int(version))
                 self._published = iteration
                 self._prune()
-                self._cond.notify_all()
+            self._cancel = False  # a producer resting since the last quiesce draws again
+            self._cond.notify_all()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="textrl-async-actor", daemon=True)
             self._thread.start()
@@ -198,10 +216,14 @@ class AsyncRollouts:
             return item
 
     def quiesce(self) -> None:
-        """Wait until the producer waits for weights not yet published (it touches nothing then).
-        The producer's error is raised here or by :meth:`take`, once: after that the producer is
-        gone, nothing moves, and this returns (a checkpoint of the learner's state may follow)."""
+        """Bring the producer to rest: it waits for weights not yet published, or a rollout in
+        flight is cancelled at its next generation call and its start put back (module docstring);
+        it touches nothing then, until :meth:`publish` or the end of :meth:`holding`. The
+        producer's error is raised here or by :meth:`take`, once: after that the producer is gone,
+        nothing moves, and this returns (a checkpoint of the learner's state may follow)."""
         with self._cond:
+            if self._rewind is not None:
+                self._cancel = True
             while self._thread is not None and not self._idle() and not self._error_raised:
                 self._raise_error(once=True)
                 self._cond.wait(timeout=1.0)
@@ -213,7 +235,12 @@ class AsyncRollouts:
         producer, quiesced first, loads its own again when it goes on."""
         self.quiesce()
         self._load(iteration, weights, version)
-        yield
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._cancel = False
+                self._cond.notify_all()
 
     def close(self) -> None:
         """Stop the producer (a rollout in flight is left unfinished) and wait for it."""
@@ -245,7 +272,7 @@ class AsyncRollouts:
 
     # -- the producer's side ------------------------------------------------------------------------
     def _idle(self) -> bool:
-        return self._waiting_for is not None and self._waiting_for > self._published
+        return self._resting or (self._waiting_for is not None and self._waiting_for > self._published)
 
     def _raise_error(self, once: bool = False) -> None:
         """The producer's error, if it failed (``once``: unless the learner was told already)."""
@@ -266,6 +293,20 @@ class AsyncRollouts:
         self._load(iteration, weights, version)
         return version
 
+    def _rest(self, n: int) -> None:
+        """Rollout ``n`` was cancelled: its start put back (``rewind``), then rest until the learner
+        goes on; the loop draws it again from that start."""
+        with self._cond:
+            start = self._in_flight[1]
+            self.cancelled += 1
+        self._rewind(start)
+        with self._cond:
+            self._resting = True
+            self._cond.notify_all()
+            while self._cancel and not self._closed:
+                self._cond.wait()
+            self._resting = False
+
     def _prune(self) -> None:
         """Drop the weights no rollout from the next one on reads (each reads iterations >= n - K)."""
         first = self._next if self._in_flight is None else self._in_flight[0]
@@ -281,7 +322,11 @@ class AsyncRollouts:
                         return
                     n = self._next
                     self._in_flight = (n, self._start_state())
-                item = self._produce(n, Weights(self))
+                try:
+                    item = self._produce(n, Weights(self))
+                except Cancelled:
+                    self._rest(n)
+                    continue
                 with self._cond:
                     self._queue.append(Queued(n, item))
                     self._next, self._in_flight = n + 1, None
@@ -299,5 +344,9 @@ class _Closed(Exception):
     """The pipeline closed while the producer waited."""
 
 
-__all__ = ["AsyncActor", "AsyncRollouts", "Queued", "Weights", "behaviour_iteration",
+class Cancelled(BaseException):  # noqa: N818 - a request, not an error; not an Exception, so no handler in an environment or reward takes it
+    """Raised in the producer by :meth:`Weights.check`: the learner asked it to rest."""
+
+
+__all__ = ["AsyncActor", "AsyncRollouts", "Cancelled", "Queued", "Weights", "behaviour_iteration",
            "policy_copy", "token_iterations", "trainable_state", "turn_iteration"]
