@@ -28,13 +28,14 @@ DEBUG_VARIABLE = "TEXTRL_DEBUG"
 TRACEBACK_HINT = f"(for the traceback, rerun with --debug or {DEBUG_VARIABLE}=1)"
 
 
-class EngineFailed(ConnectionError):
-    """A generation engine cannot go on (no vLLM server left, a weight transfer that broke, an
-    asynchronous producer that died): raised out of a rollout, its message names the engine (a
-    server's URL) and what happened. The run saves a checkpoint of its last finished iteration
-    before it stops (:mod:`textrl.run.loop`), so nothing is lost; the command prints the message
-    and how to resume in one line (a ``ConnectionError``: an ``OSError``, one of
-    :func:`user_errors`)."""
+def __getattr__(name: str):
+    """``textrl.errors.EngineFailed``: :class:`textrl.generation.base.EngineFailed`, imported when
+    named (the generation seam imports the registry, which reports errors through this module)."""
+    if name == "EngineFailed":
+        from textrl.generation.base import EngineFailed
+
+        return EngineFailed
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -180,5 +181,5 @@ def user_error_message(command: str, err: BaseException) -> str:
     return f"textrl {command}: {type(err).__name__}: {text}{'; ' + lever if lever else ''}\n{TRACEBACK_HINT}"
 
 
-__all__ = ["ALIKE_ERROR_WAIT_S", "DEBUG_VARIABLE", "EngineFailed", "MEMORY_LEVERS", "TRACEBACK_HINT", "alike_in_every_process", "cache_roots",
+__all__ = ["ALIKE_ERROR_WAIT_S", "DEBUG_VARIABLE", "MEMORY_LEVERS", "TRACEBACK_HINT", "alike_in_every_process", "cache_roots",
            "debug_requested", "raised_by_textrl", "remedy", "reports_alike_errors", "user_error_message", "user_errors"]

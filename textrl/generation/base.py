@@ -1,4 +1,5 @@
-"""The generation seam: :class:`Sampling` (what to draw), :class:`GenerationEngine` (how), the registry."""
+"""The generation seam: :class:`Sampling` (what to draw), :class:`GenerationEngine` (how), the registry,
+and :class:`EngineFailed` (an engine that cannot go on)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ class Sampling:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: generate at least 1 token")
         if not self.greedy and not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature}: sampling needs a temperature > 0 (or greedy=True)")
+
+
+class EngineFailed(ConnectionError):
+    """A generation engine cannot go on (no vLLM server left, a weight transfer that broke, an
+    asynchronous producer that died): raised out of a rollout, its message names the engine (a
+    server's URL) and what happened. The run saves a checkpoint of its last finished iteration
+    before it stops (:mod:`textrl.run.loop`), so nothing is lost; the command prints the message
+    and how to resume in one line (a ``ConnectionError``: an ``OSError``, one of
+    :func:`textrl.errors.user_errors`; also importable from :mod:`textrl.errors`)."""
 
 
 class GenerationEngine:
@@ -159,5 +169,5 @@ def engine_named(name: str) -> None:
         REGISTRY.lookup(name)
 
 
-__all__ = ["AUTO", "ENGINES", "GenerationEngine", "Sampling", "SERVED_ENGINE", "cut_at_last_eos", "engine_for", "engine_named", "engine_names", "get_engine",
+__all__ = ["AUTO", "ENGINES", "EngineFailed", "GenerationEngine", "Sampling", "SERVED_ENGINE", "cut_at_last_eos", "engine_for", "engine_named", "engine_names", "get_engine",
            "register_engine", "run_engine_name"]

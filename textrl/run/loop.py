@@ -46,7 +46,7 @@ from typing import Any, Protocol
 import torch
 
 from textrl.distributed import Distributed
-from textrl.errors import EngineFailed
+from textrl.generation.base import EngineFailed
 from textrl.run.metrics import MetricsLog
 from textrl.run.pace import Pace, threads_chosen
 from textrl.run.progress import Progress

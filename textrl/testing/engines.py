@@ -12,8 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from textrl.errors import EngineFailed
-from textrl.generation.base import ENGINES, get_engine, register_engine
+from textrl.generation.base import ENGINES, EngineFailed, get_engine, register_engine
 
 
 def register_stale_engine(name: str = "stale", inner: str = "textrl") -> str:
