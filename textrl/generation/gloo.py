@@ -2,12 +2,14 @@
 :mod:`textrl.generation.vllm_transfer`), without vLLM: the group, a broadcast that stops waiting on a
 peer that failed, a call on a daemon thread.
 
-A gloo broadcast to a peer that went silent (its machine gone, or the process stopped, not killed:
-a killed one closes its connections and gloo fails at once) waits for the group's timeout, and
-neither ``abort`` nor ``shutdown`` ends the wait; a broadcast still pending holds the process at
-exit until then. So the trainer waits in slices (:data:`WAIT_SLICE`), asking between them whether the
-server's side failed (its ``/update_weights`` answered an error, or the engine's health check found
-it dead and set the client's ``stop``): it then leaves the broadcast pending and stops sending.
+A gloo broadcast to a peer that went silent (its machine gone, its process stopped, or a worker
+left alive after its server's API process died: a killed process closes its connections and gloo
+fails at once) waits for the group's timeout, and neither ``abort`` nor ``shutdown`` ends the wait; a
+broadcast still pending holds the process at exit until then. So the trainer waits in slices
+(:data:`WAIT_SLICE`), asking between them whether the server's side failed (its ``/update_weights``
+answered an error, or the engine's health check found it dead and set the client's ``stop``): it
+then leaves the broadcast pending and stops sending; and each of its broadcasts has a timeout of its
+size (:func:`op_timeout`), so one left pending holds the process at exit seconds, not minutes.
 """
 
 from __future__ import annotations
@@ -20,13 +22,26 @@ from typing import Any
 import torch
 
 TIMEOUT = datetime.timedelta(minutes=2)
-"""The longest any one operation of a transfer's group may take on either side (the rendezvous, one
-weight's broadcast): a weight of several GB over a slow link takes seconds. It is not how a dead
-server is found (the engine's health check finds it in seconds: :mod:`textrl.generation.vllm_server`),
-only how long a broadcast left pending on a silent one lives."""
+"""The group's timeout: the rendezvous, and each operation of a server's worker (it waits for each
+weight while the trainer gathers and sends it). Not how a dead server is found (the engine's health
+check finds it in seconds: :mod:`textrl.generation.vllm_server`); the trainer's own broadcasts have
+their size's (:func:`op_timeout`)."""
 
 WAIT_SLICE = datetime.timedelta(milliseconds=200)
 """How long the trainer waits on a broadcast before it looks whether the server's side failed."""
+
+OP_FLOOR = datetime.timedelta(seconds=30)
+"""The least time the trainer gives one broadcast (the server's worker starts receiving once the
+``/update_weights`` call reaches it, and loads each weight before it receives the next)."""
+
+OP_BYTES_PER_S = 10e6
+"""The slowest transfer a broadcast is given time for beyond :data:`OP_FLOOR`: 10 MB/s."""
+
+
+def op_timeout(nbytes: int) -> datetime.timedelta:
+    """The timeout of the trainer's broadcast of ``nbytes``: :data:`OP_FLOOR` plus its bytes at
+    :data:`OP_BYTES_PER_S` (a 1 GB weight: 130 s)."""
+    return OP_FLOOR + datetime.timedelta(seconds=nbytes / OP_BYTES_PER_S)
 
 
 def gloo_group(address: str, port: int, rank: int, world_size: int) -> Any:
@@ -37,11 +52,13 @@ def gloo_group(address: str, port: int, rank: int, world_size: int) -> Any:
 
 
 def broadcast(group: Any, tensor: torch.Tensor, failed: Callable[[], BaseException | None] | None = None) -> None:
-    """Rank 0's ``tensor`` into every rank's (a CPU tensor), in place. ``failed``: asked every
-    :data:`WAIT_SLICE` while the broadcast is pending; what it returns (the other side's failure) is
-    raised, the broadcast left pending."""
+    """Rank 0's ``tensor`` into every rank's (a CPU tensor), in place. ``failed`` (the trainer's side):
+    asked every :data:`WAIT_SLICE` while the broadcast is pending; what it returns (the other side's
+    failure) is raised, the broadcast left pending, to fail by itself within :func:`op_timeout`."""
     options = torch.distributed.BroadcastOptions()
     options.rootRank = 0
+    if failed is not None:
+        group.set_timeout(op_timeout(tensor.numel() * tensor.element_size()))
     work = group.broadcast([tensor], options)
     if failed is None:
         work.wait()
@@ -100,4 +117,5 @@ def stopped(client: Any) -> BaseException | None:
                            "stopped answering")
 
 
-__all__ = ["Call", "TIMEOUT", "WAIT_SLICE", "broadcast", "gloo_group", "stopped"]
+__all__ = ["Call", "OP_BYTES_PER_S", "OP_FLOOR", "TIMEOUT", "WAIT_SLICE", "broadcast", "gloo_group", "op_timeout",
+           "stopped"]

@@ -40,7 +40,7 @@ dropped in one line, its groups of the call dealt to the others with the same re
 (seeds included), the run going on with the rest; at each later call a dropped server that answers
 again is taken back (checked as at the start, a fresh weight-transfer engine, this run's weights
 sent and their version checked), in one line. With no server left, or a weight transfer broken on
-the last one, the engine raises :class:`textrl.errors.EngineFailed` naming the servers and what
+the last one, the engine raises :class:`~textrl.generation.base.EngineFailed` naming the servers and what
 happened (the run then saves its last finished iteration).
 
 The run's random stream, as with the colocated engine: a call takes the seeds of its groups and
@@ -70,8 +70,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from textrl.errors import EngineFailed
-from textrl.generation.base import SERVED_ENGINE, GenerationEngine, Sampling, register_engine
+from textrl.generation.base import (
+    SERVED_ENGINE,
+    EngineFailed,
+    GenerationEngine,
+    Sampling,
+    register_engine,
+)
 from textrl.generation.vllm_engine import (
     check_taken,
     fingerprint,
