@@ -118,3 +118,25 @@ def test_a_failure_in_the_evaluation_keeps_the_updated_iteration(tmp_path, monke
     assert f"iteration 2 is saved in {out / 'checkpoints' / 'iter_000002'}" in str(stop.value)
     rows = metrics(out)
     assert [r["iteration"] for r in rows] == [1, 2] and not any(k.startswith("eval/") for k in rows[1])
+
+
+def test_a_url_that_is_no_vllm_server_is_refused_before_any_model_loads(tmp_path, capsys):
+    """``--vllm-server`` at a plain web server: one line naming the URL, before the warm-up."""
+    import threading
+    from http.server import HTTPServer, SimpleHTTPRequestHandler
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        with pytest.raises(SystemExit) as stop:
+            main(["train", *SMALL, "--vllm-server", url, "--output-dir", str(tmp_path / "run")])
+    finally:
+        server.shutdown()
+    line = str(stop.value.code)
+    assert line.startswith(f"textrl train: {url} is not a vLLM server") and "\n" not in line
+    assert "warm-up" not in capsys.readouterr().out

@@ -116,7 +116,16 @@ def train(config: TrainConfig) -> dict[str, Any]:
 def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     """Set up, resume, evaluate before, iterate (:class:`RunLoop` over :class:`PPORun`), summarise."""
     check_run(config)
-    run = _set_up(config, resolve_device(config.device))
+    if config.vllm_server:  # each server identified and claimed for this run before any model loads
+        from textrl.generation.vllm_server import check_servers, release_servers
+
+        check_servers(config)
+    try:
+        run = _set_up(config, resolve_device(config.device))
+    except BaseException:
+        if config.vllm_server:
+            release_servers(config)
+        raise
     try:
         start = run.resume()
         before = run.evaluate_before(start)
@@ -142,6 +151,8 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
         actor = getattr(run.agent, "actor", None)
         if actor is not None:
             actor.engine.close()  # vLLM's engine, before the process group goes
+        if config.vllm_server:
+            release_servers(config)  # the next run may take the servers at once
 
 
 @dataclass
