@@ -648,3 +648,16 @@ def test_a_server_whose_claim_another_run_took_is_dropped_at_the_next_call(fakes
     call(engine, model, seed=1)
     assert lines[0].startswith(f"vLLM server {a.url} dropped (another run took it over (other-host:/runs/other) when "
                                "this run's claim was not renewed for over 2 s)")
+
+
+def test_only_the_first_process_claims_even_before_the_process_group_is_up(fakes, tmp_path, trained_tiny, monkeypatch):
+    """Under torchrun the trainer checks its servers before its process group is set up: the
+    launcher's RANK decides (every process checks, rank 0 alone claims: another machine's rank 1
+    would hold another run id)."""
+    fake = fakes()
+    monkeypatch.setenv("RANK", "1")
+    vs.check_servers(config_for([fake.url], tmp_path / "run"), log=lambda line: None)
+    assert fake.book.run is None and ("collective_rpc", "textrl_model_config") in fake.posts()
+    monkeypatch.setenv("RANK", "0")
+    vs.check_servers(config_for([fake.url], tmp_path / "run"), log=lambda line: None)
+    assert fake.book.run == vs.run_id(tmp_path / "run")

@@ -662,8 +662,11 @@ def own_address(url: str) -> str:
 
 
 def world_rank() -> int:
+    """This process's rank: the process group's, or before it is set up, the launcher's (``RANK``)."""
     dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 def say(line: str) -> None:
@@ -858,6 +861,7 @@ class VLLMServerEngine(GenerationEngine):
                 queued.extend(dealt)
             while queued and len(pending) < IN_FLIGHT:
                 index, server = queued.pop(0)
+                probed.setdefault(server, time.monotonic())  # its first health check a period after its first request
                 budget = completion_budget(asked[server])
                 pending[on_thread(lambda s=server, b=jobs[index].body, t=budget: s.complete(b, t))] = (index, server)
             done, _ = wait([*pending, *probes.values()], timeout=HEALTH_EVERY_S, return_when=FIRST_COMPLETED)
