@@ -112,9 +112,13 @@ def folder(tmp_path_factory):
     return path
 
 
-def start_server(model: Path, log: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(model: Path, log: Path, port: int | None = None, cores: str | None = None) -> tuple[subprocess.Popen, str]:
+    """A ``textrl vllm-serve`` of ``model`` on ``port`` (a free one), its worker on ``cores`` (vLLM's
+    own choice: the first core, for every server)."""
     port = port or free_port()
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+    if cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cores
     cmd = [sys.executable, "-m", "textrl.cli", "vllm-serve", str(model), "--port", str(port), "--dtype", "float32",
            "--max-model-len", "512", "--kv-cache-memory-bytes", str(128 << 20), "--enforce-eager"]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -302,7 +306,9 @@ def test_a_killed_server_is_dropped_taken_back_when_restarted_and_the_last_one_k
     on with the other; restarted on its port, it is taken back (the run's weights sent, the logged gap
     still at float noise); then both killed: EngineFailed naming both, in seconds."""
     logs = [tmp_path / "x.log", tmp_path / "y.log"]
-    started = [start_server(folder, log) for log in logs]
+    # each worker on a core of its own: vLLM binds every server's to the first, where the busy one's
+    # threads starve a restarted one's start (seen: no progress in 15 minutes)
+    started = [start_server(folder, log, cores=str(core)) for core, log in zip((1, 0), logs, strict=True)]
     try:
         for (proc, url), log in zip(started, logs, strict=True):
             wait_ready(proc, url, log)
@@ -314,18 +320,18 @@ def test_a_killed_server_is_dropped_taken_back_when_restarted_and_the_last_one_k
                        "--vllm-server", f"{x_url},{y_url}", *SMALL, "--iterations", "100000", "--checkpoint-every", "1"],
                       env)
         wait_rows(out, 2, run)
-        stop(x, signal.SIGKILL)
         killed = time.monotonic()
+        stop(x, signal.SIGKILL)
         noticed = run.wait_for(f"vLLM server {x_url} dropped (", 60) - killed
-        started[0] = start_server(folder, logs[0], port=int(x_url.rsplit(":", 1)[1]))
+        started[0] = start_server(folder, logs[0], port=int(x_url.rsplit(":", 1)[1]), cores="1")
         wait_ready(started[0][0], x_url, logs[0], timeout=900)
         back = run.wait_for(f"vLLM server {x_url} answers again: taken back", 120)
         rows_back = len(metrics(out))
         wait_rows(out, rows_back + 2, run)
         assert not [ln for at, ln in run.lines if at > back and "dropped" in ln], run.tail()
+        both = time.monotonic()
         stop(started[0][0], signal.SIGKILL)
         stop(y, signal.SIGKILL)
-        both = time.monotonic()
         run.end(timeout=300)
         stopped = time.monotonic() - both
     finally:
@@ -345,7 +351,7 @@ def test_a_killed_server_is_dropped_taken_back_when_restarted_and_the_last_one_k
 
     AutoModelForCausalLM.from_pretrained(checkpoint / "policy")  # intact
     assert noticed < 10.0
-    print(f"a killed server noticed after {noticed:.1f} s; the last two killed: the run stopped after {stopped:.1f} s")
+    print(f"a killed server noticed after {noticed:.2f} s; the last two killed: the run stopped after {stopped:.2f} s")
 
 
 STREAM_PROBE = """
