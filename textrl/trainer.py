@@ -116,15 +116,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
 def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
     """Set up, resume, evaluate before, iterate (:class:`RunLoop` over :class:`PPORun`), summarise."""
     check_run(config)
-    if config.vllm_server:  # each server identified and claimed for this run before any model loads
-        from textrl.generation.vllm_server import check_servers, release_servers
-
-        check_servers(config)
+    if config.vllm_server:
+        from textrl.generation.vllm_server import release_servers
     try:
         run = _set_up(config, resolve_device(config.device))
     except BaseException:
         if config.vllm_server:
-            release_servers(config)
+            release_servers(config)  # what _set_up claimed (nothing, where it stopped before the claims)
         raise
     try:
         start = run.resume()
@@ -465,6 +463,12 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     log = print if main else (lambda *a, **k: None)
     if main:  # one writer per run folder, until _train returns; a second run is refused here
         take_run_folder(output_dir)
+    if config.vllm_server:
+        from textrl.generation.vllm_server import check_servers
+
+        # each server identified and claimed before any model loads; after the folder's lock, so that
+        # a second run on the folder never touches the first one's claims (a run's id is its folder)
+        check_servers(config)
     seed_everything(config.seed)
     if not vllm_engine_processes(config):
         fit_threads_now(log)  # the warm-up and the first evaluation too run on the cores others leave

@@ -661,3 +661,33 @@ def test_only_the_first_process_claims_even_before_the_process_group_is_up(fakes
     monkeypatch.setenv("RANK", "0")
     vs.check_servers(config_for([fake.url], tmp_path / "run"), log=lambda line: None)
     assert fake.book.run == vs.run_id(tmp_path / "run")
+
+
+def test_a_second_run_on_the_first_runs_folder_leaves_the_first_runs_claim_alone(fakes, quick, tmp_path, trained_tiny,
+                                                                                  monkeypatch):
+    """The run's id in its claims is its folder: a second ``textrl train`` on a folder a live run
+    holds is refused at the folder's lock, before it claims (or gives back) anything on the servers,
+    also where the first run took the folder after the second one's early probe (left out here)."""
+    from textrl import trainer
+    from textrl.config import TrainConfig
+    from textrl.run import RunFolderBusy
+    from textrl.trainer import train
+
+    monkeypatch.setattr(trainer, "refuse_busy_folder", lambda folder: None)  # the race: the probe found it free
+
+    fake, folder = fakes(), tmp_path / "run"
+    hold = ("import sys, time\nfrom textrl.run import RunFolderLock\nwith RunFolderLock(sys.argv[1]):\n"
+            "    print('held', flush=True)\n    time.sleep(120)\n")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        fake.book.claim(vs.run_id(folder), vs.LEASE_S)  # the live first run's claim, renewed from its process
+        config = TrainConfig(output_dir=str(folder), vllm_server=fake.url, iterations=1, warmup_sft_steps=0,
+                             progress=False)
+        with pytest.raises(RunFolderBusy, match=f"process {holder.pid}"):
+            train(config)
+        assert fake.book.run == vs.run_id(folder)
+        assert not [method for _, _, method in fake.log if method in ("textrl_claim", "textrl_release")]
+    finally:
+        holder.kill()
+        holder.wait()

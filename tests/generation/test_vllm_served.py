@@ -467,7 +467,7 @@ def test_a_push_the_server_took_otherwise_stops_the_run_naming_the_server(tmp_pa
     assert message is not None and "\n" not in message
     assert message.startswith(f"vLLM server {servers[1]}: at weight hand-over 5 "), message
     sent, taken = (message.split(f"{key} ")[1][:12] for key in ("sent", "taken"))
-    assert sent != taken and "--resume" in message
+    assert sent != taken and message.endswith("(docs/vllm.md)")  # an EngineFailed: the run saves, then says --resume
     print(f"served push with its check, tiny model: {max(out['seconds']):.3f} s at most")
 
 

@@ -26,9 +26,15 @@ the model's ``load_weights``, ``finalize_layerwise_reload``, run in the worker b
 ``LoRARequest``; the prefix cache (KV of the old weights) is dropped. After each full-weight load
 the worker's :class:`LoadWatch` report (the :class:`Fingerprint` of the tensors its load took, and
 the parameters it never wrote) must match the fingerprint of what was sent, or the run stops in one
-line (:func:`check_taken`). On CUDA the engine sleeps
-after each rollout (``LLM.sleep(level=2)``: weights and KV cache released for the update) and wakes
-before the next call.
+line (:func:`check_taken`). On CUDA in the synchronous loop the engine sleeps after each rollout
+(``LLM.sleep(level=2)``: weights and KV cache released for the update) and wakes before the next
+call; with ``max_staleness`` >= 1 the learner updates while vLLM draws, so it never sleeps (:func:`sleeps`).
+
+vLLM's own options, as its users set them (:class:`EngineOptions`, read from the run's config in one
+place; :func:`llm_options` the ``LLM(...)`` keywords): ``tensor_parallel_size``, ``max_num_seqs``,
+``quantization``, ``gpu_memory_utilization``, and ``max_model_len``, by default what the run needs
+(its prompts' cap plus the episode's token budget, :meth:`VLLMEngine.fit_lengths`), not the model's
+whole context (:func:`model_length`).
 """
 
 from __future__ import annotations
@@ -39,14 +45,16 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from textrl.generation.base import GenerationEngine, Sampling, register_engine
+from textrl.generation.base import EngineFailed, GenerationEngine, Sampling, register_engine
 from textrl.models.adapters import save_adapter
+from textrl.models.checks import context_length
 from textrl.run.rng import keeping_rng
 from textrl.versions import VersionCounter
 
@@ -192,8 +200,9 @@ def fingerprint(weights: Iterable[tuple[str, Tensor]]) -> str:
     return running.hexdigest()
 
 
-class WeightFingerprintError(ValueError):
-    """A vLLM worker took other weights than were sent: the run stops (one line, :func:`check_taken`)."""
+class WeightFingerprintError(EngineFailed):
+    """A vLLM worker took other weights than were sent: the engine cannot go on, so the run saves its
+    last finished iteration and stops (one line, :func:`check_taken`; :class:`EngineFailed`)."""
 
 
 class LoadWatch:
@@ -248,7 +257,7 @@ def check_taken(report: dict[str, Any], sent: str, tensors: int, *, engine: str,
         f"{engine}: at weight hand-over {handover} vLLM's worker took other weights than were sent (fingerprint "
         f"sent {sent[:12]}, taken {report['fingerprint'][:12]}; {report['tensors']} of {tensors} tensors{lost}): its "
         "rollouts would not sample the learner's policy; check that this vLLM loads the model's weight names "
-        "(docs/vllm.md), then --resume: the last checkpoint stands")
+        "(docs/vllm.md)")
 
 
 def sampling_params(sampling: Sampling, *, logprobs: bool, seed: int | None) -> dict[str, Any]:
@@ -328,10 +337,88 @@ def kv_cache_bytes(config: Any, max_model_len: int, dtype: torch.dtype, sequence
     return int(min(max(per_token * max_model_len * sequences, 32 << 20), 4 << 30))
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """The run's settings the colocated engine reads (:meth:`of`, the one place they are read)."""
+
+    gpu_memory_utilization: float = 0.3
+    """vLLM's share of the GPU's memory (``vllm_gpu_memory_utilization``; CUDA only)."""
+    tensor_parallel_size: int = 1
+    """GPUs vLLM splits the policy over (``vllm_tensor_parallel_size``)."""
+    max_model_length: int | None = None
+    """``vllm_max_model_length`` (None: what the run needs, :func:`model_length`)."""
+    max_num_seqs: int | None = None
+    """``vllm_max_num_seqs`` (None: vLLM's default)."""
+    quantization: str | None = None
+    """``vllm_quantization`` (None: the weights as the policy holds them)."""
+    learner_beside: bool = False
+    """The learner updates while vLLM draws (``max_staleness`` >= 1): a sleep would free nothing (:func:`sleeps`)."""
+    seed: int = 0
+    """vLLM's own seed (the rows draw theirs from torch's generator: :func:`row_seeds`)."""
+
+    @classmethod
+    def of(cls, config: Any) -> EngineOptions:
+        """The options of a run's ``config`` (a :class:`textrl.config.TrainConfig`; a missing field keeps its default)."""
+        def read(name: str, default: Any) -> Any:
+            return getattr(config, name, default)
+
+        return cls(gpu_memory_utilization=float(read("vllm_gpu_memory_utilization", cls.gpu_memory_utilization)),
+                   tensor_parallel_size=int(read("vllm_tensor_parallel_size", cls.tensor_parallel_size)),
+                   max_model_length=read("vllm_max_model_length", None), max_num_seqs=read("vllm_max_num_seqs", None),
+                   quantization=read("vllm_quantization", None), learner_beside=int(read("max_staleness", 0)) > 0,
+                   seed=int(read("seed", 0)))
+
+
+def model_length(given: int | None, needed: int | None, context: int | None) -> int:
+    """vLLM's ``max_model_len``: ``given`` (``vllm_max_model_length``), else ``needed`` (the run's longest
+    sequence: its prompts' cap plus the episode's token budget), else the policy's ``context`` (2048
+    when it names none). ``ValueError`` in one line for a ``given`` under ``needed`` (a sequence of the
+    run vLLM could not hold) or over ``context`` (positions the model does not have)."""
+    if given is not None and needed is not None and given < needed:
+        raise ValueError(f"vllm_max_model_length={given}: the run's prompts (max_prompt_length) plus its episode's "
+                         f"token budget reach {needed} tokens; raise it to {needed} or more, or leave it unset "
+                         "(what the run needs)")
+    if given is not None and context is not None and given > context:
+        raise ValueError(f"vllm_max_model_length={given}: the policy has {context} positions; lower it to {context} "
+                         "or less, or leave it unset (what the run needs)")
+    if given is not None:
+        return int(given)
+    return int(needed) if needed is not None else int(context or 2048)
+
+
+def sleeps(device_type: str, learner_beside: bool) -> bool:
+    """Whether vLLM sleeps when a rollout ends (``LLM.sleep(level=2)``, its weights and KV cache released):
+    on CUDA when the learner's update runs after the rollout (the synchronous loop) and takes the memory;
+    not on the CPU (vLLM has no sleep mode there), nor when the learner updates beside vLLM
+    (``max_staleness`` >= 1: vLLM draws the next rollout meanwhile, so a sleep frees nothing and each
+    wake reloads the weights)."""
+    return device_type == "cuda" and not learner_beside
+
+
+def llm_options(options: EngineOptions, *, device_type: str, max_model_len: int, kv_bytes: int | None) -> dict[str, Any]:
+    """The ``vllm.LLM(...)`` keywords of the run's settings: the length, vLLM's options as given (those
+    left unset left to vLLM's defaults), and the memory: on the CPU eager mode and ``kv_bytes`` of KV
+    cache (None: ``VLLM_CPU_KVCACHE_SPACE`` decides), on CUDA the memory share and sleep mode where
+    the engine sleeps (:func:`sleeps`)."""
+    kwargs: dict[str, Any] = {"max_model_len": int(max_model_len), "tensor_parallel_size": options.tensor_parallel_size}
+    if options.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = int(options.max_num_seqs)
+    if options.quantization is not None:
+        kwargs["quantization"] = options.quantization
+    if device_type == "cpu":
+        kwargs["enforce_eager"] = True
+        if kv_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
+    else:
+        kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = sleeps(device_type, options.learner_beside)
+    return kwargs
+
+
 @register_engine("vllm")
 class VLLMEngine(GenerationEngine):
     """vLLM's ``LLM`` in this process (module docstring). ``configure(config)`` takes the run's
-    ``vllm_gpu_memory_utilization``, ``seed`` and the longest context it will see; the first
+    :class:`EngineOptions`, ``fit_lengths`` the longest sequence a call will see; the first
     ``generate`` starts vLLM on the model it is given (the same model every call after)."""
 
     name = "vllm"
@@ -339,8 +426,9 @@ class VLLMEngine(GenerationEngine):
     def __init__(self) -> None:
         self.llm: Any = None
         self.folder: Path | None = None
-        self.gpu_memory_utilization = 0.3
-        self.seed = 0
+        self.options = EngineOptions()
+        self.needed_length: int | None = None
+        """The run's longest sequence, prompt plus episode (:meth:`fit_lengths`; None: not told)."""
         self._model: nn.Module | None = None
         self._weights: VersionCounter | None = None
         """The policy's weights' version (:meth:`_ready` compares it with :attr:`_loaded`)."""
@@ -354,8 +442,13 @@ class VLLMEngine(GenerationEngine):
         """Full-weight loads so far (named by :func:`check_taken`)."""
 
     def configure(self, config: Any) -> None:
-        self.gpu_memory_utilization = float(getattr(config, "vllm_gpu_memory_utilization", self.gpu_memory_utilization))
-        self.seed = int(getattr(config, "seed", 0))
+        self.options = EngineOptions.of(config)
+
+    def fit_lengths(self, max_prompt_length: int, episode_budget: int) -> None:
+        """vLLM's ``max_model_len`` is the run's longest sequence, ``max_prompt_length + episode_budget``,
+        unless ``vllm_max_model_length`` is given; a given one under it is refused now, before any rollout."""
+        self.needed_length = int(max_prompt_length) + int(episode_budget)
+        model_length(self.options.max_model_length, self.needed_length, None)
 
     # -- the engine ---------------------------------------------------------------------------------
     def generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
@@ -377,8 +470,8 @@ class VLLMEngine(GenerationEngine):
 
     @contextmanager
     def rollout(self) -> Iterator[None]:
-        """One rollout's turns; on CUDA vLLM sleeps when the outermost rollout ends (its memory is the
-        update's until the next call wakes it)."""
+        """One rollout's turns; vLLM sleeps when the outermost rollout ends where :func:`sleeps` says
+        (its memory is the update's until the next call wakes it)."""
         self._rollout_depth += 1
         try:
             yield
@@ -427,15 +520,11 @@ class VLLMEngine(GenerationEngine):
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else next(model.parameters()).dtype
         self.folder = Path(tempfile.mkdtemp(prefix="textrl-vllm-"))
         base.save_pretrained(self.folder / "model", state_dict=base_state_dict(model), safe_serialization=True)
-        max_len = int(getattr(base.config, "max_position_embeddings", 0) or 2048)
-        extra: dict[str, Any] = {}
-        if device.type == "cpu":
-            extra["enforce_eager"] = True
-            if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-                extra["kv_cache_memory_bytes"] = kv_cache_bytes(base.config, max_len, dtype)
-        else:
-            extra["gpu_memory_utilization"] = self.gpu_memory_utilization
-            extra["enable_sleep_mode"] = True
+        context = context_length(base)
+        max_len = model_length(self.options.max_model_length, self.needed_length, context and context[0])
+        kv_bytes = None if "VLLM_CPU_KVCACHE_SPACE" in os.environ else kv_cache_bytes(
+            base.config, max_len, dtype, self.options.max_num_seqs or 256)
+        extra = llm_options(self.options, device_type=device.type, max_model_len=max_len, kv_bytes=kv_bytes)
         if lora_base(model) is not None:
             peft_model, adapter = lora_of(model)
             peft_config = peft_model.peft_config[adapter]
@@ -445,12 +534,15 @@ class VLLMEngine(GenerationEngine):
         threads = torch.get_num_threads()
         try:
             self.llm = vllm.LLM(model=str(self.folder / "model"), skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
-                                seed=self.seed, generation_config="vllm", logprobs_mode="processed_logprobs",
-                                max_model_len=max_len, **extra)
+                                seed=self.options.seed, generation_config="vllm", logprobs_mode="processed_logprobs",
+                                **extra)
         except Exception as err:
             shutil.rmtree(self.folder, ignore_errors=True)
+            quantised = (f"; --vllm-quantization {self.options.quantization}: vLLM quantises the policy's unquantised "
+                         "weights as they load, so only its online methods run (fp8_per_tensor, ...)"
+                         if self.options.quantization else "")
             raise ValueError(f"--generation-engine vllm: vLLM could not start on the policy "
-                             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
+                             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}){quantised}") from err
         finally:
             torch.set_num_threads(threads)  # vLLM lowers the process's torch threads for serving
         self._model = model
@@ -486,8 +578,11 @@ class VLLMEngine(GenerationEngine):
 
     # -- memory -------------------------------------------------------------------------------------
     def sleep(self) -> None:
-        """On CUDA, release vLLM's weights and KV cache (``LLM.sleep(level=2)``) until the next call."""
-        if self.llm is None or self._asleep or self._model is None or next(self._model.parameters()).device.type != "cuda":
+        """Release vLLM's weights and KV cache (``LLM.sleep(level=2)``) until the next call, where
+        :func:`sleeps` says (CUDA, the synchronous loop)."""
+        if self.llm is None or self._asleep or self._model is None:
+            return
+        if not sleeps(next(self._model.parameters()).device.type, self.options.learner_beside):
             return
         with keeping_rng():
             self.llm.sleep(level=2)
@@ -523,6 +618,7 @@ class VLLMEngine(GenerationEngine):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-__all__ = ["CPU_MIN_HEAD_SIZE", "VLLMEngine", "VLLMMissing", "VLLM_INSTALL", "base_state_dict", "Fingerprint", "LoadWatch", "WeightFingerprintError", "check_model",
-           "check_taken", "fingerprint", "merged_state_dict", "head_size", "import_vllm",
-           "prompt_token_ids", "row_seeds", "sampling_params", "stack_outputs"]
+__all__ = ["CPU_MIN_HEAD_SIZE", "EngineOptions", "VLLMEngine", "VLLMMissing", "VLLM_INSTALL", "base_state_dict", "Fingerprint",
+           "LoadWatch", "WeightFingerprintError", "check_model", "check_taken", "fingerprint", "merged_state_dict",
+           "head_size", "import_vllm", "llm_options", "model_length", "prompt_token_ids", "row_seeds",
+           "sampling_params", "sleeps", "stack_outputs"]
