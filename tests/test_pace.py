@@ -1,8 +1,11 @@
 """A run on a shared CPU (textrl.run.pace): its torch threads fitted to the cores other processes
-leave it, against a reference loop over drawn loads, and one line when its iterations crawl."""
+leave it, against a reference loop over drawn loads, the work that yields to it told from the work
+that competes over synthetic /proc trees, and one line when its iterations crawl."""
 
 from __future__ import annotations
 
+import doctest
+import os
 import statistics
 
 import torch
@@ -10,7 +13,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from textrl.run import pace
-from textrl.run.pace import CpuSample, Pace, cores_used_elsewhere, slow_window, threads_for
+from textrl.run.pace import (
+    CpuSample,
+    Pace,
+    cores_used_elsewhere,
+    cpu_sample,
+    slow_window,
+    threads_for,
+)
+
+HZ = os.sysconf("SC_CLK_TCK")
 
 
 @given(st.integers(1, 64), st.floats(0, 80, allow_nan=False), st.integers(1, 64))
@@ -47,7 +59,7 @@ def _fake_machine(monkeypatch, elsewhere_per_iteration):
     (one second each), this process one core."""
     state = {"t": 0.0, "machine": 0.0, "own": 0.0, "loads": iter(elsewhere_per_iteration)}
 
-    def sample():
+    def sample(since=None):
         sample = CpuSample(machine=state["machine"], own=state["own"], wall=state["t"])
         load = next(state["loads"], 0.0)
         state["t"] += 1.0
@@ -190,5 +202,145 @@ def test_the_set_up_runs_on_the_cores_others_leave_unless_the_threads_were_chose
         assert lines == ["other processes keep 1.0 of the 2 cores busy: 1 torch thread(s) for the set-up (was 2); "
                          "the iterations fit them again as the machine changes"]
         assert Pace(log=lines.append, cores=2).most == 2  # a run may go back up to the threads it started with
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_the_docstring_examples_hold():
+    assert doctest.testmod(pace).failed == 0
+
+
+class FakeProc:
+    """A synthetic /proc under ``root``: the machine's cpu line and each process's stat, cgroup and
+    autogroup, advanced a second at a time by :meth:`second`."""
+
+    def __init__(self, root, autogroup_on=True):
+        self.root, self.ticks, self.processes = root, {"user": 0, "nice": 0, "system": 0}, {}
+        (root / "sys/kernel").mkdir(parents=True)
+        (root / "sys/kernel/sched_autogroup_enabled").write_text("1\n" if autogroup_on else "0\n")
+
+    def process(self, pid, nice=0, session=1, cgroup="/", start=1000):
+        """A process in ``cgroup`` (v1 cpu controller) and the autogroup of ``session``."""
+        self.processes[pid] = {"nice": nice, "ticks": 0, "start": start}
+        (self.root / str(pid)).mkdir(exist_ok=True)
+        (self.root / str(pid) / "cgroup").write_text(f"2:cpuacct:/\n1:cpu:{cgroup}\n0::/\n")
+        (self.root / str(pid) / "autogroup").write_text(f"/autogroup-{session} nice 0\n")
+        self.write()
+
+    def second(self, **cores):
+        """One second in which process ``p<PID>`` used the given cores (user time)."""
+        for name, used in cores.items():
+            process = self.processes[int(name[1:])]
+            process["ticks"] += round(used * HZ)
+            self.ticks["nice" if process["nice"] > 0 else "user"] += round(used * HZ)
+        self.write()
+
+    def write(self):
+        t = self.ticks
+        (self.root / "stat").write_text(f"cpu  {t['user']} {t['nice']} {t['system']} 5000 10 0 0 0 0 0\ncpu0 0 0 0 0\n")
+        for pid, p in self.processes.items():
+            (self.root / str(pid) / "stat").write_text(
+                f"{pid} (py thon) S 1 {pid} {pid} 0 -1 0 0 0 0 0 {p['ticks']} 0 0 0 {20 + p['nice']} {p['nice']} 1 0 "
+                f"{p['start']} 0 0\n")
+
+
+def _elsewhere(proc, own, **cores):
+    """Cores used elsewhere over one second of the synthetic machine, as process ``own`` sees it."""
+    before = cpu_sample(proc=proc.root, pid=own)
+    proc.second(**cores)
+    after = cpu_sample(proc=proc.root, pid=own)
+    return round(cores_used_elsewhere(before, after) * (after.wall - before.wall), 9)  # per second of the fake clock
+
+
+def test_a_niced_job_of_the_runs_session_yields_and_one_of_another_session_or_cgroup_competes(tmp_path):
+    proc = FakeProc(tmp_path)
+    proc.process(10)                          # the run, nice 0, session 1
+    proc.process(11, nice=19)                 # a test suite at nice 19 from the run's session
+    proc.process(12, nice=19, session=2)      # the same from another session (its own autogroup)
+    proc.process(13, nice=19, cgroup="/other")  # ... from another cpu cgroup (a container)
+    proc.process(14)                          # a plain busy process
+    assert _elsewhere(proc, 10, p10=1.0, p11=1.0) == 0.0
+    assert _elsewhere(proc, 10, p10=1.0, p12=1.0) == 1.0
+    assert _elsewhere(proc, 10, p10=1.0, p13=1.0) == 1.0
+    assert _elsewhere(proc, 10, p10=1.0, p14=0.75, p11=0.5) == 0.75
+    assert _elsewhere(proc, 11, p10=1.0, p11=1.0) == 1.0  # to the niced job, the run competes
+
+
+def test_without_autogroup_a_niced_job_of_another_session_yields(tmp_path):
+    proc = FakeProc(tmp_path, autogroup_on=False)
+    proc.process(10)
+    proc.process(12, nice=19, session=2)
+    assert _elsewhere(proc, 10, p10=1.0, p12=1.0) == 0.0
+
+
+def test_a_run_at_nice_19_counts_a_job_at_its_own_nice_and_not_a_nicer_one(tmp_path):
+    proc = FakeProc(tmp_path)
+    proc.process(10, nice=10)
+    proc.process(11, nice=10)
+    proc.process(12, nice=19)
+    assert _elsewhere(proc, 10, p10=1.0, p11=1.0) == 1.0
+    assert _elsewhere(proc, 10, p10=1.0, p12=1.0) == 0.0
+
+
+def test_a_niced_process_seen_in_one_sample_only_or_under_a_reused_pid_counts(tmp_path):
+    proc = FakeProc(tmp_path)
+    proc.process(10)
+    before = cpu_sample(proc=proc.root, pid=10)
+    proc.process(11, nice=19)                  # started after the first sample
+    proc.second(p10=1.0, p11=1.0)
+    after = cpu_sample(proc=proc.root, pid=10)
+    assert round(cores_used_elsewhere(before, after) * (after.wall - before.wall), 9) == 1.0
+    proc.process(11, nice=19, start=2000)      # pid 11 ended; a new process took its number
+    proc.second(p10=1.0, p11=0.5)
+    last = cpu_sample(proc=proc.root, pid=10)
+    assert round(cores_used_elsewhere(after, last) * (last.wall - after.wall), 9) == 0.5
+
+
+def test_unreadable_or_vanished_processes_are_skipped_and_no_proc_stat_is_none(tmp_path):
+    proc = FakeProc(tmp_path)
+    proc.process(10)
+    (tmp_path / "99").mkdir()                  # a process gone between the listing and its stat
+    (tmp_path / "self").mkdir()
+    sample = cpu_sample(proc=proc.root, pid=10)
+    assert sample is not None and sample.yielding == {}
+    (tmp_path / "stat").unlink()
+    assert cpu_sample(proc=proc.root, pid=10) is None
+
+
+def test_a_run_keeps_its_threads_beside_a_niced_job_of_its_session_and_fits_them_beside_another(monkeypatch, tmp_path):
+    """The Pace over a synthetic /proc: each iteration a fake second in which the run used one
+    core and a job at nice 19 another; the processes are read only once niced work was seen."""
+    previous = torch.get_num_threads()
+    clock = iter(range(10**6))
+    monkeypatch.setattr(pace.time, "monotonic", lambda: float(next(clock)))
+    reads = []
+    real_yielding = pace.yielding_seconds
+    monkeypatch.setattr(pace, "yielding_seconds", lambda *a: reads.append(1) or real_yielding(*a))
+    try:
+        for session, expected in ((1, [2, 2, 2, 2, 2, 2]), (2, [2, 2, 1, 1, 1, 1])):
+            proc = FakeProc(tmp_path / str(session))
+            proc.process(10)
+            proc.process(11, nice=19, session=session)
+            monkeypatch.setattr(pace, "cpu_sample", lambda since=None, proc=proc: cpu_sample(since, proc.root, 10))
+            torch.set_num_threads(2)
+            run = Pace(log=lambda line: None, cores=2, most=2)
+            run.start()
+            threads = []
+            for i in range(1, 7):
+                proc.second(p10=1.0, **({"p11": 1.0} if i > 1 else {}))  # the niced job from the second on
+                run.after(i, 1.0)
+                threads.append(torch.get_num_threads())
+            assert threads == expected
+        assert len(reads) == 2 * 6  # at the start, then at each sample after a second of niced work (iterations 2-6)
+        reads.clear()
+        proc = FakeProc(tmp_path / "alone")
+        proc.process(10)
+        monkeypatch.setattr(pace, "cpu_sample", lambda since=None, proc=proc: cpu_sample(since, proc.root, 10))
+        run = Pace(log=lambda line: None, cores=2, most=2)
+        run.start()
+        for i in range(1, 5):
+            proc.second(p10=1.0)
+            run.after(i, 1.0)
+        assert len(reads) == 1  # alone: read at the start only
     finally:
         torch.set_num_threads(previous)
