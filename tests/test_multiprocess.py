@@ -203,3 +203,60 @@ def test_zero3_partitions_the_weights_trains_as_replicated_and_resumes(tmp_path)
     _train(other_stage, "--iterations", "3", *run, "--zero-stage", "2", "--resume", cache=cache)
     d = checkpoint_tensors(latest_checkpoint(other_stage))
     assert_trained_alike(b, d, steps=2, checkpoint=latest_checkpoint(other_stage))  # the last iteration's 2 steps
+
+
+FAILING_RANK0 = """
+import os, sys
+from textrl import trainer
+from textrl.cli import main
+from textrl.testing.engines import failing_engine
+
+fail_at = int(os.environ.get("TEXTRL_TEST_FAIL_AT", "0"))
+with failing_engine(None) as counter:
+    if fail_at and int(os.environ["RANK"]) == 1:  # this process's engine alone dies, in that iteration's rollout
+        step = trainer.PPORun.step
+
+        def failing(self, i, timings):
+            if i == fail_at:
+                counter.fail_after = counter.calls
+            return step(self, i, timings)
+
+        trainer.PPORun.step = failing
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_one_processs_engine_failing_saves_the_last_iteration_on_every_process_and_resumes_exactly(tmp_path):
+    """Rank 1's engine dies in iteration 3's rollout while rank 0's answers: the failure is shared at
+    the end of the rollout's episodes (no process waits in the update's collectives for another), both
+    save iteration 2 together and stop; the resume equals the uninterrupted run."""
+    cache = tmp_path / "cache"
+    env = {**os.environ, "TEXTRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    script = tmp_path / "failing_rank0.py"
+    script.write_text(FAILING_RANK0)
+
+    def run(out, *extra, fail_at=0):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+               str(script), "train", "--output-dir", str(out), *SMALL, "--generation-engine", "failing",
+               "--iterations", "4", *extra]
+        return subprocess.run(cmd, env={**env, "TEXTRL_TEST_FAIL_AT": str(fail_at)}, capture_output=True,
+                              text=True, timeout=600)
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run(full).returncode == 0
+    stopped = run(part, fail_at=3)
+    output = stopped.stdout + stopped.stderr
+    saved = part / "checkpoints" / "iter_000002"
+    assert stopped.returncode == 1, output[-3000:]
+    assert "rank 1: engine double: no engine answers after" in output, output[-3000:]
+    assert ("textrl train: stopped after iteration 2: the engine of another process failed in this iteration's "
+            "rollout (its line is in that process's output); iteration 2 is saved in") in output, output[-3000:]
+    assert f"iteration 2 is saved in {saved}" in output and latest_checkpoint(part) == saved
+    assert [r["iteration"] for r in metrics(part)] == [1, 2]
+    resumed = run(part, "--resume")
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    a, b = metrics(full), metrics(part)
+    for key in ("reward/mean", "loss/policy", "loss/value", "kl/collection", "tokens"):
+        assert [r[key] for r in b] == pytest.approx([r[key] for r in a], abs=1e-6), key
+    sa, sb = checkpoint_tensors(latest_checkpoint(full)), checkpoint_tensors(latest_checkpoint(part))
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -22,13 +22,14 @@ Both sides are duck-typed, so this module imports no environment or agent (docs/
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
 from textrl.checks import check_rollout
+from textrl.generation.base import EngineFailed, EngineFailedElsewhere
 from textrl.keys import END_REASONS, KEYS
 
 SCORE_KEY = KEYS.score
@@ -96,11 +97,45 @@ def run_episodes(agent: Any, batch: Any, runner: Any, greedy: bool, timings: dic
 
         return runner.run(generate, batch.to(device), timings=timings)
     with opened(greedy=greedy) as sampled:
-        td = runner.run(sampled.generate, batch.to(device), timings=timings)
+        episodes = lambda: runner.run(sampled.generate, batch.to(device), timings=timings)  # noqa: E731
+        td = ended_together(agent, episodes) if check_weights else episodes()
     td.set(KEYS.policy_version, torch.full(td.batch_size, int(sampled.version), dtype=torch.long, device=td.device))
     check = getattr(agent, "check_weights", None)
     if check_weights and not greedy and callable(check):  # the engine sampled with the weights handed over
         check(td)
+    return td
+
+
+class RolloutFailedElsewhere(RuntimeError):
+    """Another process's rollout failed with an error that is not an engine's (its line is in that
+    process's output): this one stops too, rather than wait for it in the update's collectives."""
+
+
+def ended_together(agent: Any, episodes: Callable[[], TensorDictBase]) -> TensorDictBase:
+    """``episodes()`` (a training rollout's episodes, which every process draws); under several
+    processes (``agent.backend.dist``) each then learns whether any process's failed before any goes
+    on to the collectives that follow (the weight check, the forwards, the update): where one
+    process's engine failed every process raises :class:`~textrl.generation.base.EngineFailed` (the
+    others :class:`~textrl.generation.base.EngineFailedElsewhere`), so all save the last finished iteration together, :mod:`textrl.run.loop`), where another error
+    stopped one, the others raise :class:`RolloutFailedElsewhere`. One collective of two flags."""
+    dist = getattr(getattr(agent, "backend", None), "dist", None)
+    if dist is None or not dist.enabled:
+        return episodes()
+    try:
+        td = episodes()
+    except EngineFailed:
+        dist.mean({"engine": 1.0, "other": 0.0})
+        raise
+    except Exception:
+        dist.mean({"engine": 0.0, "other": 1.0})
+        raise
+    failed = dist.mean({"engine": 0.0, "other": 0.0})
+    if failed["engine"] > 0:
+        raise EngineFailedElsewhere("the engine of another process failed in this iteration's rollout (its line is "
+                                    "in that process's output)")
+    if failed["other"] > 0:
+        raise RolloutFailedElsewhere("another process's rollout failed in this iteration (its error is in that "
+                                     "process's output)")
     return td
 
 
@@ -212,4 +247,5 @@ def episode_metrics(turns: torch.Tensor, ends: torch.Tensor) -> dict[str, float]
     return out
 
 
-__all__ = ["PHASES", "SCORE_KEY", "collect", "episode_metrics", "episode_runner", "evaluate_prompts", "run_episodes"]
+__all__ = ["PHASES", "SCORE_KEY", "RolloutFailedElsewhere", "collect", "ended_together", "episode_metrics", "episode_runner",
+           "evaluate_prompts", "run_episodes"]

@@ -310,9 +310,11 @@ class PPORun:
         sampler as the iteration found them (the asynchronous actor's rollout in flight is drawn
         again from its start on resume: its checkpoint says so), so a checkpoint now is that of
         ``iteration - 1`` and a resume repeats the run exactly. False past the collection (the
-        estimate fed the KL controller), or under several processes (the checkpoint's gathers
-        would wait for processes whose engines may still run)."""
-        if not self.collecting or self.dist.enabled:
+        estimate fed the KL controller). Under several processes every process comes here together:
+        a failure of any one's engine is shared at the end of the rollout's episodes
+        (:func:`textrl.rollout.ended_together`), before any collective, so the checkpoint's gathers
+        find them all."""
+        if not self.collecting:
             return False
         if self.async_run is None:
             set_rng_state(self.step_start["rng"])

@@ -45,6 +45,11 @@ class EngineFailed(ConnectionError):
     :func:`textrl.errors.user_errors`; also importable from :mod:`textrl.errors`)."""
 
 
+class EngineFailedElsewhere(EngineFailed):
+    """Under several processes: another process's engine failed (its own line is in its output), so
+    this one stops with it (:func:`textrl.rollout.ended_together`, :mod:`textrl.run.loop`)."""
+
+
 class GenerationEngine:
     """How responses are generated. ``generate(model, input_ids [B, P], attention_mask [B, P],
     sampling) -> [B, T]``: the response tokens (``T <= max_new_tokens``: as ``generate``, the
@@ -169,5 +174,5 @@ def engine_named(name: str) -> None:
         REGISTRY.lookup(name)
 
 
-__all__ = ["AUTO", "ENGINES", "EngineFailed", "GenerationEngine", "Sampling", "SERVED_ENGINE", "cut_at_last_eos", "engine_for", "engine_named", "engine_names", "get_engine",
+__all__ = ["AUTO", "ENGINES", "EngineFailed", "EngineFailedElsewhere", "GenerationEngine", "Sampling", "SERVED_ENGINE", "cut_at_last_eos", "engine_for", "engine_named", "engine_names", "get_engine",
            "register_engine", "run_engine_name"]

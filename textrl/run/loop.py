@@ -46,7 +46,7 @@ from typing import Any, Protocol
 import torch
 
 from textrl.distributed import Distributed
-from textrl.generation.base import EngineFailed
+from textrl.generation.base import EngineFailed, EngineFailedElsewhere
 from textrl.run.metrics import MetricsLog
 from textrl.run.pace import Pace, threads_chosen
 from textrl.run.progress import Progress
@@ -255,8 +255,8 @@ class RunLoop:
         fault of ``body``: a checkpoint, then :class:`TrainingStopped`."""
         interrupted = self.dist.any(signals.received is not None) and iteration < self.iterations
         if self.dist.any(self.engine_failure is not None) and self.engine_failure is None:  # all stop together
-            self.engine_failure = EngineFailed("the engine of another process failed in the evaluation (its "
-                                               "line is in that process's output)")
+            self.engine_failure = EngineFailedElsewhere("the engine of another process failed in the evaluation "
+                                                        "(its line is in that process's output)")
         faulted = body.faulted()
         stop = interrupted or faulted or self.engine_failure is not None
         due = self.due(iteration, self.checkpoint_every) and (self.checkpoint_last or iteration < self.iterations)
@@ -300,6 +300,8 @@ class RunLoop:
         self.end = engine_failed(err, iteration, done, saved)
         if self.main:
             print(message, file=sys.stderr, flush=True)
+        elif not isinstance(err, EngineFailedElsewhere):  # its own engine's line; the main process says what was saved
+            print(f"rank {self.dist.rank}: {err}", file=sys.stderr, flush=True)
         raise TrainingStopped(message, 1) from err
 
 
