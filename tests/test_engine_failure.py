@@ -140,3 +140,34 @@ def test_a_url_that_is_no_vllm_server_is_refused_before_any_model_loads(tmp_path
     line = str(stop.value.code)
     assert line.startswith(f"textrl train: {url} is not a vLLM server") and "\n" not in line
     assert "warm-up" not in capsys.readouterr().out
+
+
+def test_an_asynchronous_actor_stopped_by_an_error_of_its_own_saves_like_an_engine(tmp_path, monkeypatch):
+    """--max-staleness 1: the actor's reward raises while it draws rollout 3: the learner's state is
+    saved at iteration 2, the line names the error, and the resume (reward mended) is exact."""
+    from textrl.async_training import AsyncTraining
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    with failing_engine(None):
+        assert main(run_args(full, "--max-staleness", "1")) == 0
+    produce = AsyncTraining._produce
+
+    def broken(self, n, weights):
+        if n + 1 == 3:
+            raise ValueError("reward 'mine' failed on row 0\nTraceback ...")
+        return produce(self, n, weights)
+
+    with failing_engine(None), monkeypatch.context() as patch:
+        patch.setattr(AsyncTraining, "_produce", broken)
+        with pytest.raises(TrainingStopped) as stop:
+            main(run_args(part, "--max-staleness", "1"))
+    message = str(stop.value)
+    assert message.startswith("textrl train: stopped after iteration 2: the asynchronous actor stopped drawing "
+                              "rollouts (ValueError: reward 'mine' failed on row 0); iteration 2 is saved in "), message
+    assert "--resume" in message and "\n" not in message
+    with failing_engine(None):
+        assert main([*run_args(part, "--max-staleness", "1"), "--resume"]) == 0
+    assert [trained(r) for r in metrics(full)] == [trained(r) for r in metrics(part)]
+    sa = checkpoint_tensors(full / "checkpoints" / "iter_000004")
+    sb = checkpoint_tensors(part / "checkpoints" / "iter_000004")
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

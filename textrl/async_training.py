@@ -28,6 +28,7 @@ from textrl.agents.async_actor import (
     trainable_state,
     turn_iteration,
 )
+from textrl.generation.base import EngineFailed
 from textrl.keys import KEYS
 from textrl.run.rng import rng_state, set_rng_state
 
@@ -86,7 +87,12 @@ class AsyncTraining:
         learner = self.agent.learner
         self.pipeline.publish(iteration - 1, trainable_state(learner.policy), learner.version)
         started = time.perf_counter()
-        td, drawn, rows = self.pipeline.take(iteration - 1)
+        try:
+            td, drawn, rows = self.pipeline.take(iteration - 1)
+        except EngineFailed:
+            raise
+        except Exception as err:  # the producer died: the learner's state stands, and is saved (as an engine's failure)
+            raise ProducerFailed(producer_failure(err)) from err
         timings["wait"] = time.perf_counter() - started
         timings.update(drawn)
         return td, rows
@@ -204,6 +210,17 @@ def staleness_note(config: Any) -> str | None:
             "--rollout-correction tis does (docs/async.md, \"Staleness without a correction\")")
 
 
+class ProducerFailed(EngineFailed):
+    """The asynchronous actor stopped on an error of its own (an environment's, a reward's, a check's)
+    while it drew a rollout: the run saves its last finished iteration, as for an engine that failed."""
+
+
+def producer_failure(err: BaseException) -> str:
+    """The line that names what stopped the actor: its error's type and first line."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"the asynchronous actor stopped drawing rollouts ({type(err).__name__}{': ' + first if first else ''})"
+
+
 def rebased(td: Any, offset: int) -> Any:
     """A copy of rollout ``td`` whose ``KEYS.policy_version`` is moved by ``offset`` (the live one untouched)."""
     td = td.clone()
@@ -228,4 +245,4 @@ class CheckpointedSampler:
         self.training.load_state_dict(state)
 
 
-__all__ = ["ActorView", "AsyncTraining", "CheckpointedSampler", "staleness_note"]
+__all__ = ["ActorView", "AsyncTraining", "CheckpointedSampler", "ProducerFailed", "producer_failure", "staleness_note"]

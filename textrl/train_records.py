@@ -183,7 +183,7 @@ def engine_stop_message(config: TrainConfig, err: BaseException, done: int, save
         kept = "no iteration had finished, so nothing was saved"
     else:
         kept = f"iteration {done} was not saved now; {_newest_good(config.output_dir)}"
-    return (f"textrl train: stopped after iteration {done}: {str(err).rstrip('.')}; {kept}. Fix the engine, "
+    return (f"textrl train: stopped after iteration {done}: {str(err).rstrip('.')}; {kept}. Fix the cause, "
             f"then resume with: {resume_command('train', config_path)}")
 
 
