@@ -174,6 +174,12 @@ VALUES: dict[str, Try | tuple[Try, ...] | Exempt] = {
     "vllm_server": Exempt("needs a running vLLM server (textrl vllm-serve); tests/ marked vllm"),
     "vllm_gpu_memory_utilization": Exempt("acts only with --generation-engine vllm on CUDA: needs vLLM and a GPU "
                                           "(tests/ marked vllm)"),
+    "vllm_tensor_parallel_size": Exempt("acts only with --generation-engine vllm on several GPUs (refused on the CPU: "
+                                        "tests/test_config.py; passed to vLLM: tests/generation/test_vllm.py)"),
+    "vllm_max_model_length": Exempt("acts only with --generation-engine vllm: needs vLLM (tests/ marked vllm)"),
+    "vllm_max_num_seqs": Exempt("acts only with --generation-engine vllm: needs vLLM (tests/ marked vllm)"),
+    "vllm_quantization": Exempt("acts only with --generation-engine vllm: vLLM's online quantization needs a GPU "
+                                "(passed to vLLM: tests/generation/test_vllm.py)"),
     "forward_batch_size": Try(3, "log-prob / value forwards in micro-batches of 3 rows: the same numbers", "same"),
 
     # -- PPO -------------------------------------------------------------------------------------

@@ -206,6 +206,25 @@ def test_bad_asynchronous_settings_stop_before_any_model_loads(tmp_path, args, m
     assert not (tmp_path / "x").exists()
 
 
+def test_partial_rollouts_on_a_single_turn_environment_are_refused_before_any_model_loads(tmp_path, monkeypatch):
+    """digits has one turn an episode, so 'continue' (a newer turn's weights) would change nothing: one line
+    naming the option and why, before the policy is built; guess_number (several turns) takes it."""
+    from textrl.agents.base import PPOAgent
+    from textrl.envs.registry import check_partial_rollouts, task_environment
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(PPOAgent, "from_config", classmethod(no_model))
+    with pytest.raises(SystemExit, match="partial_rollouts='continue' lets a multi-turn episode take newer weights "
+                                         "at its next turn, and digits is single-turn") as stop:
+        main(["train", *SMALL, "--output-dir", str(tmp_path / "x"), "--env", "digits", "--max-staleness", "1",
+              "--partial-rollouts", "continue"])
+    assert "\n" not in str(stop.value.code)
+    config = type("Config", (), {"partial_rollouts": "continue"})()
+    check_partial_rollouts(config, task_environment("guess_number", None, None, None))
+
+
 def test_resume_with_another_staleness_is_refused(tmp_path):
     _train(tmp_path / "r", "--max-staleness", "1", iterations=1)
     with pytest.raises(SystemExit, match="max_staleness"):

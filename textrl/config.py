@@ -185,6 +185,18 @@ class TrainConfig:
     and the weights pushed to them after each update (None: generate in this process; docs/vllm.md)."""
     vllm_gpu_memory_utilization: float = 0.3
     """--generation-engine vllm on CUDA: the share of the GPU's memory vLLM takes (weights and KV cache)."""
+    vllm_tensor_parallel_size: int = 1
+    """--generation-engine vllm on CUDA: the GPUs vLLM splits the policy over (vLLM's tensor_parallel_size,
+    TRL's name); 1 on the CPU."""
+    vllm_max_model_length: int | None = None
+    """--generation-engine vllm: the longest sequence vLLM holds, prompt plus episode (vLLM's max_model_len,
+    TRL's name). None: what the run needs, max_prompt_length plus the episode's token budget; less is refused."""
+    vllm_max_num_seqs: int | None = None
+    """--generation-engine vllm: the most sequences vLLM decodes at once (vLLM's max_num_seqs; None: vLLM's
+    default, 256 to 1024 by device); more rows of a call wait their turn."""
+    vllm_quantization: str | None = None
+    """--generation-engine vllm: vLLM's quantization of the policy's weights as it loads them (vLLM's
+    quantization: an online method such as fp8_per_tensor; None: the run's dtype). Needs --max-weight-gap."""
     forward_batch_size: int = 64
     """Micro-batch size of the log-prob / value / reward forwards."""
 
@@ -254,7 +266,7 @@ class TrainConfig:
     partial_rollouts: str = "finish"
     """With max_staleness > 0, a multi-turn episode in flight when the weights move on: 'finish' (with
     the weights it started with) or 'continue' (each turn with the next weights, at most the
-    iteration's own; every token tagged with the weights that sampled it)."""
+    iteration's own; every token tagged with the weights that sampled it; refused on a single-turn env)."""
     old_logprobs: str = "recompute"
     """The PPO ratio's denominator: 'recompute' (the learner's prefill before the update, the proximal
     policy; with a rollout correction against the engine's log-probs, the decoupled objective) or
@@ -370,6 +382,8 @@ class TrainConfig:
             "deepspeed_config", "reward_nonfinite", "env_timeout", "max_nonfinite_updates", "nonfinite_weights", "rollback_copy",
             "mixed_precision", "attn_implementation", "eval_every", "frozen_dtype", "gradient_checkpointing", "logprob_chunk_size",
             "generation_engine", "vllm_server", "vllm_gpu_memory_utilization",  # the same distribution either way (docs/generation.md)
+            "vllm_tensor_parallel_size", "vllm_max_model_length", "vllm_max_num_seqs",  # the engine's capacity
+            "vllm_quantization",  # the engine's numerics: its gap to the learner is measured and checked either way
             "max_weight_gap",  # the weight check's bound: a check, not the run's arithmetic
             "checkpoint_every", "keep_checkpoints",
             "load_in_4bit",  # the frozen base's quantisation: the trained LoRA weights carry over
@@ -401,6 +415,7 @@ class TrainConfig:
         _check_rollout_correction(self)
         _check_async(self)
         _check_counts(self)
+        _check_vllm_engine(self)
         _check_task(self)
         _check_coefficients(self)
         _check_lora(self)
@@ -496,8 +511,6 @@ def _check_choices(config: TrainConfig) -> None:
 
     engine_named(config.generation_engine)  # a registered generation engine, before any work
     _check_vllm_base(config, run_engine_name(config.generation_engine, config.vllm_server))  # servers only with vLLM
-    if not 0 < config.vllm_gpu_memory_utilization <= 1:
-        raise ValueError(f"vllm_gpu_memory_utilization={config.vllm_gpu_memory_utilization}: a share of the GPU's memory, in (0, 1]")
     check_choice("critic", config.critic, ("separate", "shared", "lora"))
     check_memory_options(config)
     check_choice("reward_nonfinite", config.reward_nonfinite, ("raise", "zero", "drop"))
@@ -632,6 +645,61 @@ def _check_vllm_base(config: TrainConfig, engine: str) -> None:
                          "LoRA merged into it or sent beside it), the learner a bitsandbytes-quantised one, so the engine "
                          "would sample another policy, and textrl hands vLLM no quantised weights: drop --load-in-4bit, "
                          "or use --generation-engine textrl or hf")
+
+
+VLLM_ENGINE_OPTIONS = ("vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_max_model_length",
+                       "vllm_max_num_seqs", "vllm_quantization")
+"""The colocated vLLM engine's options (``--generation-engine vllm``, docs/vllm.md, "Engine options")."""
+
+
+def _check_vllm_engine(config: TrainConfig) -> None:
+    """The colocated vLLM engine's options: set only where that engine runs (another would ignore
+    them), in range, tensor parallelism on as many CUDA devices, and a ``vllm_max_model_length`` that
+    holds what the settings already say a sequence reaches (the run's measured lengths are checked
+    again when the engine is built: :func:`textrl.generation.vllm_engine.model_length`)."""
+    from textrl.generation.base import SERVED_ENGINE, run_engine_name
+
+    if not 0 < config.vllm_gpu_memory_utilization <= 1:
+        raise ValueError(f"vllm_gpu_memory_utilization={config.vllm_gpu_memory_utilization}: a share of the GPU's memory, in (0, 1]")
+    for name in ("vllm_tensor_parallel_size", "vllm_max_num_seqs", "vllm_max_model_length"):
+        if getattr(config, name) is not None:
+            check_at_least(name, getattr(config, name), 1)
+    if config.vllm_quantization is not None and not config.vllm_quantization.strip():
+        raise ValueError("vllm_quantization='': name one of vLLM's online methods (fp8_per_tensor, ...) or drop it")
+    engine = run_engine_name(config.generation_engine, config.vllm_server)
+    given = [name for name in VLLM_ENGINE_OPTIONS if not config.is_default(name)]
+    if given and engine != "vllm":
+        runs, fix = (("vLLM servers (--vllm-server)", "a server takes vLLM's own options: textrl vllm-serve MODEL "
+                      "--max-model-len N ...") if engine == SERVED_ENGINE
+                     else (f"--generation-engine {engine}", "add --generation-engine vllm"))
+        raise ValueError(f"{given[0]}={getattr(config, given[0])!r} is an option of the colocated vLLM engine, and this "
+                         f"run generates with {runs}: {fix}, or drop it")
+    if config.vllm_quantization is not None and config.max_weight_gap is None:
+        raise ValueError(f"vllm_quantization={config.vllm_quantization!r}: vLLM samples from quantised weights, whose "
+                         "log-probs part from the learner's by the quantization's error, which the weight check's "
+                         "bound for the run's precision does not allow: set --max-weight-gap (the mean gap per token "
+                         "it may reach; 0: no check)")
+    _check_tensor_parallel(config.vllm_tensor_parallel_size, config.device)
+    need = (config.max_prompt_length or 1) + (config.max_episode_tokens or config.max_new_tokens)
+    if config.vllm_max_model_length is not None and config.vllm_max_model_length < need:
+        says = f"max_prompt_length={config.max_prompt_length}" if config.max_prompt_length else "a prompt of 1 token"
+        raise ValueError(f"vllm_max_model_length={config.vllm_max_model_length}: {says} plus an episode of "
+                         f"{config.max_episode_tokens or config.max_new_tokens} tokens reach {need}; raise it to "
+                         f"{need} or more, or leave it unset (what the run needs)")
+
+
+def _check_tensor_parallel(size: int, device: str) -> None:
+    """vLLM's tensor parallelism over ``size`` CUDA devices: refused on the CPU, or past the devices seen."""
+    if size == 1:
+        return
+    import torch
+
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    seen = torch.cuda.device_count() if cuda else 0
+    if not cuda or seen < size:
+        where = f"{seen} CUDA device{'s' if seen != 1 else ''}" if cuda else "the CPU"
+        raise ValueError(f"vllm_tensor_parallel_size={size}: vLLM splits the policy over that many GPUs, and this run "
+                         f"has {where}; lower it to {max(seen, 1)}")
 
 
 def _check_batches(config: TrainConfig) -> None:

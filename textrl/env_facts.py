@@ -29,6 +29,9 @@ class EnvFacts:
     """The token budget of an episode after the prompt (:func:`textrl.agents.build.episode_budget`)."""
     warmup_pairs: list[tuple[Any, str]] | None = None
     """The (prompt, completion) pairs of the format warm-up (None: none, or not asked)."""
+    max_prompt_length: int | None = None
+    """The prompts' cap in tokens the run uses, once ``textrl train`` has resolved it after the models
+    load (``max_prompt_length``, else the longest of its prompts, bounded by the context); None: not yet."""
 
 
 PROVIDER = "environment"

@@ -46,7 +46,8 @@ TOPICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "engine": (
         "What generates the rollouts (docs/generation.md, docs/vllm.md) and, with --max-staleness, an actor "
         "drawing them beside the learner (docs/async.md).",
-        ("generation_engine", "vllm_server", "vllm_gpu_memory_utilization", "max_staleness", "partial_rollouts",
+        ("generation_engine", "vllm_server", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
+         "vllm_max_model_length", "vllm_max_num_seqs", "vllm_quantization", "max_staleness", "partial_rollouts",
          "max_weight_gap"),
     ),
     "run and checkpoints": (

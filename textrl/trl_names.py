@@ -102,6 +102,12 @@ TRL_OPTIONS: dict[str, tuple[str, str, str]] = {
                                                 "http://localhost:8000)"),
     "vllm_gpu_memory_utilization": ("GRPO", "vllm_gpu_memory_utilization",
                                     "same name and default (0.3); colocated vLLM only (--generation-engine vllm)"),
+    "vllm_tensor_parallel_size": ("GRPO", "vllm_tensor_parallel_size",
+                                  "same name and default (1); colocated vLLM only, on as many GPUs"),
+    "vllm_max_model_length": ("GRPO", "vllm_max_model_length", "same name; unset, what the run needs "
+                                                               "(max_prompt_length + the episode's token budget)"),
+    "vllm_enable_sleep_mode": ("GRPO", "", "colocated vLLM sleeps after each rollout on CUDA in the synchronous loop, "
+                                           "never with --max-staleness (the learner runs beside it)"),
 }
 """TRL option -> (the TRL config(s) that have it, our TrainConfig field or '', note)."""
 

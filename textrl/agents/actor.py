@@ -317,6 +317,15 @@ class Actor:
         return masked_mean(kl, mask).item()
 
 
+def run_lengths(config: Any, facts: Any) -> tuple[int, int] | None:
+    """``(prompts' cap, episode budget)`` the engine is told (:meth:`GenerationEngine.fit_lengths`):
+    the ones the trainer resolved (``facts``, :class:`textrl.env_facts.EnvFacts`), else the config's
+    ``max_prompt_length`` and ``max_episode_tokens``; None while either is unknown."""
+    prompts = getattr(facts, "max_prompt_length", None) or getattr(config, "max_prompt_length", None)
+    budget = facts.episode_budget if facts is not None else getattr(config, "max_episode_tokens", None)
+    return None if prompts is None or budget is None else (int(prompts), int(budget))
+
+
 def build_actor(agent: Any) -> Actor:
     """``agent``'s actor for its backend and device, over its models and its forwards (the learner's,
     one precision). The one place the generation engine is chosen: ``config.generation_engine``
@@ -327,10 +336,12 @@ def build_actor(agent: Any) -> Actor:
     name = run_engine_name(config.generation_engine, getattr(config, "vllm_server", None))
     engine = engine_for(name, agent.device, partitions_weights=backend.partitions_weights)
     engine.configure(config)
+    if (lengths := run_lengths(config, getattr(agent, "env_facts", None))) is not None:
+        engine.fit_lengths(*lengths)
     engine.check_backend(backend.partitions_weights)
     return Actor(agent.config, agent.policy, agent.ref_policy, agent.critic, agent.learner.forwards, engine, backend,
                  eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id, device=agent.device,
                  behaviour=None if own_behaviour_logprobs(agent) else agent.behaviour_logprobs)
 
 
-__all__ = ["Actor", "Behaviour", "Sampled", "build_actor"]
+__all__ = ["Actor", "Behaviour", "Sampled", "build_actor", "run_lengths"]

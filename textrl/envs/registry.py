@@ -294,6 +294,7 @@ def env_facts(config: Any, env: Environment | None = None, *, warmup: bool = Tru
 
     if env is None:
         env = task_environment(config.env, config.dataset, config.reward, config.env_args)
+    check_partial_rollouts(config, env)  # before any model loads, in textrl train and in from_config alike
     budget = config.max_episode_tokens
     if budget is None:
         budget = default_episode_tokens(env, config.max_new_tokens)
@@ -306,6 +307,18 @@ def env_facts(config: Any, env: Environment | None = None, *, warmup: bool = Tru
             settings["answer_accuracy"] = config.warmup_answer_accuracy
         pairs = env.warmup_examples(list(train_rows), config.seed, **settings)
     return EnvFacts(env_id=env.id, episode_budget=int(budget), warmup_pairs=pairs)
+
+
+def check_partial_rollouts(config: Any, env: Environment) -> None:
+    """``ValueError`` in one line for ``partial_rollouts='continue'`` on a single-turn ``env``: it lets
+    an episode take newer weights at its next turn, and such an episode has none, so it would change
+    nothing (:func:`textrl.envs.episodes.is_multi_turn`)."""
+    from textrl.envs.episodes import is_multi_turn
+
+    if getattr(config, "partial_rollouts", "finish") == "continue" and not is_multi_turn(env):
+        raise ValueError(f"partial_rollouts='continue' lets a multi-turn episode take newer weights at its next "
+                         f"turn, and {env.id} is single-turn (one turn an episode): it would change nothing; drop "
+                         "--partial-rollouts, or choose a multi-turn --env")
 
 
 def check_chat_template(env: Environment, run_tokenizer: Callable[[], Any]) -> None:
@@ -325,5 +338,5 @@ def check_chat_template(env: Environment, run_tokenizer: Callable[[], Any]) -> N
 provide_env_facts(env_facts)  # a direct Agent.from_config(config) reads the environment through it
 
 
-__all__ = ["DATASET_REWARD", "check_chat_template", "DEFAULT_ENV", "ENVS", "ENV_LOADERS", "REGISTRY", "env_facts", "env_ids", "gym_id", "make_env", "register_env", "env_settings", "parse_env_args", "register_env_loader", "split_rows",
+__all__ = ["DATASET_REWARD", "check_chat_template", "check_partial_rollouts", "DEFAULT_ENV", "ENVS", "ENV_LOADERS", "REGISTRY", "env_facts", "env_ids", "gym_id", "make_env", "register_env", "env_settings", "parse_env_args", "register_env_loader", "split_rows",
            "task_environment"]

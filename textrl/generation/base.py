@@ -76,6 +76,12 @@ class GenerationEngine:
         """Take the run's settings an engine reads (``config``: a :class:`textrl.config.TrainConfig`);
         called once, when the actor is built, before any ``generate``. Here: nothing."""
 
+    def fit_lengths(self, max_prompt_length: int, episode_budget: int) -> None:
+        """The run's lengths, where they are known when the actor is built (after :meth:`configure`,
+        before any ``generate``): the prompts' cap and the episode's token budget after the prompt, so
+        no call's sequence is longer than their sum. An engine that sizes its memory by the longest
+        sequence reads them (``vllm``: its ``max_model_len``). Here: nothing."""
+
     def check_backend(self, partitions_weights: bool) -> None:
         """Refuse a backend this engine cannot generate under (``ValueError`` naming both)."""
 
