@@ -112,14 +112,14 @@ def test_the_asynchronous_path_adds_nothing_but_the_staleness(tmp_path, monkeypa
     from textrl.async_training import LEARNER_SEED_OFFSET
 
     options = ["--env", "guess_number", "--eval-every", "2", "--ppo-epochs", "2", "--warmup-sft-steps", "20"]
-    sync_actor = trainer.asynchronous_actor
+    sync_source = trainer.rollout_source
 
     def private_generator(config, agent, *args):
         agent.learner.generator = torch.Generator().manual_seed(int(config.seed) + LEARNER_SEED_OFFSET)
-        return sync_actor(config, agent, *args)
+        return sync_source(config, agent, *args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(trainer, "asynchronous_actor", private_generator)
+        patch.setattr(trainer, "rollout_source", private_generator)
         sync = _train(tmp_path / "k0", *options, iterations=4)
     assert "without a correction" not in capsys.readouterr().out
     with monkeypatch.context() as patch:

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT_PACKAGES = {"agents", "envs", "rewards"}
-ORCHESTRATION = {"textrl/trainer.py", "textrl/train_records.py", "textrl/async_training.py", "textrl/cli.py", "textrl/bench/plan.py", "textrl/bench/compare.py"}
+ORCHESTRATION = {"textrl/trainer.py", "textrl/train_records.py", "textrl/async_training.py", "textrl/rollout_sources.py", "textrl/cli.py", "textrl/bench/plan.py", "textrl/bench/compare.py"}
 ORCHESTRATION_DIRS = ("textrl/stages/",)
 
 

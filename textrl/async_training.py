@@ -28,9 +28,12 @@ from textrl.agents.async_actor import (
     trainable_state,
     turn_iteration,
 )
+from textrl.agents.forwards import micro_batches
+from textrl.checks import check_rollout
 from textrl.generation.base import EngineFailed
 from textrl.keys import KEYS
-from textrl.run.rng import rng_state, set_rng_state
+from textrl.rollout_sources import draw_start, put_back
+from textrl.run.rng import set_rng_state
 
 LEARNER_SEED_OFFSET = 7919
 """The learner's minibatch generator is seeded with ``seed + LEARNER_SEED_OFFSET`` (the actor's draws
@@ -72,6 +75,8 @@ class AsyncTraining:
         generator.manual_seed(int(config.seed) + LEARNER_SEED_OFFSET)
         agent.learner.generator = generator  # the learner's shuffles leave the global RNG to the actor
         self._restored_start: Any = None
+        self._taking = False
+        """Whether the learner is taking its rollout (from the weights' publication to the take's end)."""
         self.pipeline = self._pipeline()
 
     def _pipeline(self) -> AsyncRollouts:
@@ -81,10 +86,12 @@ class AsyncTraining:
     # -- the learner's side ---------------------------------------------------------------------
     def next_rollout(self, iteration: int, timings: dict[str, float]) -> tuple[Any, int]:
         """Publish the learner's weights (``iteration - 1`` updates done), then take the rollout that
-        iteration trains on: ``(rollout, rows of its prompt batch)`` (the rollout with
-        ``KEYS.policy_iteration``, and ``KEYS.token_iteration`` with partial rollouts); its generation
-        and reward seconds go to ``timings``, and ``wait``, the seconds the learner waited for it."""
+        iteration trains on and estimate it here (``agent.process_rollout``): ``(rollout, rows of its
+        prompt batch)`` (the rollout with ``KEYS.policy_iteration``, and ``KEYS.token_iteration`` with
+        partial rollouts); its generation and reward seconds go to ``timings``, and ``wait``, the
+        seconds the learner waited for it."""
         learner = self.agent.learner
+        self._taking = True
         self.pipeline.publish(iteration - 1, trainable_state(learner.policy), learner.version)
         started = time.perf_counter()
         try:
@@ -93,17 +100,28 @@ class AsyncTraining:
             raise
         except Exception as err:  # the producer died: the learner's state stands, and is saved (as an engine's failure)
             raise ProducerFailed(producer_failure(err)) from err
+        self._taking = False
         timings["wait"] = time.perf_counter() - started
         timings.update(drawn)
-        return td, rows
+        return check_rollout(self.agent.process_rollout(td, timings=timings), finite=False), rows
 
     @contextmanager
-    def learner_weights(self) -> Iterator[ActorView]:
+    def sampling_agent(self) -> Iterator[ActorView]:
         """The actor sampling with the learner's weights now (the held-out evaluation), the producer
         quiesced; it loads its own again when it goes on."""
         learner = self.agent.learner
         with self.pipeline.holding(HELD_OUT, trainable_state(learner.policy), learner.version):
             yield self.view
+
+    def quiesce(self) -> None:
+        """The producer at rest (:meth:`AsyncRollouts.quiesce`): the actor's RNG and prompts stand still."""
+        self.pipeline.quiesce()
+
+    def rewind(self, iteration: int) -> bool:
+        """After the engine failed in :meth:`next_rollout`: nothing to put back in the learner's
+        process (the rollout in flight keeps its start, and a checkpoint says it is drawn again from
+        there); False past the take."""
+        return self._taking
 
     def note(self) -> str | None:
         """The line the run starts with (:func:`staleness_note`), or None."""
@@ -116,12 +134,11 @@ class AsyncTraining:
 
     # -- the producer's side --------------------------------------------------------------------
     def _start_state(self) -> dict[str, Any]:
-        return {"rng": rng_state(), "sampler": self.sampler.state_dict()}
+        return draw_start(self.sampler)
 
     def _rewind(self, start: dict[str, Any]) -> None:
         """A cancelled rollout's start put back (the producer draws it again from there)."""
-        self.sampler.load_state_dict(start["sampler"])
-        set_rng_state(start["rng"])
+        put_back(self.sampler, start)
 
     def _produce(self, n: int, weights: Weights) -> tuple[Any, dict[str, float], int]:
         """Rollout ``n``: the next prompt batch (this process's rows), its episodes, every turn drawn
@@ -143,7 +160,12 @@ class AsyncTraining:
                 versions.append(weights.use(need))
                 context.enter_context(actor.engine.rollout())
             turns.append(need)
-            return actor.sample(input_ids.to(actor.device), attention_mask.to(actor.device))
+            parts = []
+            for sl in micro_batches(input_ids.shape[0], cfg.generation_batch_size):  # the actor's own calls
+                if parts:
+                    weights.check()  # and between two calls of a turn: a single-turn rollout is one turn
+                parts.append(actor.sample(input_ids[sl].to(actor.device), attention_mask[sl].to(actor.device)))
+            return joined(parts, actor.pad_token_id)
 
         batch = self.sampler.next_batch()
         batch = batch.select(self.shard(len(batch)))
@@ -176,6 +198,9 @@ class AsyncTraining:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """:meth:`state_dict` back, with the producer not started: the in-flight rollout's start
         (its RNGs and prompts) is applied by :meth:`restored`, after the checkpoint's RNGs."""
+        if "async" not in state:
+            raise ValueError("this checkpoint was saved by a run without --max-staleness; resume it with its own "
+                             "max_staleness (a fixed setting)")
         now = self.agent.learner.version
         pipe = state["async"]
         pipe["queued"] = [(n, (rebased(td, now), drawn, rows)) for n, (td, drawn, rows) in pipe["queued"]]
@@ -210,6 +235,17 @@ def staleness_note(config: Any) -> str | None:
             "--rollout-correction tis does (docs/async.md, \"Staleness without a correction\")")
 
 
+def joined(parts: list[tuple[torch.Tensor, torch.Tensor | None]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The micro-batches' ``(tokens [b, T_i], log-probs [b, T_i] or None)`` as one ``[B, max T_i]``
+    pair, as :meth:`textrl.agents.actor.Actor.sample` joins its own: tokens padded with
+    ``pad_token_id``, log-probs with 0 (None if any part has none)."""
+    width = max(tokens.shape[1] for tokens, _ in parts)
+    tokens = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad_token_id) for t, _ in parts])
+    if any(logp is None for _, logp in parts):
+        return tokens, None
+    return tokens, torch.cat([torch.nn.functional.pad(lp.float(), (0, width - lp.shape[1])) for _, lp in parts])
+
+
 class ProducerFailed(EngineFailed):
     """The asynchronous actor stopped on an error of its own (an environment's, a reward's, a check's)
     while it drew a rollout: the run saves its last finished iteration, as for an engine that failed."""
@@ -228,21 +264,4 @@ def rebased(td: Any, offset: int) -> Any:
     return td
 
 
-class CheckpointedSampler:
-    """What :func:`textrl.run.save_checkpoint` saves as the run's sampler when K > 0: the prompt
-    sampler's position and the asynchronous actor's state (:meth:`AsyncTraining.state_dict`)."""
-
-    def __init__(self, training: AsyncTraining) -> None:
-        self.training = training
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.training.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "async" not in state:
-            raise ValueError("this checkpoint was saved by a run without --max-staleness; resume it with its own "
-                             "max_staleness (a fixed setting)")
-        self.training.load_state_dict(state)
-
-
-__all__ = ["ActorView", "AsyncTraining", "CheckpointedSampler", "ProducerFailed", "producer_failure", "staleness_note"]
+__all__ = ["ActorView", "AsyncTraining", "ProducerFailed", "producer_failure", "staleness_note"]

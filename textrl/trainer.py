@@ -32,12 +32,11 @@ from typing import Any
 
 import torch
 
-from textrl.checks import check_rollout
 from textrl.config import TrainConfig, config_values, config_yaml, save_config
 from textrl.distributed import Distributed
 from textrl.keys import KEYS
 from textrl.parallel import Backend, setup_backend
-from textrl.rollout import collect
+from textrl.rollout_sources import rollout_source
 from textrl.run import (
     SETTINGS_FILE,
     CheckpointError,
@@ -61,7 +60,6 @@ from textrl.run import (
     rng_state,
     save_checkpoint,
     seed_everything,
-    set_rng_state,
     take_run_folder,
 )
 from textrl.run.metrics import EVAL_BEFORE_FILE, json_text, loads_row
@@ -144,8 +142,7 @@ def _train(config: TrainConfig, signals: StopSignals) -> dict[str, Any]:
             raise
         return run.summary(before, loop.end)
     finally:
-        if run.async_run is not None:
-            run.async_run.close()  # the producer thread and its engine
+        run.source.close()  # an asynchronous actor's producer thread and its engine
         actor = getattr(run.agent, "actor", None)
         if actor is not None:
             actor.engine.close()  # vLLM's engine, before the process group goes
@@ -185,37 +182,19 @@ class PPORun:
     user_code: dict[str, str | None] | None = None
     """sha256 of the user's files the run imported (:func:`textrl.run.user_code.user_code_digest`),
     read at set-up: each checkpoint records these, not a later edit."""
-    async_run: Any = None
-    """With ``max_staleness`` > 0, the actor drawing the rollouts beside the learner
-    (:class:`textrl.async_training.AsyncTraining`); None for the synchronous loop."""
-    collecting: bool = False
-    """Whether the iteration under way is still collecting its rollout (:meth:`rewind`)."""
-    step_start: dict[str, Any] | None = None
-    """The random state and prompt sampler's as the synchronous iteration under way found them."""
+    source: Any = None
+    """Where the rollouts come from (:mod:`textrl.rollout_sources`): drawn in the step, or with
+    ``max_staleness`` > 0 by the actor beside the learner; a checkpoint saves it as the sampler."""
 
     # -- the PPO iteration ---------------------------------------------------------------------
 
     def step(self, iteration: int, timings: dict[str, float]) -> dict[str, Any]:
         """One PPO iteration: collect, estimate, update, log; its metrics row."""
-        from textrl.envs.prompts import placing_rows
-
         config, agent = self.config, self.agent
-        self.collecting = True  # until the estimate: an engine's failure leaves nothing of this iteration (rewind)
-        if self.async_run is not None:  # --max-staleness K: drawn beside the last updates, then estimated here
-            td, n_rows = self.async_run.next_rollout(iteration, timings)
-            self.collecting = False
-            td = check_rollout(agent.process_rollout(td, timings=timings), finite=False)
-        else:
-            # collect: the same global batch in every process, of which each takes whole prompt
-            # groups; generate and score, then estimate (agent.process_rollout: log-probs, values,
-            # KL shaping, advantages); timed inside as generation, reward, forward, advantages
-            self.step_start = {"rng": rng_state(), "prompts": self.sampler.state_dict()}
-            batch = self.sampler.next_batch()
-            batch = batch.select(self.dist.shard(len(batch)))
-            n_rows = len(batch)
-            with placing_rows(f"iteration {iteration}", lambda: self.sampler.batch_rows(batch)):  # a reward's error: FILE:LINE
-                td = collect(agent, batch, self.episodes, timings=timings, check_finite=False)  # update() skips NaN
-            self.collecting = False
+        # collect: the rollout (generated and scored in the step, or drawn beside the last updates
+        # with --max-staleness), then estimated (agent.process_rollout: log-probs, values, KL
+        # shaping, advantages); timed inside as generation, reward, forward, advantages
+        td, n_rows = self.source.next_rollout(iteration, timings)
         # update: K epochs of minibatch steps; one that left NaN/inf weights is rolled back inside
         # it (before the reference refresh), or with nonfinite_weights='stop' stops the run here
         with timed(timings, "update", agent.device):
@@ -246,13 +225,10 @@ class PPORun:
 
     @contextmanager
     def sampling_agent(self) -> Iterator[Any]:
-        """What the held-out evaluation samples with: the agent, or with ``max_staleness`` > 0 the
-        asynchronous actor holding the learner's weights (its engine: one per run), quiesced."""
-        if self.async_run is None:
-            yield self.agent
-        else:
-            with self.async_run.learner_weights() as view:
-                yield view
+        """What the held-out evaluation samples with (the source's: the agent, or with
+        ``max_staleness`` > 0 the asynchronous actor holding the learner's weights, quiesced)."""
+        with self.source.sampling_agent() as agent:
+            yield agent
 
     def stoppable_batches(self) -> Any:
         """The held-out batches, in one process ended between two by a stop signal
@@ -270,26 +246,16 @@ class PPORun:
         """Every process's RNGs and (FSDP, ZeRO) the gathered state; the main process saves.
         Stopping with NaN/inf weights saves nothing (the last good checkpoint stays newest)."""
         dist, agent = self.dist, self.agent
-        if self.async_run is not None:
-            self.async_run.pipeline.quiesce()  # the actor's RNG and prompts stand still while they are saved
+        self.source.quiesce()  # an asynchronous actor's RNG and prompts stand still while they are saved
         rng_per_process = dist.gather_object(rng_state()) if dist.enabled else None
         if stopping and not self.backend.weights_finite(agent):
             return None
         state = agent.state_dict() if self.backend.gathers_state else None  # a gather all processes join
         if not self.main:
             return None
-        return save_checkpoint(self.output_dir, iteration, agent, self.checkpointed_sampler(), self.config.keep_checkpoints,
+        return save_checkpoint(self.output_dir, iteration, agent, self.source, self.config.keep_checkpoints,
                                rng_per_process=rng_per_process, agent_state=state,
                                files=self.record_files())
-
-    def checkpointed_sampler(self) -> Any:
-        """What a checkpoint saves as the sampler: the prompt sampler, or with ``max_staleness`` > 0
-        the asynchronous actor's state too (:class:`textrl.async_training.CheckpointedSampler`)."""
-        if self.async_run is None:
-            return self.sampler
-        from textrl.async_training import CheckpointedSampler
-
-        return CheckpointedSampler(self.async_run)
 
     def record_files(self) -> dict[str, str]:
         """The run's record in each checkpoint: ``config.yaml`` and ``user_code.json``."""
@@ -306,20 +272,13 @@ class PPORun:
                             getattr(getattr(self.agent, "learner", None), "nonfinite_cause", None))
 
     def rewind(self, iteration: int) -> bool:
-        """After an engine failed collecting ``iteration``'s rollout: the random state and the prompt
-        sampler as the iteration found them (the asynchronous actor's rollout in flight is drawn
-        again from its start on resume: its checkpoint says so), so a checkpoint now is that of
-        ``iteration - 1`` and a resume repeats the run exactly. False past the collection (the
-        estimate fed the KL controller). Under several processes every process comes here together:
-        a failure of any one's engine is shared at the end of the rollout's episodes
+        """After an engine failed collecting ``iteration``'s rollout: the source as the iteration found
+        it (:mod:`textrl.rollout_sources`), so a checkpoint now is that of ``iteration - 1`` and a
+        resume repeats the run exactly. Under several processes every process comes here together: a
+        failure of any one's engine is shared at the end of the rollout's episodes
         (:func:`textrl.rollout.ended_together`), before any collective, so the checkpoint's gathers
         find them all."""
-        if not self.collecting:
-            return False
-        if self.async_run is None:
-            set_rng_state(self.step_start["rng"])
-            self.sampler.load_state_dict(self.step_start["prompts"])
-        return True
+        return self.source.rewind(iteration)
 
     def engine_message(self, err: BaseException, done: int, saved: Path | None) -> str:
         """The engine's line, then what was saved and how to resume (:func:`engine_stop_message`)."""
@@ -357,9 +316,8 @@ class PPORun:
 
         start = 0
         if self.resume_from is not None:
-            start = load_checkpoint(self.resume_from, self.agent, self.checkpointed_sampler(), verify=False, dist=self.dist)
-            if self.async_run is not None:
-                self.async_run.restored()  # the rollout in flight at the checkpoint is drawn again from its start
+            start = load_checkpoint(self.resume_from, self.agent, self.source, verify=False, dist=self.dist)
+            self.source.restored()  # an asynchronous rollout in flight at the checkpoint is drawn again from its start
             take_changed_settings(self.agent.learner, set(self.resumed_changes))
             if self.edited_rows():  # rows fixed since the checkpoint (as many, in the same order)
                 from textrl.envs.prompts import describe_edited
@@ -512,28 +470,17 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     backend.prepare(agent)  # identical weights everywhere, this process's seed, models sharded
     agent.actor  # built once, for this backend: the generation engine is chosen (and checked against it) here  # noqa: B018
     log(describe_run_start(config, agent))  # the device, the precision and the engine that run
-    async_run = asynchronous_actor(config, agent, sampler, episodes, backend)
-    if async_run is not None and (note := async_run.note()):
+    source = rollout_source(config, agent, sampler, episodes, backend)
+    if note := source.note():
         log(note)  # K >= 1 without a correction: what the objective then is, once
     # held-out evaluation: the main process alone, unless the forwards are collectives (FSDP, ZeRO-3)
     evaluates = main or backend.partitions_weights
     return PPORun(config=config, agent=agent, sampler=sampler, episodes=episodes, eval_batches=eval_batches,
                   backend=backend, dist=dist, main=main, evaluates=evaluates, output_dir=output_dir,
-                  resume_from=checkpoint, resumed_changes=changes, log=log, user_code=user_code, async_run=async_run)
+                  resume_from=checkpoint, resumed_changes=changes, log=log, user_code=user_code, source=source)
 
 
 # -- set-up --------------------------------------------------------------------------------------
-
-
-def asynchronous_actor(config: TrainConfig, agent, sampler, episodes, backend: Backend):
-    """With ``max_staleness`` > 0 the actor that draws the rollouts beside the learner
-    (:class:`textrl.async_training.AsyncTraining`), else None (several processes were refused by
-    :func:`refuse_async_processes`, before any model loaded)."""
-    if config.max_staleness == 0:
-        return None
-    from textrl.async_training import AsyncTraining
-
-    return AsyncTraining(config, agent, sampler, episodes, backend.dist.shard)
 
 
 def vllm_engine_processes(config: TrainConfig) -> bool:
