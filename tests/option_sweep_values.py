@@ -217,7 +217,7 @@ VALUES: dict[str, Try | tuple[Try, ...] | Exempt] = {
     "max_weight_gap": Try(0.0, "0 turns the check of the engine's weights off: its metric is gone", "rollout/weight_gap"),
     "max_staleness": Try(1, "the actor samples iteration 2 with the weights of iteration 1", "rollout/policy_lag"),
     "partial_rollouts": Try("continue", "an episode in flight takes the next weights at its next turn",
-                            base={"max_staleness": 1, "env": "guess_number"}),
+                            base={"max_staleness": 2, "env": "guess_number"}),
     "old_logprobs": Try("engine", "the engine's log-probs as the ratio's denominator (bypass)"),
     "kl_coef": Try(0.1, "a stronger KL penalty", "kl/coef"),
     "kl_kind": tuple(Try(kind, f"the {kind} estimator of the KL", "kl/before_update") for kind in ("k2", "k3", "abs")),

@@ -155,7 +155,8 @@ def test_a_stale_run_without_a_correction_says_what_its_objective_is(k):
 def test_partial_rollouts_tag_the_turns_with_newer_weights(tmp_path):
     rows = _train(tmp_path / "p", "--max-staleness", "2", "--env", "guess_number", "--partial-rollouts", "continue",
                   iterations=4)
-    # rollout 2 (iteration 3): turns drawn with iterations 0, 1, 2, 2, the learner at 2 -> staleness 2, 1, 0, 0
+    # rollout 2 (iteration 3): turns drawn with iterations 0, 1, 1, 1 (never 2, the learner's own, which it
+    # publishes only when it takes rollout 2), the learner at 2 -> staleness 2, 1, 1, 1
     assert rows[2]["rollout/staleness_max"] == 2.0
     assert 0.0 < rows[2]["rollout/staleness"] < 2.0
     finished = _train(tmp_path / "f", "--max-staleness", "2", "--env", "guess_number", iterations=3)
@@ -198,6 +199,8 @@ def test_the_bypass_objective_takes_the_engines_logprobs(tmp_path):
     ("args", "message"),
     [(["--max-staleness", "-1"], "max_staleness=-1"),
      (["--partial-rollouts", "continue"], "max_staleness=0"),
+     (["--partial-rollouts", "continue", "--max-staleness", "1", "--env", "guess_number"],
+      "with max_staleness=1 every turn is drawn with those already: it would change nothing"),
      (["--old-logprobs", "engine", "--rollout-correction", "tis"], "drop one of the two")],
 )
 def test_bad_asynchronous_settings_stop_before_any_model_loads(tmp_path, args, message):
@@ -218,7 +221,7 @@ def test_partial_rollouts_on_a_single_turn_environment_are_refused_before_any_mo
     monkeypatch.setattr(PPOAgent, "from_config", classmethod(no_model))
     with pytest.raises(SystemExit, match="partial_rollouts='continue' lets a multi-turn episode take newer weights "
                                          "at its next turn, and digits is single-turn") as stop:
-        main(["train", *SMALL, "--output-dir", str(tmp_path / "x"), "--env", "digits", "--max-staleness", "1",
+        main(["train", *SMALL, "--output-dir", str(tmp_path / "x"), "--env", "digits", "--max-staleness", "2",
               "--partial-rollouts", "continue"])
     assert "\n" not in str(stop.value.code)
     config = type("Config", (), {"partial_rollouts": "continue"})()

@@ -104,6 +104,10 @@ class TrainConfig:
     logprob_chunk_size: int | None = None
     """Response positions per chunk of the fused LM head + log-softmax (no [positions, vocabulary]
     logits held whole): None = auto (on CUDA 2^24 logits a chunk, off on the CPU), 0 = off."""
+    padding_free: bool = False
+    """The policy's, reference's and critic's forwards and backward on the real tokens only (TRL's
+    padding_free): each micro-batch's rows packed end to end, positions restarting per row,
+    attention within a row; the padded forwards' numbers to float32 rounding (docs/training.md, "Memory")."""
     attn_implementation: str | None = None
     """Attention kernels: sdpa | eager | flash_attention_2 (needs the flash-attn package and CUDA);
     None: the model's default (sdpa where the architecture has it)."""
@@ -381,6 +385,7 @@ class TrainConfig:
             "lr_schedule", "lr_warmup_steps", "max_grad_norm", "fsdp", "fsdp_reshard_after_forward", "zero_stage",
             "deepspeed_config", "reward_nonfinite", "env_timeout", "max_nonfinite_updates", "nonfinite_weights", "rollback_copy",
             "mixed_precision", "attn_implementation", "eval_every", "frozen_dtype", "gradient_checkpointing", "logprob_chunk_size",
+            "padding_free",
             "generation_engine", "vllm_server", "vllm_gpu_memory_utilization",  # the same distribution either way (docs/generation.md)
             "vllm_tensor_parallel_size", "vllm_max_model_length", "vllm_max_num_seqs",  # the engine's capacity
             "vllm_quantization",  # the engine's numerics: its gap to the learner is measured and checked either way
@@ -536,7 +541,11 @@ def _check_async(config: TrainConfig) -> None:
     check_choice("old_logprobs", config.old_logprobs, ("recompute", "engine"))
     if config.partial_rollouts == "continue" and config.max_staleness == 0:
         raise ValueError("partial_rollouts='continue' lets an episode in flight take newer weights, and with "
-                         "max_staleness=0 no weights move during a rollout: set --max-staleness K >= 1, or drop it")
+                         "max_staleness=0 no weights move during a rollout: set --max-staleness K >= 2, or drop it")
+    if config.partial_rollouts == "continue" and config.max_staleness == 1:
+        raise ValueError("partial_rollouts='continue' lets a turn take weights up to one update behind the "
+                         "learner's (the newest published beside its update), and with max_staleness=1 every turn "
+                         "is drawn with those already: it would change nothing; set --max-staleness K >= 2, or drop it")
     if config.old_logprobs == "engine" and config.rollout_correction != "none":
         raise ValueError(f"old_logprobs='engine' makes the engine's log-probs the ratio's denominator, so "
                          f"rollout_correction={config.rollout_correction!r} (the learner's against the engine's) would "

@@ -452,7 +452,7 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     lengths = check_context(config, agent, train_rows, eval_rows, env=env, log=log)
     budget = lengths.max_episode_tokens
     if hasattr(agent, "env_facts"):  # the length terms (Dr. GRPO, DAPO) count the budget that runs
-        agent.env_facts = replace(facts, episode_budget=budget)
+        agent.env_facts = replace(facts, episode_budget=budget, max_prompt_length=lengths.max_prompt_length)
     tokenizer = agent.tokenizer
     env.reward = task_reward(agent, reward_spec(config, env), env.reward)  # plus the agent's own reward model
     episodes = EpisodeRunner(
@@ -498,6 +498,7 @@ def check_run(config: TrainConfig) -> None:
     checkpoints, that a resume changes no setting that defines the run, the environment (its id,
     settings and rows) and the reward names. ``ValueError`` says what to fix."""
     from textrl.envs import Environment
+    from textrl.envs.registry import check_partial_rollouts
     from textrl.rewards import check_reward_spec
 
     config.validate()
@@ -506,6 +507,7 @@ def check_run(config: TrainConfig) -> None:
     refuse_earlier_run(config)
     refuse_changed_settings(config)
     env = environment(config)  # an unknown --env lists the registered ids; a dataset file loads
+    check_partial_rollouts(config, env)  # 'continue' on a single-turn environment changes nothing
     check_env_reward_columns(env)  # every row holds the columns its rewards read (FILE:LINE of one that does not)
     spec = reward_spec(config, env)
     pays_turns = type(env).step is not Environment.step or callable(env.reward)  # rewards of its own

@@ -74,7 +74,7 @@ def test_every_turn_is_drawn_with_the_weights_the_schedule_names(k, partial, tur
     for i, item in enumerate(taken):
         assert item["n"] == i
         assert item["turns"] == [turn_iteration(i, k, t, partial) for t in range(turns)]
-        assert all(i - k <= v <= i for v in item["turns"])  # never more than K updates old, never ahead
+        assert all(i - k <= v <= max(0, i - 1) for v in item["turns"])  # at most K updates old, never the learner's
         assert item["turns"][0] == behaviour_iteration(i, k)
 
 
@@ -171,3 +171,26 @@ def test_the_actors_copy_shares_the_frozen_weights_and_copies_the_trained():
     with torch.no_grad():
         model[1].weight.add_(1.0)
     assert not torch.equal(twin[1].weight, model[1].weight)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_continued_episodes_longer_than_k_turns_are_drawn_beside_the_update(k):
+    """'continue' with 2K turns an episode: rollout i + 1 is drawn whole while the learner, having
+    published iteration i's weights and taken rollout i, has not published i + 1 yet (its update), so
+    the actor never waits for the learner; before, turns from the K-th on waited for iteration i + 1."""
+    actor = FakeActor()
+    pipe = pipeline(actor, k, "continue", 2 * k, [0.0])
+    try:
+        for i in range(6):
+            pipe.publish(i, {"w": torch.tensor(i)}, 10 * i)
+            assert pipe.take(i)["n"] == i
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # the update runs until the next rollout is drawn
+                with pipe._cond:
+                    if any(q.n == i + 1 for q in pipe._queue):
+                        break
+                time.sleep(0.005)
+            else:
+                raise AssertionError(f"rollout {i + 1} waited for weights the learner publishes after its update")
+    finally:
+        pipe.close()

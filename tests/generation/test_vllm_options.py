@@ -87,8 +87,6 @@ def test_a_given_length_under_the_runs_is_refused_when_the_engine_is_told():
     assert engine.needed_length == 40
 
 
-@pytest.mark.xfail(strict=True, reason="needs textrl/trainer.py's _set_up to hand the agent the prompts' cap it resolved: "
-                   "agent.env_facts = replace(facts, episode_budget=budget, max_prompt_length=lengths.max_prompt_length)")
 def test_a_run_tells_its_engine_the_lengths_it_resolved(tmp_path, monkeypatch):
     """Without --max-prompt-length the prompts' cap is measured once the models load; the engine is
     told it and the episode's budget (what summary.json records as the lengths in use)."""

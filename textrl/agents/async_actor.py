@@ -6,10 +6,13 @@ The schedule is exact, so a run is reproducible and a comparison measures the co
 - rollout ``n`` (the one iteration ``n`` trains on) is drawn with the weights of iteration
   :func:`behaviour_iteration` ``(n, K) = max(0, n - K)`` (the weights after that many updates);
 - with ``partial_rollouts='continue'``, turn ``t`` of a multi-turn episode is drawn with the
-  weights of iteration :func:`turn_iteration` ``= min(n, max(0, n - K) + t)``: an episode in flight
-  when the learner's weights move on continues with the new ones (verl's partial rollouts), each
-  token tagged with the iteration that sampled it (:func:`token_iterations`); with ``'finish'``
-  (the default) every turn keeps the episode's first weights.
+  weights of iteration :func:`turn_iteration` ``= max(n - K, min(n - 1, n - K + t))`` (``n - K``
+  at least 0): an episode in flight when the learner's weights move on continues with the newer
+  ones (verl's partial rollouts), never with iteration ``n``'s, which the learner publishes only when
+  it takes rollout ``n``, so every turn of an episode longer than K turns is still drawn beside the
+  learner's update; each token is tagged with the iteration that sampled it
+  (:func:`token_iterations`); with ``'finish'`` (the default) every turn keeps the episode's first
+  weights.
 
 So while the learner runs update ``j`` the actor draws rollout ``j + K`` from the weights the
 learner had before it (one step off-policy at K=1, as prime-rl and verl's one-step overlap). The
@@ -53,10 +56,12 @@ def behaviour_iteration(n: int, max_staleness: int) -> int:
 def turn_iteration(n: int, max_staleness: int, turn: int, partial_rollouts: str = "finish") -> int:
     """The iteration whose weights draw turn ``turn`` (0-based) of rollout ``n``: the rollout's
     (:func:`behaviour_iteration`) with ``'finish'``; with ``'continue'`` one newer per turn, never
-    newer than ``n`` (the learner has not made later weights when rollout ``n`` is drawn)."""
+    newer than ``n - 1``: the newest weights published while the learner updates on rollout ``n - 1``
+    (iteration ``n``'s come only when it takes rollout ``n``, so a turn that waited for them would
+    wait for the learner: no overlap)."""
     first = behaviour_iteration(n, max_staleness)
     if partial_rollouts == "continue":
-        return min(int(n), first + int(turn))
+        return max(first, min(int(n) - 1, first + int(turn)))
     return first
 
 
