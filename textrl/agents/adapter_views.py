@@ -140,10 +140,17 @@ class AdapterCritic(nn.Module):
             for name, param in self.stack.lora[self.adapter]:
                 yield prefix + name, param
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """``input_ids``, ``attention_mask`` ``[B, L]`` -> values ``[B, L]``."""
+    @property
+    def backbone(self) -> nn.Module:
+        """The shared base its hidden states come from (whose packed forwards
+        :func:`textrl.models.packed_forward.critic_layout` probes)."""
+        return self.stack.model
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None = None) -> Tensor:
+        """``input_ids``, ``attention_mask`` ``[B, L]`` -> values ``[B, L]``; ``attention_mask=None`` with
+        ``position_ids``: packed rows (:mod:`textrl.models.packing`)."""
         with self.stack.use(self.adapter), torch.set_grad_enabled(self.train_trunk and torch.is_grad_enabled()):
-            hidden = final_hidden(self.stack.model, input_ids, attention_mask)  # [B, L, H]
+            hidden = final_hidden(self.stack.model, input_ids, attention_mask, position_ids)  # [B, L, H]
         return self.value_head(hidden.float()).squeeze(-1)  # [B, L]
 
 

@@ -17,7 +17,12 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor, nn
 
-from textrl.functional import entropy_from_logits, logprobs_from_logits, sampling_filter
+from textrl.functional import (
+    entropy_from_logits,
+    logprobs_from_hidden,
+    logprobs_from_logits,
+    sampling_filter,
+)
 from textrl.keys import KEYS
 from textrl.models.forward import (
     UnfusableHead,
@@ -25,6 +30,14 @@ from textrl.models.forward import (
     response_logits,
     response_logprobs,
 )
+from textrl.models.packed_forward import (
+    critic_layout,
+    packed_hidden,
+    packed_logits,
+    packed_values,
+    packing_layout,
+)
+from textrl.models.packing import Packing, pack_rows
 
 SCORE = KEYS.score
 """Key of the task score per row ``[B]`` (float), before any KL shaping."""
@@ -120,6 +133,20 @@ class Forwards:
         self.unfused_warned = False
         """Whether the fused path's fallback was said (once a run)."""
 
+    def packing(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, *,
+                critic: bool = False) -> Packing | None:
+        """With ``config.padding_free``, the batch's attended tokens packed for ``model``
+        (:func:`textrl.models.packing.pack_rows` in the layout :func:`~textrl.models.packed_forward.packing_layout`
+        or, for a critic, :func:`~textrl.models.packed_forward.critic_layout` finds); None when off
+        or when no response token is attended (the padded forward runs)."""
+        if not getattr(self.config, "padding_free", False):
+            return None
+        device = input_ids.device
+        with self.precision.autocast():
+            layout = critic_layout(model, device) if critic else packing_layout(model, device)
+        packed = pack_rows(input_ids, attention_mask, prompt_len, layout)
+        return packed if packed.picks else None
+
     def response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
         """Logits that predict each response token: ``[B, T, V]``, under the run's precision.
 
@@ -130,8 +157,12 @@ class Forwards:
             return response_logits(model, input_ids, attention_mask, prompt_len)
 
     def values(self, critic: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
-        """V(s_t) for each response position: ``[B, T]`` (state = prompt + tokens before t)."""
+        """V(s_t) for each response position: ``[B, T]`` (state = prompt + tokens before t); with
+        ``padding_free`` on the attended tokens only (0 at padding)."""
+        packed = self.packing(critic, input_ids, attention_mask, prompt_len, critic=True)
         with self.precision.autocast():
+            if packed is not None:
+                return packed.scatter(packed_values(critic, packed).float())
             out = critic(input_ids=input_ids, attention_mask=attention_mask.long())
         return out[:, prompt_len - 1 : -1].float()
 
@@ -176,17 +207,51 @@ class Forwards:
                 return response_logprobs(model, input_ids, attention_mask, prompt_len, action,
                                          temperature=cfg.temperature, chunk_size=chunk, entropy=entropy)
         except UnfusableHead as err:
-            if cfg.logprob_chunk_size is not None and not self.unfused_warned:
-                self.unfused_warned = True
-                reason = str(err).removesuffix("; use response_logits")
-                warnings.warn(f"logprob_chunk_size={cfg.logprob_chunk_size}: {reason}; this run's log-probs use "
-                              "the whole response's logits", stacklevel=2)
+            self.warn_unfused(err)
             return None
+
+    def warn_unfused(self, err: UnfusableHead) -> None:
+        """Say once a run that the fused path asked for (``logprob_chunk_size``) cannot run, and why."""
+        cfg = self.config
+        if cfg.logprob_chunk_size is not None and not self.unfused_warned:
+            self.unfused_warned = True
+            reason = str(err).removesuffix("; use response_logits")
+            warnings.warn(f"logprob_chunk_size={cfg.logprob_chunk_size}: {reason}; this run's log-probs use "
+                          "the whole response's logits", stacklevel=3)
+
+    def packed_logprobs(self, model: nn.Module, packed: Packing, action: Tensor,
+                        entropy: str) -> tuple[Tensor, Tensor | None]:
+        """``(logp [B, T], entropy [B, T] or None)`` of ``action`` on the packed attended tokens
+        (:mod:`textrl.models.packed_forward`), 0 at padding: the fused head in chunks where
+        :meth:`fused_chunk` asks for it and the head allows, else the picks' logits ``[n, V]``.
+        ``entropy``: ``none``, ``detached`` or ``grad`` (:func:`textrl.functional.logprobs_from_hidden`)."""
+        cfg = self.config
+        tokens = packed.gather(action)[None]  # [1, n]
+        chunk = self.fused_chunk()
+        logp = ent = None
+        with self.precision.autocast():
+            if chunk != 0:
+                try:
+                    hidden, head = packed_hidden(model, packed)  # [n, H]
+                    logp, ent = logprobs_from_hidden(hidden[None], head.weight, tokens, bias=head.bias,
+                                                     temperature=cfg.temperature, chunk_size=chunk, entropy=entropy)
+                except UnfusableHead as err:
+                    self.warn_unfused(err)
+            if logp is None:
+                logits = packed_logits(model, packed)[None]  # [1, n, V]
+                logp = self.sampling_logprobs(logits, tokens)
+                if entropy != "none":
+                    source = logits if entropy == "grad" else logits.detach()
+                    ent = entropy_from_logits(source, temperature=cfg.temperature)
+        return packed.scatter(logp[0]), None if ent is None else packed.scatter(ent[0])
 
     def logprobs(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
                  action: Tensor) -> Tensor:
         """Log-probs of the response tokens under ``model`` at the run's temperature (no top-k / top-p:
         :meth:`sampling_logprobs`): ``[B, T]`` (:meth:`fused_logprobs` when it is on)."""
+        packed = self.packing(model, input_ids, attention_mask, prompt_len)
+        if packed is not None:
+            return self.packed_logprobs(model, packed, action, entropy="none")[0]
         fused = self.fused_logprobs(model, input_ids, attention_mask, prompt_len, action, entropy="none")
         if fused is not None:
             return fused[0]
@@ -200,8 +265,11 @@ class Forwards:
         The entropy carries grad only when ``entropy_coef > 0`` (otherwise it is only logged).
         """
         cfg = self.config
-        fused = self.fused_logprobs(model, input_ids, attention_mask, prompt_len, action,
-                                    entropy="grad" if cfg.entropy_coef > 0 else "detached")
+        entropy = "grad" if cfg.entropy_coef > 0 else "detached"
+        packed = self.packing(model, input_ids, attention_mask, prompt_len)
+        if packed is not None:
+            return self.packed_logprobs(model, packed, action, entropy=entropy)  # type: ignore[return-value]
+        fused = self.fused_logprobs(model, input_ids, attention_mask, prompt_len, action, entropy=entropy)
         if fused is not None:
             return fused  # type: ignore[return-value]
         logits = self.response_logits(model, input_ids, attention_mask, prompt_len)  # [B, T, V]

@@ -247,12 +247,14 @@ def transformer_body(model: nn.Module) -> nn.Module:
     return body if isinstance(body, nn.Module) and body is not model else model
 
 
-def final_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def final_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None,
+                 position_ids: Tensor | None = None) -> Tensor:
     """Final hidden states ``[B, L, H]`` (after the last norm), positions counted from the mask, no
-    attention row fully masked (:func:`textrl.models.forward.hidden_states`)."""
+    attention row fully masked (:func:`textrl.models.forward.hidden_states`; ``attention_mask=None``:
+    packed rows with their ``position_ids``)."""
     from textrl.models.forward import hidden_states
 
-    return hidden_states(transformer_body(model), input_ids, attention_mask)
+    return hidden_states(transformer_body(model), input_ids, attention_mask, position_ids)
 
 
 def last_token_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:

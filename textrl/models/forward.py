@@ -255,12 +255,19 @@ def response_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
                            f"{seen}; textrl.models.forward expects one LM head call on the final hidden "
                            f"states [B, L, H] = [{batch}, {length}, H]")
     hidden, probe = kept
+    check_head_probe(model, head, probe, logits, "response_hidden")
+    return hidden, head
+
+
+def check_head_probe(model: nn.Module, head: nn.Module, probe: Tensor, logits: Tensor, caller: str) -> None:
+    """Raise :class:`UnfusableHead` (and remember ``model`` as unfusable) unless ``logits``, what
+    ``model``'s forward returned for the one position ``probe`` ``[1, 1, H]`` its head was handed,
+    equal ``head(probe)``: a forward that post-processes its head's output fails it."""
     with torch.no_grad():
         expected = head(probe)  # [1, 1, V], under the caller's autocast like the forward's call
     if tuple(logits.shape) != tuple(expected.shape) or not torch.equal(logits.detach(), expected.to(logits.dtype)):
         _REFUSED[model] = "its forward changes its LM head's output (soft-capping, scaling, ...; seen on a probe)"
-        raise UnfusableHead(f"response_hidden: {type(model).__name__}: {_REFUSED[model]}; use response_logits")
-    return hidden, head
+        raise UnfusableHead(f"{caller}: {type(model).__name__}: {_REFUSED[model]}; use response_logits")
 
 
 def response_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
@@ -282,15 +289,22 @@ def response_logprobs(model: nn.Module, input_ids: Tensor, attention_mask: Tenso
                                 top_p=top_p, chunk_size=chunk_size, entropy=entropy)
 
 
-def hidden_states(body: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def hidden_states(body: nn.Module, input_ids: Tensor, attention_mask: Tensor | None,
+                  position_ids: Tensor | None = None) -> Tensor:
     """Final hidden states ``[B, L, H]`` of a transformer body (``LlamaModel``, a PeftModel's base
-    body, ...), in the caller's layout, positions from the mask, no attention row fully masked."""
+    body, ...), in the caller's layout, positions from the mask, no attention row fully masked.
+
+    ``attention_mask=None``: packed rows (:mod:`textrl.models.packing`) whose ``position_ids``
+    restart at each row, from which the model builds its masks; nothing is padded."""
+    if attention_mask is None:
+        out = body(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     ids, mask, positions, shift = _left_aligned(input_ids, attention_mask)
     out = body(input_ids=ids, attention_mask=mask.long(), position_ids=positions, use_cache=False)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [B, L, H]
     return hidden if shift is None else rotate_rows(hidden, -shift)
 
 
-__all__ = ["LOGIT_POSTPROCESSING", "UnfusableHead", "hidden_states", "leading_padding", "output_embeddings",
+__all__ = ["LOGIT_POSTPROCESSING", "UnfusableHead", "check_head_probe", "hidden_states", "leading_padding", "output_embeddings",
            "positions_from_mask", "response_hidden", "response_logits", "response_logprobs", "rotate_rows",
            "unfusable_reason"]

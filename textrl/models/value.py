@@ -103,9 +103,10 @@ class ValueModel(nn.Module):
                 value_head.bias.zero_()
         return cls(backbone, value_head)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """``input_ids`` int64 ``[B, L]``, ``attention_mask`` ``[B, L]`` -> values float32 ``[B, L]``."""
-        hidden = hidden_states(self.backbone, input_ids, attention_mask)  # [B, L, H]
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None = None) -> Tensor:
+        """``input_ids`` int64 ``[B, L]``, ``attention_mask`` ``[B, L]`` -> values float32 ``[B, L]``;
+        ``attention_mask=None`` with ``position_ids``: packed rows (:mod:`textrl.models.packing`)."""
+        hidden = hidden_states(self.backbone, input_ids, attention_mask, position_ids)  # [B, L, H]
         values = self.value_head(hidden.to(self.value_head.weight.dtype))  # [B, L, 1]
         # a new tensor rather than a view of the head's output: FSDP2 hooks the backward on it
         return values.squeeze(-1).float().clone()  # [B, L]
