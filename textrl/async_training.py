@@ -103,6 +103,7 @@ class AsyncTraining:
         self._taking = False
         timings["wait"] = time.perf_counter() - started
         timings.update(drawn)
+        self.actor.actor.judge_weight_gap(td, drawn_with(td))
         return check_rollout(self.agent.process_rollout(td, timings=timings), finite=False), rows
 
     @contextmanager
@@ -124,8 +125,10 @@ class AsyncTraining:
         return self._taking
 
     def note(self) -> str | None:
-        """The line the run starts with (:func:`staleness_note`), or None."""
-        return staleness_note(self.config)
+        """The lines the run starts with (:func:`staleness_note`; the actor's, where it keeps no copy of
+        the policy: :meth:`AsyncActor.note`), or None."""
+        lines = [line for line in (staleness_note(self.config), self.actor.note()) if line]
+        return "\n".join(lines) or None
 
     def close(self) -> None:
         """Stop the producer and the actor's engine."""
@@ -172,7 +175,8 @@ class AsyncTraining:
         with context, placing_rows(f"the rollout of iteration {n + 1}", lambda: self.sampler.batch_rows(batch)):
             td = self.episodes.run(generate, batch.to(actor.device), timings=timings)
         drawn_now = None if len(set(turns)) == 1 else token_iterations(td.get(KEYS.mask), turns) == turns[-1]
-        actor.check_weights(td, drawn_now)  # the engine drew with the weights the actor holds: the last turn's
+        actor.measure_weight_gap(td, drawn_now)  # the engine drew with the weights the actor holds (the last
+        # turn's): measured here, judged by the learner when it takes the rollout (a collective there)
         rows = td.batch_size
         td.set(KEYS.policy_version, torch.full(rows, versions[0], dtype=torch.long, device=td.device))
         td.set(KEYS.policy_iteration, torch.full(rows, turns[0], dtype=torch.long, device=td.device))
@@ -180,6 +184,7 @@ class AsyncTraining:
             td.set(KEYS.token_iteration, token_iterations(td.get(KEYS.mask), turns))
         if td.device is not None and td.device.type == "cuda":
             torch.cuda.current_stream(td.device).synchronize()
+        timings["weight_sync"] = self.actor.take_sync_seconds()  # within its generation seconds
         return td, timings, len(batch)
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -255,6 +260,13 @@ def producer_failure(err: BaseException) -> str:
     """The line that names what stopped the actor: its error's type and first line."""
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return f"the asynchronous actor stopped drawing rollouts ({type(err).__name__}{': ' + first if first else ''})"
+
+
+def drawn_with(td: Any) -> int:
+    """The iteration of the newest weights that drew rollout ``td`` (its last turn's with partial
+    rollouts): those the weight check measured."""
+    per_token = td.get(KEYS.token_iteration, None)
+    return int(per_token.max()) if per_token is not None else int(td.get(KEYS.policy_iteration).max())
 
 
 def rebased(td: Any, offset: int) -> Any:

@@ -186,16 +186,24 @@ class Actor:
     @torch.no_grad()
     def check_weights(self, td: TensorDictBase, tokens: Tensor | None = None) -> None:
         """The check that the engine sampled ``td`` with the weights this actor holds
-        (:mod:`textrl.agents.weight_check`): the first :data:`~textrl.agents.weight_check.WEIGHT_CHECK_ROWS`
-        rows prefilled with :attr:`policy` under the engine's own distribution (temperature, top-k,
-        top-p), compared with ``KEYS.generation_log_prob`` over ``tokens`` (bool ``[B, T]``; default the
-        agent's tokens). Writes the per-row statistics into ``td`` (``KEYS.weight_gap_*``) and raises
-        :class:`~textrl.agents.weight_check.WeightGapError` past the run's bound. Nothing without the
-        engine's log-probs or with ``max_weight_gap=0``."""
+        (:mod:`textrl.agents.weight_check`): :meth:`measure_weight_gap`, then :meth:`judge_weight_gap`
+        (a collective under several processes). Nothing without the engine's log-probs or with
+        ``max_weight_gap=0``."""
+        self.measure_weight_gap(td, tokens)
+        self.judge_weight_gap(td, self.updates)
+
+    @torch.no_grad()
+    def measure_weight_gap(self, td: TensorDictBase, tokens: Tensor | None = None) -> bool:
+        """This process's part of the weight check, no collective (an asynchronous actor's thread
+        runs it): the first :data:`~textrl.agents.weight_check.WEIGHT_CHECK_ROWS` rows prefilled with
+        :attr:`policy` under the engine's own distribution (temperature, top-k, top-p), compared with
+        ``KEYS.generation_log_prob`` over ``tokens`` (bool ``[B, T]``; default the agent's tokens); the
+        per-row statistics written into ``td`` (``KEYS.weight_gap_*``). False where nothing was
+        measured (no engine log-probs, ``max_weight_gap=0``, no row)."""
         engine_logp = td.get(KEYS.generation_log_prob, None)
         bound = weight_gap_bound(self.config, self.precision.compute_dtype)
         if engine_logp is None or math.isinf(bound) or td.shape[0] == 0:
-            return
+            return False
         mask = td.get(KEYS.mask) if tokens is None else tokens
         rows = slice(0, min(td.shape[0], WEIGHT_CHECK_ROWS))
         input_ids, attention_mask, p = sequence_inputs(td[rows])
@@ -206,9 +214,23 @@ class Actor:
         td.set(KEYS.weight_gap_sum, gap_sum)
         td.set(KEYS.weight_gap_tokens, n_tokens)
         td.set(KEYS.weight_gap_outside, outside)
-        shared = self.backend.dist.mean({"sum": float(gap_sum.sum()), "tokens": float(n_tokens.sum()),
-                                         "outside": float(outside.sum())})  # the same decision on every process
-        error = weight_gap_error(engine=self.engine.name, updates=self.updates,
+        return True
+
+    def judge_weight_gap(self, td: TensorDictBase, updates: int) -> None:
+        """The weight check's decision over every process (the mean gap of the statistics
+        :meth:`measure_weight_gap` wrote into ``td``; a collective under several processes, the same
+        on each): :class:`~textrl.agents.weight_check.WeightGapError` past the run's bound, naming
+        ``updates``, the learner's updates behind the weights the engine should have held. Nothing
+        without the engine's log-probs or with ``max_weight_gap=0`` (the same on every process); a
+        process that measured no row (none in its share) joins with zeros."""
+        bound = weight_gap_bound(self.config, self.precision.compute_dtype)
+        if td.get(KEYS.generation_log_prob, None) is None or math.isinf(bound):
+            return
+        measured = [td.get(key, None) for key in (KEYS.weight_gap_sum, KEYS.weight_gap_tokens, KEYS.weight_gap_outside)]
+        gap_sum, n_tokens, outside = (0.0, 0.0, 0.0) if measured[0] is None else (float(t.sum()) for t in measured)
+        shared = self.backend.dist.mean({"sum": gap_sum, "tokens": n_tokens,
+                                         "outside": outside})  # the same decision on every process
+        error = weight_gap_error(engine=self.engine.name, updates=updates,
                                  gap=mean_gap(shared["sum"], shared["tokens"]),
                                  tokens=round(shared["tokens"] * self.backend.dist.world_size),
                                  outside=round(shared["outside"] * self.backend.dist.world_size), bound=bound,
