@@ -93,7 +93,7 @@ def test_resume_reproduces_an_uninterrupted_asynchronous_run(tmp_path, options):
     assert [r["iteration"] for r in b] == [1, 2, 3, 4]
     # every training metric (the short run's last iteration evaluated, a NaN is equal to itself)
     trained = lambda row: {k: str(v) for k, v in row.items()  # noqa: E731
-                           if not k.startswith(("time/", "memory/", "eval/")) and k != "tokens_per_second"}
+                           if not k.startswith(("time/", "memory/", "eval/")) and k not in ("tokens_per_second", "perf/tokens_per_s")}
     assert [trained(r) for r in a] == [trained(r) for r in b]
     last = sorted((full / "checkpoints").iterdir())[-1].name
     sa, sb = checkpoint_tensors(full / "checkpoints" / last), checkpoint_tensors(part / "checkpoints" / last)
@@ -130,7 +130,7 @@ def test_the_asynchronous_path_adds_nothing_but_the_staleness(tmp_path, monkeypa
     engine_noise = ("rollout/logprob", "rollout/weight_gap")  # the actor's engine against the learner's prefill
     same = lambda row: {k: v for k, v in row.items()  # noqa: E731
                         if not k.startswith(("time/", "memory/", "rollout/staleness", *engine_noise))
-                        and k != "tokens_per_second"}
+                        and k not in ("tokens_per_second", "perf/tokens_per_s")}
     assert [same(r) for r in sync] == [same(r) for r in fresh]
     # it trained: rewards, the critic's loss, the policy's gradient and the reference KL all moved
     assert all(any(r[k] != 0 for r in sync) for k in ("reward/mean", "loss/value", "grad_norm/actor", "kl/collection"))
@@ -273,7 +273,7 @@ def test_a_checkpoint_or_evaluation_cancels_the_rollout_in_flight_and_the_run_is
         rested = _train(tmp_path / "rested", *options, "--checkpoint-every", "1", "--eval-every", "1", iterations=5)
     assert len(cancelled) - calm_cancelled >= 3  # the cadence found it drawing (calm: only the last checkpoint)
     trained = lambda row: {k: str(v) for k, v in row.items()  # noqa: E731
-                           if not k.startswith(("time/", "memory/", "eval/")) and k != "tokens_per_second"}
+                           if not k.startswith(("time/", "memory/", "eval/")) and k not in ("tokens_per_second", "perf/tokens_per_s")}
     assert [trained(r) for r in calm] == [trained(r) for r in rested]
     a = checkpoint_tensors(tmp_path / "calm" / "checkpoints" / "iter_000005")
     b = checkpoint_tensors(tmp_path / "rested" / "checkpoints" / "iter_000005")
@@ -288,5 +288,5 @@ def test_a_resume_from_a_checkpoint_that_cancelled_a_rollout_is_exact(tmp_path, 
         _train(tmp_path / "part", *options, iterations=2)
         part = _train(tmp_path / "part", *options, iterations=4, resume=True)
     trained = lambda row: {k: str(v) for k, v in row.items()  # noqa: E731
-                           if not k.startswith(("time/", "memory/", "eval/")) and k != "tokens_per_second"}
+                           if not k.startswith(("time/", "memory/", "eval/")) and k not in ("tokens_per_second", "perf/tokens_per_s")}
     assert [trained(r) for r in full] == [trained(r) for r in part]

@@ -26,7 +26,7 @@ def _cache(tmp_path_factory, monkeypatch):
 def trained(row: dict) -> dict:
     """A row's training figures (not its seconds, memory or held-out evaluation); a NaN equal to itself."""
     return {k: str(v) for k, v in row.items()
-            if not k.startswith(("time/", "memory/", "eval/")) and k != "tokens_per_second"}
+            if not k.startswith(("time/", "memory/", "eval/")) and k not in ("tokens_per_second", "perf/tokens_per_s")}
 
 
 def fail_in(monkeypatch, counter, iteration: int, phase: str = "step") -> None:

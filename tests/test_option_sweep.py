@@ -45,7 +45,7 @@ from textrl.config import TrainConfig
 
 HERE = Path(__file__).resolve().parent
 FIELDS = {f.name: f.default for f in fields(TrainConfig)}
-VOLATILE = ("time/", "memory/", "tokens_per_second")
+VOLATILE = ("time/", "memory/", "tokens_per_second", "perf/tokens_per_s")
 """Metrics that measure the machine, not the run: left out of every comparison."""
 SAME_RTOL, SAME_ATOL = 1e-4, 1e-6
 """``same``: two float32 computations of one function that add in another order (micro-batches, chunks,

@@ -29,7 +29,8 @@ def test_train_writes_every_output(tmp_path, capsys):
     assert [r["iteration"] for r in rows] == [1, 2]
     for key in ("reward/mean", "kl/collection", "loss/policy", "loss/value", "entropy", "clip_fraction",
                 "explained_variance", "response_length/mean", "time/iteration_s", "tokens_per_second",
-                "reward_components/think_format/mean", "lr/actor"):
+                "reward_components/think_format/mean", "lr/actor", "perf/total_tokens", "perf/padding_fraction",
+                "perf/tokens_per_s"):
         assert key in rows[0], key
     assert "eval/sampled/reward/mean" in rows[-1] and "eval/greedy/accuracy" in rows[-1]
     phases = ("generation", "reward", "forward", "advantages", "update", "bookkeeping")
@@ -37,6 +38,9 @@ def test_train_writes_every_output(tmp_path, capsys):
         seconds = [row[f"time/{phase}_s"] for phase in phases] + [row.get("time/eval_s", 0.0)]
         assert all(s >= 0 for s in seconds) and sum(seconds) <= row["time/iteration_s"]
         assert row["tokens_per_second"] == pytest.approx(row["tokens"] / row["time/iteration_s"])
+        step_s = row["time/iteration_s"] - row.get("time/eval_s", 0.0)
+        assert row["perf/tokens_per_s"] == pytest.approx(row["perf/total_tokens"] / step_s)
+        assert row["perf/total_tokens"] > row["tokens"] and 0 < row["perf/padding_fraction"] < 1
     assert "time/eval_s" in rows[-1] and "time/eval_s" not in rows[0]
     peaks = [r["memory/peak_mib"] for r in rows]  # a high-water mark: positive, never falling
     assert peaks[0] > 100 and peaks == sorted(peaks)

@@ -108,8 +108,31 @@ def iteration_metrics(
     row["response_length/mean"] = lengths.float().mean().item()
     row["samples"] = float(lengths.numel())
     row["tokens"] = float(lengths.sum().item())
+    row.update(sequence_tokens(td, dist))
     row.update(dist.mean(update_metrics))
     return row
+
+
+TOTAL_TOKENS = "perf/total_tokens"
+"""Metric: the prompt and response tokens of the iteration's rollout over every process (verl's
+``perf/total_num_tokens``; environment observations count, padding does not). The run loop turns
+it into ``perf/tokens_per_s`` per process (:data:`textrl.run.loop.PER_DEVICE_RATES`)."""
+PADDING_FRACTION = "perf/padding_fraction"
+"""Metric: the share of the rollout's padded ``[B, P + T]`` batch that is padding, over every
+process: what the forwards spend on nothing unless ``padding_free`` packs the rows."""
+
+
+def sequence_tokens(td, dist: Distributed) -> dict[str, float]:
+    """:data:`TOTAL_TOKENS` and :data:`PADDING_FRACTION` of a rollout: its attended prompt and
+    response tokens (``KEYS.response_mask``, else the agent mask) against its ``[B, P + T]`` positions."""
+    response = td.get(KEYS.response_mask, None)
+    response = td.get(KEYS.mask) if response is None else response
+    prompt = td.get(KEYS.prompt_mask)
+    real = float(prompt.sum() + response.sum())
+    positions = float(prompt.numel() + response.numel())
+    shared = dist.mean({"real": real, "positions": positions})
+    total, padded = shared["real"] * dist.world_size, shared["positions"] * dist.world_size
+    return {TOTAL_TOKENS: total, PADDING_FRACTION: 1.0 - total / padded if padded else 0.0}
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -258,7 +281,7 @@ def format_summary(before: dict[str, float] | None, after: dict[str, float], gap
 
 
 __all__ = [
-    "engine_stop_message",
+    "PADDING_FRACTION", "TOTAL_TOKENS", "engine_stop_message", "sequence_tokens",
     "describe_run_start", "engine_record", "format_summary", "gap_closed", "iteration_metrics", "nonfinite_rows", "peak_memory_mib", "run_end",
     "run_records", "skipped_line", "skipped_updates", "stop_message", "warmup_record",
 ]

@@ -119,6 +119,12 @@ class LoopBody(Protocol):
         checkpoint, or None): the engine's line, what was saved, how to resume."""
 
 
+PER_DEVICE_RATES = {"perf/total_tokens": "perf/tokens_per_s"}
+"""A row's count over every process -> its rate per process (per device) and second of the step,
+its evaluation left out (verl's ``perf/throughput``): the prompt and response tokens of ``textrl
+train``'s iteration (:data:`textrl.train_records.TOTAL_TOKENS`)."""
+
+
 @dataclass
 class RunLoop:
     """Drives a :class:`LoopBody` from ``start + 1`` to ``iterations``.
@@ -244,6 +250,10 @@ class RunLoop:
         row[f"time/{self.timing}_s"] = time.perf_counter() - t0
         if self.throughput is not None:
             row[f"{self.throughput}_per_second"] = row[self.throughput] / row[f"time/{self.timing}_s"]
+        step_s = row[f"time/{self.timing}_s"] - row.get("time/eval_s", 0.0)
+        for count, rate in PER_DEVICE_RATES.items():
+            if count in row and step_s > 0:
+                row[rate] = row[count] / self.dist.world_size / step_s
         return row
 
     def due(self, iteration: int, every: int) -> bool:
@@ -305,4 +315,4 @@ class RunLoop:
         raise TrainingStopped(message, 1) from err
 
 
-__all__ = ["LoopBody", "RunLoop", "completed", "engine_failed", "failed", "stopped"]
+__all__ = ["PER_DEVICE_RATES", "LoopBody", "RunLoop", "completed", "engine_failed", "failed", "stopped"]
