@@ -19,9 +19,9 @@ from textrl.config import TrainConfig
 from textrl.errors import ALIKE_ERROR_WAIT_S, alike_in_every_process, reports_alike_errors
 from textrl.trainer import check_run, launched_processes
 
-STALENESS = ("textrl train: --max-staleness 1 runs its actor beside the learner in one training process, and this "
-             "run has 2; train in one process (the rollouts may come from vLLM servers: --vllm-server), or drop "
-             "--max-staleness")
+STALENESS = ("textrl train: --max-staleness 1 runs an actor beside the learner in each of the 2 training processes, "
+             "and under --fsdp none holds the policy's weights whole; train data parallel (no --fsdp, --zero-stage 0 "
+             "to 2), or drop --max-staleness")
 
 
 def _launched(monkeypatch, rank: int, world: int = 2) -> None:
@@ -47,13 +47,13 @@ def test_max_staleness_under_several_processes_is_refused_before_any_model_loads
     _launched(monkeypatch, 0)
     monkeypatch.setattr("textrl.trainer.train", _no_training)
     with pytest.raises(SystemExit) as stopped:
-        main(["train", "--max-staleness", "1", "--output-dir", str(tmp_path / "run")])
+        main(["train", "--max-staleness", "1", "--fsdp", "--output-dir", str(tmp_path / "run")])
     assert stopped.value.code == STALENESS
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("world, staleness", [(None, 1), ("1", 2), ("2", 0)])
-def test_max_staleness_in_one_process_or_synchronous_passes_the_checks(world, staleness, monkeypatch, tmp_path):
+@pytest.mark.parametrize("world, staleness", [(None, 1), ("1", 2), ("2", 0), ("2", 1)])
+def test_max_staleness_in_one_process_or_data_parallel_passes_the_checks(world, staleness, monkeypatch, tmp_path):
     if world is None:
         monkeypatch.delenv("WORLD_SIZE", raising=False)
     else:
@@ -90,7 +90,7 @@ def test_a_later_process_not_ended_says_the_refusal_itself(monkeypatch, tmp_path
     monkeypatch.setattr("textrl.trainer.train", _no_training)
     start = time.monotonic()
     with pytest.raises(SystemExit) as stopped:
-        main(["train", "--max-staleness", "1", "--output-dir", str(tmp_path / "run")])
+        main(["train", "--max-staleness", "1", "--fsdp", "--output-dir", str(tmp_path / "run")])
     assert stopped.value.code == STALENESS and time.monotonic() - start >= 0.2
 
 
@@ -112,7 +112,7 @@ def test_an_error_once_the_run_started_is_said_by_every_process_at_once(monkeypa
 def test_under_torchrun_a_refusal_is_said_once_and_the_first_process_is_the_root_cause(tmp_path):
     env = {**os.environ, "TEXTRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "textrl.cli",
-           "train", "--max-staleness", "1", "--output-dir", str(tmp_path / "run")]
+           "train", "--max-staleness", "1", "--fsdp", "--output-dir", str(tmp_path / "run")]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 1 and output.count(STALENESS) == 1, output[-3000:]

@@ -32,6 +32,7 @@ from textrl.agents.forwards import micro_batches
 from textrl.checks import check_rollout
 from textrl.generation.base import EngineFailed
 from textrl.keys import KEYS
+from textrl.rollout import ended_together
 from textrl.rollout_sources import draw_start, put_back
 from textrl.run.rng import set_rng_state
 
@@ -64,10 +65,15 @@ class ActorView:
 class AsyncTraining:
     """The asynchronous actor of one run (module docstring). ``sampler`` the run's
     :class:`textrl.envs.PromptSampler` (the actor's alone from here on), ``episodes`` its
-    :class:`textrl.envs.collector.EpisodeRunner`, ``shard`` the rows of a batch this process takes."""
+    :class:`textrl.envs.collector.EpisodeRunner`, ``dist`` the run's processes
+    (:class:`textrl.distributed.Distributed`): each process has an actor of its own, which draws its
+    share of every prompt batch (``dist.shard``), with no collective in the actor's thread."""
 
-    def __init__(self, config: Any, agent: Any, sampler: Any, episodes: Any, shard: Any) -> None:
-        self.config, self.agent, self.sampler, self.episodes, self.shard = config, agent, sampler, episodes, shard
+    def __init__(self, config: Any, agent: Any, sampler: Any, episodes: Any, dist: Any) -> None:
+        self.config, self.agent, self.sampler, self.episodes, self.dist = config, agent, sampler, episodes, dist
+        self.shard = dist.shard
+        self._gathered: list[dict[str, Any]] = []
+        """Every process's :meth:`process_state`, gathered by :meth:`quiesce` under several processes."""
         self.max_staleness = int(config.max_staleness)
         self.actor = AsyncActor.of(agent)
         self.view = ActorView(agent, self.actor.actor)
@@ -94,12 +100,16 @@ class AsyncTraining:
         self._taking = True
         self.pipeline.publish(iteration - 1, trainable_state(learner.policy), learner.version)
         started = time.perf_counter()
-        try:
-            td, drawn, rows = self.pipeline.take(iteration - 1)
-        except EngineFailed:
-            raise
-        except Exception as err:  # the producer died: the learner's state stands, and is saved (as an engine's failure)
-            raise ProducerFailed(producer_failure(err)) from err
+
+        def take() -> Any:
+            try:
+                return self.pipeline.take(iteration - 1)
+            except EngineFailed:
+                raise
+            except Exception as err:  # the producer died: the learner's state stands, and is saved (as an engine's failure)
+                raise ProducerFailed(producer_failure(err)) from err
+
+        td, drawn, rows = ended_together(self.agent, take)  # under several processes, a failure anywhere stops all
         self._taking = False
         timings["wait"] = time.perf_counter() - started
         timings.update(drawn)
@@ -115,8 +125,12 @@ class AsyncTraining:
             yield self.view
 
     def quiesce(self) -> None:
-        """The producer at rest (:meth:`AsyncRollouts.quiesce`): the actor's RNG and prompts stand still."""
+        """Before a checkpoint: the producer at rest (:meth:`AsyncRollouts.quiesce`), the actor's RNG
+        and prompts standing still; under several processes every process's :meth:`process_state`
+        gathered (a collective), for the main one to save."""
         self.pipeline.quiesce()
+        if self.dist.enabled:
+            self._gathered = self.dist.gather_object(self.process_state(snapshots=False))
 
     def rewind(self, iteration: int) -> bool:
         """After the engine failed in :meth:`next_rollout`: nothing to put back in the learner's
@@ -188,24 +202,49 @@ class AsyncTraining:
         return td, timings, len(batch)
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint holds of the actor (quiesced first): the prompt sampler's position, the
-        rollouts drawn and not trained on, the start of the one in flight, the weights they read,
-        the learner's generator; weight versions kept relative to the learner's now (a resumed
-        learner counts its versions from another start)."""
+    def process_state(self, snapshots: bool = True) -> dict[str, Any]:
+        """What a checkpoint holds of this process's actor (quiesced first): the prompt sampler's
+        position, the rollouts drawn and not trained on, the start of the one in flight, the
+        learner's generator, and (``snapshots``) the published weights they read (the same in every
+        process); weight versions kept relative to the learner's now (a resumed learner counts its
+        versions from another start). Another process's part is kept on the CPU."""
         now = self.agent.learner.version
         state = self.pipeline.state_dict()
         state["queued"] = [(n, (rebased(td, -now), drawn, rows)) for n, (td, drawn, rows) in state["queued"]]
-        state["snapshots"] = {i: (w, v - now) for i, (w, v) in state["snapshots"].items()}
+        if snapshots:
+            state["snapshots"] = {i: (w, v - now) for i, (w, v) in state["snapshots"].items()}
+        else:
+            del state["snapshots"]
+            state["queued"] = [(n, (td.to("cpu"), drawn, rows)) for n, (td, drawn, rows) in state["queued"]]
         return {"prompts": self.sampler.state_dict(), "async": state,
                 "learner_generator": self.agent.learner.generator.get_state()}
 
+    def state_dict(self) -> dict[str, Any]:
+        """The main process's :meth:`process_state` and, under several processes, the other
+        processes' (``"processes"``, in rank order from rank 1, gathered by :meth:`quiesce`)."""
+        state = self.process_state()
+        if self.dist.enabled:
+            state["processes"] = self._gathered[1:]
+        return state
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """:meth:`state_dict` back, with the producer not started: the in-flight rollout's start
-        (its RNGs and prompts) is applied by :meth:`restored`, after the checkpoint's RNGs."""
+        """:meth:`state_dict` back (this process's part), with the producer not started: the
+        in-flight rollout's start (its RNGs and prompts) is applied by :meth:`restored`, after the
+        checkpoint's RNGs."""
         if "async" not in state:
             raise ValueError("this checkpoint was saved by a run without --max-staleness; resume it with its own "
                              "max_staleness (a fixed setting)")
+        saved = 1 + len(state.get("processes", []))
+        if saved != self.dist.world_size:
+            raise ValueError(f"this checkpoint was saved by an asynchronous run of {saved} training process(es) (each "
+                             f"with its actor's rollouts in flight), and this run has {self.dist.world_size}; resume "
+                             "it with as many")
+        if self.dist.rank > 0:
+            own = state["processes"][self.dist.rank - 1]
+            own["async"]["snapshots"] = state["async"]["snapshots"]
+            own["async"]["queued"] = [(n, (td.to(self.agent.device), drawn, rows))
+                                      for n, (td, drawn, rows) in own["async"]["queued"]]
+            state = own
         now = self.agent.learner.version
         pipe = state["async"]
         pipe["queued"] = [(n, (rebased(td, now), drawn, rows)) for n, (td, drawn, rows) in pipe["queued"]]

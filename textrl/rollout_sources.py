@@ -101,13 +101,12 @@ class SyncRollouts:
 
 def rollout_source(config: Any, agent: Any, sampler: Any, episodes: Any, backend: Any) -> Any:
     """The run's source: :class:`SyncRollouts`, or with ``max_staleness`` > 0 the asynchronous actor
-    (:class:`textrl.async_training.AsyncTraining`; several processes were refused before any model
-    loaded)."""
+    (:class:`textrl.async_training.AsyncTraining`: one actor per process)."""
     if int(config.max_staleness) == 0:
         return SyncRollouts(agent, sampler, episodes, backend.dist.shard)
     from textrl.async_training import AsyncTraining
 
-    return AsyncTraining(config, agent, sampler, episodes, backend.dist.shard)
+    return AsyncTraining(config, agent, sampler, episodes, backend.dist)
 
 
 __all__ = ["SyncRollouts", "draw_start", "put_back", "rollout_source"]

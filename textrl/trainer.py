@@ -526,13 +526,16 @@ def launched_processes() -> int:
 
 
 def refuse_async_processes(config: TrainConfig) -> None:
-    """``max_staleness`` > 0 runs its actor beside the learner in one training process: under
-    several (:func:`launched_processes`) a ``ValueError``, said before any model loads."""
+    """``max_staleness`` > 0 runs an actor beside the learner in each training process, which holds
+    the policy's weights whole (data parallel, ZeRO-1/2): under several processes
+    (:func:`launched_processes`) with weights partitioned (FSDP, ZeRO-3) a ``ValueError``, said before
+    any model loads (the actor's thread would gather them, a collective beside the learner's)."""
     processes = launched_processes()
-    if config.max_staleness and processes > 1:
-        raise ValueError(f"--max-staleness {config.max_staleness} runs its actor beside the learner in one training "
-                         f"process, and this run has {processes}; train in one process (the rollouts may come from "
-                         "vLLM servers: --vllm-server), or drop --max-staleness")
+    partitioned = "--fsdp" if config.fsdp else "--zero-stage 3" if config.zero_stage == 3 else None
+    if config.max_staleness and processes > 1 and partitioned:
+        raise ValueError(f"--max-staleness {config.max_staleness} runs an actor beside the learner in each of the "
+                         f"{processes} training processes, and under {partitioned} none holds the policy's weights "
+                         "whole; train data parallel (no --fsdp, --zero-stage 0 to 2), or drop --max-staleness")
 
 
 def check_env_reward_columns(env) -> None:
