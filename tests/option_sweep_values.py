@@ -180,6 +180,8 @@ VALUES: dict[str, Try | tuple[Try, ...] | Exempt] = {
     "vllm_max_num_seqs": Exempt("acts only with --generation-engine vllm: needs vLLM (tests/ marked vllm)"),
     "vllm_quantization": Exempt("acts only with --generation-engine vllm: vLLM's online quantization needs a GPU "
                                 "(passed to vLLM: tests/generation/test_vllm.py)"),
+    "weight_sync_bucket_mb": Exempt("acts only with the vLLM engines: needs vLLM (buckets: tests/generation/"
+                                    "test_weight_sync.py; tests/ marked vllm)"),
     "forward_batch_size": Try(3, "log-prob / value forwards in micro-batches of 3 rows: the same numbers", "same"),
 
     # -- PPO -------------------------------------------------------------------------------------

@@ -201,6 +201,9 @@ class TrainConfig:
     vllm_quantization: str | None = None
     """--generation-engine vllm: vLLM's quantization of the policy's weights as it loads them (vLLM's
     quantization: an online method such as fp8_per_tensor; None: the run's dtype). Needs --max-weight-gap."""
+    weight_sync_bucket_mb: int = 512
+    """The vLLM engines (--generation-engine vllm, --vllm-server): the most MiB of weights moved or sent
+    together when they are handed over (one bucket; time/weight_sync_s logs the seconds; docs/vllm.md)."""
     forward_batch_size: int = 64
     """Micro-batch size of the log-prob / value / reward forwards."""
 
@@ -389,6 +392,7 @@ class TrainConfig:
             "generation_engine", "vllm_server", "vllm_gpu_memory_utilization",  # the same distribution either way (docs/generation.md)
             "vllm_tensor_parallel_size", "vllm_max_model_length", "vllm_max_num_seqs",  # the engine's capacity
             "vllm_quantization",  # the engine's numerics: its gap to the learner is measured and checked either way
+            "weight_sync_bucket_mb",  # how the same weights travel to the engine
             "max_weight_gap",  # the weight check's bound: a check, not the run's arithmetic
             "checkpoint_every", "keep_checkpoints",
             "load_in_4bit",  # the frozen base's quantisation: the trained LoRA weights carry over
@@ -676,6 +680,11 @@ def _check_vllm_engine(config: TrainConfig) -> None:
     if config.vllm_quantization is not None and not config.vllm_quantization.strip():
         raise ValueError("vllm_quantization='': name one of vLLM's online methods (fp8_per_tensor, ...) or drop it")
     engine = run_engine_name(config.generation_engine, config.vllm_server)
+    check_at_least("weight_sync_bucket_mb", config.weight_sync_bucket_mb, 1)
+    if not config.is_default("weight_sync_bucket_mb") and engine not in ("vllm", SERVED_ENGINE):
+        raise ValueError(f"weight_sync_bucket_mb={config.weight_sync_bucket_mb} sizes the weight hand-over of the vLLM "
+                         f"engines, and this run generates with --generation-engine {engine}, which samples the policy's "
+                         "weights in place: add --generation-engine vllm or --vllm-server URL, or drop it")
     given = [name for name in VLLM_ENGINE_OPTIONS if not config.is_default(name)]
     if given and engine != "vllm":
         runs, fix = (("vLLM servers (--vllm-server)", "a server takes vLLM's own options: textrl vllm-serve MODEL "

@@ -47,8 +47,8 @@ TOPICS: dict[str, tuple[str, tuple[str, ...]]] = {
         "What generates the rollouts (docs/generation.md, docs/vllm.md) and, with --max-staleness, an actor "
         "drawing them beside the learner (docs/async.md).",
         ("generation_engine", "vllm_server", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
-         "vllm_max_model_length", "vllm_max_num_seqs", "vllm_quantization", "max_staleness", "partial_rollouts",
-         "max_weight_gap"),
+         "vllm_max_model_length", "vllm_max_num_seqs", "vllm_quantization", "weight_sync_bucket_mb", "max_staleness",
+         "partial_rollouts", "max_weight_gap"),
     ),
     "run and checkpoints": (
         "Where the run writes, its length, seed and device, evaluations, checkpoints and resume, and what a "

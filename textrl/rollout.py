@@ -98,8 +98,12 @@ def run_episodes(agent: Any, batch: Any, runner: Any, greedy: bool, timings: dic
         return runner.run(generate, batch.to(device), timings=timings)
     with opened(greedy=greedy) as sampled:
         episodes = lambda: runner.run(sampled.generate, batch.to(device), timings=timings)  # noqa: E731
-        td = ended_together(agent, episodes) if check_weights else episodes()
+        td = ended_together(getattr(getattr(agent, "backend", None), "dist", None), episodes) if check_weights \
+            else episodes()
     td.set(KEYS.policy_version, torch.full(td.batch_size, int(sampled.version), dtype=torch.long, device=td.device))
+    took = getattr(agent, "take_weight_sync_seconds", None)
+    if timings is not None and callable(took) and (seconds := took()) is not None:
+        timings["weight_sync"] = timings.get("weight_sync", 0.0) + seconds  # within the generation seconds
     check = getattr(agent, "check_weights", None)
     if check_weights and not greedy and callable(check):  # the engine sampled with the weights handed over
         check(td)
@@ -111,14 +115,15 @@ class RolloutFailedElsewhere(RuntimeError):
     process's output): this one stops too, rather than wait for it in the update's collectives."""
 
 
-def ended_together(agent: Any, episodes: Callable[[], TensorDictBase]) -> TensorDictBase:
+def ended_together(dist: Any, episodes: Callable[[], Any]) -> Any:
     """``episodes()`` (a training rollout's episodes, which every process draws); under several
-    processes (``agent.backend.dist``) each then learns whether any process's failed before any goes
-    on to the collectives that follow (the weight check, the forwards, the update): where one
-    process's engine failed every process raises :class:`~textrl.generation.base.EngineFailed` (the
-    others :class:`~textrl.generation.base.EngineFailedElsewhere`), so all save the last finished iteration together, :mod:`textrl.run.loop`), where another error
-    stopped one, the others raise :class:`RolloutFailedElsewhere`. One collective of two flags."""
-    dist = getattr(getattr(agent, "backend", None), "dist", None)
+    processes (``dist``: :class:`textrl.distributed.Distributed`; None: one) each then learns whether
+    any process's failed before any goes on to the collectives that follow (the weight check, the
+    forwards, the update): where one process's engine failed every process raises
+    :class:`~textrl.generation.base.EngineFailed` (the others
+    :class:`~textrl.generation.base.EngineFailedElsewhere`), so all save the last finished iteration
+    together (:mod:`textrl.run.loop`); where another error stopped one, the others raise
+    :class:`RolloutFailedElsewhere`. One collective of two flags."""
     if dist is None or not dist.enabled:
         return episodes()
     try:

@@ -135,7 +135,8 @@ class FakeLLM:
         self.reloads = 0
 
     def collective_rpc(self, function, args):
-        """A worker that takes what it is sent: its load report is the sent weights' fingerprint."""
+        """A worker that takes what it is sent (one bucket: the whole model): its load report is the
+        sent weights' fingerprint."""
         from textrl.generation.vllm_engine import fingerprint
 
         self.reloads += 1
@@ -148,17 +149,22 @@ class FakeLLM:
 def started_vllm_engine(model):
     """A :class:`VLLMEngine` as ``_start`` leaves it (vLLM started on ``model``'s weights), over a
     :class:`FakeLLM`."""
+    from textrl.generation.vllm_engine import base_state_dict
+
     engine = VLLMEngine()
     engine.llm, engine._model = FakeLLM(), model
-    engine._weights = VersionCounter(model.parameters)
-    engine._loaded = engine._weights.now()
+    engine.sync.follow(model, base_state_dict)
+    engine.sync.took(engine.sync.wanted())
     return engine
 
 
 def connected_server_engine(model, sent: list[int]):
     """A :class:`VLLMServerEngine` connected to no server: each weight sync appended to ``sent``."""
+    from textrl.generation.vllm_engine import merged_state_dict
+
     engine = VLLMServerEngine()
-    engine._model, engine._weights = model, VersionCounter(model.parameters)
+    engine._model = model
+    engine.sync.follow(model, merged_state_dict)
     engine._sync = lambda model: sent.append(1) or "fingerprint"
     engine._check_versions = lambda: None
     return engine

@@ -38,10 +38,12 @@ shuffles its minibatches with a private generator (:attr:`textrl.agents.learner.
 from __future__ import annotations
 
 import copy
+import math
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -83,8 +85,23 @@ def token_iterations(mask: Tensor, turn_iters: list[int]) -> Tensor:
 
 
 def trainable_state(policy: nn.Module) -> dict[str, Tensor]:
-    """A detached copy of ``policy``'s trained weights (``requires_grad``): what the learner publishes."""
-    return {name: p.detach().clone() for name, p in policy.named_parameters() if p.requires_grad}
+    """A detached copy of ``policy``'s trained weights (``requires_grad``), what the learner publishes,
+    kept off the device: on the CPU, in pinned memory for weights on CUDA (copied without blocking,
+    then one wait for them all), so that the K + 1 snapshots an asynchronous run keeps cost no device
+    memory and load back without blocking (:meth:`AsyncActor.load`)."""
+    out: dict[str, Tensor] = {}
+    cuda = set()
+    for name, p in policy.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.device.type == "cuda":
+            out[name] = torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p.detach(), non_blocking=True)
+            cuda.add(p.device)
+        else:
+            out[name] = p.detach().to("cpu", copy=True)
+    for device in cuda:
+        torch.cuda.current_stream(device).synchronize()  # the copies are done before the learner writes the weights
+    return out
 
 
 def policy_copy(policy: nn.Module) -> nn.Module:
@@ -96,25 +113,77 @@ def policy_copy(policy: nn.Module) -> nn.Module:
     return twin.eval().requires_grad_(False)
 
 
+def receives_directly(engine: Any, policy: nn.Module) -> bool:
+    """Whether the asynchronous actor hands each published snapshot straight to its engine and keeps
+    no copy of the policy: an engine that holds its own weights and takes them pushed
+    (:attr:`~textrl.generation.base.GenerationEngine.receives_weights`: the ``vllm`` engines) and a
+    policy that trains every weight (full fine-tuning: a LoRA or 4-bit policy's frozen base is not in
+    the snapshots, and its adapter goes to vLLM from a copy that shares the base; textrl's view of one
+    adapter lists only the adapter's weights, by their LoRA names)."""
+    from textrl.generation.vllm_engine import is_lora_name
+
+    return bool(getattr(engine, "receives_weights", False)) and all(
+        p.requires_grad and not is_lora_name(name) for name, p in policy.named_parameters())
+
+
+def device_bytes(tensors: Iterable[Tensor], device: torch.device | str) -> int:
+    """The bytes of the distinct storages of ``tensors`` that live on ``device`` (a storage several of
+    them share is counted once)."""
+    device = torch.device(device)
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor.device.type == device.type and (device.index is None or tensor.device.index == device.index):
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+PREFILL_CHECK_SKIPPED = (
+    "the asynchronous actor hands each published snapshot straight to {engine} and keeps no copy of the policy, so "
+    "it cannot prefill the weights its engine samples with: the rollouts' prefill weight check is off; the engine's "
+    "check of what its workers took (fingerprints of every hand-over) stands in (docs/async.md, \"What runs where\")")
+"""The line an asynchronous run whose actor keeps no copy of the policy says once (:meth:`AsyncActor.note`)."""
+
+
 @dataclass
 class AsyncActor:
-    """The actor that draws the asynchronous rollouts: an :class:`textrl.agents.actor.Actor` over its
-    own copy of the policy (:func:`policy_copy`) and its own generation engine, loaded with the
-    weights of one learner iteration at a time (:meth:`load`). ``iteration`` is the one it holds."""
+    """The actor that draws the asynchronous rollouts: an :class:`textrl.agents.actor.Actor` with its
+    own generation engine, loaded with the weights of one learner iteration at a time (:meth:`load`).
+    ``iteration`` is the one it holds.
+
+    Where the engine holds its own weights (:func:`receives_directly`: the ``vllm`` engines, full
+    fine-tuning) the actor keeps no copy of the policy: each snapshot goes to the engine
+    (``engine.load_weights``), and the learner's module only describes the model to it (its weights are
+    not read); the prefill weight check, which needs a module at the weights sampled with, is off
+    (:data:`PREFILL_CHECK_SKIPPED`). Otherwise it samples its own copy (:func:`policy_copy`), the
+    snapshot copied into its trained weights (:attr:`trained`)."""
 
     actor: Any
-    trained: dict[str, nn.Parameter] = field(default_factory=dict, repr=False)
+    trained: dict[str, nn.Parameter] | None = field(default_factory=dict, repr=False)
+    """The copy's trained weights, which :meth:`load` writes; None: no copy, the engine receives the weights."""
     iteration: int = -1
+    sync_seconds: float = 0.0
+    """Seconds :meth:`load` spent since :meth:`take_sync_seconds` last read them."""
+    skipped_check: bool = False
+    """Whether the run's prefill weight check is off because the actor keeps no copy (it was on)."""
 
     @classmethod
     def of(cls, agent: Any) -> AsyncActor:
-        """``agent``'s actor (:attr:`PPOAgent.actor`) re-built over a copy of its policy, with no
-        reference and no critic (the learner evaluates the rollouts) and an engine of its own."""
+        """``agent``'s actor (:attr:`PPOAgent.actor`) re-built with no reference and no critic (the
+        learner evaluates the rollouts) and an engine of its own, over a copy of the policy unless the
+        engine receives the weights (:func:`receives_directly`)."""
         from textrl.agents.actor import Actor, build_actor
+        from textrl.agents.weight_check import weight_gap_bound
 
         main = agent.actor
-        twin = policy_copy(main.policy)
         engine = build_actor(agent).engine  # a new engine of the run's kind, configured and checked
+        if receives_directly(engine, main.policy):
+            # the learner's module, never read for its weights; no module at the sampled weights to prefill
+            checked = not math.isinf(weight_gap_bound(main.config, main.precision.compute_dtype))
+            actor = Actor(replace(main.config, max_weight_gap=0), main.policy, None, None, main.forwards, engine,
+                          main.backend, eos_token_id=main.eos_token_id, pad_token_id=main.pad_token_id, device=main.device)
+            return cls(actor, None, skipped_check=checked)
+        twin = policy_copy(main.policy)
         actor = Actor(main.config, twin, None, None, main.forwards, engine, main.backend,
                       eos_token_id=main.eos_token_id, pad_token_id=main.pad_token_id, device=main.device)
         names = {name for name, p in main.policy.named_parameters() if p.requires_grad}
@@ -123,12 +192,38 @@ class AsyncActor:
     @torch.no_grad()
     def load(self, iteration: int, weights: dict[str, Tensor], version: int) -> None:
         """Sample with the published ``weights`` of ``iteration`` (``version``: the learner's weight
-        version then, stamped on the rows as ``KEYS.policy_version``); nothing when it holds them."""
+        version then, stamped on the rows as ``KEYS.policy_version``); nothing when it holds them. With
+        no copy the engine takes them (by reference; moved to its device in buckets at its next call);
+        else they are copied into the copy's trained weights (without blocking from pinned memory)."""
         if iteration == self.iteration:
             return
-        for name, param in self.trained.items():
-            param.copy_(weights[name])
+        started = time.perf_counter()
+        if self.trained is None:
+            self.actor.engine.load_weights(weights.items(), int(version))
+        else:
+            for name, param in self.trained.items():
+                param.copy_(weights[name], non_blocking=True)
+        self.sync_seconds += time.perf_counter() - started
         self.iteration, self.actor.version, self.actor.updates = iteration, int(version), iteration
+
+    def take_sync_seconds(self) -> float:
+        """The seconds spent giving the engine its weights since the last call (``time/weight_sync_s``):
+        :meth:`load`'s and the engine's own hand-overs (``take_weight_sync_seconds``)."""
+        seconds = self.sync_seconds + self.actor.engine.take_weight_sync_seconds()
+        self.sync_seconds = 0.0
+        return seconds
+
+    def device_bytes(self, device: torch.device | str) -> int:
+        """The bytes of the actor's own copy of the trained weights on ``device`` (0 without a copy; the
+        frozen weights it shares with the learner are not its own)."""
+        return 0 if self.trained is None else device_bytes(self.trained.values(), device)
+
+    def note(self) -> str | None:
+        """The line a run says once where the actor keeps no copy and so skips the prefill check it
+        would have run (:data:`PREFILL_CHECK_SKIPPED`), else None."""
+        if not self.skipped_check:
+            return None
+        return PREFILL_CHECK_SKIPPED.format(engine=f"the {self.actor.engine.name!r} engine")
 
 
 # -- the pipeline --------------------------------------------------------------------------------------
@@ -353,5 +448,5 @@ class Cancelled(BaseException):  # noqa: N818 - a request, not an error; not an 
     """Raised in the producer by :meth:`Weights.check`: the learner asked it to rest."""
 
 
-__all__ = ["AsyncActor", "AsyncRollouts", "Cancelled", "Queued", "Weights", "behaviour_iteration",
-           "policy_copy", "token_iterations", "trainable_state", "turn_iteration"]
+__all__ = ["AsyncActor", "AsyncRollouts", "Cancelled", "PREFILL_CHECK_SKIPPED", "Queued", "Weights", "behaviour_iteration",
+           "device_bytes", "policy_copy", "receives_directly", "token_iterations", "trainable_state", "turn_iteration"]

@@ -285,6 +285,13 @@ class PPOAgent(nn.Module):
         with actor.rollout(greedy=greedy) as sampled:
             yield sampled
 
+    def take_weight_sync_seconds(self) -> float | None:
+        """The seconds the actor's engine spent taking the weights since the last call
+        (``time/weight_sync_s``; :func:`textrl.rollout.run_episodes` reads it), None for an engine that
+        samples the policy's weights in place (:attr:`~textrl.generation.base.GenerationEngine.receives_weights`)."""
+        engine = self.actor.engine
+        return engine.take_weight_sync_seconds() if engine.receives_weights else None
+
     def check_weights(self, td: TensorDictBase) -> None:
         """Stop when the engine did not sample ``td`` with the weights handed to it
         (:meth:`textrl.agents.actor.Actor.check_weights`; :func:`textrl.rollout.run_episodes` calls it)."""

@@ -3,7 +3,7 @@ and :class:`EngineFailed` (an engine that cannot go on)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -59,9 +59,29 @@ class GenerationEngine:
 
     name = "?"
 
+    receives_weights = False
+    """Whether the engine holds its own copy of the weights and takes them pushed (:meth:`load_weights`):
+    the ``vllm`` engines. False for the engines that sample the module they are called with (``hf``,
+    ``static``, ``textrl``): its weights as they are now."""
+
     def generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
                  **kwargs: Any) -> Tensor:
         raise NotImplementedError
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Sample with these weights from the next call on (an engine with :attr:`receives_weights`):
+        ``(name, tensor)`` pairs named as the model's own ``state_dict`` (transformers names), on any
+        device (a CPU snapshot is moved in buckets), and ``version``, the caller's version of them.
+        After the first call the engine reads no weights of the module it is called with (it only
+        describes the model); the tensors are kept by reference until the next call replaces them.
+        Here: ``TypeError``, an engine that samples the module it is given."""
+        raise TypeError(f"the {self.name!r} engine samples the module it is called with; it takes no pushed weights "
+                        "(receives_weights is False)")
+
+    def take_weight_sync_seconds(self) -> float:
+        """The seconds spent handing weights to the engine since the last call (``time/weight_sync_s``).
+        Here: 0, an engine that samples the module's weights in place."""
+        return 0.0
 
     def generate_with_logprobs(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
                                **kwargs: Any) -> tuple[Tensor, Tensor | None]:

