@@ -295,3 +295,42 @@ def test_asynchronous_rollouts_resumed_by_another_number_of_processes_are_refuse
     assert result.returncode != 0
     assert ("this checkpoint was saved by an asynchronous run of 2 training process(es) (each with its actor's "
             "rollouts in flight), and this run has 1; resume it with as many") in result.stderr, result.stderr[-2000:]
+
+
+ONE_ACTOR = """
+import sys
+from textrl import rollout_sources
+from textrl.cli import main
+
+rollout_sources.one_actor = lambda config: True  # as with --vllm-server: the main process's actor deals the shares
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_one_actor_dealing_every_process_its_share_resumes_as_the_uninterrupted_run(tmp_path):
+    """The served recipe's asynchronous mode (one actor on the main process draws every batch whole,
+    each process takes its share when the learners take the rollout), with the textrl engine in its
+    place: 2 iterations then --resume to 4 equal 4 at once, and the checkpoint holds one actor."""
+    cache = tmp_path / "cache"
+    env = {**os.environ, "TEXTRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    script = tmp_path / "one_actor.py"
+    script.write_text(ONE_ACTOR)
+
+    def run(out, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+               str(script), "train", "--output-dir", str(out), *SMALL, "--max-staleness", "1", "--eval-every", "2",
+               *extra]
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    run(full, "--iterations", "4")
+    run(part, "--iterations", "2")
+    assert "processes" not in torch.load(latest_checkpoint(part) / "trainer_state.pt", weights_only=False)["sampler"]
+    run(part, "--iterations", "4", "--resume")
+    a, b = metrics(full), metrics(part)
+    assert [r["rollout/staleness"] for r in a] == [0.0, 1.0, 1.0, 1.0] and all(r["samples"] == 8 for r in a)
+    for key in ("reward/mean", "loss/policy", "loss/value", "kl/collection", "tokens", "rollout/weight_gap"):
+        assert [r[key] for r in b] == [r[key] for r in a], key
+    sa, sb = checkpoint_tensors(latest_checkpoint(full)), checkpoint_tensors(latest_checkpoint(part))
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -30,9 +30,9 @@ from textrl.agents.async_actor import (
 )
 from textrl.agents.forwards import micro_batches
 from textrl.checks import check_rollout
-from textrl.generation.base import EngineFailed
+from textrl.generation.base import EngineFailed, EngineFailedElsewhere
 from textrl.keys import KEYS
-from textrl.rollout import ended_together
+from textrl.rollout import RolloutFailedElsewhere, ended_together
 from textrl.rollout_sources import draw_start, put_back
 from textrl.run.rng import set_rng_state
 
@@ -91,11 +91,17 @@ class AsyncTraining:
 
     # -- the learner's side ---------------------------------------------------------------------
     def next_rollout(self, iteration: int, timings: dict[str, float]) -> tuple[Any, int]:
+        """:meth:`take_rollout`, its weight check judged and the rollout estimated here
+        (``agent.process_rollout``)."""
+        td, rows = self.take_rollout(iteration, timings)
+        self.actor.actor.judge_weight_gap(td, drawn_with(td))
+        return check_rollout(self.agent.process_rollout(td, timings=timings), finite=False), rows
+
+    def take_rollout(self, iteration: int, timings: dict[str, float]) -> tuple[Any, int]:
         """Publish the learner's weights (``iteration - 1`` updates done), then take the rollout that
-        iteration trains on and estimate it here (``agent.process_rollout``): ``(rollout, rows of its
-        prompt batch)`` (the rollout with ``KEYS.policy_iteration``, and ``KEYS.token_iteration`` with
-        partial rollouts); its generation and reward seconds go to ``timings``, and ``wait``, the
-        seconds the learner waited for it."""
+        iteration trains on, as drawn: ``(rollout, rows of its prompt batch)`` (the rollout with
+        ``KEYS.policy_iteration``, and ``KEYS.token_iteration`` with partial rollouts); its generation
+        and reward seconds go to ``timings``, and ``wait``, the seconds the learner waited for it."""
         learner = self.agent.learner
         self._taking = True
         self.pipeline.publish(iteration - 1, trainable_state(learner.policy), learner.version)
@@ -109,12 +115,11 @@ class AsyncTraining:
             except Exception as err:  # the producer died: the learner's state stands, and is saved (as an engine's failure)
                 raise ProducerFailed(producer_failure(err)) from err
 
-        td, drawn, rows = ended_together(self.agent, take)  # under several processes, a failure anywhere stops all
+        td, drawn, rows = ended_together(self.dist, take)  # under several processes, a failure anywhere stops all
         self._taking = False
         timings["wait"] = time.perf_counter() - started
         timings.update(drawn)
-        self.actor.actor.judge_weight_gap(td, drawn_with(td))
-        return check_rollout(self.agent.process_rollout(td, timings=timings), finite=False), rows
+        return td, rows
 
     @contextmanager
     def sampling_agent(self) -> Iterator[ActorView]:
@@ -265,6 +270,100 @@ class AsyncTraining:
             self._restored_start = None
 
 
+class DealtRollouts:
+    """``--max-staleness K`` under several processes whose rollouts come from vLLM servers: one
+    actor, on the main process (:class:`AsyncTraining` of this process alone), draws every prompt
+    batch whole (the servers generate it; one weight push for each change of weights, where actors
+    of their own in each process would push to the same servers on their own schedules), and deals
+    each process its share when the learners take it (a broadcast, in the step's order); each
+    judges its share's weight check with the others and estimates it. A checkpoint holds the one
+    actor's state. Same interface as :mod:`textrl.rollout_sources`' sources."""
+
+    def __init__(self, config: Any, agent: Any, sampler: Any, episodes: Any, dist: Any) -> None:
+        from textrl.distributed import Distributed
+
+        self.agent, self.dist = agent, dist
+        self.actor = AsyncTraining(config, agent, sampler, episodes, Distributed.single(agent.device)) \
+            if dist.is_main else None
+        if self.actor is None:  # the learner's shuffles: the same private generator as the main one's
+            generator = torch.Generator(device=agent.device)
+            generator.manual_seed(int(config.seed) + LEARNER_SEED_OFFSET)
+            agent.learner.generator = generator
+        self._taking = False
+
+    def next_rollout(self, iteration: int, timings: dict[str, float]) -> tuple[Any, int]:
+        """The main process takes the whole rollout and broadcasts it (or what stopped its actor);
+        each process keeps its share (``dist.shard``: whole prompt groups), judges the weight check
+        with the others, and estimates its share."""
+        self._taking = True
+        sent: Any = None
+        if self.actor is not None:
+            try:
+                td, rows = self.actor.take_rollout(iteration, timings)
+                sent = ("rollout", td.to("cpu"), rows, dict(timings))
+            except EngineFailed as err:
+                self.dist.broadcast_object(("engine", str(err)))
+                raise
+            except Exception as err:
+                self.dist.broadcast_object(("error", f"{type(err).__name__}: {err}"))
+                raise
+        kind, *got = self.dist.broadcast_object(sent)
+        if kind == "engine":
+            raise EngineFailedElsewhere("the actor of the main process failed in this iteration's rollout (its line "
+                                        "is in that process's output)")
+        if kind == "error":
+            raise RolloutFailedElsewhere("the actor of the main process stopped on an error (its line is in that "
+                                         "process's output)")
+        whole, rows, drawn = got
+        self._taking = False
+        timings.update(drawn)
+        td = whole[self.dist.shard(whole.shape[0], "rollout rows")].to(self.agent.device)
+        self.agent.actor.judge_weight_gap(td, drawn_with(td))
+        return check_rollout(self.agent.process_rollout(td, timings=timings), finite=False), rows // self.dist.world_size
+
+    @contextmanager
+    def sampling_agent(self) -> Iterator[Any]:
+        """The main process's actor with the learner's weights (only the main process evaluates)."""
+        if self.actor is None:
+            yield self.agent
+            return
+        with self.actor.sampling_agent() as view:
+            yield view
+
+    def quiesce(self) -> None:
+        if self.actor is not None:
+            self.actor.quiesce()
+
+    def rewind(self, iteration: int) -> bool:
+        return self.actor.rewind(iteration) if self.actor is not None else self._taking
+
+    def state_dict(self) -> dict[str, Any]:
+        """The one actor's (the main process's; only it saves)."""
+        if self.actor is None:
+            raise RuntimeError("only the main process saves the actor's state")
+        return self.actor.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.actor is not None:
+            self.actor.load_state_dict(state)
+        else:
+            if "async" not in state:
+                raise ValueError("this checkpoint was saved by a run without --max-staleness; resume it with its "
+                                 "own max_staleness (a fixed setting)")
+            self.agent.learner.generator.set_state(state["learner_generator"])
+
+    def restored(self) -> None:
+        if self.actor is not None:
+            self.actor.restored()
+
+    def note(self) -> str | None:
+        return self.actor.note() if self.actor is not None else None
+
+    def close(self) -> None:
+        if self.actor is not None:
+            self.actor.close()
+
+
 def staleness_note(config: Any) -> str | None:
     """The line a run with ``max_staleness`` K >= 1 and no rollout correction starts with: what its
     objective is (the rollout drawn by weights up to K updates old, the ratio's denominator the
@@ -315,4 +414,4 @@ def rebased(td: Any, offset: int) -> Any:
     return td
 
 
-__all__ = ["ActorView", "AsyncTraining", "ProducerFailed", "producer_failure", "staleness_note"]
+__all__ = ["ActorView", "AsyncTraining", "DealtRollouts", "ProducerFailed", "producer_failure", "staleness_note"]

@@ -29,6 +29,14 @@ class Distributed:
         self.rank = torch.distributed.get_rank() if initialized else 0
         self.device = torch.device(device)
 
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> Distributed:
+        """This process alone, whatever process group is up (an actor that serves every process from
+        one of them: no collective of its own)."""
+        solo = cls.__new__(cls)
+        solo.world_size, solo.rank, solo.device = 1, 0, torch.device(device)
+        return solo
+
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
@@ -113,6 +121,14 @@ class Distributed:
         out: list[Any] = [None] * self.world_size
         torch.distributed.all_gather_object(out, obj)
         return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Process ``src``'s picklable ``obj`` on every process (the others pass anything)."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=src)
+        return box[0]
 
     def broadcast_module(self, module: nn.Module) -> None:
         """Copy rank 0's parameters and buffers into every process's ``module``, in place."""

@@ -101,12 +101,23 @@ class SyncRollouts:
 
 def rollout_source(config: Any, agent: Any, sampler: Any, episodes: Any, backend: Any) -> Any:
     """The run's source: :class:`SyncRollouts`, or with ``max_staleness`` > 0 the asynchronous actor
-    (:class:`textrl.async_training.AsyncTraining`: one actor per process)."""
+    (:class:`textrl.async_training.AsyncTraining`: one actor per process; or, where
+    :func:`one_actor`, :class:`textrl.async_training.DealtRollouts`)."""
     if int(config.max_staleness) == 0:
         return SyncRollouts(agent, sampler, episodes, backend.dist.shard)
-    from textrl.async_training import AsyncTraining
+    from textrl.async_training import AsyncTraining, DealtRollouts
 
+    if backend.dist.enabled and one_actor(config):
+        return DealtRollouts(config, agent, sampler, episodes, backend.dist)
     return AsyncTraining(config, agent, sampler, episodes, backend.dist)
 
 
-__all__ = ["SyncRollouts", "draw_start", "put_back", "rollout_source"]
+def one_actor(config: Any) -> bool:
+    """Whether an asynchronous run of several processes has one actor, on the main process, dealing
+    every process its share (:class:`textrl.async_training.DealtRollouts`): when its rollouts come
+    from vLLM servers (shared by all, one weight push per change). Otherwise an actor per process,
+    each drawing its share with an engine of its own."""
+    return bool(getattr(config, "vllm_server", None))
+
+
+__all__ = ["SyncRollouts", "draw_start", "one_actor", "put_back", "rollout_source"]

@@ -536,6 +536,10 @@ def refuse_async_processes(config: TrainConfig) -> None:
         raise ValueError(f"--max-staleness {config.max_staleness} runs an actor beside the learner in each of the "
                          f"{processes} training processes, and under {partitioned} none holds the policy's weights "
                          "whole; train data parallel (no --fsdp, --zero-stage 0 to 2), or drop --max-staleness")
+    if config.max_staleness and processes > 1 and config.vllm_server and config.reward_nonfinite == "drop":
+        raise ValueError(f"--max-staleness {config.max_staleness} with --vllm-server under {processes} processes deals "
+                         "each process its share of the main process's rollouts, which reward_nonfinite='drop' would "
+                         "leave uneven; use --reward-nonfinite zero (or raise)")
 
 
 def check_env_reward_columns(env) -> None:
