@@ -68,8 +68,9 @@ def broadcast(group: Any, tensor: torch.Tensor, failed: Callable[[], BaseExcepti
             work.wait(WAIT_SLICE)
             return
         except RuntimeError:
-            if work.is_completed():  # the broadcast itself failed (a closed connection, its own timeout)
-                raise
+            if work.is_completed():  # done since the slice ended: its own outcome (sent, a closed connection,
+                work.wait()  # its own timeout), not the slice's timeout (a thread descheduled in between)
+                return
         failure = failed()
         if failure is not None:
             raise failure
