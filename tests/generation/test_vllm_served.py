@@ -1,7 +1,8 @@
 """Served rollouts (``textrl train --vllm-server``) against real vLLM servers on localhost started
 with ``textrl vllm-serve``: two servers and a trainer in two gloo processes, the weights pushed after
 every update (the logged gap stays at float noise), resume, a call's draws from the run's random
-stream, a server serving another model, and a server killed mid-run. Marked ``vllm`` (and ``slow``: each server takes 30-90 s to start); the
+stream, a server serving another model, a server killed mid-run, and an asynchronous run stopped by
+SIGTERM while its actor draws, then resumed. Marked ``vllm`` (and ``slow``: each server takes 30-90 s to start); the
 errors for a server that does not answer run everywhere.
 """
 
@@ -19,8 +20,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.runs import metrics
+from tests.runs import checkpoint_tensors, metrics
 from textrl.cli import main
 from textrl.generation.vllm_server import choice_rows, completion_request, server_urls
 from textrl.run import latest_checkpoint
@@ -352,6 +354,78 @@ def test_a_killed_server_is_dropped_taken_back_when_restarted_and_the_last_one_k
     AutoModelForCausalLM.from_pretrained(checkpoint / "policy")  # intact
     assert noticed < 10.0
     print(f"a killed server noticed after {noticed:.2f} s; the last two killed: the run stopped after {stopped:.2f} s")
+
+
+SLOW_RUN = """
+import sys, time
+from textrl.agents.async_actor import AsyncRollouts
+from textrl.cli import entry
+from textrl.generation.vllm_server import VLLMServerEngine
+
+seconds, sys.argv = float(sys.argv[1]), ["textrl", *sys.argv[2:]]
+generate, rest = VLLMServerEngine.generate_with_logprobs, AsyncRollouts._rest
+
+def slow(self, *args, **kwargs):  # a slow server: each rollout call seconds longer, its answer the same
+    time.sleep(seconds)
+    return generate(self, *args, **kwargs)
+
+def said(self, n):  # the actor's rollout n cancelled (drawn again from its start)
+    print(f"rollout {n} cancelled", file=sys.stderr, flush=True)
+    return rest(self, n)
+
+VLLMServerEngine.generate_with_logprobs, AsyncRollouts._rest = slow, said
+entry()
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_sigterm_during_a_slow_served_rollout_stops_within_one_call_and_the_resume_is_exact(tmp_path, folder, servers):
+    """--max-staleness 2, each rollout call (one request: 2 rows of one prompt) 4 s slower, so the actor
+    is always drawing: SIGTERM in iteration 3 finishes it, cancels the actor's next rollout between two
+    of its calls (not at its end, a whole rollout later), saves iteration 3 with that rollout to draw
+    again and exits with 143, less than one iteration after iteration 3 ended. Resumed to iteration 4,
+    its rows and tensors are the uninterrupted run's, bit for bit: one request a call and one server, so
+    each batch vLLM computes has the same shape in both (concurrent requests batch as they arrive)."""
+    settings = ["--iterations", "4", "--max-staleness", "2", "--generation-batch-size", "2"]
+    full, out = tmp_path / "full", tmp_path / "run"
+    train(full, folder, servers[:1], *settings)
+    env = {**os.environ, "TEXTRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    run = Watched([sys.executable, "-c", SLOW_RUN, "4.0", "train", "--output-dir", str(out), "--model", str(folder),
+                   "--vllm-server", servers[0], *SMALL, *settings], env)
+    wait_rows(out, 2, run)
+    time.sleep(1.0)  # past iteration 2's stop check: the signal lands in iteration 3, the actor drawing its rollout
+    sent = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    ended: dict[int, float] = {}  # when each iteration's row came
+    while run.proc.poll() is None:
+        ended.setdefault((out / "metrics.jsonl").read_text().count("\n"), time.monotonic())  # whole rows
+        time.sleep(0.05)
+    exited = time.monotonic()
+    assert run.end(timeout=60) == 128 + signal.SIGTERM, run.tail()
+    rows = metrics(out)
+    stopped = rows[-1]["iteration"]
+    checkpoint = latest_checkpoint(out)
+    line = [ln for _, ln in run.errors if ln.startswith("textrl train: ")][-1]
+    assert line.startswith(f"textrl train: stopped by SIGTERM after iteration {stopped} of 4; checkpoint saved in "
+                           f"{checkpoint}"), line
+    assert stopped == 3 and checkpoint.name == "iter_000003"
+    cancelled = [at for at, ln in run.errors if ln == f"rollout {stopped} cancelled"]  # iteration 4's, 0-based
+    assert cancelled and sent < cancelled[0] < exited, run.tail()
+    pipeline = torch.load(checkpoint / "trainer_state.pt", weights_only=False)["sampler"]["async"]
+    assert pipeline["in_flight"][0] == stopped and pipeline["queued"] == []  # drawn again from its start on resume
+    iteration_s = min(row["time/iteration_s"] for row in rows[1:])  # one iteration of this run (the first starts it)
+    after = exited - ended[stopped]
+    print(f"SIGTERM to exit {exited - sent:.1f} s, of which {after:.1f} s after iteration {stopped} ended "
+          f"(its rollout's call cancelled {cancelled[0] - ended[stopped]:.1f} s after); one iteration {iteration_s:.1f} s")
+    assert after < iteration_s  # waiting for the cancelled rollout's end would be a whole iteration more
+
+    train(out, folder, servers[:1], *settings, "--resume")
+    trained = lambda row: {k: str(v) for k, v in row.items()  # noqa: E731
+                           if not k.startswith(("time/", "memory/", "eval/")) and k not in ("tokens_per_second", "perf/tokens_per_s")}
+    assert [trained(r) for r in metrics(out)] == [trained(r) for r in metrics(full)]
+    a, b = (checkpoint_tensors(path / "checkpoints" / "iter_000004") for path in (full, out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 STREAM_PROBE = """
