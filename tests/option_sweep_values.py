@@ -123,6 +123,9 @@ VALUES: dict[str, Try | tuple[Try, ...] | Exempt] = {
               Try("adamw_bnb_8bit", "8-bit moments: other steps")),
     "gradient_checkpointing": Try(True, "recomputes activations in the backward: the same gradients", "same"),
     "logprob_chunk_size": Try(3, "the fused LM head + log-softmax in chunks of 3 positions: the same log-probs", "same"),
+    "padding_free": Try(True, "the forwards and backward on the packed real tokens: the padded ones' numbers", "same"),
+    "microbatch_tokens": Try(48, "micro-batches of at most 48 real tokens (about one row each) instead of the whole "
+                             "minibatch: the same gradient", "same"),
     "attn_implementation": Try("eager", "eager attention instead of sdpa: the same function", "same"),
     "iterations": Try(3, "one more iteration, one more metrics row", "rows"),
     "resume": Try(True, "continues the run stopped after iteration 1 (its checkpoint) and ends where the "

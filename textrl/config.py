@@ -214,6 +214,10 @@ class TrainConfig:
     """Minibatches per epoch; the rollout batch must divide into them."""
     gradient_accumulation_steps: int = 1
     """Micro-batches accumulated per minibatch; the minibatch must divide into them."""
+    microbatch_tokens: int | None = None
+    """Micro-batches filled up to N real tokens each (prompt + response, padding left out; a longer
+    row alone) instead of gradient_accumulation_steps equal row counts, as many on every process;
+    the same gradient either way (docs/training.md, "Memory"). None: off."""
     clip_eps: float | None = None
     """PPO clip epsilon of the policy ratio (None = the agent's default: 0.2, one_step_ppo 0.1, gspo 3e-4,
     cispo none: no lower clip)."""
@@ -382,7 +386,7 @@ class TrainConfig:
         # how long and how hard it trains from here, cadences, micro-batching, sharding (full tensors: docs/parallelism.md), faults
         applied=frozenset({
             "device", "iterations", "generation_batch_size", "forward_batch_size", "ppo_epochs",
-            "num_minibatches", "gradient_accumulation_steps", "clip_eps", "clip_eps_high", "dual_clip", "value_clip_eps",
+            "num_minibatches", "gradient_accumulation_steps", "microbatch_tokens", "clip_eps", "clip_eps_high", "dual_clip", "value_clip_eps",
             "vf_coef", "entropy_coef", "kl_coef", "kl_target", "kl_horizon", "kl_early_stop", "ratio_threshold",
             "kl_after_update", "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr",
             "lr_schedule", "lr_warmup_steps", "max_grad_norm", "fsdp", "fsdp_reshard_after_forward", "zero_stage",
@@ -730,6 +734,12 @@ def _check_batches(config: TrainConfig) -> None:
             f"{config.n_samples_per_prompt}) does not divide into it; choose a divisor of {rollout}"
         )
     minibatch = rollout // config.num_minibatches
+    tokens = config.microbatch_tokens
+    if tokens is not None:
+        check_at_least("microbatch_tokens", tokens, 1)
+        if config.gradient_accumulation_steps != 1:
+            raise ValueError(f"microbatch_tokens={tokens} splits each minibatch by tokens and gradient_accumulation_steps="
+                             f"{config.gradient_accumulation_steps} by rows: give one of them")
     if minibatch % config.gradient_accumulation_steps:
         raise ValueError(
             f"gradient_accumulation_steps={config.gradient_accumulation_steps}: the minibatch of "

@@ -41,7 +41,7 @@ TOPICS: dict[str, tuple[str, tuple[str, ...]]] = {
         "Weights' dtypes, autocast, attention, optimiser state, activation checkpointing and the batch sizes "
         "of the forwards and of generation (docs/training.md, \"Memory\").",
         ("dtype", "mixed_precision", "frozen_dtype", "attn_implementation", "optim", "gradient_checkpointing",
-         "logprob_chunk_size", "padding_free", "forward_batch_size", "generation_batch_size", "load_in_4bit"),
+         "logprob_chunk_size", "padding_free", "microbatch_tokens", "forward_batch_size", "generation_batch_size", "load_in_4bit"),
     ),
     "engine": (
         "What generates the rollouts (docs/generation.md, docs/vllm.md) and, with --max-staleness, an actor "

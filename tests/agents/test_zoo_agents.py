@@ -245,6 +245,19 @@ def test_minibatch_gradient_does_not_depend_on_the_micro_batch_split(tok, name, 
         assert_gradients_close(grads[steps], grads[1], rtol, what=f"{steps} micro-batches: ")
 
 
+TOKEN_BUDGETS = (1, 14, 30)
+"""``microbatch_tokens`` over the six-row rollout (8, 8, 10, 2, 10 and 4 real tokens): every row alone,
+micro-batches of 1, 1, 2 and 2 rows, of 3 and 3 rows (tests/agents/test_update_splits.py)."""
+
+
+@pytest.mark.parametrize("name, overrides", GRADIENT_CASES, ids=[f"{n}{'-' + '-'.join(o) if o else ''}" for n, o in GRADIENT_CASES])
+def test_minibatch_gradient_does_not_depend_on_a_token_budget_split(tok, name, overrides):
+    whole, rtol = minibatch_gradient(tok, name, 1, overrides)
+    for budget in TOKEN_BUDGETS:
+        grads, _ = minibatch_gradient(tok, name, 1, {**overrides, "microbatch_tokens": budget})
+        assert_gradients_close(grads, whole, rtol, what=f"microbatch_tokens={budget}: ")
+
+
 # 3. every agent on every registered environment ----------------------------------------------------
 class ScriptedGuesser:
     """A stand-in generator: each turn answers a random number 1..8 and EOS (multi-turn games

@@ -327,7 +327,7 @@ def own_behaviour_logprobs(agent: Any) -> bool:
 
 def reuses_rollout_forward(agent: Any) -> bool:
     """Whether ``agent.update`` is one optimiser step over the whole rollout from the behaviour
-    policy itself (1 epoch, 1 minibatch, no accumulation, no old-policy snapshot).
+    policy itself (1 epoch, 1 minibatch, no accumulation by rows or tokens, no old-policy snapshot).
 
     Then that step's forward is the behaviour forward: the actor's :meth:`~textrl.agents.actor.Actor.evaluate`
     runs it with grad, the advantages are computed from its detached log-probs and values, and the step
@@ -341,6 +341,7 @@ def reuses_rollout_forward(agent: Any) -> bool:
         and cfg.ppo_epochs == 1
         and cfg.num_minibatches == 1
         and cfg.gradient_accumulation_steps == 1
+        and getattr(cfg, "microbatch_tokens", None) is None
         and own_behaviour_logprobs(agent)
     )
 

@@ -28,7 +28,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor
 
-from textrl.agents.forwards import RolloutForward, with_forward
+from textrl.agents.forwards import RolloutForward, attended_response, with_forward
 from textrl.functional import kept_mask, kl_penalty, masked_mean, mismatch_stats
 from textrl.functional.ppo import explained_variance
 from textrl.keys import KEYS
@@ -115,6 +115,7 @@ def run_epochs(learner: Learner, td: TensorDictBase, forward: RolloutForward | N
     serves the first micro-batch only: the update is then one step over the whole rollout."""
     cfg, backend = learner.config, learner.backend
     mask = loss_mask(td)  # [B, T]
+    row_tokens = real_tokens(td)  # [B]
     for _ in range(cfg.ppo_epochs):
         tally.epochs_run += 1
         private = {} if learner.generator is None else {"generator": learner.generator}  # max_staleness > 0
@@ -131,7 +132,7 @@ def run_epochs(learner: Learner, td: TensorDictBase, forward: RolloutForward | N
                 micro_weights: list[float] = []  # each micro-batch's share of the minibatch's loss
                 backwards = dropped = 0
                 seen: list[str] = []  # what of a micro-batch's loss was NaN/inf (micro_batch_loss)
-                for sub_idx in idx.tensor_split(min(cfg.gradient_accumulation_steps, idx.numel())):
+                for sub_idx in micro_splits(idx, row_tokens, cfg, backend.dist):
                     sub = td[sub_idx]
                     weight = objective.micro_weight(sub, mask[sub_idx], mb_tokens, sub_idx.numel(), idx.numel())
                     loss, sub_stats = micro_batch_loss(objective.loss, sub, forward.rows(sub_idx) if forward else None,
@@ -161,6 +162,69 @@ def run_epochs(learner: Learner, td: TensorDictBase, forward: RolloutForward | N
             if should_stop_early(cfg, tally.stats):
                 tally.early_stopped = True
                 return
+
+
+def real_tokens(td: TensorDictBase) -> Tensor:
+    """Each row's real tokens, int64 ``[B]``: its attended prompt and response tokens (what a
+    padding-free forward runs)."""
+    return td.get(KEYS.prompt_mask).sum(1) + attended_response(td).sum(1)
+
+
+def micro_splits(idx: Tensor, row_tokens: Tensor, cfg: Any, dist: Any) -> list[Tensor]:
+    """The micro-batches of a minibatch's rows ``idx`` ``[b]``: ``gradient_accumulation_steps`` runs of
+    near-equal row counts, or with ``microbatch_tokens`` runs of rows in order, as many as filling
+    each up to that many real tokens (``row_tokens`` ``[B]``) takes on the process that needs most
+    (every process runs as many backwards: ZeRO and FSDP reduce inside them), balanced by tokens
+    (:func:`balanced_runs`). Never more micro-batches than rows."""
+    budget = getattr(cfg, "microbatch_tokens", None)
+    if budget is None:
+        return list(idx.tensor_split(min(cfg.gradient_accumulation_steps, idx.numel())))
+    tokens = row_tokens[idx].tolist()
+    count = len(filled_runs(tokens, budget))
+    if getattr(dist, "world_size", 1) > 1:
+        count = int(dist.gather(torch.tensor([count], device=row_tokens.device)).max())
+    bounds = balanced_runs(tokens, min(count, len(tokens)))
+    return [idx[start:end] for start, end in zip([0, *bounds], bounds)]
+
+
+def filled_runs(tokens: list[int], budget: int) -> list[int]:
+    """Where runs of rows end (exclusive indices) when each run takes rows in order while their
+    ``tokens`` fit ``budget`` (a row over it is a run alone).
+
+    >>> filled_runs([3, 4, 2, 9, 1], 7)
+    [2, 3, 4, 5]
+    """
+    ends, total = [], 0
+    for i, n in enumerate(tokens):
+        if total and total + n > budget:
+            ends.append(i)
+            total = 0
+        total += n
+    return [*ends, len(tokens)] if tokens else []
+
+
+def balanced_runs(tokens: list[int], count: int) -> list[int]:
+    """Where ``count`` runs of rows in order end (exclusive indices), none empty, the largest run's
+    tokens as small as it can be (the least budget :func:`filled_runs` fits into ``count`` runs,
+    by bisection; the runs then split further where fewer came out).
+
+    >>> balanced_runs([3, 4, 2, 9, 1], 3)  # 9, 9, 1 tokens
+    [3, 4, 5]
+    >>> balanced_runs([5, 5, 5, 5], 4)
+    [1, 2, 3, 4]
+    """
+    if count <= 1 or not tokens:
+        return [len(tokens)] if tokens else []
+    low, high = max(tokens), sum(tokens)
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if len(filled_runs(tokens, mid)) <= count else (mid + 1, high)
+    ends = filled_runs(tokens, low)
+    while len(ends) < count:  # split the longest-by-rows run until there are count
+        starts = [0, *ends[:-1]]
+        widest = max(range(len(ends)), key=lambda k: ends[k] - starts[k])
+        ends.insert(widest, starts[widest] + (ends[widest] - starts[widest]) // 2)
+    return ends
 
 
 def combined_micro_stats(stats: dict[str, list[Tensor]], weights: list[float]) -> dict[str, float]:
@@ -344,9 +408,10 @@ def should_stop_early(cfg: Any, stats: dict[str, list[float]]) -> bool:
 
 
 def provenance_metrics(learner: Learner, td: TensorDictBase) -> dict[str, float]:
-    """Where the rollout came from, against the learner now: ``rollout/policy_lag`` (the learner's
-    weight version minus the oldest version that generated a row: 0 when the actor samples with the
-    learner's current weights) and, where the engine computed its log-probs,
+    """Where the rollout came from, against the learner now: :func:`staleness_metrics`
+    (``rollout/staleness``: the updates between the weights that sampled its tokens and the learner's,
+    0 when the actor samples with the learner's current weights; the one lag metric, in the unit of
+    ``--max-staleness``) and, where the engine computed its log-probs,
     :func:`textrl.functional.mismatch_stats` of them against ``action_log_prob`` over the agent's
     tokens: ``rollout/logprob_gap`` and ``rollout/logprob_gap_max`` (mean and largest absolute
     difference: floating-point noise when both are the same weights, a lag's or an old policy's
@@ -357,8 +422,6 @@ def provenance_metrics(learner: Learner, td: TensorDictBase) -> dict[str, float]
     under its own top-k / top-p) and ``rollout/weight_gap_outside`` (the share of those tokens the
     prefill's filter drops); with a rollout correction, :func:`correction_metrics`."""
     out: dict[str, float] = {}
-    if KEYS.policy_version in td.keys():
-        out["rollout/policy_lag"] = float(learner.version - int(td.get(KEYS.policy_version).min()))
     if KEYS.policy_iteration in td.keys(include_nested=True):
         out.update(staleness_metrics(learner.iteration, td))
     generated = td.get(KEYS.generation_log_prob, None)
@@ -376,9 +439,10 @@ def provenance_metrics(learner: Learner, td: TensorDictBase) -> dict[str, float]
 
 
 def staleness_metrics(iteration: int, td: TensorDictBase) -> dict[str, float]:
-    """With asynchronous rollouts: ``rollout/staleness`` (the mean over the agent's tokens of the
-    updates between the weights that sampled them and the learner's, ``iteration`` updates done) and
-    ``rollout/staleness_max``; per token with partial rollouts (``KEYS.token_iteration``), else per row."""
+    """``rollout/staleness`` (the mean over the agent's tokens of the updates between the weights that
+    sampled them, ``KEYS.policy_iteration``, and the learner's, ``iteration`` updates done) and
+    ``rollout/staleness_max``; per token with partial rollouts (``KEYS.token_iteration``), else per
+    row. 0 in the synchronous loop; at most ``max_staleness`` with asynchronous rollouts."""
     mask = td.get(KEYS.mask)
     per_token = td.get(KEYS.token_iteration, None)
     if per_token is None:
