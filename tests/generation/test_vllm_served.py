@@ -509,10 +509,10 @@ for _ in range(3):  # a normal push each: checked and passed
     seconds.append(time.perf_counter() - start)
 original, sent = vllm_transfer.broadcast, []
 
-def corrupting(group, tensor, *rest):  # one tensor arrives changed in its last bits
+def corrupting(group, tensor, *rest):  # one weight arrives changed in its last bit (a packed bucket's first byte)
     if not sent:
         tensor = tensor.clone()
-        tensor.view(-1)[0] = torch.nextafter(tensor.view(-1)[0], torch.tensor(float("inf"), dtype=tensor.dtype))
+        tensor.view(torch.uint8).view(-1)[0] ^= 1
     sent.append(1)
     original(group, tensor, *rest)
 
