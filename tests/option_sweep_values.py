@@ -220,9 +220,10 @@ VALUES: dict[str, Try | tuple[Try, ...] | Exempt] = {
         1.0001, "icepop's band [1.0001, 5]: as rollout_correction_upper, every token is rejected",
         "rollout/correction_rejected_fraction", base={"rollout_correction": "icepop"}),
     "max_weight_gap": Try(0.0, "0 turns the check of the engine's weights off: its metric is gone", "rollout/weight_gap"),
-    "max_staleness": Try(1, "the actor samples iteration 2 with the weights of iteration 1", "rollout/policy_lag"),
-    "partial_rollouts": Try("continue", "an episode in flight takes the next weights at its next turn",
-                            base={"max_staleness": 2, "env": "guess_number"}),
+    "max_staleness": Try(1, "the actor samples iteration 2 with the weights of iteration 1", "rollout/staleness"),
+    "partial_rollouts": Try("continue", "an episode in flight takes the next weights at its next turn (from rollout 2 "
+                            "on at K=2: the third iteration)", "rollout/staleness",
+                            base={"max_staleness": 2, "env": "guess_number", "iterations": 3}),
     "old_logprobs": Try("engine", "the engine's log-probs as the ratio's denominator (bypass)"),
     "kl_coef": Try(0.1, "a stronger KL penalty", "kl/coef"),
     "kl_kind": tuple(Try(kind, f"the {kind} estimator of the KL", "kl/before_update") for kind in ("k2", "k3", "abs")),

@@ -101,6 +101,8 @@ def run_episodes(agent: Any, batch: Any, runner: Any, greedy: bool, timings: dic
         td = ended_together(getattr(getattr(agent, "backend", None), "dist", None), episodes) if check_weights \
             else episodes()
     td.set(KEYS.policy_version, torch.full(td.batch_size, int(sampled.version), dtype=torch.long, device=td.device))
+    td.set(KEYS.policy_iteration, torch.full(td.batch_size, int(getattr(sampled, "iteration", 0)), dtype=torch.long,
+                                             device=td.device))
     took = getattr(agent, "take_weight_sync_seconds", None)
     if timings is not None and callable(took) and (seconds := took()) is not None:
         timings["weight_sync"] = timings.get("weight_sync", 0.0) + seconds  # within the generation seconds

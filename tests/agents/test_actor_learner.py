@@ -3,7 +3,7 @@
 The actor makes rollouts (its engine chosen once, for the backend), the learner learns from them;
 the weights go back through one call (``Actor.load_weights_from``) with a version counter, and
 every rollout records the version that generated it and the log-probs the engine drew with, which
-the update compares with its own (``rollout/policy_lag``, ``rollout/logprob_gap``).
+the update compares with its own (``rollout/staleness``, ``rollout/logprob_gap``).
 """
 
 from __future__ import annotations
@@ -100,21 +100,20 @@ def test_a_rollout_records_its_version_and_the_engines_log_probs(tok, engine, mu
     weight_gap = float(td.get(KEYS.weight_gap_sum).sum()) / int(checked.sum())
     assert weight_gap < GAP
     metrics = agent.update(td)
-    assert metrics["rollout/policy_lag"] == 0.0
+    assert metrics["rollout/staleness"] == 0.0
     assert metrics["rollout/weight_gap"] == pytest.approx(weight_gap)
     assert metrics["rollout/logprob_gap"] == pytest.approx(float(gap.mean()))
     assert metrics["rollout/logprob_gap_max"] == pytest.approx(float(gap.max()))
     assert metrics["rollout/logprob_kl"] > 0
 
 
-def test_the_lag_counts_the_learners_steps_since_the_rollout(tok):
+def test_the_lag_counts_the_learners_updates_since_the_rollout(tok):
     agent = make_agent(tok, "gae_ppo", ppo_epochs=2, num_minibatches=2, actor_lr=1e-2)
     stale = rollout(agent, tok)
     first = agent.update(stale)
-    assert first["rollout/policy_lag"] == 0.0
-    steps = first["ppo/epochs_run"] * 2  # two minibatches an epoch, none skipped
-    again = agent.update(agent.process_rollout(stale))  # generated before those steps, evaluated after them
-    assert again["rollout/policy_lag"] == steps
+    assert first["rollout/staleness"] == 0.0 == first["rollout/staleness_max"]
+    again = agent.update(agent.process_rollout(stale))  # generated before that update, evaluated after it
+    assert again["rollout/staleness"] == 1.0 == again["rollout/staleness_max"]
     assert again["rollout/logprob_gap"] > 100 * first["rollout/logprob_gap"]  # the engine drew from the old weights
 
 

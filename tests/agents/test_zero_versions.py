@@ -100,7 +100,7 @@ def test_the_engine_samples_with_the_updated_weights_every_iteration(tok, stage,
         gaps.append(engine_gap(td))
         assert td.get(KEYS.policy_version).tolist() == [versions[-1]] * td.shape[0]
         metrics = agent.update(td)
-        assert metrics["nonfinite/skipped_updates"] == 0 and metrics["rollout/policy_lag"] == 0.0
+        assert metrics["nonfinite/skipped_updates"] == 0 and metrics["rollout/staleness"] == 0.0
     assert not torch.equal(first, next(agent.policy.parameters()))  # DeepSpeed's steps wrote the weights ...
     assert versions == sorted(set(versions))  # ... and the version moved with every update
     assert max(gaps) < FP32_GAP, gaps

@@ -55,4 +55,4 @@ def test_a_run_with_the_vllm_engine_under_bf16_logs_its_gap(tmp_path, monkeypatc
                  "--warmup-sft-steps", "5"]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for row in rows:  # bf16 autocast in the learner, bf16 weights in vLLM: a gap, but no lag
-        assert row["rollout/policy_lag"] == 0.0 and row["rollout/logprob_gap"] < 0.1, row
+        assert row["rollout/staleness"] == 0.0 and row["rollout/logprob_gap"] < 0.1, row

@@ -361,7 +361,7 @@ def test_training_with_the_vllm_engine_samples_with_each_updates_weights(tmp_pat
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]
     for row in rows:
-        assert row["rollout/policy_lag"] == 0.0 and row["rollout/logprob_gap_max"] < 1e-4, row
+        assert row["rollout/staleness"] == 0.0 and row["rollout/logprob_gap_max"] < 1e-4, row
 
 
 def test_a_lora_policys_merged_weights_are_its_outputs(tok):

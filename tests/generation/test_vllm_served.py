@@ -185,7 +185,7 @@ def test_two_servers_and_two_trainer_processes_train_with_the_new_weights_each_i
     rows = metrics(out)
     assert [r["iteration"] for r in rows] == [1, 2, 3] and all(r["samples"] == 8 for r in rows)
     for row in rows:  # stale weights on a server would show as a gap of the update's size (~1e-2)
-        assert row["rollout/policy_lag"] == 0.0
+        assert row["rollout/staleness"] == 0.0
         assert row["rollout/logprob_gap_max"] < 1e-4, row
     summary = json.loads((out / "summary.json").read_text())
     assert summary["processes"] == 2
@@ -204,7 +204,7 @@ def test_a_served_run_resumes_with_its_checkpoints_weights_on_the_servers(tmp_pa
     train(part, folder, servers, "--iterations", "3", "--resume")
     rows = metrics(part)
     assert [r["iteration"] for r in rows] == [1, 2, 3] and rows[2]["samples"] == 8
-    assert rows[2]["rollout/policy_lag"] == 0.0 and rows[2]["rollout/logprob_gap_max"] < 1e-4, rows[2]
+    assert rows[2]["rollout/staleness"] == 0.0 and rows[2]["rollout/logprob_gap_max"] < 1e-4, rows[2]
     assert metrics(other)[0]["rollout/logprob_gap_max"] < 1e-4  # the other run's first rollout: its own weights too
 
 
@@ -346,7 +346,7 @@ def test_a_killed_server_is_dropped_taken_back_when_restarted_and_the_last_one_k
     rows = metrics(out)
     assert len(rows) >= rows_back + 2
     for row in rows:  # the taken-back server sampled with the run's weights: else its rows' gap would show it
-        assert row["rollout/policy_lag"] == 0.0 and row["rollout/logprob_gap_max"] < 1e-4, row
+        assert row["rollout/staleness"] == 0.0 and row["rollout/logprob_gap_max"] < 1e-4, row
     checkpoint = latest_checkpoint(out)
     assert int(checkpoint.name.removeprefix("iter_")) == rows[-1]["iteration"]  # metrics and checkpoint agree
     from transformers import AutoModelForCausalLM

@@ -58,10 +58,13 @@ log-probs the ratio's denominator uses (an agent's old-policy snapshot)."""
 class Sampled:
     """One rollout's sampling: ``generate(input_ids, attention_mask) -> (tokens [n, T], logp [n, T]
     or None)`` for each turn (the engine's log-probs of the tokens it drew, where it computes them),
-    and the ``version`` of the weights that generated them (:attr:`Actor.version`)."""
+    the ``version`` of the weights that generated them (:attr:`Actor.version`) and their
+    ``iteration``, the learner's updates done when they were handed over (:attr:`Actor.updates`: the
+    unit of ``rollout/staleness``)."""
 
     generate: Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]
     version: int
+    iteration: int = 0
 
 
 @dataclass
@@ -181,7 +184,7 @@ class Actor:
             return self.sample(input_ids.to(self.device), attention_mask.to(self.device), greedy=greedy)
 
         with self.engine.rollout():
-            yield Sampled(generate, self.version)
+            yield Sampled(generate, self.version, self.updates)
 
     @torch.no_grad()
     def check_weights(self, td: TensorDictBase, tokens: Tensor | None = None) -> None:
