@@ -93,3 +93,69 @@ def test_a_token_budget_runs_the_updates_own_forward(tok):
     assert reuses_rollout_forward(agent)
     agent.config.microbatch_tokens = 64
     assert not reuses_rollout_forward(agent)
+
+
+# -- two gloo processes: as many micro-batches on each, the gradient of the whole minibatch ----------
+
+
+def _split_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import os
+    import unittest.mock
+
+    from tests.agents.conftest import PROMPTS, collect, make_agent
+    from tests.arithmetic import rollout_rtol
+    from textrl.agents.base import UpdateTally
+    from textrl.agents.update import Objective, run_epochs
+    from textrl.distributed import Distributed
+    from textrl.models import build_tiny_tokenizer
+    from textrl.parallel import Replicated
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        tok = build_tiny_tokenizer()
+        prompts = PROMPTS if rank == 0 else [f"{p} and a few more words, then some more" for p in PROMPTS]
+        out = {}
+        for split, settings in (("whole", {}), ("tokens", {"microbatch_tokens": BUDGET})):
+            torch.manual_seed(0)
+            agent = make_agent(tok, "gae_ppo", **settings)
+            Replicated(Distributed("cpu"), "cpu").prepare(agent)
+            td = collect(agent, tok, prompts=prompts, seed=rank)
+            grads, loss, calls = {}, agent.loss, []
+
+            def step(agent, grads=grads):  # the synchronised gradient, not stepped
+                agent.backend.sync_gradients(agent)
+                grads.update({n: p.grad.clone() for n, p in agent.named_parameters() if p.grad is not None})
+                return {}
+
+            def counted(mb, loss=loss, calls=calls):
+                calls.append(mb.shape[0])
+                return loss(mb)
+
+            agent.backend.step = step
+            with unittest.mock.patch("torch.randperm", lambda n, device=None, **_: torch.arange(n, device=device)):
+                run_epochs(agent.learner, td, None, UpdateTally(), Objective(counted, agent.micro_weight))
+            out[split] = {"grads": grads, "rows": calls, "rtol": rollout_rtol(agent.policy.config, td),
+                          "filled": len(filled_runs(real_tokens(td).tolist(), BUDGET))}
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+BUDGET = 30
+"""Two or three of the short rows a micro-batch on process 0, one or two of the long ones on process 1."""
+
+
+@pytest.mark.slow
+def test_two_processes_run_as_many_token_micro_batches_and_the_gradient_of_the_whole_minibatch(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.arithmetic import assert_gradients_close
+
+    mp.spawn(_split_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    filled = [r["tokens"]["filled"] for r in ranks]
+    assert filled[0] != filled[1]  # each process alone would split otherwise
+    for r in ranks:
+        assert len(r["tokens"]["rows"]) == max(filled) and len(r["whole"]["rows"]) == 1
+        assert_gradients_close(r["tokens"]["grads"], r["whole"]["grads"], r["whole"]["rtol"], what="token split: ")
+    assert all(torch.equal(ranks[0]["tokens"]["grads"][k], g) for k, g in ranks[1]["tokens"]["grads"].items())
