@@ -204,3 +204,51 @@ def test_a_view_of_one_adapter_keeps_its_copy_though_it_lists_only_trained_weigh
     view = View()
     assert all(p.requires_grad for p in view.parameters())
     assert not receives_directly(Receiving(), view)
+
+
+@pytest.mark.parametrize("receives", [True, False], ids=["receives", "samples-in-place"])
+def test_a_rollout_logs_the_seconds_its_engine_spent_taking_weights_only_where_it_takes_them(receives):
+    """time/weight_sync_s in the synchronous loop: the engine's hand-over seconds, read once per
+    rollout, for an engine that holds its own weights; none for one that samples the policy in place."""
+    from tests.agents.conftest import make_agent, target_reward
+    from textrl.envs.prompts import encode_prompts
+    from textrl.envs.tasks import make_digits_task
+    from textrl.models import build_tiny_tokenizer
+    from textrl.rollout import collect
+
+    class Timed(HFEngine):
+        receives_weights = receives
+        took = 0
+
+        def take_weight_sync_seconds(self) -> float:
+            self.took += 1
+            return 0.25
+
+    tok = build_tiny_tokenizer()
+    agent = make_agent(tok, "grpo")
+    agent.actor.engine = engine = Timed()
+    timings: dict[str, float] = {}
+    collect(agent, encode_prompts(make_digits_task(4, seed=0), tok)[0], target_reward, timings=timings)
+    assert timings.get("weight_sync") == (0.25 if receives else None)
+    assert engine.took == (1 if receives else 0)
+
+
+def test_an_asynchronous_run_with_a_copy_of_the_policy_logs_its_copies_and_holds_its_snapshots_on_the_cpu(
+        tmp_path, monkeypatch, capsys):
+    """K=1 with the textrl engine (it samples a module: the actor keeps a copy): each rollout's row
+    says the seconds of the copies into it (time/weight_sync_s, the first rollout's load), and the
+    snapshots the learner publishes are CPU tensors; no line about the prefill check."""
+    import textrl.agents.async_actor as async_actor
+    from tests.runs import SMALL, metrics
+    from textrl.cli import main
+
+    published: list[dict] = []
+    state = async_actor.trainable_state
+    monkeypatch.setattr("textrl.async_training.trainable_state", lambda policy: published.append(state(policy))
+                        or published[-1])
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--iterations", "2", "--output-dir", str(out), "--max-staleness", "1"]) == 0
+    rows = metrics(out)
+    assert rows[0]["time/weight_sync_s"] > 0 and all(r["time/weight_sync_s"] >= 0 for r in rows)
+    assert published and all(t.device.type == "cpu" for snapshot in published for t in snapshot.values())
+    assert async_actor.PREFILL_CHECK_SKIPPED[:60] not in capsys.readouterr().out
