@@ -230,3 +230,16 @@ def test_the_probe_restores_each_modules_mode(tok):
     before = [m.training for m in model.modules()]
     assert honours_packed_positions(model, "cpu")
     assert [m.training for m in model.modules()] == before
+
+
+def test_the_layout_follows_the_attention_implementation(tok, monkeypatch):
+    from textrl.models import packed_forward
+
+    model = tiny(tok, "llama", "sdpa")
+    assert packing_layout(model, "cpu") == "bins"
+    monkeypatch.setattr(packed_forward, "honours_packed_positions", lambda model, device: True)  # no flash-attn here
+    monkeypatch.setattr(model.config, "_attn_implementation", "flash_attention_2")
+    assert packing_layout(model, "cpu") == "one_row"  # varlen kernels: one [1, N] row
+    monkeypatch.setattr(packed_forward, "honours_packed_positions", lambda model, device: False)
+    monkeypatch.setattr(model.config, "_attn_implementation", "eager")
+    assert packing_layout(model, "cpu") == "per_row"  # probed again for the new kernels

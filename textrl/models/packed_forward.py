@@ -40,8 +40,8 @@ LEAK_RATIO = 0.1
 than this share of what joining the runs under one mask changes (rounding is ~1e-7 of it in
 float32 and ~1e-2 in bf16; a leak is all of it)."""
 
-_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-"""Each probed model's layout (:func:`packing_layout`)."""
+_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, tuple[str | None, str]] = weakref.WeakKeyDictionary()
+"""Each probed model's attention implementation then and its layout (:func:`packing_layout`)."""
 
 
 def _features(out: Any) -> Tensor:
@@ -94,14 +94,15 @@ def attention_implementation(model: nn.Module) -> str | None:
 
 def packing_layout(model: nn.Module, device: torch.device | str) -> str:
     """``one_row`` (flash attention), ``bins`` (other kernels) or ``per_row`` (packed positions not
-    honoured: :func:`honours_packed_positions`); probed once per model."""
-    layout = _LAYOUTS.get(model)
-    if layout is None:
+    honoured: :func:`honours_packed_positions`); probed once per model and attention implementation."""
+    impl = attention_implementation(model)
+    seen, layout = _LAYOUTS.get(model, (None, None))
+    if layout is None or seen != impl:
         if not honours_packed_positions(model, device):
             layout = "per_row"
         else:
-            layout = "one_row" if "flash" in str(attention_implementation(model) or "") else "bins"
-        _LAYOUTS[model] = layout
+            layout = "one_row" if "flash" in str(impl or "") else "bins"
+        _LAYOUTS[model] = (impl, layout)
     return layout
 
 

@@ -154,13 +154,13 @@ def _packed_call(input_ids: Tensor, attention_mask: Tensor, first: Tensor, lengt
     ``zero + j``)."""
     batch, length = input_ids.shape
     device = input_ids.device
-    fill, base, member = [0] * len(bins), [0] * batch, [False] * batch  # base: each row's first slot
+    fill, base, inside = [0] * len(bins), [0] * batch, [False] * batch  # base: each row's first slot
     for k, rows in enumerate(bins):
         for row in rows:
-            base[row], member[row] = k * width + fill[k], True
+            base[row], inside[row] = k * width + fill[k], True
             fill[k] += lengths[row]
     zero = torch.tensor(base, dtype=torch.long, device=device) - first
-    member = torch.tensor(member, dtype=torch.bool, device=device)
+    member = torch.tensor(inside, dtype=torch.bool, device=device)
     room = torch.tensor(fill, dtype=torch.long, device=device)
     positions = (torch.arange(width, device=device)[None] - room[:, None]).clamp(min=0).reshape(-1)  # the room left
     ids = torch.zeros(len(bins) * width, dtype=input_ids.dtype, device=device)
