@@ -33,8 +33,7 @@ from textrl.checks import check_rollout
 from textrl.generation.base import EngineFailed, EngineFailedElsewhere
 from textrl.keys import KEYS
 from textrl.rollout import RolloutFailedElsewhere, ended_together
-from textrl.rollout_sources import draw_start, put_back
-from textrl.run.rng import set_rng_state
+from textrl.run.rng import draw_start, put_back, set_rng_state
 
 LEARNER_SEED_OFFSET = 7919
 """The learner's minibatch generator is seeded with ``seed + LEARNER_SEED_OFFSET`` (the actor's draws

@@ -18,8 +18,8 @@ A rollout source has:
   checkpoint's ``sampler``), and ``restored()`` after the checkpoint's RNGs were set;
 - ``note()``: a line the run starts with, or None; ``close()``.
 
-:func:`draw_start` and :func:`put_back` are the one notion of "where a rollout's draw starts" (the
-process's RNGs and the prompt sampler's position), for both.
+:func:`textrl.run.rng.draw_start` and :func:`~textrl.run.rng.put_back` are the one notion of
+"where a rollout's draw starts" (the process's RNGs and the prompt sampler's position), for both.
 """
 
 from __future__ import annotations
@@ -28,20 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from textrl.run.rng import rng_state, set_rng_state
-
-
-def draw_start(sampler: Any) -> dict[str, Any]:
-    """What a rollout's draw depends on besides the weights: this process's RNGs and the prompt
-    sampler's position (``{"rng", "sampler"}``; a checkpoint of an asynchronous run keeps the one of
-    the rollout in flight)."""
-    return {"rng": rng_state(), "sampler": sampler.state_dict()}
-
-
-def put_back(sampler: Any, start: dict[str, Any]) -> None:
-    """The RNGs and the prompt sampler as :func:`draw_start` found them."""
-    sampler.load_state_dict(start["sampler"])
-    set_rng_state(start["rng"])
+from textrl.run.rng import draw_start, put_back
 
 
 class SyncRollouts:
@@ -120,4 +107,4 @@ def one_actor(config: Any) -> bool:
     return bool(getattr(config, "vllm_server", None))
 
 
-__all__ = ["SyncRollouts", "draw_start", "one_actor", "put_back", "rollout_source"]
+__all__ = ["SyncRollouts", "one_actor", "rollout_source"]

@@ -52,4 +52,18 @@ def keeping_rng() -> Iterator[None]:
         set_rng_state(state)
 
 
-__all__ = ["keeping_rng", "rng_state", "seed_everything", "set_rng_state"]
+def draw_start(sampler: Any) -> dict[str, Any]:
+    """What a rollout's draw depends on besides the weights: this process's RNGs and the prompt
+    sampler's position (``{"rng", "sampler"}``; ``sampler`` has ``state_dict`` / ``load_state_dict``).
+    The synchronous step rewinds to it after an engine failed; the asynchronous actor keeps the one
+    of the rollout in flight (a checkpoint draws it again from there)."""
+    return {"rng": rng_state(), "sampler": sampler.state_dict()}
+
+
+def put_back(sampler: Any, start: dict[str, Any]) -> None:
+    """The RNGs and the prompt sampler as :func:`draw_start` found them."""
+    sampler.load_state_dict(start["sampler"])
+    set_rng_state(start["rng"])
+
+
+__all__ = ["draw_start", "keeping_rng", "put_back", "rng_state", "seed_everything", "set_rng_state"]
