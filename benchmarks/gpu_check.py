@@ -25,7 +25,11 @@ budget of its own plus what the checks before it left unused, 9 minutes in all o
   reward after training above the one before (``summary.json``);
 - ``memory_0.5b``: one memory row at 0.5B parameters (``benchmarks/bench_gpu_memory.py`` row
   ``gae_ppo-0.5b-v512-all``, every memory option on): passes when the row ran and met that
-  script's goal, a peak of at most 12 GB.
+  script's goal, a peak of at most 12 GB;
+- ``padding_free``: the learner's prefill and forward+backward padded and padding-free
+  (``benchmarks/bench_padding_free.py``, hidden 1024, 8 layers, 32 rows of ragged 32 + 1024
+  tokens, bf16 autocast) at 25%, 50% and 75% padding: passes when both phases are at least 1.5x
+  faster padding-free at 50% padding (``PADDING_FREE_GOAL``).
 
 Without CUDA (or with ``--tiny``) every check runs at tiny sizes on the CPU, in about a minute and
 a half on 2 cores (5 minutes at most): the CUDA tests are collected, not run (their CPU rehearsal,
@@ -71,6 +75,9 @@ TRL_GOAL = 4.0
 MEMORY_ROW = "gae_ppo-0.5b-v512-all"
 MEMORY_GOAL = "gae_ppo 0.5B <= 12 GB"
 """benchmarks/bench_gpu_memory.py's goal that MEMORY_ROW meets (its GOALS)."""
+PADDING_FREE_GOAL = 1.5
+"""The least padded / padding-free ratio of the prefill and of the forward+backward at 50% padding
+(benchmarks/bench_padding_free.py's goal)."""
 TOTAL_S = {"gpu": 530.0, "cpu": 300.0}
 """Seconds for the checks in all: 9 minutes on a GPU with the script's own start and report."""
 
@@ -136,6 +143,10 @@ def commands(sizes: Sizes) -> dict[str, list[str]]:
         "--iterations", "6", "--mixed-precision", "bf16" if cpu_has_bf16() else "no",
         "--warmup-sft-steps", "20", "--eval-size", "8"]
     memory = ["--row-timeout", "150"] if gpu else ["--prompts", "2", "--samples", "2", "--new-tokens", "8"]
+    padding_free = (["--hidden", "1024", "--intermediate", "4096", "--layers", "8", "--heads", "16", "--rows", "32",
+                     "--new-tokens", "1024", "--threads", "0", "--mixed-precision", "bf16", "--repeats", "3"] if gpu else
+                    ["--hidden", "64", "--intermediate", "128", "--layers", "2", "--rows", "8", "--prompt-tokens", "8", "--new-tokens", "64",
+                     "--repeats", "1"])
     return {
         "cuda_tests": [py, "-m", "pytest", *pytest_options, str(ROOT / "tests")],
         "ppo_iteration": [py, str(HERE / "bench_ppo_iteration.py"), "--device", sizes.device, *sizes.model,
@@ -148,6 +159,7 @@ def commands(sizes: Sizes) -> dict[str, list[str]]:
                         "--output-dir", str(sizes.work / "default_run"), "--progress", "false"],
         "memory_0.5b": [py, str(HERE / "bench_gpu_memory.py"), "--device", sizes.device, "--rows", MEMORY_ROW,
                         "--no-prespawn", *memory],
+        "padding_free": [py, str(HERE / "bench_padding_free.py"), "--device", sizes.device, *padding_free],
     }
 
 
@@ -320,6 +332,18 @@ def judge_memory(f: dict[str, Any], gpu: bool) -> Verdict:
     return ("passed" if ok else "failed"), said + f"; goal {MEMORY_GOAL}: {goal.get('status', 'not reported')}", keep
 
 
+def judge_padding_free(f: dict[str, Any], gpu: bool) -> Verdict:
+    keep = {k: v for k, v in f.items() if k.endswith(("_speedup", "/share", "max_abs_diff"))}
+    half = [f.get(f"padding_50/{phase}/packed_speedup") for phase in ("prefill", "fwd+bwd")]
+    said = (f"padding-free at 50% padding: prefill {num(half[0])}x, forward+backward {num(half[1])}x the padded "
+            f"(25%: {num(f.get('padding_25/fwd+bwd/packed_speedup'))}x, 75%: "
+            f"{num(f.get('padding_75/fwd+bwd/packed_speedup'))}x forward+backward)")
+    if not gpu:
+        return "passed", said + " at tiny size (the goal is for a GPU)", keep
+    ok = all(isinstance(x, (int, float)) and x >= PADDING_FREE_GOAL for x in half)
+    return ("passed" if ok else "failed"), said + f" (goal >= {PADDING_FREE_GOAL:g}x both)", keep
+
+
 # -- the checks ---------------------------------------------------------------------------------------
 
 
@@ -373,12 +397,13 @@ def check_default_run(sizes: Sizes, argv: list[str], budget_s: float, name: str 
 
 
 CHECKS: dict[str, tuple[Callable[..., Result], float, float]] = {
-    "cuda_tests": (check_cuda_tests, 150, 60),
+    "cuda_tests": (check_cuda_tests, 130, 55),
     "ppo_iteration": (bench(judge_ppo_iteration), 60, 45),
-    "trl": (check_trl, 70, 45),
+    "trl": (check_trl, 50, 40),
     "generation": (bench(judge_generation), 50, 30),
     "default_run": (check_default_run, 140, 60),
-    "memory_0.5b": (bench(judge_memory), 60, 60),
+    "memory_0.5b": (bench(judge_memory), 60, 45),
+    "padding_free": (bench(judge_padding_free), 40, 25),
 }
 """Name -> (the check, its budget in seconds on a GPU, on the CPU); the budgets sum to TOTAL_S."""
 

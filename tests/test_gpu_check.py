@@ -128,6 +128,15 @@ def test_the_benchmark_judges_hold_the_gpu_goals():
     assert gpu_check.judge_memory(missed, gpu=True)[0] == "failed"
     oom = {"rows": {gpu_check.MEMORY_ROW: {"status": "OOM", "error": "worker exited -9"}}}
     assert gpu_check.judge_memory(oom, gpu=True)[0] == "failed"
+
+    packed = {"padding_50/prefill/packed_speedup": 1.8, "padding_50/fwd+bwd/packed_speedup": 1.9,
+              "padding_50/max_abs_diff": 0.01}
+    status, why, figures = gpu_check.judge_padding_free(packed, gpu=True)
+    assert status == "passed" and "prefill 1.80x" in why and figures["padding_50/max_abs_diff"] == 0.01
+    slow_backward = {**packed, "padding_50/fwd+bwd/packed_speedup": 1.4}
+    assert gpu_check.judge_padding_free(slow_backward, gpu=True)[0] == "failed"
+    assert gpu_check.judge_padding_free({"padding_50/prefill/packed_speedup": 1.8}, gpu=True)[0] == "failed"
+    assert gpu_check.judge_padding_free(slow_backward, gpu=False)[0] == "passed"
     lacking = {"rows": {gpu_check.MEMORY_ROW: {"status": "skipped: TrainConfig has no field optim"}}}
     assert gpu_check.judge_memory(lacking, gpu=True)[0] == "skipped"
 

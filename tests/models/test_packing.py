@@ -243,3 +243,33 @@ def test_the_layout_follows_the_attention_implementation(tok, monkeypatch):
     monkeypatch.setattr(packed_forward, "honours_packed_positions", lambda model, device: False)
     monkeypatch.setattr(model.config, "_attn_implementation", "eager")
     assert packing_layout(model, "cpu") == "per_row"  # probed again for the new kernels
+
+
+def _arch(name: str):
+    import transformers as tf
+
+    small = dict(vocab_size=128, hidden_size=32, num_attention_heads=4)
+    if name == "opt":
+        return tf.OPTForCausalLM(tf.OPTConfig(**small, ffn_dim=64, num_hidden_layers=2, word_embed_proj_dim=32))
+    if name == "bloom":
+        return tf.BloomForCausalLM(tf.BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4,
+                                                  attn_implementation="eager"))
+    config, model = {"qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+                     "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM)}[name]
+    heads = {} if name == "gpt_neox" else {"num_key_value_heads": 2}
+    return model(config(**small, **heads, intermediate_size=64, num_hidden_layers=2))
+
+
+@pytest.mark.parametrize("name, layout", [("qwen2", "bins"), ("mistral", "bins"), ("gpt_neox", "bins"),
+                                          ("opt", "per_row"), ("bloom", "per_row")])
+def test_each_architecture_takes_its_layout_and_equals_its_padded_forward(name, layout):
+    """docs/training.md's list: the models whose masks follow packed position ids, and two whose
+    masks do not (OPT, Bloom), which run one unpadded row at a time."""
+    torch.manual_seed(0)
+    model = _arch(name).eval()
+    assert packing_layout(model, "cpu") == layout
+    ids, mask, p = ragged(seed=6)
+    ids = ids % 128
+    packed = pack_rows(ids, mask, p, layout)
+    want = packed.gather(response_logits(model, ids, mask, p))
+    assert_close_normwise(packed_logits(model, packed), want, model_rtol(model.config, ids.numel()), name=name)
