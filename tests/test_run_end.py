@@ -203,14 +203,16 @@ def test_a_failure_in_the_loop_writes_summary_then_a_resume_replaces_it(tmp_path
     """An engine's failure in iteration 3 (after iteration 2's checkpoint): the run exits 1 with its
     one line, summary.json says failed in 3 after 2, curves.png is drawn; the resume writes rows
     3-4 once and its summary replaces the failure's."""
-    collect = trainer.collect
+    import textrl.rollout as rollout
+
+    collect = rollout.collect
 
     def failing(agent, batch, *args, **kwargs):
         if agent.iteration == 2:
             raise RuntimeError("the generation engine died")
         return collect(agent, batch, *args, **kwargs)
 
-    monkeypatch.setattr(trainer, "collect", failing)
+    monkeypatch.setattr(rollout, "collect", failing)
     out = tmp_path / "run"
     args = ["train", *SMALL, "--iterations", "4", "--output-dir", str(out), "--checkpoint-every", "1"]
     with pytest.raises(SystemExit) as stop:
@@ -222,7 +224,7 @@ def test_a_failure_in_the_loop_writes_summary_then_a_resume_replaces_it(tmp_path
     assert summary["where"].startswith(__file__)
     assert summary["peak_memory_mib"] and summary["skipped_updates"]["of_iterations"] == 2
     assert (out / "curves.png").is_file() and [r["iteration"] for r in _metrics(out)] == [1, 2]
-    monkeypatch.setattr(trainer, "collect", collect)
+    monkeypatch.setattr(rollout, "collect", collect)
     assert main([*args, "--resume"]) == 0
     assert [r["iteration"] for r in _metrics(out)] == [1, 2, 3, 4]
     summary = _summary(out)
