@@ -105,9 +105,10 @@ class TrainConfig:
     """Response positions per chunk of the fused LM head + log-softmax (no [positions, vocabulary]
     logits held whole): None = auto (on CUDA 2^24 logits a chunk, off on the CPU), 0 = off."""
     padding_free: bool = False
-    """The policy's, reference's and critic's forwards and backward on the real tokens only (TRL's
-    padding_free): each micro-batch's rows packed end to end, positions restarting per row,
-    attention within a row; the padded forwards' numbers to float32 rounding (docs/training.md, "Memory")."""
+    """The policy's, reference's and critic's forwards and backward, and the reward models' scores, on
+    the real tokens only (TRL's padding_free): each micro-batch's rows packed end to end, positions
+    restarting per row, attention within a row; the padded forwards' numbers to float32 rounding
+    (docs/training.md, "Memory")."""
     attn_implementation: str | None = None
     """Attention kernels: sdpa | eager | flash_attention_2 (needs the flash-attn package and CUDA);
     None: the model's default (sdpa where the architecture has it)."""

@@ -285,3 +285,33 @@ def test_trainer_runs_multi_adapter_ppo_from_the_command_line(tok, tmp_path, mon
 def test_config_checks_name_the_problem(overrides, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**{"agent": NAME, **overrides}).validate()
+
+
+def test_padding_free_scores_the_reward_adapter_on_packed_rows_as_on_padded_ones(tok, reward_dir):
+    from textrl.agents.build import task_reward
+    from textrl.models.packed_forward import scorer_layout
+
+    prompts = ["Add 2 and 3. " * 16, "Hi", "Name a colour, any colour you like.", "x"]
+    completions = ["<answer>5</answer>", "hello there, friend", "", "blue " * 6]
+    scorers = {pf: task_reward(build(tok, reward_dir, padding_free=pf, forward_batch_size=8), "")
+               .functions["reward_model"] for pf in (False, True)}
+    padded, packed = scorers[False], scorers[True]
+    assert packed.padding_free and not padded.padding_free  # the run's config reaches the agent's reward model
+    assert scorer_layout(packed.model, "cpu") == "bins"
+    rows = padded.encode(prompts, completions)
+    assert len(set(map(len, rows))) == len(rows)
+    calls: list[dict] = []
+    hook = packed.model.register_forward_pre_hook(lambda _m, _a, kw: calls.append(kw), with_kwargs=True)
+    try:
+        got = packed.score_raw(prompts, completions)
+    finally:
+        hook.remove()
+    assert len(calls) == 1 and calls[0]["attention_mask"] is None and calls[0]["input_ids"].shape[0] < len(rows)
+    model = packed.model
+    with torch.no_grad(), model.stack.use("reward"):
+        hidden = torch.cat([last_token_hidden(model.stack.model, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long))
+                            for r in rows])
+    tol = head_tolerance(hidden, model.score_head.weight,
+                         model_rtol(model.config, len(rows) * max(map(len, rows)))).squeeze(-1)
+    assert_within(got, padded.score_raw(prompts, completions), tol, "reward adapter scores")
+    assert len(set(got.tolist())) == len(rows)

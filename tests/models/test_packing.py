@@ -28,7 +28,7 @@ from textrl.models.packed_forward import (
     packed_values,
     packing_layout,
 )
-from textrl.models.packing import LAYOUTS, first_fit_decreasing, pack_rows, padding_fraction
+from textrl.models.packing import LAYOUTS, first_fit_decreasing, pack_last_tokens, pack_rows, padding_fraction
 from textrl.precision import set_attn_implementation
 from textrl.testing import assert_close_normwise
 
@@ -100,6 +100,23 @@ def test_every_attended_token_is_packed_with_its_position_and_each_pick_precedes
     values = torch.randn(packed.picks, 3)
     scattered = packed.scatter(values, fill=-1.0)
     assert torch.equal(scattered[response], values) and bool((scattered[~response] == -1.0).all())
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=batches(), layout=st.sampled_from(LAYOUTS))
+def test_a_scorers_pick_is_each_rows_last_attended_token_at_its_padded_position(batch, layout):
+    ids, mask, _ = batch
+    packed = pack_last_tokens(ids, mask, layout)
+    last = torch.where(mask, torch.arange(mask.shape[1]), -1).argmax(1)  # [B]: each row's last attended column
+    rows = torch.arange(ids.shape[0])
+    assert packed.shape == (ids.shape[0], 1) and packed.picks == ids.shape[0]  # every row has a prompt token
+    tokens = torch.cat([call.input_ids.reshape(-1)[call.picks] for call in packed.calls])
+    positions = torch.cat([call.position_ids.reshape(-1)[call.picks] for call in packed.calls])
+    assert torch.equal(tokens, packed.gather(ids[rows, last][:, None]))
+    assert torch.equal(positions, packed.gather(mask.sum(1, keepdim=True) - 1))  # cumsum(mask) - 1 there
+    assert packed.slots == int(mask.sum()) if layout != "bins" else packed.slots <= mask.shape[0] * int(mask.sum(1).max())
+    values = torch.randn(packed.picks)
+    assert torch.equal(packed.scatter(values)[packed.dest, 0], values)
 
 
 def test_the_calls_of_each_layout():

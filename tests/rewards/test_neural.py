@@ -11,6 +11,9 @@ from transformers import GPT2Config, GPT2ForSequenceClassification, PreTrainedTo
 from tests.arithmetic import assert_within, head_tolerance, model_rtol
 from textrl.models import build_tiny_reward_model, build_tiny_tokenizer, tiny_model_path
 from textrl.models.adapters import last_token_hidden
+from textrl.models.packed_forward import honours_packed_positions, packed_scores, scorer_layout
+from textrl.models.packing import LAYOUTS, pack_last_tokens
+from textrl.precision import set_attn_implementation
 from textrl.rewards import NeuralReward, call_reward, get_reward, parse_reward_spec, reward_name
 from textrl.testing import unit_roundoff
 
@@ -46,6 +49,11 @@ def model(tokenizer):
 
 @pytest.fixture(scope="module")
 def gpt2(tokenizer):
+    return tiny_gpt2_reward_model(tokenizer)
+
+
+def tiny_gpt2_reward_model(tokenizer) -> GPT2ForSequenceClassification:
+    """A seeded GPT-2 (absolute positions) with a scalar score head."""
     config = GPT2Config(
         vocab_size=len(tokenizer),
         n_positions=256,
@@ -294,3 +302,112 @@ def test_score_is_read_at_the_last_token_even_when_it_is_the_pad_id(model, token
     tol = score_tolerance(reward, prompts, completions)  # a padded batch against a row alone
     assert_within(got[0], expected, tol[0], "row 0 against its head")
     assert_within(got, one_by_one(reward, prompts, completions), tol, "scores")
+
+
+# -- padding_free: rows end to end ------------------------------------------------------------------
+def packed_calls(model) -> tuple[list[dict], object]:
+    """A list the model's forwards' keyword arguments land in, and the hook's handle."""
+    calls: list[dict] = []
+    return calls, model.register_forward_pre_hook(lambda _m, _a, kw: calls.append(kw), with_kwargs=True)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_padding_free_scores_equal_the_padded_batchs_on_ragged_rows(tokenizer, kind, attn):
+    model = build_tiny_reward_model(tokenizer, seed=3) if kind == "llama" else tiny_gpt2_reward_model(tokenizer)
+    set_attn_implementation(model, attn)
+    padded = NeuralReward(model, tokenizer, batch_size=8, clip=None)
+    packed = NeuralReward(model, tokenizer, batch_size=8, clip=None, padding_free=True)
+    rows = padded.encode(PROMPTS, COMPLETIONS)
+    assert len(set(map(len, rows))) == len(rows)  # ragged: every row another length
+    want = padded(PROMPTS, COMPLETIONS)
+    calls, hook = packed_calls(model)
+    try:
+        got = packed(PROMPTS, COMPLETIONS)
+    finally:
+        hook.remove()
+    assert scorer_layout(model, "cpu") == "bins"
+    # one packed forward: fewer slots than the padded batch, no mask, positions restarting per row
+    assert len(calls) == 1 and calls[0]["attention_mask"] is None
+    assert calls[0]["input_ids"].numel() < len(rows) * max(map(len, rows))
+    assert int((calls[0]["position_ids"] == 0).sum()) > calls[0]["input_ids"].shape[0]
+    assert_within(got, want, score_tolerance(padded, PROMPTS, COMPLETIONS), "packed scores")
+    assert len(set(got.tolist())) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_scores_in_every_layout_are_each_rows_last_token_score(model, tokenizer, layout):
+    reward = NeuralReward(model, tokenizer, clip=None)
+    rows = reward.encode(PROMPTS, COMPLETIONS)
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    with torch.no_grad():
+        packing = pack_last_tokens(ids, mask, layout)
+        got = packing.scatter(packed_scores(model, packing)[:, 0])[:, 0]
+    assert_within(got, reward.score_raw(PROMPTS, COMPLETIONS), score_tolerance(reward, PROMPTS, COMPLETIONS),
+                  f"{layout} scores")
+
+
+class LeakyBody(torch.nn.Module):
+    """A transformer body that attends across packed rows: without a mask it makes one of all ones."""
+
+    def __init__(self, body: torch.nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.body.get_input_embeddings()
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        return self.body(input_ids, attention_mask=mask, **kwargs)
+
+
+def test_a_reward_model_whose_body_attends_across_packed_rows_scores_one_row_at_a_time(tokenizer):
+    model = build_tiny_reward_model(tokenizer, seed=3)
+    model.model = LeakyBody(model.model)
+    assert not honours_packed_positions(model.model, "cpu") and scorer_layout(model, "cpu") == "per_row"
+    padded = NeuralReward(model, tokenizer, batch_size=8, clip=None)
+    packed = NeuralReward(model, tokenizer, batch_size=8, clip=None, padding_free=True)
+    want, tol = padded(PROMPTS, COMPLETIONS), score_tolerance(padded, PROMPTS, COMPLETIONS)
+    assert_within(packed(PROMPTS, COMPLETIONS), want, tol, "per-row scores")
+    rows = padded.encode(PROMPTS, COMPLETIONS)
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    with torch.no_grad():  # packed anyway: rows see each other, and the test would see it
+        packing = pack_last_tokens(ids, mask, "bins")
+        wrong = packing.scatter(packed_scores(model, packing)[:, 0])[:, 0]
+    assert bool(((wrong - padded.score_raw(PROMPTS, COMPLETIONS)).abs() > tol).any())
+
+
+def test_place_takes_the_runs_padding_free_and_leaves_it_otherwise(model, tokenizer):
+    from textrl.precision import Precision
+
+    reward = NeuralReward(model, tokenizer)
+    assert reward.place(Precision(torch.device("cpu"))).padding_free is False
+    assert reward.place(Precision(torch.device("cpu")), padding_free=True).padding_free is True
+    assert reward.place(Precision(torch.device("cpu"))).padding_free is True
+    assert "padding_free=True" in repr(reward)
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_a_reward_model_of_the_runs_reward_spec_scores_as_the_run_says(padding_free):
+    """``textrl train --padding-free --reward reward_model:PATH``: the trainer's task_reward loads and
+    places the spec's reward model with the run's padding_free, and it scores packed rows."""
+    from textrl.agents import AGENTS
+    from textrl.agents.build import task_reward
+    from textrl.config import TrainConfig
+
+    config = TrainConfig(agent="rloo", prompts_per_iteration=2, n_samples_per_prompt=2, max_new_tokens=4,
+                         warmup_sft_steps=0, padding_free=padding_free)
+    agent = AGENTS["rloo"].from_config(config, "cpu", log=lambda *a, **k: None)
+    neural = task_reward(agent, "think_format,reward_model:tiny").functions["reward_model"]
+    assert neural.padding_free is padding_free
+    calls, hook = packed_calls(neural.model)
+    try:
+        neural(PROMPTS[:3], COMPLETIONS[:3])
+    finally:
+        hook.remove()
+    assert [kw["attention_mask"] is None for kw in calls] == [padding_free]

@@ -172,9 +172,22 @@ class AdapterRewardModel(nn.Module):
     def get_input_embeddings(self) -> nn.Module:
         return self.stack.model.get_input_embeddings()
 
+    @property
+    def backbone(self) -> nn.Module:
+        """The shared base its hidden states come from (whose packed forwards
+        :func:`textrl.models.packed_forward.scorer_layout` probes)."""
+        return self.stack.model
+
     @torch.no_grad()
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, **_: Any) -> SequenceClassifierOutput:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None = None,
+                **_: Any) -> SequenceClassifierOutput:
+        """``attention_mask=None`` with ``position_ids``: packed rows (:mod:`textrl.models.packing`), the
+        score head on every position ``[k, w, 1]`` (read at each row's last token by
+        :func:`textrl.models.packed_forward.packed_scores`), ``logits`` each packed row's last slot's."""
         with self.stack.use(REWARD):
+            if attention_mask is None:
+                hidden = final_hidden(self.stack.model, input_ids, None, position_ids).float()  # [k, w, H]
+                return SequenceClassifierOutput(logits=self.score_head(hidden)[:, -1])  # [k, 1]
             hidden = last_token_hidden(self.stack.model, input_ids, attention_mask)  # [B, H]
         return SequenceClassifierOutput(logits=self.score_head(hidden))  # [B, 1]
 

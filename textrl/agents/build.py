@@ -386,7 +386,7 @@ def task_reward(agent: PPOAgent, spec: str, default: Any = None) -> Any:
     if model is None:
         return rules
     neural = NeuralReward(model, agent.tokenizer, batch_size=agent.config.forward_batch_size,
-                          autocast=agent.precision.autocast)
+                          autocast=agent.precision.autocast, padding_free=agent.config.padding_free)
     if isinstance(rules, CompositeReward):
         parts = {name: (fn, rules.weights[name]) for name, fn in rules.functions.items()}
     else:
@@ -397,13 +397,13 @@ def task_reward(agent: PPOAgent, spec: str, default: Any = None) -> Any:
 def place_neural_rewards(agent: PPOAgent, reward: Any) -> None:
     """Move every reward model among ``reward``'s functions (a :class:`NeuralReward`, alone or
     in a ``CompositeReward``) to the agent's device, in the run's precision, scoring under its
-    autocast: a ``reward_model:PATH`` spec loads on the CPU."""
+    autocast and with its ``padding_free``: a ``reward_model:PATH`` spec loads on the CPU."""
     from textrl.rewards import CompositeReward, NeuralReward
 
     functions = reward.functions.values() if isinstance(reward, CompositeReward) else [reward]
     for fn in functions:
         if isinstance(fn, NeuralReward):
-            fn.place(agent.precision)
+            fn.place(agent.precision, padding_free=agent.config.padding_free)
 
 
 __all__ = [

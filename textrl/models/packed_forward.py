@@ -13,6 +13,10 @@
 - :func:`packed_values`: a critic's values at the picks; a critic takes packed rows when its
   ``forward`` accepts ``position_ids`` (with ``attention_mask=None``) and its ``backbone``
   honours them, else one row at a time.
+- :func:`packed_scores`: a sequence scorer's (a reward model's) score at each row's last token
+  (:func:`textrl.models.packing.pack_last_tokens`), read from its per-token score head; it takes
+  packed rows when its ``forward`` accepts ``position_ids`` and it has such a head
+  (:func:`scorer_layout`: its body probed as the policy is), else one row at a time.
 
 Docs: docs/design.md, "Padding-free forwards".
 """
@@ -117,6 +121,47 @@ def critic_layout(critic: nn.Module, device: torch.device | str) -> str:
     return packing_layout(backbone, device) if takes and isinstance(backbone, nn.Module) else "per_row"
 
 
+def takes(model: nn.Module, name: str) -> bool:
+    """Whether ``model.forward`` accepts the keyword ``name`` (by name or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def score_head(model: nn.Module) -> nn.Module | None:
+    """A sequence scorer's head run on every position's final hidden state (transformers'
+    ``*ForSequenceClassification.score``, whose per-token outputs ``[k, w, labels]`` it pools
+    after), or textrl's reward adapter's ``score_head``; None when it has neither."""
+    for name in ("score", "score_head"):
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Module):
+            return head
+    return None
+
+
+def scorer_body(model: nn.Module) -> nn.Module | None:
+    """The transformer body a sequence scorer reads hidden states from: its ``backbone`` (textrl's
+    views), else its ``base_model`` (transformers' ``model.model``, ``model.transformer``); None
+    when it names neither."""
+    for name in ("backbone", "base_model"):
+        body = getattr(model, name, None)
+        if isinstance(body, nn.Module) and body is not model:
+            return body
+    return None
+
+
+def scorer_layout(model: nn.Module, device: torch.device | str) -> str:
+    """A sequence scorer's (reward model's) layout: its body's (:func:`packing_layout`, probed as the
+    policy is) when its ``forward`` takes ``position_ids`` and it has a :func:`score_head` whose
+    per-token outputs the picks read, else ``per_row``."""
+    body = scorer_body(model)
+    if body is None or score_head(model) is None or not takes(model, "position_ids"):
+        return "per_row"
+    return packing_layout(body, device)
+
+
 def _picking(picks: Tensor, seen: list[tuple[int, ...]], kept: list[Tensor] | None) -> Callable[..., tuple[Any, ...]]:
     """A pre-hook for an LM head that hands it the picked positions ``[1, n, H]`` of its input
     ``[k, w, H]`` or, with ``kept``, keeps them there and hands it one position (a probe)."""
@@ -192,5 +237,45 @@ def packed_values(critic: nn.Module, packing: Packing) -> Tensor:
     return torch.cat(out)
 
 
+def _scorer_call(model: nn.Module, call: Call) -> tuple[Any, Tensor | None]:
+    """``(output, per-token head output [k, w, labels] or None)`` of a scorer's forward on one call
+    (``position_ids`` and ``use_cache=False`` where its ``forward`` takes them)."""
+    head = score_head(model)
+    captured: list[Any] = []
+    handle = head.register_forward_hook(lambda _m, _i, out: captured.append(out)) if head is not None else None
+    kwargs: dict[str, Any] = {"input_ids": call.input_ids, "attention_mask": call.attention_mask}
+    if takes(model, "position_ids"):
+        kwargs["position_ids"] = call.position_ids
+    if takes(model, "use_cache"):
+        kwargs["use_cache"] = False
+    try:
+        out = model(**kwargs)
+    finally:
+        if handle is not None:
+            handle.remove()
+    per_token = captured[-1] if captured else None
+    shaped = isinstance(per_token, Tensor) and tuple(per_token.shape[:2]) == tuple(call.input_ids.shape)
+    return out, per_token if shaped else None
+
+
+def packed_scores(model: nn.Module, packing: Packing) -> Tensor:
+    """A sequence scorer's outputs ``[n, labels]`` at the picks of
+    :func:`textrl.models.packing.pack_last_tokens` (each row's last token): its :func:`score_head`'s
+    per-token outputs there; for one row alone (``per_row``) without such outputs, the model's
+    pooled ``logits`` ``[1, labels]``, which transformers reads at the row's last non-pad token."""
+    out = []
+    for call in packing.calls:
+        result, per_token = _scorer_call(model, call)
+        if per_token is not None:
+            out.append(per_token.reshape(-1, per_token.shape[-1])[call.picks])
+        elif call.attention_mask is not None:
+            out.append(result.logits.reshape(1, -1))
+        else:
+            raise RuntimeError(f"{type(model).__name__}: packed rows need the score head's per-token outputs "
+                               "[k, w, labels]; textrl.models.packed_forward.scorer_layout gives it per_row")
+    return torch.cat(out)
+
+
 __all__ = ["LEAK_RATIO", "attention_implementation", "critic_layout", "honours_packed_positions", "packed_hidden",
-           "packed_logits", "packed_values", "packing_layout", "run_call"]
+           "packed_logits", "packed_scores", "packed_values", "packing_layout", "run_call", "score_head", "scorer_body",
+           "scorer_layout", "takes"]

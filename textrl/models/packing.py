@@ -2,7 +2,9 @@
 
 A forward batch ``[B, L]`` (a left-padded prompt of ``P`` columns, then a right-padded response)
 holds each row's attended tokens in one run of columns. :func:`pack_rows` lays those runs end to
-end into packed rows and says where each wanted output lands back in ``[B, T]`` (``T = L - P``).
+end into packed rows and says where each wanted output lands back in ``[B, T]`` (``T = L - P``);
+:func:`pack_last_tokens` does the same for a reward model's batch, whose one wanted output per row
+is at its last attended token (``[B, 1]``); both are :func:`pack_picks` of their own picks.
 Positions restart at 0 at each row's first token, so a model whose attention masks come from the
 position ids (transformers' ``masking_utils``: a block-diagonal causal mask for sdpa / eager /
 flex; the varlen kernels for flash attention, which need one row) attends only within a row.
@@ -173,32 +175,57 @@ def _packed_call(input_ids: Tensor, attention_mask: Tensor, first: Tensor, lengt
     return ids.view(len(bins), width), positions.view(len(bins), width), ones, member, zero
 
 
-def pack_rows(input_ids: Tensor, attention_mask: Tensor, prompt_len: int, layout: str) -> Packing:
+def _checked_runs(attention_mask: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+    """:func:`attended_runs` once ``layout`` is known to be one of :data:`LAYOUTS` (else ``ValueError``)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"padding_free: layout={layout!r} must be one of {', '.join(LAYOUTS)}")
+    return attended_runs(attention_mask)
+
+
+def pack_picks(input_ids: Tensor, attention_mask: Tensor, rows: Tensor, columns: Tensor, dest: Tensor,
+               shape: tuple[int, int], layout: str) -> Packing:
     """The forwards that run ``input_ids`` ``[B, L]`` on their attended tokens only, in ``layout``
-    (:data:`LAYOUTS`), and the picks of the outputs at columns ``P - 1 .. L - 2`` whose next token
-    is attended (:func:`response_targets`), which :meth:`Packing.scatter` puts back in ``[B, T]``.
+    (:data:`LAYOUTS`), and the picks of the outputs at ``(rows [n], columns [n])`` (row-major,
+    attended), which :meth:`Packing.scatter` puts at ``dest [n]`` of a ``shape`` batch.
 
     Row ``b``'s token at column ``j`` gets position ``j - first[b]`` (what
     :func:`textrl.models.forward.positions_from_mask` gives it in the padded batch); a bin's
     leftover room holds token 0 at positions from 0 (a run of its own, never picked). A row with
-    no attended response token is left out; with none at all there is no call.
+    no pick is left out; with none at all there is no call.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"padding_free: layout={layout!r} must be one of {', '.join(LAYOUTS)}")
-    batch, width = input_ids.shape
-    first, length = attended_runs(attention_mask)
-    rows, steps = response_targets(attention_mask, prompt_len)
+    first, length = _checked_runs(attention_mask, layout)
     wanted = torch.zeros_like(length, dtype=torch.bool).index_fill_(0, rows, True)
-    lengths = torch.where(wanted, length, 0).tolist()  # a row without a response token is not run
+    lengths = torch.where(wanted, length, 0).tolist()  # a row without a pick is not run
     calls, dests = [], []
     for bins, call_width in _calls(lengths, layout):
         ids, positions, ones, member, zero = _packed_call(input_ids, attention_mask, first, lengths, bins, call_width,
                                                           single=layout == "per_row")
-        mine = member[rows]  # this forward's targets, row-major like response_targets
-        calls.append(Call(ids, positions, ones, zero[rows[mine]] + prompt_len - 1 + steps[mine]))
-        dests.append(rows[mine] * (width - prompt_len) + steps[mine])
-    dest = torch.cat(dests) if dests else torch.zeros(0, dtype=torch.long, device=input_ids.device)
-    return Packing(tuple(calls), dest, (batch, width - prompt_len), layout)
+        mine = member[rows]  # this forward's picks, in the callers' order
+        calls.append(Call(ids, positions, ones, zero[rows[mine]] + columns[mine]))
+        dests.append(dest[mine])
+    picked = torch.cat(dests) if dests else torch.zeros(0, dtype=torch.long, device=input_ids.device)
+    return Packing(tuple(calls), picked, shape, layout)
+
+
+def pack_rows(input_ids: Tensor, attention_mask: Tensor, prompt_len: int, layout: str) -> Packing:
+    """:func:`pack_picks` of the outputs at columns ``P - 1 .. L - 2`` whose next token is attended
+    (:func:`response_targets`: the logits or values of each response token), scattered back to
+    ``[B, T]`` (``T = L - P``). A row with no attended response token is left out."""
+    batch, width = input_ids.shape
+    _checked_runs(attention_mask, layout)  # a gap inside a row is said before a missing prompt
+    rows, steps = response_targets(attention_mask, prompt_len)
+    return pack_picks(input_ids, attention_mask, rows, prompt_len - 1 + steps, rows * (width - prompt_len) + steps,
+                      (batch, width - prompt_len), layout)
+
+
+def pack_last_tokens(input_ids: Tensor, attention_mask: Tensor, layout: str) -> Packing:
+    """:func:`pack_picks` of each row's output at its last attended token (a sequence score: a
+    reward model's), scattered back to ``[B, 1]``; rows padded on either side (one run of attended
+    columns each, :func:`attended_runs`). A row with no attended token is left out."""
+    first, length = _checked_runs(attention_mask, layout)
+    rows = (length > 0).nonzero()[:, 0]
+    return pack_picks(input_ids, attention_mask, rows, (first + length - 1)[rows], rows, (input_ids.shape[0], 1),
+                      layout)
 
 
 def padding_fraction(attention_mask: Tensor) -> float:
@@ -208,5 +235,5 @@ def padding_fraction(attention_mask: Tensor) -> float:
     return 0.0 if total == 0 else 1.0 - float(attention_mask.bool().sum()) / total
 
 
-__all__ = ["LAYOUTS", "Call", "Packing", "attended_runs", "first_fit_decreasing", "pack_rows", "padding_fraction",
-           "response_targets"]
+__all__ = ["LAYOUTS", "Call", "Packing", "attended_runs", "first_fit_decreasing", "pack_last_tokens", "pack_picks",
+           "pack_rows", "padding_fraction", "response_targets"]

@@ -34,7 +34,13 @@ How a row is scored, in order:
    head's output at the last position, which with left padding is every row's last real token
    (read from ``model.score`` per-token logits when the model has that head, which holds even
    when a row ends in the pad id; otherwise from HF's pooled logits). ``torch.no_grad``, model
-   in eval mode for the call (its train/eval mode is restored afterwards).
+   in eval mode for the call (its train/eval mode is restored afterwards). With
+   ``padding_free`` (a run's ``--padding-free``, set by :meth:`NeuralReward.place`) each batch runs
+   on its real tokens only: rows end to end, positions restarting per row, no attention across
+   rows (:func:`textrl.models.packing.pack_last_tokens` in the layout
+   :func:`textrl.models.packed_forward.scorer_layout` probes, the policy's layouts), the score
+   read from the score head's per-token outputs at each row's last token; the same scores to
+   float32 rounding.
 5. **Post-processing** of a raw score ``r``: ``s = clip(r - baseline, *clip)`` (``clip=None``
    skips clipping). With ``answer_blend=(w_whole, w_answer)`` (MiniMind uses ``(0.4, 0.6)``)
    and a completion containing ``<answer>...</answer>``, the result is
@@ -60,6 +66,8 @@ import torch
 from torch import Tensor
 
 from textrl.models.forward import positions_from_mask
+from textrl.models.packed_forward import packed_scores, scorer_layout
+from textrl.models.packing import pack_last_tokens
 from textrl.rewards.base import (
     Completion,
     Message,
@@ -142,6 +150,7 @@ class NeuralReward:
         autocast: a context factory every forward runs under (a run's
             :meth:`textrl.precision.Precision.autocast`); default none. :meth:`place` sets it
             together with the model's device and dtype.
+        padding_free: score each batch on its real tokens only (step 4 of the module docstring).
 
     Raises ``ValueError`` at construction when the tokenizer has no pad token, the model's
     vocab does not match the tokenizer (a tokenizer of another model), or the head is not
@@ -165,6 +174,7 @@ class NeuralReward:
         output_device: torch.device | str = "cpu",
         check_vocab: bool = True,
         autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+        padding_free: bool = False,
     ) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"NeuralReward: batch_size must be a positive int, got {batch_size!r}")
@@ -204,6 +214,7 @@ class NeuralReward:
         self.answer_blend = self._check_blend(answer_blend)
         self.output_device = torch.device(output_device)
         self.autocast = autocast
+        self.padding_free = bool(padding_free)
         try:
             params = inspect.signature(model.forward).parameters
         except (TypeError, ValueError):
@@ -345,12 +356,15 @@ class NeuralReward:
         rows = token_lists(completion_ids, completion_mask, n, "NeuralReward.decode_completions")
         return self.policy_tokenizer.batch_decode(rows, skip_special_tokens=True)
 
-    def place(self, precision: Any) -> NeuralReward:
+    def place(self, precision: Any, *, padding_free: bool | None = None) -> NeuralReward:
         """Run on a training run's device in its precision (a :class:`textrl.precision.Precision`):
         the model moved there in the frozen models' dtype (``frozen_dtype``: bf16 on CUDA by
-        default, else the weights' dtype), every forward under its autocast. Returns self."""
+        default, else the weights' dtype), every forward under its autocast; ``padding_free``
+        the run's (None: left as it is). Returns self."""
         self.model = precision.prepare_frozen(self.model)
         self.autocast = precision.autocast
+        if padding_free is not None:
+            self.padding_free = bool(padding_free)
         return self
 
     # -- scoring ------------------------------------------------------------------------------
@@ -371,6 +385,8 @@ class NeuralReward:
             if row:
                 input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
                 mask[i, width - len(row) :] = 1
+        if self.padding_free:
+            return self._packed_forward(input_ids.to(device), mask.to(device))
         inputs = {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
         if self._pass_position_ids:
             inputs["position_ids"] = positions_from_mask(mask).to(device)  # [N, W]
@@ -392,6 +408,14 @@ class NeuralReward:
         if isinstance(per_token, Tensor) and tuple(per_token.shape[:2]) == (n, width):
             return per_token[:, -1, 0].float()  # left padding: the last position is real
         return logits.reshape(n, -1)[:, 0].float()
+
+    def _packed_forward(self, input_ids: Tensor, mask: Tensor) -> Tensor:
+        """Raw scores float32 ``[N]`` of a left-padded batch ``[N, W]`` on its real tokens only
+        (:func:`textrl.models.packing.pack_last_tokens`, :func:`textrl.models.packed_forward.packed_scores`)."""
+        with self.autocast():
+            packing = pack_last_tokens(input_ids, mask, scorer_layout(self.model, input_ids.device))
+            scores = packed_scores(self.model, packing)  # [n, 1]
+        return packing.scatter(scores[:, 0].float())[:, 0]
 
     def score_raw(self, prompts: Sequence[Prompt], completions: Sequence[Completion]) -> Tensor:
         """The model's raw score per row (no baseline, clip or answer blend). -> float32 [B]."""
@@ -450,7 +474,8 @@ class NeuralReward:
         model = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
         return (
             f"NeuralReward({model!r}, batch_size={self.batch_size}, max_length={self.max_length}, "
-            f"clip={self.clip}, baseline={self.baseline:g}, answer_blend={self.answer_blend})"
+            f"clip={self.clip}, baseline={self.baseline:g}, answer_blend={self.answer_blend}"
+            + (", padding_free=True)" if self.padding_free else ")")
         )
 
 
