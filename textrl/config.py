@@ -206,7 +206,8 @@ class TrainConfig:
     """The vLLM engines (--generation-engine vllm, --vllm-server): the most MiB of weights moved or sent
     together when they are handed over (one bucket; time/weight_sync_s logs the seconds; docs/vllm.md)."""
     forward_batch_size: int = 64
-    """Micro-batch size of the log-prob / value / reward forwards."""
+    """Rows per micro-batch of the reward models' forwards and of the rollout-time log-prob / value
+    forwards (the behaviour and reference log-probs, the values; microbatch_tokens replaces it there)."""
 
     # -- PPO -----------------------------------------------------------------------------------
     ppo_epochs: int = 2
@@ -217,8 +218,9 @@ class TrainConfig:
     """Micro-batches accumulated per minibatch; the minibatch must divide into them."""
     microbatch_tokens: int | None = None
     """Micro-batches filled up to N real tokens each (prompt + response, padding left out; a longer
-    row alone) instead of gradient_accumulation_steps equal row counts, as many on every process;
-    the same gradient either way (docs/training.md, "Memory"). None: off."""
+    row alone), as many on every process: the update's, instead of gradient_accumulation_steps equal
+    row counts, and the rollout-time log-prob / value forwards', instead of forward_batch_size rows;
+    the same gradient and numbers either way (docs/training.md, "Memory"). None: off."""
     clip_eps: float | None = None
     """PPO clip epsilon of the policy ratio (None = the agent's default: 0.2, one_step_ppo 0.1, gspo 3e-4,
     cispo none: no lower clip)."""

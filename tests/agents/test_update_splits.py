@@ -1,7 +1,9 @@
 """The update's micro-batches (textrl.agents.update.micro_splits): ``gradient_accumulation_steps``
 near-equal row counts, or ``microbatch_tokens`` runs of rows filled up to a token budget, balanced,
 as many on every process; the refusals of ``microbatch_tokens``. The gradient's independence of
-the split: tests/agents/test_zoo_agents.py."""
+the split: tests/agents/test_zoo_agents.py. The prefill forwards' micro-batches
+(textrl.agents.update.prefill_batches): ``forward_batch_size`` rows, or the same token runs, the
+rollout's log-probs and values those of the row split."""
 
 from __future__ import annotations
 
@@ -14,10 +16,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.agents.test_zoo_agents import TOKEN_BUDGETS, hand_rollout, uneven_responses, zoo_agent
+from tests.arithmetic import rollout_rtol
 from textrl.agents import update as update_module
 from textrl.agents.forwards import reuses_rollout_forward
-from textrl.agents.update import balanced_runs, filled_runs, micro_splits, real_tokens
+from textrl.agents.update import (
+    balanced_runs,
+    filled_runs,
+    micro_splits,
+    prefill_batches,
+    real_tokens,
+)
 from textrl.config import TrainConfig
+from textrl.keys import KEYS
+from textrl.testing import assert_close_normwise
 
 
 class TwoProcesses:
@@ -159,3 +170,47 @@ def test_two_processes_run_as_many_token_micro_batches_and_the_gradient_of_the_w
         assert len(r["tokens"]["rows"]) == max(filled) and len(r["whole"]["rows"]) == 1
         assert_gradients_close(r["tokens"]["grads"], r["whole"]["grads"], r["whole"]["rtol"], what="token split: ")
     assert all(torch.equal(ranks[0]["tokens"]["grads"][k], g) for k, g in ranks[1]["tokens"]["grads"].items())
+
+
+# -- the prefill forwards ---------------------------------------------------------------------------
+def test_prefill_batches_are_rows_without_a_budget_and_filled_token_runs_with_one():
+    tokens = torch.tensor([3, 4, 2, 9, 1, 5, 5])
+    rows = SimpleNamespace(forward_batch_size=3, microbatch_tokens=None)
+    assert prefill_batches(tokens, rows, ONE) == [slice(0, 3), slice(3, 6), slice(6, 7)]
+    budget = SimpleNamespace(forward_batch_size=3, microbatch_tokens=7)
+    runs = prefill_batches(tokens, budget, ONE)
+    # filling takes 5 runs (7, 2, 9 alone, 6, 5 tokens); balanced into 5, the largest 9: 3, 6, 9, 6, 5
+    assert [(s.start, s.stop) for s in runs] == [(0, 1), (1, 3), (3, 4), (4, 6), (6, 7)]
+    assert len(prefill_batches(tokens, budget, TwoProcesses(6))) == 6  # as many as the other process
+    assert prefill_batches(tokens[:0], budget, ONE) == []
+
+
+@pytest.mark.parametrize("budget", TOKEN_BUDGETS)
+def test_the_prefill_forwards_run_the_token_runs_and_give_the_row_splits_numbers(tok, budget):
+    """``microbatch_tokens``: the actor's behaviour, reference and value forwards run each token run
+    once, in order (the balanced runs of :func:`micro_splits`, not ``forward_batch_size`` rows), and the
+    rollout's numbers are the row split's within tests/arithmetic.py's normwise tolerance."""
+    agent = zoo_agent(tok, "gae_ppo", forward_batch_size=6)
+    with torch.no_grad():
+        for param in agent.critic.value_head.parameters():  # a critic that says something
+            param.add_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(1)))
+    raw = hand_rollout(tok, uneven_responses(tok.eos_token_id))
+    whole = agent.actor.evaluate(raw)
+    tokens = real_tokens(raw).tolist()
+    agent.actor.config = TrainConfig(**{**vars(agent.config), "microbatch_tokens": budget})
+    rows: list[int] = []
+    hook = agent.policy.register_forward_pre_hook(lambda _m, _a, kw: rows.append(kw["input_ids"].shape[0]),
+                                                  with_kwargs=True)
+    try:
+        split = agent.actor.evaluate(raw)
+    finally:
+        hook.remove()
+    ends = balanced_runs(tokens, len(filled_runs(tokens, budget)))
+    assert rows == [b - a for a, b in zip([0, *ends], ends)] and sum(rows) == len(tokens)
+    assert len(rows) > 1  # not the one forward of forward_batch_size=6
+    rtol = rollout_rtol(agent.policy.config, raw)
+    mask = raw.get(KEYS.mask)
+    for key in (KEYS.action_log_prob, KEYS.ref_log_prob, KEYS.state_value):
+        want = whole.get(key).reshape(mask.shape)[mask]
+        assert want.abs().max() > 1e-3
+        assert_close_normwise(split.get(key).reshape(mask.shape)[mask], want, rtol, name=str(key))

@@ -28,7 +28,13 @@ from textrl.models.packed_forward import (
     packed_values,
     packing_layout,
 )
-from textrl.models.packing import LAYOUTS, first_fit_decreasing, pack_last_tokens, pack_rows, padding_fraction
+from textrl.models.packing import (
+    LAYOUTS,
+    first_fit_decreasing,
+    pack_last_tokens,
+    pack_rows,
+    padding_fraction,
+)
 from textrl.precision import set_attn_implementation
 from textrl.testing import assert_close_normwise
 

@@ -35,6 +35,7 @@ from textrl.agents.forwards import (
     own_behaviour_logprobs,
     sequence_inputs,
 )
+from textrl.agents.update import prefill_batches, real_tokens
 from textrl.agents.weight_check import (
     WEIGHT_CHECK_ROWS,
     mean_gap,
@@ -261,13 +262,14 @@ class Actor:
     @torch.no_grad()
     def evaluate(self, td: TensorDictBase, *, keep_graph: bool = False) -> TensorDict:
         """``action_log_prob``, ``ref_log_prob`` (with a reference) and ``state_value`` (with a critic)
-        of a rollout: one prefill forward per micro-batch of ``forward_batch_size``. With
+        of a rollout: one prefill forward per micro-batch (:meth:`prefill_batches`: ``forward_batch_size``
+        rows, or runs of rows up to ``microbatch_tokens`` real tokens). With
         ``keep_graph`` the policy and critic forwards run with grad and are kept (:attr:`kept`) for
         the update's one optimiser step to reuse."""
         input_ids, attention_mask, p = sequence_inputs(td)
         action = td.get(KEYS.action)
         out = defaultdict(list)
-        for sl in micro_batches(input_ids.shape[0], self.config.forward_batch_size):
+        for sl in self.prefill_batches(td):
             args = (input_ids[sl], attention_mask[sl], p)
             if keep_graph:
                 self._graph_forward(out, args, action[sl])
@@ -294,6 +296,12 @@ class Actor:
                     stored=logp, version=self._weights_version.now(),
                 )
         return result
+
+    def prefill_batches(self, td: TensorDictBase) -> list[slice]:
+        """The rows of each prefill forward of rollout ``td``, in order, each once
+        (:func:`textrl.agents.update.prefill_batches`: ``forward_batch_size`` rows, or runs up to
+        ``microbatch_tokens`` real tokens, as many on every process)."""
+        return prefill_batches(real_tokens(td), self.config, getattr(self.backend, "dist", None))
 
     def _graph_forward(self, out: dict[str, list[Tensor]], args: tuple[Tensor, Tensor, int], action: Tensor) -> None:
         """One micro-batch's policy (and critic) forward with grad, kept and detached into ``out``."""
@@ -336,7 +344,7 @@ class Actor:
                 and version == self._policy_version.now()):
             logp = torch.cat([
                 self.logprobs(self.policy, input_ids[sl], attention_mask[sl], p, action[sl])
-                for sl in micro_batches(td.shape[0], self.config.forward_batch_size)
+                for sl in self.prefill_batches(td)
             ])
         kl = kl_penalty(logp, td.get(KEYS.ref_log_prob), kind=self.config.kl_kind)
         return masked_mean(kl, mask).item()

@@ -179,12 +179,34 @@ def micro_splits(idx: Tensor, row_tokens: Tensor, cfg: Any, dist: Any) -> list[T
     budget = getattr(cfg, "microbatch_tokens", None)
     if budget is None:
         return list(idx.tensor_split(min(cfg.gradient_accumulation_steps, idx.numel())))
-    tokens = row_tokens[idx].tolist()
+    bounds = token_run_ends(row_tokens[idx], budget, dist)
+    return [idx[start:end] for start, end in zip([0, *bounds], bounds)]
+
+
+def prefill_batches(row_tokens: Tensor, cfg: Any, dist: Any) -> list[slice]:
+    """The micro-batches of the rollout-time forwards without gradient (the actor's behaviour and
+    reference log-probs and values, :meth:`textrl.agents.actor.Actor.evaluate`) over a rollout's rows
+    in order, each row once: ``forward_batch_size`` rows each, or with ``microbatch_tokens`` runs
+    filled up to that many real tokens (``row_tokens`` ``[B]``, :func:`real_tokens`; a longer row
+    alone), as many on every process as the one that needs most (a partitioned model's forwards are
+    collectives), balanced by tokens: :func:`micro_splits`' runs."""
+    n = row_tokens.numel()
+    budget = getattr(cfg, "microbatch_tokens", None)
+    if budget is None:
+        return [slice(start, min(n, start + cfg.forward_batch_size)) for start in range(0, n, cfg.forward_batch_size)]
+    bounds = token_run_ends(row_tokens, budget, dist)
+    return [slice(start, end) for start, end in zip([0, *bounds], bounds)]
+
+
+def token_run_ends(row_tokens: Tensor, budget: int, dist: Any) -> list[int]:
+    """Where the runs of rows ``row_tokens`` ``[b]`` (their real tokens, in order) end: as many runs as
+    filling each up to ``budget`` tokens takes (:func:`filled_runs`) on the process that needs most
+    (one gather), never more than rows, balanced by tokens (:func:`balanced_runs`)."""
+    tokens = row_tokens.tolist()
     count = len(filled_runs(tokens, budget))
     if getattr(dist, "world_size", 1) > 1:
         count = int(dist.gather(torch.tensor([count], device=row_tokens.device)).max())
-    bounds = balanced_runs(tokens, min(count, len(tokens)))
-    return [idx[start:end] for start, end in zip([0, *bounds], bounds)]
+    return balanced_runs(tokens, min(count, len(tokens)))
 
 
 def filled_runs(tokens: list[int], budget: int) -> list[int]:
