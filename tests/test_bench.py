@@ -724,3 +724,30 @@ def test_the_report_says_which_engine_and_precision_ran_and_flags_a_mixed_compar
     line = bench_compare.what_ran(mixed)
     assert "differ" in line and "`textrl` in float32 (3 runs)" in line and "`hf` in bfloat16 (1 runs)" in line
     assert "vllm" not in line  # a failed run ran nothing to compare
+
+
+def test_the_raw_table_shows_the_perf_metrics_and_a_run_that_did_not_log_them_still_renders(tmp_path):
+    def run_folder(name, perf):
+        out = tmp_path / name
+        out.mkdir()
+        rows = [{"iteration": i, "time/iteration_s": 0.5, "tokens": 40, "reward/mean": 0.7,
+                 **({"perf/tokens_per_s": rate, "perf/padding_fraction": pad} if perf else {})}
+                for i, (rate, pad) in enumerate([(900.0, 0.25), (1200.0, 0.35), (1000.0, 0.3)], 1)]
+        (out / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        (out / "summary.json").write_text(json.dumps({"before": {"eval/sampled/reward/mean": 0.5},
+                                                      "after": {"eval/sampled/reward/mean": 0.7}}))
+        return {"agent": name, "env": "digits", "seed": 0, "error": None, **bench_runs.read_run(out)}
+
+    new, old = run_folder("grpo", perf=True), run_folder("rloo", perf=False)
+    assert new["perf_tokens_per_s"] == 1000.0 and new["padding_fraction"] == pytest.approx(0.3)  # median, mean
+    assert math.isnan(old["perf_tokens_per_s"]) and math.isnan(old["padding_fraction"])
+    table = bench_report.markdown_table(bench_report.aggregate([new, old]))
+    head, _, *lines = table.splitlines()
+    titles = [t.strip() for t in head.strip("|").split("|")]
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")] for line in lines if line}
+    rate, pad = titles.index("`perf/tokens_per_s`"), titles.index("`perf/padding_fraction`")
+    assert cells["`grpo`"][rate] == "1000 ± 0" and cells["`grpo`"][pad] == "0.30 ± 0.00"
+    assert cells["`rloo`"][rate] == "-" and cells["`rloo`"][pad] == "-"
+    arms = bench_report.markdown_table(bench_report.aggregate([new, old], bench_report.ARM_COLUMNS),
+                                       columns=bench_report.ARM_COLUMNS, name="arm")
+    assert "`perf/tokens_per_s`" in arms and "`perf/padding_fraction`" in arms

@@ -269,7 +269,9 @@ def read_run(output_dir: str | Path) -> dict[str, Any]:
     ``reward`` / ``accuracy`` / ``response_length`` (held-out, sampled, at the end),
     ``reward_start`` (held-out before training), ``kl`` (``kl/before_update`` of the last
     iteration), ``seconds_per_iteration`` (median, evaluation time excluded), ``tokens_per_second``
-    and ``tokens`` (generated, in total). Curves, one value per iteration: ``iterations``,
+    and ``tokens`` (generated, in total), ``perf_tokens_per_s`` (the median over the iterations of
+    ``perf/tokens_per_s``: prompt and response tokens a second and process) and ``padding_fraction``
+    (the mean of ``perf/padding_fraction``), NaN for a run that did not log them (an older textrl). Curves, one value per iteration: ``iterations``,
     ``train_reward`` (the rollout's task score), ``tokens_so_far`` (generated tokens up to and
     including it) and ``elapsed_s`` (cumulative training seconds, evaluations included).
     """
@@ -298,11 +300,19 @@ def read_run(output_dir: str | Path) -> dict[str, Any]:
         "seconds_per_iteration": statistics.median(train_s),
         "tokens_per_second": total_tokens / sum(train_s),
         "tokens": total_tokens,
+        "perf_tokens_per_s": _logged(rows, "perf/tokens_per_s", statistics.median),
+        "padding_fraction": _logged(rows, "perf/padding_fraction", statistics.fmean),
         "iterations": [r["iteration"] for r in rows],
         "train_reward": [r["reward/mean"] for r in rows],
         "tokens_so_far": tokens,
         "elapsed_s": elapsed,
     }
+
+
+def _logged(rows: list[dict[str, Any]], key: str, summary: Callable[[list[float]], float]) -> float:
+    """``summary`` of ``key``'s finite values over the metrics rows that log it; NaN when none does."""
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return summary(values) if values else math.nan
 
 
 __all__ = ["JOB_FILE", "LOCK_FILE", "LOG_FILE", "PARENT_ENV", "RECORD", "RUN_OUTPUTS", "STATE_WORDS", "JobBusy",

@@ -172,10 +172,15 @@ COLUMNS = (
     ("response_length", "response length", ".1f"),
     ("seconds_per_iteration", "s / iteration", ".3f"),
     ("tokens_per_second", "tokens / s", ".0f"),
+    ("perf_tokens_per_s", "`perf/tokens_per_s`", ".0f"),
+    ("padding_fraction", "`perf/padding_fraction`", ".2f"),
     ("peak_rss_mib", "peak RSS (MiB)", ".0f"),
     ("tokens", "tokens generated", ".0f"),
 )
-"""(key, column title, format of mean and std) of the raw table."""
+"""(key, column title, format of mean and std) of the raw table. ``tokens / s``: generated tokens a
+training second; ``perf/tokens_per_s``: prompt and response tokens a second and process (the median
+iteration's); ``perf/padding_fraction``: the share of the rollout's padded batch that is padding
+(:func:`textrl.bench.jobs.read_run`); ``-`` where a run did not log it."""
 WALL_COLUMN = ("train_s", "training s", ".2f")
 """The raw table's column of a run's training seconds (the sum of its iterations'
 ``time/iteration_s``), shown when arms cross the agents with ``max_staleness`` or
