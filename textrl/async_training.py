@@ -86,7 +86,7 @@ class AsyncTraining:
 
     def _pipeline(self) -> AsyncRollouts:
         return AsyncRollouts(self._produce, max_staleness=self.max_staleness, load=self.actor.load,
-                             start_state=self._start_state, rewind=self._rewind)
+                             start_state=self._start_state, rewind=self._rewind, stream=self.actor.stream)
 
     # -- the learner's side ---------------------------------------------------------------------
     def next_rollout(self, iteration: int, timings: dict[str, float]) -> tuple[Any, int]:

@@ -5,7 +5,10 @@ pipeline saved at any iteration and restored draws what an uninterrupted one dra
 
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -194,3 +197,132 @@ def test_continued_episodes_longer_than_k_turns_are_drawn_beside_the_update(k):
                 raise AssertionError(f"rollout {i + 1} waited for weights the learner publishes after its update")
     finally:
         pipe.close()
+
+
+# -- the actor's CUDA stream: what runs where, and the hand-overs (the CUDA side: tests/cuda/test_async_stream.py)
+
+
+def test_the_actor_gets_a_stream_of_its_own_only_on_cuda_with_an_engine_that_samples_a_module():
+    from textrl.agents.async_actor import own_stream
+    from textrl.generation.base import REGISTRY
+
+    for name in ("textrl", "hf", "static"):
+        engine = REGISTRY.lookup(name)()
+        assert own_stream(engine, "cuda") and own_stream(engine, torch.device("cuda", 1))
+        assert not own_stream(engine, "cpu")
+    for name in ("vllm", "vllm-server"):  # vLLM launches generation's kernels itself (the class: vLLM not needed)
+        assert not own_stream(REGISTRY.lookup(name), "cuda") and not own_stream(REGISTRY.lookup(name), "cpu")
+
+
+def test_on_the_cpu_the_actor_has_no_stream_and_its_rollout_is_the_synchronous_ones(tok):
+    from tests.agents.conftest import make_agent
+    from textrl.agents.async_actor import AsyncActor, trainable_state
+
+    agent = make_agent(tok)
+    async_actor = AsyncActor.of(agent)
+    assert async_actor.stream is None
+    pipe = AsyncRollouts(lambda n, weights: (weights.use(n), torch.manual_seed(n),
+                                             async_actor.actor.sample(ids, mask))[-1],
+                         max_staleness=1, load=async_actor.load, start_state=lambda: None,
+                         stream=async_actor.stream)
+    enc = tok(["What is 1+2?", "hi"], return_tensors="pt", padding=True)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    try:
+        pipe.publish(0, trainable_state(agent.policy), 0)
+        tokens, logps = pipe.take(0)
+    finally:
+        pipe.close()
+    torch.manual_seed(0)
+    assert torch.equal(agent.actor.sample(ids, mask)[0], tokens)  # the learner's own actor, the same weights and seed
+
+
+def test_tensors_in_finds_every_tensor_of_a_rollout_item():
+    from tensordict import TensorDict
+
+    from textrl.agents.async_actor import tensors_in
+
+    td = TensorDict({"a": torch.zeros(2), ("n", "b"): torch.ones(2, 3)}, batch_size=[2])
+    extra = torch.arange(3)
+    found = list(tensors_in((td, {"t": [extra, 1.5]}, 7, "text")))
+    assert len(found) == 3 and any(t is extra for t in found)
+    assert sorted(t.shape for t in found if t is not extra) == [torch.Size([2]), torch.Size([2, 3])]
+
+
+class RecordingStream:
+    """An :class:`ActorStream`'s protocol without CUDA: the calls in order, with the thread that made
+    each and whether it was inside :meth:`entered` there; an event is the number of rollouts produced
+    when it was recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any, str, bool]] = []
+        self.produced = 0
+        self._inside = threading.local()
+
+    def inside(self) -> bool:
+        return getattr(self._inside, "on", False)
+
+    def _say(self, what: str, arg: Any = None) -> None:
+        self.calls.append((what, arg, threading.current_thread().name, self.inside()))
+
+    @contextmanager
+    def entered(self):
+        self._inside.on = True
+        try:
+            yield
+        finally:
+            self._inside.on = False
+
+    def done(self):
+        self._say("done", self.produced)
+        return self.produced
+
+    def receive(self, item, event):
+        self._say("receive", (item["n"], event))
+
+    def learner_waits(self):
+        self._say("learner_waits")
+
+    def actor_waits(self):
+        self._say("actor_waits")
+
+
+def test_the_hand_overs_between_the_actors_stream_and_the_learners():
+    """Every rollout and weight load of the producer runs inside the stream; each rollout taken is
+    received with the event recorded after its own kernels; the learner waits for the actor's stream
+    after a quiesce; the held-out evaluation loads and samples inside the stream, after the learner's
+    work, and the learner waits for it at the end."""
+    stream = RecordingStream()
+    loads = []
+
+    def produce(n, weights):
+        weights.use(behaviour_iteration(n, 1))
+        assert stream.inside(), "the producer ran off the actor's stream"
+        stream.produced += 1
+        return {"n": n}
+
+    def load(iteration, weights, version):
+        loads.append((iteration, stream.inside()))
+
+    pipe = AsyncRollouts(produce, max_staleness=1, load=load, start_state=lambda: None, rewind=lambda s: None,
+                         stream=stream)
+    learner = threading.current_thread().name
+    try:
+        for i in range(3):
+            pipe.publish(i, {"w": torch.tensor(i)}, i)
+            assert pipe.take(i) == {"n": i}
+            assert stream.calls[-1] == ("receive", (i, i + 1), learner, False)  # the event after rollout i's
+        pipe.quiesce()
+        assert stream.calls[-1] == ("learner_waits", None, learner, False)
+        assert pipe._idle()
+        with pipe.holding(-2, {"w": torch.tensor(-2)}, 0):
+            assert stream.inside() and loads[-1] == (-2, True)
+            assert stream.calls[-1] == ("actor_waits", None, learner, False)
+        assert stream.calls[-1] == ("learner_waits", None, learner, False)
+        pipe.publish(3, {"w": torch.tensor(3)}, 3)
+        assert pipe.take(3) == {"n": 3}
+    finally:
+        pipe.close()
+    assert all(inside for _, inside in loads)
+    produced = [arg for what, arg, thread, inside in stream.calls if what == "done"]
+    assert produced == list(range(1, len(produced) + 1))  # one event per rollout, after it
+    assert all(inside and thread == "textrl-async-actor" for what, _, thread, inside in stream.calls if what == "done")

@@ -33,6 +33,13 @@ sampler state: a resume draws it again, identically) and the weights it and the 
 
 The producer owns the process's global RNG (the engines draw from it); with K > 0 the learner
 shuffles its minibatches with a private generator (:attr:`textrl.agents.learner.Learner.generator`).
+
+On CUDA, with an engine that samples a module in this process (``textrl``, ``hf``, ``static``), the
+producer launches its kernels on a stream of its own (:class:`ActorStream`), so that generation and
+the learner's update overlap on the device, not only on the host; its hand-overs with the learner's
+stream are events and stream waits (:class:`ActorStream`). With a vLLM engine, in this process or
+served, vLLM runs generation's kernels itself (its engine core, or another device): nothing of ours to
+move, no stream (:func:`own_stream`). On the CPU nothing of this runs.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -138,6 +145,93 @@ def device_bytes(tensors: Iterable[Tensor], device: torch.device | str) -> int:
     return sum(seen.values())
 
 
+# -- the actor's CUDA stream ----------------------------------------------------------------------------
+
+
+def own_stream(engine: Any, device: torch.device | str) -> bool:
+    """Whether the asynchronous actor's thread launches its kernels on a CUDA stream of its own
+    (:class:`ActorStream`): on a CUDA device with an engine that samples a module in this process
+    (``textrl``, ``hf``, ``static``). Not on the CPU (no streams: there the two threads overlap on the
+    host alone), nor with an engine that holds its own weights
+    (:attr:`~textrl.generation.base.GenerationEngine.receives_weights`: the ``vllm`` engines), whose
+    kernels vLLM launches itself, in its engine core or on a server's device."""
+    return torch.device(device).type == "cuda" and not getattr(engine, "receives_weights", False)
+
+
+def tensors_in(item: Any) -> Iterator[Tensor]:
+    """The tensors of ``item``: a tensor, a TensorDict's leaves, and those inside tuples, lists and
+    dicts of them, recursively (anything else holds none)."""
+    if isinstance(item, Tensor):
+        yield item
+    elif isinstance(item, (tuple, list)):
+        for part in item:
+            yield from tensors_in(part)
+    elif isinstance(item, dict):
+        for part in item.values():
+            yield from tensors_in(part)
+    elif hasattr(item, "batch_size") and hasattr(item, "values"):  # a TensorDict
+        yield from (t for t in item.values(include_nested=True, leaves_only=True) if isinstance(t, Tensor))
+
+
+class ActorStream:
+    """The asynchronous actor's CUDA stream on ``device``, beside the learner's (the current stream of
+    the learner's thread: the device's default stream), and the hand-overs between the two, so that
+    generation's kernels and the update's overlap on one GPU instead of queueing behind each other:
+
+    - the producer's thread runs on it (:meth:`entered`): it loads the published weights into the
+      actor's copy (from pinned memory, without blocking: the copies are queued on this stream before
+      the kernels that read them), samples, prefills the weight check and assembles the rollout; the
+      actor's copy and its engine's buffers are only ever used on this stream;
+    - a rollout done gets an event recorded after its kernels (:meth:`done`); when the learner takes
+      it, its stream waits for that event before anything it queues next, and each of the rollout's
+      tensors is marked as used by the learner's stream (:meth:`receive`), so the allocator gives its
+      memory to no later rollout while the learner's kernels may still read it;
+    - the learner reads the actor's state only while the producer rests (a checkpoint's queued
+      rollouts, the held-out evaluation): its stream first waits for this one (:meth:`learner_waits`);
+      the held-out evaluation samples on this stream, after the learner's work queued so far
+      (:meth:`actor_waits`), and the learner's stream waits for it when it ends.
+
+    Built after the actor's copy (made on the learner's stream), which it waits for."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        self.actor_waits()  # the actor's copy of the policy, made on the learner's stream, before any use here
+
+    def entered(self) -> AbstractContextManager[Any]:
+        """The block's kernels on the actor's stream (in the thread that enters it)."""
+        return torch.cuda.stream(self.stream)
+
+    def done(self) -> Any:
+        """An event recorded on the actor's stream now: it completes when the work queued so far does."""
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def receive(self, item: Any, event: Any) -> None:
+        """The learner takes ``item``: its current stream waits for ``event`` (:meth:`done`; None: an
+        item restored from a checkpoint), and every CUDA tensor of ``item`` is marked as used by it."""
+        learner = torch.cuda.current_stream(self.device)
+        if event is not None:
+            learner.wait_event(event)
+        for tensor in tensors_in(item):
+            if tensor.is_cuda:
+                tensor.record_stream(learner)
+
+    def learner_waits(self) -> None:
+        """The learner's current stream waits for the work queued on the actor's so far."""
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def actor_waits(self) -> None:
+        """The actor's stream waits for the work queued on the learner's current stream so far."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+
+def on_stream(stream: ActorStream | None) -> AbstractContextManager[Any]:
+    """``stream`` entered, or nothing (None: the CPU, a vLLM engine)."""
+    return stream.entered() if stream is not None else nullcontext()
+
+
 PREFILL_CHECK_SKIPPED = (
     "the asynchronous actor hands each published snapshot straight to {engine} and keeps no copy of the policy, so "
     "it cannot prefill the weights its engine samples with: the rollouts' prefill weight check is off; the engine's "
@@ -166,12 +260,16 @@ class AsyncActor:
     """Seconds :meth:`load` spent since :meth:`take_sync_seconds` last read them."""
     skipped_check: bool = False
     """Whether the run's prefill weight check is off because the actor keeps no copy (it was on)."""
+    stream: ActorStream | None = None
+    """The CUDA stream the producer's thread runs on (:func:`own_stream`); None on the CPU and with a vLLM
+    engine."""
 
     @classmethod
     def of(cls, agent: Any) -> AsyncActor:
         """``agent``'s actor (:attr:`PPOAgent.actor`) re-built with no reference and no critic (the
         learner evaluates the rollouts) and an engine of its own, over a copy of the policy unless the
-        engine receives the weights (:func:`receives_directly`)."""
+        engine receives the weights (:func:`receives_directly`); on CUDA a stream of its own
+        (:func:`own_stream`)."""
         from textrl.agents.actor import Actor, build_actor
         from textrl.agents.weight_check import weight_gap_bound
 
@@ -187,7 +285,8 @@ class AsyncActor:
         actor = Actor(main.config, twin, None, None, main.forwards, engine, main.backend,
                       eos_token_id=main.eos_token_id, pad_token_id=main.pad_token_id, device=main.device)
         names = {name for name, p in main.policy.named_parameters() if p.requires_grad}
-        return cls(actor, {name: p for name, p in twin.named_parameters() if name in names})
+        stream = ActorStream(main.device) if own_stream(engine, main.device) else None  # after the copy: it waits for it
+        return cls(actor, {name: p for name, p in twin.named_parameters() if name in names}, stream=stream)
 
     @torch.no_grad()
     def load(self, iteration: int, weights: dict[str, Tensor], version: int) -> None:
@@ -253,6 +352,8 @@ class Queued:
 
     n: int
     item: Any
+    ready: Any = None
+    """On the actor's CUDA stream: the event recorded after the rollout's kernels (:meth:`ActorStream.done`)."""
 
 
 class AsyncRollouts:
@@ -263,15 +364,18 @@ class AsyncRollouts:
     capture and restore what a rollout's draw depends on besides the weights (the RNGs, the prompt
     sampler): taken before each rollout, so one in flight at a checkpoint is drawn again on resume;
     ``rewind(state)`` puts it back in this process (a cancelled rollout, drawn again at once).
+    ``stream`` (:class:`ActorStream`, CUDA) the stream the producer runs on, and the held-out
+    evaluation (:meth:`holding`); the rollouts are handed to the learner's stream as the class says.
     It draws from rollout 0, or where :meth:`load_state_dict` (a resume) says."""
 
     def __init__(self, produce: Callable[[int, Weights], Any], *, max_staleness: int,
                  load: Callable[[int, dict[str, Tensor], int], None], start_state: Callable[[], Any],
-                 rewind: Callable[[Any], None] | None = None) -> None:
+                 rewind: Callable[[Any], None] | None = None, stream: ActorStream | None = None) -> None:
         if max_staleness < 1:
             raise ValueError(f"max_staleness={max_staleness}: asynchronous rollouts need K >= 1 (K=0 is the synchronous loop)")
         self.max_staleness = int(max_staleness)
         self._produce, self._load, self._start_state, self._rewind = produce, load, start_state, rewind
+        self.stream = stream
         self._cond = threading.Condition()
         self._queue: list[Queued] = []
         self._next = 0  # the rollout the producer draws next
@@ -311,16 +415,19 @@ class AsyncRollouts:
                 if self._queue and self._queue[0].n != n:
                     raise RuntimeError(f"asynchronous rollouts: rollout {n} asked, {self._queue[0].n} is next")
                 self._cond.wait(timeout=1.0)
-            item = self._queue.pop(0).item
+            queued = self._queue.pop(0)
             self._cond.notify_all()
-            return item
+        if self.stream is not None:
+            self.stream.receive(queued.item, queued.ready)
+        return queued.item
 
     def quiesce(self) -> None:
         """Bring the producer to rest: it waits for weights not yet published, or a rollout in
         flight is cancelled at its next generation call and its start put back (module docstring);
         it touches nothing then, until :meth:`publish` or the end of :meth:`holding`. The
         producer's error is raised here or by :meth:`take`, once: after that the producer is gone,
-        nothing moves, and this returns (a checkpoint of the learner's state may follow)."""
+        nothing moves, and this returns (a checkpoint of the learner's state may follow). On CUDA the
+        learner's stream then waits for the actor's (what the producer left is read there)."""
         with self._cond:
             if self._rewind is not None:
                 self._cancel = True
@@ -328,16 +435,25 @@ class AsyncRollouts:
                 self._raise_error(once=True)
                 self._cond.wait(timeout=1.0)
             self._raise_error(once=True)
+        if self.stream is not None:
+            self.stream.learner_waits()
 
     @contextmanager
     def holding(self, iteration: int, weights: dict[str, Tensor], version: int) -> Iterator[None]:
         """The actor holds ``weights`` (the learner's now, for a held-out evaluation) inside; the
-        producer, quiesced first, loads its own again when it goes on."""
+        producer, quiesced first, loads its own again when it goes on. On CUDA the block runs on the
+        actor's stream (its copy and its engine's buffers are used there alone), after the learner's
+        work queued so far; the learner's stream waits for it at the end."""
         self.quiesce()
-        self._load(iteration, weights, version)
+        if self.stream is not None:
+            self.stream.actor_waits()
         try:
-            yield
+            with on_stream(self.stream):
+                self._load(iteration, weights, version)
+                yield
         finally:
+            if self.stream is not None:
+                self.stream.learner_waits()
             with self._cond:
                 self._cancel = False
                 self._cond.notify_all()
@@ -415,6 +531,10 @@ class AsyncRollouts:
             del self._snapshots[i]
 
     def _run(self) -> None:
+        with on_stream(self.stream):
+            self._draw()
+
+    def _draw(self) -> None:
         try:
             while True:
                 with self._cond:  # the weights it waits for bound the queue: at most K + 1 rollouts ahead
@@ -427,8 +547,9 @@ class AsyncRollouts:
                 except Cancelled:
                     self._rest(n)
                     continue
+                ready = self.stream.done() if self.stream is not None else None
                 with self._cond:
-                    self._queue.append(Queued(n, item))
+                    self._queue.append(Queued(n, item, ready))
                     self._next, self._in_flight = n + 1, None
                     self._prune()
                     self._cond.notify_all()
@@ -448,5 +569,6 @@ class Cancelled(BaseException):  # noqa: N818 - a request, not an error; not an 
     """Raised in the producer by :meth:`Weights.check`: the learner asked it to rest."""
 
 
-__all__ = ["AsyncActor", "AsyncRollouts", "Cancelled", "PREFILL_CHECK_SKIPPED", "Queued", "Weights", "behaviour_iteration",
-           "device_bytes", "policy_copy", "receives_directly", "token_iterations", "trainable_state", "turn_iteration"]
+__all__ = ["ActorStream", "AsyncActor", "AsyncRollouts", "Cancelled", "PREFILL_CHECK_SKIPPED", "Queued", "Weights",
+           "behaviour_iteration", "device_bytes", "on_stream", "own_stream", "policy_copy", "receives_directly",
+           "tensors_in", "token_iterations", "trainable_state", "turn_iteration"]

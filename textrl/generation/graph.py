@@ -346,7 +346,9 @@ class Graphs:
                         step()
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
+                # thread_local: another thread's CUDA calls meanwhile (the learner's, beside an asynchronous
+                # actor capturing on its own stream) do not invalidate the capture; this thread's still do
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                     out = step()
         except Exception as err:  # noqa: BLE001 - a model that cannot be captured still decodes, eagerly
             then = "captures the step uncompiled" if compiled else "decodes eagerly over the static cache"
