@@ -206,8 +206,9 @@ class TrainConfig:
     """The vLLM engines (--generation-engine vllm, --vllm-server): the most MiB of weights moved or sent
     together when they are handed over (one bucket; time/weight_sync_s logs the seconds; docs/vllm.md)."""
     forward_batch_size: int = 64
-    """Rows per micro-batch of the reward models' forwards and of the rollout-time log-prob / value
-    forwards (the behaviour and reference log-probs, the values; microbatch_tokens replaces it there)."""
+    """Rows per micro-batch of the rollout-time log-prob / value forwards (the behaviour and reference
+    log-probs, the values; microbatch_tokens replaces it there) and of the agent's own reward model (a
+    reward adapter); a reward_model:PATH spec scores 32 rows a batch."""
 
     # -- PPO -----------------------------------------------------------------------------------
     ppo_epochs: int = 2
