@@ -20,8 +20,8 @@ from textrl.errors import ALIKE_ERROR_WAIT_S, alike_in_every_process, reports_al
 from textrl.trainer import check_run, launched_processes
 
 STALENESS = ("textrl train: --max-staleness 1 runs an actor beside the learner in each of the 2 training processes, "
-             "and under --fsdp none holds the policy's weights whole; train data parallel (no --fsdp, --zero-stage 0 "
-             "to 2), or drop --max-staleness")
+             "and under --fsdp none holds the policy's weights whole; serve the rollouts (--vllm-server: one actor on "
+             "the main process), train data parallel (no --fsdp, --zero-stage 0 to 2), or drop --max-staleness")
 
 
 def _launched(monkeypatch, rank: int, world: int = 2) -> None:
@@ -59,6 +59,22 @@ def test_max_staleness_in_one_process_or_data_parallel_passes_the_checks(world, 
     else:
         monkeypatch.setenv("WORLD_SIZE", world)
     check_run(TrainConfig(max_staleness=staleness, output_dir=str(tmp_path / "run")))
+
+
+def test_sharded_learners_with_served_rollouts_pass_the_checks_and_a_frozen_base_is_refused(monkeypatch, tmp_path):
+    """--max-staleness under --fsdp / --zero-stage 3 with --vllm-server: one actor handed the weights
+    whole (passes); with a LoRA policy its actor would keep the frozen base whole (refused in one line)."""
+    from textrl.trainer import refuse_async_processes
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    served = {"max_staleness": 1, "vllm_server": "http://127.0.0.1:1"}
+    refuse_async_processes(TrainConfig(**served, fsdp=True))
+    refuse_async_processes(TrainConfig(**served, zero_stage=3))
+    with pytest.raises(ValueError, match=r"^--max-staleness 1 under --zero-stage 3 hands the actor the learner's weights "
+                                         r"whole, and with --lora-r the actor keeps a copy of the policy's frozen base"):
+        refuse_async_processes(TrainConfig(**served, zero_stage=3, lora_r=4))
+    with pytest.raises(ValueError, match="none holds the policy's weights whole; serve the rollouts"):
+        refuse_async_processes(TrainConfig(max_staleness=1, zero_stage=3))
 
 
 @pytest.mark.parametrize("environ, says", [

@@ -327,3 +327,47 @@ def test_one_actor_dealing_every_process_its_share_resumes_as_the_uninterrupted_
         assert [r[key] for r in b] == [r[key] for r in a], key
     sa, sb = checkpoint_tensors(latest_checkpoint(full)), checkpoint_tensors(latest_checkpoint(part))
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+SHARDED_ONE_ACTOR = """
+import sys
+from textrl import rollout_sources
+from textrl.cli import main
+from textrl.testing.engines import register_receiving_engine
+
+register_receiving_engine("receiving")  # holds its own weights, pushed whole: a vLLM server in the process
+rollout_sources.one_actor = lambda config: True  # as with --vllm-server: the main process's actor deals the shares
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("backend", [["--fsdp"], ["--zero-stage", "3"]], ids=["fsdp", "zero3"])
+def test_sharded_learners_hand_one_actor_the_weights_whole_and_resume_as_the_uninterrupted_run(tmp_path, backend):
+    """The served recipe's asynchronous mode under a backend that partitions the weights: the learners
+    gather them after each update for the main process's actor, whose engine holds its own weights
+    (pushed whole, as a vLLM server's); 2 iterations then --resume to 3 equal 3 at once, bit for bit;
+    only the main process evaluates (its actor samples)."""
+    cache = tmp_path / "cache"
+    env = {**os.environ, "TEXTRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    script = tmp_path / "sharded_one_actor.py"
+    script.write_text(SHARDED_ONE_ACTOR)
+
+    def run(out, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+               str(script), "train", "--output-dir", str(out), *SMALL, *backend, "--generation-engine", "receiving",
+               "--max-staleness", "1", "--eval-every", "2", *extra]
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    run(full, "--iterations", "3")
+    run(part, "--iterations", "2")
+    run(part, "--iterations", "3", "--resume")
+    a, b = metrics(full), metrics(part)
+    assert [r["rollout/staleness"] for r in a] == [0.0, 1.0, 1.0] and all(r["samples"] == 8 for r in a)
+    assert "eval/greedy/reward/mean" in a[1] and "eval/greedy/reward/mean" in a[2]
+    for key in ("reward/mean", "loss/policy", "loss/value", "kl/collection", "tokens", "eval/greedy/reward/mean"):
+        assert [r.get(key) for r in b] == [r.get(key) for r in a], key
+    assert all(r["time/weight_sync_s"] > 0 for r in a)
+    sa, sb = checkpoint_tensors(latest_checkpoint(full)), checkpoint_tensors(latest_checkpoint(part))
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

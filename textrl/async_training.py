@@ -96,14 +96,17 @@ class AsyncTraining:
         self.actor.actor.judge_weight_gap(td, drawn_with(td))
         return check_rollout(self.agent.process_rollout(td, timings=timings), finite=False), rows
 
-    def take_rollout(self, iteration: int, timings: dict[str, float]) -> tuple[Any, int]:
-        """Publish the learner's weights (``iteration - 1`` updates done), then take the rollout that
-        iteration trains on, as drawn: ``(rollout, rows of its prompt batch)`` (the rollout with
-        ``KEYS.policy_iteration``, and ``KEYS.token_iteration`` with partial rollouts); its generation
-        and reward seconds go to ``timings``, and ``wait``, the seconds the learner waited for it."""
+    def take_rollout(self, iteration: int, timings: dict[str, float],
+                     weights: dict[str, torch.Tensor] | None = None) -> tuple[Any, int]:
+        """Publish the learner's weights (``iteration - 1`` updates done; ``weights``, where the caller
+        gathered them, else copied here), then take the rollout that iteration trains on, as drawn:
+        ``(rollout, rows of its prompt batch)`` (the rollout with ``KEYS.policy_iteration``, and
+        ``KEYS.token_iteration`` with partial rollouts); its generation and reward seconds go to
+        ``timings``, and ``wait``, the seconds the learner waited for it."""
         learner = self.agent.learner
         self._taking = True
-        self.pipeline.publish(iteration - 1, trainable_state(learner.policy), learner.version)
+        self.pipeline.publish(iteration - 1, trainable_state(learner.policy) if weights is None else weights,
+                              learner.version)
         started = time.perf_counter()
 
         def take() -> Any:
@@ -121,12 +124,21 @@ class AsyncTraining:
         return td, rows
 
     @contextmanager
-    def sampling_agent(self) -> Iterator[ActorView]:
-        """The actor sampling with the learner's weights now (the held-out evaluation), the producer
-        quiesced; it loads its own again when it goes on."""
+    def sampling_agent(self, weights: dict[str, torch.Tensor] | None = None) -> Iterator[ActorView]:
+        """The actor sampling with the learner's weights now (``weights`` where the caller gathered
+        them; the held-out evaluation), the producer quiesced; it loads its own again when it goes on."""
         learner = self.agent.learner
-        with self.pipeline.holding(HELD_OUT, trainable_state(learner.policy), learner.version):
+        with self.pipeline.holding(HELD_OUT, trainable_state(learner.policy) if weights is None else weights,
+                                   learner.version):
             yield self.view
+
+    def updated(self, timings: dict[str, float]) -> None:
+        """After the learner's update: nothing (the weights are copied when they are published)."""
+
+    def evaluates(self, main: bool, partitions_weights: bool) -> bool:
+        """Whether this process runs the held-out evaluation: the main one, and every one where the
+        forwards are collectives (FSDP, ZeRO-3)."""
+        return main or partitions_weights
 
     def quiesce(self) -> None:
         """Before a checkpoint: the producer at rest (:meth:`AsyncRollouts.quiesce`), the actor's RNG
@@ -276,7 +288,13 @@ class DealtRollouts:
     of their own in each process would push to the same servers on their own schedules), and deals
     each process its share when the learners take it (a broadcast, in the step's order); each
     judges its share's weight check with the others and estimates it. A checkpoint holds the one
-    actor's state. Same interface as :mod:`textrl.rollout_sources`' sources."""
+    actor's state. Same interface as :mod:`textrl.rollout_sources`' sources.
+
+    The actor's weights are the learner's, whole, copied on the main process where every process is
+    (at the start, after a resume's load and after each update: :meth:`updated`): under a backend
+    that partitions them (FSDP, ZeRO-3) a gather all join (``backend.trained_weights``), so the actor's
+    thread holds no collective and the learners can be sharded. Only the main process evaluates
+    (its actor samples; the others hold no engine weights)."""
 
     def __init__(self, config: Any, agent: Any, sampler: Any, episodes: Any, dist: Any) -> None:
         from textrl.distributed import Distributed
@@ -289,6 +307,17 @@ class DealtRollouts:
             generator.manual_seed(int(config.seed) + LEARNER_SEED_OFFSET)
             agent.learner.generator = generator
         self._taking = False
+        self._weights: dict[str, torch.Tensor] | None = None
+        """The learner's trained weights now, whole, on the main process's CPU (None elsewhere)."""
+        self._take_weights()
+
+    def _take_weights(self) -> float:
+        """Copy the learner's trained weights whole for the main process's actor (every process calls:
+        a gather where the backend partitions them); the seconds it took."""
+        started = time.perf_counter()
+        weights = self.agent.backend.trained_weights(self.agent.learner.policy, keep=self.actor is not None)
+        self._weights = weights if self.actor is not None else None
+        return time.perf_counter() - started
 
     def next_rollout(self, iteration: int, timings: dict[str, float]) -> tuple[Any, int]:
         """The main process takes the whole rollout and broadcasts it (or what stopped its actor);
@@ -298,7 +327,7 @@ class DealtRollouts:
         sent: Any = None
         if self.actor is not None:
             try:
-                td, rows = self.actor.take_rollout(iteration, timings)
+                td, rows = self.actor.take_rollout(iteration, timings, self._weights)
                 sent = ("rollout", td.to("cpu"), rows, dict(timings))
             except EngineFailed as err:
                 self.dist.broadcast_object(("engine", str(err)))
@@ -324,10 +353,18 @@ class DealtRollouts:
     def sampling_agent(self) -> Iterator[Any]:
         """The main process's actor with the learner's weights (only the main process evaluates)."""
         if self.actor is None:
-            yield self.agent
-            return
-        with self.actor.sampling_agent() as view:
+            raise RuntimeError("only the main process evaluates an asynchronous run whose actor deals the rollouts")
+        with self.actor.sampling_agent(self._weights) as view:
             yield view
+
+    def updated(self, timings: dict[str, float]) -> None:
+        """After the learner's update (every process): its weights copied for the actor
+        (:meth:`_take_weights`), the seconds added to ``timings["weight_sync"]``."""
+        timings["weight_sync"] = timings.get("weight_sync", 0.0) + self._take_weights()
+
+    def evaluates(self, main: bool, partitions_weights: bool) -> bool:
+        """The main process alone evaluates: its actor samples with the learner's weights."""
+        return main
 
     def quiesce(self) -> None:
         if self.actor is not None:
@@ -352,6 +389,9 @@ class DealtRollouts:
             self.agent.learner.generator.set_state(state["learner_generator"])
 
     def restored(self) -> None:
+        """After a resume's load (every process): the loaded weights copied for the actor, and the
+        actor's in-flight rollout's RNGs at its start."""
+        self._take_weights()
         if self.actor is not None:
             self.actor.restored()
 

@@ -10,6 +10,9 @@ A rollout source has:
   seconds of its phases go to ``timings``;
 - ``sampling_agent()``: a context whose value the held-out evaluation samples with (the learner's
   weights now);
+- ``updated(timings)``: after the learner's update, every process (a source that copies the
+  weights for its actor there: seconds to ``timings["weight_sync"]``);
+- ``evaluates(main, partitions_weights) -> bool``: whether this process runs the held-out evaluation;
 - ``quiesce()``: nothing of the source moves until the run goes on (before a checkpoint);
 - ``rewind(iteration) -> bool``: after an engine failed in ``next_rollout(iteration)``, the random
   state and the prompts as the iteration found them, so a checkpoint now is that of ``iteration - 1``
@@ -56,6 +59,14 @@ class SyncRollouts:
     @contextmanager
     def sampling_agent(self) -> Iterator[Any]:
         yield self.agent
+
+    def updated(self, timings: dict[str, float]) -> None:
+        """After the learner's update: nothing (the next rollout samples the learner's module)."""
+
+    def evaluates(self, main: bool, partitions_weights: bool) -> bool:
+        """Whether this process runs the held-out evaluation: the main one, and every one where the
+        forwards are collectives (FSDP, ZeRO-3)."""
+        return main or partitions_weights
 
     def quiesce(self) -> None:
         """Nothing runs beside the learner."""

@@ -200,6 +200,7 @@ class PPORun:
         with timed(timings, "update", agent.device):
             update_metrics = agent.update(td)
             self.weights_poisoned = not self.backend.weights_finite(agent)
+        self.source.updated(timings)  # every process: the weights copied for an actor that deals the rollouts
         timings["guard"] = self.backend.rollback_seconds()  # the NaN rollback's copy and checks, within the above
         if update_metrics.get("nonfinite/rolled_back"):
             self.log(f"iteration {iteration}: its update left NaN/inf weights and was rolled back "
@@ -474,7 +475,7 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     if note := source.note():
         log(note)  # K >= 1 without a correction: what the objective then is, once
     # held-out evaluation: the main process alone, unless the forwards are collectives (FSDP, ZeRO-3)
-    evaluates = main or backend.partitions_weights
+    evaluates = source.evaluates(main, backend.partitions_weights)
     return PPORun(config=config, agent=agent, sampler=sampler, episodes=episodes, eval_batches=eval_batches,
                   backend=backend, dist=dist, main=main, evaluates=evaluates, output_dir=output_dir,
                   resume_from=checkpoint, resumed_changes=changes, log=log, user_code=user_code, source=source)
@@ -526,16 +527,27 @@ def launched_processes() -> int:
 
 
 def refuse_async_processes(config: TrainConfig) -> None:
-    """``max_staleness`` > 0 runs an actor beside the learner in each training process, which holds
-    the policy's weights whole (data parallel, ZeRO-1/2): under several processes
-    (:func:`launched_processes`) with weights partitioned (FSDP, ZeRO-3) a ``ValueError``, said before
-    any model loads (the actor's thread would gather them, a collective beside the learner's)."""
+    """``max_staleness`` > 0 under several processes (:func:`launched_processes`) runs an actor beside
+    the learner in each, which holds the policy's weights whole (data parallel, ZeRO-1/2), or with
+    served rollouts one actor on the main process that the learners hand the weights whole after each
+    update (:func:`textrl.rollout_sources.one_actor`: any backend, FSDP and ZeRO-3 included, for a
+    policy that trains every weight). A ``ValueError`` for the rest, said before any model loads."""
+    from textrl.rollout_sources import one_actor
+
     processes = launched_processes()
     partitioned = "--fsdp" if config.fsdp else "--zero-stage 3" if config.zero_stage == 3 else None
-    if config.max_staleness and processes > 1 and partitioned:
+    if config.max_staleness and processes > 1 and partitioned and not one_actor(config):
         raise ValueError(f"--max-staleness {config.max_staleness} runs an actor beside the learner in each of the "
                          f"{processes} training processes, and under {partitioned} none holds the policy's weights "
-                         "whole; train data parallel (no --fsdp, --zero-stage 0 to 2), or drop --max-staleness")
+                         "whole; serve the rollouts (--vllm-server: one actor on the main process), train data "
+                         "parallel (no --fsdp, --zero-stage 0 to 2), or drop --max-staleness")
+    frozen = "--lora-r" if config.lora_r is not None else "--agent multi_adapter_ppo" \
+        if config.agent == "multi_adapter_ppo" else None
+    if config.max_staleness and processes > 1 and partitioned and frozen:
+        raise ValueError(f"--max-staleness {config.max_staleness} under {partitioned} hands the actor the learner's "
+                         f"weights whole, and with {frozen} the actor keeps a copy of the policy's frozen base, "
+                         f"which {partitioned} does not hold whole; train data parallel (no --fsdp, --zero-stage 0 "
+                         "to 2) or drop --max-staleness")
     if config.max_staleness and processes > 1 and config.vllm_server and config.reward_nonfinite == "drop":
         raise ValueError(f"--max-staleness {config.max_staleness} with --vllm-server under {processes} processes deals "
                          "each process its share of the main process's rollouts, which reward_nonfinite='drop' would "

@@ -604,14 +604,17 @@ def test_a_url_that_is_not_a_vllm_server_is_refused_before_the_warm_up(tmp_path,
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_served_asynchronous_rollouts_in_two_trainer_processes_are_dealt_by_one_actor(tmp_path, folder, servers):
-    """--max-staleness 1 under torchrun with two servers: the main process's actor draws every batch
-    whole from the servers (one weight push per change) and deals each process its share; the
-    rollouts are one update behind, the servers' log-probs of the first one the learner's, and a
-    resume continues with the checkpoint's rollout in flight."""
+    """--max-staleness 1 under torchrun with two servers and FSDP2 learners: the learners gather the
+    weights whole for the main process's actor after each update, which draws every batch whole from
+    the servers (one weight push per change) and deals each process its share; the rollouts are one
+    update behind, the servers' log-probs of the first one the learner's, and a resume continues with
+    the checkpoint's rollout in flight. (Data-parallel learners take the same path with no gather:
+    tests/test_multiprocess.py.)"""
     out = tmp_path / "run"
-    train(out, folder, servers, "--iterations", "2", "--max-staleness", "1", "--eval-every", "2", processes=2)
-    train(out, folder, servers, "--iterations", "3", "--max-staleness", "1", "--eval-every", "2", "--resume",
+    train(out, folder, servers, "--iterations", "2", "--max-staleness", "1", "--eval-every", "2", "--fsdp",
           processes=2)
+    train(out, folder, servers, "--iterations", "3", "--max-staleness", "1", "--eval-every", "2", "--fsdp",
+          "--resume", processes=2)
     rows = metrics(out)
     assert [r["iteration"] for r in rows] == [1, 2, 3] and all(r["samples"] == 8 for r in rows)
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]

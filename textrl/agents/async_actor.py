@@ -145,6 +145,23 @@ def device_bytes(tensors: Iterable[Tensor], device: torch.device | str) -> int:
     return sum(seen.values())
 
 
+class WholeWeights:
+    """The learner's backend as an actor handed the weights whole sees it (:func:`receives_directly`):
+    nothing to gather and no forward a collective, whatever the learner's backend partitions (its
+    thread joins no collective); everything else is the backend's."""
+
+    partitions_weights = False
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+
+    def gathered(self, model: nn.Module) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
 # -- the actor's CUDA stream ----------------------------------------------------------------------------
 
 
@@ -276,10 +293,13 @@ class AsyncActor:
         main = agent.actor
         engine = build_actor(agent).engine  # a new engine of the run's kind, configured and checked
         if receives_directly(engine, main.policy):
-            # the learner's module, never read for its weights; no module at the sampled weights to prefill
+            # the learner's module, never read for its weights; no module at the sampled weights to prefill;
+            # the snapshots come whole (gathered by the learners where the backend partitions them)
+            engine.check_backend(False)
             checked = not math.isinf(weight_gap_bound(main.config, main.precision.compute_dtype))
             actor = Actor(replace(main.config, max_weight_gap=0), main.policy, None, None, main.forwards, engine,
-                          main.backend, eos_token_id=main.eos_token_id, pad_token_id=main.pad_token_id, device=main.device)
+                          WholeWeights(main.backend), eos_token_id=main.eos_token_id, pad_token_id=main.pad_token_id,
+                          device=main.device)
             return cls(actor, None, skipped_check=checked)
         twin = policy_copy(main.policy)
         actor = Actor(main.config, twin, None, None, main.forwards, engine, main.backend,

@@ -251,6 +251,15 @@ class Backend:
         """``dst`` takes ``src``'s weights (same architecture): reference / old-policy refresh."""
         dst.load_state_dict(src.state_dict())
 
+    def trained_weights(self, model: nn.Module, keep: bool) -> dict[str, Tensor]:
+        """``model``'s trained weights (``requires_grad``) whole, as detached copies on the CPU where
+        ``keep``, ``{}`` elsewhere; every process calls where the backend partitions them (a gather
+        per tensor, one tensor whole at a time). What an actor handed the weights whole samples with
+        (:class:`textrl.async_training.DealtRollouts`)."""
+        if not keep:
+            return {}
+        return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
+
     # -- full state: save and restore -------------------------------------------------------------
     def model_state(self, agent: Any) -> dict[str, Tensor]:
         """Every weight of the agent's models (policy, reference, critic, snapshots), full tensors."""

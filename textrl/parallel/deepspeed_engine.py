@@ -222,6 +222,18 @@ def mark_held_written(tensor: Tensor) -> None:
     mark_written([tensor, tensor.ds_tensor] if is_partitioned(tensor) else [tensor])
 
 
+def trained_weights(model: nn.Module, keep: bool) -> dict[str, Tensor]:
+    """``model``'s trained weights whole, copied to the CPU where ``keep`` (``{}`` elsewhere); a
+    collective under stage 3 (every process calls), gathered one tensor at a time."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            with _gather([p]):
+                if keep:
+                    out[name] = p.detach().to("cpu", copy=True)
+    return out
+
+
 def full_model_state(model: nn.Module, keep: bool) -> dict[str, Tensor]:
     """Every full tensor of ``model`` on the CPU where ``keep`` (the main process), ``{}`` elsewhere.
 

@@ -49,6 +49,9 @@ class FSDP(Replicated):
     def gathered(self, model: nn.Module):
         return fsdp_sharding.gathered(model, self.reshard_after_forward)
 
+    def trained_weights(self, model: nn.Module, keep: bool) -> dict[str, Tensor]:
+        return fsdp_sharding.trained_weights(model, keep)
+
     def model_state(self, agent: Any) -> dict[str, Tensor]:
         """Full CPU tensors on the main process (``{}`` elsewhere); every process must call."""
         return {f"{name}.{k}": v for name, model in agent.named_children()

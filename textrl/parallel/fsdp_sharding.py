@@ -166,6 +166,18 @@ def _options(cpu_offload: bool = False) -> Any:
     return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
 
 
+def trained_weights(model: nn.Module, keep: bool) -> dict[str, Tensor]:
+    """``model``'s trained weights whole, copied to the CPU where ``keep`` (``{}`` elsewhere): each
+    shard's ``full_tensor()`` in turn (a collective every process joins, in the parameters' order)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            whole = p.full_tensor() if is_sharded(p) else p
+            if keep:
+                out[name] = whole.detach().to("cpu", copy=True)
+    return out
+
+
 def full_model_state(model: nn.Module) -> dict[str, Tensor]:
     """Every full tensor of ``model`` on the CPU, on the main process only (the others get ``{}``;
     a collective: all must call). Tensors are gathered one at a time, so no process ever holds

@@ -91,6 +91,11 @@ class DeepSpeedZero(Replicated):
     def gathered(self, model: nn.Module):
         return deepspeed_engine.gathered(model)
 
+    def trained_weights(self, model: nn.Module, keep: bool) -> dict[str, Tensor]:
+        if self.stage == 3:
+            return deepspeed_engine.trained_weights(model, keep)
+        return super().trained_weights(model, keep)
+
     def copy_weights(self, dst: nn.Module, src: nn.Module) -> None:
         if self.stage == 3:
             deepspeed_engine.copy_weights(dst, src)

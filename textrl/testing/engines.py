@@ -1,7 +1,9 @@
-"""Engine doubles for tests of a run's faults: :func:`register_stale_engine`, an engine whose weight
-sync never happens (the fault :mod:`textrl.agents.weight_check` stops a run for), and
-:func:`failing_engine`, one that stops answering after some calls (a vLLM server that died: the
-run saves its last finished iteration and stops, :mod:`textrl.run.loop`).
+"""Engine doubles for tests: :func:`register_stale_engine`, an engine whose weight sync never happens
+(the fault :mod:`textrl.agents.weight_check` stops a run for), :func:`failing_engine`, one that
+stops answering after some calls (a vLLM server that died: the run saves its last finished
+iteration and stops, :mod:`textrl.run.loop`), and :func:`register_receiving_engine`, one that holds
+weights of its own and takes them pushed, in the process (what a vLLM server is to the run: the
+asynchronous actor's hand-over without vLLM).
 
 Not imported by :mod:`textrl.testing` itself (it reaches the engines' registry)."""
 
@@ -53,6 +55,55 @@ def stale_engine(name: str = "stale", inner: str = "textrl") -> Iterator[str]:
             ENGINES.pop(name, None)
 
 
+def register_receiving_engine(name: str = "receiving", inner: str = "hf") -> str:
+    """Register (once) the engine ``name``: the registered engine ``inner`` sampling a model of its own
+    (built from the config of the module it is called with, at its first call, the random state left
+    as it was) that holds only the weights pushed to it (:meth:`load_weights`, loaded at the next
+    call; every parameter must come, as a vLLM server needs them). The module it is called with is
+    read for its config alone, as the served engine reads it. Returns ``name``."""
+    if name in ENGINES:
+        return name
+    base = type(get_engine(inner))
+
+    class ReceivingEngine(base):  # type: ignore[misc, valid-type]
+        receives_weights = True
+        own: Any = None
+        pushed: dict[str, Any] | None = None
+
+        def load_weights(self, named_tensors: Any, version: int) -> None:
+            self.pushed = dict(named_tensors)
+
+        def check_backend(self, partitions_weights: bool) -> None:
+            """Any backend: the pushed weights come whole."""
+
+        def _model(self, model: Any) -> Any:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            if self.own is None:
+                with torch.random.fork_rng(devices=[]):  # the initialisation draws nothing from the run's RNG
+                    self.own = AutoModelForCausalLM.from_config(model.config).eval().requires_grad_(False)
+            if self.pushed is not None:
+                missing = {n for n, _ in self.own.named_parameters()} - set(self.pushed)
+                if missing:
+                    raise ValueError(f"engine double {name!r}: pushed weights lack {sorted(missing)[:3]}")
+                with torch.no_grad():
+                    for key, value in self.pushed.items():
+                        self.own.get_parameter(key).copy_(value)
+                self.pushed = None
+            return self.own
+
+        def generate(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+            return super().generate(self._model(model), *args, **kwargs)
+
+        def generate_with_logprobs(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+            return super().generate_with_logprobs(self._model(model), *args, **kwargs)
+
+    ReceivingEngine.__name__ = ReceivingEngine.__qualname__ = f"Receiving{base.__name__}"
+    register_engine(name)(ReceivingEngine)
+    return name
+
+
 class FailingEngine:
     """The calls the engine :func:`failing_engine` registered answers before it fails (``calls``:
     a generation call answered, counting all of them: rollouts, held-out evaluations, warm-up
@@ -95,4 +146,4 @@ def failing_engine(fail_after: int | None, name: str = "failing", inner: str = "
         ENGINES.pop(name, None)
 
 
-__all__ = ["FailingEngine", "failing_engine", "register_stale_engine", "stale_engine"]
+__all__ = ["FailingEngine", "failing_engine", "register_receiving_engine", "register_stale_engine", "stale_engine"]
