@@ -1,6 +1,6 @@
 """The learner's phases padded and padding-free (``padding_free``) on ragged rollouts, against a floor.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_padding_free.py [--paddings 0.25,0.5,0.75] [--repeats 3]
+    OMP_NUM_THREADS=1 python benchmarks/bench_padding_free.py [--paddings 0.25,0.5,0.75] [--repeats 3] [--reward]
     python benchmarks/bench_padding_free.py --device cuda --hidden 1024 --intermediate 4096 --layers 8 \\
         --heads 16 --rows 64 --new-tokens 1024 --threads 0          # the GPU command (docs/benchmarks.md)
 
@@ -17,14 +17,17 @@ seconds), each the least of ``--repeats``, the variants interleaved:
   the values; no grad);
 - ``fwd+bwd``: the update's forwards and backward over the rollout (``run_epochs``: one epoch, one
   minibatch, the loss and its backward through the policy and the critic; the optimiser step, the
-  same either way, left out).
+  same either way, left out);
+- ``reward`` (with ``--reward``): a reward model of the policy's size (a Llama sequence classifier)
+  scoring the rollout's rows (prompt and response tokens) in one batch, as ``NeuralReward`` scores
+  a batch (its batch forward, the text rendering and tokenizing left out).
 
 ``padded`` runs them with ``padding_free`` off, ``packed`` on (the layout the models take: ``bins``
 under sdpa / eager), and with ``--layouts`` each named layout forced on every model. The floor is
 the same phase with ``padding_free`` off on a rollout with nothing to pad: every row of one length,
 holding the same number of real tokens. Printed: one row per padding share and phase with the
 seconds, ``speedup`` (padded / packed) and ``packed/floor``, then one JSON line. The packed
-log-probs and values are checked against the padded ones (``max |diff|``). Goal on the CPU, one
+log-probs and values (and the reward model's scores) are checked against the padded ones (``max |diff|``). Goal on the CPU, one
 thread: ``speedup`` >= 1.5 for both phases at 50% padding. A script, never imported.
 """
 
@@ -42,6 +45,7 @@ import torch
 from torch import Tensor
 
 PHASES = ("prefill", "fwd+bwd")
+"""The phases the goal is judged on (``--reward`` adds ``reward``)."""
 GOAL = 1.5
 """The least padded / packed ratio of each phase at 50% padding on the CPU."""
 
@@ -59,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=384)
     parser.add_argument("--paddings", default="0.25,0.5,0.75", help="padding shares of the batch, comma-separated")
     parser.add_argument("--layouts", default="", help="also time these layouts forced: per_row,one_row,bins")
+    parser.add_argument("--reward", action="store_true", help="also time a reward model's scoring of the rows")
     parser.add_argument("--attn", default="sdpa", help="attn_implementation of the models")
     parser.add_argument("--mixed-precision", default="no", help="TrainConfig.mixed_precision (bf16 on a GPU)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -127,8 +132,16 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
     return clock() - start
 
 
-def phases(agent: Any, td: Any) -> dict[str, Callable[[], Any]]:
-    """The two timed phases of ``agent`` on ``td`` (module docstring)."""
+def sequences(td: Any) -> list[list[int]]:
+    """Each row's attended prompt and response tokens, as a reward model reads them."""
+    from textrl.agents.forwards import sequence_inputs
+
+    input_ids, attention_mask, _ = sequence_inputs(td)
+    return [row[mask].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.bool().cpu())]
+
+
+def phases(agent: Any, td: Any, reward: Any = None) -> dict[str, Callable[[], Any]]:
+    """The timed phases of ``agent`` on ``td`` (module docstring); ``reward`` with a reward model."""
     from textrl.agents.base import UpdateTally
     from textrl.agents.update import Objective, run_epochs
 
@@ -136,7 +149,11 @@ def phases(agent: Any, td: Any) -> dict[str, Callable[[], Any]]:
         run_epochs(agent.learner, td, None, UpdateTally(), Objective(agent.loss, agent.micro_weight))
         agent.backend.zero_grad(agent.learner)
 
-    return {"prefill": lambda: agent.actor.evaluate(td), "fwd+bwd": update}
+    out = {"prefill": lambda: agent.actor.evaluate(td), "fwd+bwd": update}
+    if reward is not None:
+        rows = sequences(td)
+        out["reward"] = lambda: torch.no_grad()(reward._forward)(rows)  # NeuralReward's batch forward
+    return out
 
 
 def forced(layout: str | None):
@@ -144,39 +161,46 @@ def forced(layout: str | None):
     import contextlib
 
     from textrl.agents import forwards
+    from textrl.rewards import neural
 
     if layout is None:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     stack.enter_context(unittest.mock.patch.object(forwards, "packing_layout", lambda model, device: layout))
     stack.enter_context(unittest.mock.patch.object(forwards, "critic_layout", lambda model, device: layout))
+    stack.enter_context(unittest.mock.patch.object(neural, "scorer_layout", lambda model, device: layout))
     return stack
 
 
-def measure(agent: Any, td: Any, floor_td: Any, layouts: list[str], repeats: int) -> dict[str, dict[str, float]]:
+def measure(agent: Any, td: Any, floor_td: Any, layouts: list[str], repeats: int,
+            reward: Any = None) -> dict[str, dict[str, float]]:
     """The least seconds over ``repeats`` of each phase: ``padded``, ``packed``, ``packed:<layout>``
     and ``floor``, interleaved phase by phase, the order reversed every other round (on a shared
     machine other work only adds time: the least is the phase's own)."""
     variants: dict[str, tuple[Any, bool, str | None]] = {"padded": (td, False, None), "packed": (td, True, None),
                                                        **{f"packed:{lay}": (td, True, lay) for lay in layouts},
                                                        "floor": (floor_td, False, None)}
-    seconds: dict[str, dict[str, list[float]]] = {v: {p: [] for p in PHASES} for v in variants}
+    names = list(phases(agent, td, reward))
+    seconds: dict[str, dict[str, list[float]]] = {v: {p: [] for p in names} for v in variants}
     for repeat in range(repeats + 1):  # the first round warms up (the probe, the allocator)
-        for phase in PHASES:
+        for phase in names:
             order = list(variants) if repeat % 2 == 0 else list(reversed(variants))
             for name in order:
                 rows, padding_free, layout = variants[name]
                 agent.config.padding_free = padding_free
+                if reward is not None:
+                    reward.padding_free = padding_free
                 with forced(layout):
-                    took = timed(phases(agent, rows)[phase], agent.device)
+                    took = timed(phases(agent, rows, reward)[phase], agent.device)
                 if repeat:
                     seconds[name][phase].append(took)
     agent.config.padding_free = False
     return {name: {phase: min(values) for phase, values in by.items()} for name, by in seconds.items()}
 
 
-def agreement(agent: Any, td: Any) -> float:
-    """The largest |packed - padded| of the behaviour log-probs and the values over the agent's tokens."""
+def agreement(agent: Any, td: Any, reward: Any = None) -> float:
+    """The largest |packed - padded| of the behaviour log-probs and the values over the agent's tokens
+    (and of the reward model's scores)."""
     from textrl.keys import KEYS
 
     mask = td.get(KEYS.mask)
@@ -186,7 +210,16 @@ def agreement(agent: Any, td: Any) -> float:
         out = agent.actor.evaluate(td)
         outs.append((out.get(KEYS.action_log_prob), out.get(KEYS.state_value).squeeze(-1)))
     agent.config.padding_free = False
-    return max(float((a - b)[mask].abs().max()) for a, b in zip(*outs))
+    diff = max(float((a - b)[mask].abs().max()) for a, b in zip(*outs))
+    if reward is not None:
+        scores = []
+        for padding_free in (False, True):
+            reward.padding_free = padding_free
+            with torch.no_grad():
+                scores.append(reward._forward(sequences(td)))
+        reward.padding_free = False
+        diff = max(diff, float((scores[0] - scores[1]).abs().max()))
+    return diff
 
 
 def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any]:
@@ -214,6 +247,20 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any]:
     return agent, tok
 
 
+def build_reward(args: argparse.Namespace, tok: Any, device: torch.device, precision: Any) -> Any:
+    """A ``NeuralReward`` over a Llama sequence classifier of the policy's size, in the run's precision."""
+    from textrl.models import build_tiny_reward_model
+    from textrl.precision import set_attn_implementation
+    from textrl.rewards import NeuralReward
+
+    model = build_tiny_reward_model(tok, seed=args.seed + 1, hidden_size=args.hidden,
+                                    intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                                    num_attention_heads=args.heads,
+                                    max_position_embeddings=max(512, args.prompt_tokens + args.new_tokens + 8))
+    set_attn_implementation(model, args.attn)
+    return NeuralReward(model.to(device), tok, batch_size=args.rows, clip=None, autocast=precision.autocast)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -222,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     agent, tok = build(args, device)
+    reward = build_reward(args, tok, device, agent.precision) if args.reward else None
     layouts = [lay for lay in args.layouts.split(",") if lay]
     n_params = sum(p.numel() for p in agent.policy.parameters())
     figures: dict[str, Any] = {"device": str(device), "threads": torch.get_num_threads(), "policy_parameters": n_params,
@@ -242,12 +290,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         floor_td = rollout(agent, tok, torch.full_like(prompts, args.prompt_tokens), torch.full_like(lengths, even),
                            args.prompt_tokens, gen)
         share = 1 - real / (args.rows * (args.prompt_tokens + args.new_tokens))
-        diff = agreement(agent, td)
-        seconds = measure(agent, td, floor_td, layouts, args.repeats)
+        diff = agreement(agent, td, reward)
+        seconds = measure(agent, td, floor_td, layouts, args.repeats, reward)
         key = f"padding_{round(padding * 100)}"
         figures[f"{key}/share"] = share
         figures[f"{key}/max_abs_diff"] = diff
-        for phase in PHASES:
+        for phase in seconds["padded"]:
             padded, floor = seconds["padded"][phase], seconds["floor"][phase]
             for variant, by in seconds.items():
                 took = by[phase]
@@ -256,7 +304,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if variant.startswith("packed"):
                     figures[f"{key}/{phase}/{variant}_speedup"] = speedup
                 print(f"{share:>8.0%} {phase:<8} {variant:<16} {took:>8.3f} {speedup:>8.2f} {took / floor:>7.2f}")
-        print(f"{'':>8} packed log-probs and values against padded: max |diff| {diff:.2e}")
+        what = "log-probs, values and scores" if reward is not None else "log-probs and values"
+        print(f"{'':>8} packed {what} against padded: max |diff| {diff:.2e}")
     half = figures.get("padding_50/prefill/packed_speedup"), figures.get("padding_50/fwd+bwd/packed_speedup")
     if None not in half:
         figures["goal_met"] = device.type != "cpu" or min(half) >= GOAL
