@@ -290,8 +290,9 @@ def test_empty_batch(model, tokenizer):
     assert NeuralReward(model, tokenizer)([], []).shape == (0,)
 
 
-def test_score_is_read_at_the_last_token_even_when_it_is_the_pad_id(model, tokenizer):
-    reward = NeuralReward(model, tokenizer, use_chat_template=False, clip=None)
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_score_is_read_at_the_last_token_even_when_it_is_the_pad_id(model, tokenizer, padding_free):
+    reward = NeuralReward(model, tokenizer, use_chat_template=False, clip=None, padding_free=padding_free)
     prompts, completions = ["What is 2+2?", "Hi"], ["4<|pad|>", "hello there"]
     ids = reward.encode(prompts, completions)
     assert ids[0][-1] == tokenizer.pad_token_id
@@ -380,6 +381,37 @@ def test_a_reward_model_whose_body_attends_across_packed_rows_scores_one_row_at_
         packing = pack_last_tokens(ids, mask, "bins")
         wrong = packing.scatter(packed_scores(model, packing)[:, 0])[:, 0]
     assert bool(((wrong - padded.score_raw(PROMPTS, COMPLETIONS)).abs() > tol).any())
+
+
+class NoPositions(torch.nn.Module):
+    """A scorer whose ``forward`` takes no ``position_ids`` (nor ``**kwargs``): positions from its mask."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=(attention_mask.long().cumsum(1) - 1).clamp(min=0))
+
+
+def test_a_reward_model_whose_forward_takes_no_positions_scores_one_row_at_a_time(gpt2, tokenizer):
+    wrapped = NoPositions(gpt2)
+    assert scorer_layout(wrapped, "cpu") == "per_row"
+    padded = NeuralReward(wrapped, tokenizer, batch_size=8, clip=None)
+    packed = NeuralReward(wrapped, tokenizer, batch_size=8, clip=None, padding_free=True)
+    calls, hook = packed_calls(gpt2)
+    try:
+        got = packed(PROMPTS, COMPLETIONS)
+    finally:
+        hook.remove()
+    assert [kw["input_ids"].shape[0] for kw in calls] == [1] * len(PROMPTS)  # one unpadded row a forward
+    assert all(bool(kw["attention_mask"].all()) for kw in calls)
+    tol = score_tolerance(NeuralReward(gpt2, tokenizer, clip=None), PROMPTS, COMPLETIONS)
+    assert_within(got, padded(PROMPTS, COMPLETIONS), tol, "scores")
 
 
 def test_place_takes_the_runs_padding_free_and_leaves_it_otherwise(model, tokenizer):
