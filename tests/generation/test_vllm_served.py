@@ -603,21 +603,21 @@ def test_a_url_that_is_not_a_vllm_server_is_refused_before_the_warm_up(tmp_path,
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_served_asynchronous_rollouts_in_two_trainer_processes_are_dealt_by_one_actor(tmp_path, folder, servers):
-    """--max-staleness 1 under torchrun with two servers and FSDP2 learners: the learners gather the
-    weights whole for the main process's actor after each update, which draws every batch whole from
-    the servers (one weight push per change) and deals each process its share; the rollouts are one
-    update behind, the servers' log-probs of the first one the learner's, and a resume continues with
-    the checkpoint's rollout in flight. (Data-parallel learners take the same path with no gather:
-    tests/test_multiprocess.py.)"""
+@pytest.mark.parametrize("learners, k", [(["--fsdp"], 1), ([], 2)], ids=["fsdp-k1", "data_parallel-k2"])
+def test_served_asynchronous_rollouts_in_two_trainer_processes_are_dealt_by_one_actor(tmp_path, folder, servers,
+                                                                                      learners, k):
+    """--max-staleness K under torchrun with two servers, FSDP2 or data-parallel learners: the learners
+    hand the main process's actor the weights whole after each update (FSDP2: a gather), which draws
+    every batch whole from the servers (one weight push per change) and deals each process its share;
+    the rollouts are up to K updates behind, the servers' log-probs of the first one the learner's,
+    and a resume continues with the checkpoint's rollouts queued and in flight."""
     out = tmp_path / "run"
-    train(out, folder, servers, "--iterations", "2", "--max-staleness", "1", "--eval-every", "2", "--fsdp",
-          processes=2)
-    train(out, folder, servers, "--iterations", "3", "--max-staleness", "1", "--eval-every", "2", "--fsdp",
-          "--resume", processes=2)
+    options = ["--max-staleness", str(k), "--eval-every", "2", *learners]
+    train(out, folder, servers, "--iterations", "2", *options, processes=2)
+    train(out, folder, servers, "--iterations", "3", *options, "--resume", processes=2)
     rows = metrics(out)
     assert [r["iteration"] for r in rows] == [1, 2, 3] and all(r["samples"] == 8 for r in rows)
-    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, float(min(2, k))]
     assert rows[0]["rollout/logprob_gap_max"] < 1e-4, rows[0]
     assert rows[2]["rollout/logprob_gap"] > 1e-4, rows[2]  # a step behind: the update's size
     assert "eval/greedy/reward/mean" in rows[1]
