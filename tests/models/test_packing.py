@@ -247,6 +247,14 @@ def test_a_model_that_attends_across_packed_rows_runs_one_row_at_a_time(tok):
     assert float((wrong - want).norm()) > 1e3 * rtol * float(want.norm())
 
 
+def test_a_model_without_an_output_per_position_is_probed_as_per_row(tok):
+    from textrl.models import build_tiny_reward_model
+
+    classifier = build_tiny_reward_model(tok)  # pooled logits [1, 1]: nothing to compare position by position
+    assert not honours_packed_positions(classifier, "cpu") and packing_layout(classifier, "cpu") == "per_row"
+    assert honours_packed_positions(classifier.model, "cpu")  # its body: hidden states per position
+
+
 def test_the_probe_restores_each_modules_mode(tok):
     model = tiny(tok, "llama", "sdpa").train()
     model.model.layers[0].eval()

@@ -383,6 +383,36 @@ def test_a_reward_model_whose_body_attends_across_packed_rows_scores_one_row_at_
     assert bool(((wrong - padded.score_raw(PROMPTS, COMPLETIONS)).abs() > tol).any())
 
 
+def test_a_lora_reward_model_scores_packed_rows_as_padded_ones(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build_tiny_reward_model(tokenizer, seed=3),
+                           LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["q_proj", "v_proj"]))
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # an adapter that changes the scores
+                param.copy_(0.05 * torch.randn(param.shape, generator=gen))
+    assert scorer_layout(model, "cpu") == "bins"  # its body under peft probed, not the pooled classifier
+    padded = NeuralReward(model, tokenizer, batch_size=8, clip=None)
+    packed = NeuralReward(model, tokenizer, batch_size=8, clip=None, padding_free=True)
+    calls, hook = packed_calls(model.get_base_model())
+    try:
+        got = packed(PROMPTS, COMPLETIONS)
+    finally:
+        hook.remove()
+    assert len(calls) == 1 and calls[0]["attention_mask"] is None
+    rows = padded.encode(PROMPTS, COMPLETIONS)
+    with torch.no_grad():
+        hidden = torch.cat([last_token_hidden(model, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long))
+                            for r in rows])
+    head = model.get_base_model().score.modules_to_save["default"]
+    tol = head_tolerance(hidden, head.weight, model_rtol(model.config, len(rows) * max(map(len, rows)))).squeeze(-1)
+    assert_within(got, padded(PROMPTS, COMPLETIONS), tol, "LoRA reward model scores")
+    base = NeuralReward(build_tiny_reward_model(tokenizer, seed=3), tokenizer, clip=None)(PROMPTS, COMPLETIONS)
+    assert bool(((got - base).abs() > tol).any())  # the adapter is on
+
+
 class NoPositions(torch.nn.Module):
     """A scorer whose ``forward`` takes no ``position_ids`` (nor ``**kwargs``): positions from its mask."""
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from textrl.models.adapters import transformer_body
 from textrl.models.forward import (
     UnfusableHead,
     check_head_probe,
@@ -87,6 +88,8 @@ def honours_packed_positions(model: nn.Module, device: torch.device | str) -> bo
     finally:
         for module, mode in modes:
             module.training = mode
+    if packed.dim() < 2 or packed.shape[1] != 3 or alone.shape[1] != 3:
+        return False  # no output per position (a pooled one): nothing to compare, one row at a time
     leak = float((joined - alone).abs().max())
     return float((packed - alone).abs().max()) <= LEAK_RATIO * leak
 
@@ -143,13 +146,13 @@ def score_head(model: nn.Module) -> nn.Module | None:
 
 def scorer_body(model: nn.Module) -> nn.Module | None:
     """The transformer body a sequence scorer reads hidden states from: its ``backbone`` (textrl's
-    views), else its ``base_model`` (transformers' ``model.model``, ``model.transformer``); None
-    when it names neither."""
-    for name in ("backbone", "base_model"):
-        body = getattr(model, name, None)
-        if isinstance(body, nn.Module) and body is not model:
-            return body
-    return None
+    views), else the body under it (:func:`textrl.models.adapters.transformer_body`: transformers'
+    ``model.model``, ``model.transformer``, under a PeftModel too); None when it names neither."""
+    backbone = getattr(model, "backbone", None)
+    if isinstance(backbone, nn.Module):
+        return backbone
+    body = transformer_body(model)
+    return body if body is not model else None
 
 
 def scorer_layout(model: nn.Module, device: torch.device | str) -> str:
