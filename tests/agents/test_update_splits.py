@@ -146,7 +146,8 @@ def _split_worker(rank: int, init_file: str, out_dir: str) -> None:
             with unittest.mock.patch("torch.randperm", lambda n, device=None, **_: torch.arange(n, device=device)):
                 run_epochs(agent.learner, td, None, UpdateTally(), Objective(counted, agent.micro_weight))
             out[split] = {"grads": grads, "rows": calls, "rtol": rollout_rtol(agent.policy.config, td),
-                          "filled": len(filled_runs(real_tokens(td).tolist(), BUDGET))}
+                          "filled": len(filled_runs(real_tokens(td).tolist(), BUDGET)),
+                          "prefills": len(agent.actor.prefill_batches(td))}
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
@@ -168,6 +169,7 @@ def test_two_processes_run_as_many_token_micro_batches_and_the_gradient_of_the_w
     assert filled[0] != filled[1]  # each process alone would split otherwise
     for r in ranks:
         assert len(r["tokens"]["rows"]) == max(filled) and len(r["whole"]["rows"]) == 1
+        assert r["tokens"]["prefills"] == max(filled)  # the rollout's forwards: as many on each process too
         assert_gradients_close(r["tokens"]["grads"], r["whole"]["grads"], r["whole"]["rtol"], what="token split: ")
     assert all(torch.equal(ranks[0]["tokens"]["grads"][k], g) for k, g in ranks[1]["tokens"]["grads"].items())
 
