@@ -127,11 +127,11 @@ def test_the_held_out_evaluation_runs_on_the_actors_stream_after_the_learners_wo
         pipe.close()
 
 
-def draw(tok, stream: bool, iterations: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def draw(tok, stream: bool, iterations: int = 4, move: float = 0.05) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """K=1 rollouts of a tiny policy on CUDA with the ``textrl`` engine: rollout ``n`` sampled at seed
     ``100 + n`` with the weights of iteration ``n - 1``, while the learner, between two publications,
     spins and then moves its trained weights in place (a stand-in update, the same in every call);
-    the actor on its own stream (``stream``) or on the default stream."""
+    the actor on its own stream (``stream``) or on the default stream; ``move`` the update's size."""
     from tests.agents.conftest import PROMPTS, make_agent
 
     agent = make_agent(tok).to("cuda")
@@ -141,7 +141,7 @@ def draw(tok, stream: bool, iterations: int = 4) -> list[tuple[torch.Tensor, tor
         actor.stream = None
     enc = tok(list(PROMPTS), return_tensors="pt", padding=True)
     trained = [p for p in agent.policy.parameters() if p.requires_grad]
-    steps = [[torch.randn(p.shape, generator=torch.Generator().manual_seed(7 * i + j)).mul_(0.05).to("cuda")
+    steps = [[torch.randn(p.shape, generator=torch.Generator().manual_seed(7 * i + j)).mul_(move).to("cuda")
               for j, p in enumerate(trained)] for i in range(iterations)]
 
     def produce(n, weights):
@@ -172,7 +172,10 @@ def test_rollouts_on_the_actors_stream_equal_those_on_the_default_stream_bit_for
     for n, ((a_tokens, a_logps), (b_tokens, b_logps)) in enumerate(zip(own, default)):
         assert torch.equal(a_tokens, b_tokens), f"rollout {n}"
         assert torch.equal(a_logps, b_logps), f"rollout {n}"
-    assert not torch.equal(own[1][1], own[3][1])  # the weights moved between the rollouts
+    # against a learner that does not move: rollouts 0 and 1 (weights 0) alike, 2 and 3 drawn with moved weights
+    still = draw(tok, stream=True, move=0.0)
+    assert all(torch.equal(own[n][1], still[n][1]) for n in (0, 1))
+    assert not any(torch.equal(own[n][1], still[n][1]) for n in (2, 3))
 
 
 @pytest.fixture(scope="module")
