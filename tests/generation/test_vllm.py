@@ -12,6 +12,7 @@ no such ties (each test compares whole sequences). Under bf16 they would part (d
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -22,15 +23,19 @@ from textrl.generation.base import EngineFailed
 from textrl.generation.draw import warped
 from textrl.generation.vllm_engine import (
     CPU_MIN_HEAD_SIZE,
+    EngineOptions,
     VLLMEngine,
     WeightFingerprintError,
     base_state_dict,
     check_model,
     import_vllm,
+    launch_of,
+    launcher_group_kept,
     prompt_token_ids,
     row_seeds,
     sampling_params,
     stack_outputs,
+    write_model_folder,
 )
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 
@@ -128,11 +133,77 @@ def test_the_engine_refuses_a_backend_that_partitions_the_weights():
         VLLMEngine().check_backend(True)
 
 
-def test_the_engine_in_one_of_several_processes_points_to_the_servers(tok, monkeypatch):
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
-    with pytest.raises(ValueError, match="inside a single training process.*--vllm-server"):
-        VLLMEngine().generate(big_heads(tok), *encode(tok, ["hi"]), spec(tok))
+class TwoProcesses:
+    """``torch.distributed`` as rank 1 of 2 sees it."""
+
+    @staticmethod
+    def is_available():
+        return True
+
+    @staticmethod
+    def is_initialized():
+        return True
+
+    @staticmethod
+    def get_world_size():
+        return 2
+
+    @staticmethod
+    def get_rank():
+        return 1
+
+
+LAUNCHED = {"RANK": "1", "LOCAL_RANK": "1"}
+
+
+def test_under_several_processes_each_starts_its_own_vllm_on_the_launchers_group_with_its_own_seed():
+    launch = launch_of(TwoProcesses, EngineOptions(seed=7), LAUNCHED)
+    assert (launch.world, launch.rank) == (2, 1)
+    assert launch.llm_options(7) == {"seed": 8, "distributed_executor_backend": "external_launcher"}
+    assert launch_of(torch.distributed, EngineOptions(seed=7)).llm_options(7) == {"seed": 7}  # one process: vLLM's own executor
+
+
+@pytest.mark.parametrize("options, environ, match", [
+    (EngineOptions(), {"RANK": "1"}, "needs LOCAL_RANK set; launch with torchrun or accelerate launch"),
+    (EngineOptions(tensor_parallel_size=2), LAUNCHED, "vllm_tensor_parallel_size=2 under several processes.*--vllm-server"),
+    (EngineOptions(learner_beside=True), LAUNCHED, "--max-staleness with --generation-engine vllm runs in one training "
+                                                   "process.*--vllm-server"),
+], ids=["no-launcher", "tensor-parallel", "asynchronous"])
+def test_what_the_external_launcher_cannot_run_is_refused_in_one_line(options, environ, match):
+    with pytest.raises(ValueError, match=match) as err:
+        launch_of(TwoProcesses, options, environ)
+    assert "\n" not in str(err.value)
+
+
+def test_vllms_shutdown_keeps_the_launchers_process_group_and_destroys_its_own(monkeypatch):
+    destroyed = []
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda group=None: destroyed.append(group))
+    own = object()
+    with launcher_group_kept():
+        torch.distributed.destroy_process_group()  # vLLM's cleanup of the default group
+        torch.distributed.destroy_process_group(torch.distributed.GroupMember.WORLD)
+        torch.distributed.destroy_process_group(own)
+    assert destroyed == [own]
+    torch.distributed.destroy_process_group()
+    assert destroyed == [own, None]  # restored after the block
+
+
+def test_the_model_folder_holds_the_policy_with_tied_weights_written_once(tok, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    config = big_heads(tok).config
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    write_model_folder(model.config, base_state_dict(model), tmp_path / "model")
+    with safe_open(tmp_path / "model" / "model.safetensors", "pt") as f:
+        assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    mine = model.state_dict()
+    assert loaded.state_dict().keys() == mine.keys()
+    assert all(torch.equal(v, mine[k]) for k, v in loaded.state_dict().items())
 
 
 # -- where vLLM imports ------------------------------------------------------------------------------
@@ -348,8 +419,6 @@ def test_training_with_the_vllm_engine_samples_with_each_updates_weights(tmp_pat
     every iteration's rollout drawn by vLLM with the weights the learner has then (the engine's
     log-probs equal the learner's up to float noise; an engine a step behind would be off by the
     update's size, ~1e-2)."""
-    import json
-
     from textrl.cli import main
 
     monkeypatch.setenv("TEXTRL_CACHE", str(tmp_path / "cache"))
@@ -362,6 +431,37 @@ def test_training_with_the_vllm_engine_samples_with_each_updates_weights(tmp_pat
     assert [r["iteration"] for r in rows] == [1, 2, 3]
     for row in rows:
         assert row["rollout/staleness"] == 0.0 and row["rollout/logprob_gap_max"] < 1e-4, row
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_two_processes_each_draw_their_share_with_their_own_vllm_and_resume_exactly(tmp_path, folder):
+    """torchrun, 2 CPU processes (gloo): each starts its own vLLM on the launcher's group (the external
+    launcher) and draws its half of every rollout with the weights its learner has then (the engine's
+    log-probs equal the learner's up to float noise); the processes end with identical policies (the
+    trainer compares their checksums and fails otherwise); 1 iteration then --resume to 2 equals 2 at once."""
+    from tests.runs import checkpoint_tensors, metrics
+    from tests.test_multiprocess import _train
+    from textrl.run import latest_checkpoint
+
+    cache, full, part = tmp_path / "cache", tmp_path / "full", tmp_path / "part"
+    run = ["--model", str(folder), "--generation-engine", "vllm", "--env", "digits"]
+    _train(full, *run, "--iterations", "2", cache=cache)
+    summary = json.loads((full / "summary.json").read_text())
+    assert summary["processes"] == 2 and len(summary["parameter_checksum"]) == 64
+    rows = metrics(full)
+    assert [r["iteration"] for r in rows] == [1, 2] and all(r["samples"] == 8 for r in rows)
+    for row in rows:
+        assert row["rollout/staleness"] == 0.0 and row["rollout/logprob_gap_max"] < 1e-4, row
+    _train(part, *run, "--iterations", "1", cache=cache)
+    _train(part, *run, "--iterations", "2", "--resume", cache=cache)
+    def kept(row):  # the first run's last iteration (1) was evaluated, the uninterrupted run's was not
+        return {k: v for k, v in row.items() if not k.startswith(("time/", "memory/", "perf/", "eval/"))
+                and k != "tokens_per_second"}
+
+    assert [kept(r) for r in metrics(part)] == [kept(r) for r in rows]
+    a, b = checkpoint_tensors(latest_checkpoint(full)), checkpoint_tensors(latest_checkpoint(part))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_lora_policys_merged_weights_are_its_outputs(tok):
@@ -390,8 +490,6 @@ def test_asynchronous_rollouts_from_vllm_are_exactly_k_updates_behind(tmp_path, 
     rollout n with the weights of iteration max(0, n - 2); the first rollout's log-probs equal the
     learner's up to float noise, a later one's are off by two updates (on digits: the tiny model
     scores 0 on guess_number, where the policy does not move; there the turns' own iterations count)."""
-    import json
-
     from textrl.cli import main
 
     monkeypatch.setenv("TEXTRL_CACHE", str(tmp_path / "cache"))

@@ -141,6 +141,12 @@ class Actor:
         micro-batches of ``generation_batch_size``; ``pad_token_id`` after a row's EOS."""
         return self._generate(input_ids, attention_mask, greedy, logprobs=False)[0]
 
+    def start_engine(self) -> None:
+        """The engine's start on every process together (:meth:`GenerationEngine.start`: ``vllm`` under
+        several processes), under the precision and the weights its calls will see."""
+        with self.precision.autocast(), self.backend.gathered(self.policy), torch.no_grad():
+            self.engine.start(self.policy, torch.device(self.device))
+
     @torch.no_grad()
     def sample(self, input_ids: Tensor, attention_mask: Tensor, *, greedy: bool = False) -> tuple[Tensor, Tensor | None]:
         """:meth:`act`'s tokens ``[B, T]`` and the engine's log-probs of them ``[B, T]`` (float32, 0
@@ -372,9 +378,11 @@ def build_actor(agent: Any) -> Actor:
     if (lengths := run_lengths(config, getattr(agent, "env_facts", None))) is not None:
         engine.fit_lengths(*lengths)
     engine.check_backend(backend.partitions_weights)
-    return Actor(agent.config, agent.policy, agent.ref_policy, agent.critic, agent.learner.forwards, engine, backend,
-                 eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id, device=agent.device,
-                 behaviour=None if own_behaviour_logprobs(agent) else agent.behaviour_logprobs)
+    actor = Actor(agent.config, agent.policy, agent.ref_policy, agent.critic, agent.learner.forwards, engine, backend,
+                  eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id, device=agent.device,
+                  behaviour=None if own_behaviour_logprobs(agent) else agent.behaviour_logprobs)
+    actor.start_engine()
+    return actor
 
 
 __all__ = ["Actor", "Behaviour", "Sampled", "build_actor", "run_lengths"]

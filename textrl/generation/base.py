@@ -105,6 +105,12 @@ class GenerationEngine:
     def check_backend(self, partitions_weights: bool) -> None:
         """Refuse a backend this engine cannot generate under (``ValueError`` naming both)."""
 
+    def start(self, model: nn.Module, device: torch.device) -> None:
+        """Called once on every process when the actor is built, after the backend made the models
+        alike on every process, under the run's precision: an engine whose start is a collective over
+        the training processes starts here, all of them together (``vllm`` under several processes);
+        the others start at their first call. Here: nothing."""
+
     def close(self) -> None:
         """Release what the engine holds outside torch's tensors (vLLM's engine); the trainer calls it
         when the run ends. Here: nothing."""

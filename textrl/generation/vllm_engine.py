@@ -17,8 +17,12 @@ call (the first rollout of a resumed run rather than the evaluation before itera
 later draw, and a run stopped and resumed repeats the uninterrupted one (docs/vllm.md).
 
 The weights: at its first call the engine writes the policy (the base model of a LoRA policy) to a
-temporary model folder and starts ``LLM`` on it, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
-no engine subprocess, no ``if __name__ == "__main__"`` needed). Which weights it should hold is
+temporary model folder (:func:`write_model_folder`) and starts ``LLM`` on it, in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no engine subprocess, no ``if __name__ == "__main__"`` needed).
+Under several training processes (torchrun, accelerate launch) every process starts its own when the
+actor is built (:meth:`VLLMEngine.start`: vLLM's start is a collective over the launcher's process
+group, vLLM's ``external_launcher`` executor at tensor parallel 1, :class:`Launch`), and draws its
+process's share of each rollout (docs/vllm.md, "Several training processes"). Which weights it should hold is
 :class:`textrl.generation.weight_sync.WeightSync`'s to say: the policy's as they are now (the
 synchronous loop: before each call their :class:`textrl.versions.VersionCounter` is compared with
 the one last loaded), or the ones pushed by :meth:`VLLMEngine.load_weights` (the asynchronous actor's
@@ -46,7 +50,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,6 +180,25 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
                 key = f"{name}.weight"
                 weights[key] = merged_weight(weights[key], lora_delta(module, adapter))
     return weights
+
+
+def write_model_folder(config: Any, weights: dict[str, Tensor], path: Path) -> None:
+    """The model folder vLLM starts on, written by this process: ``config.json`` and ``weights`` in one
+    safetensors file (transformers' ``save_pretrained`` writes on rank 0 alone under a process group,
+    and every process's vLLM needs its own); a weight sharing another's storage (tied embeddings)
+    written once, under its first name, as ``save_pretrained`` writes it."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    seen: set[tuple[int, int]] = set()
+    unique = {}
+    for name, tensor in weights.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            unique[name] = tensor.detach().contiguous().cpu()
+    save_file(unique, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 def check_lora_trainable(model: nn.Module) -> None:
@@ -358,6 +381,63 @@ def llm_options(options: EngineOptions, *, device_type: str, max_model_len: int,
     return kwargs
 
 
+@dataclass(frozen=True)
+class Launch:
+    """The training processes vLLM starts among: one (vLLM's own single-process executor), or
+    ``world`` of them under torchrun / accelerate launch, this one ``rank``: then every process starts
+    its own engine on the launcher's process group (vLLM's ``external_launcher`` executor), which
+    generates that process's share of each rollout."""
+
+    world: int = 1
+    rank: int = 0
+
+    def llm_options(self, seed: int) -> dict[str, Any]:
+        """The ``vllm.LLM(...)`` keywords of the launch: vLLM's seed (``seed + rank``: each process its
+        own, the same on every run), and under several processes the external launcher."""
+        if self.world == 1:
+            return {"seed": int(seed)}
+        return {"seed": int(seed) + self.rank, "distributed_executor_backend": "external_launcher"}
+
+
+def launch_of(dist: Any, options: EngineOptions, environ: Any = os.environ) -> Launch:
+    """The :class:`Launch` of ``torch.distributed`` as it is now (its default process group, if any).
+    ``ValueError`` in one line for what vLLM's external launcher cannot run: a process group not
+    started by a launcher (no ``RANK`` / ``LOCAL_RANK``), tensor parallel over processes, the
+    asynchronous loop."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return Launch()
+    missing = [name for name in ("RANK", "LOCAL_RANK") if name not in environ]
+    if missing:
+        raise ValueError(f"--generation-engine vllm under several processes starts vLLM on the launcher's process "
+                         f"group, which needs {' and '.join(missing)} set; launch with torchrun or accelerate launch")
+    if options.tensor_parallel_size > 1:
+        raise ValueError(f"vllm_tensor_parallel_size={options.tensor_parallel_size} under several processes: each "
+                         "process's vLLM draws its own share (tensor parallel 1); to split a model over GPUs, serve "
+                         "it: textrl vllm-serve MODEL --tensor-parallel-size N and --vllm-server URL (docs/vllm.md)")
+    if options.learner_beside:
+        raise ValueError("--max-staleness with --generation-engine vllm runs in one training process; under several "
+                         "processes serve the rollouts: textrl vllm-serve MODEL and --vllm-server URL (docs/vllm.md)")
+    return Launch(world=dist.get_world_size(), rank=dist.get_rank())
+
+
+@contextmanager
+def launcher_group_kept() -> Iterator[None]:
+    """vLLM's shutdown destroys ``torch.distributed``'s default process group; under several processes
+    that group is the launcher's, the run's own: inside this block vLLM destroys its groups alone."""
+    dist = torch.distributed
+    destroy = dist.destroy_process_group
+
+    def own_groups_only(group: Any = None) -> None:
+        if group is not None and group is not dist.GroupMember.WORLD:
+            destroy(group)
+
+    dist.destroy_process_group = own_groups_only
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
+
+
 @register_engine("vllm")
 class VLLMEngine(GenerationEngine):
     """vLLM's ``LLM`` in this process (module docstring). ``configure(config)`` takes the run's
@@ -380,6 +460,8 @@ class VLLMEngine(GenerationEngine):
         self._lora_count = 0
         self._asleep = False
         self._rollout_depth = 0
+        self.launch = Launch()
+        """The training processes vLLM started among (:func:`launch_of`)."""
 
     def configure(self, config: Any) -> None:
         self.options = EngineOptions.of(config)
@@ -415,6 +497,13 @@ class VLLMEngine(GenerationEngine):
         greedy log-probs are at temperature 1, the agents' at the run's temperature)."""
         want = not sampling.greedy or sampling.temperature == 1.0
         return self._sample(model, input_ids, attention_mask, sampling, logprobs=want, **kwargs)
+
+    def start(self, model: nn.Module, device: torch.device) -> None:
+        """Under several processes vLLM starts now, on every process together (its start builds its
+        process groups on the launcher's, a collective); in one process at the first call."""
+        if self.llm is None and launch_of(torch.distributed, self.options).world > 1:
+            with keeping_rng():
+                self._start(model, device)
 
     def check_backend(self, partitions_weights: bool) -> None:
         if partitions_weights:
@@ -462,11 +551,7 @@ class VLLMEngine(GenerationEngine):
             self._load(model)
 
     def _start(self, model: nn.Module, device: torch.device) -> None:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError("--generation-engine vllm runs vLLM inside a single training process; under several "
-                             "processes (torchrun, accelerate launch) serve the rollouts: textrl vllm-serve MODEL and "
-                             "--vllm-server URL (docs/vllm.md)")
+        launch = launch_of(torch.distributed, self.options)
         check_model(model, device)
         if lora_base(model) is not None:
             check_lora_trainable(model)
@@ -474,12 +559,13 @@ class VLLMEngine(GenerationEngine):
         base = lora_base(model) or model
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else next(model.parameters()).dtype
         self.folder = Path(tempfile.mkdtemp(prefix="textrl-vllm-"))
-        base.save_pretrained(self.folder / "model", state_dict=base_state_dict(model), safe_serialization=True)
+        write_model_folder(base.config, base_state_dict(model), self.folder / "model")
         context = context_length(base)
         max_len = model_length(self.options.max_model_length, self.needed_length, context and context[0])
         kv_bytes = None if "VLLM_CPU_KVCACHE_SPACE" in os.environ else kv_cache_bytes(
             base.config, max_len, dtype, self.options.max_num_seqs or 256)
         extra = llm_options(self.options, device_type=device.type, max_model_len=max_len, kv_bytes=kv_bytes)
+        extra.update(launch.llm_options(self.options.seed))
         if lora_base(model) is not None:
             peft_model, adapter = lora_of(model)
             peft_config = peft_model.peft_config[adapter]
@@ -489,8 +575,7 @@ class VLLMEngine(GenerationEngine):
         threads = torch.get_num_threads()
         try:
             self.llm = vllm.LLM(model=str(self.folder / "model"), skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
-                                seed=self.options.seed, generation_config="vllm", logprobs_mode="processed_logprobs",
-                                **extra)
+                                generation_config="vllm", logprobs_mode="processed_logprobs", **extra)
         except Exception as err:
             shutil.rmtree(self.folder, ignore_errors=True)
             quantised = (f"; --vllm-quantization {self.options.quantization}: vLLM quantises the policy's unquantised "
@@ -501,6 +586,7 @@ class VLLMEngine(GenerationEngine):
         finally:
             torch.set_num_threads(threads)  # vLLM lowers the process's torch threads for serving
         self._model = model
+        self.launch = launch
         self.sync.follow(model, base_state_dict)
         if not self.sync.receiving:
             self.sync.took(self.sync.wanted())  # the folder vLLM started on holds them
@@ -584,7 +670,8 @@ class VLLMEngine(GenerationEngine):
         """Shut vLLM's engine down (its distributed state with it, before the run's process teardown)
         and remove its model folder."""
         if self.llm is not None:
-            with keeping_rng():
+            kept = launcher_group_kept() if self.launch.world > 1 else nullcontext()
+            with keeping_rng(), kept:
                 self.llm.llm_engine.engine_core.shutdown()
         self.llm = None
         if self.folder is not None:
