@@ -26,7 +26,9 @@ seconds), each the least of ``--repeats``, the variants interleaved:
 under sdpa / eager), and with ``--layouts`` each named layout forced on every model. The floor is
 the same phase with ``padding_free`` off on a rollout with nothing to pad: every row of one length,
 holding the same number of real tokens. Printed: one row per padding share and phase with the
-seconds, ``speedup`` (padded / packed) and ``packed/floor``, then one JSON line. The packed
+seconds, ``speedup`` (padded / packed) and ``packed/floor``, and a ``learner`` row, the phases'
+sum: the learner's part of an iteration (generation, which ``padding_free`` does not touch, and the
+optimiser step, the same either way, are not in it), then one JSON line. The packed
 log-probs and values (and the reward model's scores) are checked against the padded ones (``max |diff|``). Goal on the CPU, one
 thread: ``speedup`` >= 1.5 for both phases at 50% padding. A script, never imported.
 """
@@ -304,6 +306,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if variant.startswith("packed"):
                     figures[f"{key}/{phase}/{variant}_speedup"] = speedup
                 print(f"{share:>8.0%} {phase:<8} {variant:<16} {took:>8.3f} {speedup:>8.2f} {took / floor:>7.2f}")
+        totals = {variant: sum(by.values()) for variant, by in seconds.items()}  # the learner's share of an iteration
+        for variant, took in totals.items():
+            figures[f"{key}/learner/{variant}_s"] = took
+            print(f"{share:>8.0%} {'learner':<8} {variant:<16} {took:>8.3f} {totals['padded'] / took:>8.2f} "
+                  f"{took / totals['floor']:>7.2f}")
         what = "log-probs, values and scores" if reward is not None else "log-probs and values"
         print(f"{'':>8} packed {what} against padded: max |diff| {diff:.2e}")
     half = figures.get("padding_50/prefill/packed_speedup"), figures.get("padding_50/fwd+bwd/packed_speedup")
