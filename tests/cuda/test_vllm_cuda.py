@@ -56,3 +56,29 @@ def test_a_run_with_the_vllm_engine_under_bf16_logs_its_gap(tmp_path, monkeypatc
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for row in rows:  # bf16 autocast in the learner, bf16 weights in vLLM: a gap, but no lag
         assert row["rollout/staleness"] == 0.0 and row["rollout/logprob_gap"] < 0.1, row
+
+
+@pytest.mark.slow
+def test_two_processes_on_two_gpus_each_draw_their_share_with_their_own_sleeping_vllm(tmp_path):
+    """torchrun over 2 GPUs (NCCL): each process's vLLM on its own GPU (the launcher's LOCAL_RANK),
+    asleep during the update, draws its share with the update's weights (bf16 autocast: a gap under
+    0.1, no lag); identical policies at the end (the trainer's checksum). The CPU's form, with the
+    resume: tests/generation/test_vllm.py::test_two_processes_each_draw_their_share_with_their_own_vllm_and_resume_exactly."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (one per training process)")
+    from tests.runs import metrics
+    from tests.test_multiprocess import _train
+
+    tok = build_tiny_tokenizer()
+    folder = tmp_path / "tiny32"
+    build_tiny_causal_lm(tok, num_attention_heads=2).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    out = tmp_path / "run"
+    _train(out, "--model", str(folder), "--generation-engine", "vllm", "--device", "cuda", "--iterations", "2",
+           cache=tmp_path / "cache")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["processes"] == 2 and len(summary["parameter_checksum"]) == 64
+    rows = metrics(out)
+    assert [r["iteration"] for r in rows] == [1, 2] and all(r["samples"] == 8 for r in rows)
+    for row in rows:
+        assert row["rollout/staleness"] == 0.0 and row["rollout/logprob_gap"] < 0.1, row
