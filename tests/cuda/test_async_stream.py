@@ -139,6 +139,7 @@ def draw(tok, stream: bool, iterations: int = 4, move: float = 0.05) -> list[tup
     assert (actor.stream is not None) and actor.actor.engine.name == "textrl"
     if not stream:
         actor.stream = None
+    actor.actor.engine.graphs.compile = False  # captured, not compiled: three engines, kept short
     enc = tok(list(PROMPTS), return_tensors="pt", padding=True)
     trained = [p for p in agent.policy.parameters() if p.requires_grad]
     steps = [[torch.randn(p.shape, generator=torch.Generator().manual_seed(7 * i + j)).mul_(move).to("cuda")
@@ -185,6 +186,7 @@ def tok():
     return build_tiny_tokenizer()
 
 
+@pytest.mark.slow  # a whole run, compiled; tests/cuda/test_front_door.py's asynchronous run takes the stream too
 def test_an_asynchronous_run_samples_on_the_actors_stream(tmp_path, monkeypatch):
     """``textrl train --device cuda --max-staleness 1``: every rollout is sampled in the actor's thread on
     a stream that is not the default one, and so is the held-out evaluation (in the learner's thread,
