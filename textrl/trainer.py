@@ -504,6 +504,7 @@ def check_run(config: TrainConfig) -> None:
 
     config.validate()
     refuse_async_processes(config)
+    refuse_vllm_processes(config)
     refuse_busy_folder(config.output_dir)  # another run writes there now: say that first
     refuse_earlier_run(config)
     refuse_changed_settings(config)
@@ -552,6 +553,19 @@ def refuse_async_processes(config: TrainConfig) -> None:
         raise ValueError(f"--max-staleness {config.max_staleness} with --vllm-server under {processes} processes deals "
                          "each process its share of the main process's rollouts, which reward_nonfinite='drop' would "
                          "leave uneven; use --reward-nonfinite zero (or raise)")
+
+
+
+def refuse_vllm_processes(config: TrainConfig) -> None:
+    """The colocated ``vllm`` engine under several processes (:func:`launched_processes`), a vLLM of
+    its own in each: what it cannot run there refused before any model loads
+    (:func:`textrl.generation.vllm_engine.check_processes`)."""
+    from textrl.generation.base import run_engine_name
+
+    if run_engine_name(config.generation_engine, config.vllm_server) == "vllm":
+        from textrl.generation.vllm_engine import EngineOptions, check_processes
+
+        check_processes(EngineOptions.of(config), launched_processes())
 
 
 def check_env_reward_columns(env) -> None:

@@ -175,6 +175,19 @@ def test_what_the_external_launcher_cannot_run_is_refused_in_one_line(options, e
     assert "\n" not in str(err.value)
 
 
+def test_a_launch_the_colocated_engine_cannot_run_is_refused_before_any_model_loads(monkeypatch, tmp_path):
+    from textrl.config import TrainConfig
+    from textrl.trainer import check_run
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run = {"generation_engine": "vllm", "output_dir": str(tmp_path / "run")}
+    check_run(TrainConfig(**run))  # data parallel, synchronous: each process its own vLLM
+    with pytest.raises(ValueError, match="^--max-staleness with --generation-engine vllm runs in one training process"):
+        check_run(TrainConfig(**run, max_staleness=1))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    check_run(TrainConfig(**run, max_staleness=1))
+
+
 def test_vllms_shutdown_keeps_the_launchers_process_group_and_destroys_its_own(monkeypatch):
     destroyed = []
     monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda group=None: destroyed.append(group))

@@ -410,6 +410,16 @@ def launch_of(dist: Any, options: EngineOptions, environ: Any = os.environ) -> L
     if missing:
         raise ValueError(f"--generation-engine vllm under several processes starts vLLM on the launcher's process "
                          f"group, which needs {' and '.join(missing)} set; launch with torchrun or accelerate launch")
+    check_processes(options, dist.get_world_size())
+    return Launch(world=dist.get_world_size(), rank=dist.get_rank())
+
+
+def check_processes(options: EngineOptions, processes: int) -> None:
+    """``ValueError`` in one line for what a vLLM of each of ``processes`` training processes cannot run
+    (none for one): tensor parallel over processes (each process draws its own share), the
+    asynchronous loop (the actor's engine would start in its thread)."""
+    if processes <= 1:
+        return
     if options.tensor_parallel_size > 1:
         raise ValueError(f"vllm_tensor_parallel_size={options.tensor_parallel_size} under several processes: each "
                          "process's vLLM draws its own share (tensor parallel 1); to split a model over GPUs, serve "
@@ -417,7 +427,6 @@ def launch_of(dist: Any, options: EngineOptions, environ: Any = os.environ) -> L
     if options.learner_beside:
         raise ValueError("--max-staleness with --generation-engine vllm runs in one training process; under several "
                          "processes serve the rollouts: textrl vllm-serve MODEL and --vllm-server URL (docs/vllm.md)")
-    return Launch(world=dist.get_world_size(), rank=dist.get_rank())
 
 
 @contextmanager
@@ -684,7 +693,7 @@ class VLLMEngine(GenerationEngine):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-__all__ = ["CPU_MIN_HEAD_SIZE", "DEFAULT_BUCKET_BYTES", "EngineOptions", "VLLMEngine", "VLLMMissing", "VLLM_INSTALL", "base_state_dict", "Fingerprint",
+__all__ = ["CPU_MIN_HEAD_SIZE", "DEFAULT_BUCKET_BYTES", "EngineOptions", "VLLMEngine", "VLLMMissing", "VLLM_INSTALL", "base_state_dict", "check_processes", "Fingerprint",
            "LoadWatch", "WeightFingerprintError", "check_model", "check_taken", "fingerprint", "merged_state_dict",
-           "head_size", "import_vllm", "llm_options", "model_length", "prompt_token_ids", "reload_weights", "row_seeds", "run_bucket_bytes",
-           "sampling_params", "sleeps", "stack_outputs"]
+           "head_size", "import_vllm", "Launch", "launch_of", "launcher_group_kept", "llm_options", "model_length", "prompt_token_ids", "reload_weights", "row_seeds", "run_bucket_bytes",
+           "sampling_params", "sleeps", "stack_outputs", "write_model_folder"]
