@@ -381,7 +381,8 @@ def build_actor(agent: Any) -> Actor:
     actor = Actor(agent.config, agent.policy, agent.ref_policy, agent.critic, agent.learner.forwards, engine, backend,
                   eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id, device=agent.device,
                   behaviour=None if own_behaviour_logprobs(agent) else agent.behaviour_logprobs)
-    actor.start_engine()
+    if not int(getattr(config, "max_staleness", 0) or 0):  # an asynchronous run's actor starts an engine of its
+        actor.start_engine()  # own (AsyncActor.of); the learner's is never called there, and stays unstarted
     return actor
 
 

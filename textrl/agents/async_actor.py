@@ -300,11 +300,13 @@ class AsyncActor:
             actor = Actor(replace(main.config, max_weight_gap=0), main.policy, None, None, main.forwards, engine,
                           WholeWeights(main.backend), eos_token_id=main.eos_token_id, pad_token_id=main.pad_token_id,
                           device=main.device)
+            actor.start_engine()  # here, on every process together (vLLM under several), not in the actor's thread
             return cls(actor, None, skipped_check=checked)
         twin = policy_copy(main.policy)
         actor = Actor(main.config, twin, None, None, main.forwards, engine, main.backend,
                       eos_token_id=main.eos_token_id, pad_token_id=main.pad_token_id, device=main.device)
         names = {name for name, p in main.policy.named_parameters() if p.requires_grad}
+        actor.start_engine()  # here, on every process together (vLLM under several), not in the actor's thread
         stream = ActorStream(main.device) if own_stream(engine, main.device) else None  # after the copy: it waits for it
         return cls(actor, {name: p for name, p in twin.named_parameters() if name in names}, stream=stream)
 

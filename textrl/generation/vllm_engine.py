@@ -416,17 +416,13 @@ def launch_of(dist: Any, options: EngineOptions, environ: Any = os.environ) -> L
 
 def check_processes(options: EngineOptions, processes: int) -> None:
     """``ValueError`` in one line for what a vLLM of each of ``processes`` training processes cannot run
-    (none for one): tensor parallel over processes (each process draws its own share), the
-    asynchronous loop (the actor's engine would start in its thread)."""
+    (none for one): tensor parallel over processes (each process draws its own share)."""
     if processes <= 1:
         return
     if options.tensor_parallel_size > 1:
         raise ValueError(f"vllm_tensor_parallel_size={options.tensor_parallel_size} under several processes: each "
                          "process's vLLM draws its own share (tensor parallel 1); to split a model over GPUs, serve "
                          "it: textrl vllm-serve MODEL --tensor-parallel-size N and --vllm-server URL (docs/vllm.md)")
-    if options.learner_beside:
-        raise ValueError("--max-staleness with --generation-engine vllm runs in one training process; under several "
-                         "processes serve the rollouts: textrl vllm-serve MODEL and --vllm-server URL (docs/vllm.md)")
 
 
 @contextmanager
