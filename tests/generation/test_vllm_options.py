@@ -56,7 +56,28 @@ def test_vllms_options_reach_its_keywords_and_unset_ones_stay_vllms():
                        "gpu_memory_utilization": 0.4, "enable_sleep_mode": True}
     on_cpu = llm_options(EngineOptions(), device_type="cpu", max_model_len=40, kv_bytes=1 << 25)
     assert on_cpu == {"max_model_len": 40, "tensor_parallel_size": 1, "enforce_eager": True,
-                      "enable_chunked_prefill": False, "kv_cache_memory_bytes": 1 << 25}
+                      "enable_chunked_prefill": False, "max_num_batched_tokens": 4096, "kv_cache_memory_bytes": 1 << 25}
+    long = llm_options(EngineOptions(), device_type="cpu", max_model_len=9000, kv_bytes=None)
+    assert long["max_num_batched_tokens"] == 9000  # without chunked prefill a step holds the longest sequence
+
+
+@pytest.mark.parametrize("extra, added", [
+    (["--max-model-len", "512"], ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"]),
+    (["--max-model-len=8192"], ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]),
+    (["--max-model-len", "4k"], ["--no-enable-chunked-prefill"]),  # vLLM's own reading of it
+    (["--max-num-batched-tokens", "16384"], ["--no-enable-chunked-prefill"]),
+    (["--enable-chunked-prefill"], []),
+    ([], ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096"]),  # the model's context, read
+])
+def test_a_cpu_server_runs_without_chunked_prefill_and_a_step_holds_the_longest_sequence(tmp_path, extra, added):
+    from textrl.generation.vllm_server import cpu_prefill_options, serve_command
+    from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
+
+    build_tiny_causal_lm(build_tiny_tokenizer(), max_position_embeddings=4096).config.save_pretrained(tmp_path)
+    assert cpu_prefill_options(str(tmp_path), extra) == added
+    argv, _ = serve_command(str(tmp_path), extra, cuda=False)
+    assert argv[-len(extra) - len(added):] == added + extra if extra else argv[-len(added):] == added
+    assert "--no-enable-chunked-prefill" not in serve_command(str(tmp_path), extra, cuda=True)[0]
     assert "kv_cache_memory_bytes" not in llm_options(EngineOptions(), device_type="cpu", max_model_len=40, kv_bytes=None)
 
 

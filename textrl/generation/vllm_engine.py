@@ -369,6 +369,10 @@ CPU_NO_CHUNKED_PREFILL = (
 """Why textrl's vLLM engines on the CPU run without chunked prefill (the colocated engine's
 ``enable_chunked_prefill=False``, ``textrl vllm-serve``'s ``--no-enable-chunked-prefill`` on the CPU)."""
 
+CPU_STEP_TOKENS = 4096
+"""The colocated engine's tokens a step on the CPU (vLLM's own default there), raised to the longest
+sequence: without chunked prefill vLLM refuses a step smaller than ``max_model_len``."""
+
 
 def llm_options(options: EngineOptions, *, device_type: str, max_model_len: int, kv_bytes: int | None) -> dict[str, Any]:
     """The ``vllm.LLM(...)`` keywords of the run's settings: the length, vLLM's options as given (those
@@ -382,7 +386,8 @@ def llm_options(options: EngineOptions, *, device_type: str, max_model_len: int,
         kwargs["quantization"] = options.quantization
     if device_type == "cpu":
         kwargs["enforce_eager"] = True
-        kwargs["enable_chunked_prefill"] = False  # CPU_NO_CHUNKED_PREFILL
+        kwargs["enable_chunked_prefill"] = False  # CPU_NO_CHUNKED_PREFILL; a step then holds a whole sequence
+        kwargs["max_num_batched_tokens"] = max(CPU_STEP_TOKENS, int(max_model_len))
         if kv_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
     else:
