@@ -532,7 +532,8 @@ def refuse_async_processes(config: TrainConfig) -> None:
     the learner in each, which holds the policy's weights whole (data parallel, ZeRO-1/2), or with
     served rollouts one actor on the main process that the learners hand the weights whole after each
     update (:func:`textrl.rollout_sources.one_actor`: any backend, FSDP and ZeRO-3 included, for a
-    policy that trains every weight). A ``ValueError`` for the rest, said before any model loads."""
+    policy that trains every weight: no LoRA policy, no agent whose policy is adapters). A
+    ``ValueError`` for the rest, said before any model loads."""
     from textrl.rollout_sources import one_actor
 
     processes = launched_processes()
@@ -542,8 +543,10 @@ def refuse_async_processes(config: TrainConfig) -> None:
                          f"{processes} training processes, and under {partitioned} none holds the policy's weights "
                          "whole; serve the rollouts (--vllm-server: one actor on the main process), train data "
                          "parallel (no --fsdp, --zero-stage 0 to 2), or drop --max-staleness")
-    frozen = "--lora-r" if config.lora_r is not None else "--agent multi_adapter_ppo" \
-        if config.agent == "multi_adapter_ppo" else None
+    from textrl.agent_registry import agent_class
+
+    lora_agent = getattr(agent_class(config.agent), "lora", "no") == "required"  # its policy is adapters on a base
+    frozen = "--lora-r" if config.lora_r is not None else f"--agent {config.agent}" if lora_agent else None
     if config.max_staleness and processes > 1 and partitioned and frozen:
         raise ValueError(f"--max-staleness {config.max_staleness} under {partitioned} hands the actor the learner's "
                          f"weights whole, and with {frozen} the actor keeps a copy of the policy's frozen base, "
