@@ -19,7 +19,8 @@ from textrl.stages.sft import SFTConfig, train_sft
 from textrl.trainer import train
 
 HOLD = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, whatever the parent ignored
 from textrl.run import RunFolderLock
 with RunFolderLock(sys.argv[1]):
     print("held", flush=True)
