@@ -57,10 +57,12 @@ def assert_trained_alike(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
         assert_close_normwise(b[key], a[key], rtol=rtol, name=key)
 
 
-def _train(out, *args, processes: int = 2, cache) -> subprocess.CompletedProcess:
+def _train(out, *args, processes: int = 2, cache, script=None) -> subprocess.CompletedProcess:
+    """``textrl train`` under torchrun (``script``: a file that runs it, as :data:`ONE_ACTOR`)."""
     env = {**os.environ, "TEXTRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    target = [str(script)] if script is not None else ["-m", "textrl.cli"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-           f"--master_port={_free_port()}", "-m", "textrl.cli", "train", "--output-dir", str(out),
+           f"--master_port={_free_port()}", *target, "train", "--output-dir", str(out),
            *SMALL, *args]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -294,7 +296,9 @@ ONE_ACTOR = """
 import sys
 from textrl import rollout_sources
 from textrl.cli import main
+from textrl.testing.engines import register_receiving_engine
 
+register_receiving_engine("receiving")  # holds its own weights, pushed whole: a vLLM server in the process
 rollout_sources.one_actor = lambda config: True  # as with --vllm-server: the main process's actor deals the shares
 sys.exit(main(sys.argv[1:]))
 """
@@ -304,17 +308,11 @@ def test_one_actor_dealing_every_process_its_share_resumes_as_the_uninterrupted_
     """The served recipe's asynchronous mode (one actor on the main process draws every batch whole,
     each process takes its share when the learners take the rollout), with the textrl engine in its
     place: 2 iterations then --resume to 4 equal 4 at once, and the checkpoint holds one actor."""
-    cache = tmp_path / "cache"
-    env = {**os.environ, "TEXTRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    script = tmp_path / "one_actor.py"
+    cache, script = tmp_path / "cache", tmp_path / "one_actor.py"
     script.write_text(ONE_ACTOR)
 
     def run(out, *extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-               str(script), "train", "--output-dir", str(out), *SMALL, "--max-staleness", "1", "--eval-every", "2",
-               *extra]
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        _train(out, "--max-staleness", "1", "--eval-every", "2", *extra, cache=cache, script=script)
 
     full, part = tmp_path / "full", tmp_path / "part"
     run(full, "--iterations", "4")
@@ -329,35 +327,18 @@ def test_one_actor_dealing_every_process_its_share_resumes_as_the_uninterrupted_
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-SHARDED_ONE_ACTOR = """
-import sys
-from textrl import rollout_sources
-from textrl.cli import main
-from textrl.testing.engines import register_receiving_engine
-
-register_receiving_engine("receiving")  # holds its own weights, pushed whole: a vLLM server in the process
-rollout_sources.one_actor = lambda config: True  # as with --vllm-server: the main process's actor deals the shares
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 @pytest.mark.parametrize("backend", [["--fsdp"], ["--zero-stage", "3"]], ids=["fsdp", "zero3"])
 def test_sharded_learners_hand_one_actor_the_weights_whole_and_resume_as_the_uninterrupted_run(tmp_path, backend):
     """The served recipe's asynchronous mode under a backend that partitions the weights: the learners
     gather them after each update for the main process's actor, whose engine holds its own weights
     (pushed whole, as a vLLM server's); 2 iterations then --resume to 3 equal 3 at once, bit for bit;
     only the main process evaluates (its actor samples)."""
-    cache = tmp_path / "cache"
-    env = {**os.environ, "TEXTRL_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    script = tmp_path / "sharded_one_actor.py"
-    script.write_text(SHARDED_ONE_ACTOR)
+    cache, script = tmp_path / "cache", tmp_path / "one_actor.py"
+    script.write_text(ONE_ACTOR)
 
     def run(out, *extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-               str(script), "train", "--output-dir", str(out), *SMALL, *backend, "--generation-engine", "receiving",
-               "--max-staleness", "1", "--eval-every", "2", *extra]
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        _train(out, *backend, "--generation-engine", "receiving", "--max-staleness", "1", "--eval-every", "2", *extra,
+               cache=cache, script=script)
 
     full, part = tmp_path / "full", tmp_path / "part"
     run(full, "--iterations", "3")

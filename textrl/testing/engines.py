@@ -17,6 +17,20 @@ from typing import Any
 from textrl.generation.base import ENGINES, EngineFailed, get_engine, register_engine
 
 
+class SamplesItsOwnModel:
+    """Mixed in before an engine class: each call samples ``self._model(model)`` (the double's own
+    model, from the module it is called with) through the engine it is mixed into."""
+
+    def _model(self, model: Any) -> Any:
+        raise NotImplementedError
+
+    def generate(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        return super().generate(self._model(model), *args, **kwargs)  # type: ignore[misc]
+
+    def generate_with_logprobs(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        return super().generate_with_logprobs(self._model(model), *args, **kwargs)  # type: ignore[misc]
+
+
 def register_stale_engine(name: str = "stale", inner: str = "textrl") -> str:
     """Register (once) the engine ``name``: the registered engine ``inner`` sampling with a copy of the
     model taken at its first call, so that no later update reaches it (a LoRA adapter never loaded, a
@@ -25,19 +39,13 @@ def register_stale_engine(name: str = "stale", inner: str = "textrl") -> str:
         return name
     base = type(get_engine(inner))
 
-    class StaleEngine(base):  # type: ignore[misc, valid-type]
+    class StaleEngine(SamplesItsOwnModel, base):  # type: ignore[misc, valid-type]
         frozen: Any = None
 
         def _model(self, model: Any) -> Any:
             if self.frozen is None:
                 self.frozen = copy.deepcopy(model)
             return self.frozen
-
-        def generate(self, model: Any, *args: Any, **kwargs: Any) -> Any:
-            return super().generate(self._model(model), *args, **kwargs)
-
-        def generate_with_logprobs(self, model: Any, *args: Any, **kwargs: Any) -> Any:
-            return super().generate_with_logprobs(self._model(model), *args, **kwargs)
 
     StaleEngine.__name__ = StaleEngine.__qualname__ = f"Stale{base.__name__}"
     register_engine(name)(StaleEngine)
@@ -65,7 +73,7 @@ def register_receiving_engine(name: str = "receiving", inner: str = "hf") -> str
         return name
     base = type(get_engine(inner))
 
-    class ReceivingEngine(base):  # type: ignore[misc, valid-type]
+    class ReceivingEngine(SamplesItsOwnModel, base):  # type: ignore[misc, valid-type]
         receives_weights = True
         own: Any = None
         pushed: dict[str, Any] | None = None
@@ -92,12 +100,6 @@ def register_receiving_engine(name: str = "receiving", inner: str = "hf") -> str
                         self.own.get_parameter(key).copy_(value)
                 self.pushed = None
             return self.own
-
-        def generate(self, model: Any, *args: Any, **kwargs: Any) -> Any:
-            return super().generate(self._model(model), *args, **kwargs)
-
-        def generate_with_logprobs(self, model: Any, *args: Any, **kwargs: Any) -> Any:
-            return super().generate_with_logprobs(self._model(model), *args, **kwargs)
 
     ReceivingEngine.__name__ = ReceivingEngine.__qualname__ = f"Receiving{base.__name__}"
     register_engine(name)(ReceivingEngine)
