@@ -534,25 +534,26 @@ def refuse_async_processes(config: TrainConfig) -> None:
     update (:func:`textrl.rollout_sources.one_actor`: any backend, FSDP and ZeRO-3 included, for a
     policy that trains every weight: no LoRA policy, no agent whose policy is adapters). A
     ``ValueError`` for the rest, said before any model loads."""
+    from textrl.agent_registry import agent_class
     from textrl.rollout_sources import one_actor
 
     processes = launched_processes()
+    if not config.max_staleness or processes <= 1:
+        return
     partitioned = "--fsdp" if config.fsdp else "--zero-stage 3" if config.zero_stage == 3 else None
-    if config.max_staleness and processes > 1 and partitioned and not one_actor(config):
+    if partitioned and not one_actor(config):
         raise ValueError(f"--max-staleness {config.max_staleness} runs an actor beside the learner in each of the "
                          f"{processes} training processes, and under {partitioned} none holds the policy's weights "
                          "whole; serve the rollouts (--vllm-server: one actor on the main process), train data "
                          "parallel (no --fsdp, --zero-stage 0 to 2), or drop --max-staleness")
-    from textrl.agent_registry import agent_class
-
     lora_agent = getattr(agent_class(config.agent), "lora", "no") == "required"  # its policy is adapters on a base
     frozen = "--lora-r" if config.lora_r is not None else f"--agent {config.agent}" if lora_agent else None
-    if config.max_staleness and processes > 1 and partitioned and frozen:
+    if partitioned and frozen:
         raise ValueError(f"--max-staleness {config.max_staleness} under {partitioned} hands the actor the learner's "
                          f"weights whole, and with {frozen} the actor keeps a copy of the policy's frozen base, "
                          f"which {partitioned} does not hold whole; train data parallel (no --fsdp, --zero-stage 0 "
                          "to 2) or drop --max-staleness")
-    if config.max_staleness and processes > 1 and config.vllm_server and config.reward_nonfinite == "drop":
+    if config.vllm_server and config.reward_nonfinite == "drop":
         raise ValueError(f"--max-staleness {config.max_staleness} with --vllm-server under {processes} processes deals "
                          "each process its share of the main process's rollouts, which reward_nonfinite='drop' would "
                          "leave uneven; use --reward-nonfinite zero (or raise)")
