@@ -1,7 +1,7 @@
 """Tokens per second of each generation engine, against the hardware floor measured in the same run.
 
     python benchmarks/bench_generation.py                              # CPU: small sizes, ~1 minute
-    python benchmarks/bench_generation.py --device cuda --shape 114m   # the issue's 114M set-up
+    python benchmarks/bench_generation.py --device cuda --shape 114m   # the 114M set-up of docs/benchmarks.md
     python benchmarks/bench_generation.py --device cuda --shape 0.5b --vocab 151936
 
 A random Llama of ``--shape`` (``small``: hidden 128, 2 layers, the CPU default; ``114m``: hidden

@@ -22,8 +22,8 @@ of 128 random tokens as about 370). Every iteration is 32 prompts of the digits 
 x 128 new tokens, every row full length (EOS unreachable), the trainer's defaults otherwise (2
 epochs of 2 minibatches, micro-batches of 64), scored by a neural reward model of the policy's
 shape (``multi_adapter_ppo``: its LoRA reward adapter on the shared base). So ``gae_ppo`` holds
-four models (policy, reference, critic, reward model), as in the issue's measurement (46 GB for
-0.5B at 512 tokens, all float32, two AdamW states).
+four models (policy, reference, critic, reward model), as in the first measurement of textrl's
+memory on a GPU (46 GB for 0.5B at 512 tokens, all float32, two AdamW states).
 
 Variants: ``off`` (every memory option off where ``TrainConfig`` has it: float32 frozen models,
 a separate critic, torch's AdamW, no checkpointing, unchunked log-probs), ``defaults`` (the
@@ -51,7 +51,7 @@ error makes the row ``OOM`` (its peak so far kept) and the benchmark goes on. ``
 stops a row, ``--budget-s`` stops starting rows (those left are listed as not run); each row's JSON
 is printed (``ROW {...}``, flushed) as it finishes. Then a table, then one JSON line last: every row,
 its ratio to the ``off`` row of its shape and vocabulary (its own agent's, else ``gae_ppo``'s),
-and the issue's goals, each met / not met / not run (GB = 10^9 bytes, peak with the build):
+and the memory goals, each met / not met / not run (GB = 10^9 bytes, peak with the build):
 ``gae_ppo`` 0.5B <= 12 GB, ``gae_ppo`` 1.5B at 152k tokens <= 60 GB, ``rloo`` 1.5B at 152k
 <= 40 GB, 7B LoRA on a 4-bit base <= 40 GB.
 

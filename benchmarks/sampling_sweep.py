@@ -3,7 +3,7 @@
 Each cell is a tiny `textrl train` run (the built-in digits task); it prints the skipped updates over
 the run's iterations, whether every KL and ratio was finite, and the largest `rollout/weight_gap`.
 Before the learner's log-probs were taken at the temperature alone, every `--top-p 0.9` cell skipped
-updates (issue 49's 40-cell table).
+updates (docs/benchmarks.md, "Every sampling setting trains").
 
     python benchmarks/sampling_sweep.py [--agents gae_ppo,grpo,rloo,one_step_ppo,dapo] [--iterations 4]
 """

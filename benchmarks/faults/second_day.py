@@ -1,6 +1,6 @@
 """What users meet on their second day (docs/reliability.md, "Runs kept around, moved and come back to"):
 moved and copied run folders, a resume from another working folder, the kept warm-up, refusals of
-values from a YAML file, and the small traps of issue 42."""
+values from a YAML file, and the small traps a user falls into on the way back to a run."""
 
 from __future__ import annotations
 
