@@ -152,6 +152,30 @@ def compare_agents(
     from textrl.run.lock import RunFolderLock
 
     start = time.perf_counter()
+    seeds, env_list, token_budget = _bench_axes(seeds, envs, token_budget, reps, settings)
+    axes = _axes(settings, staleness, corrections)
+    common = run_settings(settings)
+    names, skipped = resolve_agents(agents, common)
+    arms, skipped_arms = resolve_arms(names, common, axes.get("max_staleness"), axes.get("rollout_correction"),
+                                      every=agents is not None and list(agents) == [ALL_AGENTS])
+    skipped.update(skipped_arms)
+    for name, why in skipped.items():
+        log(f"skipping {name}: {why}")
+    if len(arms) > 1 and seeds_too_few(len(seeds), len(env_list)):
+        log(seeds_too_few(len(seeds), len(env_list)))
+    env_info = describe_envs(env_list, common)
+    output_dir = Path(output_dir)
+    with RunFolderLock(output_dir):
+        jobs_plan = plan(arms, env_info, seeds, output_dir, settings, token_budget, warm_start_policy)
+        runs = _execute(jobs_plan, fresh, jobs, isolate, threads, log)
+        return _report(runs, arms, env_list, env_info, seeds, jobs_plan, skipped, output_dir, reps,
+                       time.perf_counter() - start, log, axes)
+
+
+def _bench_axes(seeds: Sequence[int] | None, envs: Sequence[str] | None, token_budget: int | None, reps: Any,
+                settings: dict[str, Any]) -> tuple[list[int], list[str], int | None]:
+    """:func:`compare_agents`' seeds, environments and token budget, checked, defaults filled in
+    (``settings``' ``env`` is popped: one environment)."""
     seeds = _seeds(DEFAULT_BENCH["seeds"]) if seeds is None else list(seeds)
     if not seeds:
         raise ValueError("seeds is empty; give at least one seed (--seeds 0,1,2)")
@@ -172,24 +196,7 @@ def compare_agents(
                                      or token_budget < 1):
         raise ValueError(f"token_budget={token_budget!r}: must be an int >= 1, the generated tokens per run "
                          "(--token-budget 460800), or leave it out and give --iterations")
-    env_list = comma_list(DEFAULT_BENCH["envs"]) if envs is None else list(envs)
-    axes = _axes(settings, staleness, corrections)
-    common = run_settings(settings)
-    names, skipped = resolve_agents(agents, common)
-    arms, skipped_arms = resolve_arms(names, common, axes.get("max_staleness"), axes.get("rollout_correction"),
-                                      every=agents is not None and list(agents) == [ALL_AGENTS])
-    skipped.update(skipped_arms)
-    for name, why in skipped.items():
-        log(f"skipping {name}: {why}")
-    if len(arms) > 1 and seeds_too_few(len(seeds), len(env_list)):
-        log(seeds_too_few(len(seeds), len(env_list)))
-    env_info = describe_envs(env_list, common)
-    output_dir = Path(output_dir)
-    with RunFolderLock(output_dir):
-        jobs_plan = plan(arms, env_info, seeds, output_dir, settings, token_budget, warm_start_policy)
-        runs = _execute(jobs_plan, fresh, jobs, isolate, threads, log)
-        return _report(runs, arms, env_list, env_info, seeds, jobs_plan, skipped, output_dir, reps,
-                       time.perf_counter() - start, log, axes)
+    return seeds, comma_list(DEFAULT_BENCH["envs"]) if envs is None else list(envs), token_budget
 
 
 def seeds_too_few(seeds: int, envs: int, alpha: float = 0.05) -> str | None:
