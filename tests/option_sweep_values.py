@@ -276,6 +276,8 @@ VALUES: dict[str, Try | tuple[Try, ...] | Exempt] = {
                              base=NAN_REWARD)),
     "env_timeout": Try(30.0, "a limit no call reaches changes nothing (a call past it: "
                        "tests/envs/test_env_faults.py)", "recorded"),
+    "reward_concurrency": Try(2, "the built-in rewards are scored in the loop; an async or does_io reward in the "
+                              "background gives the same rollout (tests/envs/test_async_rewards.py)", "same"),
     "max_nonfinite_updates": Try(1, "acts on non-finite updates only; none happen in a clean run (the stop: "
                                  "tests/agents/test_traps.py)", "recorded"),
     "nonfinite_weights": Try("stop", "no rollback copy of the weights is kept", "guard/bytes"),

@@ -365,6 +365,10 @@ class TrainConfig:
     """Seconds an environment's start(), step() or final reward call may run before it is stopped
     with an error naming the environment and the row (None: no limit). Either way a call running
     for a minute is named on stderr."""
+    reward_concurrency: int = 8
+    """Reward calls in flight at once for a reward that is async or declares does_io = True: it is scored
+    in the background, each generation micro-batch's episodes while the next generates (docs/rewards.md,
+    "Asynchronous rewards"); other rewards are scored in the loop."""
     max_nonfinite_updates: int = 3
     """Stop (with a checkpoint of the last good state) after this many consecutive skipped updates."""
     nonfinite_weights: str = "rollback"
@@ -394,7 +398,7 @@ class TrainConfig:
             "vf_coef", "entropy_coef", "kl_coef", "kl_target", "kl_horizon", "kl_early_stop", "ratio_threshold",
             "kl_after_update", "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr",
             "lr_schedule", "lr_warmup_steps", "max_grad_norm", "fsdp", "fsdp_reshard_after_forward", "zero_stage",
-            "deepspeed_config", "reward_nonfinite", "env_timeout", "max_nonfinite_updates", "nonfinite_weights", "rollback_copy",
+            "deepspeed_config", "reward_nonfinite", "env_timeout", "reward_concurrency", "max_nonfinite_updates", "nonfinite_weights", "rollback_copy",
             "mixed_precision", "attn_implementation", "eval_every", "frozen_dtype", "gradient_checkpointing", "logprob_chunk_size",
             "padding_free",
             "generation_engine", "vllm_server", "vllm_gpu_memory_utilization",  # the same distribution either way (docs/generation.md)
@@ -533,6 +537,10 @@ def _check_choices(config: TrainConfig) -> None:
     check_choice("reward_nonfinite", config.reward_nonfinite, ("raise", "zero", "drop"))
     if config.env_timeout is not None:
         check_positive("env_timeout", config.env_timeout)
+    if isinstance(config.reward_concurrency, bool) or not isinstance(config.reward_concurrency, int) \
+            or config.reward_concurrency < 1:
+        raise ValueError(f"reward_concurrency={config.reward_concurrency!r}: must be an int >= 1, the reward calls in "
+                         "flight at once for an async or does_io reward (default 8)")
     check_choice("nonfinite_weights", config.nonfinite_weights, ("rollback", "stop"))
     check_choice("rollback_copy", config.rollback_copy, ("auto", "device", "host"))
     check_precision(config)

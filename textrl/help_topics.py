@@ -16,7 +16,8 @@ TOPICS: dict[str, tuple[str, tuple[str, ...]]] = {
         "prompts and the lengths of prompts and episodes.",
         ("env", "env_args", "reward", "reward_weights", "dataset", "data", "format", "sft_data", "preference_data",
          "prompts", "eval_size", "rm_eval_size", "max_prompt_length", "max_episode_tokens", "max_length",
-         "sft_max_length", "rm_max_length", "reward_placement", "reward_nonfinite", "env_timeout"),
+         "sft_max_length", "rm_max_length", "reward_placement", "reward_nonfinite", "env_timeout",
+         "reward_concurrency"),
     ),
     "agent": (
         "The algorithm: the agent and its losses, advantages, KL control and learning rates. Three options "

@@ -65,7 +65,9 @@ def episode_runner(
     """``env`` itself when it is already a runner (has ``run(generate, batch, timings=)``, such as
     :class:`textrl.envs.collector.EpisodeRunner`), else the batch's runner of ``env`` (an
     environment, or a reward spec / callable: the single-turn task it scores) with the agent's
-    tokenizer, EOS and pad ids and generation limit."""
+    tokenizer, EOS and pad ids and generation limit (and, from ``agent.config``, its
+    ``generation_batch_size`` and ``reward_concurrency``: how an async or ``does_io`` reward is
+    scored in the background, docs/rewards.md, "Asynchronous rewards")."""
     if callable(getattr(env, "run", None)):
         return env
     if not callable(getattr(batch, "episode_runner", None)):
@@ -73,10 +75,13 @@ def episode_runner(
             f"collect() got a {type(batch).__name__} as the prompt batch; pass an "
             "textrl.envs.prompts.PromptBatch (from PromptSampler.next_batch or encode_prompts)"
         )
+    config = getattr(agent, "config", None)
+    background = {name: value for name in ("generation_batch_size", "reward_concurrency")
+                  if isinstance(value := getattr(config, name, None), int)}  # an async / does_io reward's parts
     return batch.episode_runner(
         env, tokenizer=agent.tokenizer, eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id,
         max_new_tokens=_max_new_tokens(agent, max_new_tokens), reward_placement=reward_placement,
-        reward_nonfinite=reward_nonfinite, max_episode_tokens=max_episode_tokens,
+        reward_nonfinite=reward_nonfinite, max_episode_tokens=max_episode_tokens, **background,
     )
 
 

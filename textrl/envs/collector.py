@@ -18,6 +18,7 @@ scored once per batch by :func:`textrl.envs.fast_path.score_completions`, the on
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import wait
 from typing import Any
 
 import torch
@@ -43,6 +44,8 @@ from textrl.envs.fast_path import (
 )
 from textrl.envs.watchdog import NOTICE_AFTER, CallWatch
 from textrl.keys import KEYS
+from textrl.rewards import overlapped
+from textrl.rewards.background import DEFAULT_CONCURRENCY, RewardPool, check_concurrency, results
 
 Generate = Callable[[Tensor, Tensor], "Tensor | tuple[Tensor, Tensor | None]"]
 """``generate(input_ids int64 [n, L], attention_mask bool [n, L]) -> int64 [n, T]``: one sampled
@@ -75,7 +78,14 @@ class EpisodeRunner:
         reward_nonfinite: ``"raise"``, ``"zero"`` or ``"drop"`` for a NaN/inf reward.
         env_timeout: seconds after which an environment's ``start`` / ``step`` / final reward call
             is stopped with :class:`textrl.envs.watchdog.EnvTimeout` (None: never); a call is named
-            on stderr after ``env_notice_s`` seconds either way (:class:`textrl.envs.watchdog.CallWatch`).
+            on stderr after ``env_notice_s`` seconds either way (:class:`textrl.envs.watchdog.CallWatch`);
+            a call in the background (below) is named but not cut.
+        generation_batch_size: the rows the agent generates in one call (its micro-batch); with a
+            reward scored in the background, each turn is generated in parts of this many rows and
+            the episodes a part ends are scored while the next part generates (None: one part).
+        reward_concurrency: the background reward calls in flight at once (an int >= 1), for a
+            reward that is ``async`` or declares ``does_io = True`` (:func:`textrl.rewards.overlapped`);
+            other rewards are scored in the loop.
     """
 
     def __init__(
@@ -91,6 +101,8 @@ class EpisodeRunner:
         reward_nonfinite: str = "raise",
         env_timeout: float | None = None,
         env_notice_s: float = NOTICE_AFTER,
+        generation_batch_size: int | None = None,
+        reward_concurrency: int = DEFAULT_CONCURRENCY,
     ) -> None:
         if reward_placement not in PLACEMENTS:
             raise ValueError(f"reward_placement={reward_placement!r}: must be one of {PLACEMENTS}")
@@ -107,6 +119,13 @@ class EpisodeRunner:
         self.reward_placement = reward_placement
         self.reward_nonfinite = reward_nonfinite
         self.reward_fn = None if self.env.reward is None else as_reward_fn(self.env.reward)
+        if generation_batch_size is not None and (isinstance(generation_batch_size, bool)
+                                                  or not isinstance(generation_batch_size, int) or generation_batch_size < 1):
+            raise ValueError(f"generation_batch_size={generation_batch_size!r}: must be an int >= 1, or None")
+        self.generation_batch_size = generation_batch_size
+        check_concurrency(reward_concurrency)
+        self.pool = RewardPool(reward_concurrency) if overlapped(self.reward_fn) else None
+        """Where the final reward runs when it is scored in the background (None: in the loop)."""
         self.dynamics = EpisodeDynamics(self.env, tokenizer=tokenizer, eos_token_ids=self.eos_ids,
                                         max_new_tokens=self.max_new_tokens, max_episode_tokens=self.max_episode_tokens,
                                         reward_nonfinite=reward_nonfinite,
@@ -119,7 +138,15 @@ class EpisodeRunner:
         of one episode per row of ``batch`` (a :class:`textrl.envs.prompts.PromptBatch`: left-padded
         ``input_ids`` / ``attention_mask`` ``[B, P]`` and its ``rows``), with ``KEYS.score`` ``[B]``.
         With ``timings``, ``generation`` and ``reward`` (the environment's answers and the final
-        reward) seconds are added to it."""
+        reward, or the wait for it) seconds are added to it, and ``reward_calls`` (the seconds the
+        background reward calls ran) when the reward is scored in the background.
+
+        A reward scored in the background (:func:`textrl.rewards.overlapped`: ``async``, or
+        ``does_io = True``): each turn is generated in parts of ``generation_batch_size`` rows (the
+        micro-batches the agent generates in anyway, so the same calls), and the final reward of
+        the episodes a part ended starts at once on the runner's :class:`RewardPool` while the next
+        part generates; the results are taken in row order when the rollout is assembled, so the
+        rollout is the one scoring in the loop gives."""
         from textrl.timing import timed
 
         prompt_ids, prompt_mask = batch.input_ids, batch.attention_mask.bool()
@@ -131,25 +158,82 @@ class EpisodeRunner:
             states.append(self.dynamics.start(dict(batch.rows[b]), index, index))
         prompts = [ids[m].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         drawn: list[dict[int, float]] | None = [{} for _ in states]  # position -> the log-prob it was drawn with
-        for turn in range(self.env.max_turns):
-            running = [b for b, s in enumerate(states) if s.end is None]
-            if not running:
-                break
-            with timed(timings, "generation", device):
-                if turn == 0:  # the prompts as given: the first turn is today's single-turn generate
-                    ids, mask = prompt_ids, prompt_mask
-                else:
-                    ids, mask = self._contexts([prompts[b] + states[b].tokens for b in running], device)
-                sampled, logp = split_sampled(generate(ids, mask))  # [n, T] each
+        pending: list[tuple[list[int], list[Any]]] = []  # background rewards: (rows, their calls' futures)
+        scoring = set()  # rows whose final reward was started
+        try:
+            for turn in range(self.env.max_turns):
+                running = [b for b, s in enumerate(states) if s.end is None]
+                if not running:
+                    break
+                with timed(timings, "generation", device):
+                    if turn == 0:  # the prompts as given: the first turn is today's single-turn generate
+                        ids, mask = prompt_ids, prompt_mask
+                    else:  # every running row's context, padded as one: a part is a slice of it
+                        ids, mask = self._contexts([prompts[b] + states[b].tokens for b in running], device)
+                for start in range(0, len(running), self._part_rows(len(running))):
+                    part = running[start:start + self._part_rows(len(running))]
+                    whole = len(part) == len(running)
+                    with timed(timings, "generation", device):
+                        sampled, logp = split_sampled(generate(ids if whole else ids[start:start + len(part)],
+                                                               mask if whole else mask[start:start + len(part)]))
+                    with timed(timings, "reward", device):
+                        starts = [len(states[b].tokens) for b in part]
+                        self._play_turns([states[b] for b in part], sampled)
+                        if logp is None:
+                            drawn = None
+                        elif drawn is not None:
+                            keep_drawn([states[b] for b in part], [drawn[b] for b in part], starts, logp)
+                        if self.pool is not None:
+                            self._score_ended(states, [b for b in part if states[b].end is not None], pending, scoring)
             with timed(timings, "reward", device):
-                starts = [len(states[b].tokens) for b in running]
-                self._play_turns([states[b] for b in running], sampled)
-                if logp is None:
-                    drawn = None
-                elif drawn is not None:
-                    keep_drawn([states[b] for b in running], [drawn[b] for b in running], starts, logp)
-        with timed(timings, "reward", device):
-            return self._rollout(batch, states, device, drawn)
+                if self.pool is None:
+                    return self._rollout(batch, states, device, drawn)
+                self._score_ended(states, [b for b in range(len(states)) if b not in scoring], pending, scoring)
+                final = self._taken(states, pending)
+                pending = []
+                return self._rollout(batch, states, device, drawn, final)
+        finally:
+            if pending:  # an error on the way: no call is left running behind it
+                for _, futures in pending:
+                    for future in futures:
+                        future.cancel()
+                wait([f for _, futures in pending for f in futures])
+            if self.pool is not None and timings is not None:
+                timings["reward_calls"] = timings.get("reward_calls", 0.0) + self.pool.take_busy()
+
+    def _part_rows(self, running: int) -> int:
+        """Rows generated in one call: every running row, or ``generation_batch_size`` of them
+        when the final reward is scored in the background."""
+        if self.pool is None or self.generation_batch_size is None:
+            return max(1, running)
+        return self.generation_batch_size
+
+    def _score_ended(self, states: list[EpisodeState], rows: list[int], pending: list[tuple[list[int], list[Any]]],
+                     scoring: set[int]) -> None:
+        """Start the final reward of the ended episodes ``rows`` on the pool (decoded here, in the
+        loop's thread); their futures go to ``pending``."""
+        if not rows:
+            return
+        calls = self.dynamics.reward_calls([states[b] for b in rows], self.reward_fn)
+        pending.append((rows, [self.pool.submit(call) for _, call in calls]))
+        scoring.update(rows)
+
+    def _taken(self, states: list[EpisodeState], pending: list[tuple[list[int], list[Any]]]
+               ) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+        """The background final rewards of every row, waited for in row order: ``(total [B],
+        components name -> [B], bad [B])`` as :meth:`EpisodeDynamics.final_scores` gives them for
+        the whole batch. A call's error is raised here (the first in order), the others cancelled."""
+        n = len(states)
+        total, components, bad = torch.zeros(n), {}, torch.zeros(n, dtype=torch.bool)
+        for rows, futures in pending:
+            scored = results(futures)
+            part_total, part_components, _, part_bad = self.dynamics.final_scores(
+                [states[b] for b in rows], self.reward_fn, scored=scored)
+            index = torch.tensor(rows)
+            total[index], bad[index] = part_total, part_bad
+            for name, value in part_components.items():
+                components.setdefault(name, torch.zeros(n))[index] = value
+        return total, components, bad
 
     def _contexts(self, sequences: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
         """Left-padded prompt + episode tokens of each row: int64 / bool ``[n, L]``."""
@@ -182,7 +266,8 @@ class EpisodeRunner:
     # -- the rollout ---------------------------------------------------------------------------
 
     def _rollout(self, batch: Any, states: list[EpisodeState], device: torch.device,
-                 drawn: list[dict[int, float]] | None = None) -> TensorDict:
+                 drawn: list[dict[int, float]] | None = None,
+                 final: tuple[Tensor, dict[str, Tensor], Tensor] | None = None) -> TensorDict:
         b = len(states)
         t = max(1, max(len(s.tokens) for s in states))
         action = torch.full((b, t), self.pad_id, dtype=torch.long)
@@ -199,7 +284,10 @@ class EpisodeRunner:
         terminated = at_last & (end == DONE).unsqueeze(1)
         truncated = at_last & (end != DONE).unsqueeze(1)
 
-        final, components, _, nonfinite = self.dynamics.final_scores(states, self.reward_fn)
+        if final is None:
+            final, components, _, nonfinite = self.dynamics.final_scores(states, self.reward_fn)
+        else:  # scored in the background (:meth:`_taken`)
+            final, components, nonfinite = final
         rewards = torch.stack([self.dynamics.placed(s, final[i], t, self.reward_placement)
                                for i, s in enumerate(states)])  # [B, T]
         td = TensorDict(

@@ -256,7 +256,8 @@ class EpisodeDynamics:
         names = [] if reward_fn is None else reward_component_names(reward_fn)
         return [TURN_REWARDS, *names] if self.multi_turn else names
 
-    def final_scores(self, states: Sequence[EpisodeState], reward_fn: Callable[..., Any] | None
+    def final_scores(self, states: Sequence[EpisodeState], reward_fn: Callable[..., Any] | None,
+                     scored: Sequence[Any] | None = None,
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str], torch.Tensor]:
         """The final reward of finished episodes on their agent tokens, by
         :func:`textrl.envs.fast_path.score_completions`: ``(total float32 [n], components name ->
@@ -265,20 +266,16 @@ class EpisodeDynamics:
         (TRL's convention: the rewards get the prompt's messages, and a multi-turn episode's
         messages after the prompt as its completion); each kind is scored in its own call, so a
         row's score never depends on the rows beside it. Multi-turn episodes also report the sum
-        of their turn rewards (``TURN_REWARDS``)."""
+        of their turn rewards (``TURN_REWARDS``). ``scored``: the answers of :meth:`reward_calls`'s
+        calls, in their order, where the caller ran them (in the background); else they run here."""
         n = len(states)
         completions = self.tokenizer.batch_decode([s.agent_tokens for s in states], skip_special_tokens=True)
         total, components = torch.zeros(n), {}
         bad = torch.tensor([s.bad_reward for s in states], dtype=torch.bool)
         if reward_fn is not None:
-            kinds: dict[bool, list[int]] = {}
-            for i, s in enumerate(states):
-                kinds.setdefault(self.multi_turn or "messages" in s.episode.row, []).append(i)
-            for conversational, rows in kinds.items():
-                where = sorted({states[i].episode.index for i in rows})
-                shown = ", ".join(map(str, where[:8])) + (" ..." if len(where) > 8 else "")
-                with self.watch(f"environment {env_name(self.env)!r} reward on row(s) {shown}"):
-                    scores = self._score([states[i] for i in rows], reward_fn, conversational)
+            calls = self.reward_calls(states, reward_fn, completions)
+            answers = [call() for _, call in calls] if scored is None else list(scored)
+            for (rows, _), scores in zip(calls, answers):
                 index = torch.tensor(rows)
                 total[index] = scores.total
                 if scores.nonfinite is not None:
@@ -290,7 +287,33 @@ class EpisodeDynamics:
             components = {TURN_REWARDS: turn_sums, **components}
         return total, components, completions, bad
 
-    def _score(self, states: Sequence[EpisodeState], reward_fn: Callable[..., Any], conversational: bool) -> Any:
+    def reward_calls(self, states: Sequence[EpisodeState], reward_fn: Callable[..., Any],
+                     completions: Sequence[str] | None = None) -> list[tuple[list[int], Callable[[], Any]]]:
+        """The final reward's calls over finished episodes, one per kind of row (plain,
+        conversational): ``(the rows' indices in states, a call -> Scores)``. Everything that reads
+        the tokenizer (the decoded completions) is done here, so a call may run in another thread."""
+        if completions is None:
+            completions = self.tokenizer.batch_decode([s.agent_tokens for s in states], skip_special_tokens=True)
+        kinds: dict[bool, list[int]] = {}
+        for i, s in enumerate(states):
+            kinds.setdefault(self.multi_turn or "messages" in s.episode.row, []).append(i)
+        calls = []
+        for conversational, rows in kinds.items():
+            where = sorted({states[i].episode.index for i in rows})
+            shown = ", ".join(map(str, where[:8])) + (" ..." if len(where) > 8 else "")
+            label = f"environment {env_name(self.env)!r} reward on row(s) {shown}"
+            part, texts = [states[i] for i in rows], [completions[i] for i in rows]
+
+            def call(label: str = label, part: list[EpisodeState] = part, texts: list[str] = texts,
+                     conversational: bool = conversational) -> Any:
+                with self.watch(label):
+                    return self._score(part, reward_fn, conversational, texts)
+
+            calls.append((rows, call))
+        return calls
+
+    def _score(self, states: Sequence[EpisodeState], reward_fn: Callable[..., Any], conversational: bool,
+               texts: Sequence[str] | None = None) -> Any:
         ids = [s.agent_tokens for s in states]
         width = max(1, max(len(t) for t in ids))
         tokens = torch.zeros((len(ids), width), dtype=torch.long)
@@ -305,7 +328,7 @@ class EpisodeDynamics:
             fields={k: [s.fields.get(k) for s in states] for k in names},
             conversations=[s.episode.messages[: s.episode.prompt_messages] for s in states] if conversational else None,
             completion_messages=[s.episode.completions for s in states] if self.multi_turn else None,
-            nonfinite=self.reward_nonfinite,
+            nonfinite=self.reward_nonfinite, texts=texts,
         )
 
     def placed(self, s: EpisodeState, final: torch.Tensor, width: int, placement: str) -> torch.Tensor:

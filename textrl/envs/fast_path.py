@@ -180,6 +180,7 @@ def score_completions(
     nonfinite: str = "raise",
     conversations: Sequence[Sequence[Mapping[str, Any]]] | None = None,
     completion_messages: Sequence[Sequence[Mapping[str, Any]]] | None = None,
+    texts: Sequence[str] | None = None,
 ) -> Scores:
     """Decode and score ``B`` finished responses; the one scoring path of the envs and fast path.
 
@@ -204,7 +205,9 @@ def score_completions(
     ``nonfinite`` (one of :data:`NONFINITE_POLICIES`): with ``"zero"`` or ``"drop"`` a NaN/inf
     score does not raise; the row's total and its non-finite components become 0 and
     ``Scores.nonfinite`` marks it (the caller drops it under ``"drop"``). A None is never
-    counted as a non-finite score.
+    counted as a non-finite score. ``texts``: the ``B`` completions decoded already (as this
+    function decodes them), where the caller decoded them in its own thread (a fast tokenizer is
+    not to be shared between threads): the tokenizer is then not used.
     """
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"reward_nonfinite={nonfinite!r}: must be one of {NONFINITE_POLICIES}")
@@ -216,7 +219,9 @@ def score_completions(
     if len(prompts) != b:
         raise ValueError(f"{len(prompts)} prompts for {b} responses; pass one prompt per row")
     ids = [row[m].tolist() for row, m in zip(responses.cpu(), mask.cpu())]
-    completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    if texts is not None and len(texts) != b:
+        raise ValueError(f"{len(texts)} decoded texts for {b} responses; pass one per row, or None")
+    completions = tokenizer.batch_decode(ids, skip_special_tokens=True) if texts is None else list(texts)
     if truncated is None:
         truncated = torch.zeros(b, dtype=torch.bool)
     kwargs: dict[str, Any] = dict(fields or {})

@@ -12,13 +12,17 @@ list with None where it does not apply), called as TRL's ``GRPOTrainer`` calls i
 ([2.5], {'think_format': [0.0], 'tag_count': [0.5], 'accuracy': [1.0]})
 """
 
+from textrl.rewards.background import DEFAULT_CONCURRENCY, RewardPool
 from textrl.rewards.base import (
     RewardError,
     RewardFn,
     call_reward,
     completion_text,
+    does_io,
     evaluate_reward,
+    is_async_reward,
     named,
+    overlapped,
     reward_name,
 )
 from textrl.rewards.composite import (
@@ -40,6 +44,7 @@ from textrl.rewards.registry import (
 from textrl.rewards.rules import accuracy_reward, tag_count_reward, think_format_reward
 
 __all__ = [
+    "DEFAULT_CONCURRENCY",
     "REWARDS",
     "REWARD_LOADERS",
     "CompositeReward",
@@ -48,16 +53,20 @@ __all__ = [
     "RewardBreakdown",
     "RewardError",
     "RewardFn",
+    "RewardPool",
     "accuracy_reward",
     "call_reward",
     "check_reward_spec",
     "combine_scores",
     "completion_text",
+    "does_io",
     "evaluate_reward",
     "get_reward",
+    "is_async_reward",
     "length_penalty",
     "missing_eos_penalty",
     "named",
+    "overlapped",
     "parse_reward_spec",
     "register_reward",
     "repetition_penalty",

@@ -35,10 +35,19 @@ back to ``__name__`` for user callables. A function that reads dataset columns d
 them before any model loads (:func:`required_columns`). Rewards are scores, not losses: they are
 detached. A reward that calls ``sys.exit`` raises a :class:`RewardError` naming it instead of
 ending the process.
+
+A reward function may be ``async def`` (or an object whose ``__call__`` is), or declare that it
+waits on I/O (a sandbox, an API, a served judge) with ``does_io = True`` (:func:`does_io`); either
+is called with the same arguments and read by the same rules. The episode runner scores such a
+reward in the background, a few calls at a time (:func:`overlapped`,
+:class:`textrl.rewards.background.RewardPool`; docs/rewards.md, "Asynchronous rewards"); called
+here directly, an ``async`` reward is awaited to its end (:func:`invoke`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
@@ -90,6 +99,67 @@ def needs(*columns: str) -> Callable[[F], F]:
         return fn
 
     return set_needs
+
+
+def does_io(fn: F) -> F:
+    """Decorator: set ``fn.does_io = True``, the declaration that ``fn`` waits on I/O (a sandbox,
+    an API, a served model) rather than computing: the episode runner then scores it in the
+    background while generation goes on (:func:`overlapped`). A plain CPU function so declared
+    still scores the same."""
+    fn.does_io = True  # type: ignore[attr-defined]
+    return fn
+
+
+def is_async_reward(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is ``async def``, or a callable object whose ``__call__`` is (through
+    ``functools.partial``).
+
+    >>> async def judge(prompts, completions, **kwargs): ...
+    >>> is_async_reward(judge), is_async_reward(lambda p, c, **kw: [1.0])
+    (True, False)
+    """
+    inner = getattr(fn, "func", None)  # functools.partial
+    if inner is not None and inner is not fn and is_async_reward(inner):
+        return True
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = next((vars(klass)["__call__"] for klass in type(fn).__mro__ if "__call__" in vars(klass)), None)
+    return not inspect.isfunction(fn) and call is not None and inspect.iscoroutinefunction(call)
+
+
+def overlapped(fn: Callable[..., Any] | None) -> bool:
+    """Whether the episode runner scores ``fn`` in the background: ``fn`` (or, for a composite,
+    one of its ``functions``) is ``async`` (:func:`is_async_reward`) or declares ``does_io = True``
+    (:func:`does_io`), on itself or on the function a ``functools.partial`` wraps. Other rewards
+    (CPU-bound rules) are scored in the loop, as they always were."""
+    if fn is None:
+        return False
+    functions = getattr(fn, "functions", None)
+    if isinstance(functions, Mapping) and not callable(functions) and any(overlapped(f) for f in functions.values()):
+        return True
+    inner = getattr(fn, "func", None)
+    declared = getattr(fn, "does_io", False) is True or (inner is not None and getattr(inner, "does_io", False) is True)
+    return declared or is_async_reward(fn)
+
+
+def resolve(out: Any) -> Any:
+    """``out`` awaited to its end when it is awaitable (an ``async`` reward's coroutine), else as it
+    is: on a fresh event loop in this thread, or in a thread of its own when this thread already
+    runs a loop (a notebook's)."""
+    if not inspect.isawaitable(out):
+        return out
+
+    async def wait() -> Any:
+        return await out
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wait())
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="textrl-reward-await") as pool:
+        return pool.submit(asyncio.run, wait()).result()
 
 
 def required_columns(fn: Callable[..., Any] | None) -> dict[str, list[str]]:
@@ -273,17 +343,15 @@ def _slice_kwargs(kwargs: dict[str, Any], i: int, n: int) -> dict[str, Any]:
 def invoke(fn: RewardFn, prompts: list[Any], completions: list[Any], kwargs: dict[str, Any]) -> Any:
     """``fn`` called as TRL calls a reward function (``prompts=``, ``completions=`` and the batch
     fields by keyword) when it names a ``completions`` parameter, else ``fn(prompts, completions,
-    **kwargs)``."""
-    import inspect
-
+    **kwargs)``; an ``async`` reward's answer awaited (:func:`resolve`)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin or C callable: no signature to read
         params = {}
     completions_param = params.get("completions")
     if completions_param is not None and completions_param.kind is not inspect.Parameter.POSITIONAL_ONLY:
-        return fn(prompts=prompts, completions=completions, **kwargs)
-    return fn(prompts, completions, **kwargs)
+        return resolve(fn(prompts=prompts, completions=completions, **kwargs))
+    return resolve(fn(prompts, completions, **kwargs))
 
 
 def _rows_that_raise(fn: RewardFn, prompts, completions, kwargs) -> list[int] | None:
@@ -462,12 +530,16 @@ __all__ = [
     "completion_text",
     "completion_texts",
     "conversation_text",
+    "does_io",
     "evaluate_reward",
+    "is_async_reward",
     "last_assistant",
     "message_text",
     "named",
     "needs",
+    "overlapped",
     "required_columns",
+    "resolve",
     "reward_name",
     "token_lists",
 ]

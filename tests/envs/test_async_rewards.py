@@ -1,0 +1,247 @@
+"""Rewards scored in the background (textrl/rewards/background.py, ``EpisodeRunner.run``).
+
+The same episodes are run three ways: the reward a plain function scored in the loop (today's
+path), the same function ``async def``, and the same function declared ``does_io``. A tiny model
+generates greedily in micro-batches of ``G`` rows, as the agent does, so the three runs sample the
+same tokens; the rollouts must be equal key for key, row for row, component for component. The
+concurrency limit is checked by counting the calls in flight (never by the clock): a barrier of
+``limit`` parties shows the limit is reached, a counter that it is never passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from textrl.config import TrainConfig
+from textrl.envs.collector import EpisodeRunner
+from textrl.envs.environment import Environment, Turn
+from textrl.envs.prompts import encode_prompts
+from textrl.envs.tasks import make_digits_task
+from textrl.keys import KEYS
+from textrl.models import build_tiny_causal_lm
+from textrl.rewards import (
+    CompositeReward,
+    RewardError,
+    RewardPool,
+    does_io,
+    evaluate_reward,
+    is_async_reward,
+    overlapped,
+)
+
+G = 2  # the agent's generation micro-batch
+LIMIT = 2  # reward calls in flight at most
+
+
+def scores_of(completions, completion_ids):
+    """Row-wise scores, None ("does not apply") on every row whose length is a multiple of 3."""
+    return [None if len(ids) % 3 == 0 else len(ids) + 0.25 * len(text) for text, ids in zip(completions, completion_ids)]
+
+
+def plain(prompts, completions, completion_ids, **kwargs):
+    return scores_of(completions, completion_ids)
+
+
+class Gauge:
+    """Counts the calls in flight; the first ``limit`` calls wait for each other (a barrier), so
+    a run that never has ``limit`` calls in flight fails instead of passing by luck."""
+
+    def __init__(self, limit: int) -> None:
+        self.lock = threading.Lock()
+        self.now = self.most = self.calls = 0
+        self.rows: list[int] = []
+        self.barrier = threading.Barrier(limit, timeout=20)
+        self.limit = limit
+
+    def enter(self, rows: int) -> None:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+            self.calls += 1
+            first = self.calls <= self.limit
+            self.rows.append(rows)
+        if first:
+            self.barrier.wait()
+
+    def leave(self) -> None:
+        with self.lock:
+            self.now -= 1
+
+
+def async_reward(gauge: Gauge, fail_on: int | None = None):
+    async def judge(prompts, completions, completion_ids, **kwargs):
+        gauge.enter(len(completions))
+        try:
+            await asyncio.sleep(0)
+            if fail_on is not None and any(len(ids) == fail_on for ids in completion_ids):
+                raise ConnectionError("the judge hung up")
+            return scores_of(completions, completion_ids)
+        finally:
+            gauge.leave()
+
+    return judge
+
+
+def io_reward(gauge: Gauge):
+    @does_io
+    def judge(prompts, completions, completion_ids, **kwargs):
+        gauge.enter(len(completions))
+        try:
+            return scores_of(completions, completion_ids)
+        finally:
+            gauge.leave()
+
+    return judge
+
+
+def composite(judge):
+    return CompositeReward({"judge": (judge, 0.5), "length": lambda p, c, **kw: [float(len(t)) for t in c]})
+
+
+def agent_like(model, tok, max_new_tokens=6):
+    """Greedy generation in micro-batches of ``G`` rows (as the agent's actor generates); the row
+    counts of its calls are kept."""
+    calls: list[int] = []
+
+    def generate(ids, mask):
+        calls.append(ids.shape[0])
+        outs = [model.generate(input_ids=ids[s:s + G], attention_mask=mask[s:s + G].long(), do_sample=False,
+                               max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+                for s in range(0, ids.shape[0], G)]
+        width = max(o.shape[1] for o in outs)
+        return torch.cat([F.pad(o, (0, width - o.shape[1]), value=tok.pad_token_id) for o in outs])
+
+    generate.calls = calls
+    return generate
+
+
+class Rounds(Environment):
+    """Each row plays ``turns`` turns (1 to 3), so episodes end at different turns."""
+
+    id = "rounds"
+    max_turns = 3
+
+    def rows(self):
+        return [{"prompt": f"Count {i}", "turns": 1 + i % 3} for i in range(6)]
+
+    def step(self, episode, completion):
+        done = episode.turn >= episode.row["turns"]
+        return Turn(reward=float(len(completion) % 2), done=done, observation=None if done else "again")
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return build_tiny_causal_lm(tok, seed=0)
+
+
+def same_rollouts(a, b):
+    assert a.batch_size == b.batch_size
+    for key in (KEYS.prompt_tokens, KEYS.action, KEYS.mask, KEYS.response_mask, KEYS.reward, KEYS.done,
+                KEYS.terminated, KEYS.truncated, KEYS.score, KEYS.turns, KEYS.end_reason):
+        assert torch.equal(a.get(key), b.get(key)), key
+    ca, cb = a.get(KEYS.reward_components), b.get(KEYS.reward_components)
+    assert list(ca.keys()) == list(cb.keys())
+    for name in ca.keys():
+        torch.testing.assert_close(ca.get(name), cb.get(name), rtol=0, atol=0, equal_nan=True)
+
+
+def runs(env_of, rows, tok, model, **settings):
+    """The rollouts of a plain, an async and a does_io reward (``env_of(reward)`` the environment or
+    reward the runner gets), and the gauges of the two in the background."""
+    batch = encode_prompts(rows, tok)[0]
+    out, gauges, calls = [], [], []
+    for kind in ("plain", "async", "io"):
+        gauge = Gauge(LIMIT)
+        judge = {"plain": plain, "async": async_reward(gauge), "io": io_reward(gauge)}[kind]
+        runner = EpisodeRunner(env_of(composite(judge)), tokenizer=tok, max_new_tokens=6, generation_batch_size=G,
+                               reward_concurrency=LIMIT, **settings)
+        assert (runner.pool is not None) == (kind != "plain")
+        generate, timings = agent_like(model, tok), {}
+        out.append(runner.run(generate, batch, timings=timings))
+        calls.append(generate.calls)
+        gauges.append(gauge)
+        assert ("reward_calls" in timings) == (kind != "plain")
+    return out, gauges[1:], calls
+
+
+def test_single_turn_rewards_in_the_background_give_the_rollout_of_the_loop(tok, model):
+    rows = make_digits_task(8, seed=3)
+    (sync, in_async, in_io), gauges, calls = runs(lambda r: r, rows, tok, model)
+    assert sync.get((KEYS.reward_components, "judge")).isnan().any()  # some rows it does not apply to
+    same_rollouts(sync, in_async)
+    same_rollouts(sync, in_io)
+    assert calls == [[8], [G] * 4, [G] * 4]  # one call in the loop; in the background, one per micro-batch
+    for gauge in gauges:
+        assert gauge.most == LIMIT and gauge.now == 0  # the limit reached and held; nothing left running
+        assert gauge.calls == 4 and gauge.rows == [G] * 4  # each micro-batch's rewards as it finished
+
+
+def test_multi_turn_episodes_ending_apart_are_scored_as_in_the_loop(tok, model):
+    env = Rounds()
+
+    def env_of(reward):
+        e = Rounds()
+        e.reward = reward
+        return e
+
+    (sync, in_async, in_io), gauges, _ = runs(env_of, env.rows(), tok, model, max_episode_tokens=400)
+    assert sync.get(KEYS.turns).tolist() == [1, 2, 3, 1, 2, 3]
+    same_rollouts(sync, in_async)
+    same_rollouts(sync, in_io)
+    for gauge in gauges:
+        assert gauge.most <= LIMIT and gauge.now == 0
+        assert sum(gauge.rows) == 6  # every episode scored once, as it ended
+
+
+def test_a_background_reward_that_raises_is_named_where_the_scores_are_needed(tok, model):
+    rows = make_digits_task(8, seed=3)
+    batch = encode_prompts(rows, tok)[0]
+    sync = EpisodeRunner(composite(plain), tokenizer=tok, max_new_tokens=6).run(agent_like(model, tok), batch)
+    length = int(sync.get(KEYS.mask).sum(1)[-1])  # the last micro-batch's rows raise
+    gauge = Gauge(1)
+    runner = EpisodeRunner(composite(async_reward(gauge, fail_on=length)), tokenizer=tok, max_new_tokens=6,
+                           generation_batch_size=G, reward_concurrency=LIMIT)
+    with pytest.raises(RewardError, match=r"reward 'judge' raised ConnectionError: the judge hung up"):
+        runner.run(agent_like(model, tok), batch)
+    assert gauge.now == 0  # no call left running behind the error
+
+
+def test_async_rewards_follow_the_rules_of_plain_ones():
+    async def judge(prompts, completions, **kwargs):
+        return [1.0, None]
+
+    class Served:
+        async def __call__(self, prompts, completions, **kwargs):
+            return [math.nan, 2.0]
+
+    scores, applies = evaluate_reward(judge, ["p", "p"], ["a", "b"])
+    assert scores[0].item() == 1.0 and scores[1].isnan() and applies.tolist() == [True, False]
+    with pytest.raises(RewardError, match="reward 'Served' returned non-finite scores"):
+        evaluate_reward(Served(), ["p", "p"], ["a", "b"])
+    assert is_async_reward(judge) and is_async_reward(Served()) and not is_async_reward(plain)
+    assert overlapped(does_io(lambda p, c, **kw: [1.0])) and not overlapped(plain)
+    assert overlapped(composite(judge)) and not overlapped(composite(plain))
+
+    class Declared:  # a reward object that says so, as served rewards and judges do
+        does_io = True
+
+        def __call__(self, prompts, completions, **kwargs):
+            return [1.0] * len(completions)
+
+    assert overlapped(Declared()) and evaluate_reward(Declared(), ["p"], ["a"])[0].tolist() == [1.0]
+
+
+def test_reward_concurrency_is_checked():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"reward_concurrency=.*must be an int >= 1"):
+            RewardPool(bad)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=r"reward_concurrency=.*must be an int >= 1"):
+            TrainConfig(reward_concurrency=bad).validate()
+    assert TrainConfig().reward_concurrency == 8
