@@ -18,6 +18,7 @@ is refused with what to do, so a run is never resumed on another function silent
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,13 +47,32 @@ def split_weight_text(entry: str) -> tuple[str, str | None]:
     (('accuracy', '2'), ('a.py:f', '0.5'), ('accuracy', None))
     >>> split_weight_text("badrew.py:nan"), split_weight_text("accuracy:nan")
     (('badrew.py:nan', None), ('accuracy', 'nan'))
+    >>> split_weight_text("judge:http://h:8003"), split_weight_text("judge:http://h:8003:0.5")
+    (('judge:http://h:8003', None), ('judge:http://h:8003', '0.5'))
     """
     head, sep, tail = entry.rpartition(":")
     if not sep:
         return entry, None
     if head.strip().endswith(".py") and tail.strip().isidentifier():
         return entry, None
+    if _is_port(entry, tail):
+        return entry, None
     return head, tail
+
+
+def _is_port(entry: str, tail: str) -> bool:
+    """Whether ``tail``, what follows the last ``:`` of ``entry``, is a server URL's port, not a weight:
+    the URL (``scheme://host:port``) ends the entry with nothing after its host but that one ``:``.
+    A URL's entry is weighted after its port or path: ``judge:http://h:8003:0.5``.
+
+    >>> _is_port("judge:http://h:8003", "8003"), _is_port("judge:http://h:8003:0.5", "0.5")
+    (True, False)
+    """
+    at = entry.find("://")
+    if at < 0 or not tail.strip().isdigit():
+        return False
+    authority = re.split(r"[/?#]", entry[at + 3:], maxsplit=1)[0]
+    return authority.count(":") == 1 and entry.rstrip().endswith(authority.rstrip())
 
 
 def _has_weight(entry: str) -> bool:

@@ -56,6 +56,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from textrl.generation.base import EngineFailed
+
 _MAX_ROWS_SHOWN = 10
 _MAX_ROWS_RETRIED = 64
 
@@ -468,6 +470,8 @@ def evaluate_reward(
     name = reward_name(fn)
     try:
         out = invoke(fn, list(prompts), list(completions), kwargs)
+    except EngineFailed:  # a served reward's server is gone: the run saves its last finished iteration
+        raise
     except (Exception, SystemExit) as err:  # a reward's sys.exit must not end the run half written
         raise _raised(fn, name, err, list(prompts), list(completions), kwargs) from err
     scores, applies = _as_scores(out, name, n)

@@ -10,7 +10,10 @@
   ``reward_funcs`` this way too);
 - ``"<scheme>:<argument>"`` for a scheme in :data:`REWARD_LOADERS`: ``"reward_model:/path"``
   (a local directory, a hub id, or ``tiny``) loads a :class:`~textrl.rewards.neural.NeuralReward`,
-  with ``settings`` as its constructor options (``batch_size``, ``clip``, ``device``, ...).
+  with ``settings`` as its constructor options (``batch_size``, ``clip``, ``device``, ...);
+  ``"reward_model:http://host:port"`` scores with a reward model served by vLLM
+  (:class:`~textrl.rewards.served.ServedReward`), ``"judge:http://host:port"`` with an LLM judge's
+  verdicts (:class:`~textrl.rewards.judge.JudgeReward`), their settings also in the URL's query string.
 
 ``parse_reward_spec("think_format:0.5,tag_count,accuracy:2")`` builds a
 :class:`~textrl.rewards.composite.CompositeReward` from comma-separated ``name[:weight]`` entries;
@@ -33,10 +36,11 @@ from textrl.registry import Messages, Registry, first_line
 from textrl.reward_option import split_weight_text
 from textrl.rewards.base import RewardFn, check_finite_weight, reward_name
 from textrl.rewards.composite import CompositeReward
+from textrl.rewards.judge import load_judge
 from textrl.rewards.math_verify import math_verify_reward
-from textrl.rewards.neural import load_neural_reward
 from textrl.rewards.penalties import length_penalty, missing_eos_penalty, repetition_penalty
 from textrl.rewards.rules import accuracy_reward, tag_count_reward, think_format_reward
+from textrl.rewards.served import load_reward_model
 
 
 def _callables(module: Any) -> str:
@@ -69,7 +73,8 @@ REWARDS: dict[str, Callable[..., RewardFn]] = REGISTRY.entries
 REWARD_LOADERS: dict[str, Callable[..., RewardFn]] = {}
 """Scheme -> loader: ``get_reward("scheme:arg", **kw)`` returns ``REWARD_LOADERS[scheme](arg, **kw)``."""
 
-REWARD_LOADERS["reward_model"] = load_neural_reward
+REWARD_LOADERS["reward_model"] = load_reward_model  # a PATH in this process, a URL served (textrl.rewards.served)
+REWARD_LOADERS["judge"] = load_judge
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -227,7 +232,7 @@ def _split_weight(token: str) -> tuple[str, float]:
     try:
         weight = float(tail)
     except ValueError:
-        if head.endswith(".py") or head in REWARD_LOADERS:
+        if head.endswith(".py") or head in REWARD_LOADERS or "://" in token:  # file.py:f, a URL's path
             return token, 1.0
         raise ValueError(
             f"bad weight {tail!r} in reward spec entry {token!r}: write name or name:weight, "
@@ -297,7 +302,7 @@ def check_reward_spec(spec: str) -> None:
             continue
         if sep and scheme in REWARD_LOADERS:
             if not argument:
-                load_neural_reward(argument)  # raises: the entry names no model
+                REWARD_LOADERS[scheme](argument)  # raises: the entry names no model or server
             local = Path(argument).expanduser()
             if argument.startswith(("/", ".", "~")) and not local.exists():
                 raise ValueError(f"reward {key!r}: {local} does not exist; give an existing folder")
