@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from textrl.config import TrainConfig
 from textrl.envs.collector import EpisodeRunner
 from textrl.envs.environment import Environment, Turn
-from textrl.envs.prompts import encode_prompts
+from textrl.envs.prompts import PromptBatch, encode_prompts
 from textrl.envs.tasks import make_digits_task
 from textrl.keys import KEYS
 from textrl.models import build_tiny_causal_lm
@@ -35,7 +35,7 @@ from textrl.rewards import (
     overlapped,
 )
 
-G = 2  # the agent's generation micro-batch
+G = 4  # the agent's generation micro-batch
 LIMIT = 2  # reward calls in flight at most
 
 
@@ -140,6 +140,14 @@ def model(tok):
     return build_tiny_causal_lm(tok, seed=0)
 
 
+def grouped(tok, rows, samples=2):
+    """The prompt batch of ``rows``, each prompt's ``samples`` rows side by side (a GRPO group)."""
+    one = encode_prompts(rows, tok)[0]
+    again = lambda xs: [x for x in xs for _ in range(samples)]  # noqa: E731
+    return PromptBatch(one.input_ids.repeat_interleave(samples, 0), one.attention_mask.repeat_interleave(samples, 0),
+                       again(one.prompt_texts), again(one.rows), again(one.prompt_index))
+
+
 def same_rollouts(a, b):
     assert a.batch_size == b.batch_size
     for key in (KEYS.prompt_tokens, KEYS.action, KEYS.mask, KEYS.response_mask, KEYS.reward, KEYS.done,
@@ -151,10 +159,9 @@ def same_rollouts(a, b):
         torch.testing.assert_close(ca.get(name), cb.get(name), rtol=0, atol=0, equal_nan=True)
 
 
-def runs(env_of, rows, tok, model, **settings):
+def runs(env_of, batch, tok, model, **settings):
     """The rollouts of a plain, an async and a does_io reward (``env_of(reward)`` the environment or
     reward the runner gets), and the gauges of the two in the background."""
-    batch = encode_prompts(rows, tok)[0]
     out, gauges, calls = [], [], []
     for kind in ("plain", "async", "io"):
         gauge = Gauge(LIMIT)
@@ -171,15 +178,16 @@ def runs(env_of, rows, tok, model, **settings):
 
 
 def test_single_turn_rewards_in_the_background_give_the_rollout_of_the_loop(tok, model):
-    rows = make_digits_task(8, seed=3)
-    (sync, in_async, in_io), gauges, calls = runs(lambda r: r, rows, tok, model)
+    batch = grouped(tok, make_digits_task(4, seed=3))  # 4 prompts x 2 samples
+    (sync, in_async, in_io), gauges, calls = runs(lambda r: r, batch, tok, model)
     assert sync.get((KEYS.reward_components, "judge")).isnan().any()  # some rows it does not apply to
     same_rollouts(sync, in_async)
     same_rollouts(sync, in_io)
-    assert calls == [[8], [G] * 4, [G] * 4]  # one call in the loop; in the background, one per micro-batch
+    assert calls == [[8], [G, G], [G, G]]  # one call in the loop; in the background, one per micro-batch
     for gauge in gauges:
         assert gauge.most == LIMIT and gauge.now == 0  # the limit reached and held; nothing left running
-        assert gauge.calls == 4 and gauge.rows == [G] * 4  # each micro-batch's rewards as it finished
+        # each micro-batch's rewards as it finished: LIMIT calls of whole groups
+        assert gauge.calls == 4 and gauge.rows == [2] * 4
 
 
 def test_multi_turn_episodes_ending_apart_are_scored_as_in_the_loop(tok, model):
@@ -190,7 +198,8 @@ def test_multi_turn_episodes_ending_apart_are_scored_as_in_the_loop(tok, model):
         e.reward = reward
         return e
 
-    (sync, in_async, in_io), gauges, _ = runs(env_of, env.rows(), tok, model, max_episode_tokens=400)
+    batch = encode_prompts(env.rows(), tok)[0]
+    (sync, in_async, in_io), gauges, _ = runs(env_of, batch, tok, model, max_episode_tokens=400)
     assert sync.get(KEYS.turns).tolist() == [1, 2, 3, 1, 2, 3]
     same_rollouts(sync, in_async)
     same_rollouts(sync, in_io)
@@ -200,8 +209,7 @@ def test_multi_turn_episodes_ending_apart_are_scored_as_in_the_loop(tok, model):
 
 
 def test_a_background_reward_that_raises_is_named_where_the_scores_are_needed(tok, model):
-    rows = make_digits_task(8, seed=3)
-    batch = encode_prompts(rows, tok)[0]
+    batch = grouped(tok, make_digits_task(4, seed=3))
     sync = EpisodeRunner(composite(plain), tokenizer=tok, max_new_tokens=6).run(agent_like(model, tok), batch)
     length = int(sync.get(KEYS.mask).sum(1)[-1])  # the last micro-batch's rows raise
     gauge = Gauge(1)

@@ -210,12 +210,12 @@ class EpisodeRunner:
 
     def _score_ended(self, states: list[EpisodeState], rows: list[int], pending: list[tuple[list[int], list[Any]]],
                      scoring: set[int]) -> None:
-        """Start the final reward of the ended episodes ``rows`` on the pool (decoded here, in the
-        loop's thread); their futures go to ``pending``."""
-        if not rows:
-            return
-        calls = self.dynamics.reward_calls([states[b] for b in rows], self.reward_fn)
-        pending.append((rows, [self.pool.submit(call) for _, call in calls]))
+        """Start the final reward of the ended episodes ``rows`` on the pool, in up to
+        ``reward_concurrency`` calls split between prompt groups (:func:`reward_parts`; decoded
+        here, in the loop's thread); their futures go to ``pending``."""
+        for part in reward_parts(rows, [states[b].episode.index for b in rows], self.pool.concurrency):
+            calls = self.dynamics.reward_calls([states[b] for b in part], self.reward_fn)
+            pending.append((part, [self.pool.submit(call) for _, call in calls]))
         scoring.update(rows)
 
     def _taken(self, states: list[EpisodeState], pending: list[tuple[list[int], list[Any]]]
@@ -317,6 +317,28 @@ class EpisodeRunner:
         if self.reward_nonfinite != "raise":  # NaN/inf rewards counted as 0: flagged, or dropped
             td = flag_nonfinite(td, nonfinite, self.reward_nonfinite)
         return check_rollout(td.to(device))
+
+
+def reward_parts(rows: list[int], groups: list[int], concurrency: int) -> list[list[int]]:
+    """``rows`` (ended episodes, in order) split into at most ``concurrency`` runs, each of whole
+    prompt groups (a run of consecutive rows with the same ``groups`` entry: a prompt's samples) and
+    of at least ``ceil(len(rows) / concurrency)`` rows, the last one excepted: the background
+    calls of one finished micro-batch.
+
+    >>> reward_parts([0, 1, 2, 3, 4, 5], [7, 7, 8, 8, 9, 9], 2)
+    [[0, 1, 2, 3], [4, 5]]
+    >>> reward_parts([0, 1, 2], [5, 5, 5], 4)
+    [[0, 1, 2]]
+    """
+    if not rows:
+        return []
+    least = -(-len(rows) // concurrency)
+    parts: list[list[int]] = [[]]
+    for i, row in enumerate(rows):
+        if len(parts[-1]) >= least and groups[i] != groups[i - 1]:
+            parts.append([])
+        parts[-1].append(row)
+    return parts
 
 
 def split_sampled(out: Tensor | tuple[Tensor, Tensor | None]) -> tuple[Tensor, Tensor | None]:
