@@ -92,6 +92,44 @@ def test_other_libraries_chatter_is_left_out_and_errors_stay_within_the_command_
     assert logger.filter(warn) and "TRANSFORMERS_VERBOSITY" not in os.environ  # as before, after the command
 
 
+def test_vllm_s_log_is_quiet_in_the_command_and_its_server_gets_the_user_s_environment(monkeypatch):
+    """The command sets vLLM's log level to errors and turns progress bars off (the colocated engine
+    reads :func:`textrl.quiet.progress_bars`); a program it hands over to (``textrl vllm-serve``'s
+    server) gets the environment the user had, a value the user set kept either way."""
+    from textrl import quiet
+
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")  # the user's own
+    assert quiet.progress_bars()
+    with quiet.quiet_libraries():
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR" and not quiet.progress_bars()
+        before = quiet.environment_before_quiet()
+        assert "VLLM_LOGGING_LEVEL" not in before and "HF_HUB_DISABLE_PROGRESS_BARS" not in before
+        assert before["TRANSFORMERS_VERBOSITY"] == "info" == os.environ["TRANSFORMERS_VERBOSITY"]
+    assert "VLLM_LOGGING_LEVEL" not in os.environ and quiet.progress_bars()
+    assert quiet.environment_before_quiet() == dict(os.environ)
+
+
+def test_vllm_s_rotary_reload_warning_is_left_out_and_its_other_reload_warnings_stay():
+    """At every weight hand-over vLLM warns ``RotaryEmbedding: Failed to load weights`` (a table
+    computed from the config, put back as it was); another layer's failure is a real one and stays."""
+    from textrl.generation.vllm_worker import RELOAD_LOGGER, quiet_rotary_reloads
+
+    logger = logging.getLogger(RELOAD_LOGGER)
+
+    def record(layer: str) -> logging.LogRecord:
+        return logger.makeRecord(RELOAD_LOGGER, logging.WARNING, "f", 1, "%s: Failed to load weights", (layer,), None)
+
+    quiet_rotary_reloads()
+    quiet_rotary_reloads()  # once
+    assert len(logger.filters) == 1
+    assert not logger.filter(record("RotaryEmbedding")) and not logger.filter(record("Llama3RotaryEmbedding"))
+    assert logger.filter(record("QKVParallelLinear"))
+    other = logger.makeRecord(RELOAD_LOGGER, logging.WARNING, "f", 1, "%s: Delayed processing", ("RotaryEmbedding",), None)
+    assert logger.filter(other)
+
+
 def test_other_libraries_deprecations_are_left_out_and_textrl_s_stay():
     from textrl import quiet
 

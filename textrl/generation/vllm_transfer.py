@@ -33,6 +33,7 @@ import torch
 
 from textrl.generation.gloo import WAIT_SLICE, Call, broadcast, gloo_group, stopped
 from textrl.generation.vllm_engine import import_vllm
+from textrl.generation.vllm_worker import quiet_rotary_reloads
 from textrl.generation.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     LoadWatch,
@@ -301,6 +302,8 @@ def register() -> None:
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
     )
+
+    quiet_rotary_reloads()  # the server's workers: no false alarm at each weight update
 
     for factory, cls in ((WeightTransferEngineFactory, GlooWeightTransferEngine),
                          (WeightTransferTrainerFactory, GlooTrainerWeightTransferEngine)):

@@ -6,6 +6,7 @@ config, compared before any work, and the book of the run that holds the server 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -27,6 +28,26 @@ def model_essentials(config: Any) -> dict[str, Any]:
         if value is not None:
             out[field] = value if isinstance(value, (bool, int, float, str)) else str(value)
     return out
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+"""vLLM's logger of weight reloads, which warns ``<Layer>: Failed to load weights`` for every layer
+that holds tensors but takes none from a reload."""
+
+
+def _not_a_rotary_reload(record: logging.LogRecord) -> bool:
+    """False for vLLM's reload warning about a rotary embedding: its cos/sin table is computed from
+    the config, not trained, so a weight hand-over never carries it and vLLM puts it back as it was."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (record.msg == "%s: Failed to load weights" and args and str(args[0]).endswith("RotaryEmbedding"))
+
+
+def quiet_rotary_reloads() -> None:
+    """Leave out vLLM's false alarm at every weight hand-over (:func:`_not_a_rotary_reload`) in this
+    process, once; every other record of the logger stays."""
+    logger = logging.getLogger(RELOAD_LOGGER)
+    if _not_a_rotary_reload not in logger.filters:
+        logger.addFilter(_not_a_rotary_reload)
 
 
 class LeaseBook:
