@@ -659,6 +659,15 @@ def test_the_wall_clock_table_times_each_arm_against_its_k0_arm():
     assert bench_report.wall_clock_table(runs, ["grpo@K1"], {"grpo@K1": None}).splitlines()[2].endswith("| - |")
 
 
+
+def test_the_wall_clock_table_shows_the_reward_seconds_where_runs_logged_them():
+    runs = [{**record("sync", "a", 0, 1.0), "train_s": 10.0, "reward_s": 6.0},
+            {**record("io", "a", 0, 1.0), "train_s": 5.0, "reward_s": 1.0, "reward_calls_s": 6.5}]
+    table = bench_report.wall_clock_table(runs, ["sync", "io"], {"sync": "sync", "io": "sync"})
+    assert table.splitlines()[0] == "| arm | runs | training s | reward wait s | reward calls s | speed-up |"
+    assert table.splitlines()[2:] == ["| `sync` | 1 | 10.00 ± 0.00 | 6.00 ± 0.00 | - | 1.00x |",
+                                      "| `io` | 1 | 5.00 ± 0.00 | 1.00 ± 0.00 | 6.50 ± 0.00 | 2.00x |"]
+
 # -- end to end ----------------------------------------------------------------------------------
 
 

@@ -273,7 +273,10 @@ def read_run(output_dir: str | Path) -> dict[str, Any]:
     ``perf/tokens_per_s``: prompt and response tokens a second and process) and ``padding_fraction``
     (the mean of ``perf/padding_fraction``), NaN for a run that did not log them (an older textrl). Curves, one value per iteration: ``iterations``,
     ``train_reward`` (the rollout's task score), ``tokens_so_far`` (generated tokens up to and
-    including it) and ``elapsed_s`` (cumulative training seconds, evaluations included).
+    including it) and ``elapsed_s`` (cumulative training seconds, evaluations included). ``reward_s``:
+    the seconds the loop waited for rewards, summed over the iterations (``time/reward_s``);
+    ``reward_calls_s``: the seconds background reward calls ran (``time/reward_calls_s``: an async or
+    ``does_io`` reward), NaN where none ran.
     """
     out = Path(output_dir)
     rows = read_rows(out / "metrics.jsonl")  # a null (a non-finite value) read as NaN
@@ -302,6 +305,8 @@ def read_run(output_dir: str | Path) -> dict[str, Any]:
         "tokens": total_tokens,
         "perf_tokens_per_s": _logged(rows, "perf/tokens_per_s", statistics.median),
         "padding_fraction": _logged(rows, "perf/padding_fraction", statistics.fmean),
+        "reward_s": _logged(rows, "time/reward_s", math.fsum),
+        "reward_calls_s": _logged(rows, "time/reward_calls_s", math.fsum),
         "iterations": [r["iteration"] for r in rows],
         "train_reward": [r["reward/mean"] for r in rows],
         "tokens_so_far": tokens,

@@ -189,6 +189,12 @@ ARM_COLUMNS = (*COLUMNS[:7], WALL_COLUMN, *COLUMNS[7:])
 """The raw table's columns for arms: :data:`COLUMNS` with :data:`WALL_COLUMN` after the speeds."""
 
 
+REWARD_WALL_COLUMNS = (("reward_s", "reward wait s"), ("reward_calls_s", "reward calls s"))
+"""The wall-clock table's reward columns (a run's sums of ``time/reward_s``, the seconds its loop waited
+for rewards, and ``time/reward_calls_s``, the seconds an async or ``does_io`` reward's background calls
+ran), each shown when a finished run logged it."""
+
+
 def aggregate(runs: Sequence[dict[str, Any]],
               columns: Sequence[tuple[str, str, str]] = COLUMNS) -> list[dict[str, Any]]:
     """Per agent or arm (in run order): ``{"agent", "seeds", "errors", key: (mean, std) for columns}``."""
@@ -230,14 +236,21 @@ def wall_clock_table(runs: Sequence[dict[str, Any]], arms: Sequence[str],
     iterations' ``time/iteration_s``), mean ± std over every environment and seed; with
     ``baselines`` ({arm: the arm it is timed against, or None}) a speed-up column: the baseline's
     seconds over the arm's, summed over the (env, seed) pairs both finished (``2.00x``: it took
-    half the time; ``-`` without a baseline or a common finished pair)."""
+    half the time; ``-`` without a baseline or a common finished pair). Where the runs logged them,
+    the seconds the loop waited for rewards and those background reward calls ran
+    (:data:`REWARD_WALL_COLUMNS`) follow the training seconds."""
     finished = {(r["agent"], r["env"], r["seed"]): r["train_s"] for r in runs
                 if not r["error"] and isinstance(r.get("train_s"), (int, float)) and math.isfinite(r["train_s"])}
-    head = ["arm", "runs", "training s", *(["speed-up"] if baselines is not None else [])]
+    done = [r for r in runs if (r["agent"], r["env"], r["seed"]) in finished]
+    rewards = [(key, title) for key, title in REWARD_WALL_COLUMNS
+               if any(isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) for r in done)]
+    head = ["arm", "runs", "training s", *(t for _, t in rewards), *(["speed-up"] if baselines is not None else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm in arms:
         own = {(e, s): v for (a, e, s), v in finished.items() if a == arm}
         cells = [f"`{arm}`", str(len(own)), _cell(mean_std(list(own.values())), WALL_COLUMN[2])]
+        cells += [_cell(mean_std([r.get(key, math.nan) for r in done if r["agent"] == arm]), WALL_COLUMN[2])
+                  for key, _ in rewards]
         if baselines is not None:
             cells.append(_speed_up(own, {(e, s): v for (a, e, s), v in finished.items() if a == baselines.get(arm)}))
         lines.append("| " + " | ".join(cells) + " |")
