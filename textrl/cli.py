@@ -100,7 +100,7 @@ def _cmd_vllm_serve(args: argparse.Namespace) -> int:
     from textrl.quiet import environment_before_quiet
 
     import_vllm()  # one line naming what to install, before the server starts
-    argv, env = serve_command(args.model, args.vllm_args, cuda=torch.cuda.is_available())
+    argv, env = serve_command(args.model, args.vllm_args, cuda=torch.cuda.is_available(), reward=args.reward_model)
     sys.stdout.flush()
     os.execve(argv[0], argv, {**environment_before_quiet(), **env})  # vLLM's server log is the user's to read
     return 0  # pragma: no cover - execve does not return
@@ -335,7 +335,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                            description="vllm serve MODEL with the settings textrl's rollouts and weight updates need "
                                        "(vLLM's RL routes, the weight-transfer backend, processed log-probs); every "
                                        "other option is vLLM's own and passed on (vllm serve --help lists them)")
-    serve.add_argument("model", help="the model folder or hub id the run trains (its --model)")
+    serve.add_argument("--reward-model", action="store_true",
+                       help="serve a reward model for --reward reward_model:URL (vLLM's pooling runner) instead of "
+                            "the policy (give it before MODEL)")
+    serve.add_argument("model", help="the model folder or hub id the run trains (its --model), or with --reward-model "
+                                     "the reward model")
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="vLLM's options, e.g. --port 8001 --max-model-len 1024")
     serve.set_defaults(func=_cmd_vllm_serve)
 

