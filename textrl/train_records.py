@@ -87,7 +87,8 @@ def warmup_record(config: TrainConfig, agent, env) -> dict[str, Any]:
 def iteration_metrics(
     iteration: int, td, update_metrics: dict[str, float], dist: Distributed | None = None
 ) -> dict[str, float]:
-    """The flat metrics row of one iteration: rollout reward (total and per component), the
+    """The flat metrics row of one iteration: rollout reward (total and per component: its mean and std
+    over the rows it applies to, and the share of rows it applies to, ``reward_components/NAME/applies``), the
     episodes' turns and end reasons (``episode/*``), response length (the agent's tokens), rows
     (``samples``) and generated tokens over every process's share of the rollout,
     then the agent's update metrics (losses, KL monitors, ...) averaged over processes."""
@@ -103,6 +104,7 @@ def iteration_metrics(
         applies = value[~value.isnan()]
         row[f"reward_components/{name}/mean"] = applies.mean().item() if applies.numel() else float("nan")
         row[f"reward_components/{name}/std"] = applies.std().item() if applies.numel() > 1 else 0.0
+        row[f"reward_components/{name}/applies"] = applies.numel() / max(value.numel(), 1)  # None rows: unparsable verdicts, ...
     if KEYS.turns in td.keys(include_nested=True):  # turns and why the episodes ended (length, context, ...)
         row.update(episode_metrics(dist.gather(td.get(KEYS.turns)), dist.gather(td.get(KEYS.end_reason))))
     row["response_length/mean"] = lengths.float().mean().item()

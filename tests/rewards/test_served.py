@@ -23,6 +23,7 @@ from textrl.rewards import NeuralReward, get_reward, parse_reward_spec
 from textrl.rewards.base import evaluate_reward
 from textrl.rewards.judge import JudgeUnparsableWarning, verdict_score
 from textrl.rewards.served import RewardServerDown, ServedReward
+from textrl.run import latest_checkpoint
 
 PROMPTS = ["What is 2+2?", "Hi", "Explain why the sky is blue.", "x", "List three primes.", "Name a colour.", "ok"]
 COMPLETIONS = ["<answer>4</answer> so four", "hello", "Light scatters.", "y" * 30, "<answer>2, 3, 5</answer>",
@@ -56,6 +57,8 @@ class Stub(BaseHTTPRequestHandler):
         state["requests"].append((route, body))
         if state.get("delay_first") and len([r for r in state["requests"] if r[0] == route]) == 2:
             time.sleep(state["delay_first"])  # the first batch after the construction's check
+        if route == "classify" and len([r for r in state["requests"] if r[0] == route]) > state.get("down_after", 1e9):
+            return self._send(503, {"detail": "Service Unavailable"})
         if route == "classify" and "rm" in state:
             with torch.no_grad():
                 scores = [state["rm"](torch.tensor([row])).logits[0, 0].item() for row in body["input"]]
@@ -132,7 +135,8 @@ def test_a_dead_reward_server_is_named_at_the_start_and_mid_run(rm_server, fast_
     message = str(stop.value)
     assert isinstance(stop.value, EngineFailed) and "\n" not in message
     assert f"reward_model server {url}: POST /classify: connection refused (4 tries)" in message
-    assert "textrl vllm-serve MODEL --reward-model, then resume with --resume" in message
+    assert message.endswith("; start it with textrl vllm-serve MODEL --reward-model (the run saves its last finished "
+                            "iteration)")
     with pytest.raises(ValueError, match=rf"^reward_model server {url} does not answer GET /v1/models "
                                          r"\(connection refused\): start it with textrl vllm-serve MODEL --reward-model"):
         get_reward(f"reward_model:{url}")
@@ -181,9 +185,9 @@ def test_judge_verdicts_are_parsed_and_an_unparsable_one_does_not_apply(judge_se
     unparsable = [w for w in said if issubclass(w.category, JudgeUnparsableWarning)]
     assert len(unparsable) == 1  # said once, with an example
     assert "2 of 5 verdicts are unparsable, e.g. row 2: 'maybe'" in str(unparsable[0].message)
-    sent = [body for route, body in httpd.state["requests"]]
-    assert sent[0]["messages"] == [{"role": "user", "content": '{"q": "p"} expected a; verdict: so yes'}]
-    assert sent[0]["temperature"] == 0.0
+    sent = [body for route, body in httpd.state["requests"]]  # concurrent: in any order
+    assert [{"role": "user", "content": '{"q": "p"} expected a; verdict: so yes'}] in [b["messages"] for b in sent]
+    assert all(b["temperature"] == 0.0 and b["max_tokens"] == 8 for b in sent)
 
 
 @pytest.fixture
@@ -236,3 +240,30 @@ def test_a_reward_model_server_runs_the_pooling_runner_without_weight_updates(tm
     assert "--weight-transfer-config" not in argv and "--worker-extension-cls" not in argv
     assert argv[-4:] == ["--port", "8002", "--max-model-len", "1024"]  # the user's options last
     assert "--no-enable-chunked-prefill" in argv and argv[argv.index("--max-num-batched-tokens") + 1] == "2048"
+
+
+def test_a_run_trains_on_a_served_reward_and_a_judge_and_stops_at_a_dead_one(rm_server, judge_server, last_word,
+                                                                              tmp_path, fast_retries, monkeypatch):
+    """``textrl train --reward`` with both served rewards: the judge's unparsable verdicts show in
+    ``reward_components/judge/applies``; the reward server down mid-run (HTTP 503 after the resumed run's
+    check), the run stops in one line with its last finished iteration saved."""
+    from tests.runs import SMALL, metrics
+    from textrl.cli import main
+
+    monkeypatch.setenv("TEXTRL_CACHE", str(tmp_path / "cache"))
+    (_, rm_url), (_, judge_url) = rm_server, judge_server
+    spec = f"tag_count,reward_model:{rm_url}:0.5,judge:{judge_url}?template={last_word}&pattern=\\d:0.1"
+    out = tmp_path / "run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", JudgeUnparsableWarning)
+        assert main(["train", "--iterations", "1", "--output-dir", str(out), *SMALL, "--reward", spec]) == 0
+    row = metrics(out)[0]
+    assert row["reward_components/reward_model/applies"] == 1.0 and math.isfinite(row["reward_components/reward_model/mean"])
+    assert 0.0 <= row["reward_components/judge/applies"] < 1.0  # the tiny policy's last words are rarely digits
+    state = rm_server[0].state
+    state["down_after"] = len([r for r in state["requests"] if r[0] == "classify"]) + 1  # the check answers
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--iterations", "2", "--output-dir", str(out), *SMALL, "--reward", spec, "--resume"])
+    message = str(stop.value)
+    assert f"reward_model server {rm_url}: POST /classify: HTTP 503 (Service Unavailable) (4 tries)" in message, message
+    assert latest_checkpoint(out).name.endswith("1") and len(metrics(out)) == 1

@@ -152,8 +152,7 @@ def gather(requests: Sequence[Callable[[], Any]], in_flight: int) -> list[Any]:
 def server_failure(url: str, err: ConnectionError, what: str, hint: str) -> RewardServerDown:
     """The one line of a reward server that failed a request (:class:`ServerDown`, :class:`ServerRefused`)."""
     detail = err.what if isinstance(err, ServerDown) else str(err).removeprefix(f"vLLM server {url} ")
-    return RewardServerDown(f"{what} server {url}: {detail}; the run stopped at its last finished iteration: "
-                            f"{hint}, then resume with --resume")
+    return RewardServerDown(f"{what} server {url}: {detail}; {hint} (the run saves its last finished iteration)")
 
 
 class ServedReward(NeuralReward):
