@@ -187,12 +187,14 @@ class AsyncTraining:
 
         def generate(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             weights.check()  # the learner asked for rest (a checkpoint, an evaluation, a stop): drawn again later
-            need = turn_iteration(n, self.max_staleness, len(turns), cfg.partial_rollouts)
-            if not turns or need != turns[-1]:
-                context.close()
-                versions.append(weights.use(need))
-                context.enter_context(actor.engine.rollout())
-            turns.append(need)
+            if len(turns) <= getattr(self.episodes, "turn", len(turns)):  # a turn's first call (a reward scored
+                # in the background has the runner draw each turn in parts: EpisodeRunner.turn says which)
+                need = turn_iteration(n, self.max_staleness, len(turns), cfg.partial_rollouts)
+                if not turns or need != turns[-1]:
+                    context.close()
+                    versions.append(weights.use(need))
+                    context.enter_context(actor.engine.rollout())
+                turns.append(need)
             parts = []
             for sl in micro_batches(input_ids.shape[0], cfg.generation_batch_size):  # the actor's own calls
                 if parts:

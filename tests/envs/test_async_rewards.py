@@ -253,3 +253,42 @@ def test_reward_concurrency_is_checked():
         with pytest.raises(ValueError, match=r"reward_concurrency=.*must be an int >= 1"):
             TrainConfig(reward_concurrency=bad).validate()
     assert TrainConfig().reward_concurrency == 8
+
+
+REWARD_FILE = '''
+from textrl.rewards import does_io, named
+
+
+@named("judge")
+def plain(prompts, completions, **kwargs):
+    return [float(len(c) % 3) for c in completions]
+
+
+@named("judge")
+@does_io
+def io(prompts, completions, **kwargs):
+    return plain(prompts, completions)
+'''
+
+
+@pytest.mark.slow
+def test_an_asynchronous_run_with_a_background_reward_is_the_run_with_it_in_the_loop(tmp_path):
+    """--max-staleness 2 with partial rollouts on a multi-turn task: the background reward has the
+    runner draw each turn in micro-batches of 2 rows, and every turn still gets its weights (one per
+    turn, not per part): every metric but the timings is the loop's."""
+    from tests.runs import SMALL, metrics
+    from textrl.cli import main
+
+    (tmp_path / "rewards.py").write_text(REWARD_FILE)
+    rows = {}
+    for name in ("plain", "io"):
+        out = tmp_path / name
+        assert main(["train", *SMALL, "--iterations", "3", "--output-dir", str(out), "--max-staleness", "2",
+                     "--env", "guess_number", "--partial-rollouts", "continue", "--generation-batch-size", "2",
+                     "--reward", f"{tmp_path / 'rewards.py'}:{name}"]) == 0
+        rows[name] = metrics(out)
+    assert "time/reward_calls_s" in rows["io"][0] and "time/reward_calls_s" not in rows["plain"][0]
+    assert 0.0 < rows["io"][2]["rollout/staleness"] < 2.0  # turns drawn with newer weights, as in the loop's run
+    for a, b in zip(rows["plain"], rows["io"]):
+        same = {k for k in a if not k.startswith(("time/", "perf/")) and "per_second" not in k and "memory" not in k}
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}

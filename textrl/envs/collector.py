@@ -126,6 +126,9 @@ class EpisodeRunner:
         check_concurrency(reward_concurrency)
         self.pool = RewardPool(reward_concurrency) if overlapped(self.reward_fn) else None
         """Where the final reward runs when it is scored in the background (None: in the loop)."""
+        self.turn = 0
+        """The 0-based turn :meth:`run` is generating (its ``generate`` may be called several times a
+        turn, one part each: a caller that draws each turn with other weights reads it)."""
         self.dynamics = EpisodeDynamics(self.env, tokenizer=tokenizer, eos_token_ids=self.eos_ids,
                                         max_new_tokens=self.max_new_tokens, max_episode_tokens=self.max_episode_tokens,
                                         reward_nonfinite=reward_nonfinite,
@@ -165,6 +168,7 @@ class EpisodeRunner:
                 running = [b for b, s in enumerate(states) if s.end is None]
                 if not running:
                     break
+                self.turn = turn
                 with timed(timings, "generation", device):
                     if turn == 0:  # the prompts as given: the first turn is today's single-turn generate
                         ids, mask = prompt_ids, prompt_mask
