@@ -373,6 +373,34 @@ def test_a_killed_server_is_noticed_in_a_second_and_its_groups_go_to_the_other_w
     print(f"killed server noticed after {noticed:.2f} s")
 
 
+def test_where_a_request_goes_depends_on_its_call_alone_so_a_resumed_run_deals_as_the_one_it_continues(fakes, tmp_path):
+    """Calls of 3 groups over 2 servers (an odd count: dealing that went on from the last call's end
+    would send the fourth call elsewhere after a resume); a fresh engine, as a resumed run has, sends
+    each body of that call to the server the first engine sent it to; one-request calls, sampled and
+    greedy, go to both servers."""
+    a, b = fakes(), fakes()
+    model = Policy()
+
+    def where(engine, seed: int, groups: int = 3, sampling: Sampling = SAMPLING) -> dict[str, str]:
+        for fake in (a, b):
+            del fake.bodies[:]
+        call(engine, model, groups=groups, sampling=sampling, seed=seed)
+        return {json.dumps(body, sort_keys=True): fake.url for fake in (a, b) for body in fake.bodies}
+
+    first = Engine([a, b], tmp_path / "run", [])
+    for seed in range(3):
+        where(first, seed)
+    dealt = where(first, 3)
+    assert len(dealt) == 3 and set(dealt.values()) == {a.url, b.url}  # round-robin within the call
+    vs.CLAIMS.let_go()
+    assert where(Engine([a, b], tmp_path / "run", []), 3) == dealt  # the resumed run's engine starts afresh
+    greedy = Sampling(greedy=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=4, eos_token_id=None,
+                      pad_token_id=0)
+    singles = [where(first, seed, groups=1, sampling=sampling) for seed in range(8) for sampling in (SAMPLING, greedy)]
+    assert {url for one in singles for url in one.values()} == {a.url, b.url}
+    assert [vs.first_server([vs.Job([0], {"seed": 7, "prompt": [1]})], n) for n in (1, 2, 3)] == [0, 1, 1]
+
+
 def test_a_silent_server_is_found_by_its_health_check_within_seconds(fakes, quick, tmp_path):
     a, b = fakes(), fakes()
     lines: list[str] = []

@@ -5,7 +5,9 @@ The servers are vLLM's own (``textrl vllm-serve MODEL``: ``vllm serve`` with the
 updates need, :func:`serve_command`). A call's rows are grouped by context (the
 ``n_samples_per_prompt`` copies of a prompt are one request with ``n`` samples and one seed drawn from
 torch's generator; greedy, one answer for them all and no seed: :func:`~textrl.generation.vllm_engine.row_seeds`)
-and the groups dealt round-robin over the servers, sent concurrently to vLLM's
+and the groups dealt round-robin over the servers from a server that the call's first request names
+(:func:`first_server`: its seed, or its prompt when greedy), so that where each request goes is a
+pure function of the call, the same in a resumed run as in the one it continues; sent concurrently to vLLM's
 OpenAI-compatible ``/v1/completions`` with token ids in and out (``return_token_ids``) and the drawn
 tokens' log-probs (``logprobs: 0``; the servers run ``--logprobs-mode processed_logprobs``, so they
 are of the warped distribution, as in :mod:`textrl.generation.vllm_engine`).
@@ -62,6 +64,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -722,6 +725,21 @@ class Job:
     body: dict[str, Any]
 
 
+def first_server(jobs: Sequence[Job], servers: int) -> int:
+    """Which of ``servers`` a call's first job goes to, the others following round-robin: its seed (a
+    draw of the run's random stream, which a checkpoint holds), or where it has none (greedy) a CRC of
+    its prompt, modulo ``servers``. A function of the call alone, never of the calls before it, so that
+    a resumed run sends each request where the uninterrupted one did, and one-request calls still
+    spread over the servers."""
+    if not jobs:
+        return 0
+    body = jobs[0].body
+    key = body.get("seed")
+    if key is None:
+        key = zlib.crc32(json.dumps(body["prompt"]).encode())
+    return int(key) % servers
+
+
 @register_engine(SERVED_ENGINE)
 class VLLMServerEngine(GenerationEngine):
     """Rollouts from vLLM servers (module docstring). ``configure(config)`` takes ``vllm_server``,
@@ -744,7 +762,6 @@ class VLLMServerEngine(GenerationEngine):
         self._sent: tuple[str, int] | None = None
         """Which of them were last sent (:meth:`WeightSync.wanted`; None: never)."""
         self._essentials: dict[str, Any] | None = None
-        self._next = 0
         self.partitioned = False
         self._version: str | None = None
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
@@ -832,13 +849,10 @@ class VLLMServerEngine(GenerationEngine):
         self.log(f"vLLM server {server.url} dropped ({what}); {moving}the run goes on with {len(left)} of "
                  f"{len(self.servers)} servers, and takes it back once it answers again")
 
-    def _deal(self, indices: list[int], servers: list[Server]) -> list[tuple[int, Server]]:
-        """Round-robin, continuing where the last call's dealing ended."""
-        dealt = []
-        for index in indices:
-            dealt.append((index, servers[self._next % len(servers)]))
-            self._next += 1
-        return dealt
+    def _deal(self, indices: list[int], servers: list[Server], jobs: list[Job]) -> list[tuple[int, Server]]:
+        """The jobs ``indices`` of ``jobs`` round-robin over ``servers``, from :func:`first_server`."""
+        start = first_server(jobs, len(servers))
+        return [(index, servers[(start + k) % len(servers)]) for k, index in enumerate(indices)]
 
     def _complete(self, jobs: list[Job]) -> list[dict[str, Any]]:
         """Each job's answer. The jobs are dealt over the live servers and sent (:data:`IN_FLIGHT` at
@@ -872,7 +886,7 @@ class VLLMServerEngine(GenerationEngine):
             if todo:
                 if not self._live():
                     raise EngineFailed("the vllm-server engine has no vLLM server (--vllm-server URL[,URL...])")
-                dealt = self._deal(sorted(todo), self._live())
+                dealt = self._deal(sorted(todo), self._live(), jobs)
                 todo.clear()
                 for index, server in dealt:
                     asked[server] += requested_tokens(jobs[index].body)
