@@ -74,12 +74,12 @@ class Gauge:
             self.now -= 1
 
 
-def async_reward(gauge: Gauge, fail_on: int | None = None):
+def async_reward(gauge: Gauge, fail_on: str | None = None):
     async def judge(prompts, completions, completion_ids, **kwargs):
         gauge.enter(len(completions))
         try:
             await asyncio.sleep(0)
-            if fail_on is not None and any(len(ids) == fail_on for ids in completion_ids):
+            if fail_on is not None and fail_on in prompts:
                 raise ConnectionError("the judge hung up")
             return scores_of(completions, completion_ids)
         finally:
@@ -209,14 +209,13 @@ def test_multi_turn_episodes_ending_apart_are_scored_as_in_the_loop(tok, model):
 
 
 def test_a_background_reward_that_raises_is_named_where_the_scores_are_needed(tok, model):
-    batch = grouped(tok, make_digits_task(4, seed=3))
-    sync = EpisodeRunner(composite(plain), tokenizer=tok, max_new_tokens=6).run(agent_like(model, tok), batch)
-    length = int(sync.get(KEYS.mask).sum(1)[-1])  # the last micro-batch's rows raise
+    batch = grouped(tok, make_digits_task(4, seed=3))  # the last prompt's rows raise
     gauge = Gauge(1)
-    runner = EpisodeRunner(composite(async_reward(gauge, fail_on=length)), tokenizer=tok, max_new_tokens=6,
+    runner = EpisodeRunner(composite(async_reward(gauge, fail_on=batch.rows[-1]["prompt"])), tokenizer=tok, max_new_tokens=6,
                            generation_batch_size=G, reward_concurrency=LIMIT)
-    with pytest.raises(RewardError, match=r"reward 'judge' raised ConnectionError: the judge hung up"):
+    with pytest.raises(RewardError, match=r"reward 'judge' raised ConnectionError: the judge hung up") as err:
         runner.run(agent_like(model, tok), batch)
+    assert "the call scored the batch's rows [6, 7] in the background" in str(err.value)  # its group's rows
     assert gauge.now == 0  # no call left running behind the error
 
 

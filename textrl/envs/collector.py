@@ -17,6 +17,7 @@ scored once per batch by :func:`textrl.envs.fast_path.score_completions`, the on
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import wait
 from typing import Any
@@ -44,7 +45,7 @@ from textrl.envs.fast_path import (
 )
 from textrl.envs.watchdog import NOTICE_AFTER, CallWatch
 from textrl.keys import KEYS
-from textrl.rewards import overlapped
+from textrl.rewards import RewardError, overlapped
 from textrl.rewards.background import DEFAULT_CONCURRENCY, RewardPool, check_concurrency, results
 
 Generate = Callable[[Tensor, Tensor], "Tensor | tuple[Tensor, Tensor | None]"]
@@ -219,7 +220,8 @@ class EpisodeRunner:
         here, in the loop's thread); their futures go to ``pending``."""
         for part in reward_parts(rows, [states[b].episode.index for b in rows], self.pool.concurrency):
             calls = self.dynamics.reward_calls([states[b] for b in part], self.reward_fn)
-            pending.append((part, [self.pool.submit(call) for _, call in calls]))
+            pending.append((part, [self.pool.submit(functools.partial(placed, call, [part[i] for i in within]))
+                                   for within, call in calls]))
         scoring.update(rows)
 
     def _taken(self, states: list[EpisodeState], pending: list[tuple[list[int], list[Any]]]
@@ -321,6 +323,16 @@ class EpisodeRunner:
         if self.reward_nonfinite != "raise":  # NaN/inf rewards counted as 0: flagged, or dropped
             td = flag_nonfinite(td, nonfinite, self.reward_nonfinite)
         return check_rollout(td.to(device))
+
+
+def placed(call: Callable[[], Any], rows: list[int]) -> Any:
+    """``call()``; its :class:`textrl.rewards.RewardError` raised again naming the batch rows the call
+    scored (``rows``): the rows a reward's error names are positions within its call."""
+    try:
+        return call()
+    except RewardError as err:
+        raise RewardError(f"{err}; the call scored the batch's rows {rows} in the background (the rows "
+                          "named above are positions among them)") from err
 
 
 def reward_parts(rows: list[int], groups: list[int], concurrency: int) -> list[list[int]]:
