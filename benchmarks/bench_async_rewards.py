@@ -17,8 +17,10 @@ a rollout, generated in micro-batches of ``--generation-batch-size``):
 The arms' runs are interleaved ``--repeats`` times (a loaded machine slows each alike), a run's first
 ``--skip`` iterations left out. Per arm it prints the median seconds per iteration, of generation, of
 ``time/reward_s`` (the seconds the loop waited for rewards), of ``time/reward_calls_s`` (the seconds
-the background calls ran, summed over the calls), and ``ratio``: the arm's iteration seconds over
-``sync``'s, measured in the same run. One JSON line at the end. A script, never imported.
+the background calls ran, summed over the calls), ``ratio``: the arm's iteration seconds over
+``sync``'s, and ``wait ratio``: its reward wait over ``sync``'s, both measured in the same run (on a
+shared machine the iteration's seconds swing with the other jobs; the wait is the reward's part).
+One JSON line at the end. A script, never imported.
 """
 
 from __future__ import annotations
@@ -109,17 +111,19 @@ def main() -> None:
             for arm in ARMS:
                 rows[arm] += run(arm, Path(tmp), args)[args.skip:]
     figures = {arm: summarise(r) for arm, r in rows.items()}
-    base = figures["sync"]["seconds_per_iteration"]
+    base, base_wait = figures["sync"]["seconds_per_iteration"], figures["sync"]["reward_wait_s"]
     rollout = args.prompts * args.samples
     print(f"a reward sleeping {args.sleep:g} s a completion, {rollout} completions a rollout (the loop's wait in "
           f"series: {rollout * args.sleep:.2f} s), micro-batches of {args.generation_batch_size}, "
           f"--reward-concurrency {args.reward_concurrency}, --max-staleness {args.max_staleness}; medians of "
           f"{args.repeats} x {args.iterations - args.skip} iterations")
-    print(f"{'arm':<10}{'s / it':>9}{'generation':>12}{'reward wait':>13}{'reward calls':>14}{'ratio':>8}")
+    print(f"{'arm':<10}{'s / it':>9}{'generation':>12}{'reward wait':>13}{'reward calls':>14}{'ratio':>8}"
+          f"{'wait ratio':>12}")
     for arm, f in figures.items():
         f["ratio"] = f["seconds_per_iteration"] / base
+        f["wait_ratio"] = f["reward_wait_s"] / base_wait
         print(f"{arm:<10}{f['seconds_per_iteration']:>9.3f}{f['generation_s']:>12.3f}{f['reward_wait_s']:>13.3f}"
-              f"{f['reward_calls_s']:>14.3f}{f['ratio']:>8.2f}")
+              f"{f['reward_calls_s']:>14.3f}{f['ratio']:>8.2f}{f['wait_ratio']:>12.2f}")
     print(json.dumps({"sleep_s": args.sleep, "rows": rollout, "generation_batch_size": args.generation_batch_size,
                       "reward_concurrency": args.reward_concurrency, "max_staleness": args.max_staleness,
                       "arms": figures}))
