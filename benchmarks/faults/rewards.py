@@ -77,3 +77,19 @@ def tied_preferences(trial: Trial, base: Path) -> None:
     proc = trial.textrl("rm", "--data", str(data), "--steps", "1", "--output-dir", str(out))
     judge(trial, "rewards: textrl rm on pairs with chosen == rejected", proc, refused=True,
           kept=not (out / "checkpoints").exists(), expect="every preference pair has chosen == rejected")
+
+
+@case("rewards: a reward server where nothing listens")
+def dead_reward_server(trial: Trial, base: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port where nothing listens once it is closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = trial.folder("dead_reward_server")
+    proc = trial.textrl("train", *ONE, "--reward", f"think_format,reward_model:http://127.0.0.1:{port}:0.5",
+                        "--output-dir", str(out))
+    judge(trial, "rewards: a reward server where nothing listens", proc, refused=True,
+          kept=not (out / "metrics.jsonl").exists(),
+          expect=f"reward_model server http://127.0.0.1:{port} does not answer GET /v1/models (connection refused): "
+                 "start it with textrl vllm-serve MODEL --reward-model, or fix the URL")
