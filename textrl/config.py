@@ -127,7 +127,8 @@ class TrainConfig:
     tokenizer: str | None = None
     """Tokenizer: a path or hub id (None: the model's own; Python API: also a tokenizer object)."""
     reward_model: str | None = None
-    """Optional sequence-classification reward model (path or hub id), added as 'reward_model'."""
+    """Optional sequence-classification reward model (path or hub id, or the URL of a vLLM server serving it,
+    http://HOST:PORT: docs/rewards.md, "Served rewards and judges"), added as 'reward_model'."""
     env: str | None = None
     """Environment: a registered id (`textrl envs` lists them), PATH.py:Class, reasoning_gym:TASK or
     textarena:ID (Python API: also an Environment); None: --dataset scored by --reward, or without

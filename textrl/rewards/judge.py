@@ -32,6 +32,7 @@ it is the entry's weight, as for any reward).
 from __future__ import annotations
 
 import re
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -184,6 +185,7 @@ class JudgeReward:
         self.unparsable = 0
         """Of them, unparsable."""
         self._said = False
+        self._lock = threading.Lock()  # the background reward pool may call a judge from several threads
 
     def body(self, text: str) -> dict[str, Any]:
         """The request body asking the judge's verdict on one filled template."""
@@ -214,10 +216,11 @@ class JudgeReward:
             raise server_failure(self.server.url, err, "judge", JUDGE_SERVE_HINT) from None
         scores = [verdict_score(v, self.choices, self.pattern) for v in verdicts]
         bad = [i for i, s in enumerate(scores) if s is None]
-        self.verdicts += n
-        self.unparsable += len(bad)
-        if bad and not self._said:
-            self._said = True
+        with self._lock:
+            self.verdicts += n
+            self.unparsable += len(bad)
+            say, self._said = bool(bad) and not self._said, self._said or bool(bad)
+        if say:
             reads = f"choices {sorted(self.choices)}" if self.choices is not None else f"pattern {self.pattern.pattern!r}"
             fate = ("the judge does not apply to such a row (left out of the total, counted in "
                     "reward_components/judge/applies)" if self.unparsable_score is None
