@@ -189,7 +189,7 @@ def check_rollout(td: TensorDictBase, keys: RolloutKeys = KEYS, finite: bool = T
         check_agent_mask(td, keys)
     else:
         check_mask_is_prefix(td, keys)
-    for key in (keys.action_log_prob, keys.ref_log_prob):
+    for key in (keys.action_log_prob, keys.ref_log_prob, keys.teacher_log_prob):
         if key in present:
             check_per_token_shape(td, key, trailing_one=False, keys=keys)
             if finite:

@@ -129,6 +129,11 @@ class TrainConfig:
     reward_model: str | None = None
     """Optional sequence-classification reward model (path or hub id, or the URL of a vLLM server serving it,
     http://HOST:PORT: docs/rewards.md, "Served rewards and judges"), added as 'reward_model'."""
+    teacher: str | None = None
+    """On-policy distillation's teacher: a causal LM (path or hub id) loaded in this process, frozen as the
+    reference is, or the URL of a vLLM server serving one (http://HOST:PORT); each agent token's reward
+    gets teacher_coef * (log teacher - log policy), minus the reverse KL to it; its tokenizer must be the
+    policy's. Without --reward the task reward is logged, not optimised (docs/rewards.md, "On-policy distillation")."""
     env: str | None = None
     """Environment: a registered id (`textrl envs` lists them), PATH.py:Class, reasoning_gym:TASK or
     textarena:ID (Python API: also an Environment); None: --dataset scored by --reward, or without
@@ -289,6 +294,8 @@ class TrainConfig:
     'engine' (the engine's log-probs of the weights that drew the tokens: the bypass objective)."""
     kl_coef: float = 0.02
     """beta: initial KL coefficient."""
+    teacher_coef: float = 1.0
+    """With --teacher: the weight of the distillation reward teacher_coef * (log teacher - log policy) per token."""
     kl_kind: str = "k1"
     """KL estimator: k1 | k2 | k3 | abs."""
     kl_in: str = "reward"
@@ -396,7 +403,7 @@ class TrainConfig:
         applied=frozenset({
             "device", "iterations", "generation_batch_size", "forward_batch_size", "ppo_epochs",
             "num_minibatches", "gradient_accumulation_steps", "microbatch_tokens", "clip_eps", "clip_eps_high", "dual_clip", "value_clip_eps",
-            "vf_coef", "entropy_coef", "kl_coef", "kl_target", "kl_horizon", "kl_early_stop", "ratio_threshold",
+            "vf_coef", "entropy_coef", "kl_coef", "teacher_coef", "kl_target", "kl_horizon", "kl_early_stop", "ratio_threshold",
             "kl_after_update", "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr",
             "lr_schedule", "lr_warmup_steps", "max_grad_norm", "fsdp", "fsdp_reshard_after_forward", "zero_stage",
             "deepspeed_config", "reward_nonfinite", "env_timeout", "reward_concurrency", "max_nonfinite_updates", "nonfinite_weights", "rollback_copy",
@@ -412,7 +419,7 @@ class TrainConfig:
         }),
         # the models, the data and its split, the task and the sampling distribution, the objective
         fixed=frozenset({
-            "seed", "agent", "model", "dtype", "tokenizer", "reward_model", "env", "env_args", "reward", "reward_weights", "dataset",
+            "seed", "agent", "model", "dtype", "tokenizer", "reward_model", "teacher", "env", "env_args", "reward", "reward_weights", "dataset",
             "eval_size", "max_episode_tokens",
             "max_prompt_length", "warmup_sft_steps", "warmup_sft_lr", "warmup_sft_batch_size",
             "warmup_answer_accuracy", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
@@ -500,7 +507,7 @@ AGENT_OPTIONS = frozenset({
     "kl_coef", "kl_kind", "kl_in", "adaptive_kl", "kl_target", "kl_horizon", "kl_hinge", "kl_early_stop", "reward_placement", "ratio_threshold", "kl_after_update",
     "ref_refresh_every", "old_policy_refresh_every", "actor_lr", "critic_lr", "lr_schedule",
     "lr_warmup_steps", "max_grad_norm", "critic_init", "reward_adapter", "load_in_4bit", "lora_r",
-    "lora_alpha", "lora_target_modules", "critic_type", "critic",
+    "lora_alpha", "lora_target_modules", "critic_type", "critic", "teacher", "teacher_coef",
 })
 """The fields an agent reads (the algorithm's options); each agent declares the ones it reads
 (``options``), and one it does not read, set to another value than its default, is refused."""
@@ -645,8 +652,12 @@ def _check_coefficients(config: TrainConfig) -> None:
                          f"{config.max_episode_tokens} (the budget it punishes the end of); lower it")
     if config.dual_clip is not None and not config.dual_clip > 1.0:
         raise ValueError(f"dual_clip={config.dual_clip!r}: must be > 1 (or None to disable)")
-    for name in ("vf_coef", "entropy_coef", "kl_coef", "kl_target", "ratio_threshold", "max_grad_norm"):
+    for name in ("vf_coef", "entropy_coef", "kl_coef", "teacher_coef", "kl_target", "ratio_threshold", "max_grad_norm"):
         check_at_least(name, getattr(config, name), 0.0)
+    if config.teacher is not None and config.temperature != 1.0:
+        raise ValueError(f"temperature={config.temperature:g}: on-policy distillation compares the policy's log-probs with "
+                         f"teacher {config.teacher!r}'s at temperature 1 (a served teacher's prompt log-probs are the raw "
+                         "ones); drop --temperature (1) with --teacher")
 
 
 def _check_lora(config: TrainConfig) -> None:

@@ -12,12 +12,13 @@ TOPICS: dict[str, tuple[str, tuple[str, ...]]] = {
          "warmup_answer_accuracy"),
     ),
     "environment and reward": (
-        "What the agent acts in and is scored by: the environment or a prompt file, the rewards, the held-out "
+        "What the agent acts in and is scored by: the environment or a prompt file, the rewards (a teacher's among "
+        "them: on-policy distillation), the held-out "
         "prompts and the lengths of prompts and episodes.",
         ("env", "env_args", "reward", "reward_weights", "dataset", "data", "format", "sft_data", "preference_data",
          "prompts", "eval_size", "rm_eval_size", "max_prompt_length", "max_episode_tokens", "max_length",
          "sft_max_length", "rm_max_length", "reward_placement", "reward_nonfinite", "env_timeout",
-         "reward_concurrency"),
+         "reward_concurrency", "teacher", "teacher_coef"),
     ),
     "agent": (
         "The algorithm: the agent and its losses, advantages, KL control and learning rates. Three options "

@@ -33,6 +33,9 @@ class RolloutKeys:
     """float ``[B, T]``: behaviour-policy log-prob of each action."""
     ref_log_prob: NestedKey = "ref_log_prob"
     """float ``[B, T]``: reference-policy log-prob of each action."""
+    teacher_log_prob: NestedKey = "teacher_log_prob"
+    """float ``[B, T]``: with ``--teacher``, the teacher's log-prob of each agent token in its context
+    (its own distribution, temperature 1; 0 off the agent's tokens): on-policy distillation's reward."""
     generation_log_prob: NestedKey = ("generation", "log_prob")
     """float ``[B, T]``: the log-prob the generation engine drew each agent token with (0 on the
     environment's tokens and after the episode); absent when the engine computes none."""

@@ -32,6 +32,7 @@ NON_DEFAULT = {
     "lora_target_modules": "q_proj", "critic_type": "lora", "critic": "shared", "clip_eps_high": 0.3, "lam_critic": 1.0,
     "lam_length_alpha": 0.05, "critic_warmup_iterations": 2, "dynamic_sampling": False, "overlong_buffer": 4,
     "rollout_correction": "tis", "rollout_correction_upper": 3.0, "rollout_correction_lower": 0.5,
+    "teacher": "tiny", "teacher_coef": 0.5,
 }
 """A valid value other than the default for every option an agent may read."""
 

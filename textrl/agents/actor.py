@@ -92,6 +92,9 @@ class Actor:
     device: torch.device
     """Where it generates: the policy's device when it was built (the agent builds another for another)."""
     behaviour: Behaviour | None = None
+    teacher: Any = None
+    """On-policy distillation's teacher (:mod:`textrl.agents.teacher`: loaded or served), whose log-probs
+    :meth:`evaluate` adds; None without ``--teacher``."""
     version: int = 0
     """The version of the weights it samples with: the learner's when they were last loaded
     (:meth:`load_weights_from`)."""
@@ -267,8 +270,8 @@ class Actor:
 
     @torch.no_grad()
     def evaluate(self, td: TensorDictBase, *, keep_graph: bool = False) -> TensorDict:
-        """``action_log_prob``, ``ref_log_prob`` (with a reference) and ``state_value`` (with a critic)
-        of a rollout: one prefill forward per micro-batch (:meth:`prefill_batches`: ``forward_batch_size``
+        """``action_log_prob``, ``ref_log_prob`` (with a reference), ``teacher_log_prob`` (with a teacher)
+        and ``state_value`` (with a critic) of a rollout: one prefill forward per micro-batch (:meth:`prefill_batches`: ``forward_batch_size``
         rows, or runs of rows up to ``microbatch_tokens`` real tokens). With
         ``keep_graph`` the policy and critic forwards run with grad and are kept (:attr:`kept`) for
         the update's one optimiser step to reuse."""
@@ -285,10 +288,14 @@ class Actor:
                     out["value"].append(self.forwards.values(self.critic, *args))
             if self.reference is not None:
                 out["ref"].append(self.logprobs(self.reference, *args, action[sl]))
+            if self.teacher is not None:
+                out["teacher"].append(self.teacher.logprobs(*args, action[sl]))
         logp = torch.cat(out["logp"])
         result = TensorDict({KEYS.action_log_prob: logp}, batch_size=td.batch_size)
         if self.reference is not None:
             result.set(KEYS.ref_log_prob, torch.cat(out["ref"]))
+        if self.teacher is not None:
+            result.set(KEYS.teacher_log_prob, torch.cat(out["teacher"]).to(logp.dtype))
         if self.critic is not None:
             result.set(KEYS.state_value, torch.cat(out["value"]).unsqueeze(-1))
         if self.behaviour is None:  # the policy's own log-probs
@@ -380,7 +387,8 @@ def build_actor(agent: Any) -> Actor:
     engine.check_backend(backend.partitions_weights)
     actor = Actor(agent.config, agent.policy, agent.ref_policy, agent.critic, agent.learner.forwards, engine, backend,
                   eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id, device=agent.device,
-                  behaviour=None if own_behaviour_logprobs(agent) else agent.behaviour_logprobs)
+                  behaviour=None if own_behaviour_logprobs(agent) else agent.behaviour_logprobs,
+                  teacher=getattr(agent, "teacher", None))
     if not int(getattr(config, "max_staleness", 0) or 0):  # an asynchronous run's actor starts an engine of its
         actor.start_engine()  # own (AsyncActor.of); the learner's is never called there, and stays unstarted
     return actor

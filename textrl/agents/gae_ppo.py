@@ -26,6 +26,7 @@ from textrl.agents.base import (
     LORA_OPTIONS,
     POLICY_OBJECTIVE_OPTIONS,
     SHARED_OPTIONS,
+    TEACHER_OPTIONS,
     PPOAgent,
 )
 from textrl.agents.update import LossTerms, total_loss
@@ -47,7 +48,7 @@ class GAEPPO(PPOAgent):
     needs_critic = True
     pipeline_reward = "reward_model"
     lora = "optional"
-    options = SHARED_OPTIONS | POLICY_OBJECTIVE_OPTIONS | CRITIC_OPTIONS | LORA_OPTIONS | {
+    options = SHARED_OPTIONS | POLICY_OBJECTIVE_OPTIONS | CRITIC_OPTIONS | LORA_OPTIONS | TEACHER_OPTIONS | {
         "value_clip_eps", "gamma", "lam", "whiten_advantages", "reward_placement", "critic_type",
         "lam_critic", "lam_length_alpha", "critic_warmup_iterations"}
     not_read = {
@@ -87,15 +88,15 @@ class GAEPPO(PPOAgent):
     def estimate(self, td: TensorDictBase) -> None:
         """Shaped rewards, then GAE; writes ``("next","reward")``, ``advantage``, ``value_target``.
 
-        The task reward per token (:meth:`~PPOAgent.task_token_rewards`: each turn's reward on its
-        last agent token) minus ``beta * KL_t`` on every agent token; GAE steps from agent token
+        The reward per token (:meth:`~PPOAgent.token_rewards`: each turn's reward on its last agent
+        token, with a teacher its per-token reward) minus ``beta * KL_t`` on every agent token; GAE steps from agent token
         to agent token over the observation gaps of a multi-turn episode.
         """
         cfg = self.config
         mask = td.get(KEYS.mask)  # [B, T]
         kl = self.token_kl(td.get(KEYS.action_log_prob), td)  # [B, T]
         beta = self.kl_ctl.value if cfg.kl_in == "reward" else 0.0
-        rewards = shaped_token_rewards(self.task_token_rewards(td), kl, mask, beta)  # [B, T]
+        rewards = shaped_token_rewards(self.token_rewards(td), kl, mask, beta)  # [B, T]
         values = td.get(KEYS.state_value).squeeze(-1)  # [B, T]
         lam_policy, lam_critic = self.lambdas(mask)
         if isinstance(lam_policy, Tensor):

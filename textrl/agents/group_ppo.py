@@ -24,6 +24,7 @@ from textrl.agents.base import (
     LORA_OPTIONS,
     POLICY_OBJECTIVE_OPTIONS,
     SHARED_OPTIONS,
+    TEACHER_OPTIONS,
     CriticFreePPO,
 )
 from textrl.functional import (
@@ -38,7 +39,7 @@ class GroupPPO(CriticFreePPO):
 
     name = "group_ppo"
     min_samples_per_prompt = 2
-    options = SHARED_OPTIONS | POLICY_OBJECTIVE_OPTIONS | LORA_OPTIONS | {"reward_placement"}
+    options = SHARED_OPTIONS | POLICY_OBJECTIVE_OPTIONS | LORA_OPTIONS | TEACHER_OPTIONS | {"reward_placement"}
     not_read = {
         **CriticFreePPO.not_read,
         "gamma": "the group baseline replaces discounted returns",
@@ -66,7 +67,7 @@ class GroupPPO(CriticFreePPO):
             )
         kl = self.reference_kl(td.get(KEYS.action_log_prob), td)  # [B, T]
         beta = self.kl_ctl.value if cfg.kl_in == "reward" else 0.0
-        rewards = shaped_token_rewards(self.task_token_rewards(td), kl, mask, beta)  # [B, T]
+        rewards = shaped_token_rewards(self.token_rewards(td), kl, mask, beta)  # [B, T]
         sequence_reward = torch.where(mask, rewards, 0.0).sum(1)  # [B]: score - beta * sum_t KL_t
         advantage = self.group_advantage(sequence_reward, n).to(rewards.dtype)  # [B]
         zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)

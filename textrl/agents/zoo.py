@@ -133,7 +133,7 @@ class DAPO(GRPO):
             return
         mask = td.get(KEYS.mask)  # [B, T]
         # the task score (overlong penalty included) before any KL term, as DAPO filters on accuracy
-        sequence_reward = torch.where(mask, self.task_token_rewards(td), 0.0).sum(1)  # [B]
+        sequence_reward = torch.where(mask, self.token_rewards(td), 0.0).sum(1)  # [B]: with a teacher, its reward too
         n = self.config.n_samples_per_prompt
         keep = dynamic_sampling_keep(sequence_reward.view(-1, n))  # [G]
         self.kept_groups = float(keep.float().mean()) if keep.numel() else 0.0

@@ -16,6 +16,7 @@ from textrl.functional.advantages import (
     one_step_advantage,
     rloo_advantage,
 )
+from textrl.functional.distill import reverse_kl_reward
 from textrl.functional.kl import (
     KL_KINDS,
     kl_abs,
@@ -128,6 +129,7 @@ __all__ = [
     "next_valid",
     "one_step_advantage",
     "response_mask",
+    "reverse_kl_reward",
     "rloo_advantage",
     "shaped_token_rewards",
     "uncompact",

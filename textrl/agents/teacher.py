@@ -1,0 +1,236 @@
+"""On-policy distillation's teacher (``--teacher MODEL|URL``): its log-probs of the policy's own tokens.
+
+Two kinds, one call, ``logprobs(input_ids [B, L], attention_mask [B, L], prompt_len, action [B, T]) ->
+[B, T]`` (the teacher's log-prob of each response token in its context, its own distribution:
+temperature 1):
+
+- :class:`LoadedTeacher`: a causal LM loaded in the training process as the reference is (the run's
+  precision, placed on the policy's device, a frozen copy in ``frozen_dtype``, eval mode), its
+  forward the actor's (:class:`textrl.agents.forwards.Forwards`);
+- :class:`ServedTeacher`: a vLLM server serving the teacher (``textrl vllm-serve TEACHER`` or any
+  ``vllm serve``), asked for the *prompt* log-probs of each row's tokens: ``/v1/completions`` with
+  the token ids as the prompt, ``prompt_logprobs: 0`` (the log-prob of each prompt token given the
+  ones before it, from the raw logits) and ``max_tokens: 1``; one request a micro-batch, retried
+  and failed as the ``vllm-server`` engine's completions are
+  (:meth:`textrl.generation.vllm_server.Server.request`), a dead teacher raising
+  :class:`~textrl.generation.base.EngineFailed` (the run saves its last finished iteration).
+
+The teacher reads the policy's token ids, so its tokenizer must be the policy's:
+:func:`check_teacher_tokenizer` compares the vocabularies (a loaded teacher) or the ids of
+:data:`PROBE` (a served one) before any model loads, and refuses in one line naming both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from textrl.generation.base import EngineFailed
+from textrl.generation.vllm_server import (
+    RETRIES,
+    Server,
+    ServerDown,
+    ServerRefused,
+    completion_budget,
+)
+
+PROBE = "On-policy distillation: 12 + 30 = 42, <think>why</think> Ünïcödé ✓\n"
+"""The text whose token ids the policy's tokenizer and a served teacher's must agree on (digits,
+tags, accents, a symbol, a newline; the tokenizer's EOS text is appended)."""
+
+SERVE_TEACHER = "start it with textrl vllm-serve TEACHER (or vllm serve TEACHER)"
+
+
+def is_served(teacher: str) -> bool:
+    """Whether ``--teacher`` names a served teacher (an ``http://`` or ``https://`` URL) rather than a model."""
+    return teacher.startswith(("http://", "https://"))
+
+
+def probe_text(tokenizer: Any) -> str:
+    """:data:`PROBE` with the tokenizer's EOS text after it (its id must agree too)."""
+    return PROBE + (tokenizer.eos_token or "")
+
+
+def teacher_mismatch(teacher: str, policy: str, why: str) -> ValueError:
+    """The one-line refusal of a teacher whose tokenizer is not the policy's."""
+    return ValueError(f"teacher {teacher!r} has another tokenizer than policy {policy!r} ({why}): distillation "
+                      "scores the policy's token ids with the teacher, so they must mean the same; use a teacher "
+                      "that shares the policy's tokenizer (the same family), or drop --teacher")
+
+
+def tokenizer_difference(policy_tokenizer: Any, teacher_tokenizer: Any) -> str | None:
+    """How two tokenizers differ, in a few words (the vocabulary's size, a token's id, the ids of
+    :func:`probe_text`); None when they agree."""
+    mine, theirs = policy_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if len(mine) != len(theirs):
+        return f"{len(mine)} tokens against the teacher's {len(theirs)}"
+    for token, index in sorted(mine.items(), key=lambda item: item[1]):
+        if theirs.get(token) != index:
+            return f"{token!r} is id {index} for the policy but {theirs.get(token)} for the teacher"
+    text = probe_text(policy_tokenizer)
+    ids, other = (t.encode(text, add_special_tokens=False) for t in (policy_tokenizer, teacher_tokenizer))
+    return None if ids == other else f"{text!r} is {ids} for the policy but {other} for the teacher"
+
+
+def check_teacher_tokenizer(config: Any, tokenizer: Any, policy: str) -> None:
+    """Refuse ``config.teacher`` (``ValueError``, one line naming both and what to do) where its tokenizer
+    is not the policy's (``tokenizer``, named ``policy``): a loaded teacher's by its vocabulary and
+    :func:`probe_text`'s ids, a served one's by the ids its ``/tokenize`` gives the probe. Loads no model."""
+    teacher = str(config.teacher)
+    if is_served(teacher):
+        ServedTeacher(teacher).check(tokenizer, policy)
+        return
+    from textrl.models import load_tokenizer
+
+    try:
+        theirs = load_tokenizer(teacher)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"teacher {teacher!r}: its tokenizer cannot be loaded to compare with policy {policy!r}'s "
+                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); fix --teacher") from None
+    difference = tokenizer_difference(tokenizer, theirs)
+    if difference is not None:
+        raise teacher_mismatch(teacher, policy, difference)
+
+
+# -- the teacher in this process ----------------------------------------------------------------------------
+@dataclass
+class LoadedTeacher:
+    """A teacher loaded in the training process: ``model`` (frozen, eval mode), its forwards the run's
+    (``forwards``: the run's precision and fused / packed paths). Not an ``nn.Module``: an agent
+    holding it neither saves it in a checkpoint nor trains it."""
+
+    model: nn.Module
+    forwards: Any
+    name: str
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
+        """The teacher's log-probs ``[B, T]`` of ``action`` (temperature 1: the run's, which ``--teacher``
+        requires)."""
+        return self.forwards.logprobs(self.model, input_ids, attention_mask, prompt_len, action)
+
+
+def load_teacher(config: Any, tokenizer: Any, forwards: Any, device: torch.device,
+                 policy: str) -> LoadedTeacher | ServedTeacher:
+    """``config.teacher``'s teacher: served (a URL: :class:`ServedTeacher`, checked at once) or loaded here
+    as the reference is: the run's precision (``dtype``, attention) on ``device``, then a frozen copy in
+    ``frozen_dtype``, eval mode, no gradients, its tokenizer checked to fit its embedding. ``policy``: the
+    name of the policy's tokenizer, for the messages."""
+    from textrl.models import load_causal_lm
+    from textrl.models.checks import check_tokenizer_fits
+
+    teacher = str(config.teacher)
+    if is_served(teacher):
+        served = ServedTeacher(teacher)
+        served.check(tokenizer, policy)
+        return served
+    precision = forwards.precision
+    model = precision.frozen_copy(load_causal_lm(teacher, device=device, **precision.model_kwargs()))
+    check_tokenizer_fits(tokenizer, model, tokenizer_name=policy, model_name=teacher)
+    return LoadedTeacher(model, forwards, teacher)
+
+
+# -- the teacher on a vLLM server ---------------------------------------------------------------------------
+def row_tokens(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> list[tuple[list[int], int]]:
+    """Each row's attended tokens (its real prompt tokens, then its response's) and how many of them are
+    the prompt's: ``[(ids, n_prompt)]``, from ``input_ids`` / ``attention_mask`` ``[B, L]`` (a left-padded
+    prompt of ``prompt_len`` columns, then the response; the response's attended tokens a prefix)."""
+    rows = []
+    for ids, mask in zip(input_ids.tolist(), attention_mask.bool().tolist(), strict=True):
+        kept = [token for token, on in zip(ids, mask, strict=True) if on]
+        rows.append((kept, sum(mask[:prompt_len])))
+    return rows
+
+
+def prompt_logprob_request(model: str | None, rows: list[list[int]]) -> dict[str, Any]:
+    """The ``/v1/completions`` body asking for the prompt log-probs of ``rows`` (token ids, one prompt
+    each): the log-prob of each token given those before it, no sampling to speak of (one greedy token)."""
+    return {"model": model, "prompt": rows, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
+            "skip_special_tokens": False}
+
+
+def served_logprobs(response: dict[str, Any], rows: list[tuple[list[int], int]], width: int) -> Tensor:
+    """Float32 ``[B, width]``: for each row, the log-prob the answer gives each response token (the
+    prompt log-prob at its position, looked up by its id), 0 past the row's attended tokens."""
+    out = torch.zeros(len(rows), width, dtype=torch.float32)
+    choices = sorted(response["choices"], key=lambda c: c["index"])
+    if len(choices) != len(rows):
+        raise ValueError(f"the teacher answered {len(choices)} choices for {len(rows)} prompts")
+    for b, ((ids, n_prompt), choice) in enumerate(zip(rows, choices, strict=True)):
+        entries = choice.get("prompt_logprobs")
+        if entries is None or len(entries) < len(ids):
+            raise ValueError("the teacher's answer has no prompt_logprobs for every token (a vLLM without "
+                             "prompt_logprobs on /v1/completions?)")
+        for j, position in enumerate(range(n_prompt, len(ids))):
+            out[b, j] = float(entries[position][str(ids[position])]["logprob"])
+    return out
+
+
+@dataclass
+class ServedTeacher:
+    """A teacher on a vLLM server at ``url`` (see the module docstring): checked before any work
+    (:meth:`check`), then asked for the prompt log-probs of each micro-batch (:meth:`logprobs`)."""
+
+    url: str
+    server: Server = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+        self.server = Server(self.url)
+
+    @property
+    def name(self) -> str:
+        return self.url
+
+    def identify(self) -> str:
+        """The model id the server serves; ``ValueError`` in one line where nothing answers (after the
+        engine's retries) or what answers is not a vLLM server."""
+        try:
+            answer = self.server.request("v1/models", retries=RETRIES)
+            self.server.model = str(answer["data"][0]["id"])
+        except ServerDown as err:
+            raise ValueError(f"teacher {err.url} does not answer ({err.what}): {SERVE_TEACHER}, or fix --teacher") from None
+        except (ServerRefused, KeyError, IndexError, TypeError) as err:
+            raise ValueError(f"teacher {self.url} is not a vLLM server (GET /v1/models: {err}): point --teacher at "
+                             f"one; {SERVE_TEACHER}") from None
+        return self.server.model
+
+    def check(self, tokenizer: Any, policy: str) -> None:
+        """Before any work: a vLLM server answers at :attr:`url` and its ``/tokenize`` gives
+        :func:`probe_text` the ids the policy's tokenizer gives it; ``ValueError`` in one line otherwise."""
+        model = self.identify()
+        text = probe_text(tokenizer)
+        try:
+            answer = self.server.request("tokenize", {"model": model, "prompt": text, "add_special_tokens": False},
+                                         retries=RETRIES)
+        except (ServerDown, ServerRefused) as err:
+            raise ValueError(f"teacher {self.url}: its tokenizer cannot be compared with policy {policy!r}'s "
+                             f"(POST /tokenize: {err}); {SERVE_TEACHER}") from None
+        ids, theirs = tokenizer.encode(text, add_special_tokens=False), list(answer.get("tokens", []))
+        if ids != theirs:
+            raise teacher_mismatch(f"{self.url} ({model})", policy,
+                                   f"{text!r} is {ids} for the policy but {theirs} for the teacher")
+
+    def logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
+        """The teacher's log-probs ``[B, T]`` of ``action`` (on its device), 0 past each row's attended
+        tokens: one ``/v1/completions`` request of the micro-batch's rows, retried as the engine's
+        completions are; :class:`~textrl.generation.base.EngineFailed` naming the teacher when it is down
+        or refuses (the run saves its last finished iteration)."""
+        if self.server.model is None:
+            self.identify()
+        rows = row_tokens(input_ids.cpu(), attention_mask.cpu(), prompt_len)
+        body = prompt_logprob_request(self.server.model, [ids for ids, _ in rows])
+        try:
+            answer = self.server.request("v1/completions", body, timeout=completion_budget(sum(len(r) for r, _ in rows)),
+                                         retries=RETRIES)
+        except (ServerDown, ServerRefused) as err:
+            raise EngineFailed(f"teacher {err}: on-policy distillation cannot score this rollout; {SERVE_TEACHER} "
+                               "again, then --resume") from None
+        return served_logprobs(answer, rows, action.shape[1]).to(action.device)
+
+
+__all__ = ["PROBE", "LoadedTeacher", "ServedTeacher", "check_teacher_tokenizer", "is_served", "load_teacher",
+           "prompt_logprob_request", "row_tokens", "served_logprobs", "teacher_mismatch", "tokenizer_difference"]
