@@ -623,15 +623,17 @@ def test_a_url_that_is_not_a_vllm_server_is_refused_before_the_warm_up(tmp_path,
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("learners, k", [(["--fsdp"], 1), ([], 2)], ids=["fsdp-k1", "data_parallel-k2"])
+@pytest.mark.parametrize("learners, k, used", [(["--fsdp"], 1, 2), ([], 2, 2), (["--zero-stage", "2"], 1, 1)],
+                         ids=["fsdp-k1", "data_parallel-k2", "zero2-k1"])
 def test_served_asynchronous_rollouts_in_two_trainer_processes_are_dealt_by_one_actor(tmp_path, folder, servers,
-                                                                                      learners, k):
-    """--max-staleness K under torchrun with two servers, FSDP2 or data-parallel learners: the learners
-    hand the main process's actor the weights whole after each update (FSDP2: a gather), which draws
-    every batch whole from the servers (one weight push per change) and deals each process its share;
-    the rollouts are up to K updates behind, the servers' log-probs of the first one the learner's,
-    and a resume continues with the checkpoint's rollouts queued and in flight."""
-    out = tmp_path / "run"
+                                                                                      learners, k, used):
+    """--max-staleness K under torchrun with ``used`` servers, FSDP2, data-parallel or ZeRO-2 learners:
+    the learners hand the main process's actor the weights whole after each update (FSDP2: a gather;
+    ZeRO-2 holds them whole on every process), which draws every batch whole from the servers (one
+    weight push per change) and deals each process its share; the rollouts are up to K updates behind,
+    the servers' log-probs of the first one the learner's, and a resume continues with the
+    checkpoint's rollouts queued and in flight."""
+    out, servers = tmp_path / "run", servers[:used]
     options = ["--max-staleness", str(k), "--eval-every", "2", *learners]
     train(out, folder, servers, "--iterations", "2", *options, processes=2)
     train(out, folder, servers, "--iterations", "3", *options, "--resume", processes=2)
