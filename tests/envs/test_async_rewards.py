@@ -100,8 +100,17 @@ def io_reward(gauge: Gauge):
     return judge
 
 
+THREADS: list[str] = []
+"""The threads the composite's plain component ran in."""
+
+
+def length(prompts, completions, **kwargs):
+    THREADS.append(threading.current_thread().name)
+    return [float(len(t)) for t in completions]
+
+
 def composite(judge):
-    return CompositeReward({"judge": (judge, 0.5), "length": lambda p, c, **kw: [float(len(t)) for t in c]})
+    return CompositeReward({"judge": (judge, 0.5), "length": length})
 
 
 def agent_like(model, tok, max_new_tokens=6):
@@ -170,7 +179,9 @@ def runs(env_of, batch, tok, model, **settings):
                                reward_concurrency=LIMIT, **settings)
         assert (runner.pool is not None) == (kind != "plain")
         generate, timings = agent_like(model, tok), {}
+        THREADS.clear()
         out.append(runner.run(generate, batch, timings=timings))
+        assert set(THREADS) == {threading.main_thread().name}  # a plain component stays in the loop's thread
         calls.append(generate.calls)
         gauges.append(gauge)
         assert ("reward_calls" in timings) == (kind != "plain")
@@ -215,7 +226,7 @@ def test_a_background_reward_that_raises_is_named_where_the_scores_are_needed(to
                            generation_batch_size=G, reward_concurrency=LIMIT)
     with pytest.raises(RewardError, match=r"reward 'judge' raised ConnectionError: the judge hung up") as err:
         runner.run(agent_like(model, tok), batch)
-    assert "the call scored the batch's rows [6, 7] in the background" in str(err.value)  # its group's rows
+    assert "the call scored the batch's rows [6, 7]" in str(err.value)  # its group's rows
     assert gauge.now == 0  # no call left running behind the error
 
 
@@ -291,3 +302,34 @@ def test_an_asynchronous_run_with_a_background_reward_is_the_run_with_it_in_the_
     for a, b in zip(rows["plain"], rows["io"]):
         same = {k for k in a if not k.startswith(("time/", "perf/")) and "per_second" not in k and "memory" not in k}
         assert {k: a[k] for k in same} == {k: b[k] for k in same}
+
+
+class OwnComponents:
+    """A does_io reward that reports components of its own (``components`` and ``weights``): it
+    cannot be split, so it is scored whole in the background."""
+
+    does_io = True
+    weights = {"a": 1.0, "b": 2.0}
+
+    def components(self, prompts, completions, **kwargs):
+        a = torch.tensor([float(len(c) % 5) for c in completions])
+        b = torch.tensor([float(len(c) % 2) for c in completions])
+        THREADS.append(threading.current_thread().name)
+        return a + 2 * b, {"a": a, "b": b}
+
+    def __call__(self, prompts, completions, **kwargs):
+        return self.components(prompts, completions, **kwargs)[0]
+
+
+def test_a_reward_with_components_of_its_own_is_scored_whole_in_the_background(tok, model):
+    batch = grouped(tok, make_digits_task(4, seed=3))
+    sync = EpisodeRunner(composite(plain), tokenizer=tok, max_new_tokens=6).run(agent_like(model, tok), batch)
+    THREADS.clear()
+    td = {}
+    for name, kwargs in (("loop", {}), ("background", {"generation_batch_size": G, "reward_concurrency": LIMIT})):
+        runner = EpisodeRunner(OwnComponents(), tokenizer=tok, max_new_tokens=6, **kwargs)
+        td[name] = runner.run(agent_like(model, tok), batch)
+    assert runner.background is None and runner.pool is not None
+    same_rollouts(td["loop"], td["background"])
+    assert torch.equal(td["loop"].get(KEYS.action), sync.get(KEYS.action))
+    assert any(t != threading.main_thread().name for t in THREADS)  # the background run's calls

@@ -46,7 +46,16 @@ from textrl.envs.fast_path import (
 from textrl.envs.watchdog import NOTICE_AFTER, CallWatch
 from textrl.keys import KEYS
 from textrl.rewards import RewardError, overlapped
-from textrl.rewards.background import DEFAULT_CONCURRENCY, RewardPool, check_concurrency, results
+from textrl.rewards.background import (
+    DEFAULT_CONCURRENCY,
+    RewardPool,
+    answers,
+    background_functions,
+    check_concurrency,
+    replayed,
+    results,
+)
+from textrl.rewards.base import AnsweredRewardError
 
 Generate = Callable[[Tensor, Tensor], "Tensor | tuple[Tensor, Tensor | None]"]
 """``generate(input_ids int64 [n, L], attention_mask bool [n, L]) -> int64 [n, T]``: one sampled
@@ -127,6 +136,9 @@ class EpisodeRunner:
         check_concurrency(reward_concurrency)
         self.pool = RewardPool(reward_concurrency) if overlapped(self.reward_fn) else None
         """Where the final reward runs when it is scored in the background (None: in the loop)."""
+        self.background = background_functions(self.reward_fn) if self.pool is not None else {}
+        """The reward's functions scored in the background, by name (None: a reward that reports
+        components of its own, scored whole in the background)."""
         self.turn = 0
         """The 0-based turn :meth:`run` is generating (its ``generate`` may be called several times a
         turn, one part each: a caller that draws each turn with other weights reads it)."""
@@ -216,25 +228,42 @@ class EpisodeRunner:
     def _score_ended(self, states: list[EpisodeState], rows: list[int], pending: list[tuple[list[int], list[Any]]],
                      scoring: set[int]) -> None:
         """Start the final reward of the ended episodes ``rows`` on the pool, in up to
-        ``reward_concurrency`` calls split between prompt groups (:func:`reward_parts`; decoded
-        here, in the loop's thread); their futures go to ``pending``."""
+        ``reward_concurrency`` calls split between prompt groups (:func:`reward_parts`); their
+        futures go to ``pending``. Each call runs the reward's background functions
+        (:func:`textrl.rewards.background.answers`; a reward that cannot be split, whole), on
+        arguments built here, in the loop's thread (the tokenizer is not shared)."""
         for part in reward_parts(rows, [states[b].episode.index for b in rows], self.pool.concurrency):
-            calls = self.dynamics.reward_calls([states[b] for b in part], self.reward_fn)
-            pending.append((part, [self.pool.submit(functools.partial(placed, call, [part[i] for i in within]))
-                                   for within, call in calls]))
+            ended = [states[b] for b in part]
+            if self.background is None:  # scored whole
+                calls = [functools.partial(call) for _, call in self.dynamics.reward_calls(ended, self.reward_fn)]
+            else:
+                calls = [functools.partial(answers, self.background, *arguments)
+                         for arguments in self.dynamics.reward_arguments(ended)]
+            pending.append((part, [self.pool.submit(call) for call in calls]))
         scoring.update(rows)
 
     def _taken(self, states: list[EpisodeState], pending: list[tuple[list[int], list[Any]]]
                ) -> tuple[Tensor, dict[str, Tensor], Tensor]:
-        """The background final rewards of every row, waited for in row order: ``(total [B],
-        components name -> [B], bad [B])`` as :meth:`EpisodeDynamics.final_scores` gives them for
-        the whole batch. A call's error is raised here (the first in order), the others cancelled."""
+        """The final rewards of every row, the background calls waited for in row order: ``(total
+        [B], components name -> [B], bad [B])`` as :meth:`EpisodeDynamics.final_scores` gives them
+        for the whole batch, each part scored here with the background functions' answers replayed
+        (:func:`textrl.rewards.background.replayed`) and the reward's other functions run. The first
+        error in order is raised here, naming the batch rows of its call, the other calls cancelled."""
         n = len(states)
         total, components, bad = torch.zeros(n), {}, torch.zeros(n, dtype=torch.bool)
         for rows, futures in pending:
-            scored = results(futures)
-            part_total, part_components, _, part_bad = self.dynamics.final_scores(
-                [states[b] for b in rows], self.reward_fn, scored=scored)
+            try:
+                got = results(futures)
+                ended = [states[b] for b in rows]
+                if self.background is None:
+                    part_total, part_components, _, part_bad = self.dynamics.final_scores(
+                        ended, self.reward_fn, scored=got)
+                else:
+                    part_total, part_components, _, part_bad = self.dynamics.final_scores(
+                        ended, self.reward_fn, fns=[replayed(self.reward_fn, answer) for answer in got])
+            except RewardError as err:
+                raise AnsweredRewardError(f"{err}; the call scored the batch's rows {rows} (the rows named above are "
+                                          "positions among them)") from err
             index = torch.tensor(rows)
             total[index], bad[index] = part_total, part_bad
             for name, value in part_components.items():
@@ -323,16 +352,6 @@ class EpisodeRunner:
         if self.reward_nonfinite != "raise":  # NaN/inf rewards counted as 0: flagged, or dropped
             td = flag_nonfinite(td, nonfinite, self.reward_nonfinite)
         return check_rollout(td.to(device))
-
-
-def placed(call: Callable[[], Any], rows: list[int]) -> Any:
-    """``call()``; its :class:`textrl.rewards.RewardError` raised again naming the batch rows the call
-    scored (``rows``): the rows a reward's error names are positions within its call."""
-    try:
-        return call()
-    except RewardError as err:
-        raise RewardError(f"{err}; the call scored the batch's rows {rows} in the background (the rows "
-                          "named above are positions among them)") from err
 
 
 def reward_parts(rows: list[int], groups: list[int], concurrency: int) -> list[list[int]]:

@@ -33,6 +33,7 @@ from textrl.envs.environment import (
 from textrl.envs.fast_path import (
     NONFINITE_POLICIES,
     place_score,
+    reward_arguments,
     reward_component_names,
     score_completions,
 )
@@ -257,7 +258,7 @@ class EpisodeDynamics:
         return [TURN_REWARDS, *names] if self.multi_turn else names
 
     def final_scores(self, states: Sequence[EpisodeState], reward_fn: Callable[..., Any] | None,
-                     scored: Sequence[Any] | None = None,
+                     scored: Sequence[Any] | None = None, fns: Sequence[Callable[..., Any]] | None = None,
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str], torch.Tensor]:
         """The final reward of finished episodes on their agent tokens, by
         :func:`textrl.envs.fast_path.score_completions`: ``(total float32 [n], components name ->
@@ -267,13 +268,14 @@ class EpisodeDynamics:
         messages after the prompt as its completion); each kind is scored in its own call, so a
         row's score never depends on the rows beside it. Multi-turn episodes also report the sum
         of their turn rewards (``TURN_REWARDS``). ``scored``: the answers of :meth:`reward_calls`'s
-        calls, in their order, where the caller ran them (in the background); else they run here."""
+        calls, in their order, where the caller ran them (in the background); else they run here,
+        with ``fns`` (one reward per call, as :meth:`reward_calls` takes them) where given."""
         n = len(states)
         completions = self.tokenizer.batch_decode([s.agent_tokens for s in states], skip_special_tokens=True)
         total, components = torch.zeros(n), {}
         bad = torch.tensor([s.bad_reward for s in states], dtype=torch.bool)
         if reward_fn is not None:
-            calls = self.reward_calls(states, reward_fn, completions)
+            calls = self.reward_calls(states, reward_fn, completions, fns)
             answers = [call() for _, call in calls] if scored is None else list(scored)
             for (rows, _), scores in zip(calls, answers):
                 index = torch.tensor(rows)
@@ -287,33 +289,47 @@ class EpisodeDynamics:
             components = {TURN_REWARDS: turn_sums, **components}
         return total, components, completions, bad
 
-    def reward_calls(self, states: Sequence[EpisodeState], reward_fn: Callable[..., Any],
-                     completions: Sequence[str] | None = None) -> list[tuple[list[int], Callable[[], Any]]]:
-        """The final reward's calls over finished episodes, one per kind of row (plain,
-        conversational): ``(the rows' indices in states, a call -> Scores)``. Everything that reads
-        the tokenizer (the decoded completions) is done here, so a call may run in another thread."""
-        if completions is None:
-            completions = self.tokenizer.batch_decode([s.agent_tokens for s in states], skip_special_tokens=True)
+    def _kinds(self, states: Sequence[EpisodeState]) -> dict[bool, list[int]]:
+        """The rows of each kind (conversational or not), each kind scored in a call of its own."""
         kinds: dict[bool, list[int]] = {}
         for i, s in enumerate(states):
             kinds.setdefault(self.multi_turn or "messages" in s.episode.row, []).append(i)
+        return kinds
+
+    def reward_calls(self, states: Sequence[EpisodeState], reward_fn: Callable[..., Any],
+                     completions: Sequence[str] | None = None, fns: Sequence[Callable[..., Any]] | None = None,
+                     ) -> list[tuple[list[int], Callable[[], Any]]]:
+        """The final reward's calls over finished episodes, one per kind of row (plain,
+        conversational): ``(the rows' indices in states, a call -> Scores)``. Everything that reads
+        the tokenizer (the decoded completions) is done here, so a call may run in another thread.
+        ``fns``: the reward each call scores with, in their order (default ``reward_fn``)."""
+        if completions is None:
+            completions = self.tokenizer.batch_decode([s.agent_tokens for s in states], skip_special_tokens=True)
         calls = []
-        for conversational, rows in kinds.items():
+        for k, (conversational, rows) in enumerate(self._kinds(states).items()):
+            fn = reward_fn if fns is None else fns[k]
             where = sorted({states[i].episode.index for i in rows})
             shown = ", ".join(map(str, where[:8])) + (" ..." if len(where) > 8 else "")
             label = f"environment {env_name(self.env)!r} reward on row(s) {shown}"
             part, texts = [states[i] for i in rows], [completions[i] for i in rows]
 
             def call(label: str = label, part: list[EpisodeState] = part, texts: list[str] = texts,
-                     conversational: bool = conversational) -> Any:
+                     conversational: bool = conversational, fn: Callable[..., Any] = fn) -> Any:
                 with self.watch(label):
-                    return self._score(part, reward_fn, conversational, texts)
+                    return self._score(part, fn, conversational, texts)
 
             calls.append((rows, call))
         return calls
 
     def _score(self, states: Sequence[EpisodeState], reward_fn: Callable[..., Any], conversational: bool,
                texts: Sequence[str] | None = None) -> Any:
+        return score_completions(reward_fn, **self._score_inputs(states, conversational, texts),
+                                 nonfinite=self.reward_nonfinite)
+
+    def _score_inputs(self, states: Sequence[EpisodeState], conversational: bool,
+                      texts: Sequence[str] | None = None) -> dict[str, Any]:
+        """:func:`score_completions`'s arguments for finished episodes (all but the reward and the
+        nonfinite policy)."""
         ids = [s.agent_tokens for s in states]
         width = max(1, max(len(t) for t in ids))
         tokens = torch.zeros((len(ids), width), dtype=torch.long)
@@ -322,14 +338,25 @@ class EpisodeDynamics:
             tokens[i, : len(t)] = torch.tensor(t, dtype=torch.long)
             mask[i, : len(t)] = True
         names = list(dict.fromkeys(k for s in states for k in s.fields))
-        return score_completions(
-            reward_fn, [s.prompt_text for s in states], tokens, mask, tokenizer=self.tokenizer,
+        return dict(
+            prompts=[s.prompt_text for s in states], responses=tokens, mask=mask, tokenizer=self.tokenizer,
             truncated=torch.tensor([s.end != DONE for s in states]),
             fields={k: [s.fields.get(k) for s in states] for k in names},
             conversations=[s.episode.messages[: s.episode.prompt_messages] for s in states] if conversational else None,
             completion_messages=[s.episode.completions for s in states] if self.multi_turn else None,
-            nonfinite=self.reward_nonfinite, texts=texts,
+            texts=texts,
         )
+
+    def reward_arguments(self, states: Sequence[EpisodeState]) -> list[tuple[list[Any], list[Any], dict[str, Any]]]:
+        """What the final reward's calls over finished episodes (:meth:`reward_calls`, one per kind
+        of row, in their order) call each reward function with: ``(prompts, completions, batch
+        fields)``, built here (the tokenizer read in this thread)."""
+        completions = self.tokenizer.batch_decode([s.agent_tokens for s in states], skip_special_tokens=True)
+        out = []
+        for conversational, rows in self._kinds(states).items():
+            inputs = self._score_inputs([states[i] for i in rows], conversational, [completions[i] for i in rows])
+            out.append(reward_arguments(**inputs)[:3])
+        return out
 
     def placed(self, s: EpisodeState, final: torch.Tensor, width: int, placement: str) -> torch.Tensor:
         """Per-token rewards float32 ``[width]`` of a finished episode (as the collector places

@@ -211,6 +211,37 @@ def score_completions(
     """
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"reward_nonfinite={nonfinite!r}: must be one of {NONFINITE_POLICIES}")
+    reward_prompts, reward_completions, kwargs, completions = reward_arguments(
+        prompts, responses, mask, tokenizer=tokenizer, truncated=truncated, fields=fields,
+        conversations=conversations, completion_messages=completion_messages, texts=texts)
+    allow = {"allow_nonfinite": True} if nonfinite != "raise" else {}
+    total, raw, applies = _evaluate(reward_fn, reward_prompts, reward_completions, allow, kwargs)
+    total = total.detach().to(torch.float32).cpu()
+    raw = {k: v.detach().to(torch.float32).cpu() for k, v in raw.items()}
+    bad = ~torch.isfinite(total)
+    if nonfinite == "raise":
+        if bool(bad.any()):
+            raise RewardError(f"reward {reward_name(reward_fn)!r} produced a non-finite weighted total")
+        return Scores(total, raw, completions)
+    zero = torch.zeros((), dtype=torch.float32)
+    raw = {k: torch.where(applies[k].cpu() & ~torch.isfinite(v), zero, v) for k, v in raw.items()}
+    return Scores(torch.where(bad, zero, total), raw, completions, nonfinite=bad)
+
+
+def reward_arguments(
+    prompts: Sequence[str],
+    responses: Tensor,
+    mask: Tensor,
+    *,
+    tokenizer: Any,
+    truncated: Tensor | None = None,
+    fields: Mapping[str, Sequence[Any]] | None = None,
+    conversations: Sequence[Sequence[Mapping[str, Any]]] | None = None,
+    completion_messages: Sequence[Sequence[Mapping[str, Any]]] | None = None,
+    texts: Sequence[str] | None = None,
+) -> tuple[list[Any], list[Any], dict[str, Any], list[str]]:
+    """What :func:`score_completions` calls the reward functions with, for the same arguments:
+    ``(prompts, completions, batch fields, decoded completions)`` (TRL's two forms: see there)."""
     if responses.dim() != 2 or mask.shape != responses.shape:
         raise ValueError(
             f"responses {tuple(responses.shape)} and mask {tuple(mask.shape)} must both be [B, T]"
@@ -236,18 +267,7 @@ def score_completions(
     reward_prompts, reward_completions = _reward_inputs(
         prompts, list(completions), conversations, completion_messages
     )
-    allow = {"allow_nonfinite": True} if nonfinite != "raise" else {}
-    total, raw, applies = _evaluate(reward_fn, reward_prompts, reward_completions, allow, kwargs)
-    total = total.detach().to(torch.float32).cpu()
-    raw = {k: v.detach().to(torch.float32).cpu() for k, v in raw.items()}
-    bad = ~torch.isfinite(total)
-    if nonfinite == "raise":
-        if bool(bad.any()):
-            raise RewardError(f"reward {reward_name(reward_fn)!r} produced a non-finite weighted total")
-        return Scores(total, raw, completions)
-    zero = torch.zeros((), dtype=torch.float32)
-    raw = {k: torch.where(applies[k].cpu() & ~torch.isfinite(v), zero, v) for k, v in raw.items()}
-    return Scores(torch.where(bad, zero, total), raw, completions, nonfinite=bad)
+    return reward_prompts, reward_completions, kwargs, list(completions)
 
 
 def _evaluate(

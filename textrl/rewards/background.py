@@ -2,9 +2,12 @@
 
 A reward that waits on I/O (``async def``, or declared with ``does_io = True``:
 :func:`textrl.rewards.base.overlapped`) need not hold the training loop: the episode runner
-(:class:`textrl.envs.collector.EpisodeRunner`) hands each finished micro-batch's reward calls to a
-:class:`RewardPool` and generation of the next micro-batch goes on; it takes the results, in row
-order, when the rollout is assembled. The pool runs at most ``concurrency`` calls at once (its
+(:class:`textrl.envs.collector.EpisodeRunner`) hands each finished micro-batch's calls of those
+functions (:func:`background_functions`, :func:`answers`) to a :class:`RewardPool` and generation of
+the next micro-batch goes on; when the rollout is assembled it scores the rows in the loop, in row
+order, with each background function replaced by the :class:`Replay` of its answer
+(:func:`replayed`): the other functions of a composite (rules, an in-process reward model) run in
+the loop as before, and every rule of the scoring path applies as it would have. The pool runs at most ``concurrency`` calls at once (its
 threads; an ``async`` reward's coroutine runs to its end on an event loop of its thread), counts
 the seconds its calls ran (``time/reward_calls_s``) and hands a call's exception back to whoever
 takes its result (:func:`results`), so the error surfaces where the loop needs the scores.
@@ -17,6 +20,17 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
+
+from torch import Tensor
+
+from textrl.rewards.base import (
+    AnsweredRewardError,
+    RewardError,
+    evaluate_reward,
+    overlapped,
+    reward_name,
+)
+from textrl.rewards.composite import CompositeReward
 
 DEFAULT_CONCURRENCY = 8
 """Reward calls in flight at once by default (``--reward-concurrency``)."""
@@ -70,6 +84,66 @@ class RewardPool:
             self._pool = None
 
 
+def background_functions(fn: Any) -> dict[str, Any] | None:
+    """The functions of reward ``fn`` scored in the background, by the name it reports them under:
+    a :class:`CompositeReward`'s components that are ``async`` or ``does_io`` (the others are scored
+    in the loop, as they always were), or ``fn`` itself when it is a plain function that is; ``{}``
+    when none is. None for another object that reports components of its own (``components`` and
+    ``weights``): it cannot be split, and is scored whole in the background when it overlaps."""
+    if isinstance(fn, CompositeReward):
+        return {name: f for name, f in fn.functions.items() if overlapped(f)}
+    if callable(getattr(fn, "components", None)) and hasattr(fn, "weights"):
+        return None
+    return {reward_name(fn): fn} if overlapped(fn) else {}
+
+
+def answers(functions: dict[str, Any], prompts: list[Any], completions: list[Any],
+            kwargs: dict[str, Any]) -> dict[str, tuple[Tensor, Tensor] | Exception]:
+    """Each function's ``(scores float32 [B], applies bool [B])`` by :func:`evaluate_reward` (NaN/inf
+    let through: the loop applies its policy when it replays them), or the exception it ended with
+    (a :class:`RewardError` named as the loop would name it)."""
+    out: dict[str, tuple[Tensor, Tensor] | Exception] = {}
+    for name, fn in functions.items():
+        try:
+            out[name] = evaluate_reward(fn, prompts, completions, allow_nonfinite=True, **kwargs)
+        except Exception as err:  # raised again where the scores are needed (Replay)
+            out[name] = err
+    return out
+
+
+class Replay:
+    """A reward function that answers with what a background call got (``answer``: scores and
+    applies flags, or the exception), under the name it ran under: the loop scores the same rows
+    with it in the background function's place, so its rules (None, NaN/inf, the weighted total)
+    apply exactly as to the function itself."""
+
+    def __init__(self, name: str, answer: tuple[Tensor, Tensor] | Exception) -> None:
+        self.name, self.answer = name, answer
+
+    def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
+        if isinstance(self.answer, RewardError):
+            raise AnsweredRewardError(str(self.answer)) from self.answer
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        scores, applies = self.answer
+        if len(completions) != scores.shape[0]:
+            raise RuntimeError(f"reward {self.name!r} answered {scores.shape[0]} rows in the background and is "
+                               f"asked for {len(completions)}: the rows of a call changed")
+        return [float(v) if a else None for v, a in zip(scores.tolist(), applies.tolist())]
+
+
+def replayed(fn: Any, answer: dict[str, tuple[Tensor, Tensor] | Exception]) -> Any:
+    """Reward ``fn`` with each background function (:func:`background_functions`) replaced by its
+    :class:`Replay` of ``answer``: a :class:`CompositeReward` of the same names, weights and order,
+    or the replay itself for a plain function."""
+    if isinstance(fn, CompositeReward):
+        weights = fn.weights
+        return CompositeReward({name: (Replay(name, answer[name]) if name in answer else f, weights[name])
+                                for name, f in fn.functions.items()})
+    (name,) = answer
+    return Replay(name, answer[name])
+
+
 def results(futures: Sequence[Future[Any]]) -> list[Any]:
     """Each future's result, in order. When one raised, the calls not yet started are cancelled,
     the running ones are waited for (none is left writing behind the caller's back), and the
@@ -87,4 +161,5 @@ def results(futures: Sequence[Future[Any]]) -> list[Any]:
     return out
 
 
-__all__ = ["DEFAULT_CONCURRENCY", "RewardPool", "check_concurrency", "results"]
+__all__ = ["DEFAULT_CONCURRENCY", "Replay", "RewardPool", "answers", "background_functions", "check_concurrency",
+           "replayed", "results"]

@@ -79,6 +79,11 @@ class RewardError(ValueError):
     """A reward function that raised or returned something other than finite float ``[B]``."""
 
 
+class AnsweredRewardError(RewardError):
+    """A :class:`RewardError` already named where the reward ran (a background call's, raised again
+    where the loop needs the scores): :func:`evaluate_reward` lets it through as it is."""
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -470,8 +475,8 @@ def evaluate_reward(
     name = reward_name(fn)
     try:
         out = invoke(fn, list(prompts), list(completions), kwargs)
-    except EngineFailed:  # a served reward's server is gone: the run saves its last finished iteration
-        raise
+    except (EngineFailed, AnsweredRewardError):  # a served reward's server is gone: the run saves its last
+        raise  # finished iteration; an error named in the background: as it was
     except (Exception, SystemExit) as err:  # a reward's sys.exit must not end the run half written
         raise _raised(fn, name, err, list(prompts), list(completions), kwargs) from err
     scores, applies = _as_scores(out, name, n)
@@ -524,6 +529,7 @@ __all__ = [
     "Completion",
     "Message",
     "Prompt",
+    "AnsweredRewardError",
     "RewardError",
     "RewardFn",
     "batch_field",
