@@ -268,3 +268,12 @@ def test_a_run_trains_on_a_served_reward_and_a_judge_and_stops_at_a_dead_one(rm_
     message = str(stop.value)
     assert f"reward_model server {rm_url}: POST /classify: HTTP 503 (Service Unavailable) (4 tries)" in message, message
     assert latest_checkpoint(out).name.endswith("1") and len(metrics(out)) == 1
+
+
+def test_a_constrained_judge_asks_for_its_choices_only(judge_server):
+    httpd, url = judge_server
+    judge = get_reward(f"judge:{url}?choices=good=1;bad=0&constrain=true")
+    judge(["p"], ["good"])
+    assert httpd.state["requests"][-1][1]["structured_outputs"] == {"choice": ["good", "bad"]}
+    with pytest.raises(ValueError, match="constrain=true needs choices"):
+        get_reward(f"judge:{url}?pattern=\\d&constrain=true")

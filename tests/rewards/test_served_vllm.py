@@ -66,7 +66,7 @@ def servers(tmp_path_factory):
     started = [start(root / "rm", root / "rm.log", "--reward-model"), start(root / "judge", root / "judge.log")]
     try:
         for (proc, url), name in zip(started, ("rm", "judge")):
-            wait_until_serving(proc, url, root / f"{name}.log")
+            wait_until_serving(proc, url, root / f"{name}.log", timeout=600)  # two starting at once on a loaded CPU
         yield root / "rm", started[0][1], started[1][1]
     finally:
         for proc, _ in started:
@@ -112,3 +112,10 @@ def test_judge_verdicts_forced_by_an_echo_model(servers, tmp_path):
     b = load_tokenizer(str(servers[0])).convert_tokens_to_ids("B")
     chat = get_reward(f"judge:{url}?choices=a=1;b=0&max_tokens=1", request={"allowed_token_ids": [b]})
     assert chat(PROMPTS[:3], COMPLETIONS[:3]) == [0.0, 0.0, 0.0]
+
+    # constrained to its choices (vLLM's structured outputs), the echo's verdict (a newline) cannot be given
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", JudgeUnparsableWarning)
+        assert get_reward(f"judge:{url}?max_tokens=3")(PROMPTS[:3], COMPLETIONS[:3]) == [None, None, None]
+    constrained = get_reward(f"judge:{url}?max_tokens=3&constrain=true")
+    assert set(constrained(PROMPTS[:3], COMPLETIONS[:3])) <= {0.0, 1.0} and constrained.unparsable == 0

@@ -18,6 +18,9 @@ The verdict is parsed by
   is nothing) gives its score; the default, with the default template;
 - ``pattern``: a regular expression; its first match's group 1 (or the whole match) read as a number.
 
+With ``constrain=true`` the server may answer only a choice (vLLM's structured outputs), as its
+lower-cased words.
+
 A verdict that parses to nothing is *unparsable*: by default the judge does not apply to that row
 (None: NaN in ``reward_components/judge``, left out of the weighted total, counted in the run's
 ``reward_components/judge/applies``); ``unparsable=<number>`` gives it that score instead. Either
@@ -131,12 +134,14 @@ class JudgeReward:
         timeout: seconds a request is given before it is sent again.
         request: extra fields of every request body (vLLM's sampling options: ``stop``,
             ``allowed_token_ids``, ``structured_outputs``, ...).
+        constrain: the verdict constrained to the choices (vLLM's structured outputs, ``choice``):
+            no verdict is then unparsable, short of ``max_tokens`` cutting one.
     """
 
     does_io = True
     name = "judge"
     SETTINGS = {"template": "str", "choices": "str", "pattern": "str", "unparsable": "float", "max_tokens": "int",
-                "temperature": "float", "chat": "bool", "timeout": "float"}
+                "temperature": "float", "chat": "bool", "timeout": "float", "constrain": "bool"}
 
     def __init__(
         self,
@@ -151,6 +156,7 @@ class JudgeReward:
         chat: bool = True,
         timeout: float = 120.0,
         request: Mapping[str, Any] | None = None,
+        constrain: bool = False,
     ) -> None:
         if choices is not None and pattern is not None:
             raise ValueError("judge: give choices or pattern, not both (choices map verdict words to scores, a "
@@ -176,6 +182,10 @@ class JudgeReward:
         self.max_tokens, self.temperature, self.chat = max_tokens, float(temperature), bool(chat)
         self.timeout = float(timeout)
         self.request = dict(request or {})
+        if constrain:
+            if self.choices is None:
+                raise ValueError("judge: constrain=true needs choices (the verdicts the judge may answer), not a pattern")
+            self.request.setdefault("structured_outputs", {"choice": list(self.choices)})
         if "{answer}" in self.template:
             self.needs = ("answer",)
         self.server = Server(url.rstrip("/"))
