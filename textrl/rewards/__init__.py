@@ -1,4 +1,5 @@
-"""Reward functions: rule-based, neural (a reward model), composite, and a registry by name.
+"""Reward functions: rule-based, neural (a reward model, in this process or served), an LLM judge, composite,
+and a registry by name.
 
 A reward function is ``fn(prompts, completions, **kwargs) -> Tensor`` (float32 ``[B]``, or a
 list with None where it does not apply), called as TRL's ``GRPOTrainer`` calls its
@@ -31,6 +32,7 @@ from textrl.rewards.composite import (
     RewardBreakdown,
     combine_scores,
 )
+from textrl.rewards.judge import JudgeReward
 from textrl.rewards.neural import NeuralReward
 from textrl.rewards.penalties import length_penalty, missing_eos_penalty, repetition_penalty
 from textrl.rewards.registry import (
@@ -42,18 +44,21 @@ from textrl.rewards.registry import (
     register_reward,
 )
 from textrl.rewards.rules import accuracy_reward, tag_count_reward, think_format_reward
+from textrl.rewards.served import ServedReward
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
     "REWARDS",
     "REWARD_LOADERS",
     "CompositeReward",
+    "JudgeReward",
     "NeuralReward",
     "NoApplicableRewardWarning",
     "RewardBreakdown",
     "RewardError",
     "RewardFn",
     "RewardPool",
+    "ServedReward",
     "accuracy_reward",
     "call_reward",
     "check_reward_spec",
