@@ -3,6 +3,10 @@ mixed with the task's, the tokenizer rule and a dead served teacher (docs/reward
 
 from __future__ import annotations
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import pytest
 import torch
 
@@ -14,7 +18,7 @@ from textrl.config import TrainConfig
 from textrl.generation import vllm_server
 from textrl.generation.base import EngineFailed
 from textrl.keys import KEYS
-from textrl.models import build_tiny_causal_lm
+from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 from textrl.precision import frozen_copy
 
 
@@ -141,3 +145,45 @@ def test_served_answer_is_read_by_token_id():
     answer = {"choices": [{"index": 0, "prompt_logprobs": [
         None, {"6": {"logprob": -1.0}}, {"7": {"logprob": -2.5}, "9": {"logprob": -0.1}}, {"8": {"logprob": -0.5}}]}]}
     assert teachers.served_logprobs(answer, rows, 3).tolist() == [[-2.5, -0.5, 0.0]]
+
+
+class TeacherStub(BaseHTTPRequestHandler):
+    """A served teacher's two routes a check reads: its model, and token ids one off from the policy's."""
+
+    def log_message(self, *args):
+        pass
+
+    def _answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._answer({"data": [{"id": "stub-teacher"}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ids = build_tiny_tokenizer().encode(body["prompt"], add_special_tokens=False)
+        self._answer({"tokens": [i + self.server.shift for i in ids], "count": len(ids)})
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_a_served_teacher_is_checked_by_the_ids_of_the_probe(tok, shift):
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), TeacherStub)
+    httpd.shift = shift
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        if shift == 0:
+            ServedTeacher(url).check(tok, "tiny")
+            return
+        with pytest.raises(ValueError) as err:
+            check_teacher_tokenizer(TrainConfig(agent="grpo", teacher=url), tok, "tiny")
+        message = str(err.value)
+        assert message.startswith(f"teacher '{url} (stub-teacher)' has another tokenizer than policy 'tiny'")
+        assert "\n" not in message and "drop --teacher" in message
+    finally:
+        httpd.shutdown()
