@@ -131,3 +131,10 @@ def test_lora_dropout_is_refused_by_train():
         TrainConfig(lora_dropout=0.1, lora_r=4).validate()
     assert "\n" not in str(err.value)
     TrainConfig(lora_dropout=0.0, lora_r=4).validate()
+
+
+def test_a_critic_from_a_served_reward_model_is_refused():
+    """``critic_init='reward_model'`` copies the reward model's weights; a served one has none here."""
+    with pytest.raises(ValueError, match=r"--reward-model http://h:8002 is a server: give the model's folder") as err:
+        TrainConfig(agent="gae_ppo", critic_init="reward_model", reward_model="http://h:8002").validate()
+    assert "\n" not in str(err.value)
