@@ -45,7 +45,6 @@ FILES: dict[str, tuple[int, str]] = {
     "textrl/agents/base.py": (527, "PPOAgent: the agent every estimator shares"),
     "textrl/envs/torchrl_env.py": (468, "the TorchRL environment and its specs"),
     "textrl/envs/token_mdp.py": (462, "the Gymnasium token MDP"),
-    "textrl/envs/fast_path.py": (455, "single-turn rollouts without the environment loop"),
     "textrl/agents/build.py": (413, "building an agent from a config: models, precision, engines"),
 }
 """File -> (lines it may have, why it is over its limit)."""

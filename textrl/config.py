@@ -373,9 +373,8 @@ class TrainConfig:
     with an error naming the environment and the row (None: no limit). Either way a call running
     for a minute is named on stderr."""
     reward_concurrency: int = 8
-    """Reward calls in flight at once for a reward that is async or declares does_io = True: it is scored
-    in the background, each generation micro-batch's episodes while the next generates (docs/rewards.md,
-    "Asynchronous rewards"); other rewards are scored in the loop."""
+    """Reward calls in flight at once for an async or does_io reward, scored in the background while generation
+    goes on (docs/rewards.md, "Asynchronous rewards"); other rewards are scored in the loop."""
     max_nonfinite_updates: int = 3
     """Stop (with a checkpoint of the last good state) after this many consecutive skipped updates."""
     nonfinite_weights: str = "rollback"
@@ -544,10 +543,6 @@ def _check_choices(config: TrainConfig) -> None:
     check_choice("reward_nonfinite", config.reward_nonfinite, ("raise", "zero", "drop"))
     if config.env_timeout is not None:
         check_positive("env_timeout", config.env_timeout)
-    if isinstance(config.reward_concurrency, bool) or not isinstance(config.reward_concurrency, int) \
-            or config.reward_concurrency < 1:
-        raise ValueError(f"reward_concurrency={config.reward_concurrency!r}: must be an int >= 1, the reward calls in "
-                         "flight at once for an async or does_io reward (default 8)")
     check_choice("nonfinite_weights", config.nonfinite_weights, ("rollback", "stop"))
     check_choice("rollback_copy", config.rollback_copy, ("auto", "device", "host"))
     check_precision(config)
@@ -609,7 +604,7 @@ def _check_counts(config: TrainConfig) -> None:
     for name in ("iterations", "prompts_per_iteration", "n_samples_per_prompt", "max_new_tokens",
                  "generation_batch_size", "forward_batch_size", "ppo_epochs", "num_minibatches",
                  "gradient_accumulation_steps", "warmup_sft_batch_size",
-                 "kl_horizon", "keep_checkpoints", "lora_alpha", "max_nonfinite_updates"):
+                 "kl_horizon", "keep_checkpoints", "lora_alpha", "max_nonfinite_updates", "reward_concurrency"):
         check_at_least(name, getattr(config, name), 1)
     for name in ("eval_size", "warmup_sft_steps", "eval_every", "checkpoint_every",
                  "ref_refresh_every", "lr_warmup_steps", "top_k"):

@@ -459,9 +459,8 @@ def _set_up(config: TrainConfig, device: torch.device) -> PPORun:
     episodes = EpisodeRunner(
         env, tokenizer=tokenizer, eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id,
         max_new_tokens=config.max_new_tokens, max_episode_tokens=budget,
-        reward_placement=config.reward_placement, reward_nonfinite=config.reward_nonfinite,
-        env_timeout=config.env_timeout, generation_batch_size=config.generation_batch_size,
-        reward_concurrency=config.reward_concurrency,
+        reward_placement=config.reward_placement, reward_nonfinite=config.reward_nonfinite, env_timeout=config.env_timeout,
+        generation_batch_size=config.generation_batch_size, reward_concurrency=config.reward_concurrency,
     )
     sampler = PromptSampler(
         train_rows, tokenizer, prompts_per_batch=config.prompts_per_iteration,

@@ -260,8 +260,10 @@ def test_reward_concurrency_is_checked():
         with pytest.raises(ValueError, match=r"reward_concurrency=.*must be an int >= 1"):
             RewardPool(bad)
     for bad in (0, -1):
-        with pytest.raises(ValueError, match=r"reward_concurrency=.*must be an int >= 1"):
+        with pytest.raises(ValueError, match=rf"reward_concurrency={bad}: must be a number >= 1"):
             TrainConfig(reward_concurrency=bad).validate()
+    with pytest.raises(ValueError, match="reward_concurrency"):
+        TrainConfig(reward_concurrency=1.5).validate()
     assert TrainConfig().reward_concurrency == 8
 
 

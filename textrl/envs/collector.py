@@ -17,7 +17,6 @@ scored once per batch by :func:`textrl.envs.fast_path.score_completions`, the on
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import wait
 from typing import Any
@@ -27,6 +26,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from textrl.checks import check_rollout
+from textrl.envs.background_scores import start_scores, taken_scores
 from textrl.envs.environment import Environment, PromptTask, check_environment
 from textrl.envs.episodes import (
     DONE,
@@ -45,17 +45,13 @@ from textrl.envs.fast_path import (
 )
 from textrl.envs.watchdog import NOTICE_AFTER, CallWatch
 from textrl.keys import KEYS
-from textrl.rewards import RewardError, overlapped
+from textrl.rewards import overlapped
 from textrl.rewards.background import (
     DEFAULT_CONCURRENCY,
     RewardPool,
-    answers,
     background_functions,
     check_concurrency,
-    replayed,
-    results,
 )
-from textrl.rewards.base import AnsweredRewardError
 
 Generate = Callable[[Tensor, Tensor], "Tensor | tuple[Tensor, Tensor | None]"]
 """``generate(input_ids int64 [n, L], attention_mask bool [n, L]) -> int64 [n, T]``: one sampled
@@ -201,12 +197,12 @@ class EpisodeRunner:
                         elif drawn is not None:
                             keep_drawn([states[b] for b in part], [drawn[b] for b in part], starts, logp)
                         if self.pool is not None:
-                            self._score_ended(states, [b for b in part if states[b].end is not None], pending, scoring)
+                            start_scores(self, states, [b for b in part if states[b].end is not None], pending, scoring)
             with timed(timings, "reward", device):
                 if self.pool is None:
                     return self._rollout(batch, states, device, drawn)
-                self._score_ended(states, [b for b in range(len(states)) if b not in scoring], pending, scoring)
-                final = self._taken(states, pending)
+                start_scores(self, states, [b for b in range(len(states)) if b not in scoring], pending, scoring)
+                final = taken_scores(self, states, pending)
                 pending = []
                 return self._rollout(batch, states, device, drawn, final)
         finally:
@@ -224,51 +220,6 @@ class EpisodeRunner:
         if self.pool is None or self.generation_batch_size is None:
             return max(1, running)
         return self.generation_batch_size
-
-    def _score_ended(self, states: list[EpisodeState], rows: list[int], pending: list[tuple[list[int], list[Any]]],
-                     scoring: set[int]) -> None:
-        """Start the final reward of the ended episodes ``rows`` on the pool, in up to
-        ``reward_concurrency`` calls split between prompt groups (:func:`reward_parts`); their
-        futures go to ``pending``. Each call runs the reward's background functions
-        (:func:`textrl.rewards.background.answers`; a reward that cannot be split, whole), on
-        arguments built here, in the loop's thread (the tokenizer is not shared)."""
-        for part in reward_parts(rows, [states[b].episode.index for b in rows], self.pool.concurrency):
-            ended = [states[b] for b in part]
-            if self.background is None:  # scored whole
-                calls = [functools.partial(call) for _, call in self.dynamics.reward_calls(ended, self.reward_fn)]
-            else:
-                calls = [functools.partial(answers, self.background, *arguments)
-                         for arguments in self.dynamics.reward_arguments(ended)]
-            pending.append((part, [self.pool.submit(call) for call in calls]))
-        scoring.update(rows)
-
-    def _taken(self, states: list[EpisodeState], pending: list[tuple[list[int], list[Any]]]
-               ) -> tuple[Tensor, dict[str, Tensor], Tensor]:
-        """The final rewards of every row, the background calls waited for in row order: ``(total
-        [B], components name -> [B], bad [B])`` as :meth:`EpisodeDynamics.final_scores` gives them
-        for the whole batch, each part scored here with the background functions' answers replayed
-        (:func:`textrl.rewards.background.replayed`) and the reward's other functions run. The first
-        error in order is raised here, naming the batch rows of its call, the other calls cancelled."""
-        n = len(states)
-        total, components, bad = torch.zeros(n), {}, torch.zeros(n, dtype=torch.bool)
-        for rows, futures in pending:
-            try:
-                got = results(futures)
-                ended = [states[b] for b in rows]
-                if self.background is None:
-                    part_total, part_components, _, part_bad = self.dynamics.final_scores(
-                        ended, self.reward_fn, scored=got)
-                else:
-                    part_total, part_components, _, part_bad = self.dynamics.final_scores(
-                        ended, self.reward_fn, fns=[replayed(self.reward_fn, answer) for answer in got])
-            except RewardError as err:
-                raise AnsweredRewardError(f"{err}; the call scored the batch's rows {rows} (the rows named above are "
-                                          "positions among them)") from err
-            index = torch.tensor(rows)
-            total[index], bad[index] = part_total, part_bad
-            for name, value in part_components.items():
-                components.setdefault(name, torch.zeros(n))[index] = value
-        return total, components, bad
 
     def _contexts(self, sequences: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
         """Left-padded prompt + episode tokens of each row: int64 / bool ``[n, L]``."""
@@ -321,7 +272,7 @@ class EpisodeRunner:
 
         if final is None:
             final, components, _, nonfinite = self.dynamics.final_scores(states, self.reward_fn)
-        else:  # scored in the background (:meth:`_taken`)
+        else:  # scored in the background (:func:`textrl.envs.background_scores.taken_scores`)
             final, components, nonfinite = final
         rewards = torch.stack([self.dynamics.placed(s, final[i], t, self.reward_placement)
                                for i, s in enumerate(states)])  # [B, T]
@@ -352,28 +303,6 @@ class EpisodeRunner:
         if self.reward_nonfinite != "raise":  # NaN/inf rewards counted as 0: flagged, or dropped
             td = flag_nonfinite(td, nonfinite, self.reward_nonfinite)
         return check_rollout(td.to(device))
-
-
-def reward_parts(rows: list[int], groups: list[int], concurrency: int) -> list[list[int]]:
-    """``rows`` (ended episodes, in order) split into at most ``concurrency`` runs, each of whole
-    prompt groups (a run of consecutive rows with the same ``groups`` entry: a prompt's samples) and
-    of at least ``ceil(len(rows) / concurrency)`` rows, the last one excepted: the background
-    calls of one finished micro-batch.
-
-    >>> reward_parts([0, 1, 2, 3, 4, 5], [7, 7, 8, 8, 9, 9], 2)
-    [[0, 1, 2, 3], [4, 5]]
-    >>> reward_parts([0, 1, 2], [5, 5, 5], 4)
-    [[0, 1, 2]]
-    """
-    if not rows:
-        return []
-    least = -(-len(rows) // concurrency)
-    parts: list[list[int]] = [[]]
-    for i, row in enumerate(rows):
-        if len(parts[-1]) >= least and groups[i] != groups[i - 1]:
-            parts.append([])
-        parts[-1].append(row)
-    return parts
 
 
 def split_sampled(out: Tensor | tuple[Tensor, Tensor | None]) -> tuple[Tensor, Tensor | None]:

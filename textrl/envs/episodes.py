@@ -33,11 +33,11 @@ from textrl.envs.environment import (
 from textrl.envs.fast_path import (
     NONFINITE_POLICIES,
     place_score,
-    reward_arguments,
     reward_component_names,
     score_completions,
 )
 from textrl.envs.observations import append_observation, check_append_only
+from textrl.envs.reward_inputs import reward_arguments
 from textrl.envs.rows import row_messages, split_reference
 from textrl.envs.watchdog import CallWatch
 from textrl.keys import END_REASONS
