@@ -109,7 +109,9 @@ class LoadedTeacher:
     @torch.no_grad()
     def logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
         """The teacher's log-probs ``[B, T]`` of ``action`` (temperature 1: the run's, which ``--teacher``
-        requires)."""
+        requires); the teacher follows the policy's device where the agent was moved (``agent.to``)."""
+        if next(self.model.parameters()).device != input_ids.device:
+            self.model.to(input_ids.device)
         return self.forwards.logprobs(self.model, input_ids, attention_mask, prompt_len, action)
 
 
