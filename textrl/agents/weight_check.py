@@ -27,11 +27,11 @@ update's difference, a small forward beside the rollout's."""
 
 WEIGHT_GAP_BOUNDS = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 1e-2}
 """The bound of the mean absolute gap ``|logp_engine - logp_prefill|`` per token, by the dtype the
-forwards compute in (the autocast's, else the weights'). Measured with the ``textrl``, ``hf`` and
-``static`` engines on the CPU (``benchmarks/weight_gap.py``, docs/training.md): float32 noise is
-2e-7 to 3e-7 and an engine one update stale (GRPO, actor_lr 1e-5) is off by 3.5e-3 to 5e-3, so 1e-3
-sits 3,000x above the noise and 3.5x below that signal; bfloat16 autocast noise is 1.2e-4 to 6.2e-4
-on the CPU and larger with a GPU's kernels (unmeasured here), so its bound is 2e-2: an engine that
+forwards compute in (the autocast's, else the weights'). Set from the ``textrl``, ``hf`` and
+``static`` engines on the CPU (``benchmarks/weight_gap.py``; the figures: docs/benchmarks.md,
+"Weight check: an engine's log-probs against a prefill"): in float32, 1e-3 sits thousands of times
+above the noise and a few times below the gap of an engine one update stale; bfloat16 autocast
+noise is larger, and larger still with a GPU's kernels (not measured), so its bound is 2e-2: an engine that
 never receives the updates is stopped once the weights drifted that far, one stale update at a small
 learning rate is not seen."""
 

@@ -61,8 +61,8 @@ REASONING_GYM_TASKS: tuple[str, ...] = (
 )
 """reasoning-gym (0.1.25) tasks checked offline: they build with the network blocked, give the
 same items for the same seed, their scorer gives their own answer inside ``<answer>`` tags 1.0
-and a wrong answer less. Slow to generate (per item, one CPU core): knight_swap ~0.7 s,
-sokoban ~0.35 s, futoshiki ~0.3 s, zebra_puzzles ~0.2 s. Left out: ``composite`` (it needs a list
+and a wrong answer less. Slow to generate (per item): knight_swap, sokoban, futoshiki and
+zebra_puzzles (docs/benchmarks.md, "Environment set-up times"). Left out: ``composite`` (it needs a list
 of tasks as its settings), ``game_of_life_halting`` (its scorer gives any non-empty answer 1.0),
 ``list_functions`` (its items differ between two datasets of the same seed)."""
 
@@ -108,8 +108,8 @@ TEXTARENA_GAMES: tuple[str, ...] = (
     "TowerOfHanoi-v0-hard", "TowerOfHanoi-v0-hardcore", "TowerOfHanoi-v0-extreme",
 )
 """Single-player TextArena (0.7.4) games checked offline: they build and play with the network
-blocked, the same seed gives the same first observation, and they pay a numeric reward. Slow to
-set up (per game): Sudoku-v0-hard ~3.5 s, Sokoban-v0 ~0.3 s, RushHour-v0 ~0.25 s. Left out:
+blocked, the same seed gives the same first observation, and they pay a numeric reward. Slow to set up
+(per game): Sudoku-v0-hard, Sokoban-v0, RushHour-v0 (docs/benchmarks.md, "Environment set-up times"). Left out:
 games that download the NLTK word list at reset (Wordle, Hangman, SpellingBee, WordLadder,
 WordSearch, ...), that call an online model (TwentyQuestions, GuessWho, ...), that pay a string
 as their reward after an invalid move (Countdown, Cryptarithm, Slitherlink, ThreeCardMonte),
@@ -118,9 +118,9 @@ for two or more players."""
 
 TEXTARENA_SLOW_SETUP: dict[str, tuple[int, int]] = {"Sudoku-v0-hard": (48, 16)}
 """Default ``(size, eval_size)`` of the games whose set-up is slow (else 256 and 32): a
-Sudoku-v0-hard reset takes 0.1 to 10 s by seed (2.8 s on average on a busy 2-core CPU), so 288
-rows kept ``textrl train --env textarena:Sudoku-v0-hard`` setting up for over 15 minutes
-(benchmarks/env_sweep.py); 64 take about 3."""
+Sudoku-v0-hard reset takes seconds, so 256 + 32 rows kept ``textrl train --env
+textarena:Sudoku-v0-hard`` setting up for many minutes (benchmarks/env_sweep.py; the figures:
+docs/benchmarks.md, "Environment set-up times")."""
 
 TEXTARENA_DEFAULT_MAX_TURNS = 50
 """``max_turns`` of a TextArena game that sets no turn limit of its own (2048, Blackjack, ...)."""

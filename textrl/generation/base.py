@@ -161,9 +161,9 @@ def get_engine(name: str) -> GenerationEngine:
 AUTO: dict[str, str] = {"cuda": "textrl", "cpu": "textrl"}
 """``generation_engine='auto'``: the engine of a device type measured fastest in the trainer's own
 settings (``benchmarks/bench_generation.py``, docs/generation.md), ``hf`` for the others. On CUDA
-the ``textrl`` engine (its step compiled and captured as a CUDA graph: 6.3x ``hf`` at 114M
-parameters, 5.5x at 0.5B, on an H200); on the CPU the ``textrl`` engine too (the embedded default:
-1.22x ``hf``'s generation over 500 iterations, the same metrics and weights)."""
+the ``textrl`` engine (its step compiled and captured as a CUDA graph); on the CPU the ``textrl``
+engine too (the same metrics and weights as ``hf`` in the embedded default). How much faster, on
+an H200 and on the CPU: docs/benchmarks.md, "Generation engines"."""
 
 
 def engine_for(name: str, device: torch.device | str, *, partitions_weights: bool = False) -> GenerationEngine:

@@ -89,8 +89,9 @@ class DecodeEngine(GenerationEngine):
     ``attention_window``: a step attends to the cache's columns up to its own, rounded up to a multiple
     of this (the rest are masked: the same attention, fewer keys and values read), not to the whole
     width (None); on CUDA one graph is captured per window ("auto": 64 where the step runs eagerly,
-    the CPU; None where it is captured, CUDA: 1.09x faster there once captured, but each window is one
-    more compile and capture per cache width; docs/generation.md)."""
+    the CPU; None where it is captured, CUDA: faster there once captured, docs/benchmarks.md,
+    "Generation engines", but each window is one more compile and capture per cache width;
+    docs/generation.md)."""
 
     def __init__(self, share_prefixes: bool = True, check_every: int | None = None, carry_turns: bool = True,
                  static: bool = True, capture_graphs: bool = True, compile: bool | None = None,

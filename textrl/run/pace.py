@@ -4,9 +4,9 @@ one line when its iterations run far slower than its own first ones.
 Why: torch runs one OpenMP thread per core, and an OpenMP parallel region ends only when every
 thread has done its share. With one other busy process on a 2-core machine, one of the run's two
 threads waits for a core while the other spins at the region's barrier, at every matmul: the
-embedded default ran 4.4x slower (1.26 s an iteration against 0.29 s alone; up to tenfold on a
-machine with more load), while one thread would run it at 0.42 s. Waiting passively
-(``OMP_WAIT_POLICY=PASSIVE``) costs every region a wake-up instead: 0.50 s alone.
+embedded default ran several times slower than alone, while one thread would run it nearly as fast
+as alone. Waiting passively (``OMP_WAIT_POLICY=PASSIVE``) costs every region a wake-up instead,
+slower alone (the figures: docs/benchmarks.md, "A busy machine").
 
 So each iteration, :class:`Pace` reads how much CPU the other processes of the machine used
 (``/proc/stat`` less this process's own time, :func:`cores_used_elsewhere`) and, when the cores left
