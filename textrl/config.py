@@ -129,10 +129,8 @@ class TrainConfig:
     reward_model: str | None = None
     """Optional sequence-classification reward model (path, hub id or a vLLM server's URL), added as 'reward_model'."""
     teacher: str | None = None
-    """On-policy distillation's teacher: a causal LM (path or hub id) loaded in this process, frozen as the
-    reference is, or the URL of a vLLM server serving one (http://HOST:PORT); each agent token's reward
-    gets teacher_coef * (log teacher - log policy), minus the reverse KL to it; its tokenizer must be the
-    policy's. Without --reward the task reward is logged, not optimised (docs/rewards.md, "On-policy distillation")."""
+    """On-policy distillation's teacher, a model (path or hub id) or a vLLM server's URL: each agent token's reward gets
+    teacher_coef * (log teacher - log policy); alone without --reward (docs/rewards.md, "On-policy distillation")."""
     env: str | None = None
     """Environment: a registered id (`textrl envs` lists them), PATH.py:Class, reasoning_gym:TASK or
     textarena:ID (Python API: also an Environment); None: --dataset scored by --reward, or without
@@ -648,10 +646,6 @@ def _check_coefficients(config: TrainConfig) -> None:
         raise ValueError(f"dual_clip={config.dual_clip!r}: must be > 1 (or None to disable)")
     for name in ("vf_coef", "entropy_coef", "kl_coef", "teacher_coef", "kl_target", "ratio_threshold", "max_grad_norm"):
         check_at_least(name, getattr(config, name), 0.0)
-    if config.teacher is not None and config.temperature != 1.0:
-        raise ValueError(f"temperature={config.temperature:g}: on-policy distillation compares the policy's log-probs with "
-                         f"teacher {config.teacher!r}'s at temperature 1 (a served teacher's prompt log-probs are the raw "
-                         "ones); drop --temperature (1) with --teacher")
 
 
 def _check_lora(config: TrainConfig) -> None:

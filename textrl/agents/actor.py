@@ -35,6 +35,7 @@ from textrl.agents.forwards import (
     own_behaviour_logprobs,
     sequence_inputs,
 )
+from textrl.agents.teacher import load_teacher
 from textrl.agents.update import prefill_batches, real_tokens
 from textrl.agents.weight_check import (
     WEIGHT_CHECK_ROWS,
@@ -388,7 +389,7 @@ def build_actor(agent: Any) -> Actor:
     actor = Actor(agent.config, agent.policy, agent.ref_policy, agent.critic, agent.learner.forwards, engine, backend,
                   eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id, device=agent.device,
                   behaviour=None if own_behaviour_logprobs(agent) else agent.behaviour_logprobs,
-                  teacher=getattr(agent, "teacher", None))
+                  teacher=load_teacher(agent))
     if not int(getattr(config, "max_staleness", 0) or 0):  # an asynchronous run's actor starts an engine of its
         actor.start_engine()  # own (AsyncActor.of); the learner's is never called there, and stays unstarted
     return actor

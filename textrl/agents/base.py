@@ -52,7 +52,6 @@ from textrl.functional import (
     clipped_policy_loss,
     kl_penalty,
     kl_shaped_rewards,
-    reverse_kl_reward,
 )
 from textrl.keys import KEYS
 from textrl.kl_control import make_kl_controller
@@ -74,8 +73,6 @@ SHARED_OPTIONS = frozenset({
 the rollout correction's weights)."""
 POLICY_OBJECTIVE_OPTIONS = frozenset({"entropy_coef", "loss_aggregation", "kl_in", "kl_hinge", "clip_eps_high"})
 """Options of :meth:`PPOAgent.policy_objective` (the token-level clipped surrogate)."""
-TEACHER_OPTIONS = frozenset({"teacher", "teacher_coef"})
-"""Options of on-policy distillation (:meth:`PPOAgent.token_rewards`: the teacher's per-token reward)."""
 CRITIC_OPTIONS = frozenset({"critic_lr", "vf_coef", "critic_init", "critic"})
 """Options of an agent with a critic (:attr:`PPOAgent.needs_critic`)."""
 LORA_OPTIONS = frozenset({"lora_r", "lora_alpha", "lora_target_modules", "load_in_4bit"})
@@ -125,9 +122,6 @@ class PPOAgent(nn.Module):
     the warm-up pairs, the episode budget); None for an agent built directly."""
     warmup_record: dict[str, Any] | None = None
     """What the format warm-up did: ``asked_steps``, ``ran_steps``, ``reason`` (``summary.json``)."""
-    teacher: Any = None
-    """On-policy distillation's teacher (``--teacher``: :mod:`textrl.agents.teacher`, loaded or served;
-    not a submodule, so never in a checkpoint); None without one."""
 
     @classmethod
     def validate_config(cls, config: TrainConfig) -> None:
@@ -351,27 +345,6 @@ class PPOAgent(nn.Module):
         zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         return kl_shaped_rewards(td.get(SCORE), zeros, mask, 0.0, placement) + 0.0  # +0.0: no -0.0
 
-    def teacher_token_rewards(self, td: TensorDictBase) -> Tensor | None:
-        """On-policy distillation's reward per token ``[B, T]``: ``teacher_coef * (teacher_log_prob -
-        action_log_prob)`` on the agent's tokens (:func:`textrl.functional.reverse_kl_reward`, minus the
-        reverse KL to the teacher), 0 elsewhere; None without a teacher's log-probs in the rollout."""
-        teacher = td.get(KEYS.teacher_log_prob, None)
-        if teacher is None:
-            return None
-        return reverse_kl_reward(td.get(KEYS.action_log_prob), teacher, td.get(KEYS.mask), self.config.teacher_coef)
-
-    def token_rewards(self, td: TensorDictBase) -> Tensor:
-        """The reward per token the estimator shapes with the KL, ``[B, T]``: the task reward
-        (:meth:`task_token_rewards`) plus, with a teacher, :meth:`teacher_token_rewards`; the teacher's
-        alone when the run names no task reward (no ``--reward`` nor ``--reward-model``: the task's
-        score is still logged). Placed per token like the KL shaping: every agent token gets its own."""
-        distill = self.teacher_token_rewards(td)
-        if distill is None:
-            return self.task_token_rewards(td)
-        if distils_alone(self.config):
-            return distill
-        return self.task_token_rewards(td) + distill
-
     def estimate(self, td: TensorDictBase) -> None:  # pragma: no cover - abstract
         """Write ``("next","reward")``, ``advantage`` and ``value_target`` (``[B, T, 1]``)."""
         raise NotImplementedError
@@ -511,12 +484,6 @@ class PPOAgent(nn.Module):
         return result
 
 
-def distils_alone(config: TrainConfig) -> bool:
-    """Whether the run optimises the teacher's reward alone: a teacher, and no task reward named
-    (``--reward`` nor ``--reward-model``)."""
-    return config.teacher is not None and config.reward is None and not config.reward_model
-
-
 class CriticFreePPO(PPOAgent):
     """An agent without a critic whose loss is :meth:`PPOAgent.policy_objective` alone (clipped
     surrogate - entropy_coef * H, + beta * KL with ``kl_in='loss'``); subclasses write
@@ -554,8 +521,7 @@ def ppo_stats(pg_stats: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 __all__ = [
-    "CRITIC_OPTIONS", "LORA_OPTIONS", "POLICY_OBJECTIVE_OPTIONS", "SCORE", "SHARED_OPTIONS", "TEACHER_OPTIONS", "CriticFreePPO",
-    "PPOAgent", "distils_alone",
+    "CRITIC_OPTIONS", "LORA_OPTIONS", "POLICY_OBJECTIVE_OPTIONS", "SCORE", "SHARED_OPTIONS", "CriticFreePPO", "PPOAgent",
     "EnvFacts", "LossTerms", "RolloutForward", "UpdateTally", "attended_response", "policy_name", "ppo_stats",
     "tokenizer_name", "warmup_pairs", "position_ids_for", "sequence_inputs", "total_loss", "warp_logits",
 ]

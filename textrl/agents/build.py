@@ -219,10 +219,6 @@ def from_config(cls: type[PPOAgent], config: TrainConfig, device: torch.device |
     device = torch.device(device)
     precision = Precision.of(config, device)  # the run's; one the device cannot run is refused before any model loads
     tokenizer = load_tokenizer(config)
-    if config.teacher is not None:  # before any model loads: the teacher must read the policy's token ids
-        from textrl.agents.teacher import check_teacher_tokenizer
-
-        check_teacher_tokenizer(config, tokenizer, tokenizer_name(config))
     if lora_rank(cls, config):
         return _from_config_lora(cls, config, tokenizer, precision, log, env_facts, own_loader)
     critic_from_reward_model = cls.needs_critic and config.critic_init == "reward_model"
@@ -240,15 +236,9 @@ def from_config(cls: type[PPOAgent], config: TrainConfig, device: torch.device |
 
 def keep_construction(agent: PPOAgent, env_facts: EnvFacts | None, warmup: dict[str, Any]) -> PPOAgent:
     """Keep on ``agent`` what its construction was handed and did: ``env_facts`` and the warm-up
-    record (``asked_steps``, ``ran_steps``, ``reason``) ``summary.json`` writes; with ``--teacher``, load
-    the teacher (:func:`textrl.agents.teacher.load_teacher`: as the reference, on the policy's device)."""
+    record (``asked_steps``, ``ran_steps``, ``reason``) ``summary.json`` writes."""
     agent.env_facts = env_facts
     agent.warmup_record = warmup
-    if agent.config.teacher is not None:
-        from textrl.agents.teacher import load_teacher
-
-        agent.teacher = load_teacher(agent.config, agent.tokenizer, agent.learner.forwards, agent.device,
-                                     tokenizer_name(agent.config))
     return agent
 
 

@@ -26,9 +26,9 @@ from textrl.agents.base import (
     LORA_OPTIONS,
     POLICY_OBJECTIVE_OPTIONS,
     SHARED_OPTIONS,
-    TEACHER_OPTIONS,
     PPOAgent,
 )
+from textrl.agents.teacher import TEACHER_OPTIONS, token_rewards
 from textrl.agents.update import LossTerms, total_loss
 from textrl.functional import (
     clipped_value_loss,
@@ -96,7 +96,7 @@ class GAEPPO(PPOAgent):
         mask = td.get(KEYS.mask)  # [B, T]
         kl = self.token_kl(td.get(KEYS.action_log_prob), td)  # [B, T]
         beta = self.kl_ctl.value if cfg.kl_in == "reward" else 0.0
-        rewards = shaped_token_rewards(self.token_rewards(td), kl, mask, beta)  # [B, T]
+        rewards = shaped_token_rewards(token_rewards(self, td), kl, mask, beta)  # [B, T]
         values = td.get(KEYS.state_value).squeeze(-1)  # [B, T]
         lam_policy, lam_critic = self.lambdas(mask)
         if isinstance(lam_policy, Tensor):

@@ -24,9 +24,9 @@ from textrl.agents.base import (
     LORA_OPTIONS,
     POLICY_OBJECTIVE_OPTIONS,
     SHARED_OPTIONS,
-    TEACHER_OPTIONS,
     CriticFreePPO,
 )
+from textrl.agents.teacher import TEACHER_OPTIONS, token_rewards
 from textrl.functional import (
     shaped_token_rewards,
 )
@@ -67,7 +67,7 @@ class GroupPPO(CriticFreePPO):
             )
         kl = self.reference_kl(td.get(KEYS.action_log_prob), td)  # [B, T]
         beta = self.kl_ctl.value if cfg.kl_in == "reward" else 0.0
-        rewards = shaped_token_rewards(self.token_rewards(td), kl, mask, beta)  # [B, T]
+        rewards = shaped_token_rewards(token_rewards(self, td), kl, mask, beta)  # [B, T]
         sequence_reward = torch.where(mask, rewards, 0.0).sum(1)  # [B]: score - beta * sum_t KL_t
         advantage = self.group_advantage(sequence_reward, n).to(rewards.dtype)  # [B]
         zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)

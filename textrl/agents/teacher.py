@@ -17,7 +17,8 @@ temperature 1):
 
 The teacher reads the policy's token ids, so its tokenizer must be the policy's:
 :func:`check_teacher_tokenizer` compares the vocabularies (a loaded teacher) or the ids of
-:data:`PROBE` (a served one) before any model loads, and refuses in one line naming both.
+:data:`PROBE` (a served one) before the teacher loads (:func:`load_teacher`, when the run builds its actor, before
+the first iteration), and refuses in one line naming both.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from textrl.functional import masked_mean, reverse_kl_reward
 from textrl.generation.base import EngineFailed
 from textrl.generation.vllm_server import (
     RETRIES,
@@ -36,6 +38,10 @@ from textrl.generation.vllm_server import (
     ServerRefused,
     completion_budget,
 )
+from textrl.keys import KEYS
+
+TEACHER_OPTIONS = frozenset({"teacher", "teacher_coef"})
+"""The agent options of on-policy distillation; an agent whose estimator reads :func:`token_rewards` declares them."""
 
 PROBE = "On-policy distillation: 12 + 30 = 42, <think>why</think> Ünïcödé ✓\n"
 """The text whose token ids the policy's tokenizer and a served teacher's must agree on (digits,
@@ -106,6 +112,10 @@ class LoadedTeacher:
     forwards: Any
     name: str
 
+    def monitors(self, td: Any) -> dict[str, float]:
+        """The update's teacher metrics (:func:`teacher_monitors`)."""
+        return teacher_monitors(td)
+
     @torch.no_grad()
     def logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
         """The teacher's log-probs ``[B, T]`` of ``action`` (temperature 1: the run's, which ``--teacher``
@@ -115,24 +125,74 @@ class LoadedTeacher:
         return self.forwards.logprobs(self.model, input_ids, attention_mask, prompt_len, action)
 
 
-def load_teacher(config: Any, tokenizer: Any, forwards: Any, device: torch.device,
-                 policy: str) -> LoadedTeacher | ServedTeacher:
-    """``config.teacher``'s teacher: served (a URL: :class:`ServedTeacher`, checked at once) or loaded here
-    as the reference is: the run's precision (``dtype``, attention) on ``device``, then a frozen copy in
-    ``frozen_dtype``, eval mode, no gradients, its tokenizer checked to fit its embedding. ``policy``: the
-    name of the policy's tokenizer, for the messages."""
+def load_teacher(agent: Any) -> LoadedTeacher | ServedTeacher | None:
+    """``agent``'s teacher (``agent.teacher``, loaded once: the actor is built from it, before the first
+    iteration); None without ``--teacher``. First the temperature (1) and the tokenizer rule (:func:`check_teacher_tokenizer`), then
+    served (a URL: :class:`ServedTeacher`) or loaded here as the reference is: the run's precision
+    (``dtype``, attention) on the policy's device, then a frozen copy in ``frozen_dtype``, eval mode, no
+    gradients, its tokenizer checked to fit its embedding. Not a submodule: never in a checkpoint."""
     from textrl.models import load_causal_lm
     from textrl.models.checks import check_tokenizer_fits
 
-    teacher = str(config.teacher)
+    config, kept = agent.config, getattr(agent, "teacher", None)
+    if kept is not None or config.teacher is None:
+        return kept
+    policy, teacher = str(config.tokenizer or getattr(config.model, "name_or_path", config.model)), str(config.teacher)
+    if config.temperature != 1.0:
+        raise ValueError(f"temperature={config.temperature:g}: on-policy distillation compares the policy's log-probs with "
+                         f"teacher {teacher!r}'s at temperature 1 (a served teacher's prompt log-probs are the raw ones); "
+                         "drop --temperature (1) with --teacher")
+    check_teacher_tokenizer(config, agent.tokenizer, policy)
     if is_served(teacher):
-        served = ServedTeacher(teacher)
-        served.check(tokenizer, policy)
-        return served
-    precision = forwards.precision
-    model = precision.frozen_copy(load_causal_lm(teacher, device=device, **precision.model_kwargs()))
-    check_tokenizer_fits(tokenizer, model, tokenizer_name=policy, model_name=teacher)
-    return LoadedTeacher(model, forwards, teacher)
+        agent.teacher = ServedTeacher(teacher)
+        return agent.teacher
+    precision = agent.learner.forwards.precision
+    model = precision.frozen_copy(load_causal_lm(teacher, device=agent.device, **precision.model_kwargs()))
+    check_tokenizer_fits(agent.tokenizer, model, tokenizer_name=policy, model_name=teacher)
+    agent.teacher = LoadedTeacher(model, agent.learner.forwards, teacher)
+    return agent.teacher
+
+
+# -- the reward and the metrics ----------------------------------------------------------------------------
+def distils_alone(config: Any) -> bool:
+    """Whether the run optimises the teacher's reward alone: a teacher, and no task reward named
+    (``--reward`` nor ``--reward-model``)."""
+    return config.teacher is not None and config.reward is None and not config.reward_model
+
+
+def teacher_token_rewards(agent: Any, td: Any) -> Tensor | None:
+    """On-policy distillation's reward per token ``[B, T]``: ``teacher_coef * (teacher_log_prob -
+    action_log_prob)`` on the agent's tokens (:func:`textrl.functional.reverse_kl_reward`, minus the
+    reverse KL to the teacher), 0 elsewhere; None without a teacher's log-probs in the rollout."""
+    teacher = td.get(KEYS.teacher_log_prob, None)
+    if teacher is None:
+        return None
+    return reverse_kl_reward(td.get(KEYS.action_log_prob), teacher, td.get(KEYS.mask), agent.config.teacher_coef)
+
+
+def token_rewards(agent: Any, td: Any) -> Tensor:
+    """The reward per token an agent's estimator shapes with the KL, ``[B, T]``: the task reward
+    (``agent.task_token_rewards``) plus, with a teacher, :func:`teacher_token_rewards`; the teacher's alone
+    when the run names no task reward (:func:`distils_alone`: the task's score is still logged). Placed
+    per token like the KL shaping: every agent token gets its own."""
+    distill = teacher_token_rewards(agent, td)
+    if distill is None:
+        return agent.task_token_rewards(td)
+    if distils_alone(agent.config):
+        return distill
+    return agent.task_token_rewards(td) + distill
+
+
+def teacher_monitors(td: Any) -> dict[str, float]:
+    """``teacher/reverse_kl``, the mean over the agent's tokens of ``action_log_prob - teacher_log_prob``
+    (the k1 estimate of KL(policy || teacher) per token), and ``teacher/log_prob``, the teacher's mean
+    log-prob of them; none without the teacher's log-probs in the rollout."""
+    teacher = td.get(KEYS.teacher_log_prob, None)
+    if teacher is None:
+        return {}
+    mask = td.get(KEYS.mask)
+    gap = td.get(KEYS.action_log_prob).float() - teacher.float()
+    return {"teacher/reverse_kl": masked_mean(gap, mask).item(), "teacher/log_prob": masked_mean(teacher.float(), mask).item()}
 
 
 # -- the teacher on a vLLM server ---------------------------------------------------------------------------
@@ -187,6 +247,10 @@ class ServedTeacher:
     def name(self) -> str:
         return self.url
 
+    def monitors(self, td: Any) -> dict[str, float]:
+        """The update's teacher metrics (:func:`teacher_monitors`)."""
+        return teacher_monitors(td)
+
     def identify(self) -> str:
         """The model id the server serves; ``ValueError`` in one line where nothing answers (after the
         engine's retries) or what answers is not a vLLM server."""
@@ -234,5 +298,6 @@ class ServedTeacher:
         return served_logprobs(answer, rows, action.shape[1]).to(action.device)
 
 
-__all__ = ["PROBE", "LoadedTeacher", "ServedTeacher", "check_teacher_tokenizer", "is_served", "load_teacher",
-           "prompt_logprob_request", "row_tokens", "served_logprobs", "teacher_mismatch", "tokenizer_difference"]
+__all__ = ["PROBE", "TEACHER_OPTIONS", "LoadedTeacher", "ServedTeacher", "check_teacher_tokenizer", "distils_alone",
+           "is_served", "load_teacher", "prompt_logprob_request", "row_tokens", "served_logprobs", "teacher_mismatch",
+           "teacher_monitors", "teacher_token_rewards", "token_rewards", "tokenizer_difference"]

@@ -92,7 +92,7 @@ def update(learner: Learner, actor: Actor, td: TensorDictBase, objective: Object
 
     The agent's ``after_update`` (the reference refresh) runs after this, so it copies checked weights.
     """
-    metrics = {**provenance_metrics(learner, td), **kl_monitors(actor, td), **teacher_monitors(td)}
+    metrics = {**provenance_metrics(learner, td), **kl_monitors(actor, td), **(actor.teacher.monitors(td) if actor.teacher else {})}
     tally = UpdateTally()
     kept = actor.take_kept_forward(td)  # the behaviour forward with its graph, or None
     forward = kept if objective.reuse_forward else None
@@ -499,19 +499,6 @@ def kl_monitors(actor: Actor, td: TensorDictBase) -> dict[str, float]:
     return {"kl/collection": masked_mean(kl, td.get(KEYS.mask)).item(), "kl/before_update": actor.policy_ref_kl(td)}
 
 
-def teacher_monitors(td: TensorDictBase) -> dict[str, float]:
-    """With a teacher (on-policy distillation): ``teacher/reverse_kl``, the mean over the agent's tokens
-    of ``action_log_prob - teacher_log_prob`` (the k1 estimate of KL(policy || teacher) per token, minus
-    the distillation reward per unit ``teacher_coef``) and ``teacher/log_prob``, the teacher's mean
-    log-prob of them; none without one."""
-    teacher = td.get(KEYS.teacher_log_prob, None)
-    if teacher is None:
-        return {}
-    mask = td.get(KEYS.mask)
-    gap = td.get(KEYS.action_log_prob).float() - teacher.float()
-    return {"teacher/reverse_kl": masked_mean(gap, mask).item(), "teacher/log_prob": masked_mean(teacher.float(), mask).item()}
-
-
 def update_metrics(learner: Learner, actor: Actor, td: TensorDictBase, tally: UpdateTally) -> dict[str, float]:
     """The update's metrics: stats averaged over its steps, skip counts, learning rates, KL."""
     metrics: dict[str, float] = {}
@@ -575,7 +562,7 @@ class UpdateTally:
 
 
 __all__ = [
-    "LossTerms", "Objective", "UpdateTally", "combined_micro_stats", "correction_metrics", "kl_monitors", "teacher_monitors", "leaves_tokens_out", "loss_mask",
+    "LossTerms", "Objective", "UpdateTally", "combined_micro_stats", "correction_metrics", "kl_monitors", "leaves_tokens_out", "loss_mask",
     "provenance_metrics", "micro_batch_loss", "nonfinite_in_rollout", "nonfinite_loss", "over_ratio_threshold",
     "rolled_back_if_nonfinite", "rollout_is_finite", "run_epochs", "skip_nonfinite_step", "total_loss", "update",
 ]

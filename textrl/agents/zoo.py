@@ -26,6 +26,7 @@ from textrl.agents.base import (
 )
 from textrl.agents.gae_ppo import GAEPPO
 from textrl.agents.group_ppo import GRPO, GroupPPO
+from textrl.agents.teacher import token_rewards
 from textrl.functional import (
     aggregate_loss,
     cispo_loss,
@@ -133,7 +134,7 @@ class DAPO(GRPO):
             return
         mask = td.get(KEYS.mask)  # [B, T]
         # the task score (overlong penalty included) before any KL term, as DAPO filters on accuracy
-        sequence_reward = torch.where(mask, self.token_rewards(td), 0.0).sum(1)  # [B]: with a teacher, its reward too
+        sequence_reward = torch.where(mask, token_rewards(self, td), 0.0).sum(1)  # [B]: with a teacher, its reward too
         n = self.config.n_samples_per_prompt
         keep = dynamic_sampling_keep(sequence_reward.view(-1, n))  # [G]
         self.kept_groups = float(keep.float().mean()) if keep.numel() else 0.0
