@@ -88,7 +88,7 @@ class GAEPPO(PPOAgent):
     def estimate(self, td: TensorDictBase) -> None:
         """Shaped rewards, then GAE; writes ``("next","reward")``, ``advantage``, ``value_target``.
 
-        The reward per token (:meth:`~PPOAgent.token_rewards`: each turn's reward on its last agent
+        The reward per token (:func:`textrl.agents.teacher.token_rewards`: each turn's reward on its last agent
         token, with a teacher its per-token reward) minus ``beta * KL_t`` on every agent token; GAE steps from agent token
         to agent token over the observation gaps of a multi-turn episode.
         """
