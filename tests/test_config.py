@@ -135,6 +135,6 @@ def test_lora_dropout_is_refused_by_train():
 
 def test_a_critic_from_a_served_reward_model_is_refused():
     """``critic_init='reward_model'`` copies the reward model's weights; a served one has none here."""
-    with pytest.raises(ValueError, match=r"--reward-model http://h:8002 is a server: give the model's folder") as err:
+    with pytest.raises(ValueError, match=r"give --reward-model PATH \(a folder or hub id, not a server\) or --critic-init policy") as err:
         TrainConfig(agent="gae_ppo", critic_init="reward_model", reward_model="http://h:8002").validate()
     assert "\n" not in str(err.value)

@@ -106,13 +106,10 @@ def validate_config(cls: type[PPOAgent], config: TrainConfig) -> None:
     if config.rollout_correction not in cls.rollout_corrections:
         raise ValueError(f"rollout_correction={config.rollout_correction!r}: {agent} applies "
                          f"{', '.join(cls.rollout_corrections)} only; choose one of them, or another --agent")
-    if "critic_init" in cls.options and config.critic_init == "reward_model" and not config.reward_model:
-        raise ValueError("critic_init='reward_model' needs --reward-model PATH")
-    if ("critic_init" in cls.options and config.critic_init == "reward_model"
-            and str(config.reward_model).strip().lower().startswith(("http://", "https://"))):
-        raise ValueError(f"critic_init='reward_model' starts the critic from the reward model's weights, and "
-                         f"--reward-model {config.reward_model} is a server: give the model's folder or hub id, "
-                         "or --critic-init policy")
+    served = str(config.reward_model).strip().lower().startswith(("http://", "https://"))  # no weights here
+    if "critic_init" in cls.options and config.critic_init == "reward_model" and (served or not config.reward_model):
+        raise ValueError(f"critic_init='reward_model' starts the critic from the reward model's weights: give "
+                         f"--reward-model PATH (a folder or hub id{', not a server' if served else ''}) or --critic-init policy")
     if config.ref_refresh_every and not needs_reference(config):
         raise ValueError(f"ref_refresh_every={config.ref_refresh_every} refreshes the reference model, which "
                          "kl_coef=0 does not build (nothing reads it): drop --ref-refresh-every, or set --kl-coef > 0")
