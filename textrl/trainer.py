@@ -498,6 +498,7 @@ def check_run(config: TrainConfig) -> None:
     no other run writes to the folder, that a fresh run would not overwrite an earlier run's
     checkpoints, that a resume changes no setting that defines the run, the environment (its id,
     settings and rows) and the reward names. ``ValueError`` says what to fix."""
+    from textrl.agents.teacher import check_teacher
     from textrl.envs import Environment
     from textrl.envs.registry import check_partial_rollouts
     from textrl.rewards import check_reward_spec
@@ -510,6 +511,7 @@ def check_run(config: TrainConfig) -> None:
     refuse_changed_settings(config)
     env = environment(config)  # an unknown --env lists the registered ids; a dataset file loads
     check_partial_rollouts(config, env)  # 'continue' on a single-turn environment changes nothing
+    check_teacher(config)  # its temperature and tokenizer, before any model loads
     check_env_reward_columns(env)  # every row holds the columns its rewards read (FILE:LINE of one that does not)
     spec = reward_spec(config, env)
     pays_turns = type(env).step is not Environment.step or callable(env.reward)  # rewards of its own

@@ -101,6 +101,28 @@ def check_teacher_tokenizer(config: Any, tokenizer: Any, policy: str) -> None:
         raise teacher_mismatch(teacher, policy, difference)
 
 
+def check_teacher_temperature(config: Any) -> None:
+    """Refuse a teacher beside a sampling temperature other than 1 (``ValueError``, one line)."""
+    if config.teacher is not None and config.temperature != 1.0:
+        raise ValueError(f"temperature={config.temperature:g}: on-policy distillation compares the policy's log-probs with "
+                         f"teacher {config.teacher!r}'s at temperature 1 (a served teacher's prompt log-probs are the raw "
+                         "ones); drop --temperature (1) with --teacher")
+
+
+def check_teacher(config: Any) -> None:
+    """The teacher's rules before any model loads (``textrl.trainer.check_run``): the temperature, and the
+    tokenizer rule with the policy's tokenizer loaded by name (a policy given as an object: when the
+    teacher loads, :func:`load_teacher`)."""
+    from textrl.models import load_tokenizer
+
+    policy = config.tokenizer or config.model
+    if config.teacher is None:
+        return
+    check_teacher_temperature(config)
+    if isinstance(policy, str):
+        check_teacher_tokenizer(config, load_tokenizer(policy), policy)
+
+
 # -- the teacher in this process ----------------------------------------------------------------------------
 @dataclass
 class LoadedTeacher:
@@ -138,10 +160,7 @@ def load_teacher(agent: Any) -> LoadedTeacher | ServedTeacher | None:
     if kept is not None or config.teacher is None:
         return kept
     policy, teacher = str(config.tokenizer or getattr(config.model, "name_or_path", config.model)), str(config.teacher)
-    if config.temperature != 1.0:
-        raise ValueError(f"temperature={config.temperature:g}: on-policy distillation compares the policy's log-probs with "
-                         f"teacher {teacher!r}'s at temperature 1 (a served teacher's prompt log-probs are the raw ones); "
-                         "drop --temperature (1) with --teacher")
+    check_teacher_temperature(config)
     check_teacher_tokenizer(config, agent.tokenizer, policy)
     if is_served(teacher):
         agent.teacher = ServedTeacher(teacher)
@@ -298,6 +317,7 @@ class ServedTeacher:
         return served_logprobs(answer, rows, action.shape[1]).to(action.device)
 
 
-__all__ = ["PROBE", "TEACHER_OPTIONS", "LoadedTeacher", "ServedTeacher", "check_teacher_tokenizer", "distils_alone",
+__all__ = ["PROBE", "TEACHER_OPTIONS", "LoadedTeacher", "ServedTeacher", "check_teacher", "check_teacher_temperature",
+           "check_teacher_tokenizer", "distils_alone",
            "is_served", "load_teacher", "prompt_logprob_request", "row_tokens", "served_logprobs", "teacher_mismatch",
            "teacher_monitors", "teacher_token_rewards", "token_rewards", "tokenizer_difference"]
