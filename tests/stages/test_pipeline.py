@@ -87,10 +87,11 @@ def test_pipeline_multi_adapter_ppo_on_a_prompt_file(tmp_path):
 @pytest.mark.slow
 def test_pipeline_multi_adapter_ppo_learns(tmp_path):
     """Reduced MA-RLHF run with the LoRA learning-rate defaults: the reward adapter ranks, PPO's
-    policy LoRA raises its score and the share of answers that follow the constraint."""
+    policy LoRA raises its score and the share of answers that follow the constraint. 30 PPO
+    iterations (60 before): accuracy 0.95, score -0.67 -> +0.24, case following 0.38 -> 0.91."""
     out = tmp_path / "run"
     argv = ["pipeline", "--agent", "multi_adapter_ppo", "--output-dir", str(out), "--sft-steps", "200",
-            "--ppo-iterations", "60", "--progress", "false"]
+            "--ppo-iterations", "30", "--progress", "false"]
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rm"]["eval_accuracy"][1] >= 0.9
