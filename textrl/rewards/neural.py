@@ -202,17 +202,9 @@ class NeuralReward:
             model.config.pad_token_id = tokenizer.pad_token_id
 
         self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.policy_tokenizer = policy_tokenizer
-        self.batch_size = batch_size
         self.max_length = self._check_max_length(max_length, model, tokenizer)
-        self.clip = self._check_clip(clip)
-        self.baseline = check_finite_weight(baseline, "NeuralReward baseline")
-        self.use_chat_template = bool(use_chat_template) and bool(
-            getattr(tokenizer, "chat_template", None)
-        )
-        self.answer_blend = self._check_blend(answer_blend)
-        self.output_device = torch.device(output_device)
+        self._keep_scoring(tokenizer, policy_tokenizer, batch_size, clip, baseline, use_chat_template, answer_blend,
+                           output_device, "NeuralReward")
         self.autocast = autocast
         self.padding_free = bool(padding_free)
         try:
@@ -222,6 +214,21 @@ class NeuralReward:
         self._pass_position_ids = "position_ids" in params or any(
             p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
         )
+
+    def _keep_scoring(self, tokenizer: Any, policy_tokenizer: Any, batch_size: int, clip: tuple[float, float] | None,
+                      baseline: float, use_chat_template: bool, answer_blend: tuple[float, float] | None,
+                      output_device: torch.device | str, who: str) -> None:
+        """Keep the settings a reward model scores with, the clip, baseline and blend checked (``who``
+        names the class in the messages): the in-process model's and a served one's
+        (:class:`textrl.rewards.served.ServedReward`)."""
+        self.tokenizer = tokenizer
+        self.policy_tokenizer = policy_tokenizer
+        self.batch_size = batch_size
+        self.clip = self._check_clip(clip)
+        self.baseline = check_finite_weight(baseline, f"{who} baseline")
+        self.use_chat_template = bool(use_chat_template) and bool(getattr(tokenizer, "chat_template", None))
+        self.answer_blend = self._check_blend(answer_blend)
+        self.output_device = torch.device(output_device)
 
     @classmethod
     def from_pretrained(

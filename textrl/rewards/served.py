@@ -190,7 +190,6 @@ class ServedReward(NeuralReward):
         timeout: float = 60.0,
     ) -> None:
         from textrl.models import load_tokenizer
-        from textrl.rewards.base import check_finite_weight
 
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"ServedReward: batch_size must be a positive int, got {batch_size!r}")
@@ -201,18 +200,12 @@ class ServedReward(NeuralReward):
         self.server.model = str(served["id"])
         self._check_classifier()
         tokenizer = load_tokenizer(tokenizer if tokenizer is not None else str(served.get("root") or served["id"]))
-        self.tokenizer = tokenizer
-        self.policy_tokenizer = policy_tokenizer
-        self.batch_size = batch_size
         limits = [n for n in (served.get("max_model_len"), _context_length(_NoConfig(), tokenizer)) if isinstance(n, int)]
         if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
             raise ValueError(f"ServedReward: max_length must be a positive int, got {max_length!r}")
         self.max_length = max_length if max_length is not None else (min(limits) if limits else None)
-        self.clip = self._check_clip(clip)
-        self.baseline = check_finite_weight(baseline, "ServedReward baseline")
-        self.use_chat_template = bool(use_chat_template) and bool(getattr(tokenizer, "chat_template", None))
-        self.answer_blend = self._check_blend(answer_blend)
-        self.output_device = torch.device(output_device)
+        self._keep_scoring(tokenizer, policy_tokenizer, batch_size, clip, baseline, use_chat_template, answer_blend,
+                           output_device, "ServedReward")
         self.padding_free = False
         self.timeout = float(timeout)
 
