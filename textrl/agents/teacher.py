@@ -115,9 +115,9 @@ def check_teacher(config: Any) -> None:
     teacher loads, :func:`load_teacher`)."""
     from textrl.models import load_tokenizer
 
-    policy = config.tokenizer or config.model
     if config.teacher is None:
         return
+    policy = config.tokenizer or config.model
     check_teacher_temperature(config)
     if isinstance(policy, str):
         check_teacher_tokenizer(config, load_tokenizer(policy), policy)
