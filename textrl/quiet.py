@@ -39,8 +39,8 @@ colocated vLLM engine reads the first too: :func:`progress_bars`), only errors f
 vLLM's loggers. A value the user set is kept. A process the command replaces itself with (``textrl
 vllm-serve``'s server) gets the user's environment instead: :func:`environment_before_quiet`."""
 
-_SET_BY_QUIET: dict[str, str | None] = {}
-"""Within :func:`quiet_libraries`: each variable it set -> the value it had before (None: unset)."""
+_SET_BY_QUIET: set[str] = set()
+"""Within :func:`quiet_libraries`: the variables it set (the user had not)."""
 
 
 def _errors_only(record: logging.LogRecord) -> bool:
@@ -76,7 +76,7 @@ def _quiet_logging() -> Iterator[None]:
     environment = {key: os.environ.get(key) for key in QUIET_ENVIRONMENT}
     for key, value in QUIET_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
-    _SET_BY_QUIET.update({key: value for key, value in environment.items() if value is None})
+    _SET_BY_QUIET.update(key for key, value in environment.items() if value is None)
     transformers_logging = None
     if "transformers" in sys.modules:  # imported already: told directly (else it reads the environment)
         from transformers.utils import logging as transformers_logging
@@ -90,7 +90,7 @@ def _quiet_logging() -> Iterator[None]:
         for logger in added:
             logger.removeFilter(_errors_only)
         for key, value in environment.items():
-            _SET_BY_QUIET.pop(key, None)
+            _SET_BY_QUIET.discard(key)
             if value is None:
                 os.environ.pop(key, None)
             else:
