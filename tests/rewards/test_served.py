@@ -135,10 +135,10 @@ def test_a_dead_reward_server_is_named_at_the_start_and_mid_run(rm_server, fast_
     message = str(stop.value)
     assert isinstance(stop.value, EngineFailed) and "\n" not in message
     assert f"reward_model server {url}: POST /classify: connection refused (4 tries)" in message
-    assert message.endswith("; start it with textrl vllm-serve MODEL --reward-model (the run saves its last finished "
+    assert message.endswith("; start it with textrl vllm-serve --reward-model MODEL (the run saves its last finished "
                             "iteration)")
     with pytest.raises(ValueError, match=rf"^reward_model server {url} does not answer GET /v1/models "
-                                         r"\(connection refused\): start it with textrl vllm-serve MODEL --reward-model"):
+                                         r"\(connection refused\): start it with textrl vllm-serve --reward-model MODEL"):
         get_reward(f"reward_model:{url}")
 
 
@@ -146,7 +146,7 @@ def test_a_policy_server_is_refused_as_a_reward_model(rm_path):
     httpd, url = serve(model=rm_path)  # answers /v1/models, has no /classify
     try:
         with pytest.raises(ValueError, match=rf"^vLLM server {url} does not score with a reward model \(POST /classify: "
-                                             r"HTTP 404: Not Found\): start it with textrl vllm-serve MODEL --reward-model"):
+                                             r"HTTP 404: Not Found\): start it with textrl vllm-serve --reward-model MODEL"):
             get_reward(f"reward_model:{url}")
     finally:
         httpd.shutdown()

@@ -8,7 +8,7 @@ encoded here with the reward model's own tokenizer (:meth:`NeuralReward.encode`)
 sent, ``batch_size`` rows a request, to vLLM's ``/classify`` route (``use_activation: false``: the score
 head's raw output at the last token, the score ``NeuralReward`` reads), so the server tokenises nothing
 and reads exactly the ids the in-process reward would. The server is one started with
-``textrl vllm-serve RM --reward-model`` (vLLM's pooling runner).
+``textrl vllm-serve --reward-model RM`` (vLLM's pooling runner).
 
 Settings come as keyword arguments (``get_reward("reward_model:URL", clip=None)``) or in the URL's
 query string, the only place a command line's ``--reward`` spec can hold them:
@@ -51,7 +51,7 @@ from textrl.generation.vllm_server import (
 from textrl.rewards.base import Completion, Prompt
 from textrl.rewards.neural import NeuralReward, _context_length
 
-REWARD_SERVE_HINT = "start it with textrl vllm-serve MODEL --reward-model"
+REWARD_SERVE_HINT = "start it with textrl vllm-serve --reward-model MODEL"
 
 IN_FLIGHT = 8
 """Requests a served reward keeps pending at once (a batch of rows each)."""
