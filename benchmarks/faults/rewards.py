@@ -92,4 +92,4 @@ def dead_reward_server(trial: Trial, base: Path) -> None:
     judge(trial, "rewards: a reward server where nothing listens", proc, refused=True,
           kept=not (out / "metrics.jsonl").exists(),
           expect=f"reward_model server http://127.0.0.1:{port} does not answer GET /v1/models (connection refused): "
-                 "start it with textrl vllm-serve MODEL --reward-model, or fix the URL")
+                 "start it with textrl vllm-serve --reward-model MODEL, or fix the URL")
