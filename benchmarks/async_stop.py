@@ -32,8 +32,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def child(args: argparse.Namespace) -> None:
     """The run itself (in its own process, for its signal handler)."""
     from textrl import TrainConfig, train
-    from textrl.async_training import AsyncTraining
     from textrl.generation.base import get_engine
+    from textrl.training.async_training import AsyncTraining
 
     engine = type(get_engine("textrl"))
     generate = engine.generate_with_logprobs

@@ -144,7 +144,7 @@ def server(model: str, log: Path, args: argparse.Namespace) -> Iterator[str]:
 def run(k: int, root: Path, args: argparse.Namespace, model: str | None, url: str | None) -> list[dict[str, Any]]:
     """One run at staleness ``k`` (served from ``url`` when given); its metrics rows."""
     from textrl.config import TrainConfig
-    from textrl.trainer import train
+    from textrl.training.trainer import train
 
     out = root / f"{'served' if url else 'colocated'}-k{k}-{len(list(root.iterdir()))}"
     extra: dict[str, Any] = {"model": model, "tokenizer": model} if model else {}

@@ -66,7 +66,7 @@ def reward_of(arm: str) -> Any:
 def run(arm: str, root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One run of ``arm``; its metrics rows."""
     from textrl.config import TrainConfig
-    from textrl.trainer import train
+    from textrl.training.trainer import train
 
     out = root / f"{arm}-{len(list(root.iterdir()))}"
     config = TrainConfig(output_dir=str(out), iterations=args.iterations, warmup_sft_steps=0, env="digits",

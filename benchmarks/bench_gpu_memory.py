@@ -158,7 +158,7 @@ class Row:
 
 def all_rows() -> list[Row]:
     """Every row, the default ones first in order of importance (:func:`default_rows`)."""
-    from textrl.agent_registry import agent_names
+    from textrl.core.agent_registry import agent_names
 
     def row(agent: str, shape: str, vocab: str, variant: str) -> Row:
         made = _row(agent, shape, vocab, variant)
@@ -209,8 +209,8 @@ CPU_DEFAULT_ROWS = [
 def agent_reads(agent: str, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` less the agent options (``critic``) ``agent`` does not read: a critic-free agent
     runs ``all`` without ``critic='shared'``, which it would refuse."""
-    from textrl.agent_registry import agent_class
     from textrl.config import AGENT_OPTIONS
+    from textrl.core.agent_registry import agent_class
 
     cls = agent_class(agent)
     return {k: v for k, v in options.items() if k not in AGENT_OPTIONS or k in cls.options}
@@ -289,13 +289,13 @@ def prepare_folder(job: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 def run_row(job: dict[str, Any], device: torch.device, baseline_rss: float) -> dict[str, Any]:
     """Build the row's models and agent, run two iterations; memory and seconds (module docstring)."""
-    from textrl.agent_registry import agent_class
     from textrl.agents.build import task_reward
     from textrl.config import TrainConfig
+    from textrl.core.agent_registry import agent_class
     from textrl.envs import PromptSampler
     from textrl.envs.tasks import make_digits_task
     from textrl.rewards import CompositeReward, NeuralReward
-    from textrl.rollout import collect
+    from textrl.run.rollout import collect
 
     cuda = device.type == "cuda"
     shape, sizes = Shape(**job["shape"]), job["sizes"]
@@ -434,7 +434,7 @@ def worker(args: argparse.Namespace) -> None:
     import transformers  # noqa: F401
 
     import textrl.agents  # noqa: F401
-    import textrl.rollout  # noqa: F401
+    import textrl.run.rollout  # noqa: F401
 
     try:
         import bitsandbytes  # noqa: F401

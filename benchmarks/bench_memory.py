@@ -117,7 +117,7 @@ def run_variant(variant: str, workdir: Path, threads: int, device: torch.device)
     from textrl.models import ValueModel, load_causal_lm, load_tokenizer
     from textrl.models.adapters import load_base_model
     from textrl.rewards import CompositeReward, NeuralReward
-    from textrl.rollout import collect
+    from textrl.run.rollout import collect
 
     if variant.endswith("4bit"):  # load bitsandbytes' native kernels before the baseline, like the imports
         import bitsandbytes as bnb

@@ -227,8 +227,8 @@ def agreement(agent: Any, td: Any, reward: Any = None) -> float:
 def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any]:
     from textrl.agents import GAEPPO
     from textrl.config import TrainConfig
+    from textrl.core.precision import set_attn_implementation
     from textrl.models import ValueModel, build_tiny_causal_lm, build_tiny_tokenizer
-    from textrl.precision import set_attn_implementation
 
     tok = build_tiny_tokenizer()
     policy = build_tiny_causal_lm(tok, seed=args.seed, hidden_size=args.hidden, intermediate_size=args.intermediate,
@@ -251,8 +251,8 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any]:
 
 def build_reward(args: argparse.Namespace, tok: Any, device: torch.device, precision: Any) -> Any:
     """A ``NeuralReward`` over a Llama sequence classifier of the policy's size, in the run's precision."""
+    from textrl.core.precision import set_attn_implementation
     from textrl.models import build_tiny_reward_model
-    from textrl.precision import set_attn_implementation
     from textrl.rewards import NeuralReward
 
     model = build_tiny_reward_model(tok, seed=args.seed + 1, hidden_size=args.hidden,

@@ -4,7 +4,7 @@
     python benchmarks/bench_ppo_iteration.py --device cuda --hidden 768 --intermediate 3072 \\
         --layers 12 --heads 12 --batch 64 --new-tokens 256       # ~110M parameters per model
 
-The iteration is the trainer's (``textrl.trainer.train``): ``collect(..., timings=)`` (phases
+The iteration is the trainer's (``textrl.training.trainer.train``): ``collect(..., timings=)`` (phases
 ``generation``, ``reward``, ``forward``, ``advantages``), ``agent.update`` (``update``) and
 ``iteration_metrics`` (``bookkeeping``), with a neural reward model (``NeuralReward``, the same
 architecture as the policy) as the task reward. Every row is generated to full length: a bias of
@@ -149,9 +149,9 @@ def build(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 def ppo_iteration(agent: Any, batch: Any, reward_fn: Any, iteration: int) -> tuple[float, dict[str, float], dict[str, float]]:
     """One trainer iteration (phases 1-5, no eval / logging to disk): seconds, per-phase seconds
     and the update's metrics, with ``guard/seconds`` (``Backend.rollback_seconds``)."""
-    from textrl.rollout import collect
-    from textrl.timing import timed
-    from textrl.trainer import iteration_metrics
+    from textrl.core.timing import timed
+    from textrl.run.rollout import collect
+    from textrl.training.trainer import iteration_metrics
 
     sync(agent.device)
     start = time.perf_counter()

@@ -1,5 +1,5 @@
 """``textrl train --max-staleness K``: the actor draws the next rollouts beside the learner's updates
-(textrl.async_training). Its staleness is exact, a resume reproduces the uninterrupted run, and K=0 is
+(textrl.training.async_training). Its staleness is exact, a resume reproduces the uninterrupted run, and K=0 is
 the synchronous loop."""
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def test_the_asynchronous_path_adds_nothing_but_the_staleness(tmp_path, monkeypa
     run shuffles its minibatches with the private generator a K >= 1 learner uses (the global RNG
     then carries only the sampling in both). gae_ppo on guess_number: a critic, multi-turn returns."""
     import textrl.agents.async_actor as async_actor
-    import textrl.trainer as trainer
-    from textrl.async_training import LEARNER_SEED_OFFSET
+    import textrl.training.trainer as trainer
+    from textrl.training.async_training import LEARNER_SEED_OFFSET
 
     options = ["--env", "guess_number", "--eval-every", "2", "--ppo-epochs", "2", "--warmup-sft-steps", "20"]
     sync_source = trainer.rollout_source
@@ -141,8 +141,8 @@ def test_the_asynchronous_path_adds_nothing_but_the_staleness(tmp_path, monkeypa
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_a_stale_run_without_a_correction_says_what_its_objective_is(k):
-    from textrl.async_training import staleness_note
     from textrl.config import TrainConfig
+    from textrl.training.async_training import staleness_note
 
     note = staleness_note(TrainConfig(max_staleness=k))
     assert note.startswith(f"--max-staleness {k} without a correction") and "\n" not in note

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from textrl.agent_registry import agent_names
+from textrl.core.agent_registry import agent_names
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--prompts", "2", "--samples", "2", "--new-tokens", "8"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from textrl.checks import RolloutError, check_rollout
+from textrl.core.checks import RolloutError, check_rollout
 from textrl.keys import KEYS
 
 

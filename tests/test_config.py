@@ -116,7 +116,7 @@ def test_a_trl_name_on_the_command_line_is_answered_with_ours(capsys):
 def test_every_trl_option_maps_to_a_field_and_the_doc_holds_the_table():
     from pathlib import Path
 
-    from textrl.trl_names import TRL_OPTIONS, markdown_table
+    from textrl.config.trl_names import TRL_OPTIONS, markdown_table
 
     fields_ = set(TrainConfig.__dataclass_fields__)
     assert all(ours in fields_ for _, ours, _ in TRL_OPTIONS.values() if ours)

@@ -1,4 +1,4 @@
-"""textrl.distributed: collectives over two real gloo processes, and no-ops in one process."""
+"""textrl.parallel.distributed: collectives over two real gloo processes, and no-ops in one process."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from textrl.distributed import Distributed
+from textrl.parallel.distributed import Distributed
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:

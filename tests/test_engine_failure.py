@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.runs import SMALL, checkpoint_tensors, metrics
-from textrl import trainer
 from textrl.cli import main
 from textrl.run import TrainingStopped
 from textrl.testing.engines import failing_engine
+from textrl.training import trainer
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +32,7 @@ def trained(row: dict) -> dict:
 def fail_in(monkeypatch, counter, iteration: int, phase: str = "step") -> None:
     """The engine fails from the start of ``iteration``'s rollout (``phase="step"``; with
     ``--max-staleness`` drawn by the actor ahead of the learner), or of its evaluation."""
-    from textrl.async_training import AsyncTraining
+    from textrl.training.async_training import AsyncTraining
 
     produce = AsyncTraining._produce
 
@@ -145,7 +145,7 @@ def test_a_url_that_is_no_vllm_server_is_refused_before_any_model_loads(tmp_path
 def test_an_asynchronous_actor_stopped_by_an_error_of_its_own_saves_like_an_engine(tmp_path, monkeypatch):
     """--max-staleness 1: the actor's reward raises while it draws rollout 3: the learner's state is
     saved at iteration 2, the line names the error, and the resume (reward mended) is exact."""
-    from textrl.async_training import AsyncTraining
+    from textrl.training.async_training import AsyncTraining
 
     full, part = tmp_path / "full", tmp_path / "part"
     with failing_engine(None):

@@ -273,8 +273,8 @@ def _as_value(word: str) -> Any:
 
 
 def test_per_agent_defaults_in_help_are_the_agents_own():
-    from textrl.agent_registry import agent_class
     from textrl.agents import agent_names
+    from textrl.core.agent_registry import agent_class
 
     parser = subcommands()["train"]
     seen_fields = []

@@ -19,7 +19,7 @@ import pytest
 from tests.runs import SMALL
 from textrl.cli import build_parser, main
 from textrl.config import TrainConfig
-from textrl.help_topics import FIELD_TOPIC, TOPICS, topic_of
+from textrl.config.help_topics import FIELD_TOPIC, TOPICS, topic_of
 from textrl.stages.common import StageConfig
 
 
@@ -33,7 +33,7 @@ def _config_classes():
 @pytest.mark.parametrize("cls", _config_classes(), ids=lambda c: c.__name__)
 def test_every_config_field_has_a_topic(cls):
     missing = [f.name for f in fields(cls) if topic_of(f.name) is None]
-    assert not missing, f"give these fields a topic in textrl/help_topics.py: {missing}"
+    assert not missing, f"give these fields a topic in textrl/config/help_topics.py: {missing}"
 
 
 def test_a_field_is_in_one_topic():
@@ -71,13 +71,13 @@ def test_train_help_and_the_top_level_help_import_neither_torch_nor_transformers
 
 
 def test_the_agents_help_lists_are_the_registry_s():
-    from textrl.agent_registry import BUILTIN_AGENTS, agent_names
+    from textrl.core.agent_registry import BUILTIN_AGENTS, agent_names
 
     assert sorted(BUILTIN_AGENTS) == agent_names()  # no entry points are installed here
 
 
 def test_other_libraries_chatter_is_left_out_and_errors_stay_within_the_command_only(monkeypatch):
-    from textrl import quiet
+    from textrl.core import quiet
 
     monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
     logger = logging.getLogger("DeepSpeed")
@@ -94,9 +94,9 @@ def test_other_libraries_chatter_is_left_out_and_errors_stay_within_the_command_
 
 def test_vllm_s_log_is_quiet_in_the_command_and_its_server_gets_the_user_s_environment(monkeypatch):
     """The command sets vLLM's log level to errors and turns progress bars off (the colocated engine
-    reads :func:`textrl.quiet.progress_bars`); a program it hands over to (``textrl vllm-serve``'s
+    reads :func:`textrl.core.quiet.progress_bars`); a program it hands over to (``textrl vllm-serve``'s
     server) gets the environment the user had, a value the user set kept either way."""
-    from textrl import quiet
+    from textrl.core import quiet
 
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
@@ -131,7 +131,7 @@ def test_vllm_s_rotary_reload_warning_is_left_out_and_its_other_reload_warnings_
 
 
 def test_other_libraries_deprecations_are_left_out_and_textrl_s_stay():
-    from textrl import quiet
+    from textrl.core import quiet
 
     def warn(category: type[Warning], module: str) -> None:
         warnings.warn_explicit(f"from {module}", category, "f.py", 1, module=module)
@@ -142,10 +142,10 @@ def test_other_libraries_deprecations_are_left_out_and_textrl_s_stay():
             warn(FutureWarning, "transformers.modeling_utils")  # peft reading a deprecated property
             warn(DeprecationWarning, "peft.peft_model")
             warn(UserWarning, "transformers.generation.utils")  # not a deprecation: stays
-            warn(FutureWarning, "textrl.trainer")  # textrl's own: stays
+            warn(FutureWarning, "textrl.training.trainer")  # textrl's own: stays
             warn(FutureWarning, "transformers_addon")  # another package whose name starts alike: stays
         warn(FutureWarning, "transformers.modeling_utils")  # after the command: as before
-    assert [str(w.message) for w in seen] == ["from transformers.generation.utils", "from textrl.trainer",
+    assert [str(w.message) for w in seen] == ["from transformers.generation.utils", "from textrl.training.trainer",
                                               "from transformers_addon", "from transformers.modeling_utils"]
 
 
@@ -213,6 +213,6 @@ def test_generate_has_the_tokenizer_option_its_errors_suggest(tmp_path):
 def test_train_is_importable_from_textrl_without_loading_torch_first():
     out = _python("import sys, textrl\nprint('torch' in sys.modules)\nfrom textrl import TrainConfig, train\n"
                   "print(TrainConfig.__module__, train.__module__)")
-    assert out.stdout.split() == ["False", "textrl.config", "textrl.trainer"], out.stderr[-500:]
+    assert out.stdout.split() == ["False", "textrl.config.train_config", "textrl.training.trainer"], out.stderr[-500:]
     with pytest.raises(ImportError):
         exec("from textrl import not_a_name", {})

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from textrl.kl_control import AdaptiveKLController, FixedKLController, make_kl_controller
+from textrl.core.kl_control import AdaptiveKLController, FixedKLController, make_kl_controller
 
 
 def test_fixed_controller_never_moves():

@@ -1,5 +1,5 @@
 """Refusals a launch of several processes (torchrun, ``accelerate launch``) meets before any model
-loads: ``--max-staleness K`` >= 1 with ``WORLD_SIZE`` > 1 (textrl.trainer.refuse_async_processes),
+loads: ``--max-staleness K`` >= 1 with ``WORLD_SIZE`` > 1 (textrl.training.trainer.refuse_async_processes),
 and such a refusal said by the first process of a machine, not by every process
 (textrl.errors.alike_in_every_process)."""
 
@@ -17,7 +17,7 @@ import textrl.errors
 from textrl.cli import main
 from textrl.config import TrainConfig
 from textrl.errors import ALIKE_ERROR_WAIT_S, alike_in_every_process, reports_alike_errors
-from textrl.trainer import check_run, launched_processes
+from textrl.training.trainer import check_run, launched_processes
 
 STALENESS = ("textrl train: --max-staleness 1 runs an actor beside the learner in each of the 2 training processes, "
              "and under --fsdp none holds the policy's weights whole; serve the rollouts (--vllm-server: one actor on "
@@ -45,7 +45,7 @@ def test_launched_processes_reads_world_size(value, processes, monkeypatch):
 
 def test_max_staleness_under_several_processes_is_refused_before_any_model_loads(monkeypatch, tmp_path):
     _launched(monkeypatch, 0)
-    monkeypatch.setattr("textrl.trainer.train", _no_training)
+    monkeypatch.setattr("textrl.training.trainer.train", _no_training)
     with pytest.raises(SystemExit) as stopped:
         main(["train", "--max-staleness", "1", "--fsdp", "--output-dir", str(tmp_path / "run")])
     assert stopped.value.code == STALENESS
@@ -64,7 +64,7 @@ def test_max_staleness_in_one_process_or_data_parallel_passes_the_checks(world, 
 def test_sharded_learners_with_served_rollouts_pass_the_checks_and_a_frozen_base_is_refused(monkeypatch, tmp_path):
     """--max-staleness under --fsdp / --zero-stage 3 with --vllm-server: one actor handed the weights
     whole (passes); with a LoRA policy its actor would keep the frozen base whole (refused in one line)."""
-    from textrl.trainer import refuse_async_processes
+    from textrl.training.trainer import refuse_async_processes
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     served = {"max_staleness": 1, "vllm_server": "http://127.0.0.1:1"}
@@ -103,7 +103,7 @@ def test_a_later_process_not_ended_says_the_refusal_itself(monkeypatch, tmp_path
     """Process 1 meets the refusal, nobody ends it (the first got past the checks): it says it."""
     _launched(monkeypatch, 1)
     monkeypatch.setattr(textrl.errors, "ALIKE_ERROR_WAIT_S", 0.2)
-    monkeypatch.setattr("textrl.trainer.train", _no_training)
+    monkeypatch.setattr("textrl.training.trainer.train", _no_training)
     start = time.monotonic()
     with pytest.raises(SystemExit) as stopped:
         main(["train", "--max-staleness", "1", "--fsdp", "--output-dir", str(tmp_path / "run")])
@@ -116,7 +116,7 @@ def test_an_error_once_the_run_started_is_said_by_every_process_at_once(monkeypa
     def fails(config):
         raise ValueError("this process's engine stopped")
 
-    monkeypatch.setattr("textrl.trainer.train", fails)
+    monkeypatch.setattr("textrl.training.trainer.train", fails)
     start = time.monotonic()
     with pytest.raises(SystemExit) as stopped:
         main(["train", "--output-dir", str(tmp_path / "run")])

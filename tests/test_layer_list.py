@@ -124,7 +124,7 @@ def test_registries_name_builtin_modules_that_exist():
     modules = {module_name(path) for path in (ROOT / "textrl").rglob("*.py")}
     declared = {module_name(path): registry_builtins(path) for path in sorted((ROOT / "textrl").rglob("*.py"))}
     declared = {module: names for module, names in declared.items() if names}
-    for registry in ("textrl.agent_registry", "textrl.generation.base", "textrl.env_facts"):
+    for registry in ("textrl.core.agent_registry", "textrl.generation.base", "textrl.core.env_facts"):
         assert registry in declared, f"{registry}: no Registry(builtins=...) found"
     missing = sorted(f"{module}: {name}" for module, names in declared.items() for name in names
                      if name not in modules)

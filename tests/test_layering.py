@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT_PACKAGES = {"agents", "envs", "rewards"}
-ORCHESTRATION = {"textrl/trainer.py", "textrl/train_records.py", "textrl/async_training.py", "textrl/rollout_sources.py", "textrl/cli.py", "textrl/bench/plan.py", "textrl/bench/compare.py"}
+ORCHESTRATION = {"textrl/training/trainer.py", "textrl/training/records.py", "textrl/training/async_training.py",
+                 "textrl/training/rollout_sources.py", "textrl/cli.py", "textrl/bench/plan.py", "textrl/bench/compare.py"}
 ORCHESTRATION_DIRS = ("textrl/stages/",)
 
 
@@ -77,11 +78,11 @@ def test_textrl_core_imports_no_agent_env_or_reward(path):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "textrl" / "agents").rglob("*.py")), ids=lambda p: p.name)
 def test_agents_import_no_environment_code(path):
-    """The trainer hands an agent what it reads of the environment (``textrl.env_facts.EnvFacts``):
+    """The trainer hands an agent what it reads of the environment (``textrl.core.env_facts.EnvFacts``):
     nothing under ``textrl/agents/`` imports ``textrl.envs``, imports inside functions included."""
     bad = sorted(name for name in imported_modules(path) if name == "textrl.envs" or name.startswith("textrl.envs."))
     assert not bad, (f"textrl/agents/{path.name} imports {bad}: take what the environment gives from "
-                     "textrl.env_facts (the trainer hands it over)")
+                     "textrl.core.env_facts (the trainer hands it over)")
 
 
 @pytest.mark.parametrize(

@@ -16,11 +16,11 @@ from tests.arithmetic import assert_gradients_close, model_rtol
 from textrl.agents import AGENTS
 from textrl.agents.build import task_reward
 from textrl.config import TrainConfig
+from textrl.core.precision import Precision
 from textrl.models import build_tiny_causal_lm, build_tiny_gpt2, build_tiny_tokenizer
 from textrl.models.checkpointing import enable_gradient_checkpointing
 from textrl.models.value import SharedTrunkValue, ValueModel
 from textrl.parallel.base import param_groups
-from textrl.precision import Precision
 from textrl.testing import assert_close_normwise
 
 QUIET = dict(log=lambda *a, **k: None)
@@ -162,7 +162,7 @@ def test_gradient_checkpointing_of_a_model_without_it_is_refused_naming_both():
 
 
 def _train(tmp_path, name, **overrides):
-    from textrl.trainer import train
+    from textrl.training.trainer import train
 
     out = tmp_path / name
     with contextlib.redirect_stdout(None):
@@ -260,7 +260,7 @@ def test_a_run_with_a_lean_critic_trains_and_resumes(tmp_path, critic):
     rows, out = _train(tmp_path, critic, critic=critic, checkpoint_every=1, reward="missing_eos_penalty")
     assert len(rows) == 2 and all(r["nonfinite/skipped_updates"] == 0 for r in rows)
     assert rows[-1]["loss/value"] > 0
-    from textrl.trainer import train
+    from textrl.training.trainer import train
 
     with contextlib.redirect_stdout(None):
         train(small(output_dir=str(out), critic=critic, iterations=3, resume=True, reward="missing_eos_penalty"))

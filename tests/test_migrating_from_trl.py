@@ -1,5 +1,5 @@
 """docs/migrating-from-trl.md, claim by claim: its code runs, its command lines answer what it shows,
-its agent table names agents and options that exist, its option table is textrl.trl_names', and every
+its agent table names agents and options that exist, its option table is textrl.config.trl_names', and every
 TRL option name gets a hint naming textrl's option (or saying there is none) in the three places a
 user may write it: the command line, a --config YAML file and TrainConfig(**kwargs)."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 import yaml
 
-from textrl.agent_registry import agent_names
 from textrl.cli import build_parser, main
 from textrl.config import TrainConfig, load_yaml
-from textrl.trl_names import TRL_OPTIONS, markdown_table, trl_hint
+from textrl.config.trl_names import TRL_OPTIONS, markdown_table, trl_hint
+from textrl.core.agent_registry import agent_names
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "migrating-from-trl.md").read_text()
 
@@ -132,7 +132,7 @@ def test_the_agent_table_names_registered_agents_and_existing_options():
 
 def test_the_python_snippets_run_and_build_what_they_say():
     from textrl.rewards.options import resolve_reward
-    from textrl.trainer import environment
+    from textrl.training.trainer import environment
 
     blocks = _blocks("python")
     assert len(blocks) == 2

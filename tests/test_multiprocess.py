@@ -209,7 +209,7 @@ def test_zero3_partitions_the_weights_trains_as_replicated_and_resumes(tmp_path)
 
 FAILING_RANK0 = """
 import os, sys
-from textrl import trainer
+from textrl.training import trainer
 from textrl.cli import main
 from textrl.testing.engines import failing_engine
 
@@ -294,7 +294,7 @@ def test_asynchronous_rollouts_in_two_processes_resume_as_the_uninterrupted_run(
 
 ONE_ACTOR = """
 import sys
-from textrl import rollout_sources
+from textrl.training import rollout_sources
 from textrl.cli import main
 from textrl.testing.engines import register_receiving_engine
 

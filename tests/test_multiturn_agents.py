@@ -20,7 +20,7 @@ from tests.agents.conftest import PROMPTS, make_agent
 from tests.arithmetic import assert_within, gae_tolerance, rollout_rtol
 from textrl.agents.base import SCORE, sequence_inputs
 from textrl.agents.forwards import forward_policy
-from textrl.checks import RolloutError, check_rollout
+from textrl.core.checks import RolloutError, check_rollout
 from textrl.envs import rollout_from_responses
 from textrl.functional import gae, kl_shaped_rewards, masked_whiten, next_valid
 from textrl.keys import END_REASONS, KEYS

@@ -15,9 +15,9 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.agents.conftest import collect, make_agent, poison_next_step, same
-from textrl.distributed import Distributed
 from textrl.models import build_tiny_tokenizer
 from textrl.parallel import Replicated
+from textrl.parallel.distributed import Distributed
 
 
 @pytest.fixture(scope="module")

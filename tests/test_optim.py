@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from textrl.config import TrainConfig
-from textrl.optim import AnyPrecisionAdamW, check_optim, make_optimizer
+from textrl.core.optim import AnyPrecisionAdamW, check_optim, make_optimizer
 
 
 def _steps(optimizer_cls, params, grads, **kwargs):

@@ -73,7 +73,7 @@ import json, sys
 import textrl.envs, textrl.rewards, textrl.agents
 import envs, agents, rewards   # the user's own packages, next to this script
 from textrl.config import TrainConfig
-from textrl.trainer import train
+from textrl.training.trainer import train
 
 assert envs.MINE and agents.MINE and rewards.MINE, "the user's packages were shadowed"
 assert textrl.envs.TokenMDPEnv and textrl.agents.GAEPPO and textrl.rewards.get_reward

@@ -1,4 +1,4 @@
-"""``perf/total_tokens``, ``perf/padding_fraction`` (textrl.train_records.sequence_tokens) and
+"""``perf/total_tokens``, ``perf/padding_fraction`` (textrl.training.records.sequence_tokens) and
 ``perf/tokens_per_s`` (textrl.run.loop: per process and second of the step, its evaluation left
 out), as verl counts its ``perf/throughput``."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from textrl.distributed import Distributed
 from textrl.keys import KEYS
+from textrl.parallel.distributed import Distributed
 from textrl.run import MetricsLog, RunLoop
-from textrl.train_records import PADDING_FRACTION, TOTAL_TOKENS, sequence_tokens
+from textrl.training.records import PADDING_FRACTION, TOTAL_TOKENS, sequence_tokens
 
 
 def rollout(response_mask: bool = True) -> TensorDict:

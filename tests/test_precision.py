@@ -1,4 +1,4 @@
-"""Precision chosen once (textrl.precision) and every model on the run's device, in its dtype.
+"""Precision chosen once (textrl.core.precision) and every model on the run's device, in its dtype.
 
 On a CPU, bfloat16 weights stand in for a CUDA device: a module built beside the loaded models
 (a value head, a reward model, a critic from a reward model) that ignores where and how they live
@@ -19,13 +19,13 @@ import torch
 from textrl.agents import AGENTS
 from textrl.agents.build import task_reward
 from textrl.config import TrainConfig
+from textrl.core.precision import Precision, check_precision
 from textrl.models import (
     ValueModel,
     build_tiny_causal_lm,
     build_tiny_reward_model,
     build_tiny_tokenizer,
 )
-from textrl.precision import Precision, check_precision
 
 QUIET = dict(log=lambda *a, **k: None)
 
@@ -184,7 +184,7 @@ def test_a_critic_is_built_where_its_backbone_lives():
 
 @pytest.mark.slow
 def test_textrl_train_in_bfloat16_runs_and_records_the_precision(tmp_path):
-    from textrl.trainer import train
+    from textrl.training.trainer import train
 
     out = tmp_path / "run"
     with contextlib.redirect_stdout(None):

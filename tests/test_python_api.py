@@ -13,7 +13,7 @@ import yaml
 from textrl.config import TrainConfig, add_config_arguments, build_config, load_yaml
 from textrl.envs.tasks import make_digits_task
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
-from textrl.trainer import train
+from textrl.training.trainer import train
 
 SMALL = dict(iterations=1, warmup_sft_steps=0, prompts_per_iteration=2, n_samples_per_prompt=2, max_new_tokens=4,
              eval_size=2, eval_every=0, progress=False, ppo_epochs=1, num_minibatches=1, reward="think_format")

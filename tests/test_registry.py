@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from textrl import registry
-from textrl.agent_registry import REGISTRY as AGENT_REGISTRY
+from textrl.core.agent_registry import REGISTRY as AGENT_REGISTRY
 from textrl.envs.registry import REGISTRY as ENV_REGISTRY
 from textrl.registry import Messages, Registry
 from textrl.rewards.registry import REGISTRY as REWARD_REGISTRY
@@ -130,7 +130,7 @@ def test_a_file_that_raises_is_worded_when_the_kind_says_so(tmp_path):
 
 
 def test_agents_gain_did_you_mean_at_the_end_of_their_message():
-    from textrl.agent_registry import agent_class
+    from textrl.core.agent_registry import agent_class
 
     with pytest.raises(ValueError, match=r"agent='gae_pp': must be one of .*agent of your own "
                                          r"\(did you mean 'gae_ppo'\?\)$"):

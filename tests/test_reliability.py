@@ -17,7 +17,6 @@ from tests.agents.conftest import poison_next_step, same
 from tests.runs import SMALL
 from tests.runs import checkpoint_tensors as _state
 from tests.runs import metrics as _metrics
-from textrl import trainer
 from textrl.agents import GAEPPO
 from textrl.cli import main
 from textrl.config import TrainConfig
@@ -27,7 +26,8 @@ from textrl.models import build_tiny_tokenizer
 from textrl.parallel import Backend
 from textrl.rewards import RewardError
 from textrl.run import TrainingStopped, checkpoints, latest_checkpoint
-from textrl.trainer import check_run
+from textrl.training import trainer
+from textrl.training.trainer import check_run
 
 
 @pytest.fixture(autouse=True)

@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from textrl.checks import RolloutError, check_rollout
+from textrl.core.checks import RolloutError, check_rollout
 from textrl.envs.prompts import batch_fields, encode_prompts, raw_prompts
 from textrl.envs.tasks import format_completion, make_digits_task
 from textrl.keys import KEYS
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 from textrl.rewards import parse_reward_spec
-from textrl.rollout import SCORE_KEY, collect, evaluate_prompts
+from textrl.run.rollout import SCORE_KEY, collect, evaluate_prompts
 
 MAX_NEW = 12
 SPEC = "think_format,tag_count:0.5,accuracy:2"

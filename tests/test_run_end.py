@@ -16,12 +16,12 @@ import pytest
 from tests.agents.conftest import poison_next_step
 from tests.runs import SMALL
 from tests.runs import metrics as _metrics
-from textrl import trainer
 from textrl.agents import GAEPPO
 from textrl.cli import main
 from textrl.parallel import Backend
 from textrl.run import MetricsLog, RunLoop, StopSignals, TrainingStopped
-from textrl.train_records import format_summary, skipped_line, skipped_updates
+from textrl.training import trainer
+from textrl.training.records import format_summary, skipped_line, skipped_updates
 
 
 @pytest.fixture(autouse=True)
@@ -203,7 +203,7 @@ def test_a_failure_in_the_loop_writes_summary_then_a_resume_replaces_it(tmp_path
     """An engine's failure in iteration 3 (after iteration 2's checkpoint): the run exits 1 with its
     one line, summary.json says failed in 3 after 2, curves.png is drawn; the resume writes rows
     3-4 once and its summary replaces the failure's."""
-    import textrl.rollout as rollout
+    import textrl.run.rollout as rollout
 
     collect = rollout.collect
 

@@ -14,9 +14,9 @@ import torch
 import yaml
 
 from tests.runs import SMALL, checkpoint_tensors, metrics
-from textrl import warmup
 from textrl.cli import main
-from textrl.config_io import name_config_sources
+from textrl.config.io import name_config_sources
+from textrl.run import warmup
 
 REWARD_FILE = '''
 def digits_seen(completions, **kwargs):
@@ -164,7 +164,7 @@ def test_name_config_sources_rewords_only_the_flags_of_file_values():
 
 
 def test_relative_paths_become_absolute_only_for_local_files(tmp_path, monkeypatch):
-    from textrl.user_files import absolute_paths
+    from textrl.core.user_files import absolute_paths
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "r.py").write_text("")
@@ -204,7 +204,7 @@ def test_a_run_with_its_environments_reward_prints_and_records_the_share_of_the_
 
 
 def test_gap_closed_is_unknown_without_a_maximum_or_room_to_close():
-    from textrl.train_records import gap_closed
+    from textrl.training.records import gap_closed
 
     key = "eval/sampled/reward/mean"
     assert gap_closed({key: 1.0}, {key: 2.0}, None) is None

@@ -190,7 +190,7 @@ def test_sigterm_in_the_warm_up_stops_at_the_next_step_and_the_same_command_star
         tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     args = ["train", "--output-dir", str(out), *RUN, "--iterations", "1", "--warmup-sft-steps", "40"]
-    _sigterm_on_call(monkeypatch, "textrl.warmup.build_sft_batch", 3)  # during step 3
+    _sigterm_on_call(monkeypatch, "textrl.run.warmup.build_sft_batch", 3)  # during step 3
     with pytest.raises(SystemExit) as stopped:
         main(args)
     err = capsys.readouterr().err
@@ -211,7 +211,7 @@ def test_sigterm_in_an_evaluation_stops_at_the_next_batch_with_a_checkpoint_then
     args = ["train", "--output-dir", str(out), *RUN, "--iterations", "3", "--eval-every", "1",
             "--generation-batch-size", "2"]  # 8 held-out prompts: 4 batches, twice (greedy, sampled)
     # evaluate_prompts: the before-evaluation calls it twice; iteration 1's first call is the 3rd
-    import textrl.rollout as rollout
+    import textrl.run.rollout as rollout
 
     original, calls = rollout.evaluate_prompts, {"n": 0}
 

@@ -10,7 +10,7 @@ from textrl.config import TrainConfig
 from textrl.models import ValueModel, build_tiny_causal_lm, build_tiny_tokenizer
 from textrl.parallel import check_sharding
 from textrl.parallel.fsdp_sharding import is_sharded, local, to_float, unit_classes
-from textrl.trainer import train
+from textrl.training.trainer import train
 
 
 @pytest.mark.parametrize("overrides", [dict(agent="multi_adapter_ppo", reward_adapter="x"), dict(load_in_4bit=True)])

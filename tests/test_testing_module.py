@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import textrl.testing as tt
-from textrl.checks import check_rollout
+from textrl.core.checks import check_rollout
 from textrl.functional import (
     clipped_policy_loss,
     compact,

@@ -11,7 +11,7 @@ import torch
 from textrl.envs.prompts import encode_prompts
 from textrl.envs.tasks import make_digits_task, warmup_examples
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
-from textrl.warmup import IGNORE_INDEX, build_sft_batch, sft_warmup
+from textrl.run.warmup import IGNORE_INDEX, build_sft_batch, sft_warmup
 
 FORMAT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL)
 

@@ -12,7 +12,7 @@ import pytest
 from textrl.config import TrainConfig
 from textrl.parallel import check_sharding
 from textrl.parallel.deepspeed_engine import deepspeed_config, read_zero_section
-from textrl.trainer import train
+from textrl.training.trainer import train
 
 
 @pytest.fixture(autouse=True)

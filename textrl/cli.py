@@ -34,7 +34,7 @@ from collections.abc import Sequence
 def _cmd_train(args: argparse.Namespace) -> int:
     from textrl.config import TrainConfig, build_config
     from textrl.errors import alike_in_every_process
-    from textrl.trainer import check_run, train
+    from textrl.training.trainer import check_run, train
 
     with alike_in_every_process(getattr(args, "debug", False)):  # under torchrun: said once, not by every process
         config: TrainConfig = build_config(args, TrainConfig)
@@ -95,9 +95,9 @@ def _cmd_vllm_serve(args: argparse.Namespace) -> int:
 
     import torch
 
+    from textrl.core.quiet import environment_before_quiet
     from textrl.generation.vllm_engine import import_vllm
     from textrl.generation.vllm_server import serve_command
-    from textrl.quiet import environment_before_quiet
 
     import_vllm()  # one line naming what to install, before the server starts
     argv, env = serve_command(args.model, args.vllm_args, cuda=torch.cuda.is_available(), reward=args.reward_model)
@@ -256,11 +256,11 @@ def _add_stages(sub, command: str | None = None) -> None:
 
 
 def _list_agents_in_help(parser: argparse.ArgumentParser) -> None:
-    """``--agent``'s help names every agent (:func:`textrl.agent_registry.listed_agent_names`: the
+    """``--agent``'s help names every agent (:func:`textrl.core.agent_registry.listed_agent_names`: the
     built-ins and installed packages', without importing them) and the default agent
     (``TrainConfig.agent``, the only place it is written)."""
-    from textrl.agent_registry import listed_agent_names
     from textrl.config import TrainConfig
+    from textrl.core.agent_registry import listed_agent_names
 
     for action in parser._actions:
         if action.dest == "agent":
@@ -383,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _stdout_closed():
             raise SystemExit(CLOSED_PIPE_STATUS) from None
         raise
-    from textrl.quiet import quiet_libraries
+    from textrl.core.quiet import quiet_libraries
 
     try:
         with quiet_libraries(debug_requested(getattr(args, "debug", False))):  # other libraries' chatter, unless --debug
@@ -397,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug_requested(getattr(args, "debug", False)):
             raise
         # a value that came from --config's file is named with the file (edit it there)
-        from textrl.config_io import name_config_sources
+        from textrl.config.io import name_config_sources
 
         raise SystemExit(name_config_sources(user_error_message(args.command, err),
                                              getattr(args, "config_sources", {}))) from None

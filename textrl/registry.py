@@ -6,7 +6,7 @@ constructor). What every kind gets from it:
 - ``register(name, obj, replace=False)``, or ``@register(name)`` as a decorator;
 - lookup by name (:meth:`Registry.find`, :meth:`Registry.lookup`), with a "did you mean" on a name
   it does not know (:meth:`Registry.hint`);
-- ``path/to/file.py:Name`` loading (:meth:`Registry.load_file`, through :mod:`textrl.user_files`);
+- ``path/to/file.py:Name`` loading (:meth:`Registry.load_file`, through :mod:`textrl.core.user_files`);
 - entry points: a packaging entry-point group per kind (``textrl.agents``, ``textrl.envs``,
   ``textrl.rewards``), so another package's ``pyproject.toml`` adds names::
 
@@ -36,7 +36,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Generic, TypeVar
 
-from textrl.user_files import import_file
+from textrl.core.user_files import import_file
 
 T = TypeVar("T")
 
@@ -87,7 +87,7 @@ def first_line(doc: str | None) -> str:
 class Registry(Generic[T]):
     """Names of one kind (agents, environments, rewards) -> the objects they stand for.
 
-    ``kind`` names user files' modules (:func:`textrl.user_files.import_file`); ``noun`` is the
+    ``kind`` names user files' modules (:func:`textrl.core.user_files.import_file`); ``noun`` is the
     word in messages; ``group`` the entry-point group (None: none); ``builtins`` the modules whose
     import registers the built-in names (imported on the first listing, or the first lookup that
     misses); ``valid_name`` says whether :meth:`register` takes a name; ``same`` whether a second

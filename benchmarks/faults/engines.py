@@ -26,7 +26,7 @@ FAILING = '''"""textrl's command with the engine 'failing' registered (textrl.te
 argv[1]: the iteration whose rollout finds the engine dead (0: it never dies); the rest: textrl's arguments."""
 import sys
 
-from textrl import trainer
+from textrl.training import trainer
 from textrl.cli import entry
 from textrl.testing.engines import failing_engine
 

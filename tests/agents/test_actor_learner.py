@@ -18,12 +18,12 @@ import torch
 from tests.agents.conftest import make_agent, target_reward
 from tests.envs.test_collector import Echo
 from textrl.agents import actor as agent_actor
+from textrl.core.versions import VersionCounter
 from textrl.envs.prompts import encode_prompts
 from textrl.envs.tasks import make_digits_task
 from textrl.keys import KEYS
 from textrl.parallel import SingleProcess
-from textrl.rollout import collect
-from textrl.versions import VersionCounter
+from textrl.run.rollout import collect
 
 ROOT = Path(__file__).resolve().parents[2]
 GAP = 1e-3

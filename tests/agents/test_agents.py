@@ -12,8 +12,8 @@ from textrl.agents import AGENTS, GAEPPO, OneStepPPO, make_agent
 from textrl.agents.base import SCORE
 from textrl.agents.forwards import forward_policy, forward_values
 from textrl.agents.update import total_loss
-from textrl.checks import check_rollout
 from textrl.config import TrainConfig
+from textrl.core.checks import check_rollout
 from textrl.keys import KEYS
 
 NAMES = sorted(AGENTS)

@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 
 from tests.agents.conftest import collect, make_agent
 from textrl.config import TrainConfig
-from textrl.distributed import Distributed
 from textrl.parallel import FSDP, Replicated, SingleProcess, setup_backend
+from textrl.parallel.distributed import Distributed
 
 
 def weights(agent) -> dict[str, torch.Tensor]:

@@ -15,11 +15,11 @@ from textrl.agents import GRPO
 from textrl.agents import teacher as teachers
 from textrl.agents.teacher import LoadedTeacher, ServedTeacher, check_teacher_tokenizer
 from textrl.config import TrainConfig
+from textrl.core.precision import frozen_copy
 from textrl.generation import vllm_server
 from textrl.generation.base import EngineFailed
 from textrl.keys import KEYS
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
-from textrl.precision import frozen_copy
 
 
 def zero_reward(prompts, completions, completion_ids=None, **kwargs):
@@ -123,9 +123,9 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tok, tmp_path):
 
 
 def test_the_teacher_s_rules_are_checked_before_any_model_loads(tok, tmp_path, monkeypatch):
-    """``textrl.trainer.check_run`` (before the warm-up and any model) refuses another tokenizer, a
+    """``textrl.training.trainer.check_run`` (before the warm-up and any model) refuses another tokenizer, a
     missing teacher and a temperature other than 1; the same tokenizer passes."""
-    from textrl import trainer
+    from textrl.training import trainer
 
     other = type(tok).from_pretrained(_saved(tok, tmp_path / "same"))
     other.add_tokens(["<only_the_teacher_knows>"])

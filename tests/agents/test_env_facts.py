@@ -1,5 +1,5 @@
-"""What an agent reads of the environment (``textrl.env_facts``): handed over by the trainer, or
-read through the provider registered in ``textrl.env_facts.REGISTRY``, whose built-in module
+"""What an agent reads of the environment (``textrl.core.env_facts``): handed over by the trainer, or
+read through the provider registered in ``textrl.core.env_facts.REGISTRY``, whose built-in module
 (``textrl.envs.registry``) a direct ``from_config`` imports on the first lookup when nothing has
 imported it yet."""
 
@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from textrl.config import TrainConfig
-from textrl.env_facts import PROVIDER, REGISTRY, EnvFacts, env_facts_of, provide_env_facts
+from textrl.core.env_facts import PROVIDER, REGISTRY, EnvFacts, env_facts_of, provide_env_facts
 
 SCRIPT = """
 import sys

@@ -18,8 +18,8 @@ from tests.agents.conftest import collect, make_config, record_loss_stats
 from tests.arithmetic import assert_within, head_tolerance, model_rtol
 from textrl.agents import AGENTS, MultiAdapterPPO, make_agent
 from textrl.agents.forwards import logprobs
-from textrl.checks import check_rollout
 from textrl.config import TrainConfig
+from textrl.core.checks import check_rollout
 from textrl.keys import KEYS
 from textrl.models import build_tiny_causal_lm, tiny_model_path
 from textrl.models.adapters import (
@@ -216,7 +216,7 @@ def test_runs_through_rollout_collect(tok, reward_dir):
     from textrl.envs.prompts import encode_prompts
     from textrl.envs.tasks import make_digits_task
     from textrl.rewards import CompositeReward, NeuralReward, parse_reward_spec
-    from textrl.rollout import collect as rollout_collect
+    from textrl.run.rollout import collect as rollout_collect
 
     agent = build(tok, reward_dir, prompts_per_iteration=4)
     rules = parse_reward_spec("think_format,tag_count")

@@ -30,7 +30,7 @@ from textrl.envs.prompts import PromptSampler
 from textrl.envs.registry import split_rows, task_environment
 from textrl.keys import KEYS
 from textrl.models.packed_forward import critic_layout, packing_layout
-from textrl.rollout import run_episodes
+from textrl.run.rollout import run_episodes
 from textrl.testing import assert_close_normwise
 
 SMALL = dict(max_new_tokens=6, ppo_epochs=1, num_minibatches=1, gradient_accumulation_steps=2, forward_batch_size=4,

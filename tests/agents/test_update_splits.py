@@ -117,9 +117,9 @@ def _split_worker(rank: int, init_file: str, out_dir: str) -> None:
     from tests.arithmetic import rollout_rtol
     from textrl.agents.base import UpdateTally
     from textrl.agents.update import Objective, run_epochs
-    from textrl.distributed import Distributed
     from textrl.models import build_tiny_tokenizer
     from textrl.parallel import Replicated
+    from textrl.parallel.distributed import Distributed
 
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:

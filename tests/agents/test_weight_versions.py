@@ -1,5 +1,5 @@
 """Writes that autograd's counter does not see (through ``.data``, a kernel through the memory) are
-stated by their writer (:func:`textrl.versions.mark_written`), and every reader of the weights'
+stated by their writer (:func:`textrl.core.versions.mark_written`), and every reader of the weights'
 version sees them: the version counter, the weight casts, the carried KV cache and the learner's
 version after a step whatever the optimiser did. DeepSpeed ZeRO's steps and the engines that hold
 their own copy of the weights: tests/agents/test_zero_versions.py."""
@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 
 from tests.agents.conftest import collect, make_agent
+from textrl.core.versions import VersionCounter, mark_written, tensor_versions
 from textrl.generation.carry import TurnCarry
 from textrl.generation.casts import WeightCasts
 from textrl.models import build_tiny_causal_lm
 from textrl.parallel import SingleProcess
-from textrl.versions import VersionCounter, mark_written, tensor_versions
 
 
 def write_through_data(model: torch.nn.Module) -> None:

@@ -20,9 +20,9 @@ pytest.importorskip("deepspeed")
 from tests.agents.conftest import collect, poison_next_step, record_loss_stats, same  # noqa: E402
 from tests.agents.conftest import make_agent as build  # noqa: E402
 from tests.arithmetic import rollout_rtol  # noqa: E402
-from textrl.distributed import Distributed  # noqa: E402
 from textrl.parallel import DeepSpeedZero  # noqa: E402
 from textrl.parallel.base import trained_parameters  # noqa: E402
+from textrl.parallel.distributed import Distributed  # noqa: E402
 from textrl.testing import assert_close_normwise  # noqa: E402
 
 

@@ -17,7 +17,7 @@ pytest.importorskip("deepspeed")
 from tests.agents.conftest import make_agent, target_reward  # noqa: E402
 from tests.agents.test_zero import process_group  # noqa: E402, F401  (the module's gloo group of one)
 from textrl.agents.forwards import sequence_inputs  # noqa: E402
-from textrl.distributed import Distributed  # noqa: E402
+from textrl.core.versions import VersionCounter  # noqa: E402
 from textrl.envs.prompts import encode_prompts  # noqa: E402
 from textrl.envs.tasks import make_digits_task  # noqa: E402
 from textrl.generation.decode import DecodeEngine  # noqa: E402
@@ -26,8 +26,8 @@ from textrl.generation.vllm_server import VLLMServerEngine  # noqa: E402
 from textrl.keys import KEYS  # noqa: E402
 from textrl.models import build_tiny_causal_lm  # noqa: E402
 from textrl.parallel import DeepSpeedZero  # noqa: E402
-from textrl.rollout import collect  # noqa: E402
-from textrl.versions import VersionCounter  # noqa: E402
+from textrl.parallel.distributed import Distributed  # noqa: E402
+from textrl.run.rollout import collect  # noqa: E402
 
 ITERATIONS = 3
 FP32_GAP = 1e-4
@@ -41,7 +41,7 @@ class CopyingEngine(DecodeEngine):
     """A stand-in for the engines that sample with a copy of the weights of their own (the ``vllm``
     engines, colocated or served): the ``textrl`` engine sampling with ``copy``, into which it loads
     the policy's weights before a call when their version moved since it last did, as the ``vllm``
-    engines decide (a :class:`~textrl.versions.VersionCounter` over ``model.parameters``). ``loads``
+    engines decide (a :class:`~textrl.core.versions.VersionCounter` over ``model.parameters``). ``loads``
     counts its loads."""
 
     name = "copying"

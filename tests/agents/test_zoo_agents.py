@@ -35,7 +35,7 @@ from textrl.functional import (
     reinforce_pp_advantages,
 )
 from textrl.keys import KEYS
-from textrl.rollout import run_episodes
+from textrl.run.rollout import run_episodes
 from textrl.testing import sum_tolerance
 
 ZOO = ["cispo", "dapo", "dr_grpo", "gspo", "reinforce_pp", "reinforce_pp_baseline", "vapo"]

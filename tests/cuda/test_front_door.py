@@ -272,7 +272,7 @@ def test_a_masked_attention_backward_at_64_mod_128_gives_finite_gradients(run_de
     gradients. Every logit here is about -100; the training context must not pick that kernel."""
     import torch.nn.functional as F
 
-    from textrl.precision import Precision
+    from textrl.core.precision import Precision
 
     dtype = torch.bfloat16 if run_device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)

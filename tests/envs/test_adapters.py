@@ -42,8 +42,8 @@ from textrl.envs.adapters import (
 from textrl.envs.collector import EpisodeRunner
 from textrl.envs.environment import Episode
 from textrl.envs.prompts import encode_prompts
+from textrl.envs.prompts.rows import batch_fields, raw_prompts
 from textrl.envs.registry import make_env, split_rows
-from textrl.envs.rows import batch_fields, raw_prompts
 from textrl.keys import END_REASONS, KEYS
 from textrl.rewards import call_reward
 from textrl.rewards.math_verify import math_verify_reward

@@ -25,7 +25,7 @@ from textrl.envs.tasks import WARMUP_THINK, format_completion
 from textrl.envs.tasks import warmup_examples as digits_warmup
 from textrl.models import build_tiny_tokenizer
 from textrl.rewards import check_reward_spec, parse_reward_spec
-from textrl.warmup import encode_sft_example
+from textrl.run.warmup import encode_sft_example
 
 BUILTIN_IDS = sorted(i for i, ctor in ENVS.items() if getattr(ctor, "__module__", "") == builtin.__name__)
 SEEDED = [i for i in BUILTIN_IDS if i != "reward_model"]

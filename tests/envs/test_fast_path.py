@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from textrl.checks import check_rollout
+from textrl.core.checks import check_rollout
 from textrl.envs.fast_path import default_tokenizer, rollout_from_responses
-from textrl.envs.prompt_table import PromptTable
+from textrl.envs.prompts.table import PromptTable
 from textrl.keys import KEYS
 from textrl.models import build_tiny_tokenizer
 from textrl.rewards import RewardError, parse_reward_spec, think_format_reward

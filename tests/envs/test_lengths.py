@@ -14,8 +14,8 @@ from tests.runs import SMALL
 from textrl.cli import main
 from textrl.envs.environment import Environment, PromptTask, Turn
 from textrl.envs.lengths import longest_prompt, resolve_lengths
-from textrl.envs.prompt_encoding import _encode_rows
 from textrl.envs.prompts import load_prompts
+from textrl.envs.prompts.encoding import _encode_rows
 
 
 class Words(Environment):

@@ -11,9 +11,9 @@ import pytest
 
 from textrl.envs.environment import Environment
 from textrl.envs.episodes import EpisodeDynamics
-from textrl.envs.prompt_table import PromptTable
 from textrl.envs.prompts import check_reward_columns, load_prompts
-from textrl.envs.rows import row_messages
+from textrl.envs.prompts.rows import row_messages
+from textrl.envs.prompts.table import PromptTable
 
 ANSWERED = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
                          {"role": "assistant", "content": "4"}], "id": 7}

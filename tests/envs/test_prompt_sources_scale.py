@@ -17,8 +17,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from textrl.envs import prompt_encoding, row_stores
-from textrl.envs.prompt_table import PromptTable
 from textrl.envs.prompts import (
     PromptDataset,
     PromptSampler,
@@ -27,6 +25,9 @@ from textrl.envs.prompts import (
     load_prompts,
     template_prompt,
 )
+from textrl.envs.prompts import encoding as prompt_encoding
+from textrl.envs.prompts import stores as row_stores
+from textrl.envs.prompts.table import PromptTable
 from textrl.models import build_tiny_tokenizer
 
 # A small file: blank line 2, every row shape (plain, MiniMind conversation, messages, TRL prompt
@@ -422,7 +423,7 @@ def test_check_prompts_fit_streams_to_the_eager_verdict(lengths, context, max_ne
 
 
 def test_prompt_table_reads_a_file_lazily_with_a_bounded_cache(small, tokenizer, monkeypatch):
-    from textrl.envs import prompt_table
+    from textrl.envs.prompts import table as prompt_table
 
     monkeypatch.setattr(prompt_table, "_CACHE_ROWS", 2)
     table = PromptTable(str(small), tokenizer, max_prompt_length=64)

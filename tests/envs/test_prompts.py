@@ -434,7 +434,7 @@ def test_held_out_duplicates_of_training_rows_are_named(tmp_path):
 
 
 def test_conversations_on_a_tokenizer_without_a_chat_template_warn_once():
-    from textrl.envs import prompt_encoding
+    from textrl.envs.prompts import encoding as prompt_encoding
 
     tok = build_tiny_tokenizer()
     tok.chat_template = None

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from textrl import checks
+from textrl.core import checks
 from textrl.envs import EnvError, Environment, TokenMDPEnv, Turn, observation_ids
 from textrl.envs import collector as collector_module
 from textrl.envs.collector import EpisodeRunner
@@ -270,7 +270,7 @@ def test_single_turn_prompt_task_equals_no_environment():
 
 @pytest.fixture
 def gapped_rollouts(monkeypatch):
-    """The collector checks its rollout with textrl.checks.check_rollout; until that accepts agent
+    """The collector checks its rollout with textrl.core.checks.check_rollout; until that accepts agent
     masks with gaps (``check_agent_mask``), the check is left out here."""
     if not hasattr(checks, "check_agent_mask"):
         monkeypatch.setattr(collector_module, "check_rollout", lambda td, *args, **kwargs: td)

@@ -26,8 +26,8 @@ from tests.envs.test_token_env_multiturn import (
     run_collector,
 )
 from tests.envs.test_torchrl_env import NextTokenPolicy
-from textrl import checks
-from textrl.checks import check_rollout
+from textrl.core import checks
+from textrl.core.checks import check_rollout
 from textrl.envs import EnvError, KVCachePolicy, TextGenEnv, rollout_from_responses, to_rollout
 from textrl.envs import collector as collector_module
 from textrl.envs import torchrl_env as torchrl_env_module
@@ -43,7 +43,7 @@ FAST_KEYS = [KEYS.prompt_tokens, KEYS.prompt_mask, KEYS.action, KEYS.mask, KEYS.
 
 @pytest.fixture
 def gapped(monkeypatch):
-    """The collector and to_rollout check their rollouts with textrl.checks.check_rollout; until that
+    """The collector and to_rollout check their rollouts with textrl.core.checks.check_rollout; until that
     accepts agent masks with gaps (``check_agent_mask``), the check is left out here."""
     if not hasattr(checks, "check_agent_mask"):
         for module in (collector_module, torchrl_env_module):

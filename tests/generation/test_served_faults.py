@@ -742,10 +742,10 @@ def test_a_second_run_on_the_first_runs_folder_leaves_the_first_runs_claim_alone
     """The run's id in its claims is its folder: a second ``textrl train`` on a folder a live run
     holds is refused at the folder's lock, before it claims (or gives back) anything on the servers,
     also where the first run took the folder after the second one's early probe (left out here)."""
-    from textrl import trainer
     from textrl.config import TrainConfig
     from textrl.run import RunFolderBusy
-    from textrl.trainer import train
+    from textrl.training import trainer
+    from textrl.training.trainer import train
 
     monkeypatch.setattr(trainer, "refuse_busy_folder", lambda folder: None)  # the race: the probe found it free
 

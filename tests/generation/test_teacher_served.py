@@ -15,8 +15,8 @@ from textrl.agents.forwards import Forwards
 from textrl.agents.teacher import LoadedTeacher, ServedTeacher
 from textrl.cli import main
 from textrl.config import TrainConfig
+from textrl.core.precision import Precision
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
-from textrl.precision import Precision
 
 pytestmark = pytest.mark.vllm
 

@@ -17,7 +17,7 @@ import torch
 from textrl.agents.actor import run_lengths
 from textrl.cli import main
 from textrl.config import TrainConfig
-from textrl.env_facts import EnvFacts
+from textrl.core.env_facts import EnvFacts
 from textrl.generation import Sampling
 from textrl.generation.vllm_engine import (
     EngineOptions,

@@ -616,7 +616,7 @@ def test_a_url_that_is_not_a_vllm_server_is_refused_before_the_warm_up(tmp_path,
         page.wait()
     assert str(stop_.value) == (f"textrl train: {url} is not a vLLM server (GET /v1/models answered HTTP 404 "
                                 "text/html): point --vllm-server at a server started with textrl vllm-serve MODEL")
-    from textrl.warmup import KEPT_WARMUP
+    from textrl.run.warmup import KEPT_WARMUP
 
     assert not (tmp_path / "run" / KEPT_WARMUP).exists()  # refused before the warm-up
 

@@ -214,7 +214,7 @@ def test_a_rollout_logs_the_seconds_its_engine_spent_taking_weights_only_where_i
     from textrl.envs.prompts import encode_prompts
     from textrl.envs.tasks import make_digits_task
     from textrl.models import build_tiny_tokenizer
-    from textrl.rollout import collect
+    from textrl.run.rollout import collect
 
     class Timed(HFEngine):
         receives_weights = receives
@@ -244,7 +244,7 @@ def test_an_asynchronous_run_with_a_copy_of_the_policy_logs_its_copies_and_holds
 
     published: list[dict] = []
     state = async_actor.trainable_state
-    monkeypatch.setattr("textrl.async_training.trainable_state", lambda policy: published.append(state(policy))
+    monkeypatch.setattr("textrl.training.async_training.trainable_state", lambda policy: published.append(state(policy))
                         or published[-1])
     out = tmp_path / "run"
     assert main(["train", *SMALL, "--iterations", "2", "--output-dir", str(out), "--max-staleness", "1"]) == 0

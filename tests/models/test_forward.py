@@ -185,7 +185,7 @@ def test_training_runs_never_back_propagate_through_a_fully_masked_row(tmp_path,
     from textrl.stages.dpo import DPOConfig, train_dpo
     from textrl.stages.rm import RMConfig, train_rm
     from textrl.stages.sft import SFTConfig, train_sft
-    from textrl.trainer import train
+    from textrl.training.trainer import train
 
     small = dict(iterations=1, prompts_per_iteration=4, n_samples_per_prompt=1, num_minibatches=1, ppo_epochs=1,
                  eval_size=4, eval_every=0, progress=False, warmup_sft_steps=2, warmup_sft_batch_size=4)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tests.arithmetic import assert_gradients_close, model_rtol
+from textrl.core.precision import set_attn_implementation
 from textrl.models import ValueModel, build_tiny_causal_lm, build_tiny_gpt2, build_tiny_tokenizer
 from textrl.models import packing as packing_module
 from textrl.models.forward import response_logits
@@ -35,7 +36,6 @@ from textrl.models.packing import (
     pack_rows,
     padding_fraction,
 )
-from textrl.precision import set_attn_implementation
 from textrl.testing import assert_close_normwise
 
 

@@ -9,11 +9,11 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GPT2Config, GPT2ForSequenceClassification, PreTrainedTokenizerFast
 
 from tests.arithmetic import assert_within, head_tolerance, model_rtol
+from textrl.core.precision import set_attn_implementation
 from textrl.models import build_tiny_reward_model, build_tiny_tokenizer, tiny_model_path
 from textrl.models.adapters import last_token_hidden
 from textrl.models.packed_forward import honours_packed_positions, packed_scores, scorer_layout
 from textrl.models.packing import LAYOUTS, pack_last_tokens
-from textrl.precision import set_attn_implementation
 from textrl.rewards import NeuralReward, call_reward, get_reward, parse_reward_spec, reward_name
 from textrl.testing import unit_roundoff
 
@@ -445,7 +445,7 @@ def test_a_reward_model_whose_forward_takes_no_positions_scores_one_row_at_a_tim
 
 
 def test_place_takes_the_runs_padding_free_and_leaves_it_otherwise(model, tokenizer):
-    from textrl.precision import Precision
+    from textrl.core.precision import Precision
 
     reward = NeuralReward(model, tokenizer)
     assert reward.place(Precision(torch.device("cpu"))).padding_free is False

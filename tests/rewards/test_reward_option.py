@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from textrl.config import TrainConfig, load_yaml
+from textrl.core.user_files import import_path
 from textrl.envs.prompts import check_reward_columns
 from textrl.rewards import CompositeReward, RewardError, evaluate_reward, named
 from textrl.rewards.base import needs, required_columns
@@ -22,8 +23,7 @@ from textrl.rewards.options import (
     reward_record,
 )
 from textrl.rewards.registry import get_reward
-from textrl.trainer import train
-from textrl.user_files import import_path
+from textrl.training.trainer import train
 
 SMALL = dict(iterations=1, warmup_sft_steps=0, prompts_per_iteration=2, n_samples_per_prompt=2, max_new_tokens=4,
              eval_size=2, eval_every=0, progress=False, ppo_epochs=1, num_minibatches=1, checkpoint_every=1)
@@ -150,7 +150,7 @@ def test_rows_without_a_column_a_reward_reads_are_named_by_file_and_line(tmp_pat
 
 
 def test_train_refuses_a_bad_row_before_any_model_loads(tmp_path, monkeypatch):
-    import textrl.trainer as trainer
+    import textrl.training.trainer as trainer
 
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n{"prompt": "c", "answer": "3"}\n')

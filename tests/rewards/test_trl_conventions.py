@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from tests.arithmetic import assert_within
 from tests.rewards.test_neural import score_tolerance
-from textrl.checks import check_rollout
+from textrl.core.checks import check_rollout
 from textrl.envs.fast_path import rollout_from_responses, score_completions
 from textrl.keys import KEYS
 from textrl.models import build_tiny_reward_model, build_tiny_tokenizer

@@ -24,7 +24,7 @@ def test_dpo_loss_closed_form_and_gradient_direction():
 
 def test_response_logps_sum_only_response_tokens():
     from textrl.models import load_causal_lm, load_tokenizer
-    from textrl.warmup import build_sft_batch
+    from textrl.run.warmup import build_sft_batch
 
     tok, model = load_tokenizer("tiny"), load_causal_lm("tiny")
     batch = build_sft_batch(tok, [("Hi", "a"), ("A much longer prompt here", "a")])

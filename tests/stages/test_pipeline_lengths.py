@@ -44,7 +44,7 @@ def test_the_pipeline_passes_each_length_on(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pipeline, "train_sft", stage("sft"))
     monkeypatch.setattr(pipeline, "train_rm", stage("rm"))
-    monkeypatch.setattr("textrl.trainer.train", ppo)
+    monkeypatch.setattr("textrl.training.trainer.train", ppo)
     asked = {"sft_max_length": 111, "rm_max_length": 122, "max_prompt_length": 133, "max_new_tokens": 9,
              "max_episode_tokens": 44}
     with pytest.raises(SystemExit):

@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 
 from textrl.cli import main
 from textrl.run import CHECKPOINT_MARKER, MetricsLog, TrainingStopped, latest_checkpoint
+from textrl.run.warmup import _batch_order
 from textrl.stages import sft
 from textrl.stages.common import BatchOrder
 from textrl.stages.dpo import DPOConfig, train_dpo
 from textrl.stages.sft import SFTConfig, train_sft
-from textrl.warmup import _batch_order
 
 TINY = {"steps": 6, "batch_size": 4, "eval_size": 4, "eval_every": 2, "checkpoint_every": 2,
         "keep_checkpoints": 5, "progress": False}

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from textrl.models import load_tokenizer
+from textrl.run.warmup import IGNORE_INDEX, build_sft_batch, encode_sft_example
 from textrl.stages.sft import SFTConfig, load_sft_pairs, parse_sft_row, train_sft
-from textrl.warmup import IGNORE_INDEX, build_sft_batch, encode_sft_example
 
 
 def test_prompt_positions_have_label_minus_100():

@@ -2,7 +2,7 @@
 
 Each agent class registers itself with :func:`register_agent`; ``--agent`` accepts a registered
 name, an entry point of the packaging group ``textrl.agents``, or ``path/to/file.py:Class`` (see
-:mod:`textrl.agent_registry`). The built-ins:
+:mod:`textrl.core.agent_registry`). The built-ins:
 
 >>> sorted(AGENTS)  # doctest: +NORMALIZE_WHITESPACE
 ['cispo', 'dapo', 'dr_grpo', 'gae_ppo', 'grpo', 'gspo', 'multi_adapter_ppo', 'one_step_ppo',
@@ -21,19 +21,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from textrl.agent_registry import (
-    AGENTS,
-    ENTRY_POINT_GROUP,
-    agent_class,
-    agent_names,
-    register_agent,
-)
 from textrl.agents.base import CriticFreePPO, PPOAgent
 from textrl.agents.gae_ppo import GAEPPO
 from textrl.agents.group_ppo import GRPO, RLOO, GroupPPO
 from textrl.agents.multi_adapter_ppo import MultiAdapterPPO
 from textrl.agents.one_step_ppo import OneStepPPO
 from textrl.agents.zoo import CISPO, DAPO, GSPO, VAPO, DrGRPO, ReinforcePP, ReinforcePPBaseline
+from textrl.core.agent_registry import (
+    AGENTS,
+    ENTRY_POINT_GROUP,
+    agent_class,
+    agent_names,
+    register_agent,
+)
 
 
 def make_agent(name: str, *args: Any, **kwargs: Any) -> PPOAgent:

@@ -44,12 +44,12 @@ from textrl.agents.weight_check import (
     weight_gap_bound,
     weight_gap_error,
 )
+from textrl.core.versions import VersionCounter
 from textrl.functional import kl_penalty, masked_mean
 from textrl.generation import GenerationEngine, Sampling, engine_for
 from textrl.generation.base import run_engine_name
 from textrl.keys import KEYS
 from textrl.parallel.fsdp_sharding import local
-from textrl.versions import VersionCounter
 
 Behaviour = Callable[[Tensor, Tensor, int, Tensor], Tensor]
 """``behaviour(input_ids [B, L], attention_mask [B, L], prompt_len, action [B, T]) -> [B, T]``: the
@@ -117,7 +117,7 @@ class Actor:
 
     @property
     def precision(self) -> Any:
-        """The run's precision (:class:`textrl.precision.Precision`) every forward of the actor runs under."""
+        """The run's precision (:class:`textrl.core.precision.Precision`) every forward of the actor runs under."""
         return self.forwards.precision
 
     # -- the weights ------------------------------------------------------------------------------
@@ -366,7 +366,7 @@ class Actor:
 
 def run_lengths(config: Any, facts: Any) -> tuple[int, int] | None:
     """``(prompts' cap, episode budget)`` the engine is told (:meth:`GenerationEngine.fit_lengths`):
-    the ones the trainer resolved (``facts``, :class:`textrl.env_facts.EnvFacts`), else the config's
+    the ones the trainer resolved (``facts``, :class:`textrl.core.env_facts.EnvFacts`), else the config's
     ``max_prompt_length`` and ``max_episode_tokens``; None while either is unknown."""
     prompts = getattr(facts, "max_prompt_length", None) or getattr(config, "max_prompt_length", None)
     budget = facts.episode_budget if facts is not None else getattr(config, "max_episode_tokens", None)

@@ -45,7 +45,9 @@ from textrl.agents.forwards import (
 from textrl.agents.learner import Learner, learner_attribute, process_rollout
 from textrl.agents.update import LossTerms, Objective, UpdateTally, total_loss
 from textrl.config import TrainConfig
-from textrl.env_facts import EnvFacts
+from textrl.core.env_facts import EnvFacts
+from textrl.core.kl_control import make_kl_controller
+from textrl.core.precision import Precision
 from textrl.functional import (
     MISMATCH_KINDS,
     aggregate_loss,
@@ -54,11 +56,9 @@ from textrl.functional import (
     kl_shaped_rewards,
 )
 from textrl.keys import KEYS
-from textrl.kl_control import make_kl_controller
 from textrl.models.checkpointing import enable_gradient_checkpointing
 from textrl.models.sampling import neutralised_notice
 from textrl.parallel import Backend, SingleProcess
-from textrl.precision import Precision
 
 SCORE = KEYS.score
 """Key of the task score per row ``[B]`` (float), before any KL shaping."""
@@ -118,7 +118,7 @@ class PPOAgent(nn.Module):
 
     # -- construction (textrl/agents/build.py) ----------------------------------------------------
     env_facts: EnvFacts | None = None
-    """What construction was handed of the run's environment (:class:`textrl.env_facts.EnvFacts`:
+    """What construction was handed of the run's environment (:class:`textrl.core.env_facts.EnvFacts`:
     the warm-up pairs, the episode budget); None for an agent built directly."""
     warmup_record: dict[str, Any] | None = None
     """What the format warm-up did: ``asked_steps``, ``ran_steps``, ``reason`` (``summary.json``)."""
@@ -144,7 +144,7 @@ class PPOAgent(nn.Module):
 
         ``config`` is validated for this class first, before any model loads. ``env_facts`` is
         what the run's environment gives (the trainer hands it over); without it, it is read
-        through the provider ``textrl.envs`` registers (:func:`textrl.env_facts.env_facts_of`).
+        through the provider ``textrl.envs`` registers (:func:`textrl.core.env_facts.env_facts_of`).
         """
         return build.from_config(cls, config, device, log, env_facts, own_loader=cls.overrides("load_policy"))
 
@@ -255,7 +255,7 @@ class PPOAgent(nn.Module):
 
     @property
     def precision(self) -> Precision:
-        """The run's precision on the agent's device (:class:`textrl.precision.Precision`: the
+        """The run's precision on the agent's device (:class:`textrl.core.precision.Precision`: the
         weights' dtype, the autocast every forward of the agent runs under, the attention
         implementation): the actor's and the learner's; follows the agent when it moves (``agent.to("cuda")``)."""
         shared = self.learner.forwards
@@ -279,7 +279,7 @@ class PPOAgent(nn.Module):
         """One rollout's sampling (:meth:`textrl.agents.actor.Actor.rollout`: each turn's tokens and
         the engine's log-probs, the version of the weights), after the actor loaded the learner's
         weights (:meth:`~textrl.agents.actor.Actor.load_weights_from`: nothing to copy when it samples
-        with them). :func:`textrl.rollout.collect` opens it around an environment's episodes."""
+        with them). :func:`textrl.run.rollout.collect` opens it around an environment's episodes."""
         actor = self.actor
         actor.load_weights_from(self.learner)
         with actor.rollout(greedy=greedy) as sampled:
@@ -287,14 +287,14 @@ class PPOAgent(nn.Module):
 
     def take_weight_sync_seconds(self) -> float | None:
         """The seconds the actor's engine spent taking the weights since the last call
-        (``time/weight_sync_s``; :func:`textrl.rollout.run_episodes` reads it), None for an engine that
+        (``time/weight_sync_s``; :func:`textrl.run.rollout.run_episodes` reads it), None for an engine that
         samples the policy's weights in place (:attr:`~textrl.generation.base.GenerationEngine.receives_weights`)."""
         engine = self.actor.engine
         return engine.take_weight_sync_seconds() if engine.receives_weights else None
 
     def check_weights(self, td: TensorDictBase) -> None:
         """Stop when the engine did not sample ``td`` with the weights handed to it
-        (:meth:`textrl.agents.actor.Actor.check_weights`; :func:`textrl.rollout.run_episodes` calls it)."""
+        (:meth:`textrl.agents.actor.Actor.check_weights`; :func:`textrl.run.rollout.run_episodes` calls it)."""
         self.actor.check_weights(td)
 
     def evaluate(self, td: TensorDictBase, *, keep_graph: bool = False) -> TensorDict:

@@ -7,7 +7,7 @@ option's agent default, the LoRA rank, whether a reference is kept, the episode 
 override the hooks.
 
 What construction needs of the run's environment (the warm-up pairs, the episode budget) is
-handed in as a :class:`textrl.env_facts.EnvFacts` (the trainer builds it from the environment it
+handed in as a :class:`textrl.core.env_facts.EnvFacts` (the trainer builds it from the environment it
 already holds); without one it is asked of the provider ``textrl.envs`` registers. Nothing here
 imports the environments.
 """
@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from textrl.config import AGENT_OPTIONS, TrainConfig
-from textrl.env_facts import EnvFacts, env_facts_of
+from textrl.core.env_facts import EnvFacts, env_facts_of
+from textrl.core.precision import Precision
 from textrl.models.checks import check_tokenizer_fits, name_of
-from textrl.precision import Precision
 
 if TYPE_CHECKING:
     from textrl.agents.base import PPOAgent
@@ -43,7 +43,7 @@ def tokenizer_name(config: TrainConfig) -> str:
 def warmup_pairs(config: TrainConfig) -> list[tuple[Any, str]] | None:
     """The (prompt, completion) pairs of the run's environment's format warm-up, drawn from its
     training rows (None: it has none, as a plain ``--dataset`` has none), through the environment
-    provider (:func:`textrl.env_facts.env_facts_of`)."""
+    provider (:func:`textrl.core.env_facts.env_facts_of`)."""
     return env_facts_of(config).warmup_pairs
 
 
@@ -80,7 +80,7 @@ def episode_budget(agent: PPOAgent) -> int:
     """The run's token budget of an episode after the prompt (agent and observation tokens):
     the one the trainer handed over (``agent.env_facts``: ``max_episode_tokens``, else the
     environment's default, fitted to the context), else ``max_episode_tokens``, else the
-    environment's default read through :func:`textrl.env_facts.env_facts_of` (``max_new_tokens``
+    environment's default read through :func:`textrl.core.env_facts.env_facts_of` (``max_new_tokens``
     for a single turn). The constant of the length terms (Dr. GRPO's denominator, DAPO's
     overlong penalty); never a batch's padded ``T``."""
     if agent.env_facts is None:
@@ -155,7 +155,7 @@ def _validate_lora(cls: type[PPOAgent], config: TrainConfig) -> None:
 def _validate_memory_options(cls: type[PPOAgent], config: TrainConfig) -> None:
     """bf16 trained weights need an optimiser that keeps their updates; the critic kinds of a fully
     fine-tuned policy; the optimisers and critics the sharded backends build."""
-    from textrl.optim import check_optim
+    from textrl.core.optim import check_optim
 
     lora = bool(lora_rank(cls, config))
     check_optim(config.optim, config.dtype, trains_full_weights=not lora)
@@ -177,7 +177,7 @@ def _validate_memory_options(cls: type[PPOAgent], config: TrainConfig) -> None:
 
 def _ignored_option(cls: type[PPOAgent], agent: str, option: str, value: Any) -> str:
     """The refusal of an option the agent does not read: why, and which agents read it."""
-    from textrl.agent_registry import AGENTS
+    from textrl.core.agent_registry import AGENTS
 
     readers = [name for name, other in AGENTS.items() if option in other.options]
     why = cls.not_read.get(option, "its algorithm has no use for it")
@@ -309,7 +309,7 @@ def load_tokenizer(config: TrainConfig) -> Any:
 def load_policy(config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print,
                 env_facts: EnvFacts | None = None) -> tuple[nn.Module, dict[str, Any], EnvFacts | None]:
     """The policy of ``config.model`` on ``device`` in the run's precision (``dtype``,
-    ``attn_implementation``: :class:`textrl.precision.Precision`), eval mode, and the record of its
+    ``attn_implementation``: :class:`textrl.core.precision.Precision`), eval mode, and the record of its
     warm-up: an environment with warm-up pairs (``env_facts``; the built-in tasks) gets a short
     supervised format warm-up first (``warmup_sft_steps``), under the run's autocast. Returns
     ``(policy, record, env_facts)``, the facts read from the environment when none were given."""
@@ -322,8 +322,8 @@ def load_policy(config: TrainConfig, tokenizer: Any, device: torch.device, log: 
         env_facts = env_facts_of(config)
     record = warmup_none(config, env_facts)
     if record is None:  # the warm-up, or (a resumed run) the start the run kept after it
-        from textrl.user_files import absolute_local
-        from textrl.warmup import warm_up
+        from textrl.core.user_files import absolute_local
+        from textrl.run.warmup import warm_up
 
         stats = warm_up(policy, tokenizer, env_facts.warmup_pairs, steps=config.warmup_sft_steps,
                         lr=config.warmup_sft_lr, batch_size=config.warmup_sft_batch_size, seed=config.seed,

@@ -94,7 +94,7 @@ class RolloutForward:
 
     ``logp``, ``entropy``, ``values`` ``[B, T]`` with grad; ``stored`` the detached log-probs
     written into the rollout (identifies it); ``version`` the version of the weights it read
-    (:class:`textrl.versions.VersionCounter`).
+    (:class:`textrl.core.versions.VersionCounter`).
     """
 
     logp: Tensor
@@ -124,7 +124,7 @@ class Forwards:
     """The forwards of a run's models under its precision: the policy's log-probs (at the temperature, no filter) of
     given tokens (fused with the LM head in chunks where it can), the entropy, the values. The actor
     runs them at rollout time, a loss at update time (:func:`forward_policy`, :func:`forward_values`);
-    every one runs under ``precision.autocast()`` (:class:`textrl.precision.Precision`: the one
+    every one runs under ``precision.autocast()`` (:class:`textrl.core.precision.Precision`: the one
     autocast context of the package)."""
 
     def __init__(self, config: Any, precision: Any) -> None:

@@ -18,7 +18,6 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor
 
-from textrl.agent_registry import register_agent
 from textrl.agents import build, forwards
 from textrl.agents import update as update_loop
 from textrl.agents.base import (
@@ -30,6 +29,7 @@ from textrl.agents.base import (
 )
 from textrl.agents.teacher import TEACHER_OPTIONS, token_rewards
 from textrl.agents.update import LossTerms, total_loss
+from textrl.core.agent_registry import register_agent
 from textrl.functional import (
     clipped_value_loss,
     gae,

@@ -19,7 +19,6 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor
 
-from textrl.agent_registry import register_agent
 from textrl.agents.base import (
     LORA_OPTIONS,
     POLICY_OBJECTIVE_OPTIONS,
@@ -27,6 +26,7 @@ from textrl.agents.base import (
     CriticFreePPO,
 )
 from textrl.agents.teacher import TEACHER_OPTIONS, token_rewards
+from textrl.core.agent_registry import register_agent
 from textrl.functional import (
     shaped_token_rewards,
 )

@@ -2,7 +2,7 @@
 
 A :class:`Learner` owns the trained weights (the policy and the critic), the optimisers and their
 schedules, the KL controller the estimator feeds, the counters (iterations, the streak of skipped
-updates) and the weights' version (:class:`textrl.versions.VersionCounter`: it moves with every
+updates) and the weights' version (:class:`textrl.core.versions.VersionCounter`: it moves with every
 optimiser step). The agent's ``estimate`` and ``loss`` (the hooks a subclass writes) are its
 objective: :func:`process_rollout` runs the estimator over a rollout the actor evaluated, and
 :func:`textrl.agents.update.update` the epochs of the loss. How the backward, the step and the
@@ -21,6 +21,8 @@ from tensordict import TensorDictBase
 from torch import Tensor, nn
 
 from textrl.agents.forwards import Forwards
+from textrl.core.timing import timed
+from textrl.core.versions import VersionCounter
 from textrl.functional import masked_sum, mismatch_weights, next_valid
 from textrl.functional.mismatch import (
     REJECTION_WARNING_ITERATIONS,
@@ -30,8 +32,6 @@ from textrl.functional.mismatch import (
 from textrl.keys import KEYS
 from textrl.parallel.base import build_optimizers, trained_parameters
 from textrl.parallel.fsdp_sharding import local
-from textrl.timing import timed
-from textrl.versions import VersionCounter
 
 
 @dataclass
@@ -90,7 +90,7 @@ class Learner:
     @property
     def version(self) -> int:
         """The trained weights' version now: it moves with each optimiser step (the update reads it
-        after each), a restore and a load (:class:`textrl.versions.VersionCounter`)."""
+        after each), a restore and a load (:class:`textrl.core.versions.VersionCounter`)."""
         return self._version.now()
 
     @property

@@ -34,7 +34,6 @@ from tensordict import TensorDictBase
 from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from textrl.agent_registry import register_agent
 from textrl.agents.adapter_views import (
     POLICY,
     REWARD,
@@ -56,7 +55,9 @@ from textrl.agents.build import (
 )
 from textrl.agents.gae_ppo import GAEPPO
 from textrl.config import TrainConfig
-from textrl.env_facts import EnvFacts, env_facts_of
+from textrl.core.agent_registry import register_agent
+from textrl.core.env_facts import EnvFacts, env_facts_of
+from textrl.core.precision import Precision
 from textrl.models.adapters import (
     is_peft,
     keep_4bit_differentiable,
@@ -66,7 +67,6 @@ from textrl.models.adapters import (
     warn_if_merged,
 )
 from textrl.models.checks import check_tokenizer_fits
-from textrl.precision import Precision
 
 if TYPE_CHECKING:
     from textrl.parallel import Backend

@@ -19,11 +19,11 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor, nn
 
-from textrl.agent_registry import register_agent
 from textrl.agents import forwards
 from textrl.agents.base import CRITIC_OPTIONS, SCORE, SHARED_OPTIONS, PPOAgent
 from textrl.agents.update import LossTerms
 from textrl.config import TrainConfig
+from textrl.core.agent_registry import register_agent
 from textrl.functional import (
     clipped_policy_loss,
     masked_mean,

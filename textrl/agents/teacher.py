@@ -110,7 +110,7 @@ def check_teacher_temperature(config: Any) -> None:
 
 
 def check_teacher(config: Any) -> None:
-    """The teacher's rules before any model loads (``textrl.trainer.check_run``): the temperature, and the
+    """The teacher's rules before any model loads (``textrl.training.trainer.check_run``): the temperature, and the
     tokenizer rule with the policy's tokenizer loaded by name (a policy given as an object: when the
     teacher loads, :func:`load_teacher`)."""
     from textrl.models import load_tokenizer

@@ -13,7 +13,6 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor
 
-from textrl.agent_registry import register_agent
 from textrl.agents import build
 from textrl.agents.base import (
     LORA_OPTIONS,
@@ -27,6 +26,7 @@ from textrl.agents.base import (
 from textrl.agents.gae_ppo import GAEPPO
 from textrl.agents.group_ppo import GRPO, GroupPPO
 from textrl.agents.teacher import token_rewards
+from textrl.core.agent_registry import register_agent
 from textrl.functional import (
     aggregate_loss,
     cispo_loss,

@@ -1,6 +1,6 @@
 """``textrl bench``: agents x environments x seeds at an equal token budget, with honest statistics.
 
-:func:`compare_agents` trains every (agent, environment, seed) with :func:`textrl.trainer.train`,
+:func:`compare_agents` trains every (agent, environment, seed) with :func:`textrl.training.trainer.train`,
 each run in its own process, ``--jobs`` at a time, and writes to ``output_dir``:
 
 - ``report.md``: the set-up line, which differences between agents are significant (in words),

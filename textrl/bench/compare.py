@@ -62,7 +62,7 @@ def warm_start(config: TrainConfig, folder: Path, log: Any = print, threads: int
 
 def _train(config: TrainConfig, threads: int | None) -> None:
     from textrl.run import torch_threads
-    from textrl.trainer import train
+    from textrl.training.trainer import train
 
     with torch_threads(threads):
         train(config)

@@ -51,8 +51,8 @@ def resolve_agents(names: Sequence[str] | None, settings: dict[str, Any]) -> tup
     """``(agent specs, {skipped: why})``. Named agents must all resolve and validate with
     ``settings`` (else ``ValueError`` naming the culprit); ``["all"]`` is every registered agent,
     skipping (with the reason) those that do not validate. A file spec comes back absolute."""
-    from textrl.agent_registry import absolute_spec
     from textrl.agents import agent_names
+    from textrl.core.agent_registry import absolute_spec
 
     if names is None:
         names = comma_list(DEFAULT_BENCH["agents"])

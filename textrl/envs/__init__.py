@@ -28,7 +28,6 @@ from textrl.envs.fast_path import (
 )
 from textrl.envs.observations import observation_ids
 from textrl.envs.policies import KVCachePolicy
-from textrl.envs.prompt_table import PromptTable
 from textrl.envs.prompts import (
     PromptDataset,
     PromptSampler,
@@ -36,6 +35,7 @@ from textrl.envs.prompts import (
     encode_prompts,
     load_prompts,
 )
+from textrl.envs.prompts.table import PromptTable
 from textrl.envs.registry import env_ids, make_env, register_env
 from textrl.envs.tasks import make_digits_task
 from textrl.envs.token_mdp import ENV_ID, TimeLimitCap, TokenMDPEnv, register

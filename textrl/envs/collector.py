@@ -25,7 +25,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from textrl.checks import check_rollout
+from textrl.core.checks import check_rollout
 from textrl.envs.background_scores import start_scores, taken_scores
 from textrl.envs.environment import Environment, PromptTask, check_environment
 from textrl.envs.episodes import (
@@ -159,7 +159,7 @@ class EpisodeRunner:
         the episodes a part ended starts at once on the runner's :class:`RewardPool` while the next
         part generates; the results are taken in row order when the rollout is assembled, so the
         rollout is the one scoring in the loop gives."""
-        from textrl.timing import timed
+        from textrl.core.timing import timed
 
         prompt_ids, prompt_mask = batch.input_ids, batch.attention_mask.bool()
         device = prompt_ids.device

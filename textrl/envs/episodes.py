@@ -37,8 +37,8 @@ from textrl.envs.fast_path import (
     score_completions,
 )
 from textrl.envs.observations import append_observation, check_append_only
+from textrl.envs.prompts.rows import row_messages, split_reference
 from textrl.envs.reward_inputs import reward_arguments
-from textrl.envs.rows import row_messages, split_reference
 from textrl.envs.watchdog import CallWatch
 from textrl.keys import END_REASONS
 

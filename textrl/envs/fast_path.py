@@ -16,7 +16,7 @@ MDP semantics used everywhere here:
   (``response_mask(..., pad_token_id=None)``), also when ``pad_token_id == eos_token_id``.
 
 The prompt side the two environments share (rows, chat template, lazy tokenisation) is
-:mod:`textrl.envs.prompt_table`; this module imports no prompt source, so the prompt datasets
+:mod:`textrl.envs.prompts.table`; this module imports no prompt source, so the prompt datasets
 (:mod:`textrl.envs.prompts`) can build on it.
 """
 
@@ -32,7 +32,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from textrl.checks import check_rollout
+from textrl.core.checks import check_rollout
 from textrl.envs.reward_inputs import reward_arguments
 from textrl.functional import kl_shaped_rewards, response_mask
 from textrl.keys import KEYS, RolloutKeys

@@ -80,7 +80,7 @@ def longest_prompt(prompt_sets: Sequence[Any], tokenizer: Any, *, seed: int = 0,
     """The longest prompt of ``prompt_sets`` (each anything :func:`textrl.envs.load_prompts` takes)
     as the sampler tokenizes it, and the lengths measured. Every row when they hold at most
     ``exact_rows`` together, else a seeded sample of ``sample_rows`` of each set."""
-    from textrl.envs.prompt_encoding import _CHUNK_ROWS, _encode_rows
+    from textrl.envs.prompts.encoding import _CHUNK_ROWS, _encode_rows
 
     datasets = _datasets(prompt_sets)
     total = sum(len(d) for d in datasets)

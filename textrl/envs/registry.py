@@ -25,7 +25,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from textrl.env_facts import EnvFacts, provide_env_facts
+from textrl.core.env_facts import EnvFacts, provide_env_facts
 from textrl.envs.environment import Environment
 from textrl.registry import Messages, Registry
 

@@ -80,7 +80,7 @@ from textrl.envs.fast_path import (
     PLACEMENTS,
     RewardLike,
 )
-from textrl.envs.prompt_table import TokenMDPSetup
+from textrl.envs.prompts.table import TokenMDPSetup
 from textrl.envs.registry import env_ids, gym_id, make_env
 from textrl.keys import END_REASONS
 

@@ -62,11 +62,11 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from textrl.checks import check_rollout
+from textrl.core.checks import check_rollout
 from textrl.envs.environment import Environment
 from textrl.envs.episodes import DONE, EpisodeDynamics, EpisodeState, default_episode_tokens
 from textrl.envs.fast_path import DEFAULT_REWARD, PLACEMENTS, RewardLike, place_score
-from textrl.envs.prompt_table import TokenMDPSetup
+from textrl.envs.prompts.table import TokenMDPSetup
 from textrl.envs.token_mdp import environment_and_rows
 from textrl.keys import END_REASONS, KEYS, RolloutKeys
 
@@ -402,7 +402,7 @@ def to_rollout(data: TensorDictBase, env: TextGenEnv, *, reward_placement: str =
     ``"uniform"``), ``("reward_components", name)`` and ``score`` ``[N]``, and
     ``("episode","turns")`` / ``("episode","end")`` ``[N]``; for a single turn it equals
     :func:`textrl.envs.rollout_from_responses` of the same tokens. Checked by
-    :func:`textrl.checks.check_rollout`.
+    :func:`textrl.core.checks.check_rollout`.
     """
     if reward_placement not in PLACEMENTS:
         raise ValueError(f"reward_placement={reward_placement!r}: must be one of {PLACEMENTS}")

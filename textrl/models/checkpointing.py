@@ -39,7 +39,7 @@ def _layer_types() -> tuple[type, ...]:
 def _same_attention_kernels() -> tuple[Any, Any]:
     """``context_fn`` of the checkpoint: the backward's recompute of a layer may use exactly the
     scaled dot-product attention kernels its forward could (textrl's training forwards allow flash,
-    memory-efficient and math on CUDA, never cuDNN: :func:`textrl.precision.training_sdpa_backends`),
+    memory-efficient and math on CUDA, never cuDNN: :func:`textrl.core.precision.training_sdpa_backends`),
     though it runs outside the forward's ``sdpa_kernel`` context. Another kernel saves other tensors
     (torch's checkpoint then stops with a CheckpointError) and could be the one with NaN gradients."""
     from torch.nn.attention import SDPBackend, sdpa_kernel

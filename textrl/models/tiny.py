@@ -45,8 +45,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from textrl.core.precision import set_attn_implementation
 from textrl.models.sources import Files, check_model_folder, resolve_hub_id
-from textrl.precision import set_attn_implementation
 from textrl.run import atomic
 
 TinyKind = Literal["causal_lm", "reward_model", "gpt2"]

@@ -148,8 +148,8 @@ def lora_value_model(model: nn.Module, frozen_dtype: torch.dtype, head_dtype: to
     adapter's and the head's (the trained ones) in ``head_dtype``. Only those train."""
     from peft import inject_adapter_in_model
 
+    from textrl.core.precision import frozen_copy
     from textrl.models.adapters import lora_config
-    from textrl.precision import frozen_copy
 
     body = frozen_copy(_backbone(model), frozen_dtype)
     config = lora_config(r, alpha, dropout, target_modules, model=model)

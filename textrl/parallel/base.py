@@ -11,7 +11,7 @@ rest of a training step, so the agent's update loop is the same on every backend
 - :meth:`Backend.step` synchronises the gradients, clips them, steps every optimiser and
   scheduler and returns the pre-clip gradient norms; it returns ``None`` and steps nothing
   (gradients dropped) when a gradient is NaN/inf on any process; after a step it marks the
-  weights written (:func:`textrl.versions.mark_written`), however the optimiser wrote them;
+  weights written (:func:`textrl.core.versions.mark_written`), however the optimiser wrote them;
 - :meth:`Backend.gathered` holds a model's full weights for a block (generation),
   :meth:`Backend.copy_weights` copies one model's weights into another (reference and
   old-policy refreshes);
@@ -29,7 +29,7 @@ rest of a training step, so the agent's update loop is the same on every backend
 - :meth:`Backend.weights_finite` and :meth:`Backend.end_of_run` are the trainer's checks.
 
 Decisions that change control flow are taken on values shared by every process
-(:class:`textrl.distributed.Distributed`), so every process runs the same collectives.
+(:class:`textrl.parallel.distributed.Distributed`), so every process runs the same collectives.
 
 Implementations: :class:`textrl.parallel.single.SingleProcess`,
 :class:`textrl.parallel.replicated.Replicated` (data parallel, gradients all-reduced),
@@ -47,10 +47,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from textrl.distributed import Distributed
+from textrl.core.versions import mark_written
+from textrl.parallel.distributed import Distributed
 from textrl.parallel.fsdp_sharding import local
 from textrl.parallel.rollback import OptimizerCopy, RollbackCopy, UpdateSnapshot, update_state
-from textrl.versions import mark_written
 
 
 def trained_models(agent: Any) -> list[tuple[str, nn.Module]]:
@@ -74,11 +74,11 @@ def param_groups(agent: Any) -> list[dict[str, Any]]:
 
 
 def build_optimizers(agent: Any) -> None:
-    """One AdamW (``config.optim``, :mod:`textrl.optim`; no weight decay) per trained model of
+    """One AdamW (``config.optim``, :mod:`textrl.core.optim`; no weight decay) per trained model of
     ``agent``, over its weights as they are now (a backend that replaces the weights, e.g. by shards,
     calls this again), and their schedules: sets ``agent.actor_optimizer``, ``agent.critic_optimizer``
     (None without a critic), ``agent.optimizers`` (those that exist) and ``agent.schedulers``."""
-    from textrl.optim import make_optimizer
+    from textrl.core.optim import make_optimizer
 
     optim = getattr(agent.config, "optim", "adamw_torch")
     actor, *critic = (make_optimizer(optim, [group]) for group in param_groups(agent))
@@ -183,7 +183,7 @@ class Backend:
         (pre-clip), or None when nothing was stepped (a NaN/inf gradient).
 
         After a step it applied, the weights it wrote are marked written
-        (:func:`textrl.versions.mark_written` of :meth:`stepped_weights`): whatever wrote them
+        (:func:`textrl.core.versions.mark_written` of :meth:`stepped_weights`): whatever wrote them
         (torch's AdamW in place, DeepSpeed through ``.data``, bitsandbytes' kernels through their
         memory), every reader of their version (the learner's, the actor's caches, an engine's own
         copy) sees the step. The one place a step is stated; a subclass overrides :meth:`apply_step`.
@@ -255,7 +255,7 @@ class Backend:
         """``model``'s trained weights (``requires_grad``) whole, as detached copies on the CPU where
         ``keep``, ``{}`` elsewhere; every process calls where the backend partitions them (a gather
         per tensor, one tensor whole at a time). What an actor handed the weights whole samples with
-        (:class:`textrl.async_training.DealtRollouts`)."""
+        (:class:`textrl.training.async_training.DealtRollouts`)."""
         if not keep:
             return {}
         return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from textrl.core.versions import mark_written
 from textrl.parallel.fsdp_sharding import _env_flag
-from textrl.versions import mark_written
 
 STAGES = (1, 2, 3)
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -217,7 +217,7 @@ def copy_weights(dst: nn.Module, src: nn.Module) -> None:
 
 
 def mark_held_written(tensor: Tensor) -> None:
-    """Mark ``tensor`` written through ``.data`` (:func:`textrl.versions.mark_written`): the tensor
+    """Mark ``tensor`` written through ``.data`` (:func:`textrl.core.versions.mark_written`): the tensor
     and, partitioned, this process's partition of it (what the learner's version reads)."""
     mark_written([tensor, tensor.ds_tensor] if is_partitioned(tensor) else [tensor])
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from textrl.core.versions import mark_written
 from textrl.parallel.base import Backend, trained_parameters
-from textrl.versions import mark_written
 
 
 def parameter_checksum(module: nn.Module) -> str:

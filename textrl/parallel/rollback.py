@@ -19,7 +19,7 @@ agent's update uses a :class:`RollbackCopy` instead, which
   made again, at once, when nothing was staged or what it copies changed since: an explicit
   :meth:`RollbackCopy.invalidate` (loads, restores) or a changed ``(data_ptr, _version)`` of a
   copied tensor (an optimiser step, an in-place edit, a write through ``.data`` its writer marked:
-  :func:`textrl.versions.mark_written`).
+  :func:`textrl.core.versions.mark_written`).
 
 Scheduler states, learning rates and any optimiser state that is not a tensor are small: they
 are deep-copied when the update takes the copy.
@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from textrl.core.versions import tensor_versions
 from textrl.parallel.fsdp_sharding import local
-from textrl.versions import tensor_versions
 
 DEVICE_SHARE = 0.1
 """``rollback_copy='auto'`` keeps the copy on a CUDA device when it takes at most this share of

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from textrl.config import TrainConfig
-from textrl.distributed import Distributed
 from textrl.parallel.base import Backend
+from textrl.parallel.distributed import Distributed
 
 
 def check_sharding(config: TrainConfig) -> dict[str, Any] | None:

@@ -8,7 +8,7 @@ step when a gradient is NaN/inf on any process (DeepSpeed's overflow check).
 
 DeepSpeed writes the weights through ``.data`` (its step's copy of the float32 masters into them,
 textrl's loads and stage-3 copies): ``_version`` does not move, so each such write is marked
-(:func:`textrl.versions.mark_written`; the step's by :meth:`~textrl.parallel.Backend.step`, the
+(:func:`textrl.core.versions.mark_written`; the step's by :meth:`~textrl.parallel.Backend.step`, the
 others where they write), and the learner's version, the actor's caches and the engines that hold
 their own copy of the weights (the ``vllm`` engines) see it.
 """

@@ -148,7 +148,7 @@ class NeuralReward:
         output_device: where the returned scores live (default CPU).
         check_vocab: check at construction that ``tokenizer`` fits ``model``'s embedding table.
         autocast: a context factory every forward runs under (a run's
-            :meth:`textrl.precision.Precision.autocast`); default none. :meth:`place` sets it
+            :meth:`textrl.core.precision.Precision.autocast`); default none. :meth:`place` sets it
             together with the model's device and dtype.
         padding_free: score each batch on its real tokens only (step 4 of the module docstring).
 
@@ -364,7 +364,7 @@ class NeuralReward:
         return self.policy_tokenizer.batch_decode(rows, skip_special_tokens=True)
 
     def place(self, precision: Any, *, padding_free: bool | None = None) -> NeuralReward:
-        """Run on a training run's device in its precision (a :class:`textrl.precision.Precision`):
+        """Run on a training run's device in its precision (a :class:`textrl.core.precision.Precision`):
         the model moved there in the frozen models' dtype (``frozen_dtype``: bf16 on CUDA by
         default, else the weights' dtype), every forward under its autocast; ``padding_free``
         the run's (None: left as it is). Returns self."""

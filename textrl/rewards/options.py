@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from textrl.reward_option import (
+from textrl.config.reward_option import (
     _entries,
     check_reward_shape,
     refuse_recorded_callable,
@@ -45,7 +45,7 @@ from textrl.rewards.registry import (
 
 
 def check_reward_option(reward: Any, weights: Any) -> None:
-    """:func:`textrl.reward_option.check_reward_shape`, then each spec entry's names, weights and
+    """:func:`textrl.config.reward_option.check_reward_shape`, then each spec entry's names, weights and
     files by :func:`check_reward_spec` (no file imported, no model loaded)."""
     check_reward_shape(reward, weights)
     if reward is None or (isinstance(reward, str) and not reward.strip()):

@@ -32,8 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from textrl.config.reward_option import split_weight_text
 from textrl.registry import Messages, Registry, first_line
-from textrl.reward_option import split_weight_text
 from textrl.rewards.base import RewardFn, check_finite_weight, reward_name
 from textrl.rewards.composite import CompositeReward
 from textrl.rewards.judge import load_judge
@@ -219,7 +219,7 @@ _EMPTY_SPEC = ("empty reward spec {spec!r} (--reward / TrainConfig(reward=...)):
 
 
 def _split_weight(token: str) -> tuple[str, float]:
-    """(reward, weight) of one spec entry ``REWARD[:WEIGHT]`` (:func:`textrl.reward_option.split_weight_text`:
+    """(reward, weight) of one spec entry ``REWARD[:WEIGHT]`` (:func:`textrl.config.reward_option.split_weight_text`:
     ``file.py:nan`` is the function ``nan``); a weight must be a finite number.
 
     >>> _split_weight("accuracy:2"), _split_weight("badrew.py:nan")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from textrl.distributed import Distributed
+from textrl.parallel.distributed import Distributed
 from textrl.run import atomic
 from textrl.run.rng import rng_state, set_rng_state
 

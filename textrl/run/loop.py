@@ -45,8 +45,8 @@ from typing import Any, Protocol
 
 import torch
 
-from textrl.distributed import Distributed
 from textrl.generation.base import EngineFailed, EngineFailedElsewhere
+from textrl.parallel.distributed import Distributed
 from textrl.run.metrics import MetricsLog
 from textrl.run.pace import Pace, threads_chosen
 from textrl.run.progress import Progress
@@ -122,7 +122,7 @@ class LoopBody(Protocol):
 PER_DEVICE_RATES = {"perf/total_tokens": "perf/tokens_per_s"}
 """A row's count over every process -> its rate per process (per device) and second of the step,
 its evaluation left out (verl's ``perf/throughput``): the prompt and response tokens of ``textrl
-train``'s iteration (:data:`textrl.train_records.TOTAL_TOKENS`)."""
+train``'s iteration (:data:`textrl.training.records.TOTAL_TOKENS`)."""
 
 
 @dataclass

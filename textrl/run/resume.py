@@ -26,7 +26,8 @@ from typing import Any
 
 import yaml
 
-from textrl.config_io import RUN_RECORD
+from textrl.config.io import RUN_RECORD
+from textrl.core.user_files import absolute_paths
 from textrl.run.checkpoints import (
     CHECKPOINT_MARKER,
     CheckpointError,
@@ -39,7 +40,6 @@ from textrl.run.user_code import (
     user_code_changes,
     user_code_digest,
 )
-from textrl.user_files import absolute_paths
 
 SETTINGS_FILE = RUN_RECORD
 """The settings a checkpoint was trained with (inside the checkpoint folder), and the run's own."""

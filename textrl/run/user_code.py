@@ -21,7 +21,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from textrl.user_files import absolute_file, absolute_spec
+from textrl.core.user_files import absolute_file, absolute_spec
 
 USER_CODE_FILE = "user_code.json"
 """In each checkpoint (and the run folder): ``{path as the config writes it: sha256 hex}`` of the

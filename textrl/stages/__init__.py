@@ -2,7 +2,7 @@
 
 ``sft`` (completion-only SFT), ``rm`` (pairwise reward model), ``dpo`` (sigmoid DPO), ``merge``
 (LoRA into its base) and ``pipeline`` (SFT -> reward model -> PPO). They share the config
-machinery of :mod:`textrl.config_io` (and the fields of :class:`textrl.config.SharedFields`), the
+machinery of :mod:`textrl.config.io` (and the fields of :class:`textrl.config.SharedFields`), the
 run infrastructure of :mod:`textrl.run` (the loop, metrics log, checkpoints) and, for sft / rm /
 dpo, :mod:`textrl.stages.common` (the training loop; :class:`StageConfig` in ``stage_config``, the
 model in ``policy``, the rows in ``data``, all importable from ``common``). Modules are imported

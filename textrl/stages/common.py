@@ -5,7 +5,7 @@
   iterations are: evaluation before, every ``eval_every`` steps and at the end,
   ``metrics.jsonl`` / TensorBoard (:class:`textrl.run.MetricsLog`), optional checkpoints, the
   final model. The stage's loss and evaluation run under the run's precision context
-  (:meth:`textrl.precision.Precision.autocast`), as the agents' forwards do.
+  (:meth:`textrl.core.precision.Precision.autocast`), as the agents' forwards do.
 - Resume (``--resume``) with the run package's checkpoints: ``checkpoints/iter_NNNNNN/`` written
   atomically by :func:`textrl.run.save_checkpoint` (a manifest of sha256 sums marks it complete)
   holding the model as ``model/`` will be (``policy/``) and ``trainer_state.pt``: the trainable
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from textrl.config_io import config_values, config_yaml, save_config
+from textrl.config.io import config_values, config_yaml, save_config
 from textrl.models.adapters import write_atomically
 from textrl.run import (
     CHECKPOINT_MARKER,
@@ -150,7 +150,7 @@ def resume_point(config: StageConfig) -> Path | None:
 
 class BatchOrder:
     """Batches of row indices drawn step by step: shuffled epochs from a private generator seeded
-    with ``seed``, run on across epoch boundaries (the order of :func:`textrl.warmup._batch_order`).
+    with ``seed``, run on across epoch boundaries (the order of :func:`textrl.run.warmup._batch_order`).
 
     ``state_dict`` (the generator, the rest of the current epoch and each row's digest) lets a
     resumed run draw the batches an uninterrupted one would. ``load_state_dict`` accepts rows

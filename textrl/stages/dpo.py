@@ -26,6 +26,7 @@ from torch import Tensor
 from textrl.functional import logprobs_from_logits
 from textrl.run import holds_run_folder
 from textrl.run.signals import until_stopped
+from textrl.run.warmup import IGNORE_INDEX, Prompt, build_sft_batch
 from textrl.stages.common import (
     fit,
     format_summary,
@@ -35,7 +36,6 @@ from textrl.stages.common import (
     split_rows,
 )
 from textrl.stages.preferences import Preference, PreferenceStageConfig, load_preferences
-from textrl.warmup import IGNORE_INDEX, Prompt, build_sft_batch
 
 
 @dataclass

@@ -7,7 +7,7 @@ with the tiny model:
    constraint only half of the time (the SFT policy follows it at chance);
 2. ``rm``: a full reward model initialised from the SFT model, trained on chosen (right case) /
    rejected (wrong case) pairs; pairwise accuracy on held-out pairs;
-3. ``ppo``: :func:`textrl.trainer.train` with the reward model as the only optimised reward
+3. ``ppo``: :func:`textrl.training.trainer.train` with the reward model as the only optimised reward
    (``--reward-model``) on prompts that neither SFT nor the reward model saw; the trainer holds
    out ``eval_size`` of them and evaluates before and after. On the built-in task the rule
    :func:`~textrl.envs.synthetic.case_follow_reward` rides along with weight 0, so the share
@@ -36,17 +36,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from textrl.agent_registry import is_spec
 from textrl.agents import AGENTS, agent_class
 from textrl.config import shared
-from textrl.config_io import (
+from textrl.config.io import (
     check_at_least,
     check_bitsandbytes,
     check_output_dir,
     check_positive,
     save_config,
 )
-from textrl.precision import check_precision
+from textrl.core.agent_registry import is_spec
+from textrl.core.precision import check_precision
 from textrl.run import holds_run_folder, take_run_folder, torch_threads
 from textrl.stages.common import MODEL_DIR
 from textrl.stages.rm import RMConfig, train_rm
@@ -281,7 +281,7 @@ def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
 
 def _run(config: PipelineConfig) -> dict[str, Any]:
     from textrl.config import TrainConfig
-    from textrl.trainer import train
+    from textrl.training.trainer import train
 
     start = time.perf_counter()
     out = Path(config.output_dir)

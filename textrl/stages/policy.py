@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from textrl.core.precision import Precision
 from textrl.models.adapters import is_adapter_dir, write_atomically
-from textrl.precision import Precision
 
 if TYPE_CHECKING:
     from textrl.stages.stage_config import StageConfig
@@ -65,7 +65,7 @@ def stage_precision(config: StageConfig, device: torch.device | str) -> Precisio
     """A supervised stage's precision on ``device``: the one place the stages decide it (the
     model they load, :func:`load_policy` and the reward model's scorer, and the loss and
     evaluation :func:`textrl.stages.common.fit` runs), from the config's ``dtype``,
-    ``mixed_precision`` and ``attn_implementation`` (:meth:`textrl.precision.Precision.of`: the
+    ``mixed_precision`` and ``attn_implementation`` (:meth:`textrl.core.precision.Precision.of`: the
     same object for the same fields and device)."""
     return Precision.of(config, device)
 

@@ -3,7 +3,7 @@
 Each example is a prompt (one user message or a conversation) and a response. It is tokenized
 as the policy sees it at generation time (the tokenizer's chat template with the generation
 prompt, then the response and EOS) and only the response tokens and the EOS are in the loss:
-prompt and padding positions have label ``-100`` (:func:`textrl.warmup.build_sft_batch`, shared
+prompt and padding positions have label ``-100`` (:func:`textrl.run.warmup.build_sft_batch`, shared
 with the trainer's warm-up). Full fine-tuning, or a LoRA adapter (optionally on a 4-bit NF4 base).
 
 Data (``--data``):
@@ -26,6 +26,7 @@ import torch
 
 from textrl.run import holds_run_folder
 from textrl.run.signals import until_stopped
+from textrl.run.warmup import IGNORE_INDEX, Prompt, build_sft_batch, encode_sft_example
 from textrl.stages.common import (
     StageConfig,
     fit,
@@ -35,7 +36,6 @@ from textrl.stages.common import (
     save_policy,
     split_rows,
 )
-from textrl.warmup import IGNORE_INDEX, Prompt, build_sft_batch, encode_sft_example
 
 
 @dataclass

@@ -3,7 +3,7 @@
 :class:`StageConfig` holds the fields every stage has (run, model, precision, LoRA / 4-bit,
 optimisation, evaluation), documented where declared; the fields it shares with ``textrl train``
 come from :class:`textrl.config.SharedFields`. Each stage's config derives from it and adds its
-own. Flags, YAML and value checks are :mod:`textrl.config_io`'s, as for ``textrl train``.
+own. Flags, YAML and value checks are :mod:`textrl.config.io`'s, as for ``textrl train``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from textrl.config import shared
-from textrl.config_io import (
+from textrl.config.io import (
     ResumeRules,
     add_config_arguments,
     check_at_least,
@@ -25,8 +25,8 @@ from textrl.config_io import (
     check_values,
     field_docs,
 )
+from textrl.core.precision import check_precision
 from textrl.models.adapters import is_adapter_dir
-from textrl.precision import check_precision
 
 
 @dataclass
@@ -123,12 +123,12 @@ class StageConfig:
 
 def all_field_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings of a dataclass and of its dataclass bases, a subclass's winning
-    (:func:`textrl.config_io.field_docs`, kept under this name for the stages' callers)."""
+    (:func:`textrl.config.io.field_docs`, kept under this name for the stages' callers)."""
     return field_docs(cls)
 
 
 def add_stage_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """``--config`` plus one option per field of ``cls`` (:func:`textrl.config_io.add_config_arguments`:
+    """``--config`` plus one option per field of ``cls`` (:func:`textrl.config.io.add_config_arguments`:
     help text for the fields ``cls`` inherits from :class:`StageConfig` too)."""
     parser.add_argument("--config", default=None, help="YAML file of options (flags override it)")
     add_config_arguments(parser, cls)

@@ -5,7 +5,7 @@ Three parts, all over the ``[B, T]`` layout of docs/design.md, "The rollout Tens
 - **Hypothesis strategies** (need ``pip install hypothesis``; imported on first use):
   :func:`masks` (agent masks with observation gaps, rows of one token, full-length rows),
   :func:`episode_masks` (the agent mask with the response mask around it), :func:`rollouts`
-  (a whole rollout TensorDict that :func:`textrl.checks.check_rollout` accepts: ``pad == eos``,
+  (a whole rollout TensorDict that :func:`textrl.core.checks.check_rollout` accepts: ``pad == eos``,
   truncated rows, multi-turn episodes, placed rewards), :func:`groups` (group scores with
   constant-reward groups) and :func:`float_tensors` (optionally with extreme values).
 - **Reference implementations** written as plain Python loops over rows and positions:

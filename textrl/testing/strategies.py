@@ -233,7 +233,7 @@ def rollouts(
     keys: RolloutKeys = KEYS,
 ) -> Any:
     """Strategy of rollout TensorDicts (``batch_size=[B]``) as docs/design.md, "The rollout
-    TensorDict" and "Multi-turn episodes" describe; :func:`textrl.checks.check_rollout` accepts
+    TensorDict" and "Multi-turn episodes" describe; :func:`textrl.core.checks.check_rollout` accepts
     every one.
 
     Keys (names from ``keys``): ``prompt_tokens`` int64 / ``prompt_mask`` bool ``[B, P]``

@@ -23,52 +23,53 @@ them (keeping the last few thousand), so start-up costs about one read of the fi
 training; the sampler refuses it, with the same message, when it first draws it.
 
 The parts live in their own modules; this one gathers their public names, so import them from
-here (the most used are also in :mod:`textrl.envs`):
+here (the most used are also in :mod:`textrl.envs`). They load on first use: the rows and stores
+sit under the environments (an episode reads its row's messages), the batch and the sampler over
+them (a batch runs its episodes), so importing one part does not import the others.
 
-* :mod:`textrl.envs.row_stores`: a row checked and brought to its shape; the stores that hold
+* :mod:`textrl.envs.prompts.rows`: prompt rows as rewards and environments read them (messages,
+  raw prompt text, fields).
+
+* :mod:`textrl.envs.prompts.stores`: a row checked and brought to its shape; the stores that hold
   rows (dicts, or a JSONL file's bytes) and hash them.
-* :mod:`textrl.envs.prompt_dataset`: :class:`PromptDataset` (select, split, fingerprint, per-row
+* :mod:`textrl.envs.prompts.dataset`: :class:`PromptDataset` (select, split, fingerprint, per-row
   digests), :func:`load_prompts`, :func:`check_reward_columns`.
-* :mod:`textrl.envs.row_edits`: the rows edited between a checkpoint and its resume
+* :mod:`textrl.envs.prompts.edits`: the rows edited between a checkpoint and its resume
   (:func:`edited_rows`, :func:`describe_edited`).
-* :mod:`textrl.envs.prompt_batch`: :class:`PromptBatch` and where a batch's rows are in the data
+* :mod:`textrl.envs.prompts.batch`: :class:`PromptBatch` and where a batch's rows are in the data
   (:func:`batch_rows`, :class:`TrackedBatches`, :func:`placing_rows`).
-* :mod:`textrl.envs.prompt_encoding`: chat templates, token budgets and left-truncation
+* :mod:`textrl.envs.prompts.encoding`: chat templates, token budgets and left-truncation
   (:func:`template_prompt`, :func:`encode_prompts`, :func:`check_prompts_fit`).
-* :mod:`textrl.envs.prompt_sampler`: the seeded, resumable :class:`PromptSampler`.
+* :mod:`textrl.envs.prompts.sampler`: the seeded, resumable :class:`PromptSampler`.
+* :mod:`textrl.envs.prompts.table`: :class:`PromptTable`, the prompt side both environments share
+  (rows, chat template, lazy tokenisation, reward fields).
 """
 
 from __future__ import annotations
 
-from textrl.envs.prompt_batch import PromptBatch, TrackedBatches, batch_rows, placing_rows
-from textrl.envs.prompt_dataset import PromptDataset, check_reward_columns, load_prompts
-from textrl.envs.prompt_encoding import (
-    TruncateMode,
-    check_prompts_fit,
-    encode_prompts,
-    template_prompt,
-)
-from textrl.envs.prompt_sampler import PromptSampler
-from textrl.envs.row_edits import DIGEST_HEX, EDITED_SHARE, describe_edited, edited_rows
-from textrl.envs.rows import batch_fields, raw_prompts
+import importlib
+from typing import Any
 
-__all__ = [
-    "DIGEST_HEX",
-    "EDITED_SHARE",
-    "PromptBatch",
-    "PromptDataset",
-    "PromptSampler",
-    "TrackedBatches",
-    "TruncateMode",
-    "batch_fields",
-    "batch_rows",
-    "check_prompts_fit",
-    "check_reward_columns",
-    "describe_edited",
-    "edited_rows",
-    "encode_prompts",
-    "load_prompts",
-    "placing_rows",
-    "raw_prompts",
-    "template_prompt",
-]
+_PARTS = {
+    "PromptBatch": "batch", "TrackedBatches": "batch", "batch_rows": "batch", "placing_rows": "batch",
+    "PromptDataset": "dataset", "check_reward_columns": "dataset", "load_prompts": "dataset",
+    "TruncateMode": "encoding", "check_prompts_fit": "encoding", "encode_prompts": "encoding",
+    "template_prompt": "encoding",
+    "PromptSampler": "sampler",
+    "DIGEST_HEX": "edits", "EDITED_SHARE": "edits", "describe_edited": "edits", "edited_rows": "edits",
+    "batch_fields": "rows", "raw_prompts": "rows",
+}
+"""Each public name and the module of this package that defines it."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PARTS:
+        return getattr(importlib.import_module(f"{__name__}.{_PARTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PARTS))
+
+
+__all__ = sorted(_PARTS)

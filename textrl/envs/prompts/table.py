@@ -3,7 +3,7 @@
 :class:`PromptTable` reads ``None`` (the built-in digits task), a prompt source string (anything
 :func:`textrl.envs.prompts.load_prompts` reads) or a sequence of rows; :class:`TokenMDPSetup` is
 the set-up :class:`~textrl.envs.TokenMDPEnv` and :class:`~textrl.envs.TextGenEnv` have in common.
-Imports point one way: ``fast_path`` <- ``prompts`` <- ``prompt_table`` <- the environments.
+Imports point one way: ``fast_path`` <- ``prompts`` <- ``prompts.table`` <- the environments.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from textrl.envs.fast_path import (
     special_ids,
 )
 from textrl.envs.prompts import load_prompts
-from textrl.envs.rows import row_messages, split_reference
+from textrl.envs.prompts.rows import row_messages, split_reference
 from textrl.envs.tasks import make_digits_task
 
 _CACHE_ROWS = 4096
@@ -34,7 +34,7 @@ however many rows a prompt file has (a file's rows are parsed when read, see
 
 def _as_row(item: Any, index: int) -> dict[str, Any]:
     """Prompt ``index`` as a row dict; a conversation's closing assistant turn becomes its
-    ``"reference"`` (:func:`textrl.envs.rows.split_reference`), as when a prompt file loads."""
+    ``"reference"`` (:func:`textrl.envs.prompts.rows.split_reference`), as when a prompt file loads."""
     if isinstance(item, str):
         return {"prompt": item}
     if isinstance(item, Mapping):

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from textrl.envs.prompt_batch import PromptBatch
-from textrl.envs.prompt_dataset import PromptDataset, load_prompts
+from textrl.envs.prompts.batch import PromptBatch
+from textrl.envs.prompts.dataset import PromptDataset, load_prompts
 
 TruncateMode = Literal["error", "left"]
 _TRUNCATE_MODES = ("error", "left")

@@ -224,7 +224,7 @@ FROZEN_DTYPES = ("auto", "float32", "bfloat16")
 def check_memory_options(config: Any) -> None:
     """``ValueError`` naming the fields when ``frozen_dtype``, ``optim``, ``logprob_chunk_size`` is
     not one textrl runs, or ``dtype`` and ``optim`` cannot train together (before any model loads)."""
-    from textrl.optim import check_optim
+    from textrl.core.optim import check_optim
 
     if config.frozen_dtype not in FROZEN_DTYPES:
         raise ValueError(f"frozen_dtype={config.frozen_dtype!r}: must be one of {', '.join(FROZEN_DTYPES)}")

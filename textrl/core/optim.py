@@ -26,7 +26,7 @@ from torch import Tensor
 OPTIMIZERS = ("adamw_torch", "adamw_bnb_8bit", "adamw_anyprecision")
 """``--optim`` values."""
 BF16_SAFE = ("adamw_anyprecision",)
-"""The optimisers that keep the updates of bf16 weights (:mod:`textrl.optim`'s docstring)."""
+"""The optimisers that keep the updates of bf16 weights (:mod:`textrl.core.optim`'s docstring)."""
 
 
 def check_optim(optim: str, dtype: str, trains_full_weights: bool = True) -> None:

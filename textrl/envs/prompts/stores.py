@@ -9,7 +9,7 @@ Two stores hold rows: :class:`_ListRows`, validated dicts (a list, a ``datasets.
 :class:`_JsonlRows`, a JSONL file's bytes plus where each row starts (16 bytes a row), every line
 checked at load (:func:`_scan_jsonl`: UTF-8, JSON, a prompt) and parsed again when read. Each
 store says how a row is named in messages, what its content is compared by (``row_bytes``) and
-the fingerprint of a set of its rows. :class:`textrl.envs.prompt_dataset.PromptDataset` is the
+the fingerprint of a set of its rows. :class:`textrl.envs.prompts.dataset.PromptDataset` is the
 public face of both.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from textrl.envs.rows import keep_reference
+from textrl.envs.prompts.rows import keep_reference
 
 _CONVERSATION_FIELDS = ("conversations", "messages")
 

@@ -2,7 +2,7 @@
 
 The PPO iteration is :meth:`PPORun.step`, in named phases: *collect* (generate, score) and
 *estimate* (the agent's ``process_rollout``: log-probs, values, KL shaping, advantages; both
-inside :func:`textrl.rollout.collect`), *update* (``agent.update``: K epochs of minibatches),
+inside :func:`textrl.run.rollout.collect`), *update* (``agent.update``: K epochs of minibatches),
 *log* (the metrics row); then :meth:`PPORun.evaluate` and :meth:`PPORun.checkpoint` when due.
 :class:`textrl.run.RunLoop` drives it, as it drives the supervised stages: timing, cadence,
 progress, signals and the stop live there, checkpoints, logs and resume in :mod:`textrl.run`.
@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from textrl.config import TrainConfig, config_values, config_yaml, save_config
-from textrl.distributed import Distributed
+from textrl.core.timing import timed
 from textrl.keys import KEYS
 from textrl.parallel import Backend, setup_backend
-from textrl.rollout_sources import rollout_source
+from textrl.parallel.distributed import Distributed
 from textrl.run import (
     SETTINGS_FILE,
     CheckpointError,
@@ -68,8 +68,8 @@ from textrl.run.records import set_aside_earlier_records
 from textrl.run.resume import checkpoint_iteration, refuse_shorter_run
 from textrl.run.signals import Stoppable, StopRequested, stop_before_loop, stop_phase
 from textrl.run.user_code import USER_CODE_FILE, user_code_digest, user_code_json
-from textrl.timing import timed
-from textrl.train_records import (  # noqa: F401 - also importable from here, as before
+from textrl.run.warmup import keeping_warmup
+from textrl.training.records import (  # noqa: F401 - also importable from here, as before
     describe_run_start,
     engine_stop_message,
     format_summary,
@@ -82,7 +82,7 @@ from textrl.train_records import (  # noqa: F401 - also importable from here, as
     stop_message,
     warmup_record,
 )
-from textrl.warmup import keeping_warmup
+from textrl.training.rollout_sources import rollout_source
 
 BEFORE_FILE = EVAL_BEFORE_FILE
 """The held-out evaluation before the first iteration (kept so a resumed run's summary has it)."""
@@ -183,7 +183,7 @@ class PPORun:
     """sha256 of the user's files the run imported (:func:`textrl.run.user_code.user_code_digest`),
     read at set-up: each checkpoint records these, not a later edit."""
     source: Any = None
-    """Where the rollouts come from (:mod:`textrl.rollout_sources`): drawn in the step, or with
+    """Where the rollouts come from (:mod:`textrl.training.rollout_sources`): drawn in the step, or with
     ``max_staleness`` > 0 by the actor beside the learner; a checkpoint saves it as the sampler."""
 
     # -- the PPO iteration ---------------------------------------------------------------------
@@ -274,10 +274,10 @@ class PPORun:
 
     def rewind(self, iteration: int) -> bool:
         """After an engine failed collecting ``iteration``'s rollout: the source as the iteration found
-        it (:mod:`textrl.rollout_sources`), so a checkpoint now is that of ``iteration - 1`` and a
+        it (:mod:`textrl.training.rollout_sources`), so a checkpoint now is that of ``iteration - 1`` and a
         resume repeats the run exactly. Under several processes every process comes here together: a
         failure of any one's engine is shared at the end of the rollout's episodes
-        (:func:`textrl.rollout.ended_together`), before any collective, so the checkpoint's gathers
+        (:func:`textrl.run.rollout.ended_together`), before any collective, so the checkpoint's gathers
         find them all."""
         return self.source.rewind(iteration)
 
@@ -533,11 +533,11 @@ def refuse_async_processes(config: TrainConfig) -> None:
     """``max_staleness`` > 0 under several processes (:func:`launched_processes`) runs an actor beside
     the learner in each, which holds the policy's weights whole (data parallel, ZeRO-1/2), or with
     served rollouts one actor on the main process that the learners hand the weights whole after each
-    update (:func:`textrl.rollout_sources.one_actor`: any backend, FSDP and ZeRO-3 included, for a
+    update (:func:`textrl.training.rollout_sources.one_actor`: any backend, FSDP and ZeRO-3 included, for a
     policy that trains every weight: no LoRA policy, no agent whose policy is adapters). A
     ``ValueError`` for the rest, said before any model loads."""
-    from textrl.agent_registry import agent_class
-    from textrl.rollout_sources import one_actor
+    from textrl.core.agent_registry import agent_class
+    from textrl.training.rollout_sources import one_actor
 
     processes = launched_processes()
     if not config.max_staleness or processes <= 1:
@@ -668,7 +668,7 @@ def _agent_scores_alone(config: TrainConfig, spec: str) -> bool:
 
 def build_agent(config: TrainConfig, device: torch.device, log, facts=None):
     """The agent of ``config.agent``, built by its class: models, critic (if any), optimisers;
-    ``facts`` (:class:`textrl.env_facts.EnvFacts`) is what it reads of the environment."""
+    ``facts`` (:class:`textrl.core.env_facts.EnvFacts`) is what it reads of the environment."""
     from textrl.agents import agent_class
 
     return agent_class(config.agent).from_config(config, device, log, env_facts=facts)
@@ -683,7 +683,7 @@ def evaluate(agent, eval_batches, episodes, seed: int, reward_nonfinite: str = "
     Sampling runs under a forked RNG seeded with ``seed``: evaluating (or not) never changes the
     training run's random stream, so a resumed run matches an uninterrupted one.
     """
-    from textrl.rollout import evaluate_prompts
+    from textrl.run.rollout import evaluate_prompts
 
     out: dict[str, float] = {}
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
@@ -703,7 +703,7 @@ def sample_completions(agent, batch, episodes, n: int = 4) -> list[dict[str, Any
     ``turns`` the same text apart, ``{"role": "agent" | "environment", "text": ...}`` per stretch
     (:func:`textrl.envs.collector.episode_turns`)."""
     from textrl.envs.collector import episode_turns
-    from textrl.rollout import run_episodes
+    from textrl.run.rollout import run_episodes
 
     td = run_episodes(agent, batch.select(slice(0, n)), episodes, greedy=True, timings=None)
     seen = td.get(KEYS.response_mask, td.get(KEYS.mask))

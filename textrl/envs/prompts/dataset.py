@@ -4,7 +4,7 @@
 ``datasets.Dataset``; see :mod:`textrl.envs.prompts`). A dataset names its rows in messages
 (``FILE:LINE`` for a prompt file), selects and splits them sharing the rows, and hashes them: a
 fingerprint of the set and a digest per row, which a sampler's state keeps
-(:mod:`textrl.envs.row_edits`). :func:`check_reward_columns` refuses rows that lack a column the
+(:mod:`textrl.envs.prompts.edits`). :func:`check_reward_columns` refuses rows that lack a column the
 reward reads.
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from textrl.envs.row_edits import DIGEST_HEX
-from textrl.envs.row_stores import (
+from textrl.envs.prompts.edits import DIGEST_HEX
+from textrl.envs.prompts.stores import (
     _CONVERSATION_FIELDS,
     _content_hash,
     _JsonlRows,

@@ -19,12 +19,12 @@ from torch import Tensor
 
 from textrl.envs.collector import EpisodeRunner
 from textrl.envs.fast_path import rollout_from_responses
-from textrl.envs.rows import batch_fields, raw_prompts
+from textrl.envs.prompts.rows import batch_fields, raw_prompts
 from textrl.keys import KEYS
 from textrl.rewards import RewardError
 
 if TYPE_CHECKING:
-    from textrl.envs.prompt_dataset import PromptDataset
+    from textrl.envs.prompts.dataset import PromptDataset
 
 
 @dataclass

@@ -132,7 +132,7 @@ def sft_warmup(
     loss (see :func:`build_sft_batch`) on batches of ``batch_size`` pairs, drawn epoch by epoch
     in an order from a private ``torch.Generator`` seeded with ``seed`` (the global RNGs are
     untouched). Batches go to the model's device; each forward runs under ``autocast()`` (the
-    run's :meth:`textrl.precision.Precision.autocast`). ``steps=0`` is a no-op. The model is left in
+    run's :meth:`textrl.core.precision.Precision.autocast`). ``steps=0`` is a no-op. The model is left in
     eval mode.
     """
     if steps < 0 or batch_size < 1 or not lr > 0:

@@ -29,11 +29,11 @@ from textrl.agents.async_actor import (
     turn_iteration,
 )
 from textrl.agents.forwards import micro_batches
-from textrl.checks import check_rollout
+from textrl.core.checks import check_rollout
 from textrl.generation.base import EngineFailed, EngineFailedElsewhere
 from textrl.keys import KEYS
-from textrl.rollout import RolloutFailedElsewhere, ended_together
 from textrl.run.rng import draw_start, put_back, set_rng_state
+from textrl.run.rollout import RolloutFailedElsewhere, ended_together
 
 LEARNER_SEED_OFFSET = 7919
 """The learner's minibatch generator is seeded with ``seed + LEARNER_SEED_OFFSET`` (the actor's draws
@@ -46,7 +46,7 @@ weights: none the producer asks for, so it loads its own again."""
 
 
 class ActorView:
-    """The agent as :func:`textrl.rollout.run_episodes` and the held-out evaluation read it, sampling
+    """The agent as :func:`textrl.run.rollout.run_episodes` and the held-out evaluation read it, sampling
     through the asynchronous actor (its engine: one engine per run)."""
 
     def __init__(self, agent: Any, actor: Any) -> None:
@@ -65,7 +65,7 @@ class AsyncTraining:
     """The asynchronous actor of one run (module docstring). ``sampler`` the run's
     :class:`textrl.envs.PromptSampler` (the actor's alone from here on), ``episodes`` its
     :class:`textrl.envs.collector.EpisodeRunner`, ``dist`` the run's processes
-    (:class:`textrl.distributed.Distributed`): each process has an actor of its own, which draws its
+    (:class:`textrl.parallel.distributed.Distributed`): each process has an actor of its own, which draws its
     share of every prompt batch (``dist.shard``), with no collective in the actor's thread."""
 
     def __init__(self, config: Any, agent: Any, sampler: Any, episodes: Any, dist: Any) -> None:
@@ -290,7 +290,7 @@ class DealtRollouts:
     of their own in each process would push to the same servers on their own schedules), and deals
     each process its share when the learners take it (a broadcast, in the step's order); each
     judges its share's weight check with the others and estimates it. A checkpoint holds the one
-    actor's state. Same interface as :mod:`textrl.rollout_sources`' sources.
+    actor's state. Same interface as :mod:`textrl.training.rollout_sources`' sources.
 
     The actor's weights are the learner's, whole, copied on the main process where every process is
     (at the start, after a resume's load and after each update: :meth:`updated`): under a backend
@@ -299,7 +299,7 @@ class DealtRollouts:
     (its actor samples; the others hold no engine weights)."""
 
     def __init__(self, config: Any, agent: Any, sampler: Any, episodes: Any, dist: Any) -> None:
-        from textrl.distributed import Distributed
+        from textrl.parallel.distributed import Distributed
 
         self.agent, self.dist = agent, dist
         self.actor = AsyncTraining(config, agent, sampler, episodes, Distributed.single(agent.device)) \

@@ -1,7 +1,7 @@
 """The seeded, resumable prompt sampler (:class:`PromptSampler`).
 
 Its state is ``(seed, epoch, position)`` plus the rows' count, fingerprint and per-row digests,
-so that a resume draws the same batches and names the rows edited since (:mod:`textrl.envs.row_edits`).
+so that a resume draws the same batches and names the rows edited since (:mod:`textrl.envs.prompts.edits`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from textrl.envs.prompt_batch import PromptBatch, batch_rows
-from textrl.envs.prompt_dataset import PromptDataset, load_prompts
-from textrl.envs.prompt_encoding import TruncateMode, _Encoder, _truncated_message, encode_prompts
-from textrl.envs.row_edits import edited_rows
+from textrl.envs.prompts.batch import PromptBatch, batch_rows
+from textrl.envs.prompts.dataset import PromptDataset, load_prompts
+from textrl.envs.prompts.edits import edited_rows
+from textrl.envs.prompts.encoding import TruncateMode, _Encoder, _truncated_message, encode_prompts
 
 
 class PromptSampler:

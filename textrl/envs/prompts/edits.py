@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 
 class DigestedRows(Protocol):
-    """What :func:`edited_rows` reads of a set of rows (a :class:`~textrl.envs.prompt_dataset.PromptDataset`)."""
+    """What :func:`edited_rows` reads of a set of rows (a :class:`~textrl.envs.prompts.dataset.PromptDataset`)."""
 
     source: str
 

@@ -1,6 +1,6 @@
 """Where a run's rollouts come from: one seam, so the trainer's iteration reads the same whether the
 rollouts are drawn in its own step (:class:`SyncRollouts`, ``max_staleness=0``) or by an actor beside
-the learner (:class:`textrl.async_training.AsyncTraining`, ``--max-staleness K``).
+the learner (:class:`textrl.training.async_training.AsyncTraining`, ``--max-staleness K``).
 
 A rollout source has:
 
@@ -37,7 +37,7 @@ from textrl.run.rng import draw_start, put_back
 class SyncRollouts:
     """The synchronous source: each iteration's rollout drawn in its step with the learner's weights
     now (every process draws the same global prompt batch and takes its whole prompt groups,
-    ``shard``), then estimated (:func:`textrl.rollout.collect`)."""
+    ``shard``), then estimated (:func:`textrl.run.rollout.collect`)."""
 
     def __init__(self, agent: Any, sampler: Any, episodes: Any, shard: Any) -> None:
         self.agent, self.sampler, self.episodes, self.shard = agent, sampler, episodes, shard
@@ -46,7 +46,7 @@ class SyncRollouts:
 
     def next_rollout(self, iteration: int, timings: dict[str, float]) -> tuple[Any, int]:
         from textrl.envs.prompts import placing_rows
-        from textrl.rollout import collect
+        from textrl.run.rollout import collect
 
         self._start = draw_start(self.sampler)
         batch = self.sampler.next_batch()
@@ -99,11 +99,11 @@ class SyncRollouts:
 
 def rollout_source(config: Any, agent: Any, sampler: Any, episodes: Any, backend: Any) -> Any:
     """The run's source: :class:`SyncRollouts`, or with ``max_staleness`` > 0 the asynchronous actor
-    (:class:`textrl.async_training.AsyncTraining`: one actor per process; or, where
-    :func:`one_actor`, :class:`textrl.async_training.DealtRollouts`)."""
+    (:class:`textrl.training.async_training.AsyncTraining`: one actor per process; or, where
+    :func:`one_actor`, :class:`textrl.training.async_training.DealtRollouts`)."""
     if int(config.max_staleness) == 0:
         return SyncRollouts(agent, sampler, episodes, backend.dist.shard)
-    from textrl.async_training import AsyncTraining, DealtRollouts
+    from textrl.training.async_training import AsyncTraining, DealtRollouts
 
     if backend.dist.enabled and one_actor(config):
         return DealtRollouts(config, agent, sampler, episodes, backend.dist)
@@ -112,7 +112,7 @@ def rollout_source(config: Any, agent: Any, sampler: Any, episodes: Any, backend
 
 def one_actor(config: Any) -> bool:
     """Whether an asynchronous run of several processes has one actor, on the main process, dealing
-    every process its share (:class:`textrl.async_training.DealtRollouts`): when its rollouts come
+    every process its share (:class:`textrl.training.async_training.DealtRollouts`): when its rollouts come
     from vLLM servers (shared by all, one weight push per change). Otherwise an actor per process,
     each drawing its share with an engine of its own."""
     return bool(getattr(config, "vllm_server", None))

@@ -28,8 +28,8 @@ from typing import Any
 
 import yaml
 
-from textrl.reward_option import refuse_recorded_callable, reward_record
-from textrl.trl_names import trl_hint
+from textrl.config.reward_option import refuse_recorded_callable, reward_record
+from textrl.config.trl_names import trl_hint
 
 
 @dataclass(frozen=True)
@@ -236,9 +236,9 @@ NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """One ``--field-name`` / ``--field_name`` option per dataclass field, default: not given,
-    under the heading of its topic (:mod:`textrl.help_topics`: the topics and the fields in each in
+    under the heading of its topic (:mod:`textrl.config.help_topics`: the topics and the fields in each in
     its order; a field without one stays among the command's own options)."""
-    from textrl.help_topics import FIELD_TOPIC, TOPICS, topic_of
+    from textrl.config.help_topics import FIELD_TOPIC, TOPICS, topic_of
 
     parser._negative_number_matcher = NEGATIVE_NUMBER  # argparse's own misses -1e-4
     hints = typing.get_type_hints(cls)
@@ -276,7 +276,7 @@ class _TRLOption(argparse.Action):
 def add_trl_names(parser: argparse.ArgumentParser, cls: type) -> None:
     """Hidden ``--trl-name`` options for TRL option names ``cls`` lacks; each is an error that names
     our option (``--learning-rate`` -> ``actor_lr``)."""
-    from textrl.trl_names import TRL_OPTIONS
+    from textrl.config.trl_names import TRL_OPTIONS
 
     taken = {name for action in parser._actions for name in action.option_strings}
     for name in TRL_OPTIONS:
@@ -476,7 +476,7 @@ def save_config(config: Any, path: str | Path) -> None:
 
 def config_values(config: Any) -> dict[str, Any]:
     """Each field of a config dataclass as ``config.yaml`` holds it (:func:`yaml_value`)."""
-    from textrl.user_files import absolute_paths
+    from textrl.core.user_files import absolute_paths
 
     recorded = {"reward": reward_record, "reward_weights": lambda w: None if w is None else [float(x) for x in w]}
     # relative local paths recorded absolute: the record names the same files from any working folder

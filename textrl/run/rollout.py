@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from textrl.checks import check_rollout
+from textrl.core.checks import check_rollout
 from textrl.generation.base import EngineFailed, EngineFailedElsewhere
 from textrl.keys import END_REASONS, KEYS
 
@@ -124,7 +124,7 @@ class RolloutFailedElsewhere(RuntimeError):
 
 def ended_together(dist: Any, episodes: Callable[[], Any]) -> Any:
     """``episodes()`` (a training rollout's episodes, which every process draws); under several
-    processes (``dist``: :class:`textrl.distributed.Distributed`; None: one) each then learns whether
+    processes (``dist``: :class:`textrl.parallel.distributed.Distributed`; None: one) each then learns whether
     any process's failed before any goes on to the collectives that follow (the weight check, the
     forwards, the update): where one process's engine failed every process raises
     :class:`~textrl.generation.base.EngineFailed` (the others
@@ -174,7 +174,7 @@ def collect(
        score, kept so it survives the KL shaping of the next step);
     3. ``agent.process_rollout(td)`` (when the agent has it) adds log-probs, values, KL shaping,
        ``advantage`` and ``value_target``;
-    4. :func:`textrl.checks.check_rollout` validates the result.
+    4. :func:`textrl.core.checks.check_rollout` validates the result.
 
     Every tensor is on ``agent.device``. ``max_new_tokens`` defaults to
     ``agent.config.max_new_tokens``; it must be the limit ``act`` generated with, since a row

@@ -4,7 +4,7 @@ Every knob of every agent is a field here, documented where it is declared (the 
 docstring is the ``--help`` text), checked by :meth:`TrainConfig.validate` before any model loads.
 The fields ``textrl train`` and the stages (:class:`textrl.stages.common.StageConfig`) declare
 alike live once in :class:`SharedFields`. The general machinery (flags from the fields, YAML in
-and out, value checks) is :mod:`textrl.config_io`; the names users import from here
+and out, value checks) is :mod:`textrl.config.io`; the names users import from here
 (:func:`build_config`, :func:`load_yaml`, :func:`save_config`, ...) stay importable from here.
 Precedence: dataclass defaults < ``--config file.yaml`` < command-line flags.
 """
@@ -16,8 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
-from textrl.agent_registry import agent_class
-from textrl.config_io import (
+from textrl.config.io import (
     OBJECT_FIELDS,
     ResumeRules,
     check_at_least,
@@ -39,11 +38,12 @@ from textrl.config_io import (
     with_trl_hints,
     yaml_value,
 )
-from textrl.config_io import add_config_arguments as _add_config_arguments
-from textrl.config_io import add_trl_names as _add_trl_names
-from textrl.config_io import build_config as _build_config
-from textrl.config_io import load_yaml as _load_yaml
-from textrl.reward_option import check_reward_shape
+from textrl.config.io import add_config_arguments as _add_config_arguments
+from textrl.config.io import add_trl_names as _add_trl_names
+from textrl.config.io import build_config as _build_config
+from textrl.config.io import load_yaml as _load_yaml
+from textrl.config.reward_option import check_reward_shape
+from textrl.core.agent_registry import agent_class
 
 # What validate() checks against the engines, the precision and the mismatch corrections is imported
 # where it runs: ``textrl.config`` (and ``textrl train --help``, built from it) loads without torch.
@@ -531,8 +531,8 @@ def _check_choices(config: TrainConfig) -> None:
     check_choice("lr_schedule", config.lr_schedule, ("constant", "cosine"))
     check_choice("critic_init", config.critic_init, ("policy", "reward_model"))
     check_choice("critic_type", config.critic_type, ("value_head", "lora"))
+    from textrl.core.precision import check_memory_options, check_precision
     from textrl.generation.base import engine_named, run_engine_name
-    from textrl.precision import check_memory_options, check_precision
 
     engine_named(config.generation_engine)  # a registered generation engine, before any work
     _check_vllm_base(config, run_engine_name(config.generation_engine, config.vllm_server))  # servers only with vLLM
@@ -783,27 +783,27 @@ def _shown(value: Any) -> str:
     return repr(value) if isinstance(value, str) else f"a {type(value).__name__}"
 
 
-# -- the config machinery (textrl.config_io) for TrainConfig by default -------------------------------
+# -- the config machinery (textrl.config.io) for TrainConfig by default -------------------------------
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> None:
     """One ``--field-name`` / ``--field_name`` option per field of ``cls``
-    (:func:`textrl.config_io.add_config_arguments`)."""
+    (:func:`textrl.config.io.add_config_arguments`)."""
     _add_config_arguments(parser, cls)
 
 
 def add_trl_names(parser: argparse.ArgumentParser, cls: type = TrainConfig) -> None:
-    """Hidden options for the TRL option names ``cls`` lacks (:func:`textrl.config_io.add_trl_names`)."""
+    """Hidden options for the TRL option names ``cls`` lacks (:func:`textrl.config.io.add_trl_names`)."""
     _add_trl_names(parser, cls)
 
 
 def load_yaml(path: str | Path, cls: type = TrainConfig) -> dict[str, Any]:
-    """The field -> value mapping of a YAML file for ``cls`` (:func:`textrl.config_io.load_yaml`)."""
+    """The field -> value mapping of a YAML file for ``cls`` (:func:`textrl.config.io.load_yaml`)."""
     return _load_yaml(path, cls)
 
 
 def build_config(namespace: argparse.Namespace, cls: type = TrainConfig) -> Any:
-    """Defaults, then ``--config``'s YAML file, then explicit flags (:func:`textrl.config_io.build_config`)."""
+    """Defaults, then ``--config``'s YAML file, then explicit flags (:func:`textrl.config.io.build_config`)."""
     return _build_config(namespace, cls)
 
 
