@@ -1,7 +1,8 @@
 """The run's options: ``textrl train``'s :class:`TrainConfig`, and how every config is read and checked.
 
-- :mod:`~textrl.config.train_config`: :class:`TrainConfig` (every knob of ``textrl train``), the
-  fields it shares with the stages, and its checks;
+- :mod:`~textrl.config.train_config`: :class:`TrainConfig` (every knob of ``textrl train``) and the
+  fields it shares with the stages;
+- :mod:`~textrl.config.validation`: the checks :meth:`TrainConfig.validate` runs;
 - :mod:`~textrl.config.io`: the machinery of config dataclasses (flags from fields, YAML in and
   out, precedence, value checks), for ``TrainConfig`` and the stages' ``StageConfig`` alike;
 - :mod:`~textrl.config.reward_option`: the shape of ``--reward`` and how ``config.yaml`` records it;
@@ -17,7 +18,6 @@ from __future__ import annotations
 from textrl.config.train_config import (
     AGENT_OPTIONS,
     FORMER_DEFAULTS,
-    KL_KINDS,
     OBJECT_FIELDS,
     ResumeRules,
     SharedFields,
@@ -40,6 +40,7 @@ from textrl.config.train_config import (
     shared,
     yaml_value,
 )
+from textrl.config.validation import KL_KINDS
 
 __all__ = [
     "AGENT_OPTIONS",
