@@ -35,7 +35,6 @@ FIRST_ROOM_FILE_LINES = 400
 FILES: dict[str, tuple[int, str]] = {
     "textrl/generation/vllm_server.py": (1264, "the served engine: HTTP client, dealing, weight push and leases "
                                                "in one module, not yet split by them"),
-    "textrl/training/trainer.py": (724, "the train command's set-up, loop and end in one module, not yet split"),
     "textrl/generation/vllm_engine.py": (714, "colocated vLLM: options, launch, weight hand-over and sampling"),
     "textrl/agents/async_actor.py": (596, "the asynchronous actor, its schedule and its snapshots"),
     "textrl/envs/builtin.py": (593, "the built-in environments and their tables"),

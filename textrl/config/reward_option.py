@@ -105,7 +105,7 @@ def check_reward_shape(reward: Any, weights: Any) -> None:
         raise ValueError(f"reward={reward!r}: must be a spec string, a callable or a list of them ({_EXAMPLE})")
     if isinstance(reward, str) and not reward.strip():
         # no rule reward: valid beside --reward-model or an environment that pays its own turns; the
-        # run refuses it when nothing else scores the episodes (textrl.training.trainer.check_run)
+        # run refuses it when nothing else scores the episodes (textrl.training.run_checks.check_run)
         if weights is not None:
             raise ValueError(f"reward_weights={weights!r} given with an empty reward spec {reward!r}: name the "
                              "rewards they weigh (--reward think_format,accuracy), or drop reward_weights")

@@ -1,5 +1,7 @@
-"""``textrl train``: its set-up and PPO iteration (:mod:`~textrl.training.trainer`: ``train``,
-``check_run``), what a run records (:mod:`~textrl.training.records`), where rollouts come from
+"""``textrl train``: the command (:mod:`~textrl.training.trainer`: ``train``, and ``check_run`` from
+:mod:`~textrl.training.run_checks`, what it checks before any model loads), its set-up
+(:mod:`~textrl.training.set_up`), the run it drives and its PPO iteration
+(:mod:`~textrl.training.ppo_run`), what a run records (:mod:`~textrl.training.records`), where rollouts come from
 (:mod:`~textrl.training.rollout_sources`) and the asynchronous actor of ``--max-staleness``
 (:mod:`~textrl.training.async_training`).
 

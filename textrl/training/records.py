@@ -3,7 +3,7 @@ lengths in use, the warm-up as the agent's construction kept it, the generation 
 device), the metrics row of an iteration, the peak memory, the message of an early stop, how
 the run ended and the updates it skipped (:func:`run_end`, whatever the end: completed, stopped,
 failed), and the before / after table of the held-out metrics with the share of the gap to the
-maximum closed and a line for the skipped updates. :mod:`textrl.training.trainer` runs the iteration and calls these.
+maximum closed and a line for the skipped updates. :class:`textrl.training.ppo_run.PPORun` runs the iteration and calls these.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from textrl.run.rollout import episode_metrics
 
 
 def run_records(run: Any) -> dict[str, Any]:
-    """``summary.json``'s record of what ran in ``run`` (a :class:`textrl.training.trainer.PPORun`) where
+    """``summary.json``'s record of what ran in ``run`` (a :class:`textrl.training.ppo_run.PPORun`) where
     config.yaml keeps what was asked: ``lengths`` (the prompts' cap and the episode budget in use,
     each ``set`` or ``auto``) and ``warmup`` (:func:`warmup_record`)."""
     config = run.config
