@@ -151,7 +151,7 @@ def ppo_iteration(agent: Any, batch: Any, reward_fn: Any, iteration: int) -> tup
     and the update's metrics, with ``guard/seconds`` (``Backend.rollback_seconds``)."""
     from textrl.core.timing import timed
     from textrl.run.rollout import collect
-    from textrl.training.trainer import iteration_metrics
+    from textrl.training.records import iteration_metrics
 
     sync(agent.device)
     start = time.perf_counter()

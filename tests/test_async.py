@@ -108,18 +108,18 @@ def test_the_asynchronous_path_adds_nothing_but_the_staleness(tmp_path, monkeypa
     run shuffles its minibatches with the private generator a K >= 1 learner uses (the global RNG
     then carries only the sampling in both). gae_ppo on guess_number: a critic, multi-turn returns."""
     import textrl.agents.async_actor as async_actor
-    import textrl.training.trainer as trainer
+    import textrl.training.set_up as training_set_up
     from textrl.training.async_training import LEARNER_SEED_OFFSET
 
     options = ["--env", "guess_number", "--eval-every", "2", "--ppo-epochs", "2", "--warmup-sft-steps", "20"]
-    sync_source = trainer.rollout_source
+    sync_source = training_set_up.rollout_source
 
     def private_generator(config, agent, *args):
         agent.learner.generator = torch.Generator().manual_seed(int(config.seed) + LEARNER_SEED_OFFSET)
         return sync_source(config, agent, *args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(trainer, "rollout_source", private_generator)
+        patch.setattr(training_set_up, "rollout_source", private_generator)
         sync = _train(tmp_path / "k0", *options, iterations=4)
     assert "without a correction" not in capsys.readouterr().out
     with monkeypatch.context() as patch:

@@ -24,7 +24,7 @@ from textrl.run import (
     save_checkpoint,
     verify_checkpoint,
 )
-from textrl.training.trainer import check_run
+from textrl.training.run_checks import check_run
 
 
 @pytest.fixture(scope="module")

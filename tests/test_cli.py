@@ -66,7 +66,7 @@ def _library_fault(*args, **kwargs):  # stands for a library (or a user's file) 
 
 
 def test_an_error_from_outside_textrl_gets_its_type_and_the_debug_hint(tmp_path, monkeypatch):
-    monkeypatch.setattr("textrl.training.trainer.build_agent", _library_fault)
+    monkeypatch.setattr("textrl.training.set_up.build_agent", _library_fault)
     args = ["train", "--iterations", "1"]
     with pytest.raises(SystemExit) as err:
         main([*args, "--output-dir", str(tmp_path / "a")])
@@ -106,7 +106,7 @@ def _raises(err):
      "AttributeError: 'list' object has no attribute 'get'"),
 ])
 def test_any_error_is_its_type_and_first_line_then_the_debug_hint(tmp_path, monkeypatch, err, shown):
-    monkeypatch.setattr("textrl.training.trainer.build_agent", _raises(err))
+    monkeypatch.setattr("textrl.training.set_up.build_agent", _raises(err))
     with pytest.raises(SystemExit) as stopped:
         main(["train", "--iterations", "1", "--output-dir", str(tmp_path / "a")])
     assert str(stopped.value.code) == f"textrl train: {shown}\n(for the traceback, rerun with --debug or TEXTRL_DEBUG=1)"
@@ -117,7 +117,7 @@ def test_any_error_is_its_type_and_first_line_then_the_debug_hint(tmp_path, monk
 @pytest.mark.parametrize("err", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
                                  MemoryError()])
 def test_out_of_memory_names_the_batch_size_levers(tmp_path, monkeypatch, err):
-    monkeypatch.setattr("textrl.training.trainer.build_agent", _raises(err))
+    monkeypatch.setattr("textrl.training.set_up.build_agent", _raises(err))
     with pytest.raises(SystemExit) as stopped:
         main(["train", "--iterations", "1", "--output-dir", str(tmp_path / "a")])
     first, second = str(stopped.value.code).split("\n")
@@ -129,7 +129,7 @@ def test_out_of_memory_names_the_batch_size_levers(tmp_path, monkeypatch, err):
 def test_a_full_disk_in_a_library_names_the_file_and_the_fix(tmp_path, monkeypatch):
     import errno
 
-    monkeypatch.setattr("textrl.training.trainer.build_agent",
+    monkeypatch.setattr("textrl.training.set_up.build_agent",
                         _raises(OSError(errno.ENOSPC, "No space left on device", "/data/x.bin")))
     with pytest.raises(SystemExit) as stopped:
         main(["train", "--iterations", "1", "--output-dir", str(tmp_path / "a")])

@@ -15,7 +15,7 @@ from tests.runs import SMALL, checkpoint_tensors, metrics
 from textrl.cli import main
 from textrl.run import TrainingStopped
 from textrl.testing.engines import failing_engine
-from textrl.training import trainer
+from textrl.training import ppo_run
 
 
 @pytest.fixture(autouse=True)
@@ -42,14 +42,14 @@ def fail_in(monkeypatch, counter, iteration: int, phase: str = "step") -> None:
         return produce(self, n, weights)
 
     monkeypatch.setattr(AsyncTraining, "_produce", failing_rollout)
-    target = trainer.PPORun.step if phase == "step" else trainer.PPORun.evaluate
+    target = ppo_run.PPORun.step if phase == "step" else ppo_run.PPORun.evaluate
 
     def failing(self, i, timings):
         if i == iteration:
             counter.fail_after = counter.calls
         return target(self, i, timings)
 
-    monkeypatch.setattr(trainer.PPORun, phase, failing)
+    monkeypatch.setattr(ppo_run.PPORun, phase, failing)
 
 
 def run_args(out, *extra, iterations=4):

@@ -1,5 +1,5 @@
 """Refusals a launch of several processes (torchrun, ``accelerate launch``) meets before any model
-loads: ``--max-staleness K`` >= 1 with ``WORLD_SIZE`` > 1 (textrl.training.trainer.refuse_async_processes),
+loads: ``--max-staleness K`` >= 1 with ``WORLD_SIZE`` > 1 (textrl.training.run_checks.refuse_async_processes),
 and such a refusal said by the first process of a machine, not by every process
 (textrl.errors.alike_in_every_process)."""
 
@@ -17,7 +17,7 @@ import textrl.errors
 from textrl.cli import main
 from textrl.config import TrainConfig
 from textrl.errors import ALIKE_ERROR_WAIT_S, alike_in_every_process, reports_alike_errors
-from textrl.training.trainer import check_run, launched_processes
+from textrl.training.run_checks import check_run, launched_processes
 
 STALENESS = ("textrl train: --max-staleness 1 runs an actor beside the learner in each of the 2 training processes, "
              "and under --fsdp none holds the policy's weights whole; serve the rollouts (--vllm-server: one actor on "
@@ -64,7 +64,7 @@ def test_max_staleness_in_one_process_or_data_parallel_passes_the_checks(world, 
 def test_sharded_learners_with_served_rollouts_pass_the_checks_and_a_frozen_base_is_refused(monkeypatch, tmp_path):
     """--max-staleness under --fsdp / --zero-stage 3 with --vllm-server: one actor handed the weights
     whole (passes); with a LoRA policy its actor would keep the frozen base whole (refused in one line)."""
-    from textrl.training.trainer import refuse_async_processes
+    from textrl.training.run_checks import refuse_async_processes
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     served = {"max_staleness": 1, "vllm_server": "http://127.0.0.1:1"}

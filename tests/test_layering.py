@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT_PACKAGES = {"agents", "envs", "rewards"}
 ORCHESTRATION = {"textrl/training/trainer.py", "textrl/training/records.py", "textrl/training/async_training.py",
-                 "textrl/training/rollout_sources.py", "textrl/cli.py", "textrl/bench/plan.py", "textrl/bench/compare.py"}
+                 "textrl/training/rollout_sources.py", "textrl/training/ppo_run.py", "textrl/training/set_up.py",
+                 "textrl/training/run_checks.py", "textrl/cli.py", "textrl/bench/plan.py", "textrl/bench/compare.py"}
 ORCHESTRATION_DIRS = ("textrl/stages/",)
 
 

@@ -132,7 +132,7 @@ def test_the_agent_table_names_registered_agents_and_existing_options():
 
 def test_the_python_snippets_run_and_build_what_they_say():
     from textrl.rewards.options import resolve_reward
-    from textrl.training.trainer import environment
+    from textrl.training.set_up import environment
 
     blocks = _blocks("python")
     assert len(blocks) == 2

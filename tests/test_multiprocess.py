@@ -209,21 +209,21 @@ def test_zero3_partitions_the_weights_trains_as_replicated_and_resumes(tmp_path)
 
 FAILING_RANK0 = """
 import os, sys
-from textrl.training import trainer
+from textrl.training import ppo_run
 from textrl.cli import main
 from textrl.testing.engines import failing_engine
 
 fail_at = int(os.environ.get("TEXTRL_TEST_FAIL_AT", "0"))
 with failing_engine(None) as counter:
     if fail_at and int(os.environ["RANK"]) == 1:  # this process's engine alone dies, in that iteration's rollout
-        step = trainer.PPORun.step
+        step = ppo_run.PPORun.step
 
         def failing(self, i, timings):
             if i == fail_at:
                 counter.fail_after = counter.calls
             return step(self, i, timings)
 
-        trainer.PPORun.step = failing
+        ppo_run.PPORun.step = failing
     sys.exit(main(sys.argv[1:]))
 """
 

@@ -26,8 +26,7 @@ from textrl.models import build_tiny_tokenizer
 from textrl.parallel import Backend
 from textrl.rewards import RewardError
 from textrl.run import TrainingStopped, checkpoints, latest_checkpoint
-from textrl.training import trainer
-from textrl.training.trainer import check_run
+from textrl.training.run_checks import check_run
 
 
 @pytest.fixture(autouse=True)
@@ -381,7 +380,7 @@ def test_a_bad_reward_name_fails_before_any_model_loads(tmp_path, monkeypatch):
     def no_models(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was checked")
 
-    monkeypatch.setattr(trainer, "build_agent", no_models)
+    monkeypatch.setattr("textrl.training.set_up.build_agent", no_models)
     with pytest.raises(SystemExit, match="unknown reward 'nope'"):
         main(["train", "--reward", "nope", "--output-dir", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()

@@ -20,7 +20,7 @@ from textrl.agents import GAEPPO
 from textrl.cli import main
 from textrl.parallel import Backend
 from textrl.run import MetricsLog, RunLoop, StopSignals, TrainingStopped
-from textrl.training import trainer
+from textrl.training import ppo_run
 from textrl.training.records import format_summary, skipped_line, skipped_updates
 
 
@@ -232,14 +232,14 @@ def test_a_failure_in_the_loop_writes_summary_then_a_resume_replaces_it(tmp_path
 
 
 def test_a_sigterm_stop_writes_summary_like_the_other_ends(tmp_path, monkeypatch):
-    step = trainer.PPORun.step
+    step = ppo_run.PPORun.step
 
     def signalled(self, iteration, timings):
         if iteration == 2:
             os.kill(os.getpid(), signal.SIGTERM)  # finishes iteration 2, then stops with a checkpoint
         return step(self, iteration, timings)
 
-    monkeypatch.setattr(trainer.PPORun, "step", signalled)
+    monkeypatch.setattr(ppo_run.PPORun, "step", signalled)
     out = tmp_path / "run"
     with pytest.raises(TrainingStopped) as stop:
         main(["train", *SMALL, "--iterations", "4", "--output-dir", str(out)])

@@ -70,7 +70,7 @@ def test_a_busy_folder_is_named_before_its_checkpoints_and_the_probe_writes_noth
     """A second run on a folder whose live run has checkpoints hears that the folder is in use
     (not that it holds an earlier run's checkpoints); the probe leaves the holder's record."""
     from textrl.run import refuse_busy_folder
-    from textrl.training.trainer import check_run
+    from textrl.training.run_checks import check_run
 
     folder, proc = holder
     (folder / "checkpoints" / "iter_000001").mkdir(parents=True)

@@ -34,7 +34,8 @@ from collections.abc import Sequence
 def _cmd_train(args: argparse.Namespace) -> int:
     from textrl.config import TrainConfig, build_config
     from textrl.errors import alike_in_every_process
-    from textrl.training.trainer import check_run, train
+    from textrl.training.run_checks import check_run
+    from textrl.training.trainer import train
 
     with alike_in_every_process(getattr(args, "debug", False)):  # under torchrun: said once, not by every process
         config: TrainConfig = build_config(args, TrainConfig)

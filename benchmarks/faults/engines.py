@@ -26,20 +26,20 @@ FAILING = '''"""textrl's command with the engine 'failing' registered (textrl.te
 argv[1]: the iteration whose rollout finds the engine dead (0: it never dies); the rest: textrl's arguments."""
 import sys
 
-from textrl.training import trainer
+from textrl.training import ppo_run
 from textrl.cli import entry
 from textrl.testing.engines import failing_engine
 
 dies_in = int(sys.argv[1])
 with failing_engine(None) as counter:
-    step = trainer.PPORun.step
+    step = ppo_run.PPORun.step
 
     def step_or_die(self, i, timings):
         if i == dies_in:
             counter.fail_after = counter.calls
         return step(self, i, timings)
 
-    trainer.PPORun.step = step_or_die
+    ppo_run.PPORun.step = step_or_die
     sys.argv = ["textrl", *sys.argv[2:]]
     entry()
 '''

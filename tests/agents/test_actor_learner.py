@@ -166,8 +166,8 @@ def test_the_update_and_the_state_take_the_parts_not_the_agent(name):
 
 def test_no_agent_module_writes_another_objects_private_attributes():
     written = []
-    for path in sorted([*(ROOT / "textrl" / "agents").rglob("*.py"), ROOT / "textrl" / "rollout.py",
-                        ROOT / "textrl" / "trainer.py"]):
+    for path in sorted([*(ROOT / "textrl" / "agents").rglob("*.py"), ROOT / "textrl" / "run" / "rollout.py",
+                        *(ROOT / "textrl" / "training" / f"{name}.py" for name in ("trainer", "set_up", "run_checks", "ppo_run"))]):
         for node in ast.walk(ast.parse(path.read_text())):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
                 if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []

@@ -123,9 +123,9 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tok, tmp_path):
 
 
 def test_the_teacher_s_rules_are_checked_before_any_model_loads(tok, tmp_path, monkeypatch):
-    """``textrl.training.trainer.check_run`` (before the warm-up and any model) refuses another tokenizer, a
+    """``textrl.training.run_checks.check_run`` (before the warm-up and any model) refuses another tokenizer, a
     missing teacher and a temperature other than 1; the same tokenizer passes."""
-    from textrl.training import trainer
+    from textrl.training.run_checks import check_run
 
     other = type(tok).from_pretrained(_saved(tok, tmp_path / "same"))
     other.add_tokens(["<only_the_teacher_knows>"])
@@ -134,12 +134,12 @@ def test_the_teacher_s_rules_are_checked_before_any_model_loads(tok, tmp_path, m
     monkeypatch.setattr("textrl.models.load_causal_lm", lambda *a, **k: loads.append(a))
     base = {"agent": "grpo", "output_dir": str(tmp_path / "run"), "iterations": 1}
     with pytest.raises(ValueError, match="another tokenizer"):
-        trainer.check_run(TrainConfig(**base, teacher=str(tmp_path / "other")))
+        check_run(TrainConfig(**base, teacher=str(tmp_path / "other")))
     with pytest.raises(ValueError, match=r"its tokenizer cannot be loaded .*; fix --teacher"):
-        trainer.check_run(TrainConfig(**base, teacher=str(tmp_path / "missing")))
+        check_run(TrainConfig(**base, teacher=str(tmp_path / "missing")))
     with pytest.raises(ValueError, match="temperature=0.7: on-policy distillation"):
-        trainer.check_run(TrainConfig(**base, teacher="tiny", temperature=0.7))
-    trainer.check_run(TrainConfig(**base, teacher=str(tmp_path / "same")))
+        check_run(TrainConfig(**base, teacher="tiny", temperature=0.7))
+    check_run(TrainConfig(**base, teacher=str(tmp_path / "same")))
     assert loads == []
 
 

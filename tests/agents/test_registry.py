@@ -246,7 +246,9 @@ def agent_literals(path: Path) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("rel", ["textrl/config/train_config.py", "textrl/training/trainer.py", "textrl/stages/pipeline.py",
+@pytest.mark.parametrize("rel", ["textrl/config/train_config.py", "textrl/config/validation.py", "textrl/training/trainer.py",
+                                 "textrl/training/set_up.py", "textrl/training/run_checks.py", "textrl/training/ppo_run.py",
+                                 "textrl/stages/pipeline.py",
                                  "textrl/bench/plan.py", "textrl/bench/compare.py", "textrl/cli.py"])
 def test_orchestration_names_no_specific_agent(rel):
     assert agent_literals(ROOT / rel) == [], f"{rel} branches on or lists agent names; ask the registry"

@@ -155,7 +155,7 @@ def _no_model(*args, **kwargs):
 def test_a_run_refuses_the_template_in_one_line_before_any_model_loads(tok, tmp_path, monkeypatch, env_id):
     from textrl.cli import main
 
-    monkeypatch.setattr("textrl.training.trainer.build_agent", _no_model)
+    monkeypatch.setattr("textrl.training.set_up.build_agent", _no_model)
     monkeypatch.setattr("textrl.models.load_causal_lm", _no_model)
     with_template(tok, QWEN3_STYLE).save_pretrained(tmp_path / "qwen3")
     with pytest.raises(SystemExit) as err:

@@ -744,10 +744,10 @@ def test_a_second_run_on_the_first_runs_folder_leaves_the_first_runs_claim_alone
     also where the first run took the folder after the second one's early probe (left out here)."""
     from textrl.config import TrainConfig
     from textrl.run import RunFolderBusy
-    from textrl.training import trainer
+    from textrl.training import run_checks
     from textrl.training.trainer import train
 
-    monkeypatch.setattr(trainer, "refuse_busy_folder", lambda folder: None)  # the race: the probe found it free
+    monkeypatch.setattr(run_checks, "refuse_busy_folder", lambda folder: None)  # the race: the probe found it free
 
     fake, folder = fakes(), tmp_path / "run"
     hold = ("import sys, time\nfrom textrl.run import RunFolderLock\nwith RunFolderLock(sys.argv[1]):\n"

@@ -175,7 +175,7 @@ def test_what_the_external_launcher_cannot_run_is_refused_in_one_line(options, e
 
 def test_a_launch_the_colocated_engine_cannot_run_is_refused_before_any_model_loads(monkeypatch, tmp_path):
     from textrl.config import TrainConfig
-    from textrl.training.trainer import check_run
+    from textrl.training.run_checks import check_run
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     run = {"generation_engine": "vllm", "output_dir": str(tmp_path / "run")}
@@ -574,7 +574,7 @@ def test_sigterm_then_resume_equals_an_uninterrupted_vllm_run(tmp_path, monkeypa
     from tests.runs import checkpoint_tensors, metrics
     from textrl.cli import main
     from textrl.run import TrainingStopped, latest_checkpoint
-    from textrl.training.trainer import PPORun
+    from textrl.training.ppo_run import PPORun
 
     monkeypatch.setenv("TEXTRL_CACHE", str(tmp_path / "cache"))
     args = ["train", "--model", str(folder), "--generation-engine", "vllm", "--env", "digits", "--iterations", "3",

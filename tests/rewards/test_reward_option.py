@@ -150,15 +150,13 @@ def test_rows_without_a_column_a_reward_reads_are_named_by_file_and_line(tmp_pat
 
 
 def test_train_refuses_a_bad_row_before_any_model_loads(tmp_path, monkeypatch):
-    import textrl.training.trainer as trainer
-
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n{"prompt": "c", "answer": "3"}\n')
 
     def no_models(*args, **kwargs):
         raise AssertionError("a model was built before the bad row was refused")
 
-    monkeypatch.setattr(trainer, "build_agent", no_models)
+    monkeypatch.setattr("textrl.training.set_up.build_agent", no_models)
     with pytest.raises(ValueError, match=r"data.jsonl:2: row has no 'answer', which reward 'accuracy' reads"):
         train(TrainConfig(output_dir=str(tmp_path / "run"), dataset=str(data), reward="accuracy", **SMALL))
     assert not (tmp_path / "run" / "config.yaml").exists()
