@@ -91,14 +91,14 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def _cmd_vllm_serve(args: argparse.Namespace) -> int:
-    """Replace this process by ``vllm serve`` (:func:`textrl.generation.vllm_server.serve_command`)."""
+    """Replace this process by ``vllm serve`` (:func:`textrl.generation.vllm.serve_command.serve_command`)."""
     import os
 
     import torch
 
     from textrl.core.quiet import environment_before_quiet
-    from textrl.generation.vllm_engine import import_vllm
-    from textrl.generation.vllm_server import serve_command
+    from textrl.generation.vllm.checks import import_vllm
+    from textrl.generation.vllm.serve_command import serve_command
 
     import_vllm()  # one line naming what to install, before the server starts
     argv, env = serve_command(args.model, args.vllm_args, cuda=torch.cuda.is_available(), reward=args.reward_model)

@@ -35,7 +35,8 @@ import torch
 from textrl.generation import Sampling
 from textrl.generation import vllm_server as vs
 from textrl.generation.base import EngineFailed
-from textrl.generation.vllm_engine import fingerprint
+from textrl.generation.vllm import claims
+from textrl.generation.weight_sync import fingerprint
 
 ESSENTIALS = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 128}
@@ -607,7 +608,7 @@ def config_for(urls, output_dir, model="tiny"):
 @pytest.fixture
 def trained_tiny(monkeypatch):
     """The run's model's essentials as the fakes' (no model folder read)."""
-    monkeypatch.setattr(vs, "trained_essentials", lambda model: dict(ESSENTIALS))
+    monkeypatch.setattr(claims, "trained_essentials", lambda model: dict(ESSENTIALS))
 
 
 def test_a_url_that_is_not_a_vllm_server_is_named_in_one_line(tmp_path, trained_tiny):

@@ -130,7 +130,7 @@ def _is_engine_class(obj: object) -> bool:
 REGISTRY: Registry[type] = Registry(
     "generation engine", group="textrl.generation_engines", accepts=_is_engine_class,
     builtins=("textrl.generation.hf", "textrl.generation.decode", "textrl.generation.static",
-              "textrl.generation.vllm_engine", "textrl.generation.vllm_server"),
+              "textrl.generation.vllm.colocated", "textrl.generation.vllm.served"),
     valid_name=lambda name: isinstance(name, str) and bool(name) and ":" not in name,
     register_loaded=lambda name, cls: register_engine(name)(cls),
     messages=Messages(
@@ -186,7 +186,7 @@ def cut_at_last_eos(tokens: Tensor, eos_token_id: int | None) -> Tensor:
 
 
 SERVED_ENGINE = "vllm-server"
-"""The engine of a run given ``--vllm-server`` (:mod:`textrl.generation.vllm_server`)."""
+"""The engine of a run given ``--vllm-server`` (:mod:`textrl.generation.vllm.served`)."""
 
 
 def run_engine_name(generation_engine: str, vllm_server: str | None) -> str:

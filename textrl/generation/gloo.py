@@ -24,7 +24,7 @@ import torch
 TIMEOUT = datetime.timedelta(minutes=2)
 """The group's timeout: the rendezvous, and each operation of a server's worker (it waits for each
 weight while the trainer gathers and sends it). Not how a dead server is found (the engine's health
-check finds it in seconds: :mod:`textrl.generation.vllm_server`); the trainer's own broadcasts have
+check finds it in seconds: :mod:`textrl.generation.vllm.served`); the trainer's own broadcasts have
 their size's (:func:`op_timeout`)."""
 
 WAIT_SLICE = datetime.timedelta(milliseconds=200)

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from textrl.generation.gloo import WAIT_SLICE, Call, broadcast, gloo_group, stopped
-from textrl.generation.vllm_engine import import_vllm
+from textrl.generation.vllm.checks import import_vllm
 from textrl.generation.vllm_worker import quiet_rotary_reloads
 from textrl.generation.weight_sync import (
     DEFAULT_BUCKET_BYTES,
@@ -173,7 +173,7 @@ class WeightWatch:
     backend (they all load through the model's ``load_weights``)."""
 
     def textrl_watch_loads(self) -> None:
-        """Wrap the worker's model's ``load_weights`` in a :class:`~textrl.generation.vllm_engine.LoadWatch`, once."""
+        """Wrap the worker's model's ``load_weights`` in a :class:`~textrl.generation.weight_sync.LoadWatch`, once."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         if getattr(model, "_textrl_watch", None) is None:
             watch, original = LoadWatch(model), model.load_weights
@@ -181,7 +181,7 @@ class WeightWatch:
             model._textrl_watch = watch
 
     def textrl_weight_report(self) -> dict[str, Any]:
-        """The watch's report of the loads since the last one (:meth:`~textrl.generation.vllm_engine.LoadWatch.report`)."""
+        """The watch's report of the loads since the last one (:meth:`~textrl.generation.weight_sync.LoadWatch.report`)."""
         return self.model_runner.get_model()._textrl_watch.report()  # type: ignore[attr-defined]
 
     def textrl_model_config(self) -> dict[str, Any]:

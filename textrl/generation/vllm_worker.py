@@ -1,6 +1,6 @@
 """What textrl's worker extension keeps and says in a vLLM server's workers
 (:class:`textrl.generation.vllm_transfer.WeightWatch`), without vLLM, so that the trainer's side
-(:mod:`textrl.generation.vllm_server`) and tests use the same code: the essentials of a model's
+(:mod:`textrl.generation.vllm.served`) and tests use the same code: the essentials of a model's
 config, compared before any work, and the book of the run that holds the server (its claim).
 """
 
