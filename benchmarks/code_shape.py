@@ -1,9 +1,10 @@
 """The shape of the code a newcomer reads: the longest functions, the largest classes (by lines
-and by methods) and the files over a line limit, for textrl/ (tests and data left out).
+and by methods), the files over a line limit and the functions that take the whole agent, for
+textrl/ (tests and data left out).
 
     python benchmarks/code_shape.py [--top 10] [--file-limit 600] [--method-limit 30] [--root PATH]
 
-Prints three tables and exits 1 when a class has more methods than ``--method-limit`` or a file
+Prints four tables and exits 1 when a class has more methods than ``--method-limit`` or a file
 has more lines than ``--file-limit`` (docs/design.md, "Layers": the aims of the agent room).
 ``--root`` reads another checkout's textrl/ (default: this one). A script, never imported by textrl.
 """
@@ -38,7 +39,50 @@ def shape(root: Path = ROOT) -> dict[str, list[tuple]]:
                 methods = sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
                 classes.append((node.end_lineno - node.lineno + 1, methods, f"{rel}:{node.name}"))
     return {"functions": sorted(functions, reverse=True), "classes": sorted(classes, reverse=True),
-            "files": sorted(files, reverse=True)}
+            "files": sorted(files, reverse=True), "takes_agent": takes_agent(root)}
+
+
+def _agent_classes(trees: dict[str, ast.Module]) -> set[str]:
+    """``PPOAgent`` and every class of textrl/ that derives from it (by name, transitively)."""
+    bases = {node.name: {ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases}
+             for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    found, grew = {"PPOAgent"}, True
+    while grew:
+        new = {name for name, of in bases.items() if of & found} - found
+        found, grew = found | new, bool(new)
+    return found
+
+
+def _takes_agent(fn: ast.FunctionDef | ast.AsyncFunctionDef, agents: set[str]) -> bool:
+    """Whether ``fn`` (a function, not a method) takes the whole agent: its first parameter is
+    ``agent`` (unannotated, ``Any`` or an agent class: not ``agent: str``, a name), or a parameter
+    is annotated with an agent class (``type[...]``, a class, does not count)."""
+    params = [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]
+
+    def agent_type(note: ast.expr | None) -> bool:
+        if note is None or (isinstance(note, ast.Subscript) and ast.unparse(note.value) == "type"):
+            return False
+        text = ast.unparse(note).strip("'\"")
+        return any(part.strip().rsplit(".", 1)[-1] in agents for part in text.split("|"))
+
+    if params and params[0].arg == "agent" and (params[0].annotation is None or agent_type(params[0].annotation)
+                                                 or ast.unparse(params[0].annotation) == "Any"):
+        return True
+    return any(agent_type(p.annotation) for p in params)
+
+
+def takes_agent(root: Path = ROOT) -> list[str]:
+    """``path:name`` of every function in textrl/ (methods left out) that takes the whole agent
+    (:func:`_takes_agent`), in file order: what it reads of the agent it should take instead."""
+    trees = {path.relative_to(root).as_posix(): ast.parse(path.read_text()) for path in _files(root)}
+    agents = _agent_classes(trees)
+    found = []
+    for rel, tree in trees.items():
+        methods = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for n in c.body}
+        found += [f"{rel}:{node.name}" for node in ast.walk(tree)
+                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and id(node) not in methods
+                  and _takes_agent(node, agents)]
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Classes over {args.method_limit} methods: {len(many)}")
     for _, methods, name in many:
         print(f"  {methods:5}  {name}")
+    print(f"Functions that take the whole agent: {len(found['takes_agent'])}")
+    for name in found["takes_agent"]:
+        print(f"         {name}")
     return 1 if over or many else 0
 
 

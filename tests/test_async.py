@@ -48,7 +48,7 @@ def prefill(agent, state, td):
     model.load_state_dict(state)
     input_ids, attention_mask, p = forwards.sequence_inputs(td)
     with torch.no_grad():
-        return forwards.logprobs(agent, model, input_ids, attention_mask, p, td.get(KEYS.action))
+        return agent.learner.forwards.logprobs(model, input_ids, attention_mask, p, td.get(KEYS.action))
 
 
 @pytest.mark.parametrize("staleness", [1, 2])

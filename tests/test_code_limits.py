@@ -5,6 +5,8 @@ a class's methods in one list, a file in one sitting.
 - a class: at most 30 methods;
 - a file in ``textrl/``: at most 600 lines, 400 in the rooms a newcomer opens first (``agents/``,
   ``generation/``, ``envs/``);
+- at most 10 functions that take the whole agent (:data:`TAKES_AGENT`, each with its reason): the
+  others take the parts they read;
 - no import circle, type hints included (``tests/test_import_cycles.py`` holds the run-time
   imports; here the ``TYPE_CHECKING`` ones count too); upward arrows: ``tests/test_layer_list.py``;
 - no issue numbers in the product, its benchmarks or its docs (an issue is where work was asked
@@ -35,12 +37,11 @@ FIRST_ROOM_FILE_LINES = 400
 FILES: dict[str, tuple[int, str]] = {
     "textrl/agents/async_actor.py": (596, "the asynchronous actor, its schedule and its snapshots"),
     "textrl/envs/builtin.py": (593, "the built-in environments and their tables"),
-    "textrl/agents/update.py": (568, "the update: epochs, minibatches, micro-batches, checks"),
+    "textrl/agents/update.py": (484, "the update: epochs, minibatches, the loss's checks and the update's metrics"),
     "textrl/envs/adapters.py": (527, "the reasoning-gym and TextArena adapters"),
-    "textrl/agents/base.py": (527, "PPOAgent: the agent every estimator shares"),
+    "textrl/agents/base.py": (514, "PPOAgent: the agent every estimator shares"),
     "textrl/envs/torchrl_env.py": (468, "the TorchRL environment and its specs"),
     "textrl/envs/token_mdp.py": (462, "the Gymnasium token MDP"),
-    "textrl/agents/build.py": (415, "building an agent from a config: models, precision, engines"),
 }
 """File -> (lines it may have, why it is over its limit)."""
 
@@ -48,17 +49,34 @@ FUNCTIONS: dict[str, tuple[int, str]] = {
 }
 """``path:name`` -> (lines it may have, why it is over :data:`FUNCTION_LINES`)."""
 
-CLASSES: dict[str, tuple[int, str]] = {
-    "textrl/agents/base.py:PPOAgent": (34, "the shared agent: rollout, forwards, update and state in one class"),
-    "textrl/parallel/base.py:Backend": (31, "the backend interface every parallel backend implements"),
-}
+CLASSES: dict[str, tuple[int, str]] = {}
 """``path:name`` -> (methods it may have, why it is over :data:`CLASS_METHODS`)."""
 
-TYPE_HINT_CIRCLES: dict[tuple[str, ...], str] = {
-    ("textrl.agents.actor", "textrl.agents.update"): "the update's hints name the actor and the actor's the update",
-    ("textrl.agents.base", "textrl.agents.build"): "build's hints name the agent it builds, the agent's its builder",
-}
+TYPE_HINT_CIRCLES: dict[tuple[str, ...], str] = {}
 """Circles through ``TYPE_CHECKING`` imports only -> why each is kept."""
+
+TAKES_AGENT: dict[str, str] = {
+    "textrl/run/rollout.py:collect": "the rollout's entry point: it drives a duck-typed agent's act / rollout and "
+                                     "process_rollout (tests hand it scripted agents)",
+    "textrl/run/rollout.py:evaluate_prompts": "the held-out evaluation's entry point, over the same duck-typed agent",
+    "textrl/run/rollout.py:run_episodes": "the episodes' sampler: a duck-typed agent's rollout() or act(), its device "
+                                          "and its backend's processes",
+    "textrl/training/ppo_run.py:evaluate": "the trainer's evaluation of the agent it trains (through evaluate_prompts)",
+    "textrl/training/ppo_run.py:sample_completions": "the trainer's sample of the agent's answers (through run_episodes)",
+    "textrl/agents/forwards.py:forward_policy": "a loss's public call, forward_policy(self, mb): reads only the "
+                                                "learner (an agent's or the learner itself)",
+    "textrl/agents/forwards.py:forward_values": "a loss's public call, forward_values(self, mb), as forward_policy",
+    "textrl/agents/teacher.py:token_rewards": "an estimator's public call, token_rewards(self, td): the agent's "
+                                              "task_token_rewards hook (a subclass's, e.g. DAPO's) plus the teacher's",
+    "textrl/agents/build.py:build_actor": "the actor of an agent: its models, forwards, backend, facts, teacher and its "
+                                          "behaviour_logprobs hook, once per backend and device",
+    "textrl/agents/build.py:task_reward": "the run's reward joined with the agent's own reward model, placed in its "
+                                          "precision (the trainer and the tests call it with the agent)",
+}
+"""``path:name`` of a function that takes the whole agent -> why (what it reads of the agent is most of it, or
+it is a public call an agent's hook makes with ``self``). Any other function takes what it uses:
+the learner, the actor, the forwards, the config's values (``benchmarks/code_shape.py`` lists them)."""
+TAKES_AGENT_LIMIT = 10
 
 ISSUE_NUMBER = re.compile(r"\bissues?\s*#?\d+|\bissue's\b", re.IGNORECASE)
 
@@ -110,6 +128,32 @@ def test_every_exception_is_still_needed(found):
     stale += [c for c in CLASSES if methods.get(c, 0) <= CLASS_METHODS]
     assert not stale, f"listed exceptions now within their limits (take them off the list): {stale}"
     assert all(reason for _, reason in [*FILES.values(), *FUNCTIONS.values(), *CLASSES.values()])
+
+
+def test_functions_take_the_agents_parts_not_the_agent(found):
+    """A function takes what it reads of an agent (its learner, actor, forwards, config values) or is a
+    method of that object; the few that take the whole agent are listed, each with its reason."""
+    takes = set(found["takes_agent"])
+    new = sorted(takes - set(TAKES_AGENT))
+    assert not new, (f"functions that take the whole agent: {new}; pass the parts they read (agent.learner, "
+                     "agent.actor, agent.config values) or list them in TAKES_AGENT with the reason")
+    stale = sorted(set(TAKES_AGENT) - takes)
+    assert not stale, f"listed functions that no longer take the agent (take them off the list): {stale}"
+    assert len(TAKES_AGENT) <= TAKES_AGENT_LIMIT and all(TAKES_AGENT.values())
+
+
+@pytest.mark.parametrize("source, takes", [
+    ("def f(agent, td): pass", True), ("def f(agent: Any) -> None: pass", True),
+    ("def f(x: int, owner: 'PPOAgent') -> None: pass", True), ("def f(agent: str) -> str: pass", False),
+    ("def f(cls: type[PPOAgent]) -> None: pass", False), ("def f(learner, td): pass", False),
+    ("class C:\n    def m(self, agent): pass", False),
+])
+def test_the_takes_agent_count_reads_the_first_parameter_and_agent_annotations(tmp_path, source, takes):
+    from benchmarks.code_shape import takes_agent
+
+    (tmp_path / "textrl").mkdir()
+    (tmp_path / "textrl" / "m.py").write_text("class PPOAgent: pass\n" + source + "\n")
+    assert (takes_agent(tmp_path) == ["textrl/m.py:f"]) is takes
 
 
 def test_no_import_circle_through_type_hints():

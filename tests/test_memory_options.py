@@ -288,8 +288,6 @@ def test_option_combinations_that_cannot_work_are_refused_in_one_line(overrides,
 
 @pytest.mark.parametrize("sampling", [dict(), dict(top_k=7, temperature=0.7), dict(top_p=0.9, entropy_coef=0.01)])
 def test_an_agent_with_fused_logprobs_computes_the_whole_logits_paths_values_and_gradients(sampling):
-    from textrl.agents.forwards import logprobs, logprobs_and_entropy
-
     fused = AGENTS["gae_ppo"].from_config(small(logprob_chunk_size=5, **sampling), "cpu", **QUIET)
     whole = AGENTS["gae_ppo"].from_config(small(logprob_chunk_size=0, **sampling), "cpu", **QUIET)
     ids, mask = _batch(fused.tokenizer, seed=3)
@@ -298,10 +296,10 @@ def test_an_agent_with_fused_logprobs_computes_the_whole_logits_paths_values_and
     results = []
     for agent in (fused, whole):
         agent.policy.zero_grad(set_to_none=True)
-        logp, entropy = logprobs_and_entropy(agent, ids, mask, prompt, action)
+        logp, entropy = agent.learner.forwards.logprobs_and_entropy(agent.policy, ids, mask, prompt, action)
         (logp.sum() + entropy.sum()).backward()
         with torch.no_grad():
-            ref = logprobs(agent, agent.ref_policy, ids, mask, prompt, action)
+            ref = agent.learner.forwards.logprobs(agent.ref_policy, ids, mask, prompt, action)
         results.append((logp.detach(), entropy.detach(), ref, {n: p.grad for n, p in agent.policy.named_parameters()}))
     (a_lp, a_ent, a_ref, a_grad), (b_lp, b_ent, b_ref, b_grad) = results
     # the chunked head sums the vocabulary (a log-sum-exp against a log-softmax kernel) and the
@@ -320,7 +318,6 @@ def test_an_agent_with_fused_logprobs_computes_the_whole_logits_paths_values_and
 
 
 def test_an_asked_for_fused_path_on_a_head_that_cannot_fuse_warns_once_and_uses_the_logits(monkeypatch):
-    from textrl.agents import forwards
     from textrl.models import forward as model_forward
 
     agent = AGENTS["gae_ppo"].from_config(small(logprob_chunk_size=5), "cpu", **QUIET)
@@ -329,10 +326,10 @@ def test_an_asked_for_fused_path_on_a_head_that_cannot_fuse_warns_once_and_uses_
     mask[:] = 1
     with pytest.warns(UserWarning, match="logprob_chunk_size=5: response_hidden: .*a test's reason; this run's "
                                          "log-probs use the whole response's logits"):
-        forwards.logprobs(agent, agent.policy, ids, mask, 6, ids[:, 6:])
+        agent.learner.forwards.logprobs(agent.policy, ids, mask, 6, ids[:, 6:])
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        forwards.logprobs(agent, agent.policy, ids, mask, 6, ids[:, 6:])  # once
+        agent.learner.forwards.logprobs(agent.policy, ids, mask, 6, ids[:, 6:])  # once
     assert AGENTS["gae_ppo"].from_config(small(), "cpu", **QUIET).learner.forwards.fused_chunk() == 0  # auto: off on the CPU

@@ -15,7 +15,6 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from textrl.agents import GAEPPO, MultiAdapterPPO
-from textrl.agents.forwards import logprobs
 from textrl.config import TrainConfig
 from textrl.models import ValueModel, build_tiny_causal_lm, build_tiny_tokenizer
 from textrl.models.sampling import off_policy_settings
@@ -101,7 +100,7 @@ def test_the_engines_distribution_is_the_warped_logits_and_the_learners_the_temp
     # the engine's distribution (the weight check's prefill); the learner's log-probs are the policy's at
     # the temperature alone (docs/training.md, "Sampling settings and the log-probs")
     logp = agent.learner.forwards.filtered_logprobs(agent.policy, full, attn, ids.shape[1], response)  # [B, T]
-    learner = logprobs(agent, agent.policy, full, attn, ids.shape[1], response)  # [B, T]
+    learner = agent.learner.forwards.logprobs(agent.policy, full, attn, ids.shape[1], response)  # [B, T]
     with torch.no_grad():  # the reference computation, by hand: HF's warpers in HF's order
         positions = (attn.long().cumsum(1) - 1).clamp(min=0)
         logits = agent.policy(input_ids=full, attention_mask=attn.long(), position_ids=positions).logits

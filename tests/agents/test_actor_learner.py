@@ -17,7 +17,7 @@ import torch
 
 from tests.agents.conftest import make_agent, target_reward
 from tests.envs.test_collector import Echo
-from textrl.agents import actor as agent_actor
+from textrl.agents import build as agent_build
 from textrl.core.versions import VersionCounter
 from textrl.envs.prompts import encode_prompts
 from textrl.envs.tasks import make_digits_task
@@ -53,8 +53,8 @@ def test_a_version_counter_moves_once_for_each_change_it_sees():
 # -- the engine, chosen once ---------------------------------------------------------------------
 def test_the_engine_is_chosen_once_when_the_backend_is_set(tok, monkeypatch):
     calls = []
-    choose = agent_actor.engine_for
-    monkeypatch.setattr(agent_actor, "engine_for", lambda *a, **k: calls.append((a, k)) or choose(*a, **k))
+    choose = agent_build.engine_for
+    monkeypatch.setattr(agent_build, "engine_for", lambda *a, **k: calls.append((a, k)) or choose(*a, **k))
     agent = make_agent(tok, "gae_ppo")
     assert calls == []  # nothing chosen before the backend is known
     SingleProcess(device="cpu").prepare(agent)
@@ -67,8 +67,8 @@ def test_the_engine_is_chosen_once_when_the_backend_is_set(tok, monkeypatch):
 
 def test_a_direct_agent_chooses_its_engine_on_first_use(tok, monkeypatch):
     calls = []
-    choose = agent_actor.engine_for
-    monkeypatch.setattr(agent_actor, "engine_for", lambda *a, **k: calls.append(a) or choose(*a, **k))
+    choose = agent_build.engine_for
+    monkeypatch.setattr(agent_build, "engine_for", lambda *a, **k: calls.append(a) or choose(*a, **k))
     agent = make_agent(tok, "grpo", n_samples_per_prompt=2)
     rollout(agent, tok)
     rollout(agent, tok, seed=1)

@@ -22,7 +22,7 @@ from textrl.agents.build import episode_budget
 from textrl.config import TrainConfig
 assert "textrl.envs" not in sys.modules, "importing textrl.agents imported textrl.envs"
 agent = GAEPPO.from_config(TrainConfig(warmup_sft_steps=2, iterations=1))
-print(episode_budget(agent), agent.warmup_record["ran_steps"])
+print(episode_budget(agent.config, agent.env_facts), agent.warmup_record["ran_steps"])
 """
 
 

@@ -8,7 +8,6 @@ from torch import nn
 from tests.agents.conftest import collect, make_agent
 from tests.arithmetic import model_rtol
 from textrl.agents.base import position_ids_for, sequence_inputs
-from textrl.agents.forwards import policy_ref_kl
 from textrl.keys import KEYS
 from textrl.models.forward import leading_padding, rotate_rows
 from textrl.testing import assert_close_normwise
@@ -70,22 +69,22 @@ def test_kl_before_update_reuses_the_rollout_log_probs_while_they_are_current(to
     agent = make_agent(tok, kl_coef=0.0, kl_after_update=True)  # the monitor keeps a reference
     td = collect(agent, tok)
     calls = count_policy_forwards(agent)
-    cached = policy_ref_kl(agent, td)
+    cached = agent.actor.policy_ref_kl(td)
     assert calls[0] == 0  # the policy and the rollout's log-probs are unchanged: no forward
     agent.actor.own_logp = None
-    assert policy_ref_kl(agent, td) == cached and calls[0] == 1  # recomputed: the same number
+    assert agent.actor.policy_ref_kl(td) == cached and calls[0] == 1  # recomputed: the same number
 
     td = collect(agent, tok, seed=1)
     td.get(KEYS.action_log_prob)[0, 0] += 1.0  # edited in place: not the policy's own any more
     calls[0] = 0
-    policy_ref_kl(agent, td)
+    agent.actor.policy_ref_kl(td)
     assert calls[0] == 1
 
     td = collect(agent, tok, seed=2)
     with torch.no_grad():
         next(agent.policy.parameters()).add_(1e-3)  # a weight changed: recompute
     calls[0] = 0
-    policy_ref_kl(agent, td)
+    agent.actor.policy_ref_kl(td)
     assert calls[0] == 1
 
 
@@ -93,5 +92,5 @@ def test_one_step_ppo_never_reuses_its_old_policy_log_probs(tok):
     agent = make_agent(tok, "one_step_ppo")
     td = collect(agent, tok)
     calls = count_policy_forwards(agent)
-    policy_ref_kl(agent, td)
+    agent.actor.policy_ref_kl(td)
     assert calls[0] == 1

@@ -11,7 +11,6 @@ import torch
 
 from tests.agents.conftest import collect
 from textrl.agents import agent_class, agent_names
-from textrl.agents.forwards import logprobs
 from textrl.config import TrainConfig
 from textrl.keys import KEYS
 from textrl.models import load_causal_lm
@@ -66,8 +65,8 @@ def test_with_lora_only_lora_weights_change_and_the_reference_is_the_base(name):
 
     ids, mask, p = sequence_inputs(td)
     with torch.no_grad():
-        ref = logprobs(agent, agent.ref_policy, ids, mask, p, td.get(KEYS.action))
-        base = logprobs(agent, fresh, ids, mask, p, td.get(KEYS.action))
+        ref = agent.learner.forwards.logprobs(agent.ref_policy, ids, mask, p, td.get(KEYS.action))
+        base = agent.learner.forwards.logprobs(fresh, ids, mask, p, td.get(KEYS.action))
     torch.testing.assert_close(ref, base, rtol=0, atol=1e-6)
 
 

@@ -17,7 +17,6 @@ from peft import PeftModel, get_peft_model
 from tests.agents.conftest import collect, make_config, record_loss_stats
 from tests.arithmetic import assert_within, head_tolerance, model_rtol
 from textrl.agents import AGENTS, MultiAdapterPPO, make_agent
-from textrl.agents.forwards import logprobs
 from textrl.config import TrainConfig
 from textrl.core.checks import check_rollout
 from textrl.keys import KEYS
@@ -120,12 +119,12 @@ def test_disabled_adapters_reproduce_the_base_log_probs_exactly(tok, reward_dir)
 
     args = (*sequence_inputs(td), td.get(KEYS.action))
     with torch.no_grad():
-        expected = logprobs(agent, base, *args)
+        expected = agent.learner.forwards.logprobs(base, *args)
     assert torch.equal(td.get(KEYS.ref_log_prob), expected)
     agent.update(td)
     with torch.no_grad():
-        assert torch.equal(logprobs(agent, agent.ref_policy, *args), expected)
-        assert not torch.equal(logprobs(agent, agent.policy, *args), expected)
+        assert torch.equal(agent.learner.forwards.logprobs(agent.ref_policy, *args), expected)
+        assert not torch.equal(agent.learner.forwards.logprobs(agent.policy, *args), expected)
 
 
 @pytest.mark.parametrize("critic_type", ["value_head", "lora"])

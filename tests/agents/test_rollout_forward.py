@@ -13,11 +13,16 @@ import torch
 from tests.agents.conftest import collect, make_agent
 from tests.arithmetic import assert_gradients_close, rollout_rtol
 from textrl.agents import AGENTS
-from textrl.agents.forwards import reuses_rollout_forward
+from textrl.agents.forwards import own_behaviour_logprobs, reuses_rollout_forward
 from textrl.parallel.base import trained_parameters
 from textrl.testing import unit_roundoff
 
 FUSABLE = ["gae_ppo", "grpo", "rloo", "multi_adapter_ppo"]
+
+
+def reuses(agent) -> bool:
+    """Whether ``agent``'s update reuses the behaviour forward (:func:`reuses_rollout_forward` of its parts)."""
+    return reuses_rollout_forward(agent.config, agent.reuse_rollout_forward, own_behaviour_logprobs(type(agent)))
 
 
 def weights(agent) -> dict[str, torch.Tensor]:
@@ -76,7 +81,7 @@ def adam_first_step_tolerance(g_a, g_b, lr: float, eps: float, rtol: float, w) -
 def test_reused_forward_gives_the_same_update(tok, name, entropy_coef):
     fused, m_fused, g_fused, rtol = run_once(tok, name, True, entropy_coef=entropy_coef)
     plain, m_plain, g_plain, _ = run_once(tok, name, False, entropy_coef=entropy_coef)
-    assert reuses_rollout_forward(fused) and not reuses_rollout_forward(plain)
+    assert reuses(fused) and not reuses(plain)
     # the same forward (one model, one batch, the same kernels): its losses and statistics equal
     for key in ("loss/policy", "loss/total", "entropy", "ratio/mean", "clip_fraction"):
         assert m_fused[key] == pytest.approx(m_plain[key], rel=1e-5, abs=1e-7), key
@@ -132,12 +137,12 @@ def test_the_reuse_saves_one_policy_forward(tok):
 ])
 def test_no_reuse_when_the_update_takes_several_forwards(tok, overrides):
     agent = make_agent(tok, "gae_ppo", **overrides)
-    assert not reuses_rollout_forward(agent)
+    assert not reuses(agent)
     assert count_prefill_forwards(tok, reuse=True, **overrides) > 1
 
 
 def test_no_reuse_with_an_old_policy_snapshot(tok):
-    assert not reuses_rollout_forward(make_agent(tok, "one_step_ppo"))
+    assert not reuses(make_agent(tok, "one_step_ppo"))
 
 
 def test_a_kept_forward_is_dropped_when_weights_changed_since(tok):

@@ -114,7 +114,7 @@ def test_the_decoupled_gradient_is_areals_proximal_anchor_times_behaviour_weight
     terms, _ = agent.loss(td)
     got = dict(zip(params, torch.autograd.grad(terms["policy"], list(params.values()), allow_unused=True)))
     input_ids, attention_mask, p = forwards.sequence_inputs(td)
-    logp = forwards.logprobs(agent, agent.policy, input_ids, attention_mask, p, td.get(KEYS.action))
+    logp = agent.learner.forwards.logprobs(agent.policy, input_ids, attention_mask, p, td.get(KEYS.action))
     reference = areal_decoupled_loss(logp, proximal, behaviour, advantages, mask, agent.clip_eps, cap)
     want = dict(zip(params, torch.autograd.grad(reference, list(params.values()), allow_unused=True)))
 

@@ -1,8 +1,8 @@
-"""The update's micro-batches (textrl.agents.update.micro_splits): ``gradient_accumulation_steps``
+"""The update's micro-batches (textrl.agents.splits.micro_splits): ``gradient_accumulation_steps``
 near-equal row counts, or ``microbatch_tokens`` runs of rows filled up to a token budget, balanced,
 as many on every process; the refusals of ``microbatch_tokens``. The gradient's independence of
 the split: tests/agents/test_zoo_agents.py. The prefill forwards' micro-batches
-(textrl.agents.update.prefill_batches): ``forward_batch_size`` rows, or the same token runs, the
+(textrl.agents.splits.prefill_batches): ``forward_batch_size`` rows, or the same token runs, the
 rollout's log-probs and values those of the row split."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from tests.agents.test_zoo_agents import TOKEN_BUDGETS, hand_rollout, uneven_responses, zoo_agent
 from tests.arithmetic import rollout_rtol
 from textrl.agents import update as update_module
-from textrl.agents.forwards import reuses_rollout_forward
-from textrl.agents.update import (
+from textrl.agents.forwards import own_behaviour_logprobs, reuses_rollout_forward
+from textrl.agents.splits import (
     balanced_runs,
     filled_runs,
     micro_splits,
@@ -29,6 +29,11 @@ from textrl.agents.update import (
 from textrl.config import TrainConfig
 from textrl.keys import KEYS
 from textrl.testing import assert_close_normwise
+
+
+def reuses(agent) -> bool:
+    """Whether ``agent``'s update reuses the behaviour forward (:func:`reuses_rollout_forward` of its parts)."""
+    return reuses_rollout_forward(agent.config, agent.reuse_rollout_forward, own_behaviour_logprobs(type(agent)))
 
 
 class TwoProcesses:
@@ -101,9 +106,9 @@ def test_a_token_budget_that_cannot_apply_is_refused(settings, message):
 
 def test_a_token_budget_runs_the_updates_own_forward(tok):
     agent = zoo_agent(tok, "grpo")
-    assert reuses_rollout_forward(agent)
+    assert reuses(agent)
     agent.config.microbatch_tokens = 64
-    assert not reuses_rollout_forward(agent)
+    assert not reuses(agent)
 
 
 # -- two gloo processes: as many micro-batches on each, the gradient of the whole minibatch ----------

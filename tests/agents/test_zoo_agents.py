@@ -14,7 +14,6 @@ from tests.agents.conftest import make_agent, target_reward
 from tests.arithmetic import assert_gradients_close, assert_within, rollout_rtol
 from textrl.agents import AGENTS, agent_names
 from textrl.agents.base import SCORE, UpdateTally
-from textrl.agents.build import episode_budget
 from textrl.agents.update import Objective, run_epochs
 from textrl.config import TrainConfig
 from textrl.envs import env_ids, rollout_from_responses
@@ -82,7 +81,7 @@ def test_dr_grpo_advantage_and_loss_are_the_closed_forms(tok):
     mask, score = td.get(KEYS.mask), td.get(SCORE)
     expected = dr_grpo_advantage(score, 2)  # KL is 0 before any update: policy == reference
     torch.testing.assert_close(rows_of(td, KEYS.advantage), torch.where(mask, expected[:, None], 0.0))
-    assert episode_budget(agent) == 6
+    assert agent.episode_budget() == 6
     loss, stats = agent.loss(td)  # ratio 1 at step 0: -sum_t A_t / (B * budget)
     torch.testing.assert_close(stats["loss/policy"], -(expected[:, None] * mask).sum() / (6 * 6))
 

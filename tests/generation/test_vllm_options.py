@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from textrl.agents.actor import run_lengths
+from textrl.agents.build import run_lengths
 from textrl.cli import main
 from textrl.config import TrainConfig
 from textrl.core.env_facts import EnvFacts

@@ -32,11 +32,9 @@ from textrl.agents.forwards import (
     Forwards,
     RolloutForward,
     micro_batches,
-    own_behaviour_logprobs,
     sequence_inputs,
 )
-from textrl.agents.teacher import load_teacher
-from textrl.agents.update import prefill_batches, real_tokens
+from textrl.agents.splits import prefill_batches, real_tokens
 from textrl.agents.weight_check import (
     WEIGHT_CHECK_ROWS,
     mean_gap,
@@ -46,8 +44,7 @@ from textrl.agents.weight_check import (
 )
 from textrl.core.versions import VersionCounter
 from textrl.functional import kl_penalty, masked_mean
-from textrl.generation import GenerationEngine, Sampling, engine_for
-from textrl.generation.base import run_engine_name
+from textrl.generation import GenerationEngine, Sampling
 from textrl.keys import KEYS
 from textrl.parallel.fsdp_sharding import local
 
@@ -62,11 +59,15 @@ class Sampled:
     or None)`` for each turn (the engine's log-probs of the tokens it drew, where it computes them),
     the ``version`` of the weights that generated them (:attr:`Actor.version`) and their
     ``iteration``, the learner's updates done when they were handed over (:attr:`Actor.updates`: the
-    unit of ``rollout/staleness``)."""
+    unit of ``rollout/staleness``); :func:`textrl.run.rollout.run_episodes` calls ``check_weights(td)``
+    (:meth:`Actor.check_weights`) and ``take_weight_sync_seconds()`` (the engine's seconds taking the
+    weights; None: an engine that samples the policy's weights in place)."""
 
     generate: Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]
     version: int
     iteration: int = 0
+    check_weights: Callable[[TensorDictBase], None] | None = None
+    take_weight_sync_seconds: Callable[[], float | None] | None = None
 
 
 @dataclass
@@ -195,7 +196,8 @@ class Actor:
             return self.sample(input_ids.to(self.device), attention_mask.to(self.device), greedy=greedy)
 
         with self.engine.rollout():
-            yield Sampled(generate, self.version, self.updates)
+            took = self.engine.take_weight_sync_seconds if self.engine.receives_weights else None
+            yield Sampled(generate, self.version, self.updates, self.check_weights, took)
 
     @torch.no_grad()
     def check_weights(self, td: TensorDictBase, tokens: Tensor | None = None) -> None:
@@ -313,7 +315,7 @@ class Actor:
 
     def prefill_batches(self, td: TensorDictBase) -> list[slice]:
         """The rows of each prefill forward of rollout ``td``, in order, each once
-        (:func:`textrl.agents.update.prefill_batches`: ``forward_batch_size`` rows, or runs up to
+        (:func:`textrl.agents.splits.prefill_batches`: ``forward_batch_size`` rows, or runs up to
         ``microbatch_tokens`` real tokens, as many on every process)."""
         return prefill_batches(real_tokens(td), self.config, getattr(self.backend, "dist", None))
 
@@ -364,35 +366,4 @@ class Actor:
         return masked_mean(kl, mask).item()
 
 
-def run_lengths(config: Any, facts: Any) -> tuple[int, int] | None:
-    """``(prompts' cap, episode budget)`` the engine is told (:meth:`GenerationEngine.fit_lengths`):
-    the ones the trainer resolved (``facts``, :class:`textrl.core.env_facts.EnvFacts`), else the config's
-    ``max_prompt_length`` and ``max_episode_tokens``; None while either is unknown."""
-    prompts = getattr(facts, "max_prompt_length", None) or getattr(config, "max_prompt_length", None)
-    budget = facts.episode_budget if facts is not None else getattr(config, "max_episode_tokens", None)
-    return None if prompts is None or budget is None else (int(prompts), int(budget))
-
-
-def build_actor(agent: Any) -> Actor:
-    """``agent``'s actor for its backend and device, over its models and its forwards (the learner's,
-    one precision). The one place the generation engine is chosen: ``config.generation_engine``
-    (``vllm-server`` with ``config.vllm_server``), ``auto`` resolved for the device and for a backend that partitions the weights (its forwards are
-    collectives), and checked against the backend (``ValueError`` naming both). An agent that
-    overrides ``behaviour_logprobs`` (an old-policy snapshot) has the actor call it."""
-    backend, config = agent.backend, agent.config
-    name = run_engine_name(config.generation_engine, getattr(config, "vllm_server", None))
-    engine = engine_for(name, agent.device, partitions_weights=backend.partitions_weights)
-    engine.configure(config)
-    if (lengths := run_lengths(config, getattr(agent, "env_facts", None))) is not None:
-        engine.fit_lengths(*lengths)
-    engine.check_backend(backend.partitions_weights)
-    actor = Actor(agent.config, agent.policy, agent.ref_policy, agent.critic, agent.learner.forwards, engine, backend,
-                  eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id, device=agent.device,
-                  behaviour=None if own_behaviour_logprobs(agent) else agent.behaviour_logprobs,
-                  teacher=load_teacher(agent))
-    if not int(getattr(config, "max_staleness", 0) or 0):  # an asynchronous run's actor starts an engine of its
-        actor.start_engine()  # own (AsyncActor.of); the learner's is never called there, and stays unstarted
-    return actor
-
-
-__all__ = ["Actor", "Behaviour", "Sampled", "build_actor", "run_lengths"]
+__all__ = ["Actor", "Behaviour", "Sampled"]

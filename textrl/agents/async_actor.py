@@ -287,11 +287,11 @@ class AsyncActor:
         learner evaluates the rollouts) and an engine of its own, over a copy of the policy unless the
         engine receives the weights (:func:`receives_directly`); on CUDA a stream of its own
         (:func:`own_stream`)."""
-        from textrl.agents.actor import Actor, build_actor
+        from textrl.agents import build
+        from textrl.agents.actor import Actor
         from textrl.agents.weight_check import weight_gap_bound
-
         main = agent.actor
-        engine = build_actor(agent).engine  # a new engine of the run's kind, configured and checked
+        engine = build.build_actor(agent).engine  # a new engine of the run's kind, configured and checked
         if receives_directly(engine, main.policy):
             # the learner's module, never read for its weights; no module at the sampled weights to prefill;
             # the snapshots come whole (gathered by the learners where the backend partitions them)

@@ -19,7 +19,6 @@ agent's backend's (:attr:`PPOAgent.backend`, :mod:`textrl.parallel`; docs/parall
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ from torch import Tensor, nn
 from textrl.agents import build, forwards
 from textrl.agents import state as resume
 from textrl.agents import update as update_loop
-from textrl.agents.actor import Actor, Sampled, build_actor
+from textrl.agents.actor import Actor, Sampled
 from textrl.agents.build import _own_lora_weights, policy_name, tokenizer_name, warmup_pairs  # noqa: F401
 from textrl.agents.forwards import (
     Forwards,
@@ -146,28 +145,22 @@ class PPOAgent(nn.Module):
         what the run's environment gives (the trainer hands it over); without it, it is read
         through the provider ``textrl.envs`` registers (:func:`textrl.core.env_facts.env_facts_of`).
         """
-        return build.from_config(cls, config, device, log, env_facts, own_loader=cls.overrides("load_policy"))
-
-    @classmethod
-    def overrides(cls, name: str) -> bool:
-        """Whether this class (or a class between it and :class:`PPOAgent`) replaces ``PPOAgent.<name>``:
-        a hook the construction and the forwards treat differently when a user's agent brings its own
-        (``load_policy`` loads without the warm-up; ``behaviour_logprobs`` is an old-policy snapshot)."""
-        return inspect.getattr_static(cls, name) is not inspect.getattr_static(PPOAgent, name)
+        return build.from_config(cls, config, device, log, env_facts, own_loader=forwards.overrides(cls, "load_policy"))
 
     @classmethod
     def load_policy(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print,
-                    env_facts: EnvFacts | None = None) -> nn.Module:
-        """The policy of ``config.model`` on ``device`` in the run's precision, eval mode; an
+                    env_facts: EnvFacts | None = None, *, precision: Precision | None = None) -> nn.Module:
+        """The policy of ``config.model`` on ``device`` in the run's ``precision`` (the one
+        :meth:`from_config` decided; an override that does not take it is called without), eval mode; an
         environment with a warm-up source (the built-in tasks) gets a short supervised format
         warm-up first (``warmup_sft_steps``), under the run's autocast (:func:`textrl.agents.build.load_policy`)."""
-        return build.load_policy(config, tokenizer, device, log, env_facts)[0]
+        return build.load_policy(config, tokenizer, device, log, env_facts, precision=precision)[0]
 
     @classmethod
-    def build_critic(cls, config: TrainConfig, policy: nn.Module) -> nn.Module:
+    def build_critic(cls, config: TrainConfig, policy: nn.Module, precision: Precision | None = None) -> nn.Module:
         """``V(s_t)``: a value head on a copy of the policy, or on the reward model (``critic_init``),
-        on the policy's device and in the run's precision."""
-        return build.build_critic(config, policy)
+        on the policy's device and in the run's ``precision`` (handed over as :meth:`load_policy`'s)."""
+        return build.build_critic(config, policy, precision)
 
     def __init__(
         self,
@@ -178,6 +171,7 @@ class PPOAgent(nn.Module):
         ref_policy: nn.Module | None = None,
         critic: nn.Module | None = None,
         total_updates: int | None = None,
+        precision: Precision | None = None,
     ) -> None:
         super().__init__()
         self.config = config = (config or TrainConfig(agent=self.name)).validate(type(self))
@@ -189,7 +183,7 @@ class PPOAgent(nn.Module):
         warned once here."""
         if self.sampling_notice:
             warnings.warn(self.sampling_notice, stacklevel=2)
-        precision = Precision.of(config, self.device)  # the run's: the object from_config loaded the models with
+        precision = build.run_precision(config, self.device, precision)  # from_config's, else decided for a direct agent
         if not build.needs_reference(config):
             ref_policy = None  # kl_coef=0: nothing reads a reference (build.needs_reference)
         elif ref_policy is None:
@@ -200,7 +194,7 @@ class PPOAgent(nn.Module):
             raise ValueError(f"{type(self).__name__} needs a critic (e.g. ValueModel.from_causal_lm)")
         self.critic = critic.eval() if critic is not None and self.needs_critic else None
         self.clip_eps = config.clip_eps if config.clip_eps is not None else self.default_clip_eps
-        self.clip_eps_high = build.option(self, "clip_eps_high")
+        self.clip_eps_high = build.option(type(self), config, "clip_eps_high")
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if config.gradient_checkpointing:
@@ -220,11 +214,11 @@ class PPOAgent(nn.Module):
     @property
     def actor(self) -> Actor:
         """What makes a rollout (:class:`textrl.agents.actor.Actor`), built once for the run's backend
-        and device (:func:`textrl.agents.actor.build_actor`: where the generation engine is chosen);
+        and device (:func:`textrl.agents.build.build_actor`: where the generation engine is chosen);
         the trainer builds it right after ``Backend.prepare`` set :attr:`backend`, a direct agent on first use."""
         actor, device = self._actor, self.precision.device  # the shared precision follows a move first
         if actor is None or actor.backend is not self.backend or actor.device != device:
-            actor = self._actor = build_actor(self)
+            actor = self._actor = build.build_actor(self)
         return actor
 
     def check_backend(self, backend: Backend) -> None:
@@ -260,7 +254,7 @@ class PPOAgent(nn.Module):
         implementation): the actor's and the learner's; follows the agent when it moves (``agent.to("cuda")``)."""
         shared = self.learner.forwards
         if shared.precision.device != self.device:  # moved: the same settings on the new device
-            shared.precision = Precision.of(self.config, self.device)
+            shared.precision = build.run_precision(self.config, self.device)
         return shared.precision
 
     # -- acting (the actor) ------------------------------------------------------------------------
@@ -284,18 +278,6 @@ class PPOAgent(nn.Module):
         actor.load_weights_from(self.learner)
         with actor.rollout(greedy=greedy) as sampled:
             yield sampled
-
-    def take_weight_sync_seconds(self) -> float | None:
-        """The seconds the actor's engine spent taking the weights since the last call
-        (``time/weight_sync_s``; :func:`textrl.run.rollout.run_episodes` reads it), None for an engine that
-        samples the policy's weights in place (:attr:`~textrl.generation.base.GenerationEngine.receives_weights`)."""
-        engine = self.actor.engine
-        return engine.take_weight_sync_seconds() if engine.receives_weights else None
-
-    def check_weights(self, td: TensorDictBase) -> None:
-        """Stop when the engine did not sample ``td`` with the weights handed to it
-        (:meth:`textrl.agents.actor.Actor.check_weights`; :func:`textrl.run.rollout.run_episodes` calls it)."""
-        self.actor.check_weights(td)
 
     def evaluate(self, td: TensorDictBase, *, keep_graph: bool = False) -> TensorDict:
         """Recompute ``action_log_prob``, ``ref_log_prob`` (when the agent keeps a reference) and
@@ -327,8 +309,10 @@ class PPOAgent(nn.Module):
         seconds of the prefill forwards (``forward``) and of the shaping and estimator
         (``advantages``) are added to it (:func:`textrl.agents.learner.process_rollout`).
         """
+        keep_graph = forwards.reuses_rollout_forward(self.config, self.reuse_rollout_forward,
+                                                     forwards.own_behaviour_logprobs(type(self)))
         return process_rollout(self.actor, self.learner, td, estimate=self.estimate, reference_kl=self.reference_kl,
-                               keep_graph=forwards.reuses_rollout_forward(self), timings=timings)
+                               keep_graph=keep_graph, timings=timings)
 
     def task_token_rewards(self, td: TensorDictBase) -> Tensor:
         """The task reward per token before any shaping, ``[B, T]`` (0 off the agent mask).
@@ -410,27 +394,22 @@ class PPOAgent(nn.Module):
         pg_loss, pg_stats = clipped_policy_loss(
             logp, old_logp, advantages, mask, clip_eps=self.clip_eps, dual_clip=self.config.dual_clip,
             aggregation=self.loss_aggregation, clip_eps_high=self.clip_eps_high,
-            normaliser=self.rows_normaliser(mask), weights=weights,
+            normaliser=rows_normaliser(self.loss_aggregation, mask), weights=weights,
         )
         return pg_loss, ppo_stats(pg_stats)
 
     def aggregate(self, loss_mat: Tensor, mask: Tensor) -> Tensor:
         """A token loss ``[B, T]`` (entropy, KL in the loss) reduced as the surrogate is, so that
         :meth:`micro_weight` makes every term of the loss add up over micro-batches. ``[]``."""
-        return aggregate_loss(loss_mat, mask, self.loss_aggregation, self.rows_normaliser(mask))
-
-    def rows_normaliser(self, mask: Tensor) -> int | None:
-        """The denominator of a mean over rows (``seq_mean``, ``seq_mean_token_sum``): the rows of
-        the (micro-)batch ``mask`` ``[B, T]``, a row left without tokens in the loss (the rollout
-        correction rejected it) among them, so that rows-share micro-weights add up exactly; None
-        for ``token_mean`` (its count of tokens)."""
-        return None if self.loss_aggregation == "token_mean" else max(1, mask.shape[0])
+        return aggregate_loss(loss_mat, mask, self.loss_aggregation, rows_normaliser(self.loss_aggregation, mask))
 
     def update(self, td: TensorDictBase) -> dict[str, float]:
         """K epochs of shuffled minibatch updates with gradient accumulation; returns metrics: the
         learner's epochs over this agent's loss (:func:`textrl.agents.update.update`: the loop, its
         skips and its metrics), then :meth:`after_update` (the reference refresh copies checked weights)."""
-        objective = Objective(self.loss, self.micro_weight, forwards.reuses_rollout_forward(self))
+        reuse = forwards.reuses_rollout_forward(self.config, self.reuse_rollout_forward,
+                                                forwards.own_behaviour_logprobs(type(self)))
+        objective = Objective(self.loss, self.micro_weight, reuse)
         metrics = update_loop.update(self.learner, self.actor, td, objective)
         self.after_update()
         return metrics
@@ -506,6 +485,14 @@ class CriticFreePPO(PPOAgent):
         return self.policy_objective(mb)
 
 
+def rows_normaliser(aggregation: str, mask: Tensor) -> int | None:
+    """The denominator of a mean over rows (``seq_mean``, ``seq_mean_token_sum``: ``aggregation``, an
+    agent's :attr:`PPOAgent.loss_aggregation`): the rows of the (micro-)batch ``mask`` ``[B, T]``, a row
+    left without tokens in the loss (the rollout correction rejected it) among them, so that rows-share
+    micro-weights add up exactly; None for ``token_mean`` (its count of tokens)."""
+    return None if aggregation == "token_mean" else max(1, mask.shape[0])
+
+
 def ppo_stats(pg_stats: dict[str, Tensor]) -> dict[str, Tensor]:
     """:func:`clipped_policy_loss`'s stats under the names the update logs."""
     stats = {
@@ -523,5 +510,5 @@ def ppo_stats(pg_stats: dict[str, Tensor]) -> dict[str, Tensor]:
 __all__ = [
     "CRITIC_OPTIONS", "LORA_OPTIONS", "POLICY_OBJECTIVE_OPTIONS", "SCORE", "SHARED_OPTIONS", "CriticFreePPO", "PPOAgent",
     "EnvFacts", "LossTerms", "RolloutForward", "UpdateTally", "attended_response", "policy_name", "ppo_stats",
-    "tokenizer_name", "warmup_pairs", "position_ids_for", "sequence_inputs", "total_loss", "warp_logits",
+    "rows_normaliser", "tokenizer_name", "warmup_pairs", "position_ids_for", "sequence_inputs", "total_loss", "warp_logits",
 ]

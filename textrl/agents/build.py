@@ -1,7 +1,9 @@
-"""An agent's construction: validation of a config against the agent's declarations, the
-tokenizer, the policy (and its format warm-up), the reference, the critic, a policy LoRA, the
-reward the agent scores with, and what the declarations and the handed facts resolve to (an
-option's agent default, the LoRA rank, whether a reference is kept, the episode budget).
+"""An agent's construction: validation of a config against the agent's declarations
+(:mod:`textrl.agents.declarations`), the run's precision (decided once, in :func:`from_config`), the
+tokenizer, the policy (and its format warm-up), the reference, the critic, a policy LoRA, the actor
+and its generation engine (:func:`build_actor`), the reward the agent scores with, and what the
+declarations and the handed facts resolve to (an option's agent default, the LoRA rank, whether a
+reference is kept, the episode budget).
 :class:`~textrl.agents.base.PPOAgent` keeps the classmethod hooks (``from_config``,
 ``load_policy``, ``build_critic``, ``validate_config``) that call these functions; subclasses
 override the hooks.
@@ -14,18 +16,28 @@ imports the environments.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import inspect
+from typing import Any
 
 import torch
 from torch import nn
 
-from textrl.config import AGENT_OPTIONS, TrainConfig
+from textrl.agents.actor import Actor
+from textrl.agents.declarations import (
+    AgentClass,
+    lora_rank,
+    needs_reference,
+    option,
+    validate_config,
+)
+from textrl.agents.forwards import own_behaviour_logprobs
+from textrl.agents.teacher import load_teacher
+from textrl.config import TrainConfig
 from textrl.core.env_facts import EnvFacts, env_facts_of
 from textrl.core.precision import Precision
+from textrl.generation import engine_for
+from textrl.generation.base import run_engine_name
 from textrl.models.checks import check_tokenizer_fits, name_of
-
-if TYPE_CHECKING:
-    from textrl.agents.base import PPOAgent
 
 
 def policy_name(config: TrainConfig) -> str:
@@ -55,137 +67,42 @@ def _own_lora_weights(view: nn.Module, weights: list[tuple[str, nn.Parameter]]) 
     return view
 
 
-# -- the declarations, resolved ---------------------------------------------------------------------
-def option(agent: PPOAgent, name: str) -> Any:
-    """An agent option whose unset value (None) means "the agent's default": the config's
-    value, else the class attribute ``default_<name>`` (e.g. ``clip_eps_high``)."""
-    value = getattr(agent.config, name)
-    return getattr(type(agent), f"default_{name}", None) if value is None else value
-
-
-def lora_rank(cls: type[PPOAgent], config: TrainConfig) -> int | None:
-    """The policy LoRA's rank: ``lora_r``, else ``cls.default_lora_r`` (None: no LoRA)."""
-    return config.lora_r if config.lora_r is not None else cls.default_lora_r
-
-
-def needs_reference(config: TrainConfig) -> bool:
-    """Whether the agent keeps a reference model: something reads it, the KL penalty
-    (``kl_coef > 0``, in the reward or the loss), the adaptive KL controller (fed the measured
-    KL) or the ``kl/after_update`` monitor. At ``kl_coef=0`` without those none is built or
-    loaded, no reference forward runs, and the KL monitors are absent from the metrics."""
-    return config.kl_coef > 0 or config.adaptive_kl or config.kl_after_update
-
-
-def episode_budget(agent: PPOAgent) -> int:
+# -- the declarations, resolved (the rest: textrl/agents/declarations.py) ----------------------------
+def episode_budget(config: TrainConfig, facts: EnvFacts | None) -> int:
     """The run's token budget of an episode after the prompt (agent and observation tokens):
-    the one the trainer handed over (``agent.env_facts``: ``max_episode_tokens``, else the
-    environment's default, fitted to the context), else ``max_episode_tokens``, else the
+    the one the trainer handed over (``facts``, an agent's ``env_facts``: ``max_episode_tokens``,
+    else the environment's default, fitted to the context), else ``max_episode_tokens``, else the
     environment's default read through :func:`textrl.core.env_facts.env_facts_of` (``max_new_tokens``
-    for a single turn). The constant of the length terms (Dr. GRPO's denominator, DAPO's
-    overlong penalty); never a batch's padded ``T``."""
-    if agent.env_facts is None:
-        if agent.config.max_episode_tokens is not None:
-            return int(agent.config.max_episode_tokens)
-        agent.env_facts = env_facts_of(agent.config, warmup=False)
-    return agent.env_facts.episode_budget
+    for a single turn: :func:`run_facts` keeps it). The constant of the length terms (Dr. GRPO's
+    denominator, DAPO's overlong penalty); never a batch's padded ``T``."""
+    if facts is None and config.max_episode_tokens is not None:
+        return int(config.max_episode_tokens)
+    return run_facts(config, facts).episode_budget
 
 
-# -- validation -----------------------------------------------------------------------------------
-def validate_config(cls: type[PPOAgent], config: TrainConfig) -> None:
-    """Check ``config`` against ``cls``'s declarations (samples per prompt, options read, rollout
-    corrections, LoRA, sharding); ``ValueError`` names the agent, the option and what to do."""
-    agent = config.agent
-    if config.n_samples_per_prompt < cls.min_samples_per_prompt:
-        raise ValueError(
-            f"n_samples_per_prompt={config.n_samples_per_prompt}: agent={agent!r} compares samples "
-            f"within a group, so it needs n_samples_per_prompt >= {cls.min_samples_per_prompt}"
-        )
-    for option in sorted(AGENT_OPTIONS - cls.options):
-        if not config.is_default(option):
-            raise ValueError(_ignored_option(cls, agent, option, getattr(config, option)))
-    if config.rollout_correction not in cls.rollout_corrections:
-        raise ValueError(f"rollout_correction={config.rollout_correction!r}: {agent} applies "
-                         f"{', '.join(cls.rollout_corrections)} only; choose one of them, or another --agent")
-    served = str(config.reward_model).strip().lower().startswith(("http://", "https://"))  # no weights here
-    if "critic_init" in cls.options and config.critic_init == "reward_model" and (served or not config.reward_model):
-        raise ValueError(f"critic_init='reward_model' starts the critic from the reward model's weights: give "
-                         f"--reward-model PATH (a folder or hub id{', not a server' if served else ''}) or --critic-init policy")
-    if config.ref_refresh_every and not needs_reference(config):
-        raise ValueError(f"ref_refresh_every={config.ref_refresh_every} refreshes the reference model, which "
-                         "kl_coef=0 does not build (nothing reads it): drop --ref-refresh-every, or set --kl-coef > 0")
-    _validate_lora(cls, config)
-    _validate_memory_options(cls, config)
-    sharded = config.sharding()
-    if sharded and not cls.shardable:
-        setting, flag = sharded
-        raise ValueError(
-            f"{setting} shards full-precision models; {agent} keeps one (4-bit) base per process "
-            f"instead: drop {flag}, or use another agent without --load-in-4bit"
-        )
+def run_facts(config: TrainConfig, facts: EnvFacts | None) -> EnvFacts:
+    """``facts`` (what the trainer handed over), else the environment's read through
+    :func:`textrl.core.env_facts.env_facts_of` (without the warm-up pairs): an agent keeps them as
+    its ``env_facts``, so that the environment is read once."""
+    return facts if facts is not None else env_facts_of(config, warmup=False)
 
 
-def _validate_lora(cls: type[PPOAgent], config: TrainConfig) -> None:
-    """A LoRA policy shares one (4-bit) base with its reference (adapters disabled): that
-    reference cannot be refreshed, nor the base sharded; LoRA options need a rank."""
-    agent, rank = config.agent, lora_rank(cls, config)
-    if cls.lora == "required" and not rank:
-        raise ValueError(f"lora_r={config.lora_r}: {agent} trains a policy LoRA; give --lora-r >= 1")
-    if not rank:
-        if config.load_in_4bit:
-            raise ValueError("load_in_4bit=True freezes the base model, so only a LoRA policy can train on it: "
-                             f"add --lora-r 8 (with --agent {agent}), or drop --load-in-4bit")
-        for option in ("lora_alpha", "lora_target_modules", "critic_type"):
-            if option in cls.options and not config.is_default(option):
-                raise ValueError(f"{option}={getattr(config, option)!r} is read only with a LoRA policy: "
-                                 f"add --lora-r 8, or drop --{option.replace('_', '-')}")
-        return
-    if config.ref_refresh_every:
-        raise ValueError(f"ref_refresh_every={config.ref_refresh_every}: with a LoRA policy ({agent}, lora_r={rank}) "
-                         "the reference is the base with adapters disabled and cannot be refreshed; set it to 0")
-    if cls.needs_critic and config.critic_init != "policy":
-        raise ValueError(f"critic_init={config.critic_init!r}: with a LoRA policy ({agent}, lora_r={rank}) the critic "
-                         "is a value head on the shared base (critic_type); leave critic_init='policy'")
-    sharded = config.sharding()
-    if sharded:
-        setting, flag = sharded
-        raise ValueError(f"{setting} shards full-precision models; a LoRA policy ({agent}, lora_r={rank}) "
-                         f"shares one base per process instead: drop {flag}, or drop --lora-r")
+def run_precision(config: TrainConfig, device: torch.device | str, precision: Precision | None = None) -> Precision:
+    """The run's :class:`~textrl.core.precision.Precision`: ``precision`` where the run's set-up decided it
+    (:func:`from_config` hands it to the hooks and the agent), else decided here from ``config`` on
+    ``device`` (an agent, a hook or a loader called directly; the same object, one per setting and device)."""
+    return precision if precision is not None else Precision.of(config, device)
 
 
-def _validate_memory_options(cls: type[PPOAgent], config: TrainConfig) -> None:
-    """bf16 trained weights need an optimiser that keeps their updates; the critic kinds of a fully
-    fine-tuned policy; the optimisers and critics the sharded backends build."""
-    from textrl.core.optim import check_optim
-
-    lora = bool(lora_rank(cls, config))
-    check_optim(config.optim, config.dtype, trains_full_weights=not lora)
-    if config.critic != "separate":
-        if lora:
-            raise ValueError(f"critic={config.critic!r}: with a LoRA policy ({config.agent}, lora_r="
-                             f"{lora_rank(cls, config)}) the critic is set by --critic-type (value_head or lora); "
-                             "drop --critic")
-        if config.critic_init != "policy":
-            raise ValueError(f"critic={config.critic!r} with critic_init={config.critic_init!r}: a {config.critic} "
-                             "critic is built on the policy's body; drop one of them")
-    sharded = config.sharding()
-    if sharded and (config.optim != "adamw_torch" or config.critic != "separate"):
-        setting, flag = sharded
-        what = f"optim={config.optim!r}" if config.optim != "adamw_torch" else f"critic={config.critic!r}"
-        raise ValueError(f"{what} with {setting}: the sharded backends build torch's AdamW and separate "
-                         f"models; drop {flag}, or use the defaults")
-
-
-def _ignored_option(cls: type[PPOAgent], agent: str, option: str, value: Any) -> str:
-    """The refusal of an option the agent does not read: why, and which agents read it."""
-    from textrl.core.agent_registry import AGENTS
-
-    readers = [name for name, other in AGENTS.items() if option in other.options]
-    why = cls.not_read.get(option, "its algorithm has no use for it")
-    flag = "--" + option.replace("_", "-")
-    where = (f"{option} is read only by agent={readers[0]}" if len(readers) == 1
-             else f"{option} is read by agent={'/'.join(readers)}" if readers else "")
-    choose = f" or choose --agent {readers[0]}" if readers else ""
-    return f"{agent} does not read {option}={value!r} ({why}); {where + ': ' if where else ''}drop {flag}{choose}"
+def call_hook(hook: Any, *args: Any, **new: Any) -> Any:
+    """``hook(*args, **new)`` with only the keyword arguments of ``new`` that ``hook`` takes (by name or
+    through ``**kwargs``): a hook written before it was handed them (a user's ``load_policy``,
+    ``build_critic`` or ``__init__`` without ``precision``) is called as it was written."""
+    params = inspect.signature(hook).parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        names = {p.name for p in params}
+        new = {k: v for k, v in new.items() if k in names}
+    return hook(*args, **new)
 
 
 # -- the warm-up's record -------------------------------------------------------------------------
@@ -206,53 +123,51 @@ def warmup_none(config: TrainConfig, facts: EnvFacts | None, *, agent_warms: boo
 
 
 # -- models ---------------------------------------------------------------------------------------
-def from_config(cls: type[PPOAgent], config: TrainConfig, device: torch.device | str = "cpu", log: Any = print,
-                env_facts: EnvFacts | None = None, own_loader: bool = False) -> PPOAgent:
+def from_config(cls: AgentClass, config: TrainConfig, device: torch.device | str = "cpu", log: Any = print,
+                env_facts: EnvFacts | None = None, own_loader: bool = False) -> Any:
     """The agent of ``config`` (:meth:`PPOAgent.from_config`): tokenizer, policy (the format
     warm-up included, unless ``own_loader``: ``cls`` overrides ``load_policy``), a frozen reference
     copy, a critic when ``needs_critic``, optimisers; the agent keeps ``env_facts`` (its episode
-    budget) and what its warm-up did (``warmup_record``)."""
+    budget) and what its warm-up did (``warmup_record``).
+
+    The run's precision is decided here, once (:meth:`textrl.core.precision.Precision.of`: one the
+    device cannot run is refused before any model loads), and handed to the hooks that take it
+    (``load_policy``, ``build_critic``, the agent's ``__init__``: ``precision=``; :func:`call_hook`)."""
     config.validate(cls)
     device = torch.device(device)
-    precision = Precision.of(config, device)  # the run's; one the device cannot run is refused before any model loads
+    precision = Precision.of(config, device)  # the run's, decided once
     tokenizer = load_tokenizer(config)
     if lora_rank(cls, config):
         return _from_config_lora(cls, config, tokenizer, precision, log, env_facts, own_loader)
     critic_from_reward_model = cls.needs_critic and config.critic_init == "reward_model"
     if critic_from_reward_model:  # before the policy loads: only the tokenizers are compared
         check_critic_tokenizer(config, tokenizer)
-    policy, record, env_facts = _policy_and_warmup(cls, config, tokenizer, device, log, env_facts, own_loader)
-    critic = cls.build_critic(config, policy) if cls.needs_critic else None
+    policy, record, env_facts = _policy_and_warmup(cls, config, tokenizer, precision, log, env_facts, own_loader)
+    critic = call_hook(cls.build_critic, config, policy, precision=precision) if cls.needs_critic else None
     if critic_from_reward_model:
         check_tokenizer_fits(tokenizer, critic, tokenizer_name=tokenizer_name(config),
                              model_name=str(config.reward_model))
     reference = precision.frozen_copy(policy) if needs_reference(config) else None
-    agent = cls(policy, tokenizer, config, ref_policy=reference, critic=critic)
-    return keep_construction(agent, env_facts, record)
-
-
-def keep_construction(agent: PPOAgent, env_facts: EnvFacts | None, warmup: dict[str, Any]) -> PPOAgent:
-    """Keep on ``agent`` what its construction was handed and did: ``env_facts`` and the warm-up
-    record (``asked_steps``, ``ran_steps``, ``reason``) ``summary.json`` writes."""
-    agent.env_facts = env_facts
-    agent.warmup_record = warmup
+    agent = call_hook(cls, policy, tokenizer, config, ref_policy=reference, critic=critic, precision=precision)
+    agent.env_facts, agent.warmup_record = env_facts, record  # summary.json writes the record
     return agent
 
 
-def _policy_and_warmup(cls: type[PPOAgent], config: TrainConfig, tokenizer: Any, device: torch.device, log: Any,
+def _policy_and_warmup(cls: AgentClass, config: TrainConfig, tokenizer: Any, precision: Precision, log: Any,
                        env_facts: EnvFacts | None, own: bool) -> tuple[nn.Module, dict[str, Any], EnvFacts | None]:
     """The policy, the record of its warm-up and the environment facts it read: the agent's own
-    ``load_policy`` when it overrides it (which loads without the warm-up), else :func:`load_policy`."""
+    ``load_policy`` when it overrides it (which loads without the warm-up; handed ``precision`` when
+    it takes it), else :func:`load_policy`."""
     if own:
-        policy = cls.load_policy(config, tokenizer, device, log)
+        policy = call_hook(cls.load_policy, config, tokenizer, precision.device, log, precision=precision)
         if env_facts is None and config.warmup_sft_steps > 0:
             env_facts = env_facts_of(config)
         return policy, warmup_none(config, env_facts, agent_warms=False), env_facts
-    return load_policy(config, tokenizer, device, log, env_facts)
+    return load_policy(config, tokenizer, precision.device, log, env_facts, precision=precision)
 
 
-def _from_config_lora(cls: type[PPOAgent], config: TrainConfig, tokenizer: Any, precision: Precision, log: Any,
-                      env_facts: EnvFacts | None, own_loader: bool) -> PPOAgent:
+def _from_config_lora(cls: AgentClass, config: TrainConfig, tokenizer: Any, precision: Precision, log: Any,
+                      env_facts: EnvFacts | None, own_loader: bool) -> Any:
     """The agent with a policy LoRA (``lora_r``) on one base, as TRL does with peft: the
     reference is that base with adapters disabled; the critic (if any) a value head on the
     base's final hidden states under the policy adapter (``critic_type='value_head'``: only the
@@ -274,8 +189,7 @@ def _from_config_lora(cls: type[PPOAgent], config: TrainConfig, tokenizer: Any, 
             "asked_steps": int(config.warmup_sft_steps), "ran_steps": 0,
             "reason": "load_in_4bit=True: the 4-bit base is not warmed up"}
     else:
-        base, record, env_facts = _policy_and_warmup(cls, config, tokenizer, precision.device, log, env_facts,
-                                                     own_loader)
+        base, record, env_facts = _policy_and_warmup(cls, config, tokenizer, precision, log, env_facts, own_loader)
     lora = lora_config(lora_rank(cls, config), config.lora_alpha, config.lora_dropout, config.lora_target_modules,
                        model=base)
     lora_critic = cls.needs_critic and config.critic_type == "lora"
@@ -285,9 +199,9 @@ def _from_config_lora(cls: type[PPOAgent], config: TrainConfig, tokenizer: Any, 
     if cls.needs_critic:
         critic = _own_lora_weights(value_critic(stack, lora_critic), stack.lora[CRITIC] if lora_critic else [])
     reference = AdapterPolicy(stack, None) if needs_reference(config) else None
-    agent = cls(policy, tokenizer, config, ref_policy=reference, critic=critic)
-    agent.stack = stack
-    return keep_construction(agent, env_facts, record)
+    agent = call_hook(cls, policy, tokenizer, config, ref_policy=reference, critic=critic, precision=precision)
+    agent.stack, agent.env_facts, agent.warmup_record = stack, env_facts, record
+    return agent
 
 
 def load_tokenizer(config: TrainConfig) -> Any:
@@ -307,15 +221,17 @@ def load_tokenizer(config: TrainConfig) -> Any:
 
 
 def load_policy(config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print,
-                env_facts: EnvFacts | None = None) -> tuple[nn.Module, dict[str, Any], EnvFacts | None]:
+                env_facts: EnvFacts | None = None, *,
+                precision: Precision | None = None) -> tuple[nn.Module, dict[str, Any], EnvFacts | None]:
     """The policy of ``config.model`` on ``device`` in the run's precision (``dtype``,
     ``attn_implementation``: :class:`textrl.core.precision.Precision`), eval mode, and the record of its
     warm-up: an environment with warm-up pairs (``env_facts``; the built-in tasks) gets a short
     supervised format warm-up first (``warmup_sft_steps``), under the run's autocast. Returns
-    ``(policy, record, env_facts)``, the facts read from the environment when none were given."""
+    ``(policy, record, env_facts)``, the facts read from the environment when none were given.
+    ``precision``: the run's (:func:`run_precision`)."""
     from textrl.models import load_causal_lm
 
-    precision = Precision.of(config, device)
+    precision = run_precision(config, device, precision)
     policy = load_causal_lm(config.model, device=device, **precision.model_kwargs())
     check_tokenizer_fits(tokenizer, policy, tokenizer_name=tokenizer_name(config), model_name=policy_name(config))
     if env_facts is None and config.warmup_sft_steps > 0:
@@ -348,16 +264,16 @@ def check_critic_tokenizer(config: TrainConfig, tokenizer: Any) -> None:
     check(tokenizer, reward_tokenizer, policy=tokenizer_name(config), reward_model=str(config.reward_model))
 
 
-def build_critic(config: TrainConfig, policy: nn.Module) -> nn.Module:
+def build_critic(config: TrainConfig, policy: nn.Module, precision: Precision | None = None) -> nn.Module:
     """``V(s_t)``, on the policy's device and in the run's precision: a value head on a copy of the
     policy, or on the reward model (``critic_init``); with ``critic='shared'`` a value head on the
     policy's own body, with ``critic='lora'`` a LoRA adapter and a value head on a frozen copy of
-    that body (docs/training.md, "Memory")."""
+    that body (docs/training.md, "Memory"). ``precision``: the run's (:func:`run_precision`)."""
     from textrl.models.value import SharedTrunkValue, ValueModel, lora_value_model
 
     if config.critic == "shared":
         return SharedTrunkValue.on(policy)
-    precision = Precision.of(config, next(policy.parameters()).device)  # the run's (one object a setting and device)
+    precision = run_precision(config, next(policy.parameters()).device, precision)
     if config.critic == "lora":
         return lora_value_model(policy, precision.frozen, precision.dtype)
     if config.critic_init == "reward_model":
@@ -368,8 +284,41 @@ def build_critic(config: TrainConfig, policy: nn.Module) -> nn.Module:
     return ValueModel.from_causal_lm(policy)
 
 
+# -- the actor ------------------------------------------------------------------------------------
+def run_lengths(config: Any, facts: Any) -> tuple[int, int] | None:
+    """``(prompts' cap, episode budget)`` the engine is told (:meth:`GenerationEngine.fit_lengths`):
+    the ones the trainer resolved (``facts``, :class:`textrl.core.env_facts.EnvFacts`), else the config's
+    ``max_prompt_length`` and ``max_episode_tokens``; None while either is unknown."""
+    prompts = getattr(facts, "max_prompt_length", None) or getattr(config, "max_prompt_length", None)
+    budget = facts.episode_budget if facts is not None else getattr(config, "max_episode_tokens", None)
+    return None if prompts is None or budget is None else (int(prompts), int(budget))
+
+
+def build_actor(agent: Any) -> Actor:
+    """``agent``'s actor for its backend and device, over its models and its forwards (the learner's,
+    one precision). The one place the generation engine is chosen: ``config.generation_engine``
+    (``vllm-server`` with ``config.vllm_server``), ``auto`` resolved for the device and for a backend that partitions the weights (its forwards are
+    collectives), and checked against the backend (``ValueError`` naming both). An agent that
+    overrides ``behaviour_logprobs`` (an old-policy snapshot) has the actor call it."""
+    backend, config = agent.backend, agent.config
+    name = run_engine_name(config.generation_engine, getattr(config, "vllm_server", None))
+    engine = engine_for(name, agent.device, partitions_weights=backend.partitions_weights)
+    engine.configure(config)
+    if (lengths := run_lengths(config, getattr(agent, "env_facts", None))) is not None:
+        engine.fit_lengths(*lengths)
+    engine.check_backend(backend.partitions_weights)
+    teacher = agent.teacher = load_teacher(config, agent.tokenizer, agent.learner.forwards, getattr(agent, "teacher", None))
+    actor = Actor(agent.config, agent.policy, agent.ref_policy, agent.critic, agent.learner.forwards, engine, backend,
+                  eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id, device=agent.device,
+                  behaviour=None if own_behaviour_logprobs(type(agent)) else agent.behaviour_logprobs,
+                  teacher=teacher)
+    if not int(getattr(config, "max_staleness", 0) or 0):  # an asynchronous run's actor starts an engine of its
+        actor.start_engine()  # own (AsyncActor.of); the learner's is never called there, and stays unstarted
+    return actor
+
+
 # -- the reward the agent scores with -------------------------------------------------------------
-def task_reward(agent: PPOAgent, spec: str, default: Any = None) -> Any:
+def task_reward(agent: Any, spec: str, default: Any = None) -> Any:
     """The task reward of reward ``spec`` (``textrl.rewards.parse_reward_spec``; when empty,
     ``default``, a reward callable such as an environment's own), joined by the agent's own
     ``reward_model`` (if it has one) as component 'reward_model', scored in batches by
@@ -384,7 +333,7 @@ def task_reward(agent: PPOAgent, spec: str, default: Any = None) -> Any:
         rules = CompositeReward({**parts, **{k: (f, rules.weights[k]) for k, f in rules.functions.items()}})
     elif callable(default):
         rules = default
-    place_neural_rewards(agent, rules)
+    place_neural_rewards(rules, agent.precision, agent.config.padding_free)
     if model is None:
         return rules
     neural = NeuralReward(model, agent.tokenizer, batch_size=agent.config.forward_batch_size,
@@ -396,20 +345,20 @@ def task_reward(agent: PPOAgent, spec: str, default: Any = None) -> Any:
     return CompositeReward({**parts, "reward_model": (neural, 1.0)})
 
 
-def place_neural_rewards(agent: PPOAgent, reward: Any) -> None:
+def place_neural_rewards(reward: Any, precision: Precision, padding_free: bool) -> None:
     """Move every reward model among ``reward``'s functions (a :class:`NeuralReward`, alone or
-    in a ``CompositeReward``) to the agent's device, in the run's precision, scoring under its
-    autocast and with its ``padding_free``: a ``reward_model:PATH`` spec loads on the CPU."""
+    in a ``CompositeReward``) to the run's device, in its ``precision``, scoring under its
+    autocast and with ``padding_free``: a ``reward_model:PATH`` spec loads on the CPU."""
     from textrl.rewards import CompositeReward, NeuralReward
 
     functions = reward.functions.values() if isinstance(reward, CompositeReward) else [reward]
     for fn in functions:
         if isinstance(fn, NeuralReward):
-            fn.place(agent.precision, padding_free=agent.config.padding_free)
+            fn.place(precision, padding_free=padding_free)
 
 
 __all__ = [
-    "build_critic", "check_critic_tokenizer", "episode_budget", "from_config", "keep_construction", "load_policy",
-    "load_tokenizer", "lora_rank", "needs_reference", "option", "place_neural_rewards", "policy_name", "task_reward",
+    "AgentClass", "build_actor", "build_critic", "call_hook", "check_critic_tokenizer", "episode_budget", "from_config", "load_policy",
+    "load_tokenizer", "lora_rank", "needs_reference", "option", "place_neural_rewards", "policy_name", "run_facts", "run_lengths", "run_precision", "task_reward",
     "tokenizer_name", "validate_config", "warmup_none", "warmup_pairs",
 ]

@@ -279,75 +279,68 @@ class Forwards:
 
 
 # -- a loss's forwards ----------------------------------------------------------------------------
-def logprobs(agent: Any, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
-             action: Tensor) -> Tensor:
-    """Log-probs ``[B, T]`` of ``action`` under ``model`` at the run's temperature, under the
-    agent's precision (:meth:`Forwards.logprobs`): a behaviour forward of a snapshot, or a loss's."""
-    return agent.learner.forwards.logprobs(model, input_ids, attention_mask, prompt_len, action)
-
-
-def logprobs_and_entropy(agent: Any, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
-                         action: Tensor) -> tuple[Tensor, Tensor]:
-    """``(logp [B, T], entropy [B, T])`` of ``action`` under the learner's policy (:meth:`Forwards.logprobs_and_entropy`)."""
-    learner = agent.learner
-    return learner.forwards.logprobs_and_entropy(learner.policy, input_ids, attention_mask, prompt_len, action)
-
-
-def policy_ref_kl(agent: Any, td: TensorDictBase) -> float:
-    """The mean per-token KL(policy || ref) of the rollout's actions now (:meth:`textrl.agents.actor.Actor.policy_ref_kl`)."""
-    return agent.actor.policy_ref_kl(td)
-
-
 def forward_policy(agent: Any, mb: TensorDictBase) -> tuple[Tensor, Tensor]:
     """Current ``(logp [B, T], entropy [B, T])`` of a minibatch's actions under the learner's policy,
-    with grad: the kept behaviour forward when ``mb`` carries one (:func:`with_forward`), else a forward."""
+    with grad: the kept behaviour forward when ``mb`` carries one (:func:`with_forward`), else a forward
+    (:meth:`Forwards.logprobs_and_entropy`). ``agent``: what a loss has, the agent (``self``), or its
+    learner (:class:`textrl.agents.learner.Learner`); only its learner is read."""
     kept = mb.get((FORWARD, "logp"), None)
     if kept is not None:
         return kept, mb.get((FORWARD, "entropy"))
+    learner = getattr(agent, "learner", agent)
     input_ids, attention_mask, p = sequence_inputs(mb)
-    return logprobs_and_entropy(agent, input_ids, attention_mask, p, mb.get(KEYS.action))
+    return learner.forwards.logprobs_and_entropy(learner.policy, input_ids, attention_mask, p, mb.get(KEYS.action))
 
 
 def forward_values(agent: Any, mb: TensorDictBase) -> Tensor:
     """Current ``V(s_t)`` ``[B, T]`` of a minibatch under the learner's critic, with grad (the kept
-    forward's when ``mb`` carries one)."""
+    forward's when ``mb`` carries one). ``agent``: the agent or its learner, as :func:`forward_policy`."""
     kept = mb.get((FORWARD, "values"), None)
     if kept is not None:
         return kept
-    learner = agent.learner
+    learner = getattr(agent, "learner", agent)
     input_ids, attention_mask, p = sequence_inputs(mb)
     return learner.forwards.values(learner.critic, input_ids, attention_mask, p)
 
 
-def own_behaviour_logprobs(agent: Any) -> bool:
-    """Whether the agent's behaviour log-probs are the policy's own (no old-policy snapshot):
+def overrides(agent_type: type, name: str) -> bool:
+    """Whether ``agent_type`` (or a class between it and the class that first defines ``name``,
+    :class:`~textrl.agents.base.PPOAgent` for its hooks) replaces that definition: a hook the
+    construction and the forwards treat differently when a user's agent brings its own
+    (``load_policy`` loads without the warm-up; ``behaviour_logprobs`` is an old-policy snapshot)."""
+    owners = [klass for klass in agent_type.__mro__ if name in vars(klass)]
+    return len(owners) > 1
+
+
+def own_behaviour_logprobs(agent_type: type) -> bool:
+    """Whether an agent class's behaviour log-probs are the policy's own (no old-policy snapshot):
     its ``behaviour_logprobs`` is :class:`~textrl.agents.base.PPOAgent`'s, not an override."""
-    return not type(agent).overrides("behaviour_logprobs")
+    return not overrides(agent_type, "behaviour_logprobs")
 
 
-def reuses_rollout_forward(agent: Any) -> bool:
-    """Whether ``agent.update`` is one optimiser step over the whole rollout from the behaviour
-    policy itself (1 epoch, 1 minibatch, no accumulation by rows or tokens, no old-policy snapshot).
+def reuses_rollout_forward(config: Any, reuse: bool, own_behaviour: bool) -> bool:
+    """Whether an agent's update is one optimiser step over the whole rollout from the behaviour
+    policy itself (1 epoch, 1 minibatch, no accumulation by rows or tokens in ``config``, no
+    old-policy snapshot: ``own_behaviour``, :func:`own_behaviour_logprobs`).
 
     Then that step's forward is the behaviour forward: the actor's :meth:`~textrl.agents.actor.Actor.evaluate`
     runs it with grad, the advantages are computed from its detached log-probs and values, and the step
     back-propagates through it instead of running the policy and critic again (one forward
     each fewer per iteration; the graph is held from the prefill to the step, as the step's
-    own forward would hold it). ``reuse_rollout_forward = False`` on an agent turns it off.
+    own forward would hold it). ``reuse``: the agent's ``reuse_rollout_forward`` (False turns it off).
     """
-    cfg = agent.config
     return (
-        agent.reuse_rollout_forward
-        and cfg.ppo_epochs == 1
-        and cfg.num_minibatches == 1
-        and cfg.gradient_accumulation_steps == 1
-        and getattr(cfg, "microbatch_tokens", None) is None
-        and own_behaviour_logprobs(agent)
+        reuse
+        and config.ppo_epochs == 1
+        and config.num_minibatches == 1
+        and config.gradient_accumulation_steps == 1
+        and getattr(config, "microbatch_tokens", None) is None
+        and own_behaviour
     )
 
 
 __all__ = [
     "FORWARD", "SCORE", "Forwards", "RolloutForward", "attended_response", "forward_policy", "forward_values",
-    "logprobs", "logprobs_and_entropy", "micro_batches", "own_behaviour_logprobs", "policy_ref_kl", "position_ids_for", "reuses_rollout_forward", "sequence_inputs",
+    "micro_batches", "overrides", "own_behaviour_logprobs", "position_ids_for", "reuses_rollout_forward", "sequence_inputs",
     "warp_logits", "with_forward",
 ]

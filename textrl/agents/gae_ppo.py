@@ -26,6 +26,7 @@ from textrl.agents.base import (
     POLICY_OBJECTIVE_OPTIONS,
     SHARED_OPTIONS,
     PPOAgent,
+    rows_normaliser,
 )
 from textrl.agents.teacher import TEACHER_OPTIONS, token_rewards
 from textrl.agents.update import LossTerms, total_loss
@@ -65,16 +66,16 @@ class GAEPPO(PPOAgent):
 
     def critic_warming_up(self) -> bool:
         """Whether this iteration only trains the critic (the first ``critic_warmup_iterations``)."""
-        return self.iteration < build.option(self, "critic_warmup_iterations")
+        return self.iteration < build.option(type(self), self.config, "critic_warmup_iterations")
 
     def lambdas(self, mask: Tensor) -> tuple[float | Tensor, float]:
         """``(policy lambda, critic lambda)``: the policy's is ``lam``, or with ``lam_length_alpha``
         VAPO's ``1 - 1/(alpha * l)`` per row ``[B]`` (``l`` the row's agent tokens of ``mask``
         ``[B, T]``); the critic's is ``lam_critic``, else ``lam``."""
         cfg = self.config
-        alpha = build.option(self, "lam_length_alpha")
+        alpha = build.option(type(self), self.config, "lam_length_alpha")
         policy = length_adaptive_lambda(mask.sum(1), alpha) if alpha else cfg.lam
-        critic = build.option(self, "lam_critic")
+        critic = build.option(type(self), self.config, "lam_critic")
         return policy, cfg.lam if critic is None else critic
 
     def token_kl(self, logp: Tensor, td: TensorDictBase) -> Tensor:
@@ -125,7 +126,7 @@ class GAEPPO(PPOAgent):
             mask,
             clip_eps=cfg.value_clip_eps,
             aggregation=self.loss_aggregation,
-            normaliser=self.rows_normaliser(mask),
+            normaliser=rows_normaliser(self.loss_aggregation, mask),
         )
         if self.critic_warming_up():  # VAPO's value pre-training: zero policy gradient, the policy stays
             terms = LossTerms(critic_warmup=0.0 * total_loss(terms))

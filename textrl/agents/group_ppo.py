@@ -19,6 +19,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor
 
+from textrl.agents import build
 from textrl.agents.base import (
     LORA_OPTIONS,
     POLICY_OBJECTIVE_OPTIONS,
@@ -46,6 +47,13 @@ class GroupPPO(CriticFreePPO):
         "whiten_advantages": "the group baseline is its own normalisation",
     }
     default_clip_eps = 0.2
+
+    def episode_budget(self) -> int:
+        """The run's token budget of an episode after the prompt (:func:`textrl.agents.build.episode_budget`:
+        the length terms' constant); the environment read once where the trainer handed no facts over."""
+        if self.env_facts is None and self.config.max_episode_tokens is None:
+            self.env_facts = build.run_facts(self.config, None)
+        return build.episode_budget(self.config, self.env_facts)
 
     def group_advantage(self, rewards: Tensor, group_size: int) -> Tensor:  # pragma: no cover - abstract
         """Sequence advantages ``[B]`` from sequence rewards ``[B]`` (groups of consecutive rows)."""

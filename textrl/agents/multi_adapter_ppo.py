@@ -46,10 +46,10 @@ from textrl.agents.adapter_views import (
 )
 from textrl.agents.base import LORA_OPTIONS
 from textrl.agents.build import (
-    keep_construction,
     load_tokenizer,
     lora_rank,
     policy_name,
+    run_precision,
     tokenizer_name,
     warmup_none,
 )
@@ -134,15 +134,19 @@ class MultiAdapterPPO(GAEPPO):
         if warmup["asked_steps"] > 0 and env_facts.warmup_pairs:
             log(f"{config.agent}: no SFT warm-up (the base is shared with the reward adapter)")
         tokenizer = load_tokenizer(config)
-        agent = cls(cls.load_policy(config, tokenizer, torch.device(device), log), tokenizer, config)
-        return keep_construction(agent, env_facts, warmup)
+        precision = run_precision(config, device)  # the run's, decided once
+        agent = cls(cls.load_policy(config, tokenizer, precision.device, log, precision=precision), tokenizer, config,
+                    precision=precision)
+        agent.env_facts, agent.warmup_record = env_facts, warmup
+        return agent
 
     @classmethod
-    def load_policy(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print) -> nn.Module:
-        """The plain base model in the run's precision (no warm-up, see :meth:`from_config`), checked
+    def load_policy(cls, config: TrainConfig, tokenizer: Any, device: torch.device, log: Any = print, *,
+                    precision: Precision | None = None) -> nn.Module:
+        """The plain base model in the run's ``precision`` (no warm-up, see :meth:`from_config`), checked
         against the tokenizer."""
         base = load_base_model(config.model, load_in_4bit=config.load_in_4bit, device=device,
-                               precision=Precision.of(config, device))
+                               precision=run_precision(config, device, precision))
         check_tokenizer_fits(tokenizer, base, tokenizer_name=tokenizer_name(config), model_name=policy_name(config))
         return base
 
@@ -157,6 +161,7 @@ class MultiAdapterPPO(GAEPPO):
         critic: nn.Module | None = None,
         total_updates: int | None = None,
         merged: bool | None = None,
+        precision: Precision | None = None,
     ) -> None:
         config = (config or TrainConfig(agent=self.name)).validate(type(self))
         if ref_policy is not None or critic is not None:
@@ -180,7 +185,7 @@ class MultiAdapterPPO(GAEPPO):
         )
         super().__init__(
             AdapterPolicy(stack, POLICY), tokenizer, config, ref_policy=AdapterPolicy(stack, None),
-            critic=value_critic(stack, lora_critic), total_updates=total_updates,
+            critic=value_critic(stack, lora_critic), total_updates=total_updates, precision=precision,
         )
         self.stack = stack
         self.reward_model = AdapterRewardModel(stack, score_head) if score_head is not None else None

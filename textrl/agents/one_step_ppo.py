@@ -68,7 +68,7 @@ class OneStepPPO(PPOAgent):
 
     def behaviour_logprobs(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, action: Tensor) -> Tensor:
         """The ratio's denominator comes from the old-policy snapshot, as in MiniMind."""
-        return forwards.logprobs(self, self.old_policy, input_ids, attention_mask, prompt_len, action)
+        return self.learner.forwards.logprobs(self.old_policy, input_ids, attention_mask, prompt_len, action)
 
     def estimate(self, td: TensorDictBase) -> None:
         """``advantage = R - V(s_last)`` and ``value_target = R`` on every valid token (``[B, T, 1]``)."""

@@ -147,29 +147,29 @@ class LoadedTeacher:
         return self.forwards.logprobs(self.model, input_ids, attention_mask, prompt_len, action)
 
 
-def load_teacher(agent: Any) -> LoadedTeacher | ServedTeacher | None:
-    """``agent``'s teacher (``agent.teacher``, loaded once: the actor is built from it, before the first
-    iteration); None without ``--teacher``. First the temperature (1) and the tokenizer rule (:func:`check_teacher_tokenizer`), then
+def load_teacher(config: Any, tokenizer: Any, forwards: Any,
+                 kept: LoadedTeacher | ServedTeacher | None = None) -> LoadedTeacher | ServedTeacher | None:
+    """The run's teacher: ``kept`` when one was loaded (the agent keeps it as ``agent.teacher``, loaded
+    once: the actor is built from it, before the first iteration); None without ``config.teacher``.
+    ``tokenizer`` is the policy's, ``forwards`` the run's (:class:`~textrl.agents.forwards.Forwards`:
+    its precision and device). First the temperature (1) and the tokenizer rule (:func:`check_teacher_tokenizer`), then
     served (a URL: :class:`ServedTeacher`) or loaded here as the reference is: the run's precision
     (``dtype``, attention) on the policy's device, then a frozen copy in ``frozen_dtype``, eval mode, no
     gradients, its tokenizer checked to fit its embedding. Not a submodule: never in a checkpoint."""
     from textrl.models import load_causal_lm
     from textrl.models.checks import check_tokenizer_fits
 
-    config, kept = agent.config, getattr(agent, "teacher", None)
     if kept is not None or config.teacher is None:
         return kept
     policy, teacher = str(config.tokenizer or getattr(config.model, "name_or_path", config.model)), str(config.teacher)
     check_teacher_temperature(config)
-    check_teacher_tokenizer(config, agent.tokenizer, policy)
+    check_teacher_tokenizer(config, tokenizer, policy)
     if is_served(teacher):
-        agent.teacher = ServedTeacher(teacher)
-        return agent.teacher
-    precision = agent.learner.forwards.precision
-    model = precision.frozen_copy(load_causal_lm(teacher, device=agent.device, **precision.model_kwargs()))
-    check_tokenizer_fits(agent.tokenizer, model, tokenizer_name=policy, model_name=teacher)
-    agent.teacher = LoadedTeacher(model, agent.learner.forwards, teacher)
-    return agent.teacher
+        return ServedTeacher(teacher)
+    precision = forwards.precision
+    model = precision.frozen_copy(load_causal_lm(teacher, device=precision.device, **precision.model_kwargs()))
+    check_tokenizer_fits(tokenizer, model, tokenizer_name=policy, model_name=teacher)
+    return LoadedTeacher(model, forwards, teacher)
 
 
 # -- the reward and the metrics ----------------------------------------------------------------------------
@@ -179,14 +179,14 @@ def distils_alone(config: Any) -> bool:
     return config.teacher is not None and config.reward is None and not config.reward_model
 
 
-def teacher_token_rewards(agent: Any, td: Any) -> Tensor | None:
-    """On-policy distillation's reward per token ``[B, T]``: ``teacher_coef * (teacher_log_prob -
+def teacher_token_rewards(td: Any, coef: float) -> Tensor | None:
+    """On-policy distillation's reward per token ``[B, T]``: ``coef * (teacher_log_prob -
     action_log_prob)`` on the agent's tokens (:func:`textrl.functional.reverse_kl_reward`, minus the
     reverse KL to the teacher), 0 elsewhere; None without a teacher's log-probs in the rollout."""
     teacher = td.get(KEYS.teacher_log_prob, None)
     if teacher is None:
         return None
-    return reverse_kl_reward(td.get(KEYS.action_log_prob), teacher, td.get(KEYS.mask), agent.config.teacher_coef)
+    return reverse_kl_reward(td.get(KEYS.action_log_prob), teacher, td.get(KEYS.mask), coef)
 
 
 def token_rewards(agent: Any, td: Any) -> Tensor:
@@ -194,7 +194,7 @@ def token_rewards(agent: Any, td: Any) -> Tensor:
     (``agent.task_token_rewards``) plus, with a teacher, :func:`teacher_token_rewards`; the teacher's alone
     when the run names no task reward (:func:`distils_alone`: the task's score is still logged). Placed
     per token like the KL shaping: every agent token gets its own."""
-    distill = teacher_token_rewards(agent, td)
+    distill = teacher_token_rewards(td, agent.config.teacher_coef)
     if distill is None:
         return agent.task_token_rewards(td)
     if distils_alone(agent.config):

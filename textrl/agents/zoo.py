@@ -50,7 +50,7 @@ class DrGRPO(GroupPPO):
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
     arXiv:2503.20783): the group advantage without the std division (``dr_grpo_advantage``), and
     the clipped surrogate summed over tokens and divided by a constant, rows x the episode's token
-    budget (:func:`~textrl.agents.build.episode_budget`), never a count of tokens: no
+    budget (:meth:`~textrl.agents.group_ppo.GroupPPO.episode_budget`), never a count of tokens: no
     length bias and no difficulty bias."""
 
     aggregation = "seq_mean_token_sum"
@@ -68,13 +68,13 @@ class DrGRPO(GroupPPO):
         loss, stats = clipped_policy_loss(
             logp, old_logp, advantages, mask, clip_eps=self.clip_eps, dual_clip=self.config.dual_clip,
             aggregation="seq_mean_token_sum", clip_eps_high=self.clip_eps_high,
-            normaliser=mask.shape[0] * build.episode_budget(self), weights=weights,
+            normaliser=mask.shape[0] * self.episode_budget(), weights=weights,
         )
         return loss, ppo_stats(stats)
 
     def aggregate(self, loss_mat: Tensor, mask: Tensor) -> Tensor:
         """``dr_grpo_aggregate`` with the episode budget. ``[B, T] -> []``."""
-        return dr_grpo_aggregate(loss_mat, mask, max_len=build.episode_budget(self), num_seqs=mask.shape[0])
+        return dr_grpo_aggregate(loss_mat, mask, max_len=self.episode_budget(), num_seqs=mask.shape[0])
 
 
 @register_agent("dapo")
@@ -106,12 +106,12 @@ class DAPO(GRPO):
         """The punishment interval ``L_cache`` in tokens: ``overlong_buffer``, else a quarter of
         the episode budget (at least 1); 0 = off."""
         value = self.config.overlong_buffer
-        return max(1, build.episode_budget(self) // 4) if value is None else value
+        return max(1, self.episode_budget() // 4) if value is None else value
 
     def task_token_rewards(self, td: TensorDictBase) -> Tensor:
         """The task reward per token ``[B, T]`` plus the overlong penalty on each row's last agent token."""
         rewards = super().task_token_rewards(td)
-        buffer, budget = self.overlong_buffer(), build.episode_budget(self)
+        buffer, budget = self.overlong_buffer(), self.episode_budget()
         if buffer == 0:
             return rewards
         if buffer > budget:
@@ -130,7 +130,7 @@ class DAPO(GRPO):
         if KEYS.loss_mask in td.keys():
             del td[KEYS.loss_mask]
         self.kept_groups = 1.0
-        if not build.option(self, "dynamic_sampling"):
+        if not build.option(type(self), self.config, "dynamic_sampling"):
             return
         mask = td.get(KEYS.mask)  # [B, T]
         # the task score (overlong penalty included) before any KL term, as DAPO filters on accuracy

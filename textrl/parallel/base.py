@@ -53,39 +53,53 @@ from textrl.parallel.fsdp_sharding import local
 from textrl.parallel.rollback import OptimizerCopy, RollbackCopy, UpdateSnapshot, update_state
 
 
-def trained_models(agent: Any) -> list[tuple[str, nn.Module]]:
-    """``(role, model)`` of every model an optimiser steps: ``actor`` (the policy), ``critic``."""
-    return [(role, model) for role, model in (("actor", agent.policy), ("critic", agent.critic)) if model is not None]
+def trained_models(learner: Any) -> list[tuple[str, nn.Module]]:
+    """``(role, model)`` of every model an optimiser steps: ``actor`` (the policy), ``critic``.
+    ``learner``: what holds the trained models (:class:`textrl.agents.learner.Learner`, or an agent,
+    whose ``policy`` and ``critic`` are its learner's)."""
+    return [(role, model) for role, model in (("actor", learner.policy), ("critic", learner.critic)) if model is not None]
 
 
-def trained_parameters(agent: Any) -> list[tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` of every trained weight, named as in the agent's ``state_dict``."""
-    return [(f"{name}.{k}", p) for name, model in (("policy", agent.policy), ("critic", agent.critic))
+def trained_parameters(learner: Any) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of every trained weight of ``learner``'s models, named as in the agent's ``state_dict``."""
+    return [(f"{name}.{k}", p) for name, model in (("policy", learner.policy), ("critic", learner.critic))
             if model is not None for k, p in model.named_parameters() if p.requires_grad]
 
 
-def param_groups(agent: Any) -> list[dict[str, Any]]:
-    """The trained weights by model, each with its learning rate: the actor's, then the critic's."""
-    groups = [{"params": [p for p in agent.policy.parameters() if p.requires_grad], "lr": agent.config.actor_lr}]
-    if agent.critic is not None:
-        groups.append({"params": [p for p in agent.critic.parameters() if p.requires_grad],
-                       "lr": agent.config.critic_lr})
+def param_groups(learner: Any) -> list[dict[str, Any]]:
+    """The trained weights by model, each with its learning rate (``learner.config``): the actor's, then the critic's."""
+    config = learner.config
+    groups = [{"params": [p for p in learner.policy.parameters() if p.requires_grad], "lr": config.actor_lr}]
+    if learner.critic is not None:
+        groups.append({"params": [p for p in learner.critic.parameters() if p.requires_grad], "lr": config.critic_lr})
     return groups
 
 
-def build_optimizers(agent: Any) -> None:
+def build_optimizers(learner: Any) -> None:
     """One AdamW (``config.optim``, :mod:`textrl.core.optim`; no weight decay) per trained model of
-    ``agent``, over its weights as they are now (a backend that replaces the weights, e.g. by shards,
-    calls this again), and their schedules: sets ``agent.actor_optimizer``, ``agent.critic_optimizer``
-    (None without a critic), ``agent.optimizers`` (those that exist) and ``agent.schedulers``."""
+    ``learner`` (:class:`textrl.agents.learner.Learner`; an agent sets its learner's), over its weights
+    as they are now (a backend that replaces the weights, e.g. by shards, calls this again), and their
+    schedules: sets its ``actor_optimizer``, ``critic_optimizer`` (None without a critic),
+    ``optimizers`` (those that exist) and ``schedulers``."""
     from textrl.core.optim import make_optimizer
 
-    optim = getattr(agent.config, "optim", "adamw_torch")
-    actor, *critic = (make_optimizer(optim, [group]) for group in param_groups(agent))
-    agent.actor_optimizer = actor
-    agent.critic_optimizer = critic[0] if critic else None
-    agent.optimizers = [o for o in (agent.actor_optimizer, agent.critic_optimizer) if o is not None]
-    agent.schedulers = [lr_scheduler(agent.config, opt, agent.total_updates) for opt in agent.optimizers]
+    optim = getattr(learner.config, "optim", "adamw_torch")
+    actor, *critic = (make_optimizer(optim, [group]) for group in param_groups(learner))
+    learner.actor_optimizer = actor
+    learner.critic_optimizer = critic[0] if critic else None
+    learner.optimizers = [o for o in (learner.actor_optimizer, learner.critic_optimizer) if o is not None]
+    learner.schedulers = [lr_scheduler(learner.config, opt, learner.total_updates) for opt in learner.optimizers]
+
+
+def stepped_weights(learner: Any) -> list[Tensor]:
+    """The trained weights as their readers hold them: each parameter (what the engines read) and,
+    where it is another tensor, its local part (an FSDP shard, a ZeRO-3 partition: what the
+    learner's version reads)."""
+    out = []
+    for _, param in trained_parameters(learner):
+        part = local(param)
+        out += [param] if part is param else [param, part]
+    return out
 
 
 def lr_scheduler(config: Any, optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -183,25 +197,15 @@ class Backend:
         (pre-clip), or None when nothing was stepped (a NaN/inf gradient).
 
         After a step it applied, the weights it wrote are marked written
-        (:func:`textrl.core.versions.mark_written` of :meth:`stepped_weights`): whatever wrote them
+        (:func:`textrl.core.versions.mark_written` of :func:`stepped_weights`): whatever wrote them
         (torch's AdamW in place, DeepSpeed through ``.data``, bitsandbytes' kernels through their
         memory), every reader of their version (the learner's, the actor's caches, an engine's own
         copy) sees the step. The one place a step is stated; a subclass overrides :meth:`apply_step`.
         """
         norms = self.apply_step(agent)
         if norms is not None:
-            mark_written(self.stepped_weights(agent))
+            mark_written(stepped_weights(agent))
         return norms
-
-    def stepped_weights(self, agent: Any) -> list[Tensor]:
-        """The trained weights as their readers hold them: each parameter (what the engines read) and,
-        where it is another tensor, its local part (an FSDP shard, a ZeRO-3 partition: what the
-        learner's version reads)."""
-        out = []
-        for _, param in trained_parameters(agent):
-            part = local(param)
-            out += [param] if part is param else [param, part]
-        return out
 
     def apply_step(self, agent: Any) -> dict[str, float] | None:
         """:meth:`step`'s work: synchronise the gradients, clip them per model, step every optimiser
@@ -383,4 +387,4 @@ class Backend:
 
 
 __all__ = ["Backend", "OptimizerCopy", "RollbackCopy", "UpdateSnapshot", "all_finite", "build_optimizers", "lr_scheduler",
-           "param_groups", "restore_optimizer", "trained_models", "trained_parameters"]
+           "param_groups", "restore_optimizer", "stepped_weights", "trained_models", "trained_parameters"]

@@ -88,9 +88,10 @@ def _prefixed(state: dict[str, Tensor], name: str) -> dict[str, Tensor]:
     return {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
 
 
-def weights_held(agent: Any) -> float:
-    """The share of the agent's weights this process holds (1 / processes, up to rounding)."""
-    params = list(agent.parameters())
+def weights_held(module: nn.Module) -> float:
+    """The share of ``module``'s weights (an agent's: every model's) this process holds (1 / processes,
+    up to rounding)."""
+    params = list(module.parameters())
     return sum(map(fsdp_sharding.held_numel, params)) / sum(map(fsdp_sharding.full_numel, params))
 
 

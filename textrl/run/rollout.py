@@ -41,10 +41,10 @@ PHASES = ("generation", "reward", "forward", "advantages")
 and ``advantages`` (KL shaping and the estimator)."""
 
 
-def _max_new_tokens(agent: Any, max_new_tokens: int | None) -> int:
+def _max_new_tokens(config: Any, max_new_tokens: int | None) -> int:
     if max_new_tokens is not None:
         return int(max_new_tokens)
-    value = getattr(getattr(agent, "config", None), "max_new_tokens", None)
+    value = getattr(config, "max_new_tokens", None)
     if value is None:
         raise ValueError(
             "max_new_tokens is None and the agent has no config.max_new_tokens; pass "
@@ -54,9 +54,13 @@ def _max_new_tokens(agent: Any, max_new_tokens: int | None) -> int:
 
 
 def episode_runner(
-    agent: Any,
     batch: Any,
     env: Any,
+    *,
+    tokenizer: Any,
+    eos_token_id: int,
+    pad_token_id: int,
+    config: Any = None,
     reward_placement: str = "last",
     max_new_tokens: int | None = None,
     reward_nonfinite: str = "raise",
@@ -65,9 +69,9 @@ def episode_runner(
     """``env`` itself when it is already a runner (has ``run(generate, batch, timings=)``, such as
     :class:`textrl.envs.collector.EpisodeRunner`), else the batch's runner of ``env`` (an
     environment, or a reward spec / callable: the single-turn task it scores) with the agent's
-    tokenizer, EOS and pad ids and generation limit (and, from ``agent.config``, its
-    ``generation_batch_size`` and ``reward_concurrency``: how an async or ``does_io`` reward is
-    scored in the background, docs/rewards.md, "Asynchronous rewards")."""
+    ``tokenizer``, EOS and pad ids and generation limit (``max_new_tokens``, else ``config``'s) and,
+    from its ``config``, its ``generation_batch_size`` and ``reward_concurrency``: how an async or
+    ``does_io`` reward is scored in the background (docs/rewards.md, "Asynchronous rewards")."""
     if callable(getattr(env, "run", None)):
         return env
     if not callable(getattr(batch, "episode_runner", None)):
@@ -75,12 +79,11 @@ def episode_runner(
             f"collect() got a {type(batch).__name__} as the prompt batch; pass an "
             "textrl.envs.prompts.PromptBatch (from PromptSampler.next_batch or encode_prompts)"
         )
-    config = getattr(agent, "config", None)
     background = {name: value for name in ("generation_batch_size", "reward_concurrency")
                   if isinstance(value := getattr(config, name, None), int)}  # an async / does_io reward's parts
     return batch.episode_runner(
-        env, tokenizer=agent.tokenizer, eos_token_id=agent.eos_token_id, pad_token_id=agent.pad_token_id,
-        max_new_tokens=_max_new_tokens(agent, max_new_tokens), reward_placement=reward_placement,
+        env, tokenizer=tokenizer, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        max_new_tokens=_max_new_tokens(config, max_new_tokens), reward_placement=reward_placement,
         reward_nonfinite=reward_nonfinite, max_episode_tokens=max_episode_tokens, **background,
     )
 
@@ -92,8 +95,9 @@ def run_episodes(agent: Any, batch: Any, runner: Any, greedy: bool, timings: dic
     and the version of the weights, which the rollout records: ``KEYS.generation_log_prob``,
     ``KEYS.policy_version``), else by ``agent.act``. With ``check_weights`` (a training rollout: every
     process draws one, so the check's forward and its shared decision run in step) a sampled rollout
-    is then checked against the weights the agent handed over (``agent.check_weights``, where it has
-    one: :meth:`textrl.agents.actor.Actor.check_weights`)."""
+    is then checked against the weights the agent handed over (the rollout's ``check_weights``, where
+    it has one: :meth:`textrl.agents.actor.Actor.check_weights`); its ``take_weight_sync_seconds``, where
+    it has one, adds the engine's seconds taking them to ``timings["weight_sync"]``."""
     device = torch.device(agent.device)
     opened = getattr(agent, "rollout", None)
     if not callable(opened):
@@ -108,10 +112,10 @@ def run_episodes(agent: Any, batch: Any, runner: Any, greedy: bool, timings: dic
     td.set(KEYS.policy_version, torch.full(td.batch_size, int(sampled.version), dtype=torch.long, device=td.device))
     td.set(KEYS.policy_iteration, torch.full(td.batch_size, int(getattr(sampled, "iteration", 0)), dtype=torch.long,
                                              device=td.device))
-    took = getattr(agent, "take_weight_sync_seconds", None)
+    took = getattr(sampled, "take_weight_sync_seconds", None)
     if timings is not None and callable(took) and (seconds := took()) is not None:
         timings["weight_sync"] = timings.get("weight_sync", 0.0) + seconds  # within the generation seconds
-    check = getattr(agent, "check_weights", None)
+    check = getattr(sampled, "check_weights", None)
     if check_weights and not greedy and callable(check):  # the engine sampled with the weights handed over
         check(td)
     return td
@@ -187,7 +191,10 @@ def collect(
     """
     # 1.-2. rollout and rewards: every turn generated (timed as generation), the environment's
     # answers and the final reward (timed as reward)
-    runner = episode_runner(agent, batch, env, reward_placement, max_new_tokens, reward_nonfinite)
+    runner = episode_runner(batch, env, tokenizer=agent.tokenizer, eos_token_id=agent.eos_token_id,
+                            pad_token_id=agent.pad_token_id, config=getattr(agent, "config", None),
+                            reward_placement=reward_placement, max_new_tokens=max_new_tokens,
+                            reward_nonfinite=reward_nonfinite)
     td = run_episodes(agent, batch, runner, greedy=False, timings=timings, check_weights=True)
     # 3. log-probs, values, advantages
     process = getattr(agent, "process_rollout", None)
@@ -221,7 +228,9 @@ def evaluate_prompts(
     components: dict[str, list[torch.Tensor]] = {}
     runner = None
     for batch in prompt_batches:
-        runner = runner or episode_runner(agent, batch, env, "last", max_new_tokens, reward_nonfinite)
+        runner = runner or episode_runner(batch, env, tokenizer=agent.tokenizer, eos_token_id=agent.eos_token_id,
+                                          pad_token_id=agent.pad_token_id, config=getattr(agent, "config", None),
+                                          max_new_tokens=max_new_tokens, reward_nonfinite=reward_nonfinite)
         td = run_episodes(agent, batch, runner, greedy=greedy, timings=None)
         turns.append(td.get(KEYS.turns).float().cpu())
         ends.append(td.get(KEYS.end_reason).cpu())
