@@ -114,41 +114,49 @@ def test_multi_adapter_ppo_refuses_a_sharding_backend_by_name(tok):
 # -- two gloo processes: every process decides alike ------------------------------------------------
 
 
-def _worker(rank: int, init_file: str, out_dir: str, fault: str) -> None:
+FAULTS = ("none", "nan", "ratio")
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
     from tests.agents.conftest import collect, make_agent
     from textrl.models import build_tiny_tokenizer
 
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         tok = build_tiny_tokenizer()
-        agent = make_agent(tok, "gae_ppo", seed=rank, gradient_accumulation_steps=2, ratio_threshold=5.0,
-                           actor_lr=1e-2)  # different initial weights: prepare() broadcasts rank 0's
-        Replicated(Distributed("cpu"), "cpu").prepare(agent)
-        td = collect(agent, tok, seed=rank)
-        before = weights(agent)
-        # rank 1 alone trips: a NaN loss, or a ratio whose average over both processes is over 5
-        ratio = {"nan": math.nan, "ratio": 20.0, "none": 1.0}[fault]
-        backwards = judged(agent, lambda i: ratio if (rank == 1 and i == 0) else 1.0)
-        metrics = agent.update(td)
-        torch.save({"before": before, "after": weights(agent), "metrics": metrics, "backwards": backwards},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        for fault in FAULTS:  # each case a fresh agent in the same two processes (their start is most of the time)
+            agent = make_agent(tok, "gae_ppo", seed=rank, gradient_accumulation_steps=2, ratio_threshold=5.0,
+                               actor_lr=1e-2)  # different initial weights: prepare() broadcasts rank 0's
+            Replicated(Distributed("cpu"), "cpu").prepare(agent)
+            td = collect(agent, tok, seed=rank)
+            before = weights(agent)
+            # rank 1 alone trips: a NaN loss, or a ratio whose average over both processes is over 5
+            ratio = {"nan": math.nan, "ratio": 20.0, "none": 1.0}[fault]
+            backwards = judged(agent, lambda i, ratio=ratio: ratio if (rank == 1 and i == 0) else 1.0)
+            metrics = agent.update(td)
+            torch.save({"before": before, "after": weights(agent), "metrics": metrics, "backwards": backwards},
+                       os.path.join(out_dir, f"{fault}-rank{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["none", "nan", "ratio"])
-def test_replicated_processes_skip_alike_and_stay_identical(tmp_path, fault):
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path), fault), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
-    assert all(torch.equal(r0["before"][k], v) for k, v in r1["before"].items())  # rank 0's weights everywhere
-    assert all(torch.equal(r0["after"][k], v) for k, v in r1["after"].items())  # and the same step
-    moved = any(not torch.equal(r0["after"][k], v) for k, v in r0["before"].items())
-    for r in (r0, r1):
-        skipped = r["metrics"]["nonfinite/skipped_updates"]
-        dropped = r["metrics"]["ppo/ratio_threshold_skips"]
-        assert (skipped, dropped, moved) == {"none": (0, 0, True), "nan": (1, 0, False), "ratio": (0, 1, True)}[fault]
-        assert r["backwards"] == {"none": [0, 1], "nan": [0, 1], "ratio": [1]}[fault]
+def test_replicated_processes_skip_alike_and_stay_identical(tmp_path):
+    """No fault, a NaN loss, a ratio over the threshold, each on rank 1 alone: both processes skip
+    alike and end with the same weights. One spawn for the three cases (one test, so that xdist does
+    not start the processes on several workers)."""
+    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    for fault in FAULTS:
+        r0, r1 = (torch.load(tmp_path / f"{fault}-rank{r}.pt", weights_only=False) for r in (0, 1))
+        assert all(torch.equal(r0["before"][k], v) for k, v in r1["before"].items()), fault  # rank 0's weights everywhere
+        assert all(torch.equal(r0["after"][k], v) for k, v in r1["after"].items()), fault  # and the same step
+        moved = any(not torch.equal(r0["after"][k], v) for k, v in r0["before"].items())
+        for r in (r0, r1):
+            skipped = r["metrics"]["nonfinite/skipped_updates"]
+            dropped = r["metrics"]["ppo/ratio_threshold_skips"]
+            want = {"none": (0, 0, True), "nan": (1, 0, False), "ratio": (0, 1, True)}[fault]
+            assert (skipped, dropped, moved) == want, fault
+            assert r["backwards"] == {"none": [0, 1], "nan": [0, 1], "ratio": [1]}[fault], fault
 
 
 @pytest.mark.parametrize("name", ["gae_ppo", "rloo"])
