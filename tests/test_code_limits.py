@@ -36,12 +36,8 @@ FIRST_ROOM_FILE_LINES = 400
 
 FILES: dict[str, tuple[int, str]] = {
     "textrl/agents/async_actor.py": (596, "the asynchronous actor, its schedule and its snapshots"),
-    "textrl/envs/builtin.py": (593, "the built-in environments and their tables"),
     "textrl/agents/update.py": (484, "the update: epochs, minibatches, the loss's checks and the update's metrics"),
-    "textrl/envs/adapters.py": (527, "the reasoning-gym and TextArena adapters"),
     "textrl/agents/base.py": (514, "PPOAgent: the agent every estimator shares"),
-    "textrl/envs/torchrl_env.py": (468, "the TorchRL environment and its specs"),
-    "textrl/envs/token_mdp.py": (462, "the Gymnasium token MDP"),
 }
 """File -> (lines it may have, why it is over its limit)."""
 

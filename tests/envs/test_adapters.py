@@ -1,4 +1,4 @@
-"""The adapters (textrl/envs/adapters.py) and the math_verify reward (textrl/rewards/math_verify.py).
+"""The adapters (textrl/envs/adapters/) and the math_verify reward (textrl/rewards/math_verify.py).
 
 Offline: reasoning-gym and TextArena generate their tasks locally. A suite that is not installed
 skips its tests with the reason; the missing-package messages are tested by hiding the package.
@@ -74,9 +74,10 @@ def scripted(tok, turns_per_row):
     return generate
 
 
-@pytest.mark.parametrize("module", [adapters, sys.modules["textrl.rewards.math_verify"]], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [adapters.reasoning_gym, adapters.textarena, sys.modules["textrl.rewards.math_verify"]],
+                         ids=lambda m: m.__name__)
 def test_doctests_pass(module):
-    if module is not adapters and importlib.util.find_spec("math_verify") is None:
+    if module.__name__ == "textrl.rewards.math_verify" and importlib.util.find_spec("math_verify") is None:
         pytest.skip("math-verify is not installed (pip install 'textrl[math]')")
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

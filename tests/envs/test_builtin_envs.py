@@ -27,7 +27,7 @@ from textrl.models import build_tiny_tokenizer
 from textrl.rewards import check_reward_spec, parse_reward_spec
 from textrl.run.warmup import encode_sft_example
 
-BUILTIN_IDS = sorted(i for i, ctor in ENVS.items() if getattr(ctor, "__module__", "") == builtin.__name__)
+BUILTIN_IDS = sorted(i for i, ctor in ENVS.items() if getattr(ctor, "__module__", "").startswith(builtin.__name__ + "."))
 SEEDED = [i for i in BUILTIN_IDS if i != "reward_model"]
 SPLIT = ["arithmetic", "calculator", "guess_number"]
 """The environments with a held-out split of their own."""
@@ -580,5 +580,9 @@ def test_warmup_conversations_tokenise_as_a_rollout(env_id, tokenizer):
 def test_doctests_pass():
     import doctest
 
-    result = doctest.testmod(builtin)
-    assert result.attempted > 0 and result.failed == 0
+    import importlib
+    import pkgutil
+
+    results = [doctest.testmod(importlib.import_module(f"{builtin.__name__}.{m.name}"))
+               for m in pkgutil.iter_modules(builtin.__path__)]
+    assert sum(r.attempted for r in results) > 0 and all(r.failed == 0 for r in results)

@@ -26,6 +26,7 @@ from textrl.envs.fast_path import (
     rollout_from_responses,
     score_completions,
 )
+from textrl.envs.gym_ids import TimeLimitCap, register
 from textrl.envs.observations import observation_ids
 from textrl.envs.policies import KVCachePolicy
 from textrl.envs.prompts import (
@@ -38,22 +39,22 @@ from textrl.envs.prompts import (
 from textrl.envs.prompts.table import PromptTable
 from textrl.envs.registry import env_ids, make_env, register_env
 from textrl.envs.tasks import make_digits_task
-from textrl.envs.token_mdp import ENV_ID, TimeLimitCap, TokenMDPEnv, register
+from textrl.envs.token_mdp import ENV_ID, TokenMDPEnv
 
-_TORCHRL = {"TextGenEnv", "to_rollout"}
-"""Names of :mod:`textrl.envs.torchrl_env`, imported on first use."""
+_TORCHRL = {"TextGenEnv": "textrl.envs.torchrl_env", "to_rollout": "textrl.envs.torchrl_rollout"}
+"""Names of the TorchRL modules -> the module of each, imported on first use."""
 
 
 def __getattr__(name: str) -> Any:
     if name in _TORCHRL:
-        from textrl.envs import torchrl_env
+        import importlib
 
-        return getattr(torchrl_env, name)
+        return getattr(importlib.import_module(_TORCHRL[name]), name)
     raise AttributeError(f"module 'textrl.envs' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | _TORCHRL)
+    return sorted(set(globals()) | set(_TORCHRL))
 
 
 register()

@@ -101,7 +101,7 @@ def _register_gym_id(env_id: str) -> None:
 
     name = gym_id(env_id)
     if name not in gym.registry:
-        cap = WrapperSpec("TimeLimitCap", "textrl.envs.token_mdp:TimeLimitCap", {})
+        cap = WrapperSpec("TimeLimitCap", "textrl.envs.gym_ids:TimeLimitCap", {})
         gym.register(id=name, entry_point="textrl.envs.token_mdp:TokenMDPEnv", kwargs={"env": env_id},
                      additional_wrappers=(cap,))
 
@@ -221,6 +221,27 @@ def task_environment(env: str | Environment | None = None, dataset: Any = None,
     if reward is not None:
         environment.reward = reward
     return environment
+
+
+def environment_and_rows(env: Environment | str | None, prompts: Any, reward: Any) -> tuple[Environment, Any]:
+    """``(environment, prompt rows)`` of a token environment's arguments (:class:`textrl.envs.TokenMDPEnv`,
+    :class:`textrl.envs.TextGenEnv`): ``env=None`` is the single-turn task
+    of ``prompts`` (None: the built-in digits task) scored by ``reward`` (None: the default spec);
+    otherwise the environment (``make_env(env)`` for an id) over ``prompts`` if given, else its
+    own ``rows()``, with ``reward`` (if given) replacing its final reward, as ``textrl train --env
+    ID --reward SPEC`` does (on a copy: an environment passed in is left as it is)."""
+    from textrl.envs.environment import PromptTask
+    from textrl.envs.fast_path import DEFAULT_REWARD
+
+    if env is None:
+        return PromptTask(None, DEFAULT_REWARD if reward is None else reward), prompts
+    task = make_env(env)
+    if not isinstance(task.max_turns, int) or isinstance(task.max_turns, bool) or task.max_turns < 1:
+        raise ValueError(f"environment {task.id!r}: max_turns={task.max_turns!r} must be an int >= 1")
+    if reward is not None:
+        task = copy.copy(task)
+        task.reward = reward
+    return task, task.rows() if prompts is None else prompts
 
 
 _BUILT: dict[tuple[str, str | None], Environment] = {}

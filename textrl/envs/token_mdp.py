@@ -44,7 +44,7 @@ the agent's tokens) holds the per-token rewards of either placement, equal to th
 (:mod:`textrl.envs.collector`).
 
 ``gym.make(id, max_episode_steps=N)``: Gymnasium's ``TimeLimit`` would cut the episode without
-a score; the ids registered here carry :class:`TimeLimitCap`, which hands ``N`` to the env, so
+a score; the ids registered (:mod:`textrl.envs.gym_ids`) carry :class:`~textrl.envs.gym_ids.TimeLimitCap`, which hands ``N`` to the env, so
 the N-th action ends the episode as the env's own caps do (truncated, ``"length"``, scored).
 
 Cost per step is O(1) in the prefix without stop strings (the env appends ids); with stop strings
@@ -53,7 +53,6 @@ the current turn is decoded once per step.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,13 +60,10 @@ import gymnasium as gym
 import numpy as np
 import torch
 from gymnasium import spaces
-from gymnasium.envs.registration import EnvSpec, WrapperSpec
+from gymnasium.envs.registration import EnvSpec
 from gymnasium.error import ResetNeeded
 
-from textrl.envs.environment import (
-    Environment,
-    PromptTask,
-)
+from textrl.envs.environment import Environment
 from textrl.envs.episodes import (
     DONE,
     EpisodeDynamics,
@@ -75,13 +71,9 @@ from textrl.envs.episodes import (
     default_episode_tokens,
     turn_reward_row,
 )
-from textrl.envs.fast_path import (
-    DEFAULT_REWARD,
-    PLACEMENTS,
-    RewardLike,
-)
+from textrl.envs.fast_path import DEFAULT_REWARD, PLACEMENTS, RewardLike
 from textrl.envs.prompts.table import TokenMDPSetup
-from textrl.envs.registry import env_ids, gym_id, make_env
+from textrl.envs.registry import environment_and_rows
 from textrl.keys import END_REASONS
 
 ENV_ID = "textrl/TokenMDP-v0"
@@ -105,27 +97,6 @@ def check_action(action: Any, vocab_size: int) -> int:
             f"(vocab_size={vocab_size})"
         )
     return int(value)
-
-
-# --------------------------------------------------------------------------------------------
-# the episode dynamics both environments share
-
-
-def environment_and_rows(env: Environment | str | None, prompts: Any, reward: RewardLike | None) -> tuple[Environment, Any]:
-    """``(environment, prompt rows)`` of an env's arguments: ``env=None`` is the single-turn task
-    of ``prompts`` (None: the built-in digits task) scored by ``reward`` (None: the default spec);
-    otherwise the environment (``make_env(env)`` for an id) over ``prompts`` if given, else its
-    own ``rows()``, with ``reward`` (if given) replacing its final reward, as ``textrl train --env
-    ID --reward SPEC`` does (on a copy: an environment passed in is left as it is)."""
-    if env is None:
-        return PromptTask(None, DEFAULT_REWARD if reward is None else reward), prompts
-    task = make_env(env)
-    if not isinstance(task.max_turns, int) or isinstance(task.max_turns, bool) or task.max_turns < 1:
-        raise ValueError(f"environment {task.id!r}: max_turns={task.max_turns!r} must be an int >= 1")
-    if reward is not None:
-        task = copy.copy(task)
-        task.reward = reward
-    return task, task.rows() if prompts is None else prompts
 
 
 # --------------------------------------------------------------------------------------------
@@ -403,60 +374,4 @@ class TokenMDPEnv(TokenMDPSetup, gym.Env):
         return "\n".join(lines) + "\n"
 
 
-# --------------------------------------------------------------------------------------------
-# Gymnasium registration
-
-
-class TimeLimitCap(gym.Wrapper, gym.utils.RecordConstructorArgs):
-    """Hands a ``TimeLimit`` below it (``gym.make(id, max_episode_steps=N)``) to the
-    :class:`TokenMDPEnv` it wraps, so the N-th action ends the episode as the env's own caps do:
-    truncated, end reason ``"length"``, scored, with the final ``info``. (Gymnasium passes
-    ``max_episode_steps`` to ``TimeLimit``, never to the env, and a ``TimeLimit`` truncation alone
-    would end the episode with reward 0 and an empty ``info``.) The ids :func:`register`
-    registers carry it in their spec's ``additional_wrappers``, which ``gym.make`` applies
-    above the ``TimeLimit``. Without a ``TimeLimit`` it changes nothing."""
-
-    def __init__(self, env: gym.Env) -> None:
-        gym.utils.RecordConstructorArgs.__init__(self)
-        gym.Wrapper.__init__(self, env)
-        steps = env.spec.max_episode_steps if env.spec is not None else None
-        inner = env.unwrapped
-        if steps is not None and isinstance(inner, TokenMDPEnv):
-            own = inner.max_episode_steps
-            inner.max_episode_steps = steps if own is None else min(own, steps)
-
-
-TIME_LIMIT_CAP = WrapperSpec("TimeLimitCap", "textrl.envs.token_mdp:TimeLimitCap", {})
-"""The wrapper spec of :class:`TimeLimitCap`, in the ``additional_wrappers`` of every textrl id."""
-
-
-def register_gym_id(name: str, kwargs: dict[str, Any] | None = None) -> None:
-    """Register the Gymnasium id ``name`` as a :class:`TokenMDPEnv` with ``kwargs`` (idempotent);
-    an id registered before without :class:`TimeLimitCap` gets it."""
-    spec = gym.registry.get(name)
-    if spec is None:
-        gym.register(id=name, entry_point="textrl.envs.token_mdp:TokenMDPEnv", kwargs=kwargs or {},
-                     additional_wrappers=(TIME_LIMIT_CAP,))
-    elif TIME_LIMIT_CAP not in spec.additional_wrappers:
-        spec.additional_wrappers = (*spec.additional_wrappers, TIME_LIMIT_CAP)
-
-
-def register() -> None:
-    """Register ``textrl/TokenMDP-v0`` and ``textrl/<Id>-v0`` for every registered environment
-    with Gymnasium (idempotent; ``import textrl.envs`` calls it). Gymnasium >= 1.0 has no plugin
-    entry points, so a fresh interpreter names the module: ``gym.make("textrl.envs:textrl/TokenMDP-v0")``."""
-    register_gym_id(ENV_ID)
-    for env_id in env_ids():
-        register_gym_id(gym_id(env_id), {"env": env_id})
-
-
-__all__ = [
-    "ENV_ID",
-    "TIME_LIMIT_CAP",
-    "TimeLimitCap",
-    "TokenMDPEnv",
-    "check_action",
-    "register",
-    "register_gym_id",
-    "environment_and_rows",
-]
+__all__ = ["ENV_ID", "TokenMDPEnv", "check_action"]
