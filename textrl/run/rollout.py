@@ -11,7 +11,8 @@ Both sides are duck-typed, so this module imports no environment or agent (docs/
 
 - the agent: ``act(input_ids, attention_mask, greedy=...) -> int64 [B, T]``, optionally
   ``rollout(greedy=...)`` (a context whose value has ``generate(input_ids, attention_mask) ->
-  (tokens, log-probs or None)`` and ``version``: :meth:`textrl.agents.base.PPOAgent.rollout`) and
+  (tokens, log-probs or None)`` and ``version``, optionally ``iteration``, ``check_weights(td)`` and
+  ``take_weight_sync_seconds()``: :class:`textrl.agents.actor.Sampled`) and
   ``process_rollout(td, timings=...) -> td``, and the attributes ``config`` (``max_new_tokens``),
   ``tokenizer``, ``eos_token_id``, ``pad_token_id`` and ``device``;
 - the batch (an :class:`textrl.envs.prompts.PromptBatch`): ``input_ids`` / ``attention_mask``
