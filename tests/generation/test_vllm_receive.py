@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from tests.generation.test_vllm import PROMPTS, big_heads, bump, encode, folder, generate, spec, tok  # noqa: F401 (fixtures)
-from tests.generation.test_vllm_served import start_server, stop, wait_ready
 from tests.runs import checkpoint_tensors
 from textrl.generation import HFEngine
 from textrl.generation.weight_sync import buckets, fingerprint
@@ -56,15 +55,9 @@ def test_pushed_weights_in_small_buckets_are_what_the_colocated_engine_samples_a
 
 
 @pytest.fixture(scope="module")
-def server(folder, tmp_path_factory):  # noqa: F811
-    """One vLLM server of the tiny model, stopped after the module."""
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    proc, url = start_server(folder, log)
-    try:
-        wait_ready(proc, url, log)
-        yield url
-    finally:
-        stop(proc)
+def server(servers):
+    """One of the session's vLLM servers of the tiny model (tests/generation/conftest.py)."""
+    return servers[0]
 
 
 @pytest.mark.vllm

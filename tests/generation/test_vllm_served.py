@@ -103,15 +103,9 @@ def test_a_4bit_model_object_with_vllm_is_refused():
 
 # -- against vLLM servers -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """The tiny model with heads of 32 (vLLM's CPU attention refuses 16) and its tokenizer."""
-    from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
-
-    path = tmp_path_factory.mktemp("model") / "tiny32"
-    tok = build_tiny_tokenizer()
-    build_tiny_causal_lm(tok, num_attention_heads=2).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+def folder(served_folder):
+    """The tiny model the shared servers serve (tests/generation/conftest.py)."""
+    return served_folder
 
 
 def start_server(model: Path, log: Path, port: int | None = None, cores: str | None = None) -> tuple[subprocess.Popen, str]:
@@ -138,20 +132,6 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-@pytest.fixture(scope="module")
-def servers(folder, tmp_path_factory):
-    """Two vLLM servers on localhost, started at once (each 30-90 s), stopped after the module."""
-    logs = tmp_path_factory.mktemp("servers")
-    started = [start_server(folder, logs / f"server{i}.log") for i in range(2)]
-    try:
-        for i, (proc, url) in enumerate(started):
-            wait_ready(proc, url, logs / f"server{i}.log")
-        yield [url for _, url in started]
-    finally:
-        for proc, _ in started:
-            stop(proc)
 
 
 def train(out: Path, folder: Path, servers: list[str], *args: str, processes: int = 1,
