@@ -579,7 +579,6 @@ def test_warmup_conversations_tokenise_as_a_rollout(env_id, tokenizer):
 
 def test_doctests_pass():
     import doctest
-
     import importlib
     import pkgutil
 

@@ -17,8 +17,8 @@ from gymnasium.utils.env_checker import check_env
 
 from tests.envs.test_token_env_multiturn import EOS, A, Echo, Z, count_a
 from textrl.envs import ENV_ID, TimeLimitCap, TokenMDPEnv
-from textrl.envs.registry import ENVS, gym_id, register_env
 from textrl.envs.gym_ids import register
+from textrl.envs.registry import ENVS, gym_id, register_env
 
 
 def python(code: str, timeout: int = 240) -> subprocess.CompletedProcess:
