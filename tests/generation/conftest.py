@@ -5,6 +5,7 @@ takes 30-90 s."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -34,12 +35,15 @@ def served_folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def servers(served_folder, tmp_path_factory):
-    """Two vLLM servers of ``served_folder`` on localhost, started at once, stopped after the session.
+    """Two vLLM servers of ``served_folder`` on localhost, started at once, stopped after the session;
+    each worker on a core of its own where there are two (vLLM binds every server's to the first).
     Each run pushes its weights and releases its claim at its end, so a test may follow any other."""
     from tests.generation.test_vllm_served import start_server, stop, wait_ready
 
     logs = tmp_path_factory.mktemp("servers")
-    started = [start_server(served_folder, logs / f"server{i}.log") for i in range(2)]
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    started = [start_server(served_folder, logs / f"server{i}.log", cores=str(cores[i]) if len(cores) > 1 else None)
+               for i in range(2)]
     try:
         for i, (proc, url) in enumerate(started):
             wait_ready(proc, url, logs / f"server{i}.log")
