@@ -18,6 +18,7 @@ from textrl.config import TrainConfig
 from textrl.core.precision import frozen_copy
 from textrl.generation import vllm_server
 from textrl.generation.base import EngineFailed
+from textrl.generation.vllm import budgets
 from textrl.keys import KEYS
 from textrl.models import build_tiny_causal_lm, build_tiny_tokenizer
 
@@ -149,7 +150,7 @@ def _saved(tok, path):
 
 
 def test_a_dead_served_teacher_is_named_as_the_engines_servers_are(monkeypatch):
-    monkeypatch.setattr(vllm_server, "BACKOFF_S", 0.0)
+    monkeypatch.setattr(budgets, "BACKOFF_S", 0.0)
     url = f"http://127.0.0.1:{vllm_server.free_port()}"
     with pytest.raises(ValueError) as err:
         ServedTeacher(url).identify()

@@ -35,7 +35,7 @@ import torch
 from textrl.generation import Sampling
 from textrl.generation import vllm_server as vs
 from textrl.generation.base import EngineFailed
-from textrl.generation.vllm import claims
+from textrl.generation.vllm import budgets, claims
 from textrl.generation.weight_sync import fingerprint
 
 ESSENTIALS = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 2,
@@ -242,7 +242,7 @@ def quick(monkeypatch):
     """Short budgets, so that a test of a fault takes a second, not a minute."""
     for name, value in {"BACKOFF_S": 0.02, "HEALTH_EVERY_S": 0.1, "HEALTH_TIMEOUT_S": 0.3, "PROBE_TIMEOUT_S": 0.3,
                         "RENEW_EVERY_S": 0.1, "LEASE_S": 2.0, "REQUEST_TIMEOUT_S": 2.0}.items():
-        monkeypatch.setattr(vs, name, value)
+        monkeypatch.setattr(budgets, name, value)
 
 
 # -- the pieces --------------------------------------------------------------------------------------------
@@ -260,8 +260,8 @@ def test_a_lease_book_grants_its_holder_refuses_another_and_lets_a_stale_claim_b
 def test_the_budget_of_a_completion_scales_with_what_the_call_asks_its_server():
     body = vs.completion_request("m", [1, 2], 8, SAMPLING, seed=1, logprobs=True)
     assert vs.requested_tokens(body) == 8 * 4
-    assert vs.completion_budget(0) == vs.COMPLETION_FLOOR_S
-    assert vs.completion_budget(32) == pytest.approx(vs.COMPLETION_FLOOR_S + 32 * vs.SECONDS_PER_TOKEN)
+    assert vs.completion_budget(0) == budgets.COMPLETION_FLOOR_S
+    assert vs.completion_budget(32) == pytest.approx(budgets.COMPLETION_FLOOR_S + 32 * budgets.SECONDS_PER_TOKEN)
     assert vs.completion_budget(64 * 8 * 1024) > 10 * vs.completion_budget(8 * 1024)
 
 
@@ -296,7 +296,7 @@ def test_a_transient_failure_is_retried_with_backoff_and_the_same_body(fakes, qu
     body = vs.completion_request(None, [4, 5], 2, SAMPLING, seed=3, logprobs=True)
     start = time.monotonic()
     answer = server.complete(body, timeout=5)
-    assert time.monotonic() - start >= vs.BACKOFF_S * (1 + 2)
+    assert time.monotonic() - start >= budgets.BACKOFF_S * (1 + 2)
     assert answer == canned({**body, "model": fake.model_id})
     assert len(fake.bodies) == 1 and [p for p, _ in fake.posts()].count("v1/completions") == 3
 
@@ -307,7 +307,7 @@ def test_a_server_that_keeps_failing_is_given_up_after_its_retries(fakes, quick)
     server = vs.Server(fake.url)
     with pytest.raises(vs.ServerDown, match=r"POST /v1/completions: HTTP 503 \(a fault the test asked for\) \(4 tries\)"):
         server.complete(vs.completion_request(None, [1], 1, SAMPLING, 1, False), timeout=5)
-    assert len(fake.log) == vs.RETRIES + 1
+    assert len(fake.log) == budgets.RETRIES + 1
 
 
 def test_a_request_error_that_is_not_transient_is_not_retried(fakes, quick):
@@ -329,9 +329,9 @@ def test_a_weight_push_route_is_never_sent_twice(fakes, quick):
 def test_a_completion_gets_the_budget_of_what_the_call_asks(fakes, quick, monkeypatch, tmp_path):
     """A server 0.6 s slow: a call asking 2 x 4 tokens of it (budget 0.2 + 8 x 0.01 s) gives up on it,
     one asking 2 x 60 tokens (0.2 + 120 x 0.01 s) waits for it."""
-    monkeypatch.setattr(vs, "COMPLETION_FLOOR_S", 0.2)
-    monkeypatch.setattr(vs, "SECONDS_PER_TOKEN", 0.01)
-    monkeypatch.setattr(vs, "RETRIES", 0)
+    monkeypatch.setattr(budgets, "COMPLETION_FLOOR_S", 0.2)
+    monkeypatch.setattr(budgets, "SECONDS_PER_TOKEN", 0.01)
+    monkeypatch.setattr(budgets, "RETRIES", 0)
     slow, quick_one = fakes(), fakes()
     slow.delay = 0.6
     lines: list[str] = []
@@ -417,7 +417,7 @@ def test_a_silent_server_is_found_by_its_health_check_within_seconds(fakes, quic
     a.freeze()
     worker.join(30)
     noticed = time.monotonic() - frozen
-    bound = vs.HEALTH_MISSES * (vs.HEALTH_EVERY_S + vs.HEALTH_TIMEOUT_S) + 0.5
+    bound = budgets.HEALTH_MISSES * (budgets.HEALTH_EVERY_S + budgets.HEALTH_TIMEOUT_S) + 0.5
     assert "out" in result and noticed < bound, (noticed, lines)
     assert f"vLLM server {a.url} dropped (GET /health: no answer in 0.3 s (2 checks in a row))" in lines[0]
 
@@ -684,7 +684,7 @@ def test_a_claim_is_renewed_while_the_run_lives_and_given_back_when_it_ends(fake
     fake = fakes()
     first, model = Engine([fake], tmp_path / "first", []), Policy()
     call(first, model)
-    time.sleep(2.5 * vs.LEASE_S)  # leases: renewed meanwhile
+    time.sleep(2.5 * budgets.LEASE_S)  # leases: renewed meanwhile
     with pytest.raises(vs.ServerBusy):
         vs.check_servers(config_for([fake.url], tmp_path / "second"))
     first.close()
@@ -695,7 +695,7 @@ def test_a_claim_is_renewed_while_the_run_lives_and_given_back_when_it_ends(fake
 
 def test_a_stale_claim_is_taken_over_in_one_line(fakes, quick, tmp_path, trained_tiny):
     fake = fakes()
-    fake.book.claim("crashed-host:/runs/old", vs.LEASE_S, clock=time.monotonic() - 2 * vs.LEASE_S)
+    fake.book.claim("crashed-host:/runs/old", budgets.LEASE_S, clock=time.monotonic() - 2 * budgets.LEASE_S)
     lines: list[str] = []
     vs.check_servers(config_for([fake.url], tmp_path / "run"), log=lines.append)
     assert lines[0].startswith(f"vLLM server {fake.url}: the claim of run crashed-host:/runs/old was not renewed for 4 s")
@@ -704,7 +704,7 @@ def test_a_stale_claim_is_taken_over_in_one_line(fakes, quick, tmp_path, trained
 
 def test_a_resumed_run_takes_its_own_claim_back_at_once(fakes, quick, tmp_path, trained_tiny):
     fake = fakes()
-    fake.book.claim(vs.run_id(tmp_path / "run"), vs.LEASE_S)  # the run before it crashed a moment ago
+    fake.book.claim(vs.run_id(tmp_path / "run"), budgets.LEASE_S)  # the run before it crashed a moment ago
     lines: list[str] = []
     vs.check_servers(config_for([fake.url], tmp_path / "run"), log=lines.append)
     assert len(lines) == 1 and "takes the server over" not in lines[0]
@@ -718,7 +718,7 @@ def test_a_server_whose_claim_another_run_took_is_dropped_at_the_next_call(fakes
     a.book = vs.LeaseBook()  # another run took it over (this run's renewals had stopped), and renews its claim
     deadline = time.monotonic() + 10  # the renewal thread may still sleep the period of a test before
     while vs.CLAIMS.lost(a.url, engine.run) is None and time.monotonic() < deadline:
-        a.book.claim("other-host:/runs/other", vs.LEASE_S)
+        a.book.claim("other-host:/runs/other", budgets.LEASE_S)
         time.sleep(0.05)
     call(engine, model, seed=1)
     assert lines[0].startswith(f"vLLM server {a.url} dropped (another run took it over (other-host:/runs/other) when "
@@ -756,7 +756,7 @@ def test_a_second_run_on_the_first_runs_folder_leaves_the_first_runs_claim_alone
     holder = subprocess.Popen([sys.executable, "-c", hold, str(folder)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        fake.book.claim(vs.run_id(folder), vs.LEASE_S)  # the live first run's claim, renewed from its process
+        fake.book.claim(vs.run_id(folder), budgets.LEASE_S)  # the live first run's claim, renewed from its process
         config = TrainConfig(output_dir=str(folder), vllm_server=fake.url, iterations=1, warmup_sft_steps=0,
                              progress=False)
         with pytest.raises(RunFolderBusy, match=f"process {holder.pid}"):

@@ -9,7 +9,6 @@ import importlib
 import pytest
 
 from textrl.generation import vllm_engine, vllm_server
-from textrl.generation.vllm import budgets
 
 SERVER_NAMES = (
     "ABANDON_WAIT_S BACKOFF_S CLAIMS COMPLETION_FLOOR_S Claims DROPPED_VERSION ESSENTIALS HEALTH_EVERY_S HEALTH_MISSES "
@@ -49,13 +48,3 @@ def test_the_engines_register_from_their_homes():
     assert type(get_engine("vllm-server")) is vllm_server.VLLMServerEngine
     assert vllm_engine.VLLMEngine.__module__ == "textrl.generation.vllm.colocated"
     assert vllm_server.VLLMServerEngine.__module__ == "textrl.generation.vllm.served"
-
-
-def test_a_budget_set_through_vllm_server_is_the_one_the_engine_reads(monkeypatch):
-    before = budgets.BACKOFF_S
-    with monkeypatch.context() as patch:
-        patch.setattr(vllm_server, "BACKOFF_S", before / 10)
-        assert budgets.BACKOFF_S == vllm_server.BACKOFF_S == before / 10
-    assert budgets.BACKOFF_S == vllm_server.BACKOFF_S == before
-    monkeypatch.setattr(budgets, "RETRIES", 7)
-    assert vllm_server.RETRIES == 7  # read from budgets, not a copy

@@ -16,8 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from textrl.generation import vllm_server
 from textrl.generation.base import EngineFailed
+from textrl.generation.vllm import budgets
 from textrl.models import tiny_model_path
 from textrl.rewards import NeuralReward, get_reward, parse_reward_spec
 from textrl.rewards.base import evaluate_reward
@@ -95,7 +95,7 @@ def rm_server(rm_path):
 
 @pytest.fixture
 def fast_retries(monkeypatch):
-    monkeypatch.setattr(vllm_server, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(budgets, "BACKOFF_S", 0.01)
 
 
 @pytest.mark.parametrize("settings", ["", "?clip=none&baseline=0.25", "?clip=-0.1;0.1&answer_blend=0.4;0.6&batch_size=3"])

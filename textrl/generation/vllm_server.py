@@ -7,16 +7,11 @@ HTTP exchange and its failures), ``server`` (one server: requests, checks, claim
 run per server), ``dealing`` (a call's requests over the servers), ``push`` (the weights sent),
 ``serve_command``.
 
-The budgets (``RETRIES``, ``BACKOFF_S``, ...) read here are :mod:`textrl.generation.vllm.budgets`'
-own, and one set here is set there, where the engine reads it (:class:`_SetsBudgets`)."""
+The budgets (``RETRIES``, ``BACKOFF_S``, ...) are read here as they were at import; the engine reads
+:mod:`textrl.generation.vllm.budgets`' own at each call, so set a budget there."""
 
 from __future__ import annotations
 
-import sys
-from types import ModuleType
-from typing import Any
-
-from textrl.generation.vllm import budgets
 from textrl.generation.vllm.budgets import (
     ABANDON_WAIT_S,
     BACKOFF_S,
@@ -78,27 +73,6 @@ from textrl.generation.vllm.transport import (
     world_rank,
 )
 from textrl.generation.vllm_worker import ESSENTIALS, LeaseBook, model_essentials
-
-_BUDGETS = frozenset(budgets.__all__)
-
-
-class _SetsBudgets(ModuleType):
-    """This module, whose budgets are :mod:`textrl.generation.vllm.budgets`' own: one read here is
-    read there, one set here (a test's shorter ``BACKOFF_S``) is set there too, where the engine
-    reads it."""
-
-    def __getattribute__(self, name: str) -> Any:
-        if name in _BUDGETS:
-            return getattr(budgets, name)
-        return super().__getattribute__(name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _BUDGETS:
-            setattr(budgets, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _SetsBudgets
 
 __all__ = ["ABANDON_WAIT_S", "BACKOFF_S", "CLAIMS", "COMPLETION_FLOOR_S", "DROPPED_VERSION", "ESSENTIALS",
            "HEALTH_EVERY_S", "HEALTH_MISSES", "HEALTH_TIMEOUT_S", "IN_FLIGHT", "LEASE_S", "PROBE_TIMEOUT_S",

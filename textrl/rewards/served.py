@@ -17,7 +17,7 @@ query string, the only place a command line's ``--reward`` spec can hold them:
 the model the server names in ``GET /v1/models``, a folder or hub id this machine can read).
 
 Failures, as the served engine's (:mod:`textrl.generation.vllm_server`): a request that fails in
-transit or times out (its budget ``timeout`` seconds) is sent again (:data:`~textrl.generation.vllm_server.RETRIES`
+transit or times out (its budget ``timeout`` seconds) is sent again (:data:`~textrl.generation.vllm.budgets.RETRIES`
 times, backing off); a server that still does not answer raises :class:`RewardServerDown`, an
 :class:`~textrl.generation.base.EngineFailed` naming the server and what to do, so the run saves its
 last finished iteration and stops (nothing is lost). A server that does not answer, or is not a
