@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--top", type=int, default=10, help="rows of each table (default 10)")
     parser.add_argument("--file-limit", type=int, default=600, help="lines a file may have (default 600)")
+    parser.add_argument("--room-limit", type=int, default=400,
+                        help="lines a file in agents/, generation/ or envs/ may have (default 400)")
     parser.add_argument("--method-limit", type=int, default=30, help="methods a class may have (default 30)")
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout whose textrl/ to read (default: this one)")
     args = parser.parse_args(argv)
@@ -105,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     many = [c for c in by_methods if c[1] > args.method_limit]
     print(f"Files over {args.file_limit} lines: {len(over)}")
     for lines, path in over:
+        print(f"  {lines:5}  {path}")
+    rooms = ("textrl/agents/", "textrl/generation/", "textrl/envs/")
+    over_room = [(n, p) for n, p in found["files"] if p.startswith(rooms) and n > args.room_limit]
+    print(f"Files in {', '.join(r.removeprefix('textrl/') for r in rooms)} over {args.room_limit} lines: {len(over_room)}")
+    for lines, path in over_room:
         print(f"  {lines:5}  {path}")
     print(f"Classes over {args.method_limit} methods: {len(many)}")
     for _, methods, name in many:
